@@ -1,0 +1,49 @@
+"""objckpt: an object-store-first checkpoint engine for JAX.
+
+Save sharded pytrees straight to S3, GCS, local disk or any fsspec store, and
+restore them onto any sharding::
+
+    objckpt.save("s3://bucket/run/step_100", state)
+    state = objckpt.restore("s3://bucket/run/step_100", abstract_state)
+"""
+
+from objckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CoordinationError,
+    FormatError,
+    IntegrityError,
+    ObjckptError,
+    StoreError,
+    StoreNotAvailableError,
+    TargetMismatchError,
+)
+from objckpt.info import CheckpointInfo, LeafInfo, inspect
+from objckpt.options import Options, RetryConfig
+from objckpt.restore import restore
+from objckpt.save import SaveHandle, save, save_async
+from objckpt.transfer import TransferStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CoordinationError",
+    "FormatError",
+    "IntegrityError",
+    "LeafInfo",
+    "ObjckptError",
+    "Options",
+    "RetryConfig",
+    "SaveHandle",
+    "StoreError",
+    "StoreNotAvailableError",
+    "TargetMismatchError",
+    "TransferStats",
+    "inspect",
+    "restore",
+    "save",
+    "save_async",
+]

@@ -1,0 +1,126 @@
+"""JAX arrays ↔ boxes of host bytes.
+
+Save side: decide which process writes which box of each ``jax.Array``. A
+shard replicated on R devices is cut into R slices, one per replica (sorted by
+device id), so under data parallelism every host uploads a fair share and no
+byte is written twice across the job. Restore side: the boxes a target sharding
+needs on this process's devices, and building the ``jax.Array`` from filled
+host buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import jax
+import numpy as np
+
+from objckpt.plan import Index, OwnedPiece
+
+Box = tuple[Index, Index]
+
+
+def index_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    """A tuple of slices (as JAX's sharding maps give) → an explicit ``(start, stop)`` box."""
+    start, stop = [], []
+    for s, n in zip(index, shape):
+        a, b, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"strided shard index {s} is not supported")
+        start.append(a)
+        stop.append(b)
+    return tuple(start), tuple(stop)
+
+
+def box_to_slices(start: Index, stop: Index, origin: Index | None = None) -> tuple[slice, ...]:
+    """Slices selecting ``[start, stop)`` from an array whose first element sits at ``origin``."""
+    origin = origin or (0,) * len(start)
+    return tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, origin))
+
+
+def _replica_slices(box: Box, replicas: int) -> list[Box]:
+    """Cut a box into at most ``replicas`` slabs along one axis (the first long enough)."""
+    start, stop = box
+    extents = [b - a for a, b in zip(start, stop)]
+    if not extents:
+        return [box]
+    axis = next((d for d, n in enumerate(extents) if n >= replicas), int(np.argmax(extents)))
+    parts = min(replicas, extents[axis])
+    out = []
+    for k in range(parts):
+        a = start[axis] + extents[axis] * k // parts
+        b = start[axis] + extents[axis] * (k + 1) // parts
+        out.append(((*start[:axis], a, *start[axis + 1 :]), (*stop[:axis], b, *stop[axis + 1 :])))
+    return out
+
+
+def owned_pieces(leaf: int, array: jax.Array, *, split_above: int) -> list[OwnedPiece]:
+    """The boxes of ``array`` that this process writes, each tied to a local shard.
+
+    Every process computes the same global assignment from the sharding alone
+    (no messaging) and keeps the boxes owned by its addressable devices.
+    """
+    shape = tuple(array.shape)
+    if math.prod(shape) == 0:
+        return []
+    itemsize = np.dtype(array.dtype).itemsize
+    replicas: dict[Box, list[Any]] = defaultdict(list)
+    for device, index in array.sharding.devices_indices_map(shape).items():
+        replicas[index_to_box(index, shape)].append(device)
+    local = {shard.device: shard for shard in array.addressable_shards}
+    out = []
+    for box, devices in replicas.items():
+        devices.sort(key=lambda d: d.id)
+        nbytes = math.prod(b - a for a, b in zip(*box)) * itemsize
+        if len(devices) > 1 and nbytes >= split_above:
+            assignment = list(zip(_replica_slices(box, len(devices)), devices))
+        else:  # too small to split: rotate the owner by leaf so small leaves spread out
+            assignment = [(box, devices[(leaf + sum(box[0])) % len(devices)])]
+        for (start, stop), device in assignment:
+            shard = local.get(device)
+            if shard is not None:
+                out.append(OwnedPiece(leaf, start, stop, itemsize, source=(shard.data, box[0])))
+    return out
+
+
+def copy_piece_into(piece: OwnedPiece, dest: np.ndarray) -> None:
+    """Copy the bytes of ``piece`` from its source into ``dest`` (a view shaped like the piece).
+
+    The destination is a staging buffer this module owns: the copy never keeps
+    a view of device memory, which training may donate right after save returns.
+    """
+    source, origin = piece.source
+    host = np.asarray(source)
+    dest[...] = host[box_to_slices(piece.start, piece.stop, origin)]
+
+
+def needed_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Box, list[Any]]:
+    """Unique boxes this process needs for ``sharding``, each with its local devices."""
+    boxes: dict[Box, list[Any]] = defaultdict(list)
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        boxes[index_to_box(index, shape)].append(device)
+    return boxes
+
+
+def build_array(
+    shape: tuple[int, ...],
+    sharding: jax.sharding.Sharding,
+    devices_by_box: dict[Box, list[Any]],
+    buffers: dict[Box, np.ndarray],
+) -> jax.Array:
+    """Put each filled host buffer on its devices and assemble the global array."""
+    singles = [jax.device_put(buffers[box], device) for box, devices in devices_by_box.items() for device in devices]
+    return jax.make_array_from_single_device_arrays(shape, sharding, singles)
+
+
+def describe_sharding(sharding: jax.sharding.Sharding) -> dict[str, Any]:
+    """A small JSON description of a sharding, for ``inspect`` (never used to restore)."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return {
+            "type": "NamedSharding",
+            "mesh": {str(k): int(v) for k, v in sharding.mesh.shape.items()},
+            "spec": [None if p is None else (list(p) if isinstance(p, tuple) else str(p)) for p in sharding.spec],
+        }
+    return {"type": type(sharding).__name__, "devices": len(sharding.device_set)}

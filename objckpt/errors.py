@@ -1,0 +1,57 @@
+"""The errors objckpt raises.
+
+Each error inherits both :class:`ObjckptError` (so callers can catch everything
+of ours at once) and the built-in exception a Python user would already expect
+(``FileNotFoundError`` for a missing checkpoint, ``ValueError`` for bad input),
+the way zarr's ``NodeNotFoundError`` does.
+"""
+
+from __future__ import annotations
+
+
+class ObjckptError(Exception):
+    """Base class of every error objckpt raises on purpose."""
+
+
+class CheckpointNotFoundError(ObjckptError, FileNotFoundError):
+    """No committed checkpoint at the URL (blobs without a manifest count as none)."""
+
+
+class CheckpointExistsError(ObjckptError, FileExistsError):
+    """A committed checkpoint already exists at the URL; it was left intact."""
+
+
+class IntegrityError(ObjckptError):
+    """Bytes read back do not match what was saved (checksum mismatch, short read)."""
+
+
+class FormatError(ObjckptError, ValueError):
+    """The manifest is malformed, hostile, or of an unsupported version."""
+
+
+class TargetMismatchError(ObjckptError, ValueError):
+    """The restore target does not match the checkpoint (leaves, shapes, shardings)."""
+
+
+class StoreError(ObjckptError, OSError):
+    """A storage operation failed for good (after retries, or not retryable)."""
+
+
+class TransientStoreError(StoreError):
+    """A storage operation failed in a way worth retrying (429/5xx, reset, timeout)."""
+
+
+class StoreNotAvailableError(ObjckptError, ImportError):
+    """No store is registered for a URL scheme, or its package is not installed."""
+
+
+class CoordinationError(ObjckptError, TimeoutError):
+    """Multi-host coordination failed: a barrier timed out or a peer reported failure."""
+
+
+class ObjectNotFoundError(StoreError, FileNotFoundError):
+    """One object (blob, manifest) is missing from the store."""
+
+
+class ObjectExistsError(StoreError, FileExistsError):
+    """A create-if-absent put found the object already there."""

@@ -1,0 +1,105 @@
+"""inspect: what a checkpoint holds, from its manifest alone (no array data read)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from objckpt import _runtime
+from objckpt.format import LeafEntry, Manifest
+from objckpt.manifest_io import read_manifest
+from objckpt.options import Options
+from objckpt.storage import from_url
+from objckpt.tree import build
+
+
+@dataclass(frozen=True)
+class LeafInfo:
+    """One saved leaf: its path, kind, shape, dtype and size in bytes."""
+
+    path: str
+    kind: str
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    nbytes: int
+    sharding: dict[str, Any] | None = None
+    value: Any = None  # for inline leaves (int, float, bool, None)
+
+    def __str__(self) -> str:
+        if self.shape is None:
+            return f"{self.path}  {self.kind} = {self.value!r}"
+        return f"{self.path}  {self.dtype}{list(self.shape)}  {_human(self.nbytes)}  ({self.kind})"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`inspect` returns.
+
+    Attributes:
+        url: the checkpoint.
+        tree: the saved tree with a :class:`LeafInfo` at every leaf.
+        leaves: the same leaves by path, in manifest order.
+        total_bytes: array bytes over all leaves.
+        num_blobs: objects holding the array data.
+        format_version, created, save_id, num_processes, metadata: from the manifest.
+    """
+
+    url: str
+    tree: Any
+    leaves: dict[str, LeafInfo]
+    total_bytes: int
+    num_blobs: int
+    format_version: int
+    created: str
+    save_id: str
+    num_processes: int
+    metadata: dict[str, Any]
+
+    def __str__(self) -> str:
+        lines = [
+            f"checkpoint {self.url}",
+            f"  format v{self.format_version}, created {self.created}, {self.num_processes} process(es),"
+            f" {len(self.leaves)} leaves, {_human(self.total_bytes)} in {self.num_blobs} blobs",
+        ]
+        if self.metadata:
+            lines.append(f"  metadata: {self.metadata}")
+        lines.extend(f"  {leaf}" for leaf in self.leaves.values())
+        return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def leaf_info(entry: LeafEntry) -> LeafInfo:
+    return LeafInfo(entry.path, entry.kind, entry.shape, entry.dtype, entry.nbytes, entry.sharding, entry.value)
+
+
+def info_from_manifest(url: str, manifest: Manifest) -> CheckpointInfo:
+    infos = [leaf_info(e) for e in manifest.leaves]
+    return CheckpointInfo(
+        url=url,
+        tree=build(manifest.tree, lambda i: infos[i]),
+        leaves={i.path: i for i in infos},
+        total_bytes=manifest.total_bytes,
+        num_blobs=len(manifest.blobs),
+        format_version=manifest.version,
+        created=manifest.created,
+        save_id=manifest.save_id,
+        num_processes=manifest.num_processes,
+        metadata=manifest.metadata,
+    )
+
+
+def inspect(
+    url: str, *, storage_options: dict[str, Any] | None = None, options: Options | None = None
+) -> CheckpointInfo:
+    """Describe a committed checkpoint without reading any array data."""
+    options = options or Options()
+    store = from_url(url, **(storage_options or {}))
+    manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
+    return info_from_manifest(store.url, manifest)

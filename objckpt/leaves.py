@@ -1,0 +1,67 @@
+"""What each kind of leaf becomes in a checkpoint, and back.
+
+jax.Arrays keep their sharding and are written by their owners; numpy arrays,
+``str`` and ``bytes`` are written once, by the primary process, as uint8 or
+typed data; ``int``/``float``/``bool``/``None`` live inline in the manifest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from objckpt.arrays import describe_sharding, owned_pieces
+from objckpt.dtypes import dtype_name
+from objckpt.format import LeafEntry
+from objckpt.plan import OwnedPiece
+from objckpt.tree import Leaf
+
+
+def classify(index: int, leaf: Leaf, *, is_primary: bool, split_above: int) -> tuple[LeafEntry, list[OwnedPiece]]:
+    """The manifest entry (without pieces) for one leaf, and the pieces this process writes."""
+    value = leaf.value
+    if value is None:
+        return LeafEntry(leaf.path, "none"), []
+    if isinstance(value, bool):
+        return LeafEntry(leaf.path, "bool", value=value), []
+    if isinstance(value, int):
+        return LeafEntry(leaf.path, "int", value=value), []
+    if isinstance(value, float):
+        return LeafEntry(leaf.path, "float", value=value), []
+    if isinstance(value, jax.Array):
+        try:
+            name = dtype_name(value.dtype)
+        except TypeError as e:
+            raise TypeError(f"leaf {leaf.path}: {e}") from None
+        entry = LeafEntry(leaf.path, "array", name, tuple(value.shape), sharding=describe_sharding(value.sharding))
+        return entry, owned_pieces(index, value, split_above=split_above)
+    if isinstance(value, (str, bytes)):
+        kind = "str" if isinstance(value, str) else "bytes"
+        data = np.frombuffer(value.encode() if isinstance(value, str) else value, dtype=np.uint8)
+        return LeafEntry(leaf.path, kind, "uint8", data.shape), _host_pieces(index, data, is_primary)
+    if isinstance(value, (np.ndarray, np.generic)):
+        data = np.asarray(value)
+        try:
+            name = dtype_name(data.dtype)
+        except TypeError as e:
+            raise TypeError(f"leaf {leaf.path}: {e}") from None
+        return LeafEntry(leaf.path, "ndarray", name, data.shape), _host_pieces(index, data, is_primary)
+    raise TypeError(
+        f"leaf {leaf.path}: cannot checkpoint a {type(value).__module__}.{type(value).__qualname__}"
+        " (leaves may be jax.Array, numpy arrays, int, float, bool, str, bytes or None;"
+        " register custom containers as pytree nodes)"
+    )
+
+
+def _host_pieces(index: int, data: np.ndarray, is_primary: bool) -> list[OwnedPiece]:
+    if not is_primary or data.size == 0:
+        return []
+    shape = tuple(data.shape)
+    return [OwnedPiece(index, (0,) * len(shape), shape, data.dtype.itemsize, source=(data, (0,) * len(shape)))]
+
+
+def inline_value(entry: LeafEntry) -> Any:
+    """The Python value of an inline leaf."""
+    return entry.value

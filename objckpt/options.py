@@ -1,0 +1,81 @@
+"""Every tuning number of objckpt in one place, with documented defaults.
+
+Planners take these values as explicit arguments; only the public entry points
+fill in defaults, so a benchmark or test can change one knob without patching.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def _default_memory_budget() -> int:
+    """A quarter of physical memory, capped at 16 GiB, at least 256 MiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 * GiB
+    return max(256 * MiB, min(total // 4, 16 * GiB))
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """How the transfer engine retries transient failures (429, 5xx, resets, timeouts).
+
+    Attributes:
+        max_attempts: attempts per request, the first included.
+        initial_backoff: seconds before the first retry; doubles each time (full jitter).
+        max_backoff: cap on one backoff sleep.
+        deadline: total seconds one request may take across all its attempts.
+    """
+
+    max_attempts: int = 10
+    initial_backoff: float = 0.1
+    max_backoff: float = 10.0
+    deadline: float = 900.0
+
+
+@dataclass(frozen=True)
+class Options:
+    """Tuning for save and restore.
+
+    Attributes:
+        blob_size: target object size; small leaves are packed together, large
+            shards split. 32 MiB balances request overhead against parallelism.
+        max_concurrency: requests in flight at once per process.
+        memory_budget: bytes of staged host buffers a save may hold; when the
+            model is larger, the blocking phase streams (copy, upload, reuse).
+        read_window: bytes of ranged reads in flight during restore.
+        max_read_size: largest single coalesced ranged GET.
+        coalesce_gap: ranges of one blob closer than this are merged into one GET.
+            0 by default so a partial restore never reads bytes it skips.
+        split_replicas_above: a replicated shard at least this big is split into
+            one slice per replica, so every replica owner uploads a share.
+        request_timeout: seconds for one store call before it counts as stalled.
+        barrier_timeout: seconds a multi-host barrier waits before naming stragglers.
+        manifest_size_limit: the reader refuses larger manifests (hostile input).
+        retry: retry policy for transient store errors.
+    """
+
+    blob_size: int = 32 * MiB
+    max_concurrency: int = 32
+    memory_budget: int = field(default_factory=_default_memory_budget)
+    read_window: int = 1 * GiB
+    max_read_size: int = 64 * MiB
+    coalesce_gap: int = 0
+    split_replicas_above: int = 1 * MiB
+    request_timeout: float = 120.0
+    barrier_timeout: float = 300.0
+    manifest_size_limit: int = 256 * MiB
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("blob_size", "max_concurrency", "memory_budget", "read_window", "max_read_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Options.{name} must be positive, got {getattr(self, name)!r}")
+        if self.coalesce_gap < 0:
+            raise ValueError(f"Options.coalesce_gap must be >= 0, got {self.coalesce_gap!r}")

@@ -1,0 +1,245 @@
+"""restore: manifest + target → ranged reads → arrays on the target sharding.
+
+For each leaf the target names, this process computes the boxes its own
+devices need under the *target* sharding (whatever the saved one was),
+intersects them with the saved pieces, and reads just those pieces (coalesced
+per blob, in parallel, as a sliding window). Each piece's crc32c is checked
+before its bytes are copied straight into the destination host buffers; a
+leaf is put on its devices as soon as its last piece lands, so host memory
+holds little more than the leaves in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from objckpt import _runtime
+from objckpt.arrays import Box, box_to_slices, build_array, needed_boxes
+from objckpt.checksum import crc32c
+from objckpt.dtypes import dtype_from_name
+from objckpt.errors import IntegrityError, TargetMismatchError
+from objckpt.format import ARRAY_KINDS, LeafEntry, Manifest
+from objckpt.manifest_io import read_manifest
+from objckpt.options import Options
+from objckpt.plan import ReadRequest, intersect, pieces_needed, plan_reads
+from objckpt.storage import from_url
+from objckpt.transfer import TransferEngine, TransferStats
+from objckpt.tree import build, flatten_target, unflatten_target
+
+log = logging.getLogger("objckpt")
+
+
+@dataclass
+class _LeafJob:
+    """One leaf being restored: where its bytes go and how to finish it."""
+
+    entry: LeafEntry
+    dtype: np.dtype  # saved dtype
+    out_dtype: np.dtype | None  # cast to this when it differs
+    sharding: jax.sharding.Sharding | None  # None → host numpy
+    devices_by_box: dict[Box, list[Any]]
+    buffers: dict[Box, np.ndarray]
+    remaining: int = 0
+    result: Any = None
+    done: bool = field(default=False)
+
+
+def restore(
+    url: str,
+    target: Any = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    partial: bool = False,
+    options: Options | None = None,
+    stats: TransferStats | None = None,
+) -> Any:
+    """Restore a checkpoint, onto the target's shardings when it gives them.
+
+    Args:
+        url: the checkpoint's URL.
+        target: a pytree like the saved one. A leaf that is a
+            ``jax.ShapeDtypeStruct`` (with or without sharding) or a
+            ``jax.Array`` is restored onto that sharding and dtype; ``None``
+            restores a host numpy array; any other leaf is a placeholder for
+            the saved value. ``target=None`` restores the whole tree, arrays as numpy.
+        storage_options: passed to the store.
+        partial: allow the target to name only some saved leaves; the others
+            are not read at all.
+        options: tuning (:class:`objckpt.Options`).
+        stats: counters to fill (bytes read, requests, retries).
+
+    Raises:
+        CheckpointNotFoundError, FormatError, IntegrityError, TargetMismatchError.
+    """
+    options = options or Options()
+    stats = stats if stats is not None else TransferStats()
+    store = from_url(url, **(storage_options or {}))
+    started = time.perf_counter()
+    manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
+    selection = _select(manifest, target, partial)
+    jobs = {i: _make_job(manifest.leaves[i], t) for i, t in selection.items() if manifest.leaves[i].kind in ARRAY_KINDS}
+    requests = _plan(manifest, jobs, options)
+    _runtime.run_sync(_fetch(store, requests, jobs, options, stats))
+    values = {i: (jobs[i].result if i in jobs else _inline(manifest.leaves[i], t)) for i, t in selection.items()}
+    seconds = time.perf_counter() - started
+    log.info(
+        "objckpt restored %s: %d leaves, %d bytes read in %d requests, %d retries, %.2f s, %.3f GiB/s",
+        store.url,
+        len(values),
+        stats.bytes_read,
+        stats.requests,
+        stats.retries,
+        seconds,
+        stats.bytes_read / max(seconds, 1e-9) / 2**30,
+    )
+    if target is None:
+        return build(manifest.tree, lambda i: values[i])
+    flat, treedef = flatten_target(target)
+    index = {leaf.path: i for i, leaf in enumerate(manifest.leaves)}
+    return unflatten_target(treedef, [values[index[path]] for path, _ in flat])
+
+
+def _select(manifest: Manifest, target: Any, partial: bool) -> dict[int, Any]:
+    """Which saved leaves to restore, each with its target leaf."""
+    if target is None:
+        return {i: None for i in range(len(manifest.leaves))}
+    flat, _ = flatten_target(target)
+    index = {leaf.path: i for i, leaf in enumerate(manifest.leaves)}
+    named = {path for path, _ in flat}
+    missing = [path for path, _ in flat if path not in index]
+    unnamed = [leaf.path for leaf in manifest.leaves if leaf.path not in named]
+    if missing or (unnamed and not partial):
+        parts = []
+        if missing:
+            parts.append(f"target leaves not in the checkpoint: {', '.join(missing)}")
+        if unnamed and not partial:
+            parts.append(
+                f"checkpoint leaves the target does not name: {', '.join(unnamed)} (pass partial=True to skip them)"
+            )
+        raise TargetMismatchError("target does not match the checkpoint; " + "; ".join(parts))
+    return {index[path]: value for path, value in flat}
+
+
+def _make_job(entry: LeafEntry, target: Any) -> _LeafJob:
+    dtype = dtype_from_name(entry.dtype or "")
+    assert dtype is not None and entry.shape is not None  # validated by the reader
+    shape = entry.shape
+    sharding = None
+    out_dtype = None
+    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+        if tuple(target.shape) != shape:
+            raise TargetMismatchError(
+                f"leaf {entry.path}: target shape {tuple(target.shape)} does not match saved shape {shape}"
+            )
+        if entry.kind in ("str", "bytes"):
+            raise TargetMismatchError(f"leaf {entry.path}: saved a {entry.kind}, the target asks for an array")
+        sharding = getattr(target, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        out_dtype = np.dtype(target.dtype)
+        try:
+            devices_by_box = needed_boxes(sharding, shape)
+        except Exception as e:
+            raise TargetMismatchError(
+                f"leaf {entry.path}: sharding {sharding} does not fit shape {shape}: {e}"
+            ) from None
+    else:
+        full = ((0,) * len(shape), shape)
+        devices_by_box = {full: []}
+    buffers = {box: np.empty(tuple(b - a for a, b in zip(*box)), dtype=dtype) for box in devices_by_box}
+    return _LeafJob(entry, dtype, out_dtype, sharding, devices_by_box, buffers)
+
+
+def _inline(entry: LeafEntry, target: Any) -> Any:
+    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+        raise TargetMismatchError(f"leaf {entry.path}: saved a Python {entry.kind}, the target asks for an array")
+    return entry.value
+
+
+def _plan(manifest: Manifest, jobs: dict[int, _LeafJob], options: Options) -> list[ReadRequest]:
+    wanted = []
+    for i, job in jobs.items():
+        pieces = pieces_needed(job.entry.pieces, list(job.buffers))
+        job.remaining = len(pieces)
+        wanted.extend((i, p) for p in pieces)
+    return plan_reads(wanted, coalesce_gap=options.coalesce_gap, max_read_size=options.max_read_size)
+
+
+async def _fetch(
+    store: Any, requests: list[ReadRequest], jobs: dict[int, _LeafJob], options: Options, stats: TransferStats
+) -> None:
+    engine = TransferEngine(
+        store,
+        max_concurrency=options.max_concurrency,
+        request_timeout=options.request_timeout,
+        retry=options.retry,
+        stats=stats,
+    )
+    for job in jobs.values():
+        if job.remaining == 0:
+            await asyncio.to_thread(_finish, job)
+
+    async def one(request: ReadRequest) -> None:
+        data = await engine.get_range(request.blob, request.start, request.end)
+        if len(data) != request.length:
+            paths = sorted({jobs[p.leaf].entry.path for p in request.parts})
+            raise IntegrityError(
+                f"blob {store.url}/{request.blob} is truncated: asked bytes [{request.start}, {request.end}),"
+                f" got {len(data)} (leaves {', '.join(paths)})"
+            )
+        await asyncio.to_thread(_scatter, request, data, jobs, store.url)
+        for part in request.parts:  # counted here, on the loop thread, so no two threads race
+            job = jobs[part.leaf]
+            job.remaining -= 1
+            if job.remaining == 0:
+                await asyncio.to_thread(_finish, job)
+
+    await engine.for_each(requests, one, window_bytes=options.read_window, size=lambda r: r.length)
+
+
+def _scatter(request: ReadRequest, data: bytes, jobs: dict[int, _LeafJob], url: str) -> None:
+    """Check each piece of one response and copy it into the boxes that need it.
+
+    Pieces never overlap, so threads scattering different responses into the
+    same leaf write disjoint regions.
+    """
+    view = memoryview(data)
+    for part in request.parts:
+        piece = part.piece
+        job = jobs[part.leaf]
+        raw = view[part.offset : part.offset + piece.length]
+        if crc32c(raw) != piece.crc32c:
+            raise IntegrityError(
+                f"checksum mismatch in leaf {job.entry.path}: blob {url}/{piece.blob}"
+                f" bytes [{piece.offset}, {piece.offset + piece.length})"
+            )
+        source = np.frombuffer(raw, dtype=job.dtype).reshape(piece.shape)
+        for box, buffer in job.buffers.items():
+            overlap = intersect(piece.start, piece.stop, *box)
+            if overlap is not None:
+                buffer[box_to_slices(*overlap, origin=box[0])] = source[box_to_slices(*overlap, origin=piece.start)]
+
+
+def _finish(job: _LeafJob) -> None:
+    """Turn a leaf's filled buffers into its final value and free them."""
+    entry = job.entry
+    buffers = job.buffers
+    if job.out_dtype is not None and job.out_dtype != job.dtype:
+        buffers = {box: b.astype(job.out_dtype) for box, b in buffers.items()}
+    if job.sharding is not None:
+        job.result = build_array(entry.shape or (), job.sharding, job.devices_by_box, buffers)
+    else:
+        (value,) = buffers.values()
+        if entry.kind == "str":
+            job.result = value.tobytes().decode()
+        elif entry.kind == "bytes":
+            job.result = value.tobytes()
+        else:
+            job.result = value
+    job.buffers = {}
+    job.done = True

@@ -1,0 +1,382 @@
+"""save and save_async: snapshot → plan → upload → commit.
+
+The caller's thread does only the blocking phase: it copies every owned piece
+off the devices into staging buffers that objckpt owns, blob by blob, under a
+byte budget (when the model is larger than the budget it streams: a buffer is
+reused once its blob is uploaded). Uploads and the commit run on the I/O loop.
+
+Commit: every process publishes its piece index through the coordinator
+(JAX's key-value store, never a bucket listing), the primary merges them and
+writes ``manifest.json`` with create-if-absent, and every process learns the
+outcome before its save returns. No manifest, no checkpoint: a crash at any
+moment leaves at most orphaned blobs, which ``gc`` removes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import datetime
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from objckpt import _runtime
+from objckpt.arrays import copy_piece_into
+from objckpt.checksum import crc32c
+from objckpt.errors import CheckpointExistsError, ObjectExistsError, StoreError
+from objckpt.format import MANIFEST_KEY, BlobEntry, LeafEntry, Manifest, Piece, parse_manifest
+from objckpt.leaves import classify
+from objckpt.multihost import Coordinator, get_coordinator, operation_tag
+from objckpt.options import Options
+from objckpt.plan import BlobPlan, blob_key, plan_blobs
+from objckpt.storage import Store, from_url
+from objckpt.transfer import TransferEngine, TransferStats
+from objckpt.tree import flatten
+
+log = logging.getLogger("objckpt")
+
+
+class SaveHandle:
+    """A save whose upload and commit may still be running.
+
+    ``result()`` waits and re-raises any error; ``done()`` polls. The figures
+    are this process's own.
+    """
+
+    def __init__(self, future: concurrent.futures.Future[None], stats: TransferStats, seconds_blocked: float, url: str):
+        self._future = future
+        self.stats = stats
+        self.seconds_blocked = seconds_blocked
+        self.url = url
+
+    def result(self, timeout: float | None = None) -> None:
+        self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    @property
+    def bytes_written(self) -> int:
+        return self.stats.bytes_written
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"SaveHandle({self.url!r}, {state}, bytes_written={self.bytes_written})"
+
+
+class _ThreadByteBudget:
+    """Bytes of staging buffers alive at once, shared by the copying thread and the I/O loop."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_use = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, abort: threading.Event) -> int:
+        n = min(n, self.limit)
+        with self._cond:
+            while self.in_use + n > self.limit and not abort.is_set():
+                self._cond.wait(0.1)
+            self.in_use += n
+        return n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.in_use -= n
+            self._cond.notify_all()
+
+
+def save(
+    url: str,
+    tree: Any,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> None:
+    """Save ``tree`` to ``url`` and return once the checkpoint is committed.
+
+    Args:
+        url: ``s3://bucket/prefix``, ``gs://...``, ``file:///abs/path``, an absolute
+            path, ``memory://...`` or any URL of a registered store.
+        tree: any pytree of jax.Arrays (any sharding), numpy arrays, int, float,
+            bool, str, bytes and None.
+        storage_options: passed to the store (fsspec-style: ``key``, ``secret``,
+            ``endpoint_url``, ``client_kwargs``, ``token``, ...).
+        options: tuning (:class:`objckpt.Options`).
+        metadata: JSON-serialisable user metadata stored in the manifest.
+
+    Raises:
+        CheckpointExistsError: ``url`` already holds a committed checkpoint (left intact).
+    """
+    save_async(url, tree, storage_options=storage_options, options=options, metadata=metadata).result()
+
+
+def save_async(
+    url: str,
+    tree: Any,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> SaveHandle:
+    """Copy ``tree`` off the devices, then upload and commit in the background.
+
+    Returns after the blocking phase: the caller may update, donate or delete
+    its arrays at once. Takes the same arguments as :func:`save`.
+    """
+    options = options or Options()
+    store = from_url(url, **(storage_options or {}))
+    coordinator = get_coordinator()
+    tag = operation_tag("save", store.url)
+    metadata = dict(metadata or {})
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"save metadata must be JSON-serialisable: {e}") from None
+    if _runtime.run_sync(_exists(store), timeout=options.request_timeout * 2):
+        raise CheckpointExistsError(f"a committed checkpoint already exists at {store.url}")
+
+    leaves, skeleton = flatten(tree)
+    entries: list[LeafEntry] = []
+    owned = []
+    for i, leaf in enumerate(leaves):
+        entry, pieces = classify(i, leaf, is_primary=coordinator.is_primary, split_above=options.split_replicas_above)
+        entries.append(entry)
+        owned.extend(pieces)
+    save_id = uuid.uuid4().hex
+    blobs = plan_blobs(
+        owned,
+        blob_size=options.blob_size,
+        key=lambda seq: blob_key(save_id, coordinator.process_index, seq),
+    )
+
+    stats = TransferStats()
+    engine = _runtime.run_sync(_make_engine(store, options, stats))
+    started = time.perf_counter()
+    uploads = _snapshot_and_upload(blobs, engine, options)
+    seconds_blocked = time.perf_counter() - started
+    commit = _Commit(
+        store=store,
+        engine=engine,
+        coordinator=coordinator,
+        tag=tag,
+        save_id=save_id,
+        skeleton=skeleton,
+        entries=entries,
+        metadata=metadata,
+        options=options,
+    )
+    future = _runtime.submit(commit.run(uploads, started))
+    return SaveHandle(future, stats, seconds_blocked, store.url)
+
+
+async def _exists(store: Store) -> bool:
+    try:
+        await store.head(MANIFEST_KEY)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+async def _make_engine(store: Store, options: Options, stats: TransferStats) -> TransferEngine:
+    # Built on the I/O loop so its semaphore belongs to that loop.
+    return TransferEngine(
+        store,
+        max_concurrency=options.max_concurrency,
+        request_timeout=options.request_timeout,
+        retry=options.retry,
+        stats=stats,
+    )
+
+
+PieceRecord = tuple[int, Piece]  # (leaf index, stored piece)
+
+
+def _snapshot_and_upload(
+    blobs: list[BlobPlan], engine: TransferEngine, options: Options
+) -> list[concurrent.futures.Future[list[PieceRecord]]]:
+    """The blocking phase: fill each blob's staging buffer, hand it to the uploader.
+
+    Blocks only on the copies and, when the budget is spent, on uploads freeing
+    buffers. Stops early if an upload has already failed.
+    """
+    budget = _ThreadByteBudget(options.memory_budget)
+    failed = threading.Event()
+    futures: list[concurrent.futures.Future[list[PieceRecord]]] = []
+    for blob in blobs:
+        held = budget.acquire(blob.size, failed)
+        if failed.is_set():
+            budget.release(held)
+            break
+        buffer = np.zeros(blob.size, dtype=np.uint8)
+        for placed in blob.pieces:
+            piece = placed.piece
+            dtype = placed.piece.source[0].dtype
+            view = buffer[placed.offset : placed.offset + piece.nbytes].view(dtype).reshape(piece.shape)
+            copy_piece_into(piece, view)
+        future = _runtime.submit(_upload(blob, buffer, engine))
+
+        def _done(f: concurrent.futures.Future[Any], held: int = held) -> None:
+            budget.release(held)
+            if f.cancelled() or f.exception() is not None:
+                failed.set()
+
+        future.add_done_callback(_done)
+        futures.append(future)
+    return futures
+
+
+async def _upload(blob: BlobPlan, buffer: np.ndarray, engine: TransferEngine) -> list[PieceRecord]:
+    """Checksum each piece (off the loop thread) and PUT the blob with retries."""
+
+    def checksums() -> list[int]:
+        view = memoryview(buffer).toreadonly()
+        return [crc32c(view[p.offset : p.offset + p.piece.nbytes]) for p in blob.pieces]
+
+    crcs = await asyncio.to_thread(checksums)
+    await engine.put(blob.key, memoryview(buffer))
+    return [
+        (p.piece.leaf, Piece(p.piece.start, p.piece.stop, blob.key, p.offset, p.piece.nbytes, crc))
+        for p, crc in zip(blob.pieces, crcs)
+    ]
+
+
+class _Commit:
+    """The background half of a save: wait for uploads, exchange indexes, commit."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        engine: TransferEngine,
+        coordinator: Coordinator,
+        tag: str,
+        save_id: str,
+        skeleton: dict[str, Any],
+        entries: list[LeafEntry],
+        metadata: dict[str, Any],
+        options: Options,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.coordinator = coordinator
+        self.tag = tag
+        self.save_id = save_id
+        self.skeleton = skeleton
+        self.entries = entries
+        self.metadata = metadata
+        self.options = options
+
+    async def run(self, uploads: list[concurrent.futures.Future[list[PieceRecord]]], started: float) -> None:
+        local_error: BaseException | None = None
+        records: list[PieceRecord] = []
+        try:
+            for result in await asyncio.gather(*(asyncio.wrap_future(f) for f in uploads)):
+                records.extend(result)
+        except BaseException as e:  # report to peers before raising, so nobody waits for us
+            local_error = e
+        index = self._encode_index(records, local_error)
+        timeout = self.options.barrier_timeout
+        gathered = await asyncio.to_thread(self.coordinator.all_gather, f"{self.tag}/index", index, timeout=timeout)
+        outcome: bytes | None = None
+        if self.coordinator.is_primary:
+            outcome = await self._commit_or_abort(gathered)
+        outcome = await asyncio.to_thread(self.coordinator.broadcast, f"{self.tag}/outcome", outcome, timeout=timeout)
+        if local_error is not None:
+            raise local_error
+        status = json.loads(outcome)
+        if status["status"] == "exists":
+            await self._delete_own_blobs(records)
+            raise CheckpointExistsError(f"a committed checkpoint already exists at {self.store.url}")
+        if status["status"] != "committed":
+            raise StoreError(f"save to {self.store.url} was not committed: {status['why']}")
+        seconds = time.perf_counter() - started
+        stats = self.engine.stats
+        log.info(
+            "objckpt saved %s: %d bytes in %d objects, %d requests, %d retries, %.2f s, %.3f GiB/s (this process)",
+            self.store.url,
+            stats.bytes_written,
+            stats.objects_written,
+            stats.requests,
+            stats.retries,
+            seconds,
+            stats.bytes_written / max(seconds, 1e-9) / 2**30,
+        )
+
+    def _encode_index(self, records: list[PieceRecord], error: BaseException | None) -> bytes:
+        if error is not None:
+            return json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
+        pieces: dict[str, list[Any]] = defaultdict(list)
+        blobs: dict[str, int] = {}
+        for leaf, p in records:
+            pieces[str(leaf)].append([list(p.start), list(p.stop), p.blob, p.offset, p.length, p.crc32c])
+            blobs[p.blob] = max(blobs.get(p.blob, 0), p.offset + p.length)
+        return json.dumps({"pieces": pieces, "blobs": blobs}).encode()
+
+    async def _commit_or_abort(self, gathered: list[bytes]) -> bytes:
+        docs = [json.loads(g) for g in gathered]
+        errors = [f"process {i}: {d['error']}" for i, d in enumerate(docs) if "error" in d]
+        if errors:
+            return json.dumps({"status": "aborted", "why": "; ".join(errors)}).encode()
+        manifest = self._manifest(docs)
+        try:
+            await self.engine.put(MANIFEST_KEY, manifest.to_json(), mode="create")
+        except ObjectExistsError:
+            if not await self._is_ours():
+                return json.dumps({"status": "exists"}).encode()
+        except BaseException as e:
+            return json.dumps({"status": "aborted", "why": f"manifest write failed: {e}"}).encode()
+        return json.dumps({"status": "committed"}).encode()
+
+    async def _is_ours(self) -> bool:
+        """After "already exists": did our own earlier attempt land (its reply lost)?"""
+        try:
+            data = await self.engine.get(MANIFEST_KEY)
+            return parse_manifest(data, size_limit=self.options.manifest_size_limit).save_id == self.save_id
+        except Exception:
+            return False
+
+    def _manifest(self, docs: list[dict[str, Any]]) -> Manifest:
+        pieces: dict[int, list[Piece]] = defaultdict(list)
+        blobs: dict[str, int] = {}
+        for doc in docs:
+            blobs.update(doc["blobs"])
+            for leaf, rows in doc["pieces"].items():
+                pieces[int(leaf)].extend(Piece(tuple(a), tuple(b), k, o, n, c) for a, b, k, o, n, c in rows)
+        leaves = tuple(
+            LeafEntry(
+                e.path,
+                e.kind,
+                e.dtype,
+                e.shape,
+                tuple(sorted(pieces.get(i, ()), key=lambda p: p.start)),
+                e.value,
+                e.sharding,
+            )
+            for i, e in enumerate(self.entries)
+        )
+        return Manifest(
+            save_id=self.save_id,
+            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
+            tree=self.skeleton,
+            leaves=leaves,
+            blobs=tuple(BlobEntry(k, s) for k, s in sorted(blobs.items())),
+            num_processes=self.coordinator.process_count,
+            metadata=self.metadata,
+        )
+
+    async def _delete_own_blobs(self, records: list[PieceRecord]) -> None:
+        """Best effort: blobs of a save that lost the commit race are never referenced."""
+        for key in {p.blob for _, p in records}:
+            try:
+                await self.store.delete(key)
+            except Exception:  # gc removes whatever remains
+                pass

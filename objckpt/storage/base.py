@@ -1,0 +1,103 @@
+"""The storage contract every backend implements.
+
+objckpt needs only a handful of verbs from an object store, all async so one
+event-loop thread can keep hundreds of requests in flight. Keys are always
+relative to the store's root (the checkpoint or manager URL) and use ``/``.
+
+One convention for a missing object everywhere: :class:`ObjectNotFoundError`
+(a ``FileNotFoundError``). A failed create-if-absent raises
+:class:`ObjectExistsError` (a ``FileExistsError``). Failures worth retrying
+(HTTP 429/5xx, connection resets, timeouts) raise :class:`TransientStoreError`
+so the transfer engine can decide by type, never by error text.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from objckpt.errors import ObjectExistsError, ObjectNotFoundError  # noqa: F401  (re-exported)
+
+PutMode = Literal["overwrite", "create"]
+
+
+@dataclass(frozen=True, order=True)
+class ByteRange:
+    """Bytes ``[start, end)`` of one object; ``end`` is exclusive."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.end < self.start:
+            raise ValueError(f"invalid byte range [{self.start}, {self.end})")
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What ``head`` and ``list`` say about one object."""
+
+    key: str
+    size: int
+    last_modified: float | None = None  # seconds since the epoch, when the store knows
+
+
+class Store(abc.ABC):
+    """An object store rooted at one URL.
+
+    Subclasses implement the abstract verbs; ``get_ranges`` has a default that
+    issues the ranges concurrently. ``url`` must never contain credentials: it
+    appears in error messages and logs.
+    """
+
+    url: str
+    #: False for stores that cannot make create-if-absent atomic; commit refuses them.
+    supports_create: bool = True
+
+    @abc.abstractmethod
+    async def get_range(self, key: str, *, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``key``; fewer only if the object is shorter."""
+
+    async def get(self, key: str) -> bytes:
+        """The whole object."""
+        info = await self.head(key)
+        if info.size == 0:
+            return b""
+        return await self.get_range(key, start=0, end=info.size)
+
+    async def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
+        """Several ranges of one object, concurrently, in the order given."""
+        return list(await asyncio.gather(*(self.get_range(key, start=r.start, end=r.end) for r in ranges)))
+
+    @abc.abstractmethod
+    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
+        """Write a whole object. ``mode="create"`` is atomic create-if-absent."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove an object; a missing object is not an error."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (recursive), keys relative to the root."""
+
+    @abc.abstractmethod
+    async def head(self, key: str) -> ObjectInfo:
+        """Size (and time, when known) of one object."""
+
+    @abc.abstractmethod
+    def child(self, subpath: str) -> Store:
+        """A store rooted at ``<url>/<subpath>`` sharing this one's connections."""
+
+    async def close(self) -> None:  # noqa: B027  (optional hook)
+        """Release connections; optional."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
