@@ -55,3 +55,7 @@ class ObjectNotFoundError(StoreError, FileNotFoundError):
 
 class ObjectExistsError(StoreError, FileExistsError):
     """A create-if-absent put found the object already there."""
+
+
+class StorePermissionError(StoreError, PermissionError):
+    """The store refused the request (HTTP 401/403, missing credentials); not worth retrying."""

@@ -148,7 +148,19 @@ class TransferEngine:
             finally:
                 await budget.release(held)
 
-        async with asyncio.TaskGroup() as group:
-            for item in items:
-                held = await budget.acquire(size(item))
-                group.create_task(run(item, held))
+        try:
+            async with asyncio.TaskGroup() as group:
+                for item in items:
+                    held = await budget.acquire(size(item))
+                    group.create_task(run(item, held))
+        except BaseExceptionGroup as errors:  # callers expect the error itself, not a group
+            raise _first_error(errors) from None
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            return _first_error(error)
+        if not isinstance(error, asyncio.CancelledError):
+            return error
+    return group.exceptions[0]

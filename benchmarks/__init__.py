@@ -1,0 +1,1 @@
+"""Benchmarks and the demo; run from the repository root."""

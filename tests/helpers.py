@@ -1,0 +1,53 @@
+"""Shared helpers for the checkpoint tests."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def assert_tree_bit_exact(expected, actual) -> None:
+    """Same structure, same leaf types, bytes and dtypes (jax arrays compared on the host)."""
+    exp_leaves, exp_def = jax.tree_util.tree_flatten_with_path(expected, is_leaf=lambda x: x is None)
+    act_leaves, act_def = jax.tree_util.tree_flatten_with_path(actual, is_leaf=lambda x: x is None)
+    assert exp_def == act_def, f"structure differs: {exp_def} vs {act_def}"
+    for (path, e), (_, a) in zip(exp_leaves, act_leaves):
+        where = jax.tree_util.keystr(path)
+        if isinstance(e, (jax.Array, np.ndarray, np.generic)):
+            e_np, a_np = np.asarray(e), np.asarray(a)
+            assert e_np.dtype == a_np.dtype, f"{where}: dtype {a_np.dtype} != {e_np.dtype}"
+            assert e_np.shape == a_np.shape, f"{where}: shape {a_np.shape} != {e_np.shape}"
+            assert e_np.tobytes() == a_np.tobytes(), f"{where}: bytes differ"
+        else:
+            assert type(e) is type(a), f"{where}: type {type(a)} != {type(e)}"
+            if isinstance(e, float) and e != e:
+                assert a != a, f"{where}: NaN lost"
+            else:
+                assert e == a, f"{where}: {a!r} != {e!r}"
+
+
+def random_array(shape, dtype, seed=0) -> np.ndarray:
+    """Random bits of any dtype (bfloat16, float8, int4 …), NaN patterns included."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if dtype.name in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn"):
+        bits = {
+            "int4": 4,
+            "uint4": 4,
+            "int2": 2,
+            "uint2": 2,
+            "float4_e2m1fn": 4,
+            "float6_e2m3fn": 6,
+            "float6_e3m2fn": 6,
+        }[dtype.name]
+        # sub-byte types: draw valid values through float conversion
+        values = rng.integers(0, 2**bits, size=shape).astype(np.uint8)
+        if dtype.name.startswith("int"):
+            return (values.astype(np.int8) - 2 ** (bits - 1)).astype(dtype)
+        if dtype.name.startswith("uint"):
+            return values.astype(dtype)
+        return rng.normal(size=shape).astype(dtype)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)

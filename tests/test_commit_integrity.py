@@ -1,0 +1,162 @@
+"""Commit semantics and integrity: no manifest → no checkpoint, checksums, no overwrite."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import objckpt
+from objckpt import _runtime
+from objckpt.storage import from_url
+
+
+def _store(handle):
+    return from_url(handle.url, **(handle.storage_options or {}))
+
+
+def _tree(seed=0):
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    w = jax.device_put(
+        jnp.arange(256 * 64, dtype=jnp.float32).reshape(256, 64) + seed, NamedSharding(mesh, P("x", "y"))
+    )
+    return {"params": {"w": w, "b": jnp.full((64,), seed, jnp.bfloat16)}, "step": seed}
+
+
+def test_blobs_without_manifest_are_not_a_checkpoint(any_store):
+    objckpt.save(any_store.url, _tree(), storage_options=any_store.storage_options)
+    store = _store(any_store)
+    _runtime.run_sync(store.delete("manifest.json"))
+    assert _runtime.run_sync(store.list())  # blobs are still there
+    with pytest.raises(objckpt.CheckpointNotFoundError) as info:
+        objckpt.restore(any_store.url, storage_options=any_store.storage_options)
+    assert isinstance(info.value, FileNotFoundError)
+    with pytest.raises(objckpt.CheckpointNotFoundError):
+        objckpt.inspect(any_store.url, storage_options=any_store.storage_options)
+
+
+def test_nothing_at_url_is_not_found(any_store):
+    with pytest.raises(objckpt.CheckpointNotFoundError, match="no committed checkpoint"):
+        objckpt.restore(any_store.url, storage_options=any_store.storage_options)
+
+
+def test_flipped_byte_raises_integrity_error_naming_leaf_and_blob(any_store):
+    objckpt.save(any_store.url, _tree(), storage_options=any_store.storage_options)
+    store = _store(any_store)
+    info = objckpt.inspect(any_store.url, storage_options=any_store.storage_options)
+    assert info.num_blobs >= 1
+    blobs = [o.key for o in _runtime.run_sync(store.list()) if o.key.endswith(".blob")]
+    key = sorted(blobs)[0]
+    data = bytearray(_runtime.run_sync(store.get(key)))
+    data[len(data) // 2] ^= 0x01
+    _runtime.run_sync(store.put(key, bytes(data)))
+    with pytest.raises(objckpt.IntegrityError) as err:
+        objckpt.restore(any_store.url, storage_options=any_store.storage_options)
+    message = str(err.value)
+    assert key in message
+    assert "['params']['w']" in message or "['params']['b']" in message
+
+
+def test_truncated_blob_raises_integrity_error(memory_store):
+    objckpt.save(memory_store.url, _tree(), storage_options=memory_store.storage_options)
+    store = _store(memory_store)
+    key = sorted(o.key for o in _runtime.run_sync(store.list()) if o.key.endswith(".blob"))[0]
+    data = _runtime.run_sync(store.get(key))
+    _runtime.run_sync(store.put(key, data[: len(data) // 3]))
+    with pytest.raises(objckpt.IntegrityError, match=key.replace(".", r"\.")):
+        objckpt.restore(memory_store.url, storage_options=memory_store.storage_options)
+
+
+def test_saving_over_a_committed_checkpoint_is_refused(any_store):
+    so = any_store.storage_options
+    objckpt.save(any_store.url, _tree(1), storage_options=so)
+    with pytest.raises(objckpt.CheckpointExistsError) as info:
+        objckpt.save(any_store.url, _tree(2), storage_options=so)
+    assert isinstance(info.value, FileExistsError)
+    restored = objckpt.restore(any_store.url, storage_options=so)
+    assert restored["step"] == 1
+    np.testing.assert_array_equal(restored["params"]["w"], np.asarray(_tree(1)["params"]["w"]))
+
+
+def test_racing_saves_commit_exactly_one(any_store, monkeypatch):
+    """Both get past the early existence check; create-if-absent on the manifest picks one."""
+    so = any_store.storage_options
+
+    async def never_exists(store):
+        return False
+
+    monkeypatch.setattr(importlib.import_module("objckpt.save"), "_exists", never_exists)
+    first = objckpt.save_async(any_store.url, _tree(1), storage_options=so)
+    second = objckpt.save_async(any_store.url, _tree(2), storage_options=so)
+    outcomes = []
+    for handle in (first, second):
+        try:
+            handle.result(timeout=120)
+            outcomes.append("committed")
+        except objckpt.CheckpointExistsError:
+            outcomes.append("exists")
+    assert sorted(outcomes) == ["committed", "exists"]
+    winner = 1 if outcomes[0] == "committed" else 2
+    restored = objckpt.restore(any_store.url, storage_options=so)
+    assert restored["step"] == winner
+    np.testing.assert_array_equal(restored["params"]["w"], np.asarray(_tree(winner)["params"]["w"]))
+
+
+class _CountingStore:
+    """Wraps a store and records every byte range read."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.reads: list[tuple[str, int, int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def get_range(self, key, *, start, end):
+        data = await self.inner.get_range(key, start=start, end=end)
+        self.reads.append((key, start, start + len(data)))
+        return data
+
+
+def test_partial_restore_reads_none_of_the_skipped_bytes(s3_store, monkeypatch):
+    so = s3_store.storage_options
+    tree = {
+        "params": {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64), "b": jnp.ones(64)},
+        "opt_state": {"mu": jnp.full((64, 64), 2.0), "nu": jnp.full((64, 64), 3.0)},
+        "step": 7,
+    }
+    objckpt.save(s3_store.url, tree, storage_options=so)  # small leaves share one blob
+    counting: list[_CountingStore] = []
+
+    def wrapped_from_url(url, **options):
+        store = _CountingStore(from_url(url, **options))
+        counting.append(store)
+        return store
+
+    monkeypatch.setattr(importlib.import_module("objckpt.restore"), "from_url", wrapped_from_url)
+    out = objckpt.restore(s3_store.url, {"params": {"w": None, "b": None}}, storage_options=so, partial=True)
+    np.testing.assert_array_equal(out["params"]["w"], np.asarray(tree["params"]["w"]))
+    assert set(out) == {"params"}
+
+    manifest = {leaf.path: leaf for leaf in objckpt.inspect(s3_store.url, storage_options=so).leaves.values()}
+    assert manifest  # sanity
+    from objckpt.format import MANIFEST_KEY, parse_manifest
+
+    raw = _runtime.run_sync(_store(s3_store).get(MANIFEST_KEY))
+    leaves = {leaf.path: leaf for leaf in parse_manifest(raw, size_limit=1 << 30).leaves}
+    skipped = [
+        (p.blob, p.offset, p.offset + p.length)
+        for path in ("['opt_state']['mu']", "['opt_state']['nu']")
+        for p in leaves[path].pieces
+    ]
+    wanted = sum(p.length for path in ("['params']['w']", "['params']['b']") for p in leaves[path].pieces)
+    reads = [r for store in counting for r in store.reads if r[0] != MANIFEST_KEY]
+    assert sum(end - start for _, start, end in reads) == wanted
+    for key, start, end in reads:
+        for blob, s_start, s_end in skipped:
+            assert key != blob or end <= s_start or start >= s_end, "read bytes of a skipped leaf"
