@@ -32,7 +32,7 @@ def make_model(mesh: jax.sharding.Mesh, total_mib: int = 256) -> dict:
     layers = 4
     d = 1024
     per_layer = total_mib * (1 << 20) // layers // 3 // 4  # three float32 copies (param, mu, nu)
-    ff = per_layer // d
+    ff = per_layer // d // 64 * 64  # divisible by every mesh axis
     key = jax.random.key(0)
     params, mu, nu = {}, {}, {}
     for i in range(layers):
@@ -78,7 +78,7 @@ def main() -> None:
         devices = jax.devices()
         print(f"{len(devices)} {devices[0].platform.upper()} devices, JAX {jax.__version__}")
         save_mesh = jax.make_mesh((4, 2), ("data", "model"))
-        state = make_model(save_mesh, args.mib)
+        state = jax.block_until_ready(make_model(save_mesh, args.mib))
         total = nbytes(state)
         print(
             f"model: {len(jax.tree_util.tree_leaves(state))} leaves, {total / 2**20:.1f} MiB, sharded over mesh {dict(save_mesh.shape)}"

@@ -100,7 +100,8 @@ def needed_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dic
     """Unique boxes this process needs for ``sharding``, each with its local devices."""
     boxes: dict[Box, list[Any]] = defaultdict(list)
     for device, index in sharding.addressable_devices_indices_map(shape).items():
-        boxes[index_to_box(index, shape)].append(device)
+        full = tuple(slice(None) for _ in shape)
+        boxes[index_to_box(index if index is not None else full, shape)].append(device)
     return boxes
 
 

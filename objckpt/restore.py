@@ -25,7 +25,7 @@ from objckpt.arrays import Box, box_to_slices, build_array, needed_boxes
 from objckpt.checksum import crc32c
 from objckpt.dtypes import dtype_from_name
 from objckpt.errors import IntegrityError, TargetMismatchError
-from objckpt.format import ARRAY_KINDS, LeafEntry, Manifest
+from objckpt.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
 from objckpt.manifest_io import read_manifest
 from objckpt.options import Options
 from objckpt.plan import ReadRequest, intersect, pieces_needed, plan_reads
@@ -162,7 +162,7 @@ def _inline(entry: LeafEntry, target: Any) -> Any:
 
 
 def _plan(manifest: Manifest, jobs: dict[int, _LeafJob], options: Options) -> list[ReadRequest]:
-    wanted = []
+    wanted: list[tuple[int, Piece]] = []
     for i, job in jobs.items():
         pieces = pieces_needed(job.entry.pieces, list(job.buffers))
         job.remaining = len(pieces)

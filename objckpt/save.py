@@ -238,11 +238,11 @@ async def _upload(blob: BlobPlan, buffer: np.ndarray, engine: TransferEngine) ->
     """Checksum each piece (off the loop thread) and PUT the blob with retries."""
 
     def checksums() -> list[int]:
-        view = memoryview(buffer).toreadonly()
+        view = buffer.data.toreadonly()
         return [crc32c(view[p.offset : p.offset + p.piece.nbytes]) for p in blob.pieces]
 
     crcs = await asyncio.to_thread(checksums)
-    await engine.put(blob.key, memoryview(buffer))
+    await engine.put(blob.key, buffer.data)
     return [
         (p.piece.leaf, Piece(p.piece.start, p.piece.stop, blob.key, p.offset, p.piece.nbytes, crc))
         for p, crc in zip(blob.pieces, crcs)

@@ -1,0 +1,537 @@
+"""A :class:`Store` over any fsspec filesystem (s3fs, gcsfs, local, memory, ...).
+
+Three things an fsspec filesystem does not give objckpt by itself, and this
+adapter adds:
+
+* **Concurrency without a thread per request.** Async filesystems (s3fs,
+  gcsfs) run their coroutines on fsspec's own event-loop thread; we submit
+  there with ``run_coroutine_threadsafe`` and await the result from the
+  caller's loop, so hundreds of requests share one I/O thread. Sync
+  filesystems go through ``asyncio.to_thread``. Every call has a timeout.
+* **A real create-if-absent**, which the commit protocol depends on: S3
+  ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, ``os.link`` on disk, a
+  lock for the in-process memory filesystem. fsspec's generic
+  ``pipe_file(mode="create")`` is check-then-write (racy), so unknown
+  filesystems only get ``supports_create = True`` if they override it.
+* **Errors by type and status code**, never by message text: missing →
+  :class:`ObjectNotFoundError`, 401/403 → :class:`StorePermissionError`,
+  408/429/5xx and connection errors/timeouts → :class:`TransientStoreError`,
+  the rest → :class:`StoreError`. Messages name the object's full URL (the
+  root URL, credentials stripped, plus the key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import functools
+import inspect
+import re
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fsspec import AbstractFileSystem
+from fsspec.asyn import AsyncFileSystem
+from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+
+from objckpt.errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+    StorePermissionError,
+    TransientStoreError,
+)
+from objckpt.storage import local as _local
+from objckpt.storage.base import ObjectInfo, PutMode, Store
+
+T = TypeVar("T")
+
+#: Seconds allowed for any single call (one request, or one listing) by default.
+DEFAULT_REQUEST_TIMEOUT_S = 120.0
+
+#: Bugs, not storage failures: never disguised as a StoreError.
+_PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, AssertionError, MemoryError)
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# The in-process memory filesystem is one dict per process; a check-then-write
+# create is atomic only if every writer takes this lock.
+_MEMORY_LOCK = threading.Lock()
+
+
+class _InnerTimeout(Exception):
+    """Carries a filesystem's own TimeoutError past ``asyncio.wait_for``."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
+# --------------------------------------------------------------------------- URLs
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user info or query string (either may hold credentials).
+
+    Chained fsspec URLs (``simplecache::s3://...``) are redacted link by link;
+    plain paths are returned unchanged.
+    """
+    return "::".join(_redact_one(part) for part in url.split("::"))
+
+
+def _redact_one(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest = rest.split("?", 1)[0].split("#", 1)[0]
+    authority, slash, path = rest.partition("/")
+    authority = authority.rsplit("@", 1)[-1]
+    return f"{scheme}://{authority}{slash}{path}"
+
+
+_URL_IN_TEXT = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)(?:[^\s/@'\"]*@)?([^\s?'\"]*)\?[^\s'\"]*")
+
+
+def _scrub(text: str) -> str:
+    """Drop query strings and user info from URLs quoted in a library's message."""
+    return _URL_IN_TEXT.sub(r"\1\2", text)
+
+
+def _check_relative(path: str, what: str, *, allow_empty: bool, allow_partial: bool) -> None:
+    if not isinstance(path, str):
+        raise TypeError(f"{what} must be a str, not {type(path).__name__}")
+    if not path:
+        if allow_empty:
+            return
+        raise ValueError(f"{what} must not be empty")
+    if path.startswith("/") or "\\" in path or "\x00" in path:
+        raise ValueError(f"invalid {what} {path!r}: must be relative, '/'-separated")
+    parts = path.split("/")
+    if allow_partial and parts[-1] == "":
+        parts = parts[:-1]  # a prefix may end with "/"
+    for part in parts:
+        if part in ("", ".", ".."):
+            raise ValueError(f"invalid {what} {path!r}: empty, '.' or '..' segment")
+
+
+# ------------------------------------------------------------------ error mapping
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status behind ``exc``, looking through its ``__cause__`` chain.
+
+    s3fs raises plain ``OSError`` with the botocore ``ClientError`` as cause
+    (status at ``response["ResponseMetadata"]["HTTPStatusCode"]``); aiohttp
+    errors carry ``.status``; gcsfs's ``HttpError`` carries ``.code``.
+    """
+    gcsfs_retry = sys.modules.get("gcsfs.retry")
+    http_error = getattr(gcsfs_retry, "HttpError", None)
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen and len(seen) < 8:
+        seen.add(id(cur))
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+        elif response is not None:
+            status = getattr(response, "status_code", None) or getattr(response, "status", None)
+            if isinstance(status, int) and 100 <= status < 600:
+                return status
+        status = getattr(cur, "status", None)
+        if isinstance(status, int) and 100 <= status < 600:
+            return status
+        if http_error is not None and isinstance(cur, http_error):
+            code = getattr(cur, "code", None)
+            if isinstance(code, int):
+                return code
+        cur = cur.__cause__
+    return None
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    """Connection-level error types of the HTTP stacks that are loaded."""
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None:
+        types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    botocore_exc = sys.modules.get("botocore.exceptions")
+    if botocore_exc is not None:
+        for name in ("HTTPClientError", "ResponseStreamingError", "IncompleteReadError"):
+            cls = getattr(botocore_exc, name, None)
+            if isinstance(cls, type):
+                types.append(cls)
+    requests_exc = sys.modules.get("requests.exceptions")
+    if requests_exc is not None:  # gcsfs turns a 502 into requests' ProxyError
+        types += [requests_exc.ConnectionError, requests_exc.Timeout, requests_exc.ChunkedEncodingError]
+    return tuple(types)
+
+
+def _permission_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [PermissionError]
+    botocore_exc = sys.modules.get("botocore.exceptions")
+    if botocore_exc is not None:
+        types.append(botocore_exc.NoCredentialsError)
+    google_auth = sys.modules.get("google.auth.exceptions")
+    if google_auth is not None:
+        types.append(google_auth.DefaultCredentialsError)
+    return tuple(types)
+
+
+def map_error(exc: BaseException, what: str, *, create: bool = False) -> StoreError:
+    """Translate a filesystem/HTTP error into objckpt's store errors.
+
+    Args:
+        exc: What the filesystem raised.
+        what: Operation and full object URL for the message, e.g.
+            ``"get s3://bucket/ckpt/manifest.json"``.
+        create: The failed call was a create-if-absent put (412 = exists).
+    """
+    if isinstance(exc, StoreError):
+        return exc
+    status = _http_status(exc)
+    detail = _scrub(f"{type(exc).__name__}: {exc}")
+    suffix = f" (HTTP {status})" if status else ""
+    message = f"{what} failed{suffix}: {detail}"
+    if create and (isinstance(exc, FileExistsError) or status == 412):
+        return ObjectExistsError(f"{what}: object already exists")
+    if status == 404 or isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return ObjectNotFoundError(f"{what}: no such object")
+    if status in (401, 403) or isinstance(exc, _permission_types()):
+        return StorePermissionError(message)
+    if status in _TRANSIENT_STATUS or (create and status == 409):
+        # 409 on a conditional PUT: another conditional write to the same key
+        # is in flight (S3 ConditionalRequestConflict); a retry sees 412 or wins.
+        return TransientStoreError(message)
+    if status is None and isinstance(exc, _transient_types()):
+        return TransientStoreError(message)
+    return StoreError(message)
+
+
+# ----------------------------------------------------------------- create support
+
+
+#: Filesystems whose ``pipe_file`` takes ``mode`` but ignores "create".
+_MODE_IGNORED = frozenset(
+    {
+        "fsspec.implementations.http.HTTPFileSystem",
+        "fsspec.implementations.reference.ReferenceFileSystem",
+    }
+)
+
+
+def _uses_async(fs: AbstractFileSystem) -> bool:
+    """Whether to drive ``fs`` through its coroutines.
+
+    ``DirFileSystem`` claims ``async_impl`` even when it wraps a sync
+    filesystem, whose coroutine methods then do not exist.
+    """
+    if isinstance(fs, DirFileSystem):
+        return bool(fs.fs.async_impl)
+    return bool(fs.async_impl)
+
+
+def _overrides_create(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs`` implements its own ``pipe_file(..., mode=...)``.
+
+    The base classes' version is exists-then-write, which two racing writers
+    can both pass; only an override can be a real conditional write. This
+    trusts an override that accepts ``mode``, except for known filesystems
+    that accept and ignore it; pass ``atomic_create`` to overrule.
+    """
+    cls = type(fs)
+    if any(f"{c.__module__}.{c.__qualname__}" in _MODE_IGNORED for c in cls.__mro__):
+        return False
+    if _uses_async(fs):
+        method, base = getattr(cls, "_pipe_file", None), AsyncFileSystem._pipe_file
+    else:
+        method, base = getattr(cls, "pipe_file", None), AbstractFileSystem.pipe_file
+    if method is None or method is base:
+        return False
+    try:
+        return "mode" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _kind_of(fs: AbstractFileSystem) -> str:
+    """Which put strategy ``fs`` needs: s3, gcs, local, memory, native or none."""
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is not None and isinstance(fs, s3fs.S3FileSystem):
+        return "s3"
+    gcsfs_core = sys.modules.get("gcsfs.core")
+    if gcsfs_core is not None and isinstance(fs, gcsfs_core.GCSFileSystem):
+        return "gcs"
+    if isinstance(fs, LocalFileSystem):
+        return "local"
+    if isinstance(fs, MemoryFileSystem):
+        return "memory"
+    return "native" if _overrides_create(fs) else "none"
+
+
+def _epoch(info: dict[str, Any]) -> float | None:
+    """Modification time in seconds since the epoch from an fsspec info dict."""
+    for field in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(field)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, _dt.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=_dt.UTC)
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                parsed = _dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            if parsed.tzinfo is None:
+                parsed = parsed.replace(tzinfo=_dt.UTC)
+            return parsed.timestamp()
+    return None
+
+
+# -------------------------------------------------------------------- the store
+
+
+class FsspecStore(Store):
+    """A :class:`Store` rooted at ``path`` on the fsspec filesystem ``fs``.
+
+    Args:
+        fs: Any fsspec filesystem instance; shared by :meth:`child` stores.
+        path: The root as ``fs`` spells paths (``fs._strip_protocol(url)``),
+            e.g. ``"bucket/ckpts"`` for s3fs or ``"/data/ckpts"`` locally.
+        url: The root URL shown in messages; credentials are stripped.
+            Defaults to ``fs.unstrip_protocol(path)``.
+        request_timeout: Seconds allowed per call; exceeding it raises
+            :class:`TransientStoreError`.
+        atomic_create: Overrule the detection of whether ``fs`` can
+            create-if-absent atomically (only for filesystems this module
+            has no dedicated strategy for: they then use
+            ``pipe_file(mode="create")``).
+    """
+
+    def __init__(
+        self,
+        fs: AbstractFileSystem,
+        path: str,
+        *,
+        url: str | None = None,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        atomic_create: bool | None = None,
+    ) -> None:
+        if request_timeout <= 0:
+            raise ValueError(f"request_timeout must be positive, got {request_timeout}")
+        self.fs = fs
+        self._root = path.rstrip("/")  # "" for a filesystem root; keys join as "/key"
+        raw_url = url if url is not None else fs.unstrip_protocol(path)
+        self.url = redact_url(raw_url)
+        self.request_timeout = float(request_timeout)
+        self._async = _uses_async(fs)
+        self._kind = _kind_of(fs)
+        if atomic_create is not None and self._kind in ("native", "none"):
+            self._kind = "native" if atomic_create else "none"
+        self.supports_create = self._kind != "none"
+
+    # ------------------------------------------------------------------ helpers
+
+    def _path(self, key: str) -> str:
+        return f"{self._root}/{key}"
+
+    def _url(self, key: str) -> str:
+        return f"{self.url.rstrip('/')}/{key}" if key else self.url
+
+    async def _run(self, what: str, make: Callable[[], Awaitable[T]]) -> T:
+        """Await ``make()`` under the request timeout.
+
+        A timeout *we* impose becomes :class:`TransientStoreError` here; a
+        ``TimeoutError`` raised by the filesystem itself passes through (it
+        is wrapped on the way so the two cannot be confused) and is mapped
+        by the caller like any other error.
+        """
+
+        async def guarded() -> T:
+            try:
+                return await make()
+            except TimeoutError as exc:  # asyncio.TimeoutError is TimeoutError since 3.11
+                raise _InnerTimeout(exc) from exc
+
+        try:
+            return await asyncio.wait_for(guarded(), self.request_timeout)
+        except _InnerTimeout as wrapped:
+            # Re-raise the filesystem's own error; its __cause__ carries the HTTP status.
+            raise wrapped.original from wrapped.original.__cause__
+        except TimeoutError as exc:
+            raise TransientStoreError(f"{what} timed out after {self.request_timeout:g} s") from exc
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        """Start fs method ``name`` the way this filesystem needs it run."""
+        fs = self.fs
+        if self._async:
+            coro = getattr(fs, f"_{name}")(*args, **kwargs)
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:  # pragma: no cover - always called from a coroutine
+                running = None
+            if fs.asynchronous or running is fs.loop:
+                return coro  # already bound to the caller's loop
+            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, fs.loop))
+        return asyncio.to_thread(getattr(fs, name), *args, **kwargs)
+
+    async def _fs(self, what: str, name: str, *args: Any, **kwargs: Any) -> Any:
+        return await self._run(what, lambda: self._call(name, *args, **kwargs))
+
+    async def _in_thread(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        return await self._run(what, lambda: asyncio.to_thread(fn, *args))
+
+    # -------------------------------------------------------------------- reads
+
+    async def head(self, key: str) -> ObjectInfo:
+        _check_relative(key, "key", allow_empty=False, allow_partial=False)
+        what = f"head {self._url(key)}"
+        try:
+            info = await self._fs(what, "info", self._path(key))
+        except _PROGRAMMING_ERRORS:
+            raise
+        except Exception as exc:
+            raise map_error(exc, what) from exc
+        if info.get("type") == "directory":
+            raise ObjectNotFoundError(f"{what}: no such object (a prefix of other objects)")
+        return ObjectInfo(key=key, size=int(info.get("size") or 0), last_modified=_epoch(info))
+
+    async def get(self, key: str) -> bytes:
+        """The whole object in one request (no ``head`` first)."""
+        _check_relative(key, "key", allow_empty=False, allow_partial=False)
+        what = f"get {self._url(key)}"
+        # s3fs would HEAD first to decide on a chunked download; one GET is faster
+        # for the small objects this is used for (the transfer engine splits big ones).
+        options: dict[str, Any] = {"max_concurrency": 1} if self._kind == "s3" else {}
+        try:
+            data = await self._fs(what, "cat_file", self._path(key), **options)
+        except _PROGRAMMING_ERRORS:
+            raise
+        except Exception as exc:
+            raise map_error(exc, what) from exc
+        return bytes(data)
+
+    async def get_range(self, key: str, *, start: int, end: int) -> bytes:
+        _check_relative(key, "key", allow_empty=False, allow_partial=False)
+        if start < 0 or end < start:
+            raise ValueError(f"invalid byte range [{start}, {end}) for {self._url(key)}")
+        if end == start:
+            await self.head(key)  # an empty range still requires the object
+            return b""
+        what = f"get {self._url(key)} bytes [{start}, {end})"
+        try:
+            # By keyword: s3fs's cat_file takes version_id second.
+            data = await self._fs(what, "cat_file", self._path(key), start=start, end=end)
+        except _PROGRAMMING_ERRORS:
+            raise
+        except Exception as exc:
+            if _http_status(exc) == 416:
+                return b""  # the range starts at or past the end (e.g. an empty object)
+            raise map_error(exc, what) from exc
+        return bytes(data)
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        _check_relative(prefix, "prefix", allow_empty=True, allow_partial=True)
+        directory, _, stem = prefix.rpartition("/")
+        base = self._path(directory) if directory else (self._root or "/")
+        what = f"list {self._url(prefix)}"
+        kwargs: dict[str, Any] = {"detail": True}
+        if self._kind in ("s3", "gcs") and stem:
+            kwargs["prefix"] = stem  # filtered server-side
+        try:
+            entries = await self._fs(what, "find", base, **kwargs)
+        except _PROGRAMMING_ERRORS:
+            raise
+        except Exception as exc:
+            mapped = map_error(exc, what)
+            if isinstance(mapped, ObjectNotFoundError):
+                return []
+            raise mapped from exc
+        root_slash = f"{self._root.rstrip('/')}/"
+        out: list[ObjectInfo] = []
+        for name, info in entries.items():
+            if info.get("type") == "directory":
+                continue
+            if not name.startswith(root_slash):
+                continue
+            rel = name[len(root_slash) :]
+            if not rel or not rel.startswith(prefix) or rel.endswith("/"):
+                continue
+            if self._kind == "local" and _local.is_temp_name(rel):
+                continue
+            out.append(ObjectInfo(key=rel, size=int(info.get("size") or 0), last_modified=_epoch(info)))
+        out.sort(key=lambda o: o.key)
+        return out
+
+    # ------------------------------------------------------------------- writes
+
+    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
+        _check_relative(key, "key", allow_empty=False, allow_partial=False)
+        if mode not in ("overwrite", "create"):
+            raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
+        create = mode == "create"
+        what = f"put {self._url(key)}" + (" (create-if-absent)" if create else "")
+        if create and not self.supports_create:
+            raise StoreError(f"{what}: {type(self.fs).__name__} cannot create-if-absent atomically")
+        path = self._path(key)
+        try:
+            if self._kind == "local":
+                await self._in_thread(what, functools.partial(_local.write_atomic, exclusive=create), path, data)
+            elif self._kind == "memory":
+                await self._in_thread(what, _memory_put, self.fs, path, data, create)
+            elif self._kind == "gcs":  # accepts memoryview, no copy
+                await self._fs(what, "pipe_file", path, data, mode=mode)
+            else:  # botocore (and unknown filesystems) want bytes
+                body = bytes(data) if isinstance(data, memoryview) else data
+                if create:
+                    await self._fs(what, "pipe_file", path, body, mode="create")
+                else:
+                    await self._fs(what, "pipe_file", path, body)
+        except _local.ParentNotDirectoryError as exc:
+            raise StoreError(f"{what} failed: a parent of the key exists as an object") from exc
+        except _PROGRAMMING_ERRORS:
+            raise
+        except Exception as exc:
+            raise map_error(exc, what, create=create) from exc
+
+    async def delete(self, key: str) -> None:
+        _check_relative(key, "key", allow_empty=False, allow_partial=False)
+        what = f"delete {self._url(key)}"
+        try:
+            await self._fs(what, "rm_file", self._path(key))
+        except _PROGRAMMING_ERRORS:
+            raise
+        except Exception as exc:
+            mapped = map_error(exc, what)
+            if isinstance(mapped, ObjectNotFoundError):
+                return
+            raise mapped from exc
+
+    # ---------------------------------------------------------------- structure
+
+    def child(self, subpath: str) -> FsspecStore:
+        _check_relative(subpath.rstrip("/"), "subpath", allow_empty=False, allow_partial=False)
+        sub = subpath.rstrip("/")
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone._root = self._path(sub)
+        clone.url = self._url(sub)
+        return clone
+
+    async def close(self) -> None:
+        """Nothing to do: the filesystem's connection pool is shared with
+        :meth:`child` stores and released when the filesystem is collected."""
+
+
+def _memory_put(fs: AbstractFileSystem, path: str, data: bytes | memoryview, create: bool) -> None:
+    with _MEMORY_LOCK:
+        if create and fs.exists(path):
+            raise FileExistsError(path)
+        fs.pipe_file(path, bytes(data))

@@ -1,0 +1,316 @@
+"""URL → :class:`Store`: a lazy scheme registry plus the ``objckpt.stores`` entry points.
+
+Lookup order for a URL's scheme:
+
+1. the registry: built-in schemes (``s3``, ``s3a``, ``gs``, ``gcs``, ``file``,
+   ``local``, ``memory``) and anything passed to :func:`register_store`, which
+   may replace a built-in; entries are ``"module:attr"`` strings imported on
+   first use, so ``import objckpt`` never imports s3fs or gcsfs;
+2. third-party packages declaring an entry point in the group
+   ``objckpt.stores`` whose name is the scheme and whose value is a factory
+   ``(url, **storage_options) -> Store`` (looked up only for schemes not in
+   the registry, then cached);
+3. any other protocol fsspec knows, through the generic :class:`FsspecStore`.
+
+Every factory accepts ``request_timeout`` (seconds per call) besides the
+filesystem's own storage options.
+
+Credentials: with no options, s3fs/botocore read the usual ``AWS_*``
+environment and config files; ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``
+are also passed on explicitly (and switch on path-style addressing, which
+every S3-compatible server supports). ``gs://`` honours
+``STORAGE_EMULATOR_HOST`` the way Google's clients do: it becomes the
+endpoint, with anonymous access unless a token is given.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from objckpt.errors import StoreNotAvailableError
+from objckpt.storage.base import Store
+
+StoreFactory = Callable[..., Store]
+
+_SCHEME_RE = re.compile(r"^[a-z][a-z0-9+.\-]*$")
+ENTRY_POINT_GROUP = "objckpt.stores"
+
+_BUILTIN: dict[str, str] = {
+    "s3": "objckpt.storage.registry:open_s3",
+    "s3a": "objckpt.storage.registry:open_s3",
+    "gs": "objckpt.storage.registry:open_gcs",
+    "gcs": "objckpt.storage.registry:open_gcs",
+    "file": "objckpt.storage.registry:open_local",
+    "local": "objckpt.storage.registry:open_local",
+    "memory": "objckpt.storage.registry:open_memory",
+}
+#: The pip package each built-in needs beyond objckpt's own dependencies.
+_PIP_PACKAGE = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+
+_lock = threading.Lock()
+_registry: dict[str, str | StoreFactory] = dict(_BUILTIN)
+
+
+def register_store(scheme: str, factory: str | StoreFactory) -> None:
+    """Map a URL scheme to a store factory, replacing any earlier mapping.
+
+    Args:
+        scheme: e.g. ``"s3"`` or ``"mystore"`` (case-insensitive).
+        factory: A callable ``(url, **storage_options) -> Store`` or a
+            ``"module:attr"`` string naming one, imported on first use.
+    """
+    scheme = _normalise_scheme(scheme)
+    if isinstance(factory, str):
+        if ":" not in factory:
+            raise ValueError(f"factory path must look like 'module:attr', got {factory!r}")
+    elif not callable(factory):
+        raise TypeError(f"factory must be callable or a 'module:attr' string, got {factory!r}")
+    with _lock:
+        _registry[scheme] = factory
+
+
+def from_url(url: str | os.PathLike[str], **storage_options: Any) -> Store:
+    """Open the store rooted at ``url``.
+
+    Args:
+        url: ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``file:///abs/path``,
+            an absolute path, ``memory://name``, any other fsspec URL, or a
+            scheme provided by a plugin.
+        **storage_options: Passed to the store's factory (for fsspec stores:
+            the filesystem's options, plus ``request_timeout``).
+
+    Raises:
+        ValueError: ``url`` is empty or a relative local path.
+        StoreNotAvailableError: no store for the scheme, or its package is
+            missing (the message says what to ``pip install``).
+    """
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"store URL must be a non-empty string, got {url!r}")
+    if "::" in url:  # fsspec URL chaining, e.g. "simplecache::s3://bucket/x"
+        return open_fsspec(url, **storage_options)
+    scheme = scheme_of(url)
+    if scheme is None:
+        if not os.path.isabs(url):
+            raise ValueError(f"relative local path {url!r}: use an absolute path or a file:// URL")
+        scheme = "file"
+    factory = _resolve(scheme, url)
+    return factory(url, **storage_options)
+
+
+def scheme_of(url: str) -> str | None:
+    """The lower-cased scheme of ``scheme://...``, or None for a plain path."""
+    head, sep, _ = url.partition("://")
+    if not sep:
+        return None
+    scheme = head.lower()
+    if not _SCHEME_RE.match(scheme):
+        raise ValueError(f"invalid URL scheme in {url!r}")
+    return scheme
+
+
+def _normalise_scheme(scheme: str) -> str:
+    scheme = scheme.lower().removesuffix("://")
+    if not _SCHEME_RE.match(scheme):
+        raise ValueError(f"invalid URL scheme {scheme!r}")
+    return scheme
+
+
+def _load_path(path: str) -> StoreFactory:
+    module_name, _, attr = path.partition(":")
+    module = importlib.import_module(module_name)
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+def _entry_point(scheme: str) -> importlib.metadata.EntryPoint | None:
+    found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=scheme)
+    for ep in found:
+        return ep
+    return None
+
+
+def _fsspec_knows(scheme: str) -> bool:
+    from fsspec.registry import known_implementations, registry
+
+    return scheme in registry or scheme in known_implementations
+
+
+def _resolve(scheme: str, url: str) -> StoreFactory:
+    with _lock:
+        entry = _registry.get(scheme)
+    if entry is None:
+        ep = _entry_point(scheme)
+        if ep is not None:
+            try:
+                factory = ep.load()
+            except ImportError as exc:
+                raise StoreNotAvailableError(
+                    f"store plugin {ep.value!r} for scheme {scheme!r} failed to import: {exc}"
+                ) from exc
+            with _lock:
+                _registry.setdefault(scheme, factory)
+            return factory  # type: ignore[no-any-return]
+        if _fsspec_knows(scheme):
+            return open_fsspec
+        raise StoreNotAvailableError(
+            f"no store for URL scheme {scheme!r} ({_display(url)}): register one with "
+            f"objckpt.storage.register_store() or install a package providing an "
+            f"{ENTRY_POINT_GROUP!r} entry point named {scheme!r}"
+        )
+    if callable(entry):
+        return entry
+    try:
+        factory = _load_path(entry)
+    except ImportError as exc:
+        raise StoreNotAvailableError(f"store for scheme {scheme!r} ({entry}) failed to import: {exc}") from exc
+    with _lock:
+        if _registry.get(scheme) == entry:
+            _registry[scheme] = factory
+    return factory
+
+
+def _display(url: str) -> str:
+    from objckpt.storage.fsspec_store import redact_url
+
+    return redact_url(url)
+
+
+def _require(module: str, scheme: str) -> Any:
+    """Import an optional dependency or say which package to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        package = _PIP_PACKAGE.get(scheme, module)
+        raise StoreNotAvailableError(f"{scheme}:// URLs need the {package!r} package: pip install {package}") from exc
+
+
+def _pop_timeout(options: dict[str, Any]) -> dict[str, Any]:
+    from objckpt.storage.fsspec_store import DEFAULT_REQUEST_TIMEOUT_S
+
+    return {"request_timeout": options.pop("request_timeout", DEFAULT_REQUEST_TIMEOUT_S)}
+
+
+# ------------------------------------------------------------------ factories
+
+
+def open_s3(url: str, **storage_options: Any) -> Store:
+    """``s3://`` / ``s3a://`` through s3fs."""
+    from objckpt.storage.fsspec_store import FsspecStore
+
+    s3fs = _require("s3fs", scheme_of(url) or "s3")
+    options = dict(storage_options)
+    store_kw = _pop_timeout(options)
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
+    if not endpoint:
+        # botocore >= 1.31 reads these itself; passing them on explicitly keeps
+        # older botocore working and tells us to use path-style addressing.
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            options["endpoint_url"] = endpoint
+    if endpoint:
+        config_kwargs = dict(options.get("config_kwargs") or {})
+        s3_config = dict(config_kwargs.get("s3") or {})
+        s3_config.setdefault("addressing_style", "path")
+        config_kwargs["s3"] = s3_config
+        options["config_kwargs"] = config_kwargs
+    options.setdefault("skip_instance_cache", True)
+    options.setdefault("use_listings_cache", False)
+    fs = s3fs.S3FileSystem(**options)
+    path = fs._strip_protocol(url).rstrip("/")
+    if not path:
+        raise ValueError(f"S3 URL needs a bucket: {_display(url)!r}")
+    return FsspecStore(fs, path, url=url, **store_kw)
+
+
+def open_gcs(url: str, **storage_options: Any) -> Store:
+    """``gs://`` / ``gcs://`` through gcsfs (``STORAGE_EMULATOR_HOST`` aware).
+
+    With an explicit endpoint (option or emulator variable) the core
+    ``gcsfs.core.GCSFileSystem`` is used rather than gcsfs's experimental
+    zonal-bucket subclass, whose bucket probe hangs 60 s against emulators.
+    """
+    from objckpt.storage.fsspec_store import FsspecStore
+
+    _require("gcsfs", scheme_of(url) or "gs")
+    gcsfs_core = importlib.import_module("gcsfs.core")
+    options = dict(storage_options)
+    store_kw = _pop_timeout(options)
+    endpoint = options.get("endpoint_url")
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if not endpoint and emulator and emulator != "default":
+        if "://" not in emulator:
+            emulator = f"http://{emulator}"
+        options["endpoint_url"] = endpoint = emulator
+        options.setdefault("token", "anon")
+    options.setdefault("skip_instance_cache", True)
+    options.setdefault("use_listings_cache", False)
+    if endpoint:
+        cls = gcsfs_core.GCSFileSystem
+    else:
+        cls = importlib.import_module("gcsfs").GCSFileSystem
+    fs = cls(**options)
+    path = fs._strip_protocol(url).rstrip("/")
+    if not path:
+        raise ValueError(f"GCS URL needs a bucket: {_display(url)!r}")
+    return FsspecStore(fs, path, url=url, **store_kw)
+
+
+def open_local(url: str, **storage_options: Any) -> Store:
+    """``file:///abs/path``, ``local:///abs/path`` or a plain absolute path."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from objckpt.storage.fsspec_store import FsspecStore
+
+    options = dict(storage_options)
+    store_kw = _pop_timeout(options)
+    scheme = scheme_of(url)
+    raw = url[len(scheme) + 3 :] if scheme else url
+    if raw.startswith("localhost/"):
+        raw = raw[len("localhost") :]
+    if not raw.startswith("/"):
+        raise ValueError(f"local store URL must be absolute: {url!r}")
+    options.setdefault("skip_instance_cache", True)
+    fs = LocalFileSystem(**options)
+    path = fs._strip_protocol(raw)
+    return FsspecStore(fs, path, url=url, **store_kw)
+
+
+def open_memory(url: str, **storage_options: Any) -> Store:
+    """``memory://name``: fsspec's process-wide in-memory filesystem."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from objckpt.storage.fsspec_store import FsspecStore
+
+    options = dict(storage_options)
+    store_kw = _pop_timeout(options)
+    fs = MemoryFileSystem(**options)
+    return FsspecStore(fs, fs._strip_protocol(url), url=url, **store_kw)
+
+
+def open_fsspec(url: str, **storage_options: Any) -> Store:
+    """Any other fsspec URL (``hdfs://``, ``az://``, ``sftp://``, chained URLs, ...)."""
+    import fsspec.core
+
+    from objckpt.storage.fsspec_store import FsspecStore, map_error
+
+    options = dict(storage_options)
+    store_kw = _pop_timeout(options)
+    options.setdefault("skip_instance_cache", True)
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
+        raise StoreNotAvailableError(f"{scheme_of(url) or url!r} URLs need an extra package: {exc}") from exc
+    except (OSError, ConnectionError, TimeoutError) as exc:  # filesystems that connect eagerly
+        raise map_error(exc, f"open {_display(url)}") from exc
+    return FsspecStore(fs, path, url=url, **store_kw)
