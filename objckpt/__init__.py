@@ -19,8 +19,10 @@ from objckpt.errors import (
     TargetMismatchError,
 )
 from objckpt.info import CheckpointInfo, LeafInfo, inspect
+from objckpt.manager import CheckpointManager
 from objckpt.options import Options, RetryConfig
 from objckpt.restore import restore
+from objckpt.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
 from objckpt.save import SaveHandle, save, save_async
 from objckpt.transfer import TransferStats
 
@@ -29,13 +31,18 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointExistsError",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CoordinationError",
     "FormatError",
     "IntegrityError",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
     "LeafInfo",
     "ObjckptError",
     "Options",
+    "RetentionPolicy",
     "RetryConfig",
     "SaveHandle",
     "StoreError",

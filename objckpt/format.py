@@ -32,6 +32,7 @@ ARRAY_KINDS = ("array", "ndarray", "str", "bytes")  # leaves whose data lives in
 INLINE_KINDS = ("int", "float", "bool", "none")  # leaves stored in the manifest itself
 _BLOB_KEY = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*(/[A-Za-z0-9_\-][A-Za-z0-9_.\-]*)*$")
 _MAX_RANK = 64
+PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")  # typed PRNG keys, stored as their uint32 key data
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,11 @@ class LeafEntry:
     pieces: tuple[Piece, ...] = ()
     value: Any = None
     sharding: dict[str, Any] | None = None
+
+    @property
+    def prng_impl(self) -> str | None:
+        """For typed PRNG keys: the key implementation; the stored data is ``key_data``."""
+        return (self.sharding or {}).get("prng_impl")
 
     @property
     def nbytes(self) -> int:
@@ -271,6 +277,8 @@ def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int]) -> LeafEntry:
         _need(len(shape) == 1, f"{where}.shape", "str and bytes leaves are 1-D")
     sharding = raw.get("sharding")
     _need(sharding is None or isinstance(sharding, dict), f"{where}.sharding", "must be an object")
+    if sharding is not None and "prng_impl" in sharding:
+        _need(sharding["prng_impl"] in PRNG_IMPLS, f"{where}.sharding.prng_impl", f"unknown {sharding['prng_impl']!r}")
     _need(isinstance(raw["pieces"], list), f"{where}.pieces", "must be a list")
     pieces = tuple(
         _piece_from_json(p, f"{where}.pieces[{j}]", shape, dtype.itemsize, blobs) for j, p in enumerate(raw["pieces"])

@@ -30,6 +30,14 @@ def classify(index: int, leaf: Leaf, *, is_primary: bool, split_above: int) -> t
         return LeafEntry(leaf.path, "int", value=value), []
     if isinstance(value, float):
         return LeafEntry(leaf.path, "float", value=value), []
+    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        # Typed PRNG keys: store the raw key data and the implementation's name.
+        impl = str(jax.random.key_impl(value))
+        key_data = jax.random.key_data(value)
+        entry = LeafEntry(
+            leaf.path, "array", dtype_name(key_data.dtype), tuple(key_data.shape), sharding={"prng_impl": impl}
+        )
+        return entry, owned_pieces(index, key_data, split_above=split_above)
     if isinstance(value, jax.Array):
         try:
             name = dtype_name(value.dtype)

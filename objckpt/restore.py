@@ -47,6 +47,7 @@ class _LeafJob:
     devices_by_box: dict[Box, list[Any]]
     buffers: dict[Box, np.ndarray]
     remaining: int = 0
+    key_sharding: Any = None  # typed PRNG keys: where to put the wrapped keys
     result: Any = None
     done: bool = field(default=False)
 
@@ -133,6 +134,11 @@ def _make_job(entry: LeafEntry, target: Any) -> _LeafJob:
     shape = entry.shape
     sharding = None
     out_dtype = None
+    if entry.prng_impl is not None:  # keys are tiny: rebuild on the host, then place them
+        key_sharding = getattr(target, "sharding", None) if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)) else None
+        full = ((0,) * len(shape), shape)
+        buffers = {full: np.empty(shape, dtype=dtype)}
+        return _LeafJob(entry, dtype, None, None, {full: []}, buffers, key_sharding=key_sharding)
     if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
         if tuple(target.shape) != shape:
             raise TargetMismatchError(
@@ -235,7 +241,10 @@ def _finish(job: _LeafJob) -> None:
         job.result = build_array(entry.shape or (), job.sharding, job.devices_by_box, buffers)
     else:
         (value,) = buffers.values()
-        if entry.kind == "str":
+        if entry.prng_impl is not None:
+            keys = jax.random.wrap_key_data(jax.numpy.asarray(value), impl=entry.prng_impl)
+            job.result = jax.device_put(keys, job.key_sharding) if job.key_sharding is not None else keys
+        elif entry.kind == "str":
             job.result = value.tobytes().decode()
         elif entry.kind == "bytes":
             job.result = value.tobytes()

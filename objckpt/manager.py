@@ -1,0 +1,292 @@
+"""CheckpointManager: numbered steps under one root, async saves, retention, gc.
+
+Layout: ``<root>/step_0000000042/`` is a checkpoint like any other (zero-padded
+so listing order is step order). A step is committed iff its ``manifest.json``
+exists, so listing steps reads no blobs and a crash at any moment never leaves
+a half-written step looking committed. Deleting a step removes its manifest
+first, then its blobs; ``gc`` sweeps blobs that no manifest references once
+they are older than a grace period, so it never races a save in flight.
+
+At most one save is in flight per manager: ``save`` first waits for the
+previous one and re-raises its error, so errors are never lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import re
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+from objckpt import _runtime
+from objckpt.errors import CheckpointNotFoundError
+from objckpt.format import MANIFEST_KEY
+from objckpt.info import CheckpointInfo, inspect
+from objckpt.manifest_io import read_manifest
+from objckpt.multihost import get_coordinator
+from objckpt.options import Options
+from objckpt.restore import restore
+from objckpt.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
+from objckpt.save import SaveHandle, save_async
+from objckpt.storage import Store, from_url
+
+log = logging.getLogger("objckpt")
+
+STEP_DIR = re.compile(r"^step_(\d{10,})$")
+_DELETE_CONCURRENCY = 32
+
+
+def step_dir(step: int) -> str:
+    """The directory name of a step; zero-padded so lexical order is numeric order."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step_{step:010d}"
+
+
+class CheckpointManager:
+    """Saves numbered steps under ``root_url`` and keeps what the retention policies say.
+
+    Args:
+        root_url: where step directories live.
+        keep_last: keep the N most recent steps.
+        keep_every: keep every step that is a multiple of K, forever.
+        keep_best: keep the N best steps by ``best_metric``.
+        best_metric: the metric name ``keep_best`` ranks by.
+        best_mode: "max" or "min".
+        storage_options: passed to the store.
+        options: tuning for saves and restores.
+        gc_grace_seconds: ``gc`` leaves uncommitted blobs younger than this alone.
+        policies: extra :class:`RetentionPolicy` objects.
+
+    Without any retention argument nothing is ever deleted. The latest committed
+    step is always kept.
+    """
+
+    def __init__(
+        self,
+        root_url: str,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "max",
+        storage_options: dict[str, Any] | None = None,
+        options: Options | None = None,
+        gc_grace_seconds: float = 3600.0,
+        policies: list[RetentionPolicy] | None = None,
+    ) -> None:
+        self.root_url = str(root_url).rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.options = options or Options()
+        self.gc_grace_seconds = gc_grace_seconds
+        self.store: Store = from_url(self.root_url, **self.storage_options)
+        self.policies: list[RetentionPolicy] = list(policies or [])
+        if keep_last is not None:
+            self.policies.append(KeepLast(keep_last))
+        if keep_every is not None:
+            if keep_every <= 0:
+                raise ValueError(f"keep_every must be positive, got {keep_every}")
+            self.policies.append(KeepEvery(keep_every))
+        if keep_best is not None:
+            if not best_metric:
+                raise ValueError("keep_best needs best_metric")
+            self.policies.append(KeepBest(keep_best, best_metric, best_mode))
+        self._coordinator = get_coordinator()
+        self._lock = threading.Lock()
+        self._pending: concurrent.futures.Future[None] | None = None
+        self._metrics: dict[int, dict[str, Any]] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ saving
+
+    def step_url(self, step: int) -> str:
+        return f"{self.root_url}/{step_dir(step)}"
+
+    def save(
+        self,
+        step: int,
+        tree: Any,
+        *,
+        metrics: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        wait: bool = False,
+    ) -> SaveHandle:
+        """Start saving ``tree`` as ``step``; returns after the device→host copy.
+
+        Waits for the previous save (and its retention pass) first, re-raising
+        its error if it failed. With ``wait=True`` also waits for this one.
+        """
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+        with self._lock:
+            self._wait_pending()
+            metrics = dict(metrics or {})
+            full_metadata = {"objckpt.manager": {"step": step, "metrics": metrics}, **(metadata or {})}
+            handle = save_async(
+                self.step_url(step),
+                tree,
+                storage_options=self.storage_options,
+                options=self.options,
+                metadata=full_metadata,
+            )
+            self._pending = _runtime.submit(self._after_save(handle, step, metrics))
+        if wait:
+            self.wait()
+        return handle
+
+    async def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, Any]) -> None:
+        await asyncio.wrap_future(handle._future)
+        self._metrics[step] = metrics
+        if self.policies and self._coordinator.is_primary:
+            await self._apply_retention()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (and its retention pass); re-raise its error."""
+        with self._lock:
+            self._wait_pending()
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for everything in flight; the manager cannot save afterwards."""
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ listing
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending. Reads only the listing, never a blob."""
+        return _runtime.run_sync(self._committed_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    async def _committed_steps(self) -> list[int]:
+        objects = await self.store.list("step_")
+        steps = set()
+        for obj in objects:
+            head, _, tail = obj.key.partition("/")
+            match = STEP_DIR.match(head)
+            if match and tail == MANIFEST_KEY:
+                steps.add(int(match.group(1)))
+        return sorted(steps)
+
+    # ------------------------------------------------------------------ reading
+
+    def restore(self, step: int | None = None, target: Any = None, *, partial: bool = False) -> Any:
+        """Restore ``step`` (the latest committed one by default)."""
+        step = self._resolve(step)
+        return restore(
+            self.step_url(step), target, storage_options=self.storage_options, partial=partial, options=self.options
+        )
+
+    def inspect(self, step: int | None = None) -> CheckpointInfo:
+        step = self._resolve(step)
+        return inspect(self.step_url(step), storage_options=self.storage_options, options=self.options)
+
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The metrics ``step`` was saved with (read from its manifest if not seen here)."""
+        if step not in self._metrics:
+            manifest = _runtime.run_sync(
+                read_manifest(self.store.child(step_dir(step)), size_limit=self.options.manifest_size_limit)
+            )
+            info = manifest.metadata.get("objckpt.manager", {})
+            self._metrics[step] = dict(info.get("metrics", {})) if isinstance(info, dict) else {}
+        return self._metrics[step]
+
+    def _resolve(self, step: int | None) -> int:
+        if step is not None:
+            return step
+        latest = self.latest_step()
+        if latest is None:
+            raise CheckpointNotFoundError(f"no committed step under {self.store.url}")
+        return latest
+
+    # ------------------------------------------------------------------ deleting
+
+    async def _apply_retention(self) -> None:
+        steps = await self._committed_steps()
+        needs_metrics = any(isinstance(p, KeepBest) for p in self.policies)
+        records = []
+        for s in steps:
+            metrics = (await asyncio.to_thread(self.metrics, s)) if needs_metrics else self._metrics.get(s, {})
+            records.append(StepRecord(s, metrics))
+        for step in steps_to_delete(records, self.policies):
+            await self._delete_step(step)
+            log.info("objckpt retention deleted step %d under %s", step, self.store.url)
+
+    async def _delete_step(self, step: int) -> None:
+        """Manifest first (the step stops existing at once), then its blobs."""
+        store = self.store.child(step_dir(step))
+        await store.delete(MANIFEST_KEY)
+        self._metrics.pop(step, None)
+        await _delete_all(store, [o.key for o in await store.list()])
+
+    def delete(self, step: int) -> None:
+        """Delete one step (manifest first)."""
+        self.wait()
+        _runtime.run_sync(self._delete_step(step))
+
+    def gc(self, grace_seconds: float | None = None) -> list[str]:
+        """Delete blobs no committed manifest references, once older than the grace period.
+
+        Returns the keys deleted (relative to the root). Blobs of a save still
+        in flight are younger than the grace period, so they are safe.
+        """
+        grace = self.gc_grace_seconds if grace_seconds is None else grace_seconds
+        return _runtime.run_sync(self._gc(grace))
+
+    async def _gc(self, grace: float) -> list[str]:
+        objects = await self.store.list("step_")
+        by_step: dict[str, list[Any]] = defaultdict(list)
+        for obj in objects:
+            head, _, tail = obj.key.partition("/")
+            if STEP_DIR.match(head) and tail:
+                by_step[head].append(obj)
+        now = time.time()
+        doomed: list[str] = []
+        for head, objs in by_step.items():
+            keys = {o.key for o in objs}
+            referenced: set[str] = set()
+            if f"{head}/{MANIFEST_KEY}" in keys:
+                try:
+                    manifest = await read_manifest(self.store.child(head), size_limit=self.options.manifest_size_limit)
+                except Exception as e:  # a broken manifest: leave the step alone, say so
+                    log.warning("objckpt gc skips %s/%s: %s", self.store.url, head, e)
+                    continue
+                referenced = {f"{head}/{b.key}" for b in manifest.blobs} | {f"{head}/{MANIFEST_KEY}"}
+            for o in objs:
+                old = grace <= 0 or (o.last_modified is not None and now - o.last_modified >= grace)
+                if o.key not in referenced and old:
+                    doomed.append(o.key)
+        await _delete_all(self.store, doomed)
+        if doomed:
+            log.info("objckpt gc deleted %d unreferenced objects under %s", len(doomed), self.store.url)
+        return doomed
+
+
+async def _delete_all(store: Store, keys: list[str]) -> None:
+    slots = asyncio.Semaphore(_DELETE_CONCURRENCY)
+
+    async def one(key: str) -> None:
+        async with slots:
+            await store.delete(key)
+
+    await asyncio.gather(*(one(k) for k in keys))
