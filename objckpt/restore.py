@@ -45,7 +45,7 @@ class _LeafJob:
     out_dtype: np.dtype | None  # cast to this when it differs
     sharding: jax.sharding.Sharding | None  # None → host numpy
     devices_by_box: dict[Box, list[Any]]
-    buffers: dict[Box, np.ndarray]
+    buffers: dict[Box, np.ndarray] = field(default_factory=dict)  # allocated when the first piece lands
     remaining: int = 0
     key_sharding: Any = None  # typed PRNG keys: where to put the wrapped keys
     result: Any = None
@@ -135,10 +135,11 @@ def _make_job(entry: LeafEntry, target: Any) -> _LeafJob:
     sharding = None
     out_dtype = None
     if entry.prng_impl is not None:  # keys are tiny: rebuild on the host, then place them
-        key_sharding = getattr(target, "sharding", None) if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)) else None
+        key_sharding = (
+            getattr(target, "sharding", None) if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)) else None
+        )
         full = ((0,) * len(shape), shape)
-        buffers = {full: np.empty(shape, dtype=dtype)}
-        return _LeafJob(entry, dtype, None, None, {full: []}, buffers, key_sharding=key_sharding)
+        return _LeafJob(entry, dtype, None, None, {full: []}, key_sharding=key_sharding)
     if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
         if tuple(target.shape) != shape:
             raise TargetMismatchError(
@@ -157,8 +158,7 @@ def _make_job(entry: LeafEntry, target: Any) -> _LeafJob:
     else:
         full = ((0,) * len(shape), shape)
         devices_by_box = {full: []}
-    buffers = {box: np.empty(tuple(b - a for a, b in zip(*box)), dtype=dtype) for box in devices_by_box}
-    return _LeafJob(entry, dtype, out_dtype, sharding, devices_by_box, buffers)
+    return _LeafJob(entry, dtype, out_dtype, sharding, devices_by_box)
 
 
 def _inline(entry: LeafEntry, target: Any) -> Any:
@@ -170,7 +170,7 @@ def _inline(entry: LeafEntry, target: Any) -> Any:
 def _plan(manifest: Manifest, jobs: dict[int, _LeafJob], options: Options) -> list[ReadRequest]:
     wanted: list[tuple[int, Piece]] = []
     for i, job in jobs.items():
-        pieces = pieces_needed(job.entry.pieces, list(job.buffers))
+        pieces = pieces_needed(job.entry.pieces, list(job.devices_by_box))
         job.remaining = len(pieces)
         wanted.extend((i, p) for p in pieces)
     return plan_reads(wanted, coalesce_gap=options.coalesce_gap, max_read_size=options.max_read_size)
@@ -188,6 +188,7 @@ async def _fetch(
     )
     for job in jobs.values():
         if job.remaining == 0:
+            _allocate(job)
             await asyncio.to_thread(_finish, job)
 
     async def one(request: ReadRequest) -> None:
@@ -198,6 +199,8 @@ async def _fetch(
                 f"blob {store.url}/{request.blob} is truncated: asked bytes [{request.start}, {request.end}),"
                 f" got {len(data)} (leaves {', '.join(paths)})"
             )
+        for part in request.parts:
+            _allocate(jobs[part.leaf])
         await asyncio.to_thread(_scatter, request, data, jobs, store.url)
         for part in request.parts:  # counted here, on the loop thread, so no two threads race
             job = jobs[part.leaf]
@@ -205,7 +208,14 @@ async def _fetch(
             if job.remaining == 0:
                 await asyncio.to_thread(_finish, job)
 
-    await engine.for_each(requests, one, window_bytes=options.read_window, size=lambda r: r.length)
+    window = min(options.read_window, options.memory_budget)
+    await engine.for_each(requests, one, window_bytes=window, size=lambda r: r.length)
+
+
+def _allocate(job: _LeafJob) -> None:
+    """Host buffers for a leaf, made when its first piece lands so memory follows progress."""
+    if not job.buffers and not job.done:
+        job.buffers = {box: np.empty(tuple(b - a for a, b in zip(*box)), dtype=job.dtype) for box in job.devices_by_box}
 
 
 def _scatter(request: ReadRequest, data: bytes, jobs: dict[int, _LeafJob], url: str) -> None:

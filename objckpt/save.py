@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -79,9 +80,11 @@ class _ThreadByteBudget:
         self.in_use = 0
         self._cond = threading.Condition()
 
-    def acquire(self, n: int, abort: threading.Event) -> int:
+    def acquire(self, n: int, abort: threading.Event, on_wait: Callable[[], None]) -> int:
         n = min(n, self.limit)
         with self._cond:
+            if self.in_use + n > self.limit:
+                on_wait()
             while self.in_use + n > self.limit and not abort.is_set():
                 self._cond.wait(0.1)
             self.in_use += n
@@ -132,6 +135,7 @@ def save_async(
     Returns after the blocking phase: the caller may update, donate or delete
     its arrays at once. Takes the same arguments as :func:`save`.
     """
+    entered = time.perf_counter()
     options = options or Options()
     store = from_url(url, **(storage_options or {}))
     coordinator = get_coordinator()
@@ -162,7 +166,7 @@ def save_async(
     engine = _runtime.run_sync(_make_engine(store, options, stats))
     started = time.perf_counter()
     uploads = _snapshot_and_upload(blobs, engine, options)
-    seconds_blocked = time.perf_counter() - started
+    seconds_blocked = time.perf_counter() - entered
     commit = _Commit(
         store=store,
         engine=engine,
@@ -205,14 +209,38 @@ def _snapshot_and_upload(
 ) -> list[concurrent.futures.Future[list[PieceRecord]]]:
     """The blocking phase: fill each blob's staging buffer, hand it to the uploader.
 
-    Blocks only on the copies and, when the budget is spent, on uploads freeing
-    buffers. Stops early if an upload has already failed.
+    Uploads are held back until the copies finish (on 2-core hosts the upload
+    threads would otherwise slow the copy the caller waits for), or until the
+    budget runs out, when the model is bigger than the budget and the phase
+    has to stream. Stops early if an upload has already failed.
     """
     budget = _ThreadByteBudget(options.memory_budget)
     failed = threading.Event()
+    gate: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def open_gate() -> None:
+        if not gate.done():
+            gate.set_result(None)
+
     futures: list[concurrent.futures.Future[list[PieceRecord]]] = []
+    try:
+        _fill_blobs(blobs, engine, budget, failed, gate, open_gate, futures)
+    finally:
+        open_gate()
+    return futures
+
+
+def _fill_blobs(
+    blobs: list[BlobPlan],
+    engine: TransferEngine,
+    budget: _ThreadByteBudget,
+    failed: threading.Event,
+    gate: concurrent.futures.Future[None],
+    open_gate: Callable[[], None],
+    futures: list[concurrent.futures.Future[list[PieceRecord]]],
+) -> None:
     for blob in blobs:
-        held = budget.acquire(blob.size, failed)
+        held = budget.acquire(blob.size, failed, open_gate)
         if failed.is_set():
             budget.release(held)
             break
@@ -222,7 +250,7 @@ def _snapshot_and_upload(
             dtype = placed.piece.source[0].dtype
             view = buffer[placed.offset : placed.offset + piece.nbytes].view(dtype).reshape(piece.shape)
             copy_piece_into(piece, view)
-        future = _runtime.submit(_upload(blob, buffer, engine))
+        future = _runtime.submit(_upload(blob, buffer, engine, gate))
 
         def _done(f: concurrent.futures.Future[Any], held: int = held) -> None:
             budget.release(held)
@@ -231,11 +259,13 @@ def _snapshot_and_upload(
 
         future.add_done_callback(_done)
         futures.append(future)
-    return futures
 
 
-async def _upload(blob: BlobPlan, buffer: np.ndarray, engine: TransferEngine) -> list[PieceRecord]:
-    """Checksum each piece (off the loop thread) and PUT the blob with retries."""
+async def _upload(
+    blob: BlobPlan, buffer: np.ndarray, engine: TransferEngine, gate: concurrent.futures.Future[None]
+) -> list[PieceRecord]:
+    """Checksum each piece (off the loop thread) and PUT the blob with retries, once the gate opens."""
+    await asyncio.wrap_future(gate)
 
     def checksums() -> list[int]:
         view = buffer.data.toreadonly()

@@ -13,7 +13,12 @@ from objckpt import _runtime
 
 
 def _state(step):
-    return {"params": {"w": jnp.full((32, 16), step, jnp.float32)}, "step": step, "data": {"epoch": step // 3, "pos": step * 7}, "cfg": {"name": "run"}}
+    return {
+        "params": {"w": jnp.full((32, 16), step, jnp.float32)},
+        "step": step,
+        "data": {"epoch": step // 3, "pos": step * 7},
+        "cfg": {"name": "run"},
+    }
 
 
 def test_steps_latest_restore_inspect(any_store):
@@ -53,7 +58,9 @@ def test_no_retention_keeps_everything_and_listing_reads_no_blobs(memory_store, 
 
 
 def test_retention_policies_combine(memory_store):
-    mgr = objckpt.CheckpointManager(memory_store.url, keep_last=2, keep_every=4, keep_best=1, best_metric="acc", best_mode="max")
+    mgr = objckpt.CheckpointManager(
+        memory_store.url, keep_last=2, keep_every=4, keep_best=1, best_metric="acc", best_mode="max"
+    )
     acc = {1: 0.5, 2: 0.9, 3: 0.1, 4: 0.2, 5: 0.3, 6: 0.4, 7: 0.0, 8: 0.1, 9: 0.2}
     for step in range(1, 10):
         mgr.save(step, _state(step), metrics={"acc": acc[step]})
@@ -78,7 +85,7 @@ def test_keep_best_reads_metrics_of_earlier_runs(memory_store):
 def test_error_of_a_background_save_is_raised_by_the_next_call(memory_store, monkeypatch):
     save_module = importlib.import_module("objckpt.save")
 
-    async def broken_upload(blob, buffer, engine):
+    async def broken_upload(blob, buffer, engine, gate):
         raise OSError("disk on fire")
 
     mgr = objckpt.CheckpointManager(memory_store.url)
@@ -143,7 +150,9 @@ def test_rng_keys_and_iterator_state_round_trip(memory_store):
     out = mgr.restore(target=state)
     assert out["rng"].dtype == keys.dtype
     np.testing.assert_array_equal(jax.random.key_data(out["rng"]), jax.random.key_data(keys))
-    np.testing.assert_array_equal(np.asarray(jax.random.normal(out["rng"][1], (3,))), np.asarray(jax.random.normal(keys[1], (3,))))
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.normal(out["rng"][1], (3,))), np.asarray(jax.random.normal(keys[1], (3,)))
+    )
     np.testing.assert_array_equal(out["legacy_rng"], legacy)
     assert out["iterator"] == state["iterator"]
     plain = mgr.restore()
