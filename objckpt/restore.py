@@ -19,16 +19,20 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from objckpt import _runtime
 from objckpt.arrays import Box, box_to_slices, build_array, needed_boxes
 from objckpt.checksum import crc32c
 from objckpt.dtypes import dtype_from_name
-from objckpt.errors import IntegrityError, TargetMismatchError
+from objckpt.errors import CoordinationError, IntegrityError, TargetMismatchError
 from objckpt.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
 from objckpt.manifest_io import read_manifest
+from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.plan import ReadRequest, intersect, pieces_needed, plan_reads
+from objckpt.read_once import designate, share
+from objckpt.read_once import supported as read_once_supported
 from objckpt.storage import from_url
 from objckpt.transfer import TransferEngine, TransferStats
 from objckpt.tree import build, flatten_target, unflatten_target
@@ -48,6 +52,15 @@ class _LeafJob:
     buffers: dict[Box, np.ndarray] = field(default_factory=dict)  # allocated when the first piece lands
     remaining: int = 0
     key_sharding: Any = None  # typed PRNG keys: where to put the wrapped keys
+    designated: dict[Box, Any] | None = None  # read-once: the device that reads each box
+
+    @property
+    def read_boxes(self) -> list[Box]:
+        """Boxes this process fetches: all it needs, or with read-once only its designated ones."""
+        if self.designated is None:
+            return list(self.devices_by_box)
+        return [box for box, devices in self.devices_by_box.items() if self.designated[box] in devices]
+
     result: Any = None
     done: bool = field(default=False)
 
@@ -58,6 +71,7 @@ def restore(
     *,
     storage_options: dict[str, Any] | None = None,
     partial: bool = False,
+    read_once: bool = False,
     options: Options | None = None,
     stats: TransferStats | None = None,
 ) -> Any:
@@ -73,6 +87,10 @@ def restore(
         storage_options: passed to the store.
         partial: allow the target to name only some saved leaves; the others
             are not read at all.
+        read_once: with several processes, read each unique byte from the store
+            once (one process per replicated box) and hand it to the other
+            replicas with a collective over the devices. For restores across
+            regions, where every byte read costs egress. All processes must pass it.
         options: tuning (:class:`objckpt.Options`).
         stats: counters to fill (bytes read, requests, retries).
 
@@ -85,9 +103,17 @@ def restore(
     started = time.perf_counter()
     manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
     selection = _select(manifest, target, partial)
-    jobs = {i: _make_job(manifest.leaves[i], t) for i, t in selection.items() if manifest.leaves[i].kind in ARRAY_KINDS}
+    read_once = read_once and jax.process_count() > 1
+    jobs = {
+        i: _make_job(manifest.leaves[i], t, read_once=read_once)
+        for i, t in selection.items()
+        if manifest.leaves[i].kind in ARRAY_KINDS
+    }
     requests = _plan(manifest, jobs, options)
-    _runtime.run_sync(_fetch(store, requests, jobs, options, stats))
+    if read_once:
+        _fetch_then_share(store, requests, jobs, options, stats)
+    else:
+        _runtime.run_sync(_fetch(store, requests, jobs, options, stats))
     values = {i: (jobs[i].result if i in jobs else _inline(manifest.leaves[i], t)) for i, t in selection.items()}
     seconds = time.perf_counter() - started
     log.info(
@@ -128,7 +154,36 @@ def _select(manifest: Manifest, target: Any, partial: bool) -> dict[int, Any]:
     return {index[path]: value for path, value in flat}
 
 
-def _make_job(entry: LeafEntry, target: Any) -> _LeafJob:
+def _fetch_then_share(
+    store: Any, requests: list[ReadRequest], jobs: dict[int, _LeafJob], options: Options, stats: TransferStats
+) -> None:
+    """Read-once: fetch this process's share, agree that every process succeeded, then share.
+
+    The status exchange (with a timeout) comes before the collective, which has
+    none: a process that failed to read must not leave the others in a collective.
+    """
+    coordinator = get_coordinator()
+    tag = operation_tag("restore", store.url)
+    error: BaseException | None = None
+    try:
+        _runtime.run_sync(_fetch(store, requests, jobs, options, stats))
+    except BaseException as e:
+        error = e
+    status = f"error: {type(error).__name__}: {error}" if error is not None else "ok"
+    statuses = coordinator.all_gather(f"{tag}/status", status.encode(), timeout=options.barrier_timeout)
+    if error is not None:
+        raise error
+    failed = [f"process {p}: {s.decode()}" for p, s in enumerate(statuses) if s != b"ok"]
+    if failed:
+        raise CoordinationError(f"restore of {store.url} failed elsewhere: {'; '.join(failed)}")
+    for i in sorted(jobs):  # same order on every process: the collectives must line up
+        job = jobs[i]
+        if job.designated is not None:
+            assert isinstance(job.sharding, NamedSharding)
+            job.result = share(job.result, job.sharding)
+
+
+def _make_job(entry: LeafEntry, target: Any, *, read_once: bool = False) -> _LeafJob:
     dtype = dtype_from_name(entry.dtype or "")
     assert dtype is not None and entry.shape is not None  # validated by the reader
     shape = entry.shape
@@ -155,6 +210,9 @@ def _make_job(entry: LeafEntry, target: Any) -> _LeafJob:
             raise TargetMismatchError(
                 f"leaf {entry.path}: sharding {sharding} does not fit shape {shape}: {e}"
             ) from None
+        if read_once and isinstance(sharding, NamedSharding) and read_once_supported(sharding, out_dtype):
+            designated = designate(sharding, shape, dtype.itemsize)
+            return _LeafJob(entry, dtype, out_dtype, sharding, devices_by_box, designated=designated)
     else:
         full = ((0,) * len(shape), shape)
         devices_by_box = {full: []}
@@ -170,7 +228,7 @@ def _inline(entry: LeafEntry, target: Any) -> Any:
 def _plan(manifest: Manifest, jobs: dict[int, _LeafJob], options: Options) -> list[ReadRequest]:
     wanted: list[tuple[int, Piece]] = []
     for i, job in jobs.items():
-        pieces = pieces_needed(job.entry.pieces, list(job.devices_by_box))
+        pieces = pieces_needed(job.entry.pieces, job.read_boxes)
         job.remaining = len(pieces)
         wanted.extend((i, p) for p in pieces)
     return plan_reads(wanted, coalesce_gap=options.coalesce_gap, max_read_size=options.max_read_size)
@@ -215,7 +273,7 @@ async def _fetch(
 def _allocate(job: _LeafJob) -> None:
     """Host buffers for a leaf, made when its first piece lands so memory follows progress."""
     if not job.buffers and not job.done:
-        job.buffers = {box: np.empty(tuple(b - a for a, b in zip(*box)), dtype=job.dtype) for box in job.devices_by_box}
+        job.buffers = {box: np.empty(tuple(b - a for a, b in zip(*box)), dtype=job.dtype) for box in job.read_boxes}
 
 
 def _scatter(request: ReadRequest, data: bytes, jobs: dict[int, _LeafJob], url: str) -> None:
@@ -247,7 +305,19 @@ def _finish(job: _LeafJob) -> None:
     buffers = job.buffers
     if job.out_dtype is not None and job.out_dtype != job.dtype:
         buffers = {box: b.astype(job.out_dtype) for box, b in buffers.items()}
-    if job.sharding is not None:
+    if job.designated is not None:  # replicas other than the designated one start as zeros
+        assert job.sharding is not None
+        out_dtype = job.out_dtype if job.out_dtype is not None else job.dtype
+        singles = []
+        for box, devices in job.devices_by_box.items():
+            for device in devices:
+                if job.designated[box] == device:
+                    host = buffers[box]
+                else:
+                    host = np.zeros(tuple(b - a for a, b in zip(*box)), dtype=out_dtype)
+                singles.append(jax.device_put(host, device))
+        job.result = jax.make_array_from_single_device_arrays(entry.shape or (), job.sharding, singles)
+    elif job.sharding is not None:
         job.result = build_array(entry.shape or (), job.sharding, job.devices_by_box, buffers)
     else:
         (value,) = buffers.values()

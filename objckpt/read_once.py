@@ -1,0 +1,94 @@
+"""Read-once restore: each unique byte leaves the store once, replicas get it over the devices.
+
+When a target sharding replicates a box on devices of several processes (data
+parallelism), a plain restore makes every process read it. Read-once picks one
+*designated* device per unique box (spreading bytes evenly over processes);
+only that device's process reads the box, the other replicas start as zeros,
+and one jitted ``psum`` over the replica mesh axes (on the bits, as unsigned
+integers, so the sum of data and zeros is exact for every value, -0.0 and NaN
+payloads included) gives every replica the bytes.
+
+Every process computes the same designation from the sharding alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from objckpt.arrays import Box, index_to_box
+
+_UINT_FOR_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def replica_axes(sharding: NamedSharding) -> tuple[str, ...]:
+    """Mesh axes (of size > 1) that the spec does not use: the data is replicated along them."""
+    used: set[str] = set()
+    for entry in sharding.spec:
+        if entry is None:
+            continue
+        used.update(entry if isinstance(entry, tuple) else (entry,))
+    return tuple(str(a) for a, n in sharding.mesh.shape.items() if a not in used and n > 1)
+
+
+def supported(sharding: Any, dtype: np.dtype) -> bool:
+    """Read-once needs a NamedSharding replicated across processes and a bit-castable dtype."""
+    if not isinstance(sharding, NamedSharding) or not replica_axes(sharding):
+        return False
+    if dtype == np.bool_:
+        return True
+    if dtype.kind == "c" or dtype.itemsize not in (1, 2, 4, 8):
+        return False
+    return not (dtype.itemsize == 1 and dtype.name in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn"))
+
+
+def designate(sharding: NamedSharding, shape: tuple[int, ...], itemsize: int) -> dict[Box, Any]:
+    """For each unique box, the one device whose process reads it; bytes balanced over processes."""
+    replicas: dict[Box, list[Any]] = defaultdict(list)
+    for device, index in sharding.devices_indices_map(shape).items():
+        replicas[index_to_box(index, shape)].append(device)
+    load: dict[int, int] = defaultdict(int)
+    chosen: dict[Box, Any] = {}
+    ordered = sorted(replicas, key=lambda box: (-_volume(box), box))
+    for box in ordered:
+        devices = sorted(replicas[box], key=lambda d: d.id)
+        device = min(devices, key=lambda d: (load[d.process_index], d.id))
+        chosen[box] = device
+        load[device.process_index] += _volume(box) * itemsize
+    return chosen
+
+
+def _volume(box: Box) -> int:
+    n = 1
+    for a, b in zip(*box):
+        n *= b - a
+    return n
+
+
+def share(array: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Sum the replicas bitwise: the designated replica holds data, the others zeros."""
+    return _sharer(sharding.mesh, sharding.spec, replica_axes(sharding), np.dtype(array.dtype).name)(array)
+
+
+@functools.cache
+def _sharer(mesh: Any, spec: P, axes: tuple[str, ...], dtype_name: str) -> Any:
+    dtype = np.dtype(jnp.dtype(dtype_name))
+
+    def body(x: jax.Array) -> jax.Array:
+        if dtype == np.bool_:
+            return jax.lax.psum(x.astype(jnp.uint8), axes).astype(jnp.bool_)
+        if dtype.itemsize == 8:  # no 64-bit ints without x64: split into two uint32 words
+            words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+            return jax.lax.bitcast_convert_type(jax.lax.psum(words, axes), x.dtype)
+        uint = _UINT_FOR_SIZE[dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, uint)
+        return jax.lax.bitcast_convert_type(jax.lax.psum(bits, axes), x.dtype)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))

@@ -1,0 +1,82 @@
+"""Launch N JAX processes on this machine (4 CPU devices each) and collect their results.
+
+Each process runs ``tests/mp_worker.py`` with ``jax.distributed.initialize`` on a
+free loopback port. Every process is killed by PID when the deadline passes, so a
+hung test never leaves JAX processes behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+WORKER = Path(__file__).with_name("mp_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_processes(
+    n: int, job: dict[str, Any], *, timeout: float = 180, devices_per_process: int = 4
+) -> list[dict[str, Any] | None]:
+    """Run ``job`` in ``n`` processes; each one's parsed RESULT line (None if it printed none)."""
+    port = free_port()
+    procs = []
+    for pid in range(n):
+        env = dict(
+            os.environ,
+            OBJCKPT_MP_JOB=json.dumps(job),
+            OBJCKPT_MP_PROCESS=str(pid),
+            OBJCKPT_MP_COUNT=str(n),
+            OBJCKPT_MP_PORT=str(port),
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+            PYTHONPATH=str(WORKER.parents[1]),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    outputs: list[tuple[str, str]] = []
+    try:
+        for proc in procs:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                outputs.append(proc.communicate(timeout=remaining))
+            except subprocess.TimeoutExpired:
+                _kill_all(procs)
+                outputs.append(proc.communicate())
+    finally:
+        _kill_all(procs)
+    results: list[dict[str, Any] | None] = []
+    for out, err in outputs:
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][len("RESULT ") :]) if lines else None)
+        if not lines:
+            sys.stderr.write(f"--- a worker printed no result; its stderr tail:\n{err[-3000:]}\n")
+    return results
+
+
+def _kill_all(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
