@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -35,8 +36,15 @@ LEAVES = {
 }
 
 
+def shape_of(name: str) -> tuple[int, ...]:
+    """The leaf's shape, its first dimension scaled by the job's ``scale`` (benchmarks use big ones)."""
+    shape = LEAVES[name][0]
+    return (shape[0] * int(JOB.get("scale", 1)), *shape[1:])
+
+
 def global_value(name: str) -> np.ndarray:
-    shape, dtype, _ = LEAVES[name]
+    _, dtype, _ = LEAVES[name]
+    shape = shape_of(name)
     seed = sum(map(ord, name))
     values = (np.arange(int(np.prod(shape)), dtype=np.float64) * 0.37 + seed) % 251 - 125
     return values.reshape(shape).astype(jnp.dtype(dtype))
@@ -71,8 +79,10 @@ def target_tree(job: dict[str, Any]) -> dict[str, Any]:
     mesh = mesh_of(job)
     remap = job.get("remap", {})
     params = {
-        name: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, spec_for(name, mesh, remap)))
-        for name, (shape, dtype, _) in LEAVES.items()
+        name: jax.ShapeDtypeStruct(
+            shape_of(name), jnp.dtype(dtype), sharding=NamedSharding(mesh, spec_for(name, mesh, remap))
+        )
+        for name, (_, dtype, _) in LEAVES.items()
     }
     return {"params": params, "step": 0, "host": None, "note": ""}
 
@@ -101,12 +111,20 @@ def run() -> dict[str, Any]:
     kind = JOB["kind"]
     so = JOB.get("storage_options") or {}
     if kind == "save":
-        handle = objckpt.save_async(JOB["url"], make_tree(JOB), storage_options=so, options=options(JOB))
+        tree = jax.block_until_ready(make_tree(JOB))
+        started = time.perf_counter()
+        handle = objckpt.save_async(JOB["url"], tree, storage_options=so, options=options(JOB))
         handle.result()
-        return {"bytes_written": handle.stats.bytes_written, "objects": handle.stats.objects_written}
+        seconds = time.perf_counter() - started
+        return {
+            "bytes_written": handle.stats.bytes_written,
+            "objects": handle.stats.objects_written,
+            "seconds": seconds,
+        }
     if kind == "restore":
         stats = objckpt.TransferStats()
         target = target_tree(JOB)
+        started = time.perf_counter()
         restored = objckpt.restore(
             JOB["url"],
             target,
@@ -115,15 +133,14 @@ def run() -> dict[str, Any]:
             options=options(JOB),
             stats=stats,
         )
-        return {"bytes_read": stats.bytes_read, "mismatches": check(restored, target)}
+        seconds = time.perf_counter() - started
+        return {"bytes_read": stats.bytes_read, "mismatches": check(restored, target), "seconds": seconds}
     if kind == "save_with_victim":
         mgr = objckpt.CheckpointManager(JOB["url"], storage_options=so, options=options(JOB))
         mgr.save(1, make_tree(JOB), wait=True)
         if PROCESS == JOB["victim"]:
             mgr.save(2, make_tree(JOB))  # blocking phase done, upload under way ...
             os.kill(os.getpid(), signal.SIGKILL)  # ... and this process dies
-        import time
-
         started = time.monotonic()
         try:
             mgr.save(2, make_tree(JOB), wait=True)
