@@ -9,7 +9,7 @@ from objckpt import _runtime
 from objckpt.format import LeafEntry, Manifest
 from objckpt.manifest_io import read_manifest
 from objckpt.options import Options
-from objckpt.storage import from_url
+from objckpt.transfer import open_store
 from objckpt.tree import build
 
 
@@ -100,6 +100,6 @@ def inspect(
 ) -> CheckpointInfo:
     """Describe a committed checkpoint without reading any array data."""
     options = options or Options()
-    store = from_url(url, **(storage_options or {}))
+    store = open_store(url, storage_options, options)
     manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
     return info_from_manifest(store.url, manifest)

@@ -32,7 +32,8 @@ from objckpt.options import Options
 from objckpt.restore import restore
 from objckpt.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
 from objckpt.save import SaveHandle, save_async
-from objckpt.storage import Store, from_url
+from objckpt.storage import ObjectInfo, Store
+from objckpt.transfer import open_store
 
 log = logging.getLogger("objckpt")
 
@@ -84,7 +85,7 @@ class CheckpointManager:
         self.storage_options = dict(storage_options or {})
         self.options = options or Options()
         self.gc_grace_seconds = gc_grace_seconds
-        self.store: Store = from_url(self.root_url, **self.storage_options)
+        self.store: Store = open_store(self.root_url, self.storage_options, self.options)
         self.policies: list[RetentionPolicy] = list(policies or [])
         if keep_last is not None:
             self.policies.append(KeepLast(keep_last))
@@ -234,10 +235,8 @@ class CheckpointManager:
 
     async def _delete_step(self, step: int) -> None:
         """Manifest first (the step stops existing at once), then its blobs."""
-        store = self.store.child(step_dir(step))
-        await store.delete(MANIFEST_KEY)
         self._metrics.pop(step, None)
-        await _delete_all(store, [o.key for o in await store.list()])
+        await delete_checkpoint(self.store.child(step_dir(step)))
 
     def delete(self, step: int) -> None:
         """Delete one step (manifest first)."""
@@ -254,32 +253,52 @@ class CheckpointManager:
         return _runtime.run_sync(self._gc(grace))
 
     async def _gc(self, grace: float) -> list[str]:
-        objects = await self.store.list("step_")
-        by_step: dict[str, list[Any]] = defaultdict(list)
-        for obj in objects:
-            head, _, tail = obj.key.partition("/")
-            if STEP_DIR.match(head) and tail:
-                by_step[head].append(obj)
-        now = time.time()
-        doomed: list[str] = []
-        for head, objs in by_step.items():
-            keys = {o.key for o in objs}
-            referenced: set[str] = set()
-            if f"{head}/{MANIFEST_KEY}" in keys:
-                try:
-                    manifest = await read_manifest(self.store.child(head), size_limit=self.options.manifest_size_limit)
-                except Exception as e:  # a broken manifest: leave the step alone, say so
-                    log.warning("objckpt gc skips %s/%s: %s", self.store.url, head, e)
-                    continue
-                referenced = {f"{head}/{b.key}" for b in manifest.blobs} | {f"{head}/{MANIFEST_KEY}"}
-            for o in objs:
-                old = grace <= 0 or (o.last_modified is not None and now - o.last_modified >= grace)
-                if o.key not in referenced and old:
-                    doomed.append(o.key)
+        limit = self.options.manifest_size_limit
+        found = await unreferenced_objects(self.store, grace=grace, manifest_size_limit=limit)
+        doomed = [o.key for o in found]
         await _delete_all(self.store, doomed)
         if doomed:
             log.info("objckpt gc deleted %d unreferenced objects under %s", len(doomed), self.store.url)
         return doomed
+
+
+async def delete_checkpoint(store: Store) -> list[str]:
+    """Delete the checkpoint rooted at ``store``: manifest first (it stops existing at once), then the rest.
+
+    Returns the keys deleted after the manifest.
+    """
+    await store.delete(MANIFEST_KEY)
+    keys = [o.key for o in await store.list()]
+    await _delete_all(store, keys)
+    return keys
+
+
+async def unreferenced_objects(store: Store, *, grace: float, manifest_size_limit: int) -> list[ObjectInfo]:
+    """Objects under ``step_*/`` of a manager root that no committed manifest references,
+    older than ``grace`` seconds (all of them when ``grace <= 0``). Deletes nothing."""
+    objects = await store.list("step_")
+    by_step: dict[str, list[Any]] = defaultdict(list)
+    for obj in objects:
+        head, _, tail = obj.key.partition("/")
+        if STEP_DIR.match(head) and tail:
+            by_step[head].append(obj)
+    now = time.time()
+    doomed: list[ObjectInfo] = []
+    for head, objs in by_step.items():
+        keys = {o.key for o in objs}
+        referenced: set[str] = set()
+        if f"{head}/{MANIFEST_KEY}" in keys:
+            try:
+                manifest = await read_manifest(store.child(head), size_limit=manifest_size_limit)
+            except Exception as e:  # a broken manifest: leave the step alone, say so
+                log.warning("objckpt gc skips %s/%s: %s", store.url, head, e)
+                continue
+            referenced = {f"{head}/{b.key}" for b in manifest.blobs} | {f"{head}/{MANIFEST_KEY}"}
+        for o in objs:
+            old = grace <= 0 or (o.last_modified is not None and now - o.last_modified >= grace)
+            if o.key not in referenced and old:
+                doomed.append(o)
+    return doomed
 
 
 async def _delete_all(store: Store, keys: list[str]) -> None:

@@ -33,8 +33,7 @@ from objckpt.options import Options
 from objckpt.plan import ReadRequest, intersect, pieces_needed, plan_reads
 from objckpt.read_once import designate, share
 from objckpt.read_once import supported as read_once_supported
-from objckpt.storage import from_url
-from objckpt.transfer import TransferEngine, TransferStats
+from objckpt.transfer import TransferEngine, TransferStats, open_store
 from objckpt.tree import build, flatten_target, unflatten_target
 
 log = logging.getLogger("objckpt")
@@ -99,7 +98,7 @@ def restore(
     """
     options = options or Options()
     stats = stats if stats is not None else TransferStats()
-    store = from_url(url, **(storage_options or {}))
+    store = open_store(url, storage_options, options, stats)
     started = time.perf_counter()
     manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
     selection = _select(manifest, target, partial)
@@ -111,9 +110,9 @@ def restore(
     }
     requests = _plan(manifest, jobs, options)
     if read_once:
-        _fetch_then_share(store, requests, jobs, options, stats)
+        _fetch_then_share(store.inner, requests, jobs, options, stats)
     else:
-        _runtime.run_sync(_fetch(store, requests, jobs, options, stats))
+        _runtime.run_sync(_fetch(store.inner, requests, jobs, options, stats))
     values = {i: (jobs[i].result if i in jobs else _inline(manifest.leaves[i], t)) for i, t in selection.items()}
     seconds = time.perf_counter() - started
     log.info(

@@ -37,8 +37,8 @@ from objckpt.leaves import classify
 from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.plan import BlobPlan, blob_key, plan_blobs
-from objckpt.storage import Store, from_url
-from objckpt.transfer import TransferEngine, TransferStats
+from objckpt.storage import Store
+from objckpt.transfer import TransferEngine, TransferStats, open_store
 from objckpt.tree import flatten
 
 log = logging.getLogger("objckpt")
@@ -137,7 +137,8 @@ def save_async(
     """
     entered = time.perf_counter()
     options = options or Options()
-    store = from_url(url, **(storage_options or {}))
+    stats = TransferStats()
+    store = open_store(url, storage_options, options, stats)
     coordinator = get_coordinator()
     tag = operation_tag("save", store.url)
     metadata = dict(metadata or {})
@@ -162,8 +163,7 @@ def save_async(
         key=lambda seq: blob_key(save_id, coordinator.process_index, seq),
     )
 
-    stats = TransferStats()
-    engine = _runtime.run_sync(_make_engine(store, options, stats))
+    engine = _runtime.run_sync(_make_engine(store.inner, options, stats))
     started = time.perf_counter()
     uploads = _snapshot_and_upload(blobs, engine, options)
     seconds_blocked = time.perf_counter() - entered

@@ -15,11 +15,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from objckpt.errors import StoreError, TransientStoreError
-from objckpt.options import RetryConfig
-from objckpt.storage.base import PutMode, Store
+from objckpt.options import Options, RetryConfig
+from objckpt.storage import from_url
+from objckpt.storage.base import ObjectInfo, PutMode, Store
 
 T = TypeVar("T")
 Item = TypeVar("Item")
@@ -67,6 +68,92 @@ class AsyncByteBudget:
             self._cond.notify_all()
 
 
+async def call_with_retries(
+    what: str,
+    fn: Callable[[], Awaitable[T]],
+    *,
+    retry: RetryConfig,
+    request_timeout: float,
+    stats: TransferStats | None = None,
+) -> T:
+    """Run ``fn()`` with a timeout per attempt, retrying transient failures.
+
+    Transient means :class:`TransientStoreError` (429/5xx, resets, mapped by the
+    stores), a timeout or a connection error; anything else is raised at once.
+    Backoff is exponential with full jitter, bounded by ``retry.deadline``.
+    """
+    deadline = time.monotonic() + retry.deadline
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await asyncio.wait_for(fn(), request_timeout)
+        except (TransientStoreError, TimeoutError, ConnectionError) as e:
+            backoff = random.uniform(0, min(retry.max_backoff, retry.initial_backoff * 2 ** (attempt - 1)))
+            if attempt >= retry.max_attempts or time.monotonic() + backoff > deadline:
+                kind = "timed out" if isinstance(e, TimeoutError) else "failed"
+                raise StoreError(f"{what} {kind} after {attempt} attempts: {e}") from e
+            if stats is not None:
+                stats.add(retries=1)
+            await asyncio.sleep(backoff)
+
+
+class RetryingStore(Store):
+    """A store whose every call has a timeout and retries transient failures.
+
+    For the calls that do not go through a :class:`TransferEngine` (existence
+    checks, manifest reads, listings, deletes), so that a throttled bucket
+    never fails a save or restore on its first 503.
+    """
+
+    def __init__(
+        self, inner: Store, *, retry: RetryConfig, request_timeout: float, stats: TransferStats | None = None
+    ) -> None:
+        self.inner = inner
+        self.stats = stats
+        self.url = inner.url
+        self.supports_create = inner.supports_create
+        self._retry = retry
+        self._timeout = request_timeout
+
+    async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        return await call_with_retries(what, fn, retry=self._retry, request_timeout=self._timeout, stats=self.stats)
+
+    async def get_range(self, key: str, *, start: int, end: int) -> bytes:
+        return await self._call(f"GET {self.url}/{key}", lambda: self.inner.get_range(key, start=start, end=end))
+
+    async def get(self, key: str) -> bytes:
+        return await self._call(f"GET {self.url}/{key}", lambda: self.inner.get(key))
+
+    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
+        await self._call(f"PUT {self.url}/{key}", lambda: self.inner.put(key, data, mode=mode))
+
+    async def delete(self, key: str) -> None:
+        await self._call(f"DELETE {self.url}/{key}", lambda: self.inner.delete(key))
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return await self._call(f"LIST {self.url}/{prefix}", lambda: self.inner.list(prefix))
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await self._call(f"HEAD {self.url}/{key}", lambda: self.inner.head(key))
+
+    def child(self, subpath: str) -> RetryingStore:
+        return RetryingStore(
+            self.inner.child(subpath), retry=self._retry, request_timeout=self._timeout, stats=self.stats
+        )
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def open_store(
+    url: str, storage_options: dict[str, Any] | None, options: Options, stats: TransferStats | None = None
+) -> RetryingStore:
+    """``from_url`` wrapped with the retry policy and timeout of ``options`` (retries counted in ``stats``)."""
+    store = from_url(url, **(storage_options or {}))
+    return RetryingStore(store, retry=options.retry, request_timeout=options.request_timeout, stats=stats)
+
+
 class TransferEngine:
     """Concurrent, retried, timed store requests for one operation."""
 
@@ -86,29 +173,21 @@ class TransferEngine:
         self._slots = asyncio.Semaphore(max_concurrency)
 
     async def call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run one request with a timeout, retrying transient failures.
+        """Run one request, holding a concurrency slot per attempt, retrying transient failures.
 
         Args:
             what: names the request in errors (e.g. ``GET s3://b/k [0, 10)``).
             fn: makes a fresh awaitable for each attempt.
         """
-        deadline = time.monotonic() + self.retry.deadline
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                async with self._slots:
-                    self.stats.add(requests=1)
-                    return await asyncio.wait_for(fn(), self.request_timeout)
-            except (TransientStoreError, TimeoutError, ConnectionError) as e:
-                backoff = random.uniform(
-                    0, min(self.retry.max_backoff, self.retry.initial_backoff * 2 ** (attempt - 1))
-                )
-                if attempt >= self.retry.max_attempts or time.monotonic() + backoff > deadline:
-                    kind = "timed out" if isinstance(e, TimeoutError) else "failed"
-                    raise StoreError(f"{what} {kind} after {attempt} attempts: {e}") from e
-                self.stats.add(retries=1)
-                await asyncio.sleep(backoff)
+
+        async def attempt() -> T:
+            async with self._slots:
+                self.stats.add(requests=1)
+                return await fn()
+
+        return await call_with_retries(
+            what, attempt, retry=self.retry, request_timeout=self.request_timeout, stats=self.stats
+        )
 
     async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
         await self.call(f"PUT {self.store.url}/{key}", lambda: self.store.put(key, data, mode=mode))

@@ -138,7 +138,7 @@ def test_partial_restore_reads_none_of_the_skipped_bytes(s3_store, monkeypatch):
         counting.append(store)
         return store
 
-    monkeypatch.setattr(importlib.import_module("objckpt.restore"), "from_url", wrapped_from_url)
+    monkeypatch.setattr(importlib.import_module("objckpt.transfer"), "from_url", wrapped_from_url)
     out = objckpt.restore(s3_store.url, {"params": {"w": None, "b": None}}, storage_options=so, partial=True)
     np.testing.assert_array_equal(out["params"]["w"], np.asarray(tree["params"]["w"]))
     assert set(out) == {"params"}

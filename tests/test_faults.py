@@ -1,0 +1,123 @@
+"""Throttling, resets, stalls and truncation on the wire (through backends/proxy.py)."""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import objckpt
+from backends.proxy import FAULT_KINDS, FaultProxy
+from objckpt import _runtime
+from objckpt.storage import from_url
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def proxied_s3(s3_service):
+    """The S3 server behind a fault proxy: (proxy, storage options through it)."""
+    host_port = s3_service.endpoint_url.rsplit("//", 1)[1]
+    host, port = host_port.split(":")
+    with FaultProxy(host, int(port), stall_seconds=20, seed=7) as proxy:
+        options = copy.deepcopy(s3_service.storage_options())
+        options["client_kwargs"]["endpoint_url"] = proxy.endpoint_url
+        yield proxy, options
+
+
+def _tree(mib: int, seed: int) -> dict:
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    rows = mib * (1 << 20) // 4 // 1024 // 8
+    sharding = NamedSharding(mesh, P("x", "y"))
+    return {
+        "params": {
+            f"w{i}": jax.device_put(jax.random.normal(jax.random.key(seed * 10 + i), (rows, 1024)), sharding)
+            for i in range(8)
+        },
+        "step": seed,
+    }
+
+
+def test_proxy_injects_every_kind(proxied_s3, s3_service):
+    proxy, options = proxied_s3
+    store = from_url(s3_service.url(f"probe-{uuid.uuid4().hex[:8]}"), **options)
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    _runtime.run_sync(store.put("probe", payload))
+    for kind in FAULT_KINDS:
+        if kind == "stall":
+            continue  # covered with a short timeout below
+        proxy.set_faults(1.0, (kind,))
+        with pytest.raises(OSError):
+            _runtime.run_sync(store.get_range("probe", start=0, end=len(payload)))
+    proxy.set_faults(0.0)
+    assert _runtime.run_sync(store.get_range("probe", start=0, end=len(payload))) == payload
+    assert proxy.stats.faulted >= len(FAULT_KINDS) - 1
+
+
+def test_twenty_cycles_with_five_percent_mixed_faults_are_bit_exact(proxied_s3, s3_service):
+    proxy, storage_options = proxied_s3
+    options = objckpt.Options(request_timeout=8, blob_size=16 << 20)
+    proxy.set_faults(0.05, FAULT_KINDS)
+    retries = 0
+    for cycle in range(20):
+        url = s3_service.url(f"faults/{uuid.uuid4().hex[:8]}")
+        tree = _tree(256 // 20 if cycle % 4 else 256, cycle)  # every 4th cycle the full 256 MiB
+        handle = objckpt.save_async(url, tree, storage_options=storage_options, options=options)
+        handle.result()
+        retries += handle.stats.retries
+        stats = objckpt.TransferStats()
+        restored = objckpt.restore(url, tree, storage_options=storage_options, options=options, stats=stats)
+        retries += stats.retries
+        for name, array in tree["params"].items():
+            assert np.asarray(restored["params"][name]).tobytes() == np.asarray(array).tobytes(), (
+                f"cycle {cycle} {name}"
+            )
+        assert restored["step"] == cycle
+    assert proxy.stats.faulted > 0
+    print(f"requests {proxy.stats.requests}, faults {proxy.stats.faults}, engine retries {retries}")
+
+
+def test_all_requests_failing_gives_up_within_the_deadline_and_commits_nothing(proxied_s3, s3_service):
+    proxy, storage_options = proxied_s3
+    options = objckpt.Options(request_timeout=3, retry=objckpt.RetryConfig(deadline=10, max_backoff=1))
+    url = s3_service.url(f"doomed/{uuid.uuid4().hex[:8]}")
+    tree = {"w": jnp.ones((256, 256)), "step": 1}
+    proxy.set_faults(1.0, ("503", "500", "reset", "truncate"))
+    started = time.monotonic()
+    with pytest.raises(objckpt.StoreError) as info:
+        objckpt.save(url, tree, storage_options=storage_options, options=options)
+    assert time.monotonic() - started < 60
+    assert "s3://" in str(info.value)
+    proxy.set_faults(0.0)
+    with pytest.raises(objckpt.CheckpointNotFoundError):
+        objckpt.restore(url, storage_options=storage_options)
+
+
+def test_a_stalled_read_is_abandoned_and_retried(proxied_s3, s3_service):
+    proxy, storage_options = proxied_s3
+    url = s3_service.url(f"stall/{uuid.uuid4().hex[:8]}")
+    tree = {"w": jnp.arange(1 << 20, dtype=jnp.float32)}
+    objckpt.save(url, tree, storage_options=storage_options)
+    proxy.set_faults(1.0, ("stall",))
+    options = objckpt.Options(request_timeout=2)
+    stats = objckpt.TransferStats()
+    started = time.monotonic()
+
+    def heal():
+        time.sleep(3)
+        proxy.set_faults(0.0)
+
+    import threading
+
+    threading.Thread(target=heal, daemon=True).start()
+    out = objckpt.restore(url, storage_options=storage_options, options=options, stats=stats)
+    assert np.asarray(out["w"]).tobytes() == np.asarray(tree["w"]).tobytes()
+    assert stats.retries >= 1
+    assert time.monotonic() - started < 20  # the 20 s stall was not waited out
