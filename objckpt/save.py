@@ -37,6 +37,7 @@ from objckpt.leaves import classify
 from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.plan import BlobPlan, blob_key, plan_blobs
+from objckpt.progress import progress_bar
 from objckpt.storage import Store
 from objckpt.transfer import TransferEngine, TransferStats, open_store
 from objckpt.tree import flatten
@@ -103,7 +104,8 @@ def save(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     metadata: dict[str, Any] | None = None,
-) -> None:
+    progress: bool = False,
+) -> TransferStats:
     """Save ``tree`` to ``url`` and return once the checkpoint is committed.
 
     Args:
@@ -115,11 +117,19 @@ def save(
             ``endpoint_url``, ``client_kwargs``, ``token``, ...).
         options: tuning (:class:`objckpt.Options`).
         metadata: JSON-serialisable user metadata stored in the manifest.
+        progress: draw a progress bar on stderr when it is a terminal.
+
+    Returns:
+        This process's figures (bytes, objects, requests, retries, seconds).
 
     Raises:
         CheckpointExistsError: ``url`` already holds a committed checkpoint (left intact).
     """
-    save_async(url, tree, storage_options=storage_options, options=options, metadata=metadata).result()
+    handle = save_async(
+        url, tree, storage_options=storage_options, options=options, metadata=metadata, progress=progress
+    )
+    handle.result()
+    return handle.stats
 
 
 def save_async(
@@ -129,6 +139,7 @@ def save_async(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     metadata: dict[str, Any] | None = None,
+    progress: bool = False,
 ) -> SaveHandle:
     """Copy ``tree`` off the devices, then upload and commit in the background.
 
@@ -139,6 +150,11 @@ def save_async(
     options = options or Options()
     stats = TransferStats()
     store = open_store(url, storage_options, options, stats)
+    if not store.supports_create:
+        raise StoreError(
+            f"{store.url}: this store cannot create objects only-if-absent, so a commit could overwrite"
+            " another writer's checkpoint; use a store that supports it (S3, GCS, local disk, memory)"
+        )
     coordinator = get_coordinator()
     tag = operation_tag("save", store.url)
     metadata = dict(metadata or {})
@@ -165,7 +181,12 @@ def save_async(
 
     engine = _runtime.run_sync(_make_engine(store.inner, options, stats))
     started = time.perf_counter()
-    uploads = _snapshot_and_upload(blobs, engine, options)
+    bar = progress_bar("save", sum(b.size for b in blobs), lambda: stats.bytes_written, enabled=progress)
+    try:
+        uploads = _snapshot_and_upload(blobs, engine, options)
+    except BaseException:
+        bar.close()
+        raise
     seconds_blocked = time.perf_counter() - entered
     commit = _Commit(
         store=store,
@@ -179,6 +200,7 @@ def save_async(
         options=options,
     )
     future = _runtime.submit(commit.run(uploads, started))
+    future.add_done_callback(lambda _: bar.close())
     return SaveHandle(future, stats, seconds_blocked, store.url)
 
 
@@ -330,6 +352,7 @@ class _Commit:
             raise StoreError(f"save to {self.store.url} was not committed: {status['why']}")
         seconds = time.perf_counter() - started
         stats = self.engine.stats
+        stats.seconds = seconds
         log.info(
             "objckpt saved %s: %d bytes in %d objects, %d requests, %d retries, %.2f s, %.3f GiB/s (this process)",
             self.store.url,

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from objckpt.errors import StoreError, TransientStoreError
+from objckpt.errors import ObjectNotFoundError, StoreError, TransientStoreError
 from objckpt.options import Options, RetryConfig
 from objckpt.storage import from_url
 from objckpt.storage.base import ObjectInfo, PutMode, Store
@@ -35,6 +35,7 @@ class TransferStats:
     bytes_written: int = 0
     bytes_read: int = 0
     objects_written: int = 0
+    seconds: float = 0.0  # wall time of the whole operation, set when it ends
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **counts: int) -> None:
@@ -190,7 +191,12 @@ class TransferEngine:
         )
 
     async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
-        await self.call(f"PUT {self.store.url}/{key}", lambda: self.store.put(key, data, mode=mode))
+        try:
+            await self.call(f"PUT {self.store.url}/{key}", lambda: self.store.put(key, data, mode=mode))
+        except ObjectNotFoundError as e:  # a write can only miss its bucket
+            raise ObjectNotFoundError(
+                f"cannot write {self.store.url}/{key}: the bucket (or container) does not exist ({e})"
+            ) from e
         self.stats.add(bytes_written=len(data), objects_written=1)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:

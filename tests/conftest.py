@@ -16,6 +16,13 @@ import os
 
 # 8 CPU devices for sharding tests; must be set before JAX is first imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Tests that leave out credentials must never make a client probe a cloud metadata server
+# (169.254.169.254 is off limits here): point every SDK's metadata endpoint at a closed loopback port.
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+os.environ.setdefault("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")
+os.environ.setdefault("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:9")
+os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
+os.environ.setdefault("GCE_METADATA_IP", "127.0.0.1:9")
 
 import sys
 import uuid
