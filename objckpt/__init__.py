@@ -7,6 +7,7 @@ restore them onto any sharding::
     state = objckpt.restore("s3://bucket/run/step_100", abstract_state)
 """
 
+from objckpt.copy import CopyStats, copy
 from objckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -25,6 +26,7 @@ from objckpt.restore import restore
 from objckpt.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
 from objckpt.save import SaveHandle, save, save_async
 from objckpt.transfer import TransferStats
+from objckpt.verify import VerifyProblem, VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -34,6 +36,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CoordinationError",
+    "CopyStats",
     "FormatError",
     "IntegrityError",
     "KeepBest",
@@ -49,8 +52,12 @@ __all__ = [
     "StoreNotAvailableError",
     "TargetMismatchError",
     "TransferStats",
+    "VerifyProblem",
+    "VerifyReport",
+    "copy",
     "inspect",
     "restore",
     "save",
     "save_async",
+    "verify",
 ]

@@ -31,6 +31,7 @@ from objckpt.manifest_io import read_manifest
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.plan import ReadRequest, intersect, pieces_needed, plan_reads
+from objckpt.progress import progress_bar
 from objckpt.read_once import designate, share
 from objckpt.read_once import supported as read_once_supported
 from objckpt.transfer import TransferEngine, TransferStats, open_store
@@ -73,6 +74,7 @@ def restore(
     read_once: bool = False,
     options: Options | None = None,
     stats: TransferStats | None = None,
+    progress: bool = False,
 ) -> Any:
     """Restore a checkpoint, onto the target's shardings when it gives them.
 
@@ -91,7 +93,8 @@ def restore(
             replicas with a collective over the devices. For restores across
             regions, where every byte read costs egress. All processes must pass it.
         options: tuning (:class:`objckpt.Options`).
-        stats: counters to fill (bytes read, requests, retries).
+        stats: counters to fill (bytes read from the store, requests, retries, seconds).
+        progress: draw a progress bar on stderr when it is a terminal.
 
     Raises:
         CheckpointNotFoundError, FormatError, IntegrityError, TargetMismatchError.
@@ -109,12 +112,16 @@ def restore(
         if manifest.leaves[i].kind in ARRAY_KINDS
     }
     requests = _plan(manifest, jobs, options)
-    if read_once:
-        _fetch_then_share(store.inner, requests, jobs, options, stats)
-    else:
-        _runtime.run_sync(_fetch(store.inner, requests, jobs, options, stats))
+    base = stats.bytes_read
+    total = sum(r.length for r in requests)
+    with progress_bar("restore", total, lambda: stats.bytes_read - base, enabled=progress):
+        if read_once:
+            _fetch_then_share(store.inner, requests, jobs, options, stats)
+        else:
+            _runtime.run_sync(_fetch(store.inner, requests, jobs, options, stats))
     values = {i: (jobs[i].result if i in jobs else _inline(manifest.leaves[i], t)) for i, t in selection.items()}
     seconds = time.perf_counter() - started
+    stats.seconds = seconds
     log.info(
         "objckpt restored %s: %d leaves, %d bytes read in %d requests, %d retries, %.2f s, %.3f GiB/s",
         store.url,

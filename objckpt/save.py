@@ -37,7 +37,7 @@ from objckpt.leaves import classify
 from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.plan import BlobPlan, blob_key, plan_blobs
-from objckpt.progress import progress_bar
+from objckpt.progress import closing, progress_bar
 from objckpt.storage import Store
 from objckpt.transfer import TransferEngine, TransferStats, open_store
 from objckpt.tree import flatten
@@ -199,8 +199,7 @@ def save_async(
         metadata=metadata,
         options=options,
     )
-    future = _runtime.submit(commit.run(uploads, started))
-    future.add_done_callback(lambda _: bar.close())
+    future = _runtime.submit(closing(commit.run(uploads, started), bar))
     return SaveHandle(future, stats, seconds_blocked, store.url)
 
 

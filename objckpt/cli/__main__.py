@@ -1,0 +1,5 @@
+"""``python -m objckpt.cli``."""
+
+from objckpt.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,301 @@
+"""The six commands. Each takes the parsed arguments and returns the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from objckpt import _runtime
+from objckpt.cli._stores import UsageError, options_from_args
+from objckpt.copy import copy
+from objckpt.errors import CheckpointNotFoundError
+from objckpt.format import MANIFEST_KEY
+from objckpt.info import CheckpointInfo, LeafInfo, inspect
+from objckpt.manager import STEP_DIR, _delete_all, delete_checkpoint, unreferenced_objects
+from objckpt.options import Options
+from objckpt.progress import human_bytes
+from objckpt.storage import ObjectInfo
+from objckpt.transfer import open_store
+from objckpt.verify import verify
+
+
+def _options(args: argparse.Namespace) -> Options:
+    kw: dict[str, Any] = {}
+    if getattr(args, "concurrency", None):
+        kw["max_concurrency"] = args.concurrency
+    if getattr(args, "memory_budget", None):
+        kw["memory_budget"] = args.memory_budget
+    return Options(**kw)
+
+
+def _dump(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, default=str))
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:  # type: ignore[assignment]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    lines = []
+    for row in [header, *rows]:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _time(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _iso(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+# ---------------------------------------------------------------------------- ls
+
+
+@dataclass
+class Listed:
+    """One checkpoint (or step directory) found under a root."""
+
+    name: str  # relative to the root; "" for the root itself
+    step: int | None
+    committed: bool
+    nbytes: int
+    objects: int
+    time: float | None
+
+
+def group_checkpoints(objects: list[ObjectInfo]) -> list[Listed]:
+    """Checkpoints under a root from one listing: every directory holding a manifest, plus
+    every manager step directory (committed or not). Each object counts toward the deepest one."""
+    dirs: set[str] = set()
+    for o in objects:
+        if o.key == MANIFEST_KEY:
+            dirs.add("")
+        elif o.key.endswith("/" + MANIFEST_KEY):
+            dirs.add(o.key[: -len(MANIFEST_KEY) - 1])
+        head, slash, _ = o.key.partition("/")
+        if slash and STEP_DIR.match(head):
+            dirs.add(head)
+    found: dict[str, Listed] = {}
+    for o in objects:
+        parts = o.key.split("/")[:-1]
+        owner = next(("/".join(parts[:n]) for n in range(len(parts), -1, -1) if "/".join(parts[:n]) in dirs), None)
+        if owner is None:
+            continue
+        match = STEP_DIR.match(owner)
+        entry = found.setdefault(owner, Listed(owner, int(match.group(1)) if match else None, False, 0, 0, None))
+        entry.nbytes += o.size
+        entry.objects += 1
+        rel = o.key[len(owner) + 1 :] if owner else o.key
+        if rel == MANIFEST_KEY:
+            entry.committed = True
+            entry.time = o.last_modified
+        elif not entry.committed and o.last_modified is not None:
+            entry.time = max(entry.time or 0.0, o.last_modified)
+    return sorted(found.values(), key=lambda e: (e.step is None, e.step or 0, e.name))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = open_store(args.root, options_from_args(args, args.root), Options())
+    entries = group_checkpoints(_runtime.run_sync(store.list()))
+    base = store.url.rstrip("/")
+    if args.json:
+        _dump(
+            [
+                {
+                    "name": e.name,
+                    "step": e.step,
+                    "url": f"{base}/{e.name}" if e.name else base,
+                    "committed": e.committed,
+                    "bytes": e.nbytes,
+                    "objects": e.objects,
+                    "time": _iso(e.time),
+                }
+                for e in entries
+            ]
+        )
+        return 0
+    if not entries:
+        print(f"no checkpoints under {base}")
+        return 0
+    steps_only = all(e.step is not None for e in entries)
+    header = ["STEP" if steps_only else "CHECKPOINT", "COMMITTED", "SIZE", "OBJECTS", "TIME"]
+    rows = [
+        [
+            str(e.step) if steps_only else (e.name or "."),
+            "yes" if e.committed else "no",
+            human_bytes(e.nbytes),
+            str(e.objects),
+            _time(e.time),
+        ]
+        for e in entries
+    ]
+    print(_table(header, rows, right={2, 3} | ({0} if steps_only else set())))
+    return 0
+
+
+# ----------------------------------------------------------------------- inspect
+
+
+def _sharding(leaf: LeafInfo) -> str:
+    s = leaf.sharding
+    if leaf.kind == "ndarray":
+        return "host (numpy)"
+    if not s:
+        return "-"
+    if "prng_impl" in s:
+        return f"PRNG key ({s['prng_impl']})"
+    if s.get("type") == "NamedSharding":
+        mesh = ",".join(f"{k}={v}" for k, v in s.get("mesh", {}).items())
+        spec = ",".join("None" if p is None else ("+".join(p) if isinstance(p, list) else str(p)) for p in s["spec"])
+        return f"mesh({mesh}) spec({spec})"
+    if "devices" in s:
+        return f"{s.get('type', '?')} on {s['devices']} device(s)"
+    return json.dumps(s)
+
+
+def _value(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
+    return {
+        "url": info.url,
+        "format_version": info.format_version,
+        "created": info.created,
+        "save_id": info.save_id,
+        "num_processes": info.num_processes,
+        "total_bytes": info.total_bytes,
+        "num_blobs": info.num_blobs,
+        "metadata": info.metadata,
+        "leaves": [
+            {
+                "path": leaf.path,
+                "kind": leaf.kind,
+                "dtype": leaf.dtype,
+                "shape": list(leaf.shape) if leaf.shape is not None else None,
+                "nbytes": leaf.nbytes,
+                "sharding": leaf.sharding,
+                "value": _value(leaf.value),
+            }
+            for leaf in info.leaves.values()
+        ],
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = inspect(args.url, storage_options=options_from_args(args, args.url))
+    if args.json:
+        _dump(_info_doc(info))
+        return 0
+    rows = []
+    for leaf in info.leaves.values():
+        if leaf.shape is None:
+            rows.append([leaf.path, leaf.kind, f"= {leaf.value!r}", "-", "-"])
+        else:
+            dtype = leaf.dtype if leaf.kind in ("array", "ndarray") else leaf.kind
+            rows.append([leaf.path, str(dtype), str(list(leaf.shape)), human_bytes(leaf.nbytes), _sharding(leaf)])
+    print(f"checkpoint {info.url}")
+    print(_table(["LEAF", "DTYPE", "SHAPE", "SIZE", "SAVED SHARDING"], rows, right={3}))
+    print(
+        f"total: {len(info.leaves)} leaves, {human_bytes(info.total_bytes)} ({info.total_bytes} bytes)"
+        f" in {info.num_blobs} blobs; format v{info.format_version}, created {info.created},"
+        f" {info.num_processes} process(es), save_id {info.save_id}"
+    )
+    print(f"metadata: {json.dumps(info.metadata, sort_keys=True, default=str) if info.metadata else '{}'}")
+    return 0
+
+
+# ------------------------------------------------------------------ verify / cp
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    report = verify(
+        args.url, storage_options=options_from_args(args, args.url), options=_options(args), progress=args.progress
+    )
+    if args.json:
+        _dump(report.to_dict())
+    else:
+        for problem in report.problems:
+            print(f"PROBLEM {problem.kind}: {problem}")
+        print(report.summary())
+    return 0 if report.ok else 1
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    stats = copy(
+        args.src,
+        args.dst,
+        src_storage_options=options_from_args(args, args.src, "src"),
+        dst_storage_options=options_from_args(args, args.dst, "dst"),
+        options=_options(args),
+        verify_existing=not args.trust_existing,
+        progress=args.progress,
+    )
+    if args.json:
+        _dump(stats.to_dict())
+    else:
+        print(stats.summary())
+    return 0
+
+
+# ---------------------------------------------------------------------- gc / rm
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    options = Options()
+    store = open_store(args.root, options_from_args(args, args.root), options)
+    found = _runtime.run_sync(
+        unreferenced_objects(store, grace=args.grace_seconds, manifest_size_limit=options.manifest_size_limit)
+    )
+    if not args.dry_run:
+        _runtime.run_sync(_delete_all(store, [o.key for o in found]))
+    total = sum(o.size for o in found)
+    verb = "would delete" if args.dry_run else "deleted"
+    if args.json:
+        _dump({"root": store.url, "dry_run": args.dry_run, "keys": [o.key for o in found], "bytes": total})
+        return 0
+    for o in found:
+        print(f"{verb} {store.url}/{o.key}")
+    print(
+        f"gc {store.url}: {verb} {len(found)} unreferenced object(s), {human_bytes(total)}"
+        f" (grace {args.grace_seconds:g} s)"
+    )
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    store = open_store(args.url, options_from_args(args, args.url), Options())
+    objects = _runtime.run_sync(store.list())
+    keys = {o.key for o in objects}
+    nested = sorted(k for k in keys if k.endswith("/" + MANIFEST_KEY))
+    if nested:
+        raise UsageError(
+            f"{store.url} holds other checkpoints ({nested[0].removesuffix('/' + MANIFEST_KEY)}"
+            f"{', ...' if len(nested) > 1 else ''}); remove them one by one"
+        )
+    if not objects:
+        raise CheckpointNotFoundError(f"nothing to remove at {store.url}")
+    if MANIFEST_KEY not in keys and not args.force:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint at {store.url} ({len(objects)} objects without a manifest);"
+            " pass --force to delete them"
+        )
+    _runtime.run_sync(delete_checkpoint(store))
+    total = sum(o.size for o in objects)
+    if args.json:
+        _dump({"url": store.url, "committed": MANIFEST_KEY in keys, "objects": len(objects), "bytes": total})
+        return 0
+    what = "checkpoint" if MANIFEST_KEY in keys else "uncommitted objects at"
+    print(f"removed {what} {store.url}: {len(objects)} objects, {human_bytes(total)}")
+    return 0

@@ -1,0 +1,160 @@
+"""Argument parsing, logging and error reporting for ``objckpt``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from objckpt.cli import _commands
+from objckpt.cli._stores import UsageError, add_store_flags, parse_size, redact, secret_values
+from objckpt.storage.urls import scrub
+
+_EPILOG = """\
+Store options come from flags and from the usual environment: AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL(_S3), AWS_DEFAULT_REGION,
+GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST.
+
+Exit status: 0 success; 1 failure (one line on stderr) or problems found by verify;
+2 bad command line; 130 interrupted.  See docs/CLI.md.
+"""
+
+
+def _common(parser: argparse.ArgumentParser, *, json_help: str = "machine-readable output on stdout") -> None:
+    group = parser.add_argument_group("output")
+    group.add_argument("--json", action="store_true", help=json_help)
+    group.add_argument("--no-progress", dest="progress", action="store_false", help="never draw a progress bar")
+    group.add_argument("-v", "--verbose", action="store_true", help="log what objckpt does (INFO)")
+    group.add_argument("--debug", action="store_true", help="DEBUG logs, and a traceback on error")
+
+
+def _tuning(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tuning")
+    group.add_argument("--concurrency", type=int, metavar="N", help="requests in flight per store (default 32)")
+    group.add_argument(
+        "--memory-budget", type=parse_size, metavar="SIZE", help="bytes of blobs held at once, e.g. 2GiB"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="objckpt",
+        description="Inspect, check, copy and clean up objckpt checkpoints in any object store.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from objckpt import __version__
+
+    parser.add_argument("--version", action="version", version=f"objckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, func: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name, help=help, description=help, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        p.set_defaults(func=func)
+        return p
+
+    p = command("ls", _commands.cmd_ls, "list the steps under a manager root, or the checkpoints under a prefix")
+    p.add_argument("root", metavar="ROOT")
+    _common(p)
+    add_store_flags(p)
+
+    p = command("inspect", _commands.cmd_inspect, "show a checkpoint's leaves, dtypes, shapes, sizes, shardings")
+    p.add_argument("url", metavar="URL")
+    _common(p)
+    add_store_flags(p)
+
+    p = command("verify", _commands.cmd_verify, "read every blob and check every checksum")
+    p.add_argument("url", metavar="URL")
+    _common(p)
+    _tuning(p)
+    add_store_flags(p)
+
+    p = command("cp", _commands.cmd_cp, "copy a committed checkpoint to another store (resumable)")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument(
+        "--trust-existing",
+        action="store_true",
+        help="keep blobs already at DST if their size is right, without reading them back",
+    )
+    _common(p)
+    _tuning(p)
+    add_store_flags(p, "src")
+    add_store_flags(p, "dst")
+
+    p = command("gc", _commands.cmd_gc, "delete blobs no committed step references (manager layout)")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="leave objects younger than this alone, so saves in flight are safe (default 3600)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    _common(p)
+    add_store_flags(p)
+
+    p = command("rm", _commands.cmd_rm, "delete a checkpoint (manifest first, then its blobs)")
+    p.add_argument("url", metavar="URL")
+    p.add_argument("--force", action="store_true", help="also delete objects under URL that no manifest commits")
+    _common(p)
+    add_store_flags(p)
+    return parser
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s" if args.debug else "%(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(level if args.debug else logging.WARNING)
+    logging.getLogger("objckpt").setLevel(level)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    message = text[0] if text else ""
+    from objckpt.errors import ObjckptError
+
+    if isinstance(error, (ObjckptError, UsageError)) and message:
+        return message
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``objckpt`` command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("objckpt: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `objckpt ls ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as error:
+        if args.debug:
+            raise
+        line = redact(scrub(_one_line(error)), secret_values(*_given_options(args)))
+        print(f"objckpt: error: {line}", file=sys.stderr)
+        return 2 if isinstance(error, UsageError) else 1
+
+
+def _given_options(args: argparse.Namespace) -> list[dict[str, object]]:
+    """The raw ``-o`` pairs as a dict, so their secret values can be scrubbed from messages."""
+    out: list[dict[str, object]] = []
+    for name in ("storage_option", "src_storage_option", "dst_storage_option"):
+        pairs = {}
+        for pair in getattr(args, name, None) or []:
+            key, _, value = pair.partition("=")
+            pairs[key.rsplit(".", 1)[-1]] = value.strip('"')
+        out.append(pairs)
+    return out
