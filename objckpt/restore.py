@@ -282,7 +282,7 @@ def _allocate(job: _LeafJob) -> None:
         job.buffers = {box: np.empty(tuple(b - a for a, b in zip(*box)), dtype=job.dtype) for box in job.read_boxes}
 
 
-def _scatter(request: ReadRequest, data: bytes, jobs: dict[int, _LeafJob], url: str) -> None:
+def _scatter(request: ReadRequest, data: bytes | memoryview, jobs: dict[int, _LeafJob], url: str) -> None:
     """Check each piece of one response and copy it into the boxes that need it.
 
     Pieces never overlap, so threads scattering different responses into the

@@ -162,7 +162,7 @@ def save_async(
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise TypeError(f"save metadata must be JSON-serialisable: {e}") from None
-    if _runtime.run_sync(_exists(store), timeout=options.request_timeout * 2):
+    if _runtime.run_sync(_exists(store)):  # the retrying store bounds it
         raise CheckpointExistsError(f"a committed checkpoint already exists at {store.url}")
 
     leaves, skeleton = flatten(tree)

@@ -123,6 +123,11 @@ class RetryingStore(Store):
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:
         return await self._call(f"GET {self.url}/{key}", lambda: self.inner.get_range(key, start=start, end=end))
 
+    async def get_range_buffer(self, key: str, *, start: int, end: int) -> memoryview:
+        return await self._call(
+            f"GET {self.url}/{key}", lambda: self.inner.get_range_buffer(key, start=start, end=end)
+        )
+
     async def get(self, key: str) -> bytes:
         return await self._call(f"GET {self.url}/{key}", lambda: self.inner.get(key))
 
@@ -199,10 +204,11 @@ class TransferEngine:
             ) from e
         self.stats.add(bytes_written=len(data), objects_written=1)
 
-    async def get_range(self, key: str, start: int, end: int) -> bytes:
+    async def get_range(self, key: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` as a read-only buffer (the store's own, when it can lend it: no copy)."""
         data = await self.call(
             f"GET {self.store.url}/{key} [{start}, {end})",
-            lambda: self.store.get_range(key, start=start, end=end),
+            lambda: self.store.get_range_buffer(key, start=start, end=end),
         )
         self.stats.add(bytes_read=len(data))
         return data

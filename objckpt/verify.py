@@ -192,7 +192,7 @@ def pieces_by_blob(manifest: Manifest) -> dict[str, list[PieceRef]]:
     return out
 
 
-async def read_blob(engine: TransferEngine, key: str, size: int, *, chunk: int) -> bytes | bytearray:
+async def read_blob(engine: TransferEngine, key: str, size: int, *, chunk: int) -> memoryview | bytearray:
     """The first ``size`` bytes of blob ``key`` by concurrent ranged reads.
 
     Returns fewer bytes only if the object is shorter. Raises what the store
@@ -212,7 +212,7 @@ async def read_blob(engine: TransferEngine, key: str, size: int, *, chunk: int) 
     return buffer if got == size else buffer[:got]
 
 
-def check_pieces(url: str, key: str, data: bytes | bytearray, pieces: list[PieceRef]) -> list[VerifyProblem]:
+def check_pieces(url: str, key: str, data: bytes | bytearray | memoryview, pieces: list[PieceRef]) -> list[VerifyProblem]:
     """Checksum every piece that lies inside ``data`` (the blob's bytes)."""
     problems = []
     view = memoryview(data)

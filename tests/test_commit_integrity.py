@@ -122,6 +122,11 @@ class _CountingStore:
         self.reads.append((key, start, start + len(data)))
         return data
 
+    async def get_range_buffer(self, key, *, start, end):
+        data = await self.inner.get_range_buffer(key, start=start, end=end)
+        self.reads.append((key, start, start + len(data)))
+        return data
+
 
 def test_partial_restore_reads_none_of_the_skipped_bytes(s3_store, monkeypatch):
     so = s3_store.storage_options

@@ -13,6 +13,7 @@ the environment, and the errors for what cannot be opened.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import importlib.metadata
 import sys
@@ -33,7 +34,10 @@ from objckpt.errors import (
 )
 from objckpt.storage import ByteRange, ObjectInfo, Store, from_url, register_store
 from objckpt.storage import registry as _registry
-from objckpt.storage.fsspec_store import FsspecStore, map_error
+from objckpt.storage.error_map import map_error
+from objckpt.storage.fsspec_store import FsspecStore
+from objckpt.storage.obstore_store import ObstoreStore
+from objckpt.storage.registry import BACKEND_ENV, BACKEND_OPTION
 
 T = TypeVar("T")
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugin_example"
@@ -62,9 +66,7 @@ def dictstore_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
     dist = site / "objckpt_dictstore-0.1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: objckpt-dictstore\nVersion: 0.1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[objckpt.stores]\ndictstore = objckpt_dictstore:open_dictstore\n"
-    )
+    (dist / "entry_points.txt").write_text("[objckpt.stores]\ndictstore = objckpt_dictstore:open_dictstore\n")
     added = [str(site), str(PLUGIN_DIR)]
     sys.path[:0] = added
     importlib.invalidate_caches()  # also clears importlib.metadata's path cache
@@ -310,12 +312,21 @@ class StoreConformance:
         run(go())
 
 
+#: Conformance targets: a conftest store kind, optionally with the adapter forced.
+_TARGETS: dict[str, tuple[str, str | None]] = {
+    "memory": ("memory", None),
+    "local": ("local", None),
+    "local-obstore": ("local", "obstore"),
+    "s3-obstore": ("s3", "obstore"),
+    "s3-fsspec": ("s3", "fsspec"),
+    "gcs": ("gcs", None),
+    "dictstore": ("dictstore", None),
+}
+
+
 def _target_params() -> list[Any]:
     marks = {"s3": [pytest.mark.s3], "gcs": [pytest.mark.gcs]}
-    return [
-        pytest.param(kind, id=kind, marks=marks.get(kind, []))
-        for kind in ("memory", "local", "s3", "gcs", "dictstore")
-    ]
+    return [pytest.param(name, id=name, marks=marks.get(kind, [])) for name, (kind, _) in _TARGETS.items()]
 
 
 class _PluginTarget:
@@ -336,10 +347,21 @@ class TestStores(StoreConformance):
 
     @pytest.fixture(params=_target_params())
     def target(self, request: pytest.FixtureRequest, store_target_factory: Callable[[str], Any]) -> Any:
-        if request.param == "dictstore":
+        kind, backend = _TARGETS[request.param]
+        if kind == "dictstore":
             request.getfixturevalue("dictstore_plugin")
             return _PluginTarget(f"dictstore://tests/{time.time_ns()}")
-        return store_target_factory(request.param)
+        target = store_target_factory(kind)
+        if backend is None:
+            return target
+        return dataclasses.replace(target, storage_options={**target.storage_options, BACKEND_OPTION: backend})
+
+    def test_adapter_is_the_one_asked_for(self, request: pytest.FixtureRequest, store: Store) -> None:
+        backend = _TARGETS[request.node.callspec.params["target"]][1]
+        if backend == "obstore":
+            assert isinstance(store, ObstoreStore)
+        elif backend == "fsspec":
+            assert isinstance(store, FsspecStore)
 
     @pytest.fixture
     def store(self, target: Any) -> Store:
@@ -367,7 +389,8 @@ def test_unknown_scheme_is_not_available() -> None:
 
 
 def test_missing_package_names_pip_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "s3fs", None)  # makes `import s3fs` fail
+    monkeypatch.setitem(sys.modules, "obstore", None)  # makes `import obstore` fail
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # and `import s3fs`
     with pytest.raises(StoreNotAvailableError, match="pip install s3fs"):
         from_url("s3://bucket/x")
     monkeypatch.setitem(sys.modules, "gcsfs", None)
@@ -470,31 +493,100 @@ def test_error_mapping_by_status_not_text() -> None:
 # ------------------------------------------------------------- credentials
 
 
+S3_BACKENDS = pytest.mark.parametrize("backend", ["obstore", "fsspec"])
+
+
 @pytest.mark.s3
+@S3_BACKENDS
 def test_s3_credentials_from_environment(
-    s3_service: Any, monkeypatch: pytest.MonkeyPatch, store_target_factory: Callable[[str], Any]
+    backend: str, s3_service: Any, monkeypatch: pytest.MonkeyPatch, store_target_factory: Callable[[str], Any]
 ) -> None:
     target = store_target_factory("s3")
     for name, value in s3_service.env().items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv(BACKEND_ENV, backend)
     store = from_url(target.url)  # no storage options at all
+    assert type(store) is {"obstore": ObstoreStore, "fsspec": FsspecStore}[backend]
     run(store.put("env", b"from env"))
     assert run(target.open().get("env")) == b"from env"
     assert s3_service.secret_key not in repr(store)
 
 
 @pytest.mark.s3
-def test_s3_wrong_credentials_are_permission_errors(s3_service: Any) -> None:
+@S3_BACKENDS
+def test_s3_wrong_credentials_are_permission_errors(backend: str, s3_service: Any) -> None:
     store = from_url(
         s3_service.url("x"),
         key=s3_service.access_key,
         secret="not-the-secret",
         endpoint_url=s3_service.endpoint_url,
+        objckpt_backend=backend,
     )
-    with pytest.raises(PermissionError) as info:
-        run(store.get("k"))
-    assert isinstance(info.value, StoreError)
-    assert "not-the-secret" not in str(info.value)
+    for call in (store.get("k"), store.get_range("k", start=0, end=4), store.put("k", b"v")):
+        with pytest.raises(PermissionError) as info:
+            run(call)
+        assert isinstance(info.value, StoreError)
+        assert "not-the-secret" not in str(info.value)
+
+
+@pytest.mark.s3
+def test_s3_default_adapter(s3_store: Any) -> None:
+    """s3:// goes native when obstore is installed and the options translate."""
+    assert isinstance(s3_store.open(), ObstoreStore)
+    untranslatable = s3_store.open(s3_additional_kwargs={"ACL": "private"})
+    assert isinstance(untranslatable, FsspecStore)  # an s3fs-only option: s3fs serves the URL
+    run(untranslatable.put("k", b"v"))
+    assert run(s3_store.open().get("k")) == b"v"
+
+
+@pytest.mark.s3
+def test_obstore_large_put_goes_multipart(s3_store: Any) -> None:
+    store = s3_store.open()
+    assert isinstance(store, ObstoreStore)
+    store.multipart_threshold = 6 * 1024 * 1024  # parts are >= 5 MiB; keep the test small
+    data = payload(12 * 1024 * 1024 + 17)
+    run(store.put("big", memoryview(data)))
+    assert run(store.get("big")) == data
+    with pytest.raises(ObjectExistsError):  # create stays one request, and atomic, at any size
+        run(store.put("big", data, mode="create"))
+
+
+def test_obstore_put_takes_any_contiguous_buffer(tmp_path: Path) -> None:
+    import numpy as np
+
+    store = from_url(str(tmp_path / "s"), objckpt_backend="obstore")
+    floats = np.arange(1000, dtype=np.float32)
+    run(store.put("f32", floats))  # type: ignore[arg-type]
+    assert run(store.get("f32")) == floats.tobytes()
+    run(store.put("2d", memoryview(np.ones((4, 5), dtype=np.int16))))
+    assert run(store.get("2d")) == np.ones((4, 5), dtype=np.int16).tobytes()
+    run(store.put("strided", memoryview(floats)[::2]))
+    assert run(store.get("strided")) == floats[::2].tobytes()
+    view = run(store.get_range_buffer("f32", start=4, end=12))
+    assert isinstance(view, memoryview) and view.tobytes() == floats.tobytes()[4:12]
+
+
+def test_obstore_request_timeout_raises_transient() -> None:
+    """A server that accepts and never answers: both timeouts end the call."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    try:
+        store = from_url(
+            "s3://stalled/x",
+            key="k",
+            secret="s",
+            endpoint_url=f"http://127.0.0.1:{port}",
+            request_timeout=0.5,
+            objckpt_backend="obstore",
+        )
+        started = time.monotonic()
+        with pytest.raises(TransientStoreError):
+            run(store.get_range("k", start=0, end=10))
+        assert time.monotonic() - started < 5
+    finally:
+        listener.close()
 
 
 @pytest.mark.gcs
@@ -509,7 +601,7 @@ def test_gcs_emulator_from_environment(
 
 
 def test_url_credentials_are_stripped() -> None:
-    from objckpt.storage.fsspec_store import redact_url
+    from objckpt.storage.urls import redact_url
 
     assert redact_url("s3://AKID:SECRET@bucket/x?sig=abc") == "s3://bucket/x"
     assert redact_url("/plain/path") == "/plain/path"

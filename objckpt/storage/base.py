@@ -23,6 +23,9 @@ from objckpt.errors import ObjectExistsError, ObjectNotFoundError  # noqa: F401 
 
 PutMode = Literal["overwrite", "create"]
 
+#: Seconds allowed for any single store call (one request, or one listing) by default.
+DEFAULT_REQUEST_TIMEOUT_S = 120.0
+
 
 @dataclass(frozen=True, order=True)
 class ByteRange:
@@ -64,6 +67,16 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``key``; fewer only if the object is shorter."""
+
+    async def get_range_buffer(self, key: str, *, start: int, end: int) -> memoryview:
+        """Like :meth:`get_range`, but the bytes may stay in the store's own buffer.
+
+        For bulk reads consumed through a ``memoryview`` (checksummed, then
+        copied into their destination): a store whose library hands back its
+        own buffer (obstore) returns a read-only view of it instead of copying
+        it into a new ``bytes``. Same semantics and errors as ``get_range``.
+        """
+        return memoryview(await self.get_range(key, start=start, end=end))
 
     async def get(self, key: str) -> bytes:
         """The whole object."""

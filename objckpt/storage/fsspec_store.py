@@ -13,11 +13,9 @@ adapter adds:
   lock for the in-process memory filesystem. fsspec's generic
   ``pipe_file(mode="create")`` is check-then-write (racy), so unknown
   filesystems only get ``supports_create = True`` if they override it.
-* **Errors by type and status code**, never by message text: missing →
-  :class:`ObjectNotFoundError`, 401/403 → :class:`StorePermissionError`,
-  408/429/5xx and connection errors/timeouts → :class:`TransientStoreError`,
-  the rest → :class:`StoreError`. Messages name the object's full URL (the
-  root URL, credentials stripped, plus the key).
+* **Errors by type and status code**, never by message text (see
+  :mod:`objckpt.storage.error_map`). Messages name the object's full URL
+  (the root URL, credentials stripped, plus the key).
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import asyncio
 import datetime as _dt
 import functools
 import inspect
-import re
 import sys
 import threading
 from collections.abc import Awaitable, Callable
@@ -38,24 +35,20 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from objckpt.errors import (
-    ObjectExistsError,
-    ObjectNotFoundError,
-    StoreError,
-    StorePermissionError,
-    TransientStoreError,
-)
+from objckpt.errors import ObjectNotFoundError, StoreError, TransientStoreError
 from objckpt.storage import local as _local
-from objckpt.storage.base import ObjectInfo, PutMode, Store
+from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
+from objckpt.storage.error_map import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
+from objckpt.storage.error_map import http_status as _http_status
+from objckpt.storage.error_map import map_error
+from objckpt.storage.urls import check_relative as _check_relative
+from objckpt.storage.urls import redact_url
+
+# Re-exported: these lived here before error_map/urls were split out.
+__all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "FsspecStore", "map_error", "redact_url"]
 
 T = TypeVar("T")
 
-#: Seconds allowed for any single call (one request, or one listing) by default.
-DEFAULT_REQUEST_TIMEOUT_S = 120.0
-
-#: Bugs, not storage failures: never disguised as a StoreError.
-_PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, AssertionError, MemoryError)
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # The in-process memory filesystem is one dict per process; a check-then-write
 # create is atomic only if every writer takes this lock.
 _MEMORY_LOCK = threading.Lock()
@@ -67,148 +60,6 @@ class _InnerTimeout(Exception):
     def __init__(self, original: BaseException) -> None:
         super().__init__(str(original))
         self.original = original
-
-
-# --------------------------------------------------------------------------- URLs
-
-
-def redact_url(url: str) -> str:
-    """``url`` without user info or query string (either may hold credentials).
-
-    Chained fsspec URLs (``simplecache::s3://...``) are redacted link by link;
-    plain paths are returned unchanged.
-    """
-    return "::".join(_redact_one(part) for part in url.split("::"))
-
-
-def _redact_one(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    rest = rest.split("?", 1)[0].split("#", 1)[0]
-    authority, slash, path = rest.partition("/")
-    authority = authority.rsplit("@", 1)[-1]
-    return f"{scheme}://{authority}{slash}{path}"
-
-
-_URL_IN_TEXT = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)(?:[^\s/@'\"]*@)?([^\s?'\"]*)\?[^\s'\"]*")
-
-
-def _scrub(text: str) -> str:
-    """Drop query strings and user info from URLs quoted in a library's message."""
-    return _URL_IN_TEXT.sub(r"\1\2", text)
-
-
-def _check_relative(path: str, what: str, *, allow_empty: bool, allow_partial: bool) -> None:
-    if not isinstance(path, str):
-        raise TypeError(f"{what} must be a str, not {type(path).__name__}")
-    if not path:
-        if allow_empty:
-            return
-        raise ValueError(f"{what} must not be empty")
-    if path.startswith("/") or "\\" in path or "\x00" in path:
-        raise ValueError(f"invalid {what} {path!r}: must be relative, '/'-separated")
-    parts = path.split("/")
-    if allow_partial and parts[-1] == "":
-        parts = parts[:-1]  # a prefix may end with "/"
-    for part in parts:
-        if part in ("", ".", ".."):
-            raise ValueError(f"invalid {what} {path!r}: empty, '.' or '..' segment")
-
-
-# ------------------------------------------------------------------ error mapping
-
-
-def _http_status(exc: BaseException) -> int | None:
-    """The HTTP status behind ``exc``, looking through its ``__cause__`` chain.
-
-    s3fs raises plain ``OSError`` with the botocore ``ClientError`` as cause
-    (status at ``response["ResponseMetadata"]["HTTPStatusCode"]``); aiohttp
-    errors carry ``.status``; gcsfs's ``HttpError`` carries ``.code``.
-    """
-    gcsfs_retry = sys.modules.get("gcsfs.retry")
-    http_error = getattr(gcsfs_retry, "HttpError", None)
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen and len(seen) < 8:
-        seen.add(id(cur))
-        response = getattr(cur, "response", None)
-        if isinstance(response, dict):
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if isinstance(status, int):
-                return status
-        elif response is not None:
-            status = getattr(response, "status_code", None) or getattr(response, "status", None)
-            if isinstance(status, int) and 100 <= status < 600:
-                return status
-        status = getattr(cur, "status", None)
-        if isinstance(status, int) and 100 <= status < 600:
-            return status
-        if http_error is not None and isinstance(cur, http_error):
-            code = getattr(cur, "code", None)
-            if isinstance(code, int):
-                return code
-        cur = cur.__cause__
-    return None
-
-
-def _transient_types() -> tuple[type[BaseException], ...]:
-    """Connection-level error types of the HTTP stacks that are loaded."""
-    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    aiohttp = sys.modules.get("aiohttp")
-    if aiohttp is not None:
-        types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
-    botocore_exc = sys.modules.get("botocore.exceptions")
-    if botocore_exc is not None:
-        for name in ("HTTPClientError", "ResponseStreamingError", "IncompleteReadError"):
-            cls = getattr(botocore_exc, name, None)
-            if isinstance(cls, type):
-                types.append(cls)
-    requests_exc = sys.modules.get("requests.exceptions")
-    if requests_exc is not None:  # gcsfs turns a 502 into requests' ProxyError
-        types += [requests_exc.ConnectionError, requests_exc.Timeout, requests_exc.ChunkedEncodingError]
-    return tuple(types)
-
-
-def _permission_types() -> tuple[type[BaseException], ...]:
-    types: list[type[BaseException]] = [PermissionError]
-    botocore_exc = sys.modules.get("botocore.exceptions")
-    if botocore_exc is not None:
-        types.append(botocore_exc.NoCredentialsError)
-    google_auth = sys.modules.get("google.auth.exceptions")
-    if google_auth is not None:
-        types.append(google_auth.DefaultCredentialsError)
-    return tuple(types)
-
-
-def map_error(exc: BaseException, what: str, *, create: bool = False) -> StoreError:
-    """Translate a filesystem/HTTP error into objckpt's store errors.
-
-    Args:
-        exc: What the filesystem raised.
-        what: Operation and full object URL for the message, e.g.
-            ``"get s3://bucket/ckpt/manifest.json"``.
-        create: The failed call was a create-if-absent put (412 = exists).
-    """
-    if isinstance(exc, StoreError):
-        return exc
-    status = _http_status(exc)
-    detail = _scrub(f"{type(exc).__name__}: {exc}")
-    suffix = f" (HTTP {status})" if status else ""
-    message = f"{what} failed{suffix}: {detail}"
-    if create and (isinstance(exc, FileExistsError) or status == 412):
-        return ObjectExistsError(f"{what}: object already exists")
-    if status == 404 or isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
-        return ObjectNotFoundError(f"{what}: no such object")
-    if status in (401, 403) or isinstance(exc, _permission_types()):
-        return StorePermissionError(message)
-    if status in _TRANSIENT_STATUS or (create and status == 409):
-        # 409 on a conditional PUT: another conditional write to the same key
-        # is in flight (S3 ConditionalRequestConflict); a retry sees 412 or wins.
-        return TransientStoreError(message)
-    if status is None and isinstance(exc, _transient_types()):
-        return TransientStoreError(message)
-    return StoreError(message)
 
 
 # ----------------------------------------------------------------- create support
