@@ -49,8 +49,11 @@ class Options:
         max_concurrency: requests in flight at once per process.
         memory_budget: bytes of staged host buffers a save may hold; when the
             model is larger, the blocking phase streams (copy, upload, reuse).
-        read_window: bytes of ranged reads in flight during restore.
-        max_read_size: largest single coalesced ranged GET.
+        read_window: bytes of ranged reads in flight during restore (also capped by
+            ``memory_budget``); with ``read_chunk`` it sets how many GETs run at once,
+            and it bounds restore's host memory above the restored arrays.
+        max_read_size: largest single coalesced ranged read.
+        read_chunk: a read larger than this is fetched as parallel sub-range GETs.
         coalesce_gap: ranges of one blob closer than this are merged into one GET.
             0 by default so a partial restore never reads bytes it skips.
         split_replicas_above: a replicated shard at least this big is split into
@@ -64,8 +67,9 @@ class Options:
     blob_size: int = 32 * MiB
     max_concurrency: int = 32
     memory_budget: int = field(default_factory=_default_memory_budget)
-    read_window: int = 1 * GiB
+    read_window: int = 256 * MiB
     max_read_size: int = 64 * MiB
+    read_chunk: int = 8 * MiB
     coalesce_gap: int = 0
     split_replicas_above: int = 1 * MiB
     request_timeout: float = 120.0
@@ -74,7 +78,7 @@ class Options:
     retry: RetryConfig = field(default_factory=RetryConfig)
 
     def __post_init__(self) -> None:
-        for name in ("blob_size", "max_concurrency", "memory_budget", "read_window", "max_read_size"):
+        for name in ("blob_size", "max_concurrency", "memory_budget", "read_window", "max_read_size", "read_chunk"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Options.{name} must be positive, got {getattr(self, name)!r}")
         if self.coalesce_gap < 0:
