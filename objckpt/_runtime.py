@@ -16,6 +16,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from objckpt._memory import tune_malloc
+
 T = TypeVar("T")
 
 _lock = threading.Lock()
@@ -28,6 +30,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
     global _loop, _thread
     with _lock:
         if _loop is None or not _loop.is_running():
+            tune_malloc()
             loop = asyncio.new_event_loop()
             started = threading.Event()
 

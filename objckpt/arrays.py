@@ -105,17 +105,6 @@ def needed_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dic
     return boxes
 
 
-def build_array(
-    shape: tuple[int, ...],
-    sharding: jax.sharding.Sharding,
-    devices_by_box: dict[Box, list[Any]],
-    buffers: dict[Box, np.ndarray],
-) -> jax.Array:
-    """Put each filled host buffer on its devices and assemble the global array."""
-    singles = [jax.device_put(buffers[box], device) for box, devices in devices_by_box.items() for device in devices]
-    return jax.make_array_from_single_device_arrays(shape, sharding, singles)
-
-
 def describe_sharding(sharding: jax.sharding.Sharding) -> dict[str, Any]:
     """A small JSON description of a sharding, for ``inspect`` (never used to restore)."""
     if isinstance(sharding, jax.sharding.NamedSharding):

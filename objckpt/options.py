@@ -52,8 +52,10 @@ class Options:
         read_window: bytes of ranged reads in flight during restore (also capped by
             ``memory_budget``); with ``read_chunk`` it sets how many GETs run at once,
             and it bounds restore's host memory above the restored arrays.
-        max_read_size: largest single coalesced ranged read.
-        read_chunk: a read larger than this is fetched as parallel sub-range GETs.
+        max_read_size: largest coalesced ranged read (a single larger piece is read alone).
+            Small reads keep many GETs in flight inside the window.
+        read_chunk: a single read larger than this (a huge piece) is fetched as parallel
+            sub-range GETs and joined before its checksum is checked.
         coalesce_gap: ranges of one blob closer than this are merged into one GET.
             0 by default so a partial restore never reads bytes it skips.
         split_replicas_above: a replicated shard at least this big is split into
@@ -67,9 +69,9 @@ class Options:
     blob_size: int = 32 * MiB
     max_concurrency: int = 32
     memory_budget: int = field(default_factory=_default_memory_budget)
-    read_window: int = 256 * MiB
-    max_read_size: int = 64 * MiB
-    read_chunk: int = 8 * MiB
+    read_window: int = 128 * MiB
+    max_read_size: int = 8 * MiB
+    read_chunk: int = 32 * MiB
     coalesce_gap: int = 0
     split_replicas_above: int = 1 * MiB
     request_timeout: float = 120.0

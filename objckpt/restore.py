@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from objckpt import _runtime
-from objckpt.arrays import Box, box_to_slices, build_array, needed_boxes
+from objckpt.arrays import Box, box_to_slices, needed_boxes
 from objckpt.checksum import crc32c
 from objckpt.dtypes import dtype_from_name
 from objckpt.errors import CoordinationError, IntegrityError, TargetMismatchError
@@ -53,6 +53,14 @@ class _LeafJob:
     remaining: int = 0
     key_sharding: Any = None  # typed PRNG keys: where to put the wrapped keys
     designated: dict[Box, Any] | None = None  # read-once: the device that reads each box
+    box_remaining: dict[Box, int] = field(default_factory=dict)  # pieces still to land, per box
+    placed: list[jax.Array] = field(default_factory=list)  # single-device arrays of finished boxes
+    placed_boxes: set[Box] = field(default_factory=set)
+
+    @property
+    def places_boxes(self) -> bool:
+        """Plain sharded leaves go to their devices box by box, freeing host memory early."""
+        return self.sharding is not None and self.designated is None
 
     @property
     def read_boxes(self) -> list[Box]:
@@ -234,8 +242,13 @@ def _inline(entry: LeafEntry, target: Any) -> Any:
 def _plan(manifest: Manifest, jobs: dict[int, _LeafJob], options: Options) -> list[ReadRequest]:
     wanted: list[tuple[int, Piece]] = []
     for i, job in jobs.items():
-        pieces = pieces_needed(job.entry.pieces, job.read_boxes)
+        boxes = job.read_boxes
+        pieces = pieces_needed(job.entry.pieces, boxes)
         job.remaining = len(pieces)
+        job.box_remaining = {box: 0 for box in boxes}
+        for p in pieces:
+            for box in _boxes_of(p, boxes):
+                job.box_remaining[box] += 1
         wanted.extend((i, p) for p in pieces)
     return plan_reads(wanted, coalesce_gap=options.coalesce_gap, max_read_size=options.max_read_size)
 
@@ -264,10 +277,15 @@ async def _fetch(
                 f" got {len(data)} (leaves {', '.join(paths)})"
             )
         for part in request.parts:
-            _allocate(jobs[part.leaf])
+            _allocate(jobs[part.leaf], _boxes_of(part.piece, jobs[part.leaf].box_remaining))
         await asyncio.to_thread(_scatter, request, data, jobs, store.url)
         for part in request.parts:  # counted here, on the loop thread, so no two threads race
             job = jobs[part.leaf]
+            if job.places_boxes:
+                for box in _boxes_of(part.piece, job.box_remaining):
+                    job.box_remaining[box] -= 1
+                    if job.box_remaining[box] == 0:
+                        await asyncio.to_thread(_place_box, job, box)
             job.remaining -= 1
             if job.remaining == 0:
                 await asyncio.to_thread(_finish, job)
@@ -297,10 +315,31 @@ async def _read(engine: TransferEngine, request: ReadRequest, chunk: int) -> mem
     return joined
 
 
-def _allocate(job: _LeafJob) -> None:
-    """Host buffers for a leaf, made when its first piece lands so memory follows progress."""
-    if not job.buffers and not job.done:
-        job.buffers = {box: np.empty(tuple(b - a for a, b in zip(*box)), dtype=job.dtype) for box in job.read_boxes}
+def _boxes_of(piece: Piece, boxes: Any) -> list[Box]:
+    """The boxes (of an iterable of boxes) that a saved piece intersects."""
+    return [box for box in boxes if intersect(piece.start, piece.stop, *box) is not None]
+
+
+def _allocate(job: _LeafJob, boxes: list[Box] | None = None) -> None:
+    """Host buffers for ``boxes`` of a leaf (all it reads by default), made only when needed.
+
+    Made when the first piece for a box lands and, for plain sharded leaves, freed
+    as soon as the box is complete, so host memory follows progress.
+    """
+    if job.done:
+        return
+    for box in job.read_boxes if boxes is None else boxes:
+        if box not in job.buffers:
+            job.buffers[box] = np.empty(tuple(b - a for a, b in zip(*box)), dtype=job.dtype)
+
+
+def _place_box(job: _LeafJob, box: Box) -> None:
+    """Put one complete box on each of its devices and free its host buffer."""
+    host = job.buffers.pop(box)
+    if job.out_dtype is not None and job.out_dtype != job.dtype:
+        host = host.astype(job.out_dtype)
+    job.placed.extend(jax.device_put(host, device) for device in job.devices_by_box[box])
+    job.placed_boxes.add(box)
 
 
 def _scatter(request: ReadRequest, data: bytes | bytearray | memoryview, jobs: dict[int, _LeafJob], url: str) -> None:
@@ -320,9 +359,10 @@ def _scatter(request: ReadRequest, data: bytes | bytearray | memoryview, jobs: d
                 f" bytes [{piece.offset}, {piece.offset + piece.length})"
             )
         source = np.frombuffer(raw, dtype=job.dtype).reshape(piece.shape)
-        for box, buffer in job.buffers.items():
+        for box in job.box_remaining:  # fixed after planning, unlike job.buffers, which other threads change
             overlap = intersect(piece.start, piece.stop, *box)
             if overlap is not None:
+                buffer = job.buffers[box]
                 buffer[box_to_slices(*overlap, origin=box[0])] = source[box_to_slices(*overlap, origin=piece.start)]
 
 
@@ -345,7 +385,12 @@ def _finish(job: _LeafJob) -> None:
                 singles.append(jax.device_put(host, device))
         job.result = jax.make_array_from_single_device_arrays(entry.shape or (), job.sharding, singles)
     elif job.sharding is not None:
-        job.result = build_array(entry.shape or (), job.sharding, job.devices_by_box, buffers)
+        for box in job.devices_by_box:  # boxes not placed yet (empty ones)
+            if box not in job.placed_boxes:
+                _allocate(job, [box])
+                _place_box(job, box)
+        job.result = jax.make_array_from_single_device_arrays(entry.shape or (), job.sharding, job.placed)
+        job.placed = []
     else:
         (value,) = buffers.values()
         if entry.prng_impl is not None:
