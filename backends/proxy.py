@@ -81,18 +81,25 @@ class FaultProxy:
     def endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def set_faults(self, rate: float, kinds: Sequence[str] = FAULT_KINDS) -> None:
-        """Fault ``rate`` (0..1) of the requests from now on, drawing kinds uniformly."""
+    def set_faults(self, rate: float, kinds: Sequence[str] = FAULT_KINDS, *, only: str | None = None) -> None:
+        """Fault ``rate`` (0..1) of the requests from now on, drawing kinds uniformly.
+
+        ``only``: fault just the requests whose request line (``PUT /b/k?partNumber=2 HTTP/1.1``)
+        contains this text, e.g. ``"partNumber="`` for the parts of multipart uploads.
+        """
         unknown = set(kinds) - set(FAULT_KINDS)
         if unknown or not 0.0 <= rate <= 1.0 or (rate > 0 and not kinds):
             raise ValueError(f"bad fault settings: rate={rate}, kinds={kinds}")
         with self._lock:
             self.fault_rate = rate
             self.fault_kinds = tuple(kinds)
+            self.fault_only = only.encode() if only else None
 
-    def _draw(self) -> str | None:
+    def _draw(self, request_line: bytes) -> str | None:
         with self._lock:
             self.stats.requests += 1
+            if self.fault_only is not None and self.fault_only not in request_line:
+                return None
             if self.fault_rate and self._rng.random() < self.fault_rate:
                 kind = self._rng.choice(self.fault_kinds)
                 self.stats.faults[kind] = self.stats.faults.get(kind, 0) + 1
@@ -151,7 +158,7 @@ class FaultProxy:
         upstream_w: asyncio.StreamWriter | None = None
         try:
             head = await client_r.readuntil(b"\r\n\r\n")
-            fault = self._draw()
+            fault = self._draw(head.split(b"\r\n", 1)[0])
             await self._delay()
             if fault in _STATUS_TEXT:
                 await self._answer_error(client_w, fault)
