@@ -304,15 +304,19 @@ async def _read(engine: TransferEngine, request: ReadRequest, chunk: int) -> mem
         return await engine.get_range(request.blob, request.start, request.end)
     starts = range(request.start, request.end, chunk)
     parts = await asyncio.gather(*(engine.get_range(request.blob, s, min(s + chunk, request.end)) for s in starts))
-    joined = bytearray(request.length)
+    return await asyncio.to_thread(_join, parts, request.length)
+
+
+def _join(parts: list[memoryview], length: int) -> memoryview:
+    """Concatenate sub-range parts (off the loop thread, into uninitialised memory)."""
+    joined = np.empty(length, dtype=np.uint8)
     filled = 0
-    for s, part in zip(starts, parts):
-        offset = s - request.start
-        joined[offset : offset + len(part)] = part
-        filled = offset + len(part)
-        if len(part) < min(chunk, request.end - s):  # the blob ends inside this part
-            return joined[:filled]
-    return joined
+    for part in parts:
+        joined[filled : filled + len(part)] = np.frombuffer(part, dtype=np.uint8)
+        filled += len(part)
+        if filled < length and len(part) == 0:
+            break
+    return joined.data[:filled]
 
 
 def _boxes_of(piece: Piece, boxes: Any) -> list[Box]:

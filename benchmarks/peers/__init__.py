@@ -1,0 +1,26 @@
+"""The systems compared by ``benchmarks/bench_peers.py``, one module each.
+
+Every system module defines:
+
+- ``NAME``: its label in the tables;
+- ``env(ctx) -> dict``: environment variables its process needs (set before any import);
+- ``supports(ctx) -> str | None``: ``None`` when it can run against this store, else why not;
+- ``prepare_save(ctx, workload)`` / ``save(ctx, workload, state) -> dict``;
+- ``prepare_restore(ctx, workload, resharded)`` / ``restore(ctx, workload, target) -> (arrays, dict)``,
+  where ``arrays`` are the restored global values (for the fingerprint check) or ``None``.
+
+``ctx`` is the measurement's context (:class:`benchmarks.peers.common.Context`). Only the
+``save``/``restore`` calls are timed; ``prepare_*`` (building the tree or the target,
+mounting a filesystem) is not. Each phase runs in a fresh process
+(:mod:`benchmarks.peers.worker`), so peak RSS and CPU time belong to that phase alone.
+"""
+
+SYSTEMS = ("raw", "objckpt", "orbax", "dcp", "naive")
+
+MODULES = {
+    "raw": "benchmarks.peers.raw",
+    "objckpt": "benchmarks.peers.objckpt_engine",
+    "orbax": "benchmarks.peers.orbax_ckpt",
+    "dcp": "benchmarks.peers.torch_dcp",
+    "naive": "benchmarks.peers.naive",
+}

@@ -1,0 +1,102 @@
+"""What a measurement knows about its store, and the per-process meters."""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+BLOB_SIZE = 32 << 20  # objckpt's default blob size: the raw ceiling uses the same objects
+CONCURRENCY = 32  # objckpt's default request limit: the raw ceiling uses the same
+
+
+@dataclass
+class Context:
+    """One measurement: which store, where, which phase. Passed to the worker on stdin
+    (it holds the S3 secret, so never on the command line)."""
+
+    system: str
+    store: str  # "s3" | "gcs"
+    endpoint: str  # direct, or the latency proxy in front of the server
+    bucket: str
+    prefix: str  # key prefix of this measurement's checkpoint, no leading/trailing "/"
+    workload: str
+    phase: str  # "save" | "restore" | "restore_resharded"
+    access_key: str = ""
+    secret_key: str = field(default="", repr=False)
+    region: str = "us-east-1"
+    profile_dir: str = ""  # when set, cProfile the timed call into this folder
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def url(self) -> str:
+        scheme = "s3" if self.store == "s3" else "gs"
+        return f"{scheme}://{self.bucket}/{self.prefix}"
+
+    def fsspec_options(self) -> dict[str, Any]:
+        """s3fs / gcsfs options for this endpoint (what objckpt, DCP and naive take)."""
+        if self.store == "s3":
+            return {
+                "key": self.access_key,
+                "secret": self.secret_key,
+                "client_kwargs": {"endpoint_url": self.endpoint, "region_name": self.region},
+                "config_kwargs": {"s3": {"addressing_style": "path"}},
+            }
+        return {"endpoint_url": self.endpoint, "token": "anon", "project": "test"}
+
+    def base_env(self) -> dict[str, str]:
+        if self.store == "s3":
+            return {
+                "AWS_ACCESS_KEY_ID": self.access_key,
+                "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_ENDPOINT_URL": self.endpoint,
+                "AWS_DEFAULT_REGION": self.region,
+                "AWS_REGION": self.region,
+            }
+        return {"STORAGE_EMULATOR_HOST": self.endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+def _status(field_name: str) -> int:
+    """A ``/proc/self/status`` size in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss() -> int:
+    return _status("VmRSS")
+
+
+def peak_rss() -> int:
+    return _status("VmHWM")
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux ≥ 4.0: ``echo 5 > /proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process, all its threads (Rust and C++ pools included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """CPU seconds of another process (e.g. a FUSE daemon serving this one)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0

@@ -1,0 +1,55 @@
+"""objckpt with default options: ``objckpt.save`` / ``objckpt.restore`` of the sharded tree.
+
+Through its default adapter for each scheme (obstore for ``s3://``, gcsfs for ``gs://``).
+``restore_resharded`` restores onto a (2, 4) mesh with transposed specs instead of the
+save mesh, so every device assembles its box from several saved shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.peers import workloads
+from benchmarks.peers.common import Context
+
+NAME = "objckpt"
+
+
+def env(ctx: Context) -> dict[str, str]:
+    return {}
+
+
+def supports(ctx: Context) -> str | None:
+    return None
+
+
+def prepare_save(ctx: Context, workload: workloads.Workload) -> Any:
+    return workloads.jax_tree(workload)
+
+
+def prepare_restore(ctx: Context, workload: workloads.Workload, resharded: bool) -> Any:
+    return workloads.abstract_tree(workload, "reshard" if resharded else "save")
+
+
+def save(ctx: Context, workload: workloads.Workload, state: Any) -> dict:
+    import objckpt
+
+    stats = objckpt.save(ctx.url, state, storage_options=ctx.fsspec_options())
+    return {"requests": stats.requests, "objects": stats.objects_written, "retries": stats.retries}
+
+
+def restore(ctx: Context, workload: workloads.Workload, target: Any) -> tuple[list, dict]:
+    import jax
+
+    import objckpt
+
+    stats = objckpt.TransferStats()
+    tree = objckpt.restore(ctx.url, target, storage_options=ctx.fsspec_options(), stats=stats)
+    jax.block_until_ready(tree)
+    if tree["step"] != workload.step:
+        raise RuntimeError(f"step restored as {tree['step']!r}")
+    return workloads.flat(workload, tree), {
+        "requests": stats.requests,
+        "bytes_read": stats.bytes_read,
+        "retries": stats.retries,
+    }
