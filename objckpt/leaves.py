@@ -7,8 +7,6 @@ typed data; ``int``/``float``/``bool``/``None`` live inline in the manifest.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import numpy as np
 
@@ -68,8 +66,3 @@ def _host_pieces(index: int, data: np.ndarray, is_primary: bool) -> list[OwnedPi
         return []
     shape = tuple(data.shape)
     return [OwnedPiece(index, (0,) * len(shape), shape, data.dtype.itemsize, source=(data, (0,) * len(shape)))]
-
-
-def inline_value(entry: LeafEntry) -> Any:
-    """The Python value of an inline leaf."""
-    return entry.value
