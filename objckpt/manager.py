@@ -256,7 +256,7 @@ class CheckpointManager:
         limit = self.options.manifest_size_limit
         found = await unreferenced_objects(self.store, grace=grace, manifest_size_limit=limit)
         doomed = [o.key for o in found]
-        await _delete_all(self.store, doomed)
+        await delete_objects(self.store, doomed)
         if doomed:
             log.info("objckpt gc deleted %d unreferenced objects under %s", len(doomed), self.store.url)
         return doomed
@@ -269,7 +269,7 @@ async def delete_checkpoint(store: Store) -> list[str]:
     """
     await store.delete(MANIFEST_KEY)
     keys = [o.key for o in await store.list()]
-    await _delete_all(store, keys)
+    await delete_objects(store, keys)
     return keys
 
 
@@ -301,7 +301,8 @@ async def unreferenced_objects(store: Store, *, grace: float, manifest_size_limi
     return doomed
 
 
-async def _delete_all(store: Store, keys: list[str]) -> None:
+async def delete_objects(store: Store, keys: list[str]) -> None:
+    """Delete ``keys`` concurrently (a bounded number at once); missing keys are fine."""
     slots = asyncio.Semaphore(_DELETE_CONCURRENCY)
 
     async def one(key: str) -> None:

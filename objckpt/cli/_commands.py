@@ -15,7 +15,7 @@ from objckpt.copy import copy
 from objckpt.errors import CheckpointNotFoundError
 from objckpt.format import MANIFEST_KEY
 from objckpt.info import CheckpointInfo, LeafInfo, inspect
-from objckpt.manager import STEP_DIR, _delete_all, delete_checkpoint, unreferenced_objects
+from objckpt.manager import STEP_DIR, delete_checkpoint, delete_objects, unreferenced_objects
 from objckpt.options import Options
 from objckpt.progress import human_bytes
 from objckpt.storage import ObjectInfo
@@ -259,7 +259,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         unreferenced_objects(store, grace=args.grace_seconds, manifest_size_limit=options.manifest_size_limit)
     )
     if not args.dry_run:
-        _runtime.run_sync(_delete_all(store, [o.key for o in found]))
+        _runtime.run_sync(delete_objects(store, [o.key for o in found]))
     total = sum(o.size for o in found)
     verb = "would delete" if args.dry_run else "deleted"
     if args.json:
