@@ -113,17 +113,8 @@ class Endpoints:
         service = self.services[store]
         if store == "s3":
             import obstore as obs
-            from obstore.store import S3Store
 
-            client = S3Store(
-                service.bucket,
-                endpoint=service.endpoint_url,
-                access_key_id=service.access_key,
-                secret_access_key=service.secret_key,
-                region=service.region,
-                virtual_hosted_style_request=False,
-                client_options={"allow_http": True},
-            )
+            client = service.obstore_client()
             metas = [m for batch in obs.list(client, prefix + "/") for m in batch]
             paths = [m["path"] for m in metas]
             for i in range(0, len(paths), 500):

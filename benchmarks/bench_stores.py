@@ -163,18 +163,7 @@ def s3_variants(service: backends.S3Service) -> dict[str, Callable[[str], Any]]:
     options = service.storage_options()
 
     def raw(base: str) -> RawObstore:
-        from obstore.store import S3Store
-
-        store = S3Store(
-            service.bucket,
-            endpoint=service.endpoint_url,
-            access_key_id=service.access_key,
-            secret_access_key=service.secret_key,
-            region=service.region,
-            virtual_hosted_style_request=False,
-            client_options={"allow_http": True},
-        )
-        return RawObstore(store, base.split("/", 3)[3] + "/")
+        return RawObstore(service.obstore_client(), base.split("/", 3)[3] + "/")
 
     return {
         "s3 fsspec": lambda base: from_url(base, **options, objckpt_backend="fsspec"),
