@@ -12,6 +12,7 @@ pod scale with no data.
 
 from __future__ import annotations
 
+import bisect
 import math
 import zlib
 from collections import defaultdict
@@ -23,6 +24,11 @@ from objckpt.format import Piece
 
 Index = tuple[int, ...]
 ALIGN = 64  # piece offsets inside a blob are aligned for fast copies
+# A piece of at least SPACED_MIN bytes is preceded by SPACER bytes that belong to
+# no piece, so a reader may start its ranged read a little early and have the
+# piece land aligned in the response buffer (see restore's _ResponseAlignment).
+SPACER = ALIGN
+SPACED_MIN = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -115,10 +121,11 @@ def plan_blobs(
     for piece in pieces:
         for start, stop in split_box(piece.start, piece.stop, piece.itemsize, max_bytes=blob_size):
             part = OwnedPiece(piece.leaf, start, stop, piece.itemsize, piece.source)
-            offset = -(-size // ALIGN) * ALIGN
+            spacer = SPACER if part.nbytes >= SPACED_MIN else 0
+            offset = -(-size // ALIGN) * ALIGN + spacer
             if current and offset + part.nbytes > blob_size:
                 flush()
-                offset = 0
+                offset = spacer
             current.append(PlacedPiece(part, offset))
             size = offset + part.nbytes
     flush()
@@ -157,6 +164,7 @@ class ReadRequest:
     start: int
     end: int
     parts: tuple[ReadPart, ...]
+    slack: int = 0  # bytes just before ``start`` that belong to no piece: free to read too
 
     @property
     def length(self) -> int:
@@ -168,12 +176,17 @@ def plan_reads(
     *,
     coalesce_gap: int,
     max_read_size: int,
+    layout: Iterable[Piece] = (),
 ) -> list[ReadRequest]:
     """Coalesce the wanted pieces into ranged reads, one blob at a time.
 
     Pieces of a blob closer than ``coalesce_gap`` bytes join one request as long
     as it stays within ``max_read_size`` (a single larger piece gets its own).
+    ``layout``, every piece of the checkpoint, tells which bytes belong to no
+    piece: a gap of only such bytes (the spacing left for alignment) joins
+    pieces too, and each request records its ``slack``. Without it, the slack is 0.
     """
+    free = _FreeSpace(layout)
     by_blob: dict[str, list[tuple[int, Piece]]] = defaultdict(list)
     for leaf, piece in wanted:
         by_blob[piece.blob].append((leaf, piece))
@@ -184,18 +197,49 @@ def plan_reads(
         start = end = 0
         for leaf, piece in items:
             p_end = piece.offset + piece.length
-            if group and piece.offset - end <= coalesce_gap and max(end, p_end) - start <= max_read_size:
+            gap = piece.offset - end
+            joins = gap <= coalesce_gap or (gap <= SPACER + ALIGN and free.between(blob, end, piece.offset))
+            if group and joins and max(end, p_end) - start <= max_read_size:
                 group.append((leaf, piece))
                 end = max(end, p_end)
                 continue
             if group:
-                requests.append(_request(blob, start, end, group))
+                requests.append(_request(blob, start, end, group, free.before(blob, start)))
             group, start, end = [(leaf, piece)], piece.offset, p_end
         if group:
-            requests.append(_request(blob, start, end, group))
+            requests.append(_request(blob, start, end, group, free.before(blob, start)))
     return requests
 
 
-def _request(blob: str, start: int, end: int, group: list[tuple[int, Piece]]) -> ReadRequest:
+class _FreeSpace:
+    """Which bytes of each blob belong to no piece, from the checkpoint's layout."""
+
+    def __init__(self, layout: Iterable[Piece]) -> None:
+        spans: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for piece in layout:
+            spans[piece.blob].append((piece.offset, piece.offset + piece.length))
+        self._starts: dict[str, list[int]] = {}
+        self._ends: dict[str, list[int]] = {}
+        for blob, pairs in spans.items():
+            pairs.sort()  # pieces never overlap, so their ends are sorted too
+            self._starts[blob] = [a for a, _ in pairs]
+            self._ends[blob] = [b for _, b in pairs]
+
+    def between(self, blob: str, a: int, b: int) -> bool:
+        """True if no piece has a byte in ``[a, b)`` (False when the layout is unknown)."""
+        if blob not in self._ends:
+            return False
+        i = bisect.bisect_right(self._ends[blob], a)  # the first piece ending after a
+        return i == len(self._starts[blob]) or self._starts[blob][i] >= b
+
+    def before(self, blob: str, offset: int) -> int:
+        """Free bytes just before ``offset``, back to the previous piece (0 when unknown)."""
+        if blob not in self._ends:
+            return 0
+        i = bisect.bisect_right(self._ends[blob], offset)
+        return offset - (self._ends[blob][i - 1] if i else 0)
+
+
+def _request(blob: str, start: int, end: int, group: list[tuple[int, Piece]], slack: int = 0) -> ReadRequest:
     parts = tuple(ReadPart(leaf, piece, piece.offset - start) for leaf, piece in group)
-    return ReadRequest(blob, start, end, parts)
+    return ReadRequest(blob, start, end, parts, slack)

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from objckpt import _runtime
+from objckpt._memory import DEVICE_ALIGNMENT, aligned_empty
 from objckpt.arrays import Box, box_to_slices, needed_boxes
 from objckpt.checksum import crc32c
 from objckpt.dtypes import dtype_from_name
@@ -250,7 +251,8 @@ def _plan(manifest: Manifest, jobs: dict[int, _LeafJob], options: Options) -> li
             for box in _boxes_of(p, boxes):
                 job.box_remaining[box] += 1
         wanted.extend((i, p) for p in pieces)
-    return plan_reads(wanted, coalesce_gap=options.coalesce_gap, max_read_size=options.max_read_size)
+    layout = (piece for leaf in manifest.leaves for piece in leaf.pieces)
+    return plan_reads(wanted, coalesce_gap=options.coalesce_gap, max_read_size=options.max_read_size, layout=layout)
 
 
 async def _fetch(
@@ -268,17 +270,21 @@ async def _fetch(
             _allocate(job)
             await asyncio.to_thread(_finish, job)
 
+    alignment = _ResponseAlignment()
+
     async def one(request: ReadRequest) -> None:
-        data = await _read(engine, request, options.read_chunk)
+        data = await _read(engine, request, options.read_chunk, alignment)
         if len(data) != request.length:
             paths = sorted({jobs[p.leaf].entry.path for p in request.parts})
             raise IntegrityError(
                 f"blob {store.url}/{request.blob} is truncated: asked bytes [{request.start}, {request.end}),"
                 f" got {len(data)} (leaves {', '.join(paths)})"
             )
-        for part in request.parts:
-            _allocate(jobs[part.leaf], _boxes_of(part.piece, jobs[part.leaf].box_remaining))
-        await asyncio.to_thread(_scatter, request, data, jobs, store.url)
+        adopted = _adoptable(request, data, jobs)
+        for k, part in enumerate(request.parts):
+            if k not in adopted:
+                _allocate(jobs[part.leaf], _boxes_of(part.piece, jobs[part.leaf].box_remaining))
+        await asyncio.to_thread(_scatter, request, data, jobs, store.url, adopted)
         for part in request.parts:  # counted here, on the loop thread, so no two threads race
             job = jobs[part.leaf]
             if job.places_boxes:
@@ -294,22 +300,59 @@ async def _fetch(
     await engine.for_each(requests, one, window_bytes=window, size=lambda r: r.length)
 
 
-async def _read(engine: TransferEngine, request: ReadRequest, chunk: int) -> memoryview | bytearray:
-    """One coalesced read; a large one as parallel sub-range GETs (more streams, same window).
+class _ResponseAlignment:
+    """Where the store's response buffers start, so reads can be nudged to land aligned.
 
-    The parts are joined before any checksum is checked, since a piece's crc32c
-    covers the whole piece. Returns fewer bytes only if the blob is shorter.
+    A piece whose bytes sit on a 64-byte boundary in the response buffer can
+    become its box's host array as is, and on the CPU backend the device array
+    itself (:func:`objckpt._memory.aligned_empty` says why): no copy at all. A
+    large response (obstore, glibc) starts 16 bytes past a page boundary, so
+    starting the read ``pad`` bytes before the piece (large pieces are saved
+    behind 64 bytes that belong to no piece) puts the piece on the boundary. The phase is learned from each large
+    response, so another allocator only costs the copy it would have cost anyway.
+    """
+
+    _LARGE = 1 << 20  # smaller responses come from the heap, at no fixed phase
+
+    def __init__(self, phase: int = 16) -> None:
+        self.phase = phase  # address % DEVICE_ALIGNMENT of the last large response
+
+    def pad(self, request: ReadRequest) -> int:
+        """Bytes to read before the request's start (0 unless it has that much slack)."""
+        pad = -self.phase % DEVICE_ALIGNMENT
+        return pad if pad <= request.slack and request.length >= self._LARGE else 0
+
+    def observe(self, response: memoryview) -> None:
+        """Learn the phase from a whole response as the store returned it."""
+        if len(response) >= self._LARGE:
+            self.phase = _address(response) % DEVICE_ALIGNMENT
+
+
+def _address(data: memoryview | np.ndarray) -> int:
+    return int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if len(data) else 0
+
+
+async def _read(engine: TransferEngine, request: ReadRequest, chunk: int, alignment: _ResponseAlignment) -> memoryview:
+    """One coalesced read; a large one as parallel sub-range GETs joined into aligned memory.
+
+    A single GET starts a few bytes early when that lands the bytes aligned
+    (:class:`_ResponseAlignment`). The parts are joined before any checksum is
+    checked, since a piece's crc32c covers the whole piece. Returns the bytes
+    from ``request.start`` on: fewer only if the blob is shorter.
     """
     if request.length <= chunk:
-        return await engine.get_range(request.blob, request.start, request.end)
+        pad = alignment.pad(request)
+        response = await engine.get_range(request.blob, request.start - pad, request.end)
+        alignment.observe(response)
+        return memoryview(response)[pad:]
     starts = range(request.start, request.end, chunk)
     parts = await asyncio.gather(*(engine.get_range(request.blob, s, min(s + chunk, request.end)) for s in starts))
     return await asyncio.to_thread(_join, parts, request.length)
 
 
 def _join(parts: list[memoryview], length: int) -> memoryview:
-    """Concatenate sub-range parts (off the loop thread, into uninitialised memory)."""
-    joined = np.empty(length, dtype=np.uint8)
+    """Concatenate sub-range parts (off the loop thread, into aligned uninitialised memory)."""
+    joined = aligned_empty((length,), np.dtype(np.uint8))
     filled = 0
     for part in parts:
         joined[filled : filled + len(part)] = np.frombuffer(part, dtype=np.uint8)
@@ -317,6 +360,30 @@ def _join(parts: list[memoryview], length: int) -> memoryview:
         if filled < length and len(part) == 0:
             break
     return joined.data[:filled]
+
+
+def _adoptable(request: ReadRequest, data: memoryview, jobs: dict[int, _LeafJob]) -> set[int]:
+    """The parts (by index) whose response bytes can become their box's host array as is.
+
+    That takes a piece that is exactly one box of a leaf placed box by box (a
+    read-only view is fine there: it goes straight to its devices), no cast, and
+    bytes on the alignment boundary.
+    """
+    base = _address(data)
+    adopted = set()
+    for k, part in enumerate(request.parts):
+        job = jobs[part.leaf]
+        piece = part.piece
+        box = (piece.start, piece.stop)
+        if (
+            job.places_boxes
+            and (base + part.offset) % DEVICE_ALIGNMENT == 0
+            and job.box_remaining.get(box) == 1
+            and box not in job.buffers
+            and (job.out_dtype is None or job.out_dtype == job.dtype)
+        ):
+            adopted.add(k)
+    return adopted
 
 
 def _boxes_of(piece: Piece, boxes: Any) -> list[Box]:
@@ -334,7 +401,7 @@ def _allocate(job: _LeafJob, boxes: list[Box] | None = None) -> None:
         return
     for box in job.read_boxes if boxes is None else boxes:
         if box not in job.buffers:
-            job.buffers[box] = np.empty(tuple(b - a for a, b in zip(*box)), dtype=job.dtype)
+            job.buffers[box] = aligned_empty(tuple(b - a for a, b in zip(*box)), job.dtype)
 
 
 def _place_box(job: _LeafJob, box: Box) -> None:
@@ -346,23 +413,32 @@ def _place_box(job: _LeafJob, box: Box) -> None:
     job.placed_boxes.add(box)
 
 
-def _scatter(request: ReadRequest, data: bytes | bytearray | memoryview, jobs: dict[int, _LeafJob], url: str) -> None:
+def _scatter(
+    request: ReadRequest,
+    data: memoryview,
+    jobs: dict[int, _LeafJob],
+    url: str,
+    adopted: set[int] = frozenset(),  # type: ignore[assignment]
+) -> None:
     """Check each piece of one response and copy it into the boxes that need it.
 
-    Pieces never overlap, so threads scattering different responses into the
-    same leaf write disjoint regions.
+    An adopted part (see :func:`_adoptable`) becomes its box's buffer instead
+    of being copied. Pieces never overlap, so threads scattering different
+    responses into the same leaf write disjoint regions.
     """
-    view = memoryview(data)
-    for part in request.parts:
+    for k, part in enumerate(request.parts):
         piece = part.piece
         job = jobs[part.leaf]
-        raw = view[part.offset : part.offset + piece.length]
+        raw = data[part.offset : part.offset + piece.length]
         if crc32c(raw) != piece.crc32c:
             raise IntegrityError(
                 f"checksum mismatch in leaf {job.entry.path}: blob {url}/{piece.blob}"
                 f" bytes [{piece.offset}, {piece.offset + piece.length})"
             )
         source = np.frombuffer(raw, dtype=job.dtype).reshape(piece.shape)
+        if k in adopted:
+            job.buffers[(piece.start, piece.stop)] = source
+            continue
         for box in job.box_remaining:  # fixed after planning, unlike job.buffers, which other threads change
             overlap = intersect(piece.start, piece.stop, *box)
             if overlap is not None:
@@ -385,7 +461,8 @@ def _finish(job: _LeafJob) -> None:
                 if job.designated[box] == device:
                     host = buffers[box]
                 else:
-                    host = np.zeros(tuple(b - a for a, b in zip(*box)), dtype=out_dtype)
+                    host = aligned_empty(tuple(b - a for a, b in zip(*box)), out_dtype)
+                    host.fill(0)
                 singles.append(jax.device_put(host, device))
         job.result = jax.make_array_from_single_device_arrays(entry.shape or (), job.sharding, singles)
     elif job.sharding is not None:

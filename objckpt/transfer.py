@@ -124,9 +124,7 @@ class RetryingStore(Store):
         return await self._call(f"GET {self.url}/{key}", lambda: self.inner.get_range(key, start=start, end=end))
 
     async def get_range_buffer(self, key: str, *, start: int, end: int) -> memoryview:
-        return await self._call(
-            f"GET {self.url}/{key}", lambda: self.inner.get_range_buffer(key, start=start, end=end)
-        )
+        return await self._call(f"GET {self.url}/{key}", lambda: self.inner.get_range_buffer(key, start=start, end=end))
 
     async def get(self, key: str) -> bytes:
         return await self._call(f"GET {self.url}/{key}", lambda: self.inner.get(key))

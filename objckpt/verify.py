@@ -212,7 +212,9 @@ async def read_blob(engine: TransferEngine, key: str, size: int, *, chunk: int) 
     return buffer if got == size else buffer[:got]
 
 
-def check_pieces(url: str, key: str, data: bytes | bytearray | memoryview, pieces: list[PieceRef]) -> list[VerifyProblem]:
+def check_pieces(
+    url: str, key: str, data: bytes | bytearray | memoryview, pieces: list[PieceRef]
+) -> list[VerifyProblem]:
     """Checksum every piece that lies inside ``data`` (the blob's bytes)."""
     problems = []
     view = memoryview(data)
