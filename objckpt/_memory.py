@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import threading
 
@@ -45,12 +46,32 @@ def tune_malloc(threshold: int = 1 << 20) -> bool:
 # XLA's CPU client adopts a host buffer without copying it when the buffer is
 # aligned to this many bytes (measured: 64-byte aligned arrays are aliased by
 # ``jax.device_put``, 16- and 32-byte aligned ones are copied). On accelerators
-# the transfer is a DMA either way; the alignment costs at most 63 bytes.
+# the transfer is a DMA either way.
 DEVICE_ALIGNMENT = 64
 
+# Buffers this large get their own anonymous mapping (page-aligned, zero-filled).
+_MAPPED_MIN = 1 << 20
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = DEVICE_ALIGNMENT) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on an ``alignment`` boundary.
+
+def host_buffer(nbytes: int) -> np.ndarray:
+    """A zero-filled, 64-byte aligned uint8 buffer for array bytes (staging or restored).
+
+    Large ones are anonymous mappings of plain pages rather than numpy's own
+    allocation, which asks for transparent huge pages on anything over 4 MiB:
+    the first touch of huge pages cost 0.8–2.2 s per GiB here (memory the VM
+    had not backed yet, or compaction) against a steady 0.4 s with plain pages,
+    and that first touch is exactly what a save or restore does. Freed with the
+    last array that views it.
+    """
+    if nbytes >= _MAPPED_MIN:
+        return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    raw = np.zeros(nbytes + DEVICE_ALIGNMENT, dtype=np.uint8)
+    offset = -raw.ctypes.data % DEVICE_ALIGNMENT
+    return raw[offset : offset + nbytes]
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A C-contiguous array on a :data:`DEVICE_ALIGNMENT` boundary, from :func:`host_buffer`.
 
     Restore fills these and hands them to ``jax.device_put``; on the CPU backend
     an aligned buffer becomes the device array itself, which saves a copy of
@@ -58,6 +79,4 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = DEVI
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + alignment, dtype=np.uint8)
-    offset = -raw.ctypes.data % alignment
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+    return host_buffer(nbytes).view(dtype).reshape(shape)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from objckpt import _runtime
+from objckpt._memory import host_buffer
 from objckpt.arrays import copy_piece_into
 from objckpt.checksum import crc32c
 from objckpt.errors import CheckpointExistsError, ObjectExistsError, StoreError
@@ -125,9 +126,9 @@ def save(
     Raises:
         CheckpointExistsError: ``url`` already holds a committed checkpoint (left intact).
     """
-    handle = save_async(
-        url, tree, storage_options=storage_options, options=options, metadata=metadata, progress=progress
-    )
+    # The caller waits for the uploads anyway: let them start with the first
+    # blob copied instead of after the last (save_async holds them back).
+    handle = _start(url, tree, storage_options, options, metadata, progress, hold_uploads=False)
     handle.result()
     return handle.stats
 
@@ -146,6 +147,20 @@ def save_async(
     Returns after the blocking phase: the caller may update, donate or delete
     its arrays at once. Takes the same arguments as :func:`save`.
     """
+    return _start(url, tree, storage_options, options, metadata, progress, hold_uploads=True)
+
+
+def _start(
+    url: str,
+    tree: Any,
+    storage_options: dict[str, Any] | None,
+    options: Options | None,
+    metadata: dict[str, Any] | None,
+    progress: bool,
+    *,
+    hold_uploads: bool,
+) -> SaveHandle:
+    """Snapshot ``tree`` and start its uploads and commit; ``hold_uploads`` as in :func:`_snapshot_and_upload`."""
     entered = time.perf_counter()
     options = options or Options()
     stats = TransferStats()
@@ -183,7 +198,7 @@ def save_async(
     started = time.perf_counter()
     bar = progress_bar("save", sum(b.size for b in blobs), lambda: stats.bytes_written, enabled=progress)
     try:
-        uploads = _snapshot_and_upload(blobs, engine, options)
+        uploads = _snapshot_and_upload(blobs, engine, options, hold_uploads=hold_uploads)
     except BaseException:
         bar.close()
         raise
@@ -226,14 +241,14 @@ PieceRecord = tuple[int, Piece]  # (leaf index, stored piece)
 
 
 def _snapshot_and_upload(
-    blobs: list[BlobPlan], engine: TransferEngine, options: Options
+    blobs: list[BlobPlan], engine: TransferEngine, options: Options, *, hold_uploads: bool
 ) -> list[concurrent.futures.Future[list[PieceRecord]]]:
     """The blocking phase: fill each blob's staging buffer, hand it to the uploader.
 
-    Uploads are held back until the copies finish (on 2-core hosts the upload
-    threads would otherwise slow the copy the caller waits for), or until the
-    budget runs out, when the model is bigger than the budget and the phase
-    has to stream. Stops early if an upload has already failed.
+    With ``hold_uploads`` (async save) uploads wait until the copies finish (on
+    2-core hosts the upload threads would otherwise slow the copy the caller
+    waits for), or until the budget runs out, when the model is bigger than the
+    budget and the phase has to stream. Stops early if an upload has already failed.
     """
     budget = _ThreadByteBudget(options.memory_budget)
     failed = threading.Event()
@@ -243,6 +258,8 @@ def _snapshot_and_upload(
         if not gate.done():
             gate.set_result(None)
 
+    if not hold_uploads:
+        open_gate()
     futures: list[concurrent.futures.Future[list[PieceRecord]]] = []
     try:
         _fill_blobs(blobs, engine, budget, failed, gate, open_gate, futures)
@@ -265,7 +282,7 @@ def _fill_blobs(
         if failed.is_set():
             budget.release(held)
             break
-        buffer = np.zeros(blob.size, dtype=np.uint8)
+        buffer = host_buffer(blob.size)  # zero-filled: the bytes between pieces stay zero
         for placed in blob.pieces:
             piece = placed.piece
             dtype = placed.piece.source[0].dtype
