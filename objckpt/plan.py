@@ -24,9 +24,10 @@ from objckpt.format import Piece
 
 Index = tuple[int, ...]
 ALIGN = 64  # piece offsets inside a blob are aligned for fast copies
-# A piece of at least SPACED_MIN bytes is preceded by SPACER bytes that belong to
-# no piece, so a reader may start its ranged read a little early and have the
-# piece land aligned in the response buffer (see restore's _ResponseAlignment).
+# Every blob starts with SPACER bytes that belong to no piece, and so does the
+# gap before a piece of at least SPACED_MIN bytes, so a reader may start its
+# ranged read a little early and have the piece land aligned in the response
+# buffer (see restore's _ResponseAlignment).
 SPACER = ALIGN
 SPACED_MIN = 1 << 20
 
@@ -110,13 +111,13 @@ def plan_blobs(
     """
     blobs: list[BlobPlan] = []
     current: list[PlacedPiece] = []
-    size = 0
+    size = SPACER
 
     def flush() -> None:
         nonlocal current, size
         if current:
             blobs.append(BlobPlan(key(len(blobs)), tuple(current), size))
-        current, size = [], 0
+        current, size = [], SPACER
 
     for piece in pieces:
         for start, stop in split_box(piece.start, piece.stop, piece.itemsize, max_bytes=blob_size):
@@ -125,7 +126,7 @@ def plan_blobs(
             offset = -(-size // ALIGN) * ALIGN + spacer
             if current and offset + part.nbytes > blob_size:
                 flush()
-                offset = spacer
+                offset = SPACER + spacer
             current.append(PlacedPiece(part, offset))
             size = offset + part.nbytes
     flush()

@@ -116,9 +116,7 @@ def store_target_factory(
             return StoreTarget("local", str(tmp_path_factory.mktemp("store") / name))
         if kind == "s3":
             s3: S3Service = request.getfixturevalue("s3_service")
-            return StoreTarget(
-                "s3", s3.url(name), s3.storage_options(), secrets=(s3.secret_key,)
-            )
+            return StoreTarget("s3", s3.url(name), s3.storage_options(), secrets=(s3.secret_key,))
         if kind == "gcs":
             gcs: GCSService = request.getfixturevalue("gcs_service")
             return StoreTarget("gcs", gcs.url(name), gcs.storage_options())

@@ -51,3 +51,24 @@ def random_array(shape, dtype, seed=0) -> np.ndarray:
         return rng.normal(size=shape).astype(dtype)
     raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
     return raw.view(dtype).reshape(shape)
+
+
+class CountingStore:
+    """Wraps a store and records every byte range read."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.reads: list[tuple[str, int, int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def get_range(self, key, *, start, end):
+        data = await self.inner.get_range(key, start=start, end=end)
+        self.reads.append((key, start, start + len(data)))
+        return data
+
+    async def get_range_buffer(self, key, *, start, end):
+        data = await self.inner.get_range_buffer(key, start=start, end=end)
+        self.reads.append((key, start, start + len(data)))
+        return data

@@ -224,7 +224,9 @@ def test_verify_ok_then_every_problem_named(env, saved, s3_service, gcs_service)
     flipped, short, gone = sorted(sizes, key=lambda k: (-sizes[k], k))[:3]  # big blobs: one leaf's pieces each
     store = _store(copy_url, s3_service, gcs_service)
     data = bytearray(_runtime.run_sync(store.get(flipped)))
-    data[7] ^= 0xFF
+    manifest = parse_manifest(_runtime.run_sync(store.get("manifest.json")), size_limit=1 << 30)
+    piece = min((p for leaf in manifest.leaves for p in leaf.pieces if p.blob == flipped), key=lambda p: p.offset)
+    data[piece.offset + piece.length // 2] ^= 0xFF  # inside the blob's first piece
     _runtime.run_sync(store.put(flipped, bytes(data)))
     _runtime.run_sync(store.put(short, _runtime.run_sync(store.get(short))[:5]))
     _runtime.run_sync(store.delete(gone))
@@ -234,7 +236,7 @@ def test_verify_ok_then_every_problem_named(env, saved, s3_service, gcs_service)
     problems = {line.split(":")[0]: line for line in run.out.splitlines() if line.startswith("PROBLEM ")}
     assert sorted(problems) == ["PROBLEM checksum", "PROBLEM missing", "PROBLEM short"], run.out
     assert problems["PROBLEM checksum"].startswith("PROBLEM checksum: checksum mismatch in leaf ['")
-    assert f"{copy_url}/{flipped} bytes [0, " in problems["PROBLEM checksum"]
+    assert f"{copy_url}/{flipped} bytes [{piece.offset}, " in problems["PROBLEM checksum"]
     assert problems["PROBLEM short"].startswith(f"PROBLEM short: short blob {copy_url}/{short}: 5 bytes")
     assert problems["PROBLEM missing"].startswith(f"PROBLEM missing: missing blob {copy_url}/{gone}")
     assert run.out.splitlines()[-1].startswith(f"verify {copy_url}: FAILED, 3 problem(s)")

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import CountingStore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -107,27 +108,6 @@ def test_racing_saves_commit_exactly_one(any_store, monkeypatch):
     np.testing.assert_array_equal(restored["params"]["w"], np.asarray(_tree(winner)["params"]["w"]))
 
 
-class _CountingStore:
-    """Wraps a store and records every byte range read."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.reads: list[tuple[str, int, int]] = []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    async def get_range(self, key, *, start, end):
-        data = await self.inner.get_range(key, start=start, end=end)
-        self.reads.append((key, start, start + len(data)))
-        return data
-
-    async def get_range_buffer(self, key, *, start, end):
-        data = await self.inner.get_range_buffer(key, start=start, end=end)
-        self.reads.append((key, start, start + len(data)))
-        return data
-
-
 def test_partial_restore_reads_none_of_the_skipped_bytes(s3_store, monkeypatch):
     so = s3_store.storage_options
     tree = {
@@ -136,10 +116,10 @@ def test_partial_restore_reads_none_of_the_skipped_bytes(s3_store, monkeypatch):
         "step": 7,
     }
     objckpt.save(s3_store.url, tree, storage_options=so)  # small leaves share one blob
-    counting: list[_CountingStore] = []
+    counting: list[CountingStore] = []
 
     def wrapped_from_url(url, **options):
-        store = _CountingStore(from_url(url, **options))
+        store = CountingStore(from_url(url, **options))
         counting.append(store)
         return store
 

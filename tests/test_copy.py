@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from objckpt import _runtime
 from objckpt.format import parse_manifest
+from objckpt.plan import SPACER
 from objckpt.progress import ProgressBar, human_bytes, human_seconds
 
 SMALL_BLOBS = objckpt.Options(blob_size=64 * 1024)
@@ -118,9 +119,9 @@ def test_damaged_source_commits_nothing(memory_store, local_store):
     src = memory_store.open()
     key = sorted(_blobs(memory_store))[2]
     data = bytearray(_runtime.run_sync(src.get(key)))
-    data[0] ^= 0x10
+    data[SPACER] ^= 0x10  # the blob's first piece starts after its leading spacer
     _runtime.run_sync(src.put(key, bytes(data)))
-    with pytest.raises(objckpt.IntegrityError, match=r"checksum mismatch in leaf \['.*blob .*bytes \[0, "):
+    with pytest.raises(objckpt.IntegrityError, match=rf"checksum mismatch in leaf \['.*blob .*bytes \[{SPACER}, "):
         objckpt.copy(memory_store.url, local_store.url)
     with pytest.raises(objckpt.CheckpointNotFoundError):
         objckpt.inspect(local_store.url)

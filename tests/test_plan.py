@@ -8,7 +8,17 @@ import math
 import numpy as np
 
 from objckpt.format import Piece
-from objckpt.plan import OwnedPiece, blob_key, intersect, plan_blobs, plan_reads, split_box
+from objckpt.plan import (
+    ALIGN,
+    SPACED_MIN,
+    SPACER,
+    OwnedPiece,
+    blob_key,
+    intersect,
+    plan_blobs,
+    plan_reads,
+    split_box,
+)
 
 
 def _volume(start, stop):
@@ -80,3 +90,31 @@ def test_plan_reads_coalesces_adjacent_only_by_default():
     for r in merged:
         for part in r.parts:
             assert r.start + part.offset == part.piece.offset
+
+
+def test_large_pieces_are_saved_behind_a_spacer_small_ones_packed():
+    small = [OwnedPiece(i, (0,), (10,), 4) for i in range(3)]
+    large = [OwnedPiece(3 + i, (0,), (SPACED_MIN // 4 + i,), 4) for i in range(3)]
+    blobs = plan_blobs([*small, *large], blob_size=64 << 20, key=lambda s: f"b{s}")
+    placed = sorted(((p.offset, p.piece) for b in blobs for p in b.pieces), key=lambda x: x[0])
+    assert all(offset % ALIGN == 0 for offset, _ in placed)
+    previous_end = 0
+    for offset, piece in placed:
+        gap = offset - previous_end
+        if previous_end == 0 or piece.nbytes >= SPACED_MIN:  # a blob's start, or a large piece
+            assert gap >= SPACER  # room to start a read early without touching another piece
+        else:
+            assert gap < ALIGN  # small pieces stay packed
+        previous_end = offset + piece.nbytes
+
+
+def test_plan_reads_knows_free_bytes_from_the_layout():
+    # blob "a": free [0, 64), p1 [64, 164), free, p2 [256, 356), foreign [356, 420), free, p3 [448, 548)
+    p1, p2, foreign, p3 = _piece("a", 64, 100), _piece("a", 256, 100), _piece("a", 356, 64), _piece("a", 448, 100)
+    layout = [p1, p2, foreign, p3]
+    wanted = [(0, p1), (1, p2), (2, p3)]
+    reqs = sorted(plan_reads(wanted, coalesce_gap=0, max_read_size=1 << 20, layout=layout), key=lambda r: r.start)
+    # the free gap joins p1 and p2; the foreign piece (not wanted) keeps p3 apart
+    assert [(r.start, r.end) for r in reqs] == [(64, 356), (448, 548)]
+    assert [r.slack for r in reqs] == [64, 28]  # free bytes back to the blob start / the foreign piece's end
+    assert [r.slack for r in plan_reads(wanted, coalesce_gap=0, max_read_size=1 << 20)] == [0, 0, 0]

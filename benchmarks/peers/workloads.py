@@ -138,7 +138,7 @@ def sharding(leaf: LeafSpec, kind: str = "save", the_mesh: Any = None) -> Any:
     m = the_mesh if the_mesh is not None else mesh(kind)
     if len(leaf.shape) != 2:
         return NamedSharding(m, P())
-    return NamedSharding(m, P("data", "model") if kind == "save" else P("tensor", "fsdp"))
+    return NamedSharding(m, P("data", "model") if kind == "save" else P("fsdp", "tensor"))
 
 
 def nest(workload: Workload, values: list[Any], step: Any) -> dict:
