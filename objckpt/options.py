@@ -49,11 +49,12 @@ class Options:
         max_concurrency: requests in flight at once per process.
         memory_budget: bytes of staged host buffers a save may hold; when the
             model is larger, the blocking phase streams (copy, upload, reuse).
-        read_window: bytes of ranged reads in flight during restore (also capped by
-            ``memory_budget``); with ``read_chunk`` it sets how many GETs run at once,
-            and it bounds restore's host memory above the restored arrays.
+        read_window: bytes of copied ranged reads in flight during restore (also
+            capped by ``memory_budget``): it bounds restore's host memory above the
+            restored arrays. Reads whose buffers become the arrays themselves
+            (aligned whole boxes) do not count; ``max_concurrency`` bounds those.
         max_read_size: largest coalesced ranged read (a single larger piece is read alone).
-            Small reads keep many GETs in flight inside the window.
+            32 MiB, like blobs: fewer, larger GETs cost less client CPU per byte.
         read_chunk: a single read larger than this (a huge piece) is fetched as parallel
             sub-range GETs and joined before its checksum is checked.
         coalesce_gap: ranges of one blob closer than this are merged into one GET.
@@ -70,7 +71,7 @@ class Options:
     max_concurrency: int = 32
     memory_budget: int = field(default_factory=_default_memory_budget)
     read_window: int = 128 * MiB
-    max_read_size: int = 8 * MiB
+    max_read_size: int = 32 * MiB
     read_chunk: int = 32 * MiB
     coalesce_gap: int = 0
     split_replicas_above: int = 1 * MiB

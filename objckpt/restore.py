@@ -296,8 +296,12 @@ async def _fetch(
             if job.remaining == 0:
                 await asyncio.to_thread(_finish, job)
 
+    # A read that will become its boxes' arrays is not memory above the restored
+    # arrays, so only reads that are copied (then freed) count against the window;
+    # max_concurrency still bounds the requests in flight.
+    copied = {id(r) for r in requests if not _may_adopt(r, jobs)}
     window = min(options.read_window, options.memory_budget)
-    await engine.for_each(requests, one, window_bytes=window, size=lambda r: r.length)
+    await engine.for_each(requests, one, window_bytes=window, size=lambda r: r.length if id(r) in copied else 0)
 
 
 class _ResponseAlignment:
@@ -312,7 +316,7 @@ class _ResponseAlignment:
     response, so another allocator only costs the copy it would have cost anyway.
     """
 
-    _LARGE = 1 << 20  # smaller responses come from the heap, at no fixed phase
+    LARGE = 1 << 20  # smaller responses come from the heap, at no fixed phase
 
     def __init__(self, phase: int = 16) -> None:
         self.phase = phase  # address % DEVICE_ALIGNMENT of the last large response
@@ -320,11 +324,11 @@ class _ResponseAlignment:
     def pad(self, request: ReadRequest) -> int:
         """Bytes to read before the request's start (0 unless it has that much slack)."""
         pad = -self.phase % DEVICE_ALIGNMENT
-        return pad if pad <= request.slack and request.length >= self._LARGE else 0
+        return pad if pad <= request.slack and request.length >= self.LARGE else 0
 
     def observe(self, response: memoryview) -> None:
         """Learn the phase from a whole response as the store returned it."""
-        if len(response) >= self._LARGE:
+        if len(response) >= self.LARGE:
             self.phase = _address(response) % DEVICE_ALIGNMENT
 
 
@@ -362,6 +366,22 @@ def _join(parts: list[memoryview], length: int) -> memoryview:
     return joined.data[:filled]
 
 
+def _may_adopt(request: ReadRequest, jobs: dict[int, _LeafJob]) -> bool:
+    """Whether every part of a planned read can be adopted if its bytes land aligned."""
+    return request.length >= _ResponseAlignment.LARGE and all(
+        _whole_box(part.piece, jobs[part.leaf]) for part in request.parts
+    )
+
+
+def _whole_box(piece: Piece, job: _LeafJob) -> bool:
+    """A piece that is exactly one box of a leaf placed box by box, with no cast."""
+    return (
+        job.places_boxes
+        and job.box_remaining.get((piece.start, piece.stop)) == 1
+        and (job.out_dtype is None or job.out_dtype == job.dtype)
+    )
+
+
 def _adoptable(request: ReadRequest, data: memoryview, jobs: dict[int, _LeafJob]) -> set[int]:
     """The parts (by index) whose response bytes can become their box's host array as is.
 
@@ -370,20 +390,13 @@ def _adoptable(request: ReadRequest, data: memoryview, jobs: dict[int, _LeafJob]
     bytes on the alignment boundary.
     """
     base = _address(data)
-    adopted = set()
-    for k, part in enumerate(request.parts):
-        job = jobs[part.leaf]
-        piece = part.piece
-        box = (piece.start, piece.stop)
-        if (
-            job.places_boxes
-            and (base + part.offset) % DEVICE_ALIGNMENT == 0
-            and job.box_remaining.get(box) == 1
-            and box not in job.buffers
-            and (job.out_dtype is None or job.out_dtype == job.dtype)
-        ):
-            adopted.add(k)
-    return adopted
+    return {
+        k
+        for k, part in enumerate(request.parts)
+        if (base + part.offset) % DEVICE_ALIGNMENT == 0
+        and _whole_box(part.piece, jobs[part.leaf])
+        and (part.piece.start, part.piece.stop) not in jobs[part.leaf].buffers
+    }
 
 
 def _boxes_of(piece: Piece, boxes: Any) -> list[Box]:
