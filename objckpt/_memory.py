@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -80,3 +82,27 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     return host_buffer(nbytes).view(dtype).reshape(shape)
+
+
+_PROBE_BYTES = 1 << 20
+
+
+@functools.cache
+def bytes_phase() -> int:
+    """Where a large new ``bytes`` object's data starts past a 64-byte boundary.
+
+    Stores built on Python clients (fsspec) return responses as ``bytes``;
+    knowing the phase lets restore start a read early so the bytes land aligned.
+    """
+    return _phase(bytes(_PROBE_BYTES))
+
+
+@functools.cache
+def malloc_phase() -> int:
+    """Where a large ``malloc`` result starts past a 64-byte boundary (what native
+    clients such as obstore get for their response buffers)."""
+    return _phase(np.empty(_PROBE_BYTES, dtype=np.uint8))
+
+
+def _phase(buffer: Any) -> int:
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data) % DEVICE_ALIGNMENT

@@ -270,7 +270,7 @@ async def _fetch(
             _allocate(job)
             await asyncio.to_thread(_finish, job)
 
-    alignment = _ResponseAlignment()
+    alignment = _ResponseAlignment(store.response_phase())
 
     async def one(request: ReadRequest) -> None:
         data = await _read(engine, request, options.read_chunk, alignment)
@@ -309,22 +309,25 @@ class _ResponseAlignment:
 
     A piece whose bytes sit on a 64-byte boundary in the response buffer can
     become its box's host array as is, and on the CPU backend the device array
-    itself (:func:`objckpt._memory.aligned_empty` says why): no copy at all. A
-    large response (obstore, glibc) starts 16 bytes past a page boundary, so
-    starting the read ``pad`` bytes before the piece (large pieces are saved
-    behind 64 bytes that belong to no piece) puts the piece on the boundary. The phase is learned from each large
-    response, so another allocator only costs the copy it would have cost anyway.
+    itself (:func:`objckpt._memory.aligned_empty` says why): no copy at all.
+    Large responses start at a fixed phase past a page boundary (16 bytes for a
+    glibc ``malloc``, 48 for a ``bytes`` object on top of it), so starting the
+    read that many bytes short of 64 early (blobs keep free bytes before large
+    pieces) puts the piece on the boundary. The store gives the phase it
+    expects; each large response corrects it, and a miss only costs the copy.
     """
 
     LARGE = 1 << 20  # smaller responses come from the heap, at no fixed phase
 
-    def __init__(self, phase: int = 16) -> None:
-        self.phase = phase  # address % DEVICE_ALIGNMENT of the last large response
+    def __init__(self, phase: int | None) -> None:
+        self.phase = phase  # address % DEVICE_ALIGNMENT of large responses; None: unknown
 
     def pad(self, request: ReadRequest) -> int:
         """Bytes to read before the request's start (0 unless it has that much slack)."""
+        if self.phase is None or request.length < self.LARGE:
+            return 0
         pad = -self.phase % DEVICE_ALIGNMENT
-        return pad if pad <= request.slack and request.length >= self.LARGE else 0
+        return pad if pad <= request.slack else 0
 
     def observe(self, response: memoryview) -> None:
         """Learn the phase from a whole response as the store returned it."""

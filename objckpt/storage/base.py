@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from objckpt._memory import bytes_phase
 from objckpt.errors import ObjectExistsError, ObjectNotFoundError  # noqa: F401  (re-exported)
 
 PutMode = Literal["overwrite", "create"]
@@ -77,6 +78,16 @@ class Store(abc.ABC):
         it into a new ``bytes``. Same semantics and errors as ``get_range``.
         """
         return memoryview(await self.get_range(key, start=start, end=end))
+
+    def response_phase(self) -> int | None:
+        """Where a large :meth:`get_range_buffer` result's bytes start past a 64-byte
+        boundary, when the client's allocator makes that predictable (else None).
+
+        A hint: restore starts large reads that many bytes early so they land
+        aligned and can become arrays without a copy, and checks every response.
+        The default matches the default ``get_range_buffer``, a Python ``bytes``.
+        """
+        return bytes_phase()
 
     async def get(self, key: str) -> bytes:
         """The whole object."""

@@ -41,6 +41,7 @@ from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode,
 from objckpt.storage.error_map import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
 from objckpt.storage.error_map import http_status as _http_status
 from objckpt.storage.error_map import map_error
+from objckpt.storage.gcs_upload import media_upload
 from objckpt.storage.urls import check_relative as _check_relative
 from objckpt.storage.urls import redact_url
 
@@ -223,15 +224,19 @@ class FsspecStore(Store):
         """Start fs method ``name`` the way this filesystem needs it run."""
         fs = self.fs
         if self._async:
-            coro = getattr(fs, f"_{name}")(*args, **kwargs)
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:  # pragma: no cover - always called from a coroutine
-                running = None
-            if fs.asynchronous or running is fs.loop:
-                return coro  # already bound to the caller's loop
-            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, fs.loop))
+            return self._on_fs_loop(getattr(fs, f"_{name}")(*args, **kwargs))
         return asyncio.to_thread(getattr(fs, name), *args, **kwargs)
+
+    def _on_fs_loop(self, coro: Awaitable[T]) -> Awaitable[T]:
+        """Run a coroutine of an async filesystem on the loop that filesystem lives on."""
+        fs = self.fs
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # pragma: no cover - always called from a coroutine
+            running = None
+        if fs.asynchronous or running is fs.loop:
+            return coro  # already bound to the caller's loop
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, fs.loop))  # type: ignore[arg-type]
 
     async def _fs(self, what: str, name: str, *args: Any, **kwargs: Any) -> Any:
         return await self._run(what, lambda: self._call(name, *args, **kwargs))
@@ -337,7 +342,9 @@ class FsspecStore(Store):
                 await self._in_thread(what, functools.partial(_local.write_atomic, exclusive=create), path, data)
             elif self._kind == "memory":
                 await self._in_thread(what, _memory_put, self.fs, path, data, create)
-            elif self._kind == "gcs":  # accepts memoryview, no copy
+            elif self._kind == "gcs" and not create:  # bulk data: the buffer is the body, no copy
+                await self._run(what, lambda: self._on_fs_loop(media_upload(self.fs, path, data)))
+            elif self._kind == "gcs":  # small (a manifest): the emulator checks the precondition only here
                 await self._fs(what, "pipe_file", path, data, mode=mode)
             else:  # botocore (and unknown filesystems) want bytes
                 body = bytes(data) if isinstance(data, memoryview) else data

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import obstore as obs
 
+from objckpt._memory import malloc_phase
 from objckpt.errors import ObjectNotFoundError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
 from objckpt.storage.error_map import PROGRAMMING_ERRORS, map_obstore_error
@@ -183,6 +184,9 @@ class ObstoreStore(Store):
                 return memoryview(b"")
             raise
         return memoryview(data)
+
+    def response_phase(self) -> int | None:
+        return malloc_phase()  # obstore's buffers come from the Rust (system) allocator
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_relative(prefix, "prefix", allow_empty=True, allow_partial=True)
