@@ -297,9 +297,11 @@ async def _fetch(
                 await asyncio.to_thread(_finish, job)
 
     # A read that will become its boxes' arrays is not memory above the restored
-    # arrays, so only reads that are copied (then freed) count against the window;
-    # max_concurrency still bounds the requests in flight.
-    copied = {id(r) for r in requests if not _may_adopt(r, jobs)}
+    # arrays (when the client fills its buffer in place), so only reads that are
+    # copied, then freed, count against the window; max_concurrency still bounds
+    # the requests in flight.
+    in_place = store.reads_in_place
+    copied = {id(r) for r in requests if not (in_place and _may_adopt(r, jobs))}
     window = min(options.read_window, options.memory_budget)
     await engine.for_each(requests, one, window_bytes=window, size=lambda r: r.length if id(r) in copied else 0)
 

@@ -64,6 +64,10 @@ class Store(abc.ABC):
     url: str
     #: False for stores that cannot make create-if-absent atomic; commit refuses them.
     supports_create: bool = True
+    #: True when a ranged read is assembled straight into the buffer it returns
+    #: (no second, transient copy of the body inside the client), so a read whose
+    #: buffer becomes a restored array costs no memory beyond that array.
+    reads_in_place: bool = False
 
     @abc.abstractmethod
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:

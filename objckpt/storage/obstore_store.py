@@ -96,6 +96,8 @@ class ObstoreStore(Store):
         multipart_concurrency: Parts in flight per upload.
     """
 
+    reads_in_place = True  # object_store sizes one buffer from Content-Length and fills it
+
     def __init__(
         self,
         store: Any,
