@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 
 from objckpt import _runtime
 from objckpt._memory import DEVICE_ALIGNMENT, aligned_empty
+from objckpt.aligned_reads import ResponseAlignment, address, read_aligned
 from objckpt.arrays import Box, box_to_slices, needed_boxes
 from objckpt.checksum import crc32c
 from objckpt.dtypes import dtype_from_name
@@ -270,10 +271,10 @@ async def _fetch(
             _allocate(job)
             await asyncio.to_thread(_finish, job)
 
-    alignment = _ResponseAlignment(store.response_phase())
+    alignment = ResponseAlignment(store.response_phase())
 
     async def one(request: ReadRequest) -> None:
-        data = await _read(engine, request, options.read_chunk, alignment)
+        data = await read_aligned(engine, request, options.read_chunk, alignment)
         if len(data) != request.length:
             paths = sorted({jobs[p.leaf].entry.path for p in request.parts})
             raise IntegrityError(
@@ -306,74 +307,9 @@ async def _fetch(
     await engine.for_each(requests, one, window_bytes=window, size=lambda r: r.length if id(r) in copied else 0)
 
 
-class _ResponseAlignment:
-    """Where the store's response buffers start, so reads can be nudged to land aligned.
-
-    A piece whose bytes sit on a 64-byte boundary in the response buffer can
-    become its box's host array as is, and on the CPU backend the device array
-    itself (:func:`objckpt._memory.aligned_empty` says why): no copy at all.
-    Large responses start at a fixed phase past a page boundary (16 bytes for a
-    glibc ``malloc``, 48 for a ``bytes`` object on top of it), so starting the
-    read that many bytes short of 64 early (blobs keep free bytes before large
-    pieces) puts the piece on the boundary. The store gives the phase it
-    expects; each large response corrects it, and a miss only costs the copy.
-    """
-
-    LARGE = 1 << 20  # smaller responses come from the heap, at no fixed phase
-
-    def __init__(self, phase: int | None) -> None:
-        self.phase = phase  # address % DEVICE_ALIGNMENT of large responses; None: unknown
-
-    def pad(self, request: ReadRequest) -> int:
-        """Bytes to read before the request's start (0 unless it has that much slack)."""
-        if self.phase is None or request.length < self.LARGE:
-            return 0
-        pad = -self.phase % DEVICE_ALIGNMENT
-        return pad if pad <= request.slack else 0
-
-    def observe(self, response: memoryview) -> None:
-        """Learn the phase from a whole response as the store returned it."""
-        if len(response) >= self.LARGE:
-            self.phase = _address(response) % DEVICE_ALIGNMENT
-
-
-def _address(data: memoryview | np.ndarray) -> int:
-    return int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if len(data) else 0
-
-
-async def _read(engine: TransferEngine, request: ReadRequest, chunk: int, alignment: _ResponseAlignment) -> memoryview:
-    """One coalesced read; a large one as parallel sub-range GETs joined into aligned memory.
-
-    A single GET starts a few bytes early when that lands the bytes aligned
-    (:class:`_ResponseAlignment`). The parts are joined before any checksum is
-    checked, since a piece's crc32c covers the whole piece. Returns the bytes
-    from ``request.start`` on: fewer only if the blob is shorter.
-    """
-    if request.length <= chunk:
-        pad = alignment.pad(request)
-        response = await engine.get_range(request.blob, request.start - pad, request.end)
-        alignment.observe(response)
-        return memoryview(response)[pad:]
-    starts = range(request.start, request.end, chunk)
-    parts = await asyncio.gather(*(engine.get_range(request.blob, s, min(s + chunk, request.end)) for s in starts))
-    return await asyncio.to_thread(_join, parts, request.length)
-
-
-def _join(parts: list[memoryview], length: int) -> memoryview:
-    """Concatenate sub-range parts (off the loop thread, into aligned uninitialised memory)."""
-    joined = aligned_empty((length,), np.dtype(np.uint8))
-    filled = 0
-    for part in parts:
-        joined[filled : filled + len(part)] = np.frombuffer(part, dtype=np.uint8)
-        filled += len(part)
-        if filled < length and len(part) == 0:
-            break
-    return joined.data[:filled]
-
-
 def _may_adopt(request: ReadRequest, jobs: dict[int, _LeafJob]) -> bool:
     """Whether every part of a planned read can be adopted if its bytes land aligned."""
-    return request.length >= _ResponseAlignment.LARGE and all(
+    return request.length >= ResponseAlignment.LARGE and all(
         _whole_box(part.piece, jobs[part.leaf]) for part in request.parts
     )
 
@@ -394,7 +330,7 @@ def _adoptable(request: ReadRequest, data: memoryview, jobs: dict[int, _LeafJob]
     read-only view is fine there: it goes straight to its devices), no cast, and
     bytes on the alignment boundary.
     """
-    base = _address(data)
+    base = address(data)
     return {
         k
         for k, part in enumerate(request.parts)

@@ -120,3 +120,21 @@ def test_early_starts_read_only_free_bytes_and_skip_other_leaves(s3_store, monke
     extra = sum(end - start for _, start, end in reads) - wanted
     # only free bytes: the spacing between pieces a read spans, and its early start
     assert 0 <= extra <= (SPACER + ALIGN) * len(leaves["['w']"].pieces)
+
+
+def test_reads_start_early_only_into_free_bytes_and_learn_the_phase():
+    from objckpt.aligned_reads import ResponseAlignment
+    from objckpt.plan import ReadRequest
+
+    def request(length, slack):
+        return ReadRequest("b", 1000, 1000 + length, (), slack)
+
+    big = ResponseAlignment.LARGE
+    alignment = ResponseAlignment(16)
+    assert alignment.pad(request(big, 64)) == 48  # 16 + 48 lands on the boundary
+    assert alignment.pad(request(big, 40)) == 0  # not enough free bytes before it
+    assert alignment.pad(request(big - 1, 64)) == 0  # small responses have no fixed phase
+    assert ResponseAlignment(None).pad(request(big, 64)) == 0
+    response = host_buffer(big + 64)[32:]  # a response that starts 32 bytes past the boundary
+    alignment.observe(memoryview(response))
+    assert alignment.phase == 32 and alignment.pad(request(big, 64)) == 32

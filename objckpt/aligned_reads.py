@@ -1,0 +1,85 @@
+"""Ranged reads that land on a 64-byte boundary, so restore can keep their buffers.
+
+A piece whose bytes sit on the boundary inside a response can become its box's
+host array without a copy (and on the CPU backend the device array itself). This
+module predicts where responses land and starts reads early to match, and joins
+the sub-ranges of a huge read into aligned memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from objckpt._memory import DEVICE_ALIGNMENT, aligned_empty
+from objckpt.plan import ReadRequest
+from objckpt.transfer import TransferEngine
+
+
+class ResponseAlignment:
+    """Where the store's response buffers start, so reads can be nudged to land aligned.
+
+    A piece whose bytes sit on a 64-byte boundary in the response buffer can
+    become its box's host array as is, and on the CPU backend the device array
+    itself (:func:`objckpt._memory.aligned_empty` says why): no copy at all.
+    Large responses start at a fixed phase past a page boundary (16 bytes for a
+    glibc ``malloc``, 48 for a ``bytes`` object on top of it), so starting the
+    read that many bytes short of 64 early (blobs keep free bytes before large
+    pieces) puts the piece on the boundary. The store gives the phase it
+    expects; each large response corrects it, and a miss only costs the copy.
+    """
+
+    LARGE = 1 << 20  # smaller responses come from the heap, at no fixed phase
+
+    def __init__(self, phase: int | None) -> None:
+        self.phase = phase  # address % DEVICE_ALIGNMENT of large responses; None: unknown
+
+    def pad(self, request: ReadRequest) -> int:
+        """Bytes to read before the request's start (0 unless it has that much slack)."""
+        if self.phase is None or request.length < self.LARGE:
+            return 0
+        pad = -self.phase % DEVICE_ALIGNMENT
+        return pad if pad <= request.slack else 0
+
+    def observe(self, response: memoryview) -> None:
+        """Learn the phase from a whole response as the store returned it."""
+        if len(response) >= self.LARGE:
+            self.phase = address(response) % DEVICE_ALIGNMENT
+
+
+def address(data: memoryview | np.ndarray) -> int:
+    """Where a buffer's first byte sits in memory (0 for an empty one)."""
+    return int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if len(data) else 0
+
+
+async def read_aligned(
+    engine: TransferEngine, request: ReadRequest, chunk: int, alignment: ResponseAlignment
+) -> memoryview:
+    """One coalesced read; a large one as parallel sub-range GETs joined into aligned memory.
+
+    A single GET starts a few bytes early when that lands the bytes aligned
+    (:class:`ResponseAlignment`). The parts are joined before any checksum is
+    checked, since a piece's crc32c covers the whole piece. Returns the bytes
+    from ``request.start`` on: fewer only if the blob is shorter.
+    """
+    if request.length <= chunk:
+        pad = alignment.pad(request)
+        response = await engine.get_range(request.blob, request.start - pad, request.end)
+        alignment.observe(response)
+        return memoryview(response)[pad:]
+    starts = range(request.start, request.end, chunk)
+    parts = await asyncio.gather(*(engine.get_range(request.blob, s, min(s + chunk, request.end)) for s in starts))
+    return await asyncio.to_thread(_join, parts, request.length)
+
+
+def _join(parts: list[memoryview], length: int) -> memoryview:
+    """Concatenate sub-range parts (off the loop thread, into aligned uninitialised memory)."""
+    joined = aligned_empty((length,), np.dtype(np.uint8))
+    filled = 0
+    for part in parts:
+        joined[filled : filled + len(part)] = np.frombuffer(part, dtype=np.uint8)
+        filled += len(part)
+        if filled < length and len(part) == 0:
+            break
+    return joined.data[:filled]
