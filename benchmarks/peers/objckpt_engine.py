@@ -1,8 +1,9 @@
 """objckpt with default options: ``objckpt.save`` / ``objckpt.restore`` of the sharded tree.
 
 Through its default adapter for each scheme (obstore for ``s3://``, gcsfs for ``gs://``).
-``restore_resharded`` restores onto a (2, 4) mesh with transposed specs instead of the
-save mesh, so every device assembles its box from several saved shards.
+``restore_resharded`` restores onto a (2, 4) mesh whose boxes have other shapes than the
+saved ones (rows 2-way, columns 4-way), so every device assembles its box from parts
+of two saved shards.
 """
 
 from __future__ import annotations

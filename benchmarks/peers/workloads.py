@@ -12,8 +12,11 @@ process can check what it read against a fingerprint the saving process wrote.
 
 2-D weights are sharded ``P("data", "model")`` over a (4, 2) mesh of 8 CPU
 devices; 1-D scales and biases are replicated. The *resharded* target is a
-(2, 4) mesh with other axis names and the 2-D specs transposed
-(``P("tensor", "fsdp")``), so every device needs bytes from several saved shards.
+(2, 4) mesh with other axis names, ``P("fsdp", "tensor")``: rows cut 2 ways and
+columns 4 ways instead of 4 and 2, so every target box is a different shape from
+every saved one and is assembled from parts of two saved shards. (Until
+2026-11-29 the target was ``P("tensor", "fsdp")``, which cuts the same boxes and
+only moves them to other devices.)
 """
 
 from __future__ import annotations
