@@ -72,8 +72,8 @@ def host_buffer(nbytes: int) -> np.ndarray:
     return raw[offset : offset + nbytes]
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A C-contiguous array on a :data:`DEVICE_ALIGNMENT` boundary, from :func:`host_buffer`.
+def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A zero-filled C-contiguous array on a :data:`DEVICE_ALIGNMENT` boundary (see :func:`host_buffer`).
 
     Restore fills these and hands them to ``jax.device_put``; on the CPU backend
     an aligned buffer becomes the device array itself, which saves a copy of

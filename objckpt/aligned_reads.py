@@ -12,7 +12,7 @@ import asyncio
 
 import numpy as np
 
-from objckpt._memory import DEVICE_ALIGNMENT, aligned_empty
+from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros
 from objckpt.plan import ReadRequest
 from objckpt.transfer import TransferEngine
 
@@ -22,7 +22,7 @@ class ResponseAlignment:
 
     A piece whose bytes sit on a 64-byte boundary in the response buffer can
     become its box's host array as is, and on the CPU backend the device array
-    itself (:func:`objckpt._memory.aligned_empty` says why): no copy at all.
+    itself (:func:`objckpt._memory.aligned_zeros` says why): no copy at all.
     Large responses start at a fixed phase past a page boundary (16 bytes for a
     glibc ``malloc``, 48 for a ``bytes`` object on top of it), so starting the
     read that many bytes short of 64 early (blobs keep free bytes before large
@@ -74,8 +74,8 @@ async def read_aligned(
 
 
 def _join(parts: list[memoryview], length: int) -> memoryview:
-    """Concatenate sub-range parts (off the loop thread, into aligned uninitialised memory)."""
-    joined = aligned_empty((length,), np.dtype(np.uint8))
+    """Concatenate sub-range parts (off the loop thread, into aligned memory)."""
+    joined = aligned_zeros((length,), np.dtype(np.uint8))
     filled = 0
     for part in parts:
         joined[filled : filled + len(part)] = np.frombuffer(part, dtype=np.uint8)

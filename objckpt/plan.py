@@ -27,7 +27,7 @@ ALIGN = 64  # piece offsets inside a blob are aligned for fast copies
 # Every blob starts with SPACER bytes that belong to no piece, and so does the
 # gap before a piece of at least SPACED_MIN bytes, so a reader may start its
 # ranged read a little early and have the piece land aligned in the response
-# buffer (see restore's _ResponseAlignment).
+# buffer (see aligned_reads.ResponseAlignment).
 SPACER = ALIGN
 SPACED_MIN = 1 << 20
 

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from objckpt import _runtime
-from objckpt._memory import DEVICE_ALIGNMENT, aligned_empty
+from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros
 from objckpt.aligned_reads import ResponseAlignment, address, read_aligned
 from objckpt.arrays import Box, box_to_slices, needed_boxes
 from objckpt.checksum import crc32c
@@ -355,7 +355,7 @@ def _allocate(job: _LeafJob, boxes: list[Box] | None = None) -> None:
         return
     for box in job.read_boxes if boxes is None else boxes:
         if box not in job.buffers:
-            job.buffers[box] = aligned_empty(tuple(b - a for a, b in zip(*box)), job.dtype)
+            job.buffers[box] = aligned_zeros(tuple(b - a for a, b in zip(*box)), job.dtype)
 
 
 def _place_box(job: _LeafJob, box: Box) -> None:
@@ -372,7 +372,7 @@ def _scatter(
     data: memoryview,
     jobs: dict[int, _LeafJob],
     url: str,
-    adopted: set[int] = frozenset(),  # type: ignore[assignment]
+    adopted: set[int],
 ) -> None:
     """Check each piece of one response and copy it into the boxes that need it.
 
@@ -415,8 +415,7 @@ def _finish(job: _LeafJob) -> None:
                 if job.designated[box] == device:
                     host = buffers[box]
                 else:
-                    host = aligned_empty(tuple(b - a for a, b in zip(*box)), out_dtype)
-                    host.fill(0)
+                    host = aligned_zeros(tuple(b - a for a, b in zip(*box)), out_dtype)
                 singles.append(jax.device_put(host, device))
         job.result = jax.make_array_from_single_device_arrays(entry.shape or (), job.sharding, singles)
     elif job.sharding is not None:

@@ -72,3 +72,20 @@ class CountingStore:
         data = await self.inner.get_range_buffer(key, start=start, end=end)
         self.reads.append((key, start, start + len(data)))
         return data
+
+
+def count_reads(monkeypatch) -> list[CountingStore]:
+    """Make every store objckpt opens count its reads; returns the list the stores land in."""
+    import importlib
+
+    from objckpt.storage import from_url
+
+    counting: list[CountingStore] = []
+
+    def wrapped_from_url(url, **options):
+        store = CountingStore(from_url(url, **options))
+        counting.append(store)
+        return store
+
+    monkeypatch.setattr(importlib.import_module("objckpt.transfer"), "from_url", wrapped_from_url)
+    return counting

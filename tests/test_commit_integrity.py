@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import CountingStore
+from helpers import count_reads
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -116,14 +116,7 @@ def test_partial_restore_reads_none_of_the_skipped_bytes(s3_store, monkeypatch):
         "step": 7,
     }
     objckpt.save(s3_store.url, tree, storage_options=so)  # small leaves share one blob
-    counting: list[CountingStore] = []
-
-    def wrapped_from_url(url, **options):
-        store = CountingStore(from_url(url, **options))
-        counting.append(store)
-        return store
-
-    monkeypatch.setattr(importlib.import_module("objckpt.transfer"), "from_url", wrapped_from_url)
+    counting = count_reads(monkeypatch)
     out = objckpt.restore(s3_store.url, {"params": {"w": None, "b": None}}, storage_options=so, partial=True)
     np.testing.assert_array_equal(out["params"]["w"], np.asarray(tree["params"]["w"]))
     assert set(out) == {"params"}

@@ -12,13 +12,13 @@ import importlib
 
 import jax
 import numpy as np
-from helpers import CountingStore, assert_tree_bit_exact
+from helpers import assert_tree_bit_exact, count_reads
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt import _runtime
-from objckpt._memory import DEVICE_ALIGNMENT, aligned_empty, host_buffer
+from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros, host_buffer
 from objckpt.format import MANIFEST_KEY, parse_manifest
 from objckpt.plan import ALIGN, SPACER
 from objckpt.storage import from_url
@@ -32,13 +32,13 @@ def test_host_buffers_are_zeroed_and_aligned():
         assert buf.dtype == np.uint8 and buf.shape == (nbytes,) and buf.flags.writeable
         assert nbytes == 0 or buf.ctypes.data % DEVICE_ALIGNMENT == 0
         assert not buf.any()
-    arr = aligned_empty((3, 5, 7), np.dtype(np.float32))
+    arr = aligned_zeros((3, 5, 7), np.dtype(np.float32))
     assert arr.shape == (3, 5, 7) and arr.flags.c_contiguous and arr.ctypes.data % DEVICE_ALIGNMENT == 0
 
 
 def test_an_aligned_host_array_becomes_the_cpu_device_array():
     """What the zero-copy path relies on: XLA's CPU client adopts 64-byte aligned buffers."""
-    host = aligned_empty((256, 1024), np.dtype(np.float32))
+    host = aligned_zeros((256, 1024), np.dtype(np.float32))
     host[...] = 1.5
     on_device = jax.device_put(host, jax.devices()[1])
     assert on_device.unsafe_buffer_pointer() == host.ctypes.data
@@ -97,14 +97,7 @@ def test_restore_onto_another_sharding_copies_and_stays_exact(s3_store):
 def test_early_starts_read_only_free_bytes_and_skip_other_leaves(s3_store, monkeypatch):
     tree, values = _big_tree()
     objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options)
-    counting: list[CountingStore] = []
-
-    def wrapped_from_url(url, **options):
-        store = CountingStore(from_url(url, **options))
-        counting.append(store)
-        return store
-
-    monkeypatch.setattr(importlib.import_module("objckpt.transfer"), "from_url", wrapped_from_url)
+    counting = count_reads(monkeypatch)
     out = objckpt.restore(s3_store.url, {"w": None}, storage_options=s3_store.storage_options, partial=True)
     np.testing.assert_array_equal(out["w"], values["w"])
     raw = _runtime.run_sync(from_url(s3_store.url, **s3_store.storage_options).get(MANIFEST_KEY))
