@@ -2,8 +2,8 @@
 
 gcsfs's ``pipe_file`` sends objects under 50 MiB as a ``multipart/related``
 body that it builds by concatenating the metadata and the payload: a fresh
-copy of every byte saved (measured on the GCS emulator: 32 MiB blobs, about
-0.4 extra client CPU-seconds per GiB on the page faults alone). The JSON
+copy of every byte saved. Measured on the GCS emulator (1 GiB, one run each):
+save went from 0.195 to 0.277 GiB/s and from 3.9 to 2.7 client CPU-seconds. The JSON
 API's ``uploadType=media`` takes the payload as the body itself, so the
 staging buffer goes to the socket as is. Same endpoint, same auth, same
 errors. Only for overwrites: create-if-absent (the manifest, small) stays on
