@@ -178,6 +178,8 @@ def plan_reads(
     coalesce_gap: int,
     max_read_size: int,
     layout: Iterable[Piece] = (),
+    kept: Callable[[int, Piece], bool] | None = None,
+    max_kept_read_size: int = 0,
 ) -> list[ReadRequest]:
     """Coalesce the wanted pieces into ranged reads, one blob at a time.
 
@@ -186,6 +188,9 @@ def plan_reads(
     ``layout``, every piece of the checkpoint, tells which bytes belong to no
     piece: a gap of only such bytes (the spacing left for alignment) joins
     pieces too, and each request records its ``slack``. Without it, the slack is 0.
+    A request made only of ``kept`` pieces (the reader keeps the response as
+    the arrays themselves, so it is not transient memory) may grow to
+    ``max_kept_read_size``: fewer, larger GETs.
     """
     free = _FreeSpace(layout)
     by_blob: dict[str, list[tuple[int, Piece]]] = defaultdict(list)
@@ -196,17 +201,21 @@ def plan_reads(
         items.sort(key=lambda item: item[1].offset)
         group: list[tuple[int, Piece]] = []
         start = end = 0
+        group_kept = False
         for leaf, piece in items:
             p_end = piece.offset + piece.length
             gap = piece.offset - end
             joins = gap <= coalesce_gap or (gap <= SPACER + ALIGN and free.between(blob, end, piece.offset))
-            if group and joins and max(end, p_end) - start <= max_read_size:
+            is_kept = kept is not None and kept(leaf, piece)
+            limit = max(max_read_size, max_kept_read_size) if group_kept and is_kept else max_read_size
+            if group and joins and max(end, p_end) - start <= limit:
                 group.append((leaf, piece))
                 end = max(end, p_end)
+                group_kept = group_kept and is_kept
                 continue
             if group:
                 requests.append(_request(blob, start, end, group, free.before(blob, start)))
-            group, start, end = [(leaf, piece)], piece.offset, p_end
+            group, start, end, group_kept = [(leaf, piece)], piece.offset, p_end, is_kept
         if group:
             requests.append(_request(blob, start, end, group, free.before(blob, start)))
     return requests

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -253,7 +254,14 @@ def _plan(manifest: Manifest, jobs: dict[int, _LeafJob], options: Options) -> li
                 job.box_remaining[box] += 1
         wanted.extend((i, p) for p in pieces)
     layout = (piece for leaf in manifest.leaves for piece in leaf.pieces)
-    return plan_reads(wanted, coalesce_gap=options.coalesce_gap, max_read_size=options.max_read_size, layout=layout)
+    return plan_reads(
+        wanted,
+        coalesce_gap=options.coalesce_gap,
+        max_read_size=options.max_read_size,
+        layout=layout,
+        kept=lambda leaf, piece: _whole_box(piece, jobs[leaf]),
+        max_kept_read_size=options.read_chunk,
+    )
 
 
 async def _fetch(
@@ -272,6 +280,7 @@ async def _fetch(
             await asyncio.to_thread(_finish, job)
 
     alignment = ResponseAlignment(store.response_phase())
+    lock = threading.Lock()
 
     async def one(request: ReadRequest) -> None:
         data = await read_aligned(engine, request, options.read_chunk, alignment)
@@ -281,21 +290,7 @@ async def _fetch(
                 f"blob {store.url}/{request.blob} is truncated: asked bytes [{request.start}, {request.end}),"
                 f" got {len(data)} (leaves {', '.join(paths)})"
             )
-        adopted = _adoptable(request, data, jobs)
-        for k, part in enumerate(request.parts):
-            if k not in adopted:
-                _allocate(jobs[part.leaf], _boxes_of(part.piece, jobs[part.leaf].box_remaining))
-        await asyncio.to_thread(_scatter, request, data, jobs, store.url, adopted)
-        for part in request.parts:  # counted here, on the loop thread, so no two threads race
-            job = jobs[part.leaf]
-            if job.places_boxes:
-                for box in _boxes_of(part.piece, job.box_remaining):
-                    job.box_remaining[box] -= 1
-                    if job.box_remaining[box] == 0:
-                        await asyncio.to_thread(_place_box, job, box)
-            job.remaining -= 1
-            if job.remaining == 0:
-                await asyncio.to_thread(_finish, job)
+        await asyncio.to_thread(_land, request, data, jobs, store.url, lock)
 
     # A read that will become its boxes' arrays is not memory above the restored
     # arrays (when the client fills its buffer in place), so only reads that are
@@ -365,6 +360,43 @@ def _place_box(job: _LeafJob, box: Box) -> None:
         host = host.astype(job.out_dtype)
     job.placed.extend(jax.device_put(host, device) for device in job.devices_by_box[box])
     job.placed_boxes.add(box)
+
+
+def _land(request: ReadRequest, data: memoryview, jobs: dict[int, _LeafJob], url: str, lock: threading.Lock) -> None:
+    """All one response does, in one trip off the loop thread (a trip costs more than placing a box).
+
+    Allocate the boxes it copies into, check and scatter its pieces, put each
+    box it completes on its devices, then finish each leaf it completes. The
+    counters are shared with other responses' threads, hence ``lock``; a
+    part is counted done only after its boxes are placed, so a leaf is never
+    finished while another thread still places one of its boxes.
+    """
+    with lock:
+        adopted = _adoptable(request, data, jobs)
+        for k, part in enumerate(request.parts):
+            if k not in adopted:
+                _allocate(jobs[part.leaf], _boxes_of(part.piece, jobs[part.leaf].box_remaining))
+    _scatter(request, data, jobs, url, adopted)
+    complete: list[tuple[_LeafJob, Box]] = []
+    with lock:
+        for part in request.parts:
+            job = jobs[part.leaf]
+            if job.places_boxes:
+                for box in _boxes_of(part.piece, job.box_remaining):
+                    job.box_remaining[box] -= 1
+                    if job.box_remaining[box] == 0:
+                        complete.append((job, box))
+    for job, box in complete:
+        _place_box(job, box)
+    finished: list[_LeafJob] = []
+    with lock:
+        for part in request.parts:
+            job = jobs[part.leaf]
+            job.remaining -= 1
+            if job.remaining == 0:
+                finished.append(job)
+    for job in finished:
+        _finish(job)
 
 
 def _scatter(

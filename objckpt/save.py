@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from objckpt import _runtime
-from objckpt._memory import host_buffer
 from objckpt.arrays import copy_piece_into
 from objckpt.checksum import crc32c
 from objckpt.errors import CheckpointExistsError, ObjectExistsError, StoreError
@@ -39,6 +38,7 @@ from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.plan import BlobPlan, blob_key, plan_blobs
 from objckpt.progress import closing, progress_bar
+from objckpt.staging import StagingPool
 from objckpt.storage import Store
 from objckpt.transfer import TransferEngine, TransferStats, open_store
 from objckpt.tree import flatten
@@ -72,30 +72,6 @@ class SaveHandle:
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
         return f"SaveHandle({self.url!r}, {state}, bytes_written={self.bytes_written})"
-
-
-class _ThreadByteBudget:
-    """Bytes of staging buffers alive at once, shared by the copying thread and the I/O loop."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_use = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int, abort: threading.Event, on_wait: Callable[[], None]) -> int:
-        n = min(n, self.limit)
-        with self._cond:
-            if self.in_use + n > self.limit:
-                on_wait()
-            while self.in_use + n > self.limit and not abort.is_set():
-                self._cond.wait(0.1)
-            self.in_use += n
-        return n
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.in_use -= n
-            self._cond.notify_all()
 
 
 def save(
@@ -248,9 +224,12 @@ def _snapshot_and_upload(
     With ``hold_uploads`` (async save) uploads wait until the copies finish (on
     2-core hosts the upload threads would otherwise slow the copy the caller
     waits for), or until the budget runs out, when the model is bigger than the
-    budget and the phase has to stream. Stops early if an upload has already failed.
+    budget and the phase has to stream. A synchronous save streams through a
+    small pool of recycled buffers (``Options.staging_pool``; see
+    :mod:`objckpt.staging` for why). Stops early if an upload has already failed.
     """
-    budget = _ThreadByteBudget(options.memory_budget)
+    limit = options.memory_budget if hold_uploads else min(options.memory_budget, options.staging_pool)
+    pool = StagingPool(limit, capacity=max((b.size for b in blobs), default=0))
     failed = threading.Event()
     gate: concurrent.futures.Future[None] = concurrent.futures.Future()
 
@@ -262,7 +241,7 @@ def _snapshot_and_upload(
         open_gate()
     futures: list[concurrent.futures.Future[list[PieceRecord]]] = []
     try:
-        _fill_blobs(blobs, engine, budget, failed, gate, open_gate, futures)
+        _fill_blobs(blobs, engine, pool, failed, gate, open_gate, futures)
     finally:
         open_gate()
     return futures
@@ -271,27 +250,26 @@ def _snapshot_and_upload(
 def _fill_blobs(
     blobs: list[BlobPlan],
     engine: TransferEngine,
-    budget: _ThreadByteBudget,
+    pool: StagingPool,
     failed: threading.Event,
     gate: concurrent.futures.Future[None],
     open_gate: Callable[[], None],
     futures: list[concurrent.futures.Future[list[PieceRecord]]],
 ) -> None:
     for blob in blobs:
-        held = budget.acquire(blob.size, failed, open_gate)
-        if failed.is_set():
-            budget.release(held)
+        buffer = pool.take(failed, open_gate)
+        if buffer is None or failed.is_set():
             break
-        buffer = host_buffer(blob.size)  # zero-filled: the bytes between pieces stay zero
+        staged = buffer[: blob.size]
+        _zero_gaps(staged, blob)  # a recycled buffer still holds an earlier blob
         for placed in blob.pieces:
             piece = placed.piece
             dtype = placed.piece.source[0].dtype
-            view = buffer[placed.offset : placed.offset + piece.nbytes].view(dtype).reshape(piece.shape)
+            view = staged[placed.offset : placed.offset + piece.nbytes].view(dtype).reshape(piece.shape)
             copy_piece_into(piece, view)
-        future = _runtime.submit(_upload(blob, buffer, engine, gate))
+        future = _runtime.submit(_upload(blob, buffer, pool, engine, gate))
 
-        def _done(f: concurrent.futures.Future[Any], held: int = held) -> None:
-            budget.release(held)
+        def _done(f: concurrent.futures.Future[Any]) -> None:
             if f.cancelled() or f.exception() is not None:
                 failed.set()
 
@@ -299,18 +277,39 @@ def _fill_blobs(
         futures.append(future)
 
 
+def _zero_gaps(staged: np.ndarray, blob: BlobPlan) -> None:
+    """Zero the bytes of a blob that belong to no piece (its spacers and alignment padding)."""
+    end = 0
+    for placed in blob.pieces:
+        staged[end : placed.offset] = 0
+        end = placed.offset + placed.piece.nbytes
+    staged[end:] = 0
+
+
 async def _upload(
-    blob: BlobPlan, buffer: np.ndarray, engine: TransferEngine, gate: concurrent.futures.Future[None]
+    blob: BlobPlan,
+    buffer: np.ndarray,
+    pool: StagingPool,
+    engine: TransferEngine,
+    gate: concurrent.futures.Future[None],
 ) -> list[PieceRecord]:
-    """Checksum each piece (off the loop thread) and PUT the blob with retries, once the gate opens."""
-    await asyncio.wrap_future(gate)
+    """Checksum each piece (off the loop thread) and PUT the blob with retries, once the gate opens.
 
-    def checksums() -> list[int]:
-        view = buffer.data.toreadonly()
-        return [crc32c(view[p.offset : p.offset + p.piece.nbytes]) for p in blob.pieces]
+    The buffer goes back to the pool afterwards, for reuse only if one attempt sent it.
+    """
+    attempts = 0
+    try:
+        await asyncio.wrap_future(gate)
+        data = buffer.data[: blob.size]
 
-    crcs = await asyncio.to_thread(checksums)
-    await engine.put(blob.key, buffer.data)
+        def checksums() -> list[int]:
+            view = data.toreadonly()
+            return [crc32c(view[p.offset : p.offset + p.piece.nbytes]) for p in blob.pieces]
+
+        crcs = await asyncio.to_thread(checksums)
+        attempts = await engine.put(blob.key, data)
+    finally:
+        pool.give(buffer, reusable=attempts == 1)
     return [
         (p.piece.leaf, Piece(p.piece.start, p.piece.stop, blob.key, p.offset, p.piece.nbytes, crc))
         for p, crc in zip(blob.pieces, crcs)

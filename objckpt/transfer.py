@@ -193,14 +193,27 @@ class TransferEngine:
             what, attempt, retry=self.retry, request_timeout=self.request_timeout, stats=self.stats
         )
 
-    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
+    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> int:
+        """Write one object; returns how many attempts it took.
+
+        After more than one, an attempt abandoned on timeout may still be
+        reading ``data`` inside the store client, so the caller must not reuse it.
+        """
+        attempts = 0
+
+        def once() -> Awaitable[None]:
+            nonlocal attempts
+            attempts += 1
+            return self.store.put(key, data, mode=mode)
+
         try:
-            await self.call(f"PUT {self.store.url}/{key}", lambda: self.store.put(key, data, mode=mode))
+            await self.call(f"PUT {self.store.url}/{key}", once)
         except ObjectNotFoundError as e:  # a write can only miss its bucket
             raise ObjectNotFoundError(
                 f"cannot write {self.store.url}/{key}: the bucket (or container) does not exist ({e})"
             ) from e
         self.stats.add(bytes_written=len(data), objects_written=1)
+        return attempts
 
     async def get_range(self, key: str, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` as a read-only buffer (the store's own, when it can lend it: no copy)."""

@@ -85,7 +85,7 @@ def test_keep_best_reads_metrics_of_earlier_runs(memory_store):
 def test_error_of_a_background_save_is_raised_by_the_next_call(memory_store, monkeypatch):
     save_module = importlib.import_module("objckpt.save")
 
-    async def broken_upload(blob, buffer, engine, gate):
+    async def broken_upload(blob, buffer, pool, engine, gate):
         raise OSError("disk on fire")
 
     mgr = objckpt.CheckpointManager(memory_store.url)

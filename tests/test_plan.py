@@ -118,3 +118,20 @@ def test_plan_reads_knows_free_bytes_from_the_layout():
     assert [(r.start, r.end) for r in reqs] == [(64, 356), (448, 548)]
     assert [r.slack for r in reqs] == [64, 28]  # free bytes back to the blob start / the foreign piece's end
     assert [r.slack for r in plan_reads(wanted, coalesce_gap=0, max_read_size=1 << 20)] == [0, 0, 0]
+
+
+def test_reads_of_kept_pieces_grow_to_their_own_limit():
+    """Pieces whose response becomes the arrays coalesce into larger reads; a copied piece caps its read."""
+    wanted = [(leaf, _piece("a", 10 * leaf, 10)) for leaf in range(6)]
+    kept = {0, 1, 2, 4, 5}  # leaf 3 is copied
+    reqs = plan_reads(
+        wanted, coalesce_gap=0, max_read_size=20, kept=lambda leaf, piece: leaf in kept, max_kept_read_size=30
+    )
+    spans = sorted((r.start, r.end) for r in reqs)
+    # 0-2 kept: one 30-byte read; 3 (copied) may join only a read within 20 bytes; 4-5 kept again
+    assert spans == [(0, 30), (30, 50), (50, 60)]
+    assert sorted((r.start, r.end) for r in plan_reads(wanted, coalesce_gap=0, max_read_size=20)) == [
+        (0, 20),
+        (20, 40),
+        (40, 60),
+    ]
