@@ -23,3 +23,24 @@ def test_gcs_overwrites_send_the_buffer_as_the_body(gcs_store, monkeypatch):
     assert _runtime.run_sync(store.get("0a/blob")) == data
     with pytest.raises(AssertionError, match="simple_upload"):  # create-if-absent stays on pipe_file
         _runtime.run_sync(store.put("manifest.json", b"{}", mode="create"))
+
+
+def test_gcs_uploads_write_the_body_in_slices(gcs_store, monkeypatch):
+    """aiohttp gets the body slice by slice, so it never joins (copies) a whole blob before sending."""
+    import aiohttp.http_writer
+
+    from objckpt.storage.gcs_upload import SLICE
+
+    written: list[int] = []
+    original = aiohttp.http_writer.StreamWriter.write
+
+    async def recording_write(self, chunk, *args, **kwargs):
+        written.append(len(chunk))
+        return await original(self, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "write", recording_write)
+    store = gcs_store.open()
+    data = os.urandom(3 * SLICE + 5)
+    _runtime.run_sync(store.put("0b/blob", memoryview(data)))
+    assert max(written) <= SLICE and sum(written) >= len(data)
+    assert _runtime.run_sync(store.get("0b/blob")) == data
