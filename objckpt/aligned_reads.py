@@ -13,7 +13,7 @@ import asyncio
 import numpy as np
 
 from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros
-from objckpt.plan import ReadRequest
+from objckpt.plan import PACKING_SLACK, ReadRequest
 from objckpt.transfer import TransferEngine
 
 
@@ -58,12 +58,13 @@ async def read_aligned(
 ) -> memoryview:
     """One coalesced read; a large one as parallel sub-range GETs joined into aligned memory.
 
-    A single GET starts a few bytes early when that lands the bytes aligned
-    (:class:`ResponseAlignment`). The parts are joined before any checksum is
+    A read of up to ``chunk`` bytes plus ``PACKING_SLACK`` (a whole packed
+    blob) is a single GET, started a few bytes early when that lands the bytes
+    aligned (:class:`ResponseAlignment`). The parts are joined before any checksum is
     checked, since a piece's crc32c covers the whole piece. Returns the bytes
     from ``request.start`` on: fewer only if the blob is shorter.
     """
-    if request.length <= chunk:
+    if request.length <= chunk + PACKING_SLACK:
         pad = alignment.pad(request)
         response = await engine.get_range(request.blob, request.start - pad, request.end)
         alignment.observe(response)

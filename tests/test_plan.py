@@ -10,6 +10,7 @@ import numpy as np
 from objckpt.format import Piece
 from objckpt.plan import (
     ALIGN,
+    PACKING_SLACK,
     SPACED_MIN,
     SPACER,
     OwnedPiece,
@@ -51,7 +52,8 @@ def test_plan_blobs_packs_small_and_splits_large():
     small = [OwnedPiece(i, (0,), (10,), 4) for i in range(100)]  # 40 bytes each
     large = OwnedPiece(100, (0, 0), (100, 100), 4)  # 40,000 bytes
     blobs = plan_blobs([*small, large], blob_size=4096, key=lambda s: f"b{s}")
-    assert all(b.size <= 4096 for b in blobs)
+    assert all(b.size <= 4096 + PACKING_SLACK for b in blobs)
+    assert all(sum(p.piece.nbytes for p in b.pieces) <= 4096 for b in blobs)
     assert len({b.key for b in blobs}) == len(blobs)
     small_blobs = {b.key for b in blobs for p in b.pieces if p.piece.leaf < 100}
     assert len(small_blobs) <= 2  # 100 small pieces share one or two blobs
@@ -60,6 +62,27 @@ def test_plan_blobs_packs_small_and_splits_large():
     for b in blobs:  # no two pieces overlap inside a blob
         spans = sorted((p.offset, p.offset + p.piece.nbytes) for p in b.pieces)
         assert all(x[1] <= y[0] for x, y in itertools.pairwise(spans))
+
+
+def test_spacers_do_not_cost_a_blob():
+    """Four 8 MiB boxes fill one 32 MiB blob although their spacers add a few bytes."""
+    boxes = [OwnedPiece(0, (i * 512, 0), ((i + 1) * 512, 4096), 4) for i in range(8)]  # 8 MiB each
+    blobs = plan_blobs(boxes, blob_size=32 << 20, key=lambda s: f"b{s}")
+    assert [len(b.pieces) for b in blobs] == [4, 4]
+    assert all(32 << 20 < b.size <= (32 << 20) + PACKING_SLACK for b in blobs)
+    # the whole blob's pieces are one read when they are kept (they become the arrays)
+    pieces = [
+        (0, Piece(p.piece.start, p.piece.stop, b.key, p.offset, p.piece.nbytes, 0)) for b in blobs for p in b.pieces
+    ]
+    reads = plan_reads(
+        pieces,
+        coalesce_gap=0,
+        max_read_size=8 << 20,
+        layout=[p for _, p in pieces],
+        kept=lambda leaf, piece: True,
+        max_kept_read_size=32 << 20,
+    )
+    assert len(reads) == 2
 
 
 def test_blob_keys_are_hashed_and_unique():

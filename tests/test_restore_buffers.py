@@ -131,3 +131,27 @@ def test_reads_start_early_only_into_free_bytes_and_learn_the_phase():
     response = host_buffer(big + 64)[32:]  # a response that starts 32 bytes past the boundary
     alignment.observe(memoryview(response))
     assert alignment.phase == 32 and alignment.pad(request(big, 64)) == 32
+
+
+def test_packed_blobs_are_full_and_each_is_one_get(s3_store, monkeypatch):
+    """Spacers do not push a box into the next blob, and a whole packed blob is read in one GET.
+
+    Four 1 MiB boxes plus their spacers run a few bytes past a 4 MiB blob; the
+    packing allows it, and so must the read limits, or every blob costs an
+    extra object on save and an extra GET (and a join) on restore.
+    """
+    tree, _ = _big_tree()
+    del tree["small"]  # packed first, it would shift every box by a blob
+    options = objckpt.Options(blob_size=4 << 20, read_chunk=4 << 20)
+    objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options, options=options)
+    raw = _runtime.run_sync(from_url(s3_store.url, **s3_store.storage_options).get(MANIFEST_KEY))
+    manifest = parse_manifest(raw, size_limit=1 << 30)
+    large_blobs = {p.blob for leaf in manifest.leaves if leaf.path in ("['w']", "['v']") for p in leaf.pieces}
+    assert len(large_blobs) == 4, f"16 boxes of 1 MiB went into {len(large_blobs)} blobs of 4 MiB, expected 4"
+    assert all(b.size > 4 << 20 for b in manifest.blobs if b.key in large_blobs)
+    counting = count_reads(monkeypatch)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    out = objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options, options=options)
+    assert_tree_bit_exact(tree, out)
+    reads = [r for s in counting for r in s.reads if r[0] in large_blobs]
+    assert sorted(r[0] for r in reads) == sorted(large_blobs), f"expected one GET per blob, got {reads}"
