@@ -96,6 +96,27 @@ def copy_piece_into(piece: OwnedPiece, dest: np.ndarray) -> None:
     dest[...] = host[box_to_slices(piece.start, piece.stop, origin)]
 
 
+def piece_bytes_in_place(piece: OwnedPiece) -> memoryview | None:
+    """The bytes of ``piece`` as they lie in its device buffer, or None when that needs a copy.
+
+    Only for a synchronous save, which returns after its uploads end (the
+    arrays cannot be donated meanwhile). Given when the shard lives in host
+    memory (the CPU backend, where ``np.asarray`` is a view, not a transfer)
+    (or is a numpy array) and the piece is one contiguous run of it (a whole
+    shard or a run of its leading rows).
+    """
+    source, origin = piece.source
+    on_host = isinstance(source, np.ndarray) or (
+        isinstance(source, jax.Array) and all(d.platform == "cpu" for d in source.devices())
+    )
+    if not on_host:
+        return None
+    host = np.asarray(source)[box_to_slices(piece.start, piece.stop, origin)]
+    if not host.flags.c_contiguous:
+        return None
+    return host.reshape(-1).view(np.uint8).data
+
+
 def needed_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Box, list[Any]]:
     """Unique boxes this process needs for ``sharding``, each with its local devices."""
     boxes: dict[Box, list[Any]] = defaultdict(list)

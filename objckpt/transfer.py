@@ -193,17 +193,20 @@ class TransferEngine:
             what, attempt, retry=self.retry, request_timeout=self.request_timeout, stats=self.stats
         )
 
-    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> int:
-        """Write one object; returns how many attempts it took.
+    async def put(self, key: str, data: bytes | memoryview | list[memoryview], *, mode: PutMode = "overwrite") -> int:
+        """Write one object, from one buffer or a list of parts (``Store.put_parts``).
 
-        After more than one, an attempt abandoned on timeout may still be
-        reading ``data`` inside the store client, so the caller must not reuse it.
+        Returns how many attempts it took. After more than one, an attempt
+        abandoned on timeout may still be reading ``data`` inside the store
+        client, so the caller must not reuse it.
         """
         attempts = 0
 
         def once() -> Awaitable[None]:
             nonlocal attempts
             attempts += 1
+            if isinstance(data, list):
+                return self.store.put_parts(key, data, mode=mode)
             return self.store.put(key, data, mode=mode)
 
         try:
@@ -212,7 +215,8 @@ class TransferEngine:
             raise ObjectNotFoundError(
                 f"cannot write {self.store.url}/{key}: the bucket (or container) does not exist ({e})"
             ) from e
-        self.stats.add(bytes_written=len(data), objects_written=1)
+        size = sum(len(p) for p in data) if isinstance(data, list) else len(data)
+        self.stats.add(bytes_written=size, objects_written=1)
         return attempts
 
     async def get_range(self, key: str, start: int, end: int) -> memoryview:

@@ -19,11 +19,13 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt import _runtime
+from objckpt.aligned_reads import address
 from objckpt.errors import TransientStoreError
 from objckpt.format import MANIFEST_KEY, parse_manifest
 from objckpt.options import RetryConfig
 from objckpt.staging import StagingPool
 from objckpt.storage import from_url
+from objckpt.storage.obstore_store import ObstoreStore
 from objckpt.transfer import TransferEngine
 
 save_module = importlib.import_module("objckpt.save")
@@ -71,8 +73,25 @@ def _odd_tree():
     return {"sharded": sharded, "small": small}
 
 
+def _assert_gaps_zero(target):
+    """Every blob byte outside a piece is zero (never stale bytes of another blob)."""
+    store = target.open()
+    manifest = parse_manifest(_runtime.run_sync(store.get(MANIFEST_KEY)), size_limit=1 << 30)
+    covered: dict[str, np.ndarray] = {}
+    for blob in manifest.blobs:
+        covered[blob.key] = np.zeros(blob.size, dtype=bool)
+    for leaf in manifest.leaves:
+        for piece in leaf.pieces:
+            covered[piece.blob][piece.offset : piece.offset + piece.length] = True
+    for key, mask in covered.items():
+        data = np.frombuffer(_runtime.run_sync(store.get(key)), dtype=np.uint8)
+        assert len(data) == len(mask)
+        assert not data[~mask].any(), f"blob {key} sends stale bytes outside its pieces"
+
+
 @pytest.mark.s3
 def test_recycled_buffers_send_zeroed_gaps_and_exact_pieces(s3_store, monkeypatch):
+    monkeypatch.setattr(save_module, "piece_bytes_in_place", lambda piece: None)  # stage every blob
     pools: list[StagingPool] = []
 
     class RecordingPool(StagingPool):
@@ -90,19 +109,52 @@ def test_recycled_buffers_send_zeroed_gaps_and_exact_pieces(s3_store, monkeypatc
 
     restored = objckpt.restore(s3_store.url, storage_options=s3_store.storage_options)
     assert_tree_bit_exact(jax.tree.map(np.asarray, tree), restored)
+    _assert_gaps_zero(s3_store)
 
-    store = s3_store.open()
-    manifest = parse_manifest(_runtime.run_sync(store.get(MANIFEST_KEY)), size_limit=1 << 30)
-    covered: dict[str, np.ndarray] = {}
-    for blob in manifest.blobs:
-        covered[blob.key] = np.zeros(blob.size, dtype=bool)
-    for leaf in manifest.leaves:
-        for piece in leaf.pieces:
-            covered[piece.blob][piece.offset : piece.offset + piece.length] = True
-    for key, mask in covered.items():
-        data = np.frombuffer(_runtime.run_sync(store.get(key)), dtype=np.uint8)
-        assert len(data) == len(mask)
-        assert not data[~mask].any(), f"blob {key} sends stale bytes outside its pieces"
+
+@pytest.mark.s3
+def test_sync_save_to_s3_sends_array_bytes_in_place(s3_store, monkeypatch):
+    """No staging copy: the PUT bodies' piece parts are the device buffers' own memory."""
+    pools: list[StagingPool] = []
+    sent: list[int] = []  # addresses of the parts every blob PUT carried
+
+    class RecordingPool(StagingPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(save_module, "StagingPool", RecordingPool)
+    real_put_parts = ObstoreStore.put_parts
+
+    async def recording_put_parts(self, key, parts, *, mode="overwrite"):
+        sent.extend(address(p) for p in parts if len(p) >= 4096)
+        await real_put_parts(self, key, parts, mode=mode)
+
+    monkeypatch.setattr(ObstoreStore, "put_parts", recording_put_parts)
+    tree = _odd_tree()
+    objckpt.save(
+        s3_store.url, tree, storage_options=s3_store.storage_options, options=objckpt.Options(blob_size=1 << 20)
+    )
+
+    (pool,) = pools
+    assert pool.allocated == 0  # nothing was staged
+    shards = {s.data.unsafe_buffer_pointer() for leaf in tree["sharded"].values() for s in leaf.addressable_shards}
+    assert shards and shards <= set(sent), "a shard's bytes were copied before upload"
+    restored = objckpt.restore(s3_store.url, storage_options=s3_store.storage_options)
+    assert_tree_bit_exact(jax.tree.map(np.asarray, tree), restored)
+    _assert_gaps_zero(s3_store)
+
+
+@pytest.mark.s3
+def test_async_save_never_sends_in_place(s3_store, monkeypatch):
+    """save_async returns before its uploads end, so the arrays may change: it always stages."""
+    asked: list[object] = []
+    monkeypatch.setattr(save_module, "piece_bytes_in_place", lambda piece: asked.append(piece))
+    tree = _odd_tree()
+    objckpt.save_async(s3_store.url, tree, storage_options=s3_store.storage_options).result()
+    assert not asked
+    restored = objckpt.restore(s3_store.url, storage_options=s3_store.storage_options)
+    assert_tree_bit_exact(jax.tree.map(np.asarray, tree), restored)
 
 
 class _FailsFirstPut:

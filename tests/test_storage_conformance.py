@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import importlib
 import importlib.metadata
+import itertools
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -103,6 +104,21 @@ class StoreConformance:
             assert await store.get("mv") == data[10:20]
             await store.put("ba", bytearray(b"xyz"))
             assert await store.get("ba") == b"xyz"
+
+        run(go())
+
+    def test_put_parts_writes_them_in_order(self, store: Store) -> None:
+        data = payload(70_000)
+        parts = [memoryview(data)[:100], memoryview(b""), memoryview(data)[100:69_000], memoryview(data)[69_000:]]
+
+        async def go() -> None:
+            await store.put_parts("parts", parts)
+            assert await store.get("parts") == data
+            await store.put_parts("one", [memoryview(data)[:7]])
+            assert await store.get("one") == data[:7]
+            await store.put_parts("new", parts, mode="create")
+            with pytest.raises(ObjectExistsError):
+                await store.put_parts("new", parts, mode="create")
 
         run(go())
 
@@ -549,6 +565,17 @@ def test_obstore_large_put_goes_multipart(s3_store: Any) -> None:
     assert run(store.get("big")) == data
     with pytest.raises(ObjectExistsError):  # create stays one request, and atomic, at any size
         run(store.put("big", data, mode="create"))
+
+
+@pytest.mark.s3
+def test_obstore_large_put_of_parts_goes_multipart(s3_store: Any) -> None:
+    store = s3_store.open()
+    assert isinstance(store, ObstoreStore) and store.puts_parts
+    store.multipart_threshold = 6 * 1024 * 1024
+    data = payload(12 * 1024 * 1024 + 17)
+    cuts = [0, 64, 5 * 1024 * 1024, 5 * 1024 * 1024 + 3, len(data)]
+    run(store.put_parts("big", [memoryview(data)[a:b] for a, b in itertools.pairwise(cuts)]))
+    assert run(store.get("big")) == data
 
 
 def test_obstore_put_takes_any_contiguous_buffer(tmp_path: Path) -> None:

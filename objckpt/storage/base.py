@@ -68,6 +68,9 @@ class Store(abc.ABC):
     #: (no second, transient copy of the body inside the client), so a read whose
     #: buffer becomes a restored array costs no memory beyond that array.
     reads_in_place: bool = False
+    #: True when :meth:`put_parts` sends the parts as they are (no join into
+    #: one buffer), so a save can upload array bytes straight from the arrays.
+    puts_parts: bool = False
 
     @abc.abstractmethod
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:
@@ -107,6 +110,15 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
         """Write a whole object. ``mode="create"`` is atomic create-if-absent."""
+
+    async def put_parts(self, key: str, parts: Sequence[memoryview], *, mode: PutMode = "overwrite") -> None:
+        """Write one object made of ``parts`` in order; same semantics and errors as :meth:`put`.
+
+        The default joins the parts into one buffer (a copy); stores whose
+        client can send a body of several buffers override it and set
+        :attr:`puts_parts`. The caller keeps the parts unchanged until it returns.
+        """
+        await self.put(key, b"".join(parts), mode=mode)
 
     @abc.abstractmethod
     async def delete(self, key: str) -> None:

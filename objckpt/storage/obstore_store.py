@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import obstore as obs
@@ -97,6 +97,7 @@ class ObstoreStore(Store):
     """
 
     reads_in_place = True  # object_store sizes one buffer from Content-Length and fills it
+    puts_parts = True  # a list of buffers is one body, each segment held, not joined
 
     def __init__(
         self,
@@ -236,6 +237,33 @@ class ObstoreStore(Store):
                 self._store,
                 self._path(key),
                 body,
+                mode=mode,
+                use_multipart=multipart,
+                chunk_size=self.multipart_chunk_size,
+                max_concurrency=self.multipart_concurrency,
+            ),
+            create=create,
+        )
+
+    async def put_parts(self, key: str, parts: Sequence[memoryview], *, mode: PutMode = "overwrite") -> None:
+        """One object from several buffers, sent as they are: obstore takes a list of
+        buffers as one body without joining them (each is held, not copied)."""
+        bodies = [_as_buffer(p) for p in parts if len(p)]
+        if len(bodies) <= 1:
+            await self.put(key, bodies[0] if bodies else b"", mode=mode)
+            return
+        check_relative(key, "key", allow_empty=False, allow_partial=False)
+        if mode not in ("overwrite", "create"):
+            raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
+        create = mode == "create"
+        what = f"put {self._url(key)}" + (" (create-if-absent)" if create else "")
+        multipart = not create and sum(len(b) for b in bodies) > self.multipart_threshold
+        await self._call(
+            what,
+            lambda: obs.put_async(
+                self._store,
+                self._path(key),
+                bodies,
                 mode=mode,
                 use_multipart=multipart,
                 chunk_size=self.multipart_chunk_size,
