@@ -51,11 +51,11 @@ class Options:
             model is larger, the blocking phase streams (copy, upload, reuse).
         staging_pool: bytes of staging buffers a synchronous ``save`` keeps and
             recycles (capped by ``memory_budget``; ``save_async`` stages up to
-            the whole budget so it can return early). Blobs a synchronous save
-            sends in place (contiguous host shards to a store that takes a body
-            of parts, such as obstore's) need no staging buffer at all. Reused buffers skip the
+            the whole budget so it can return early). Reused buffers skip the
             first-touch cost of fresh pages, which here is 10× the copy itself;
-            512 MiB keeps 16 uploads of 32 MiB blobs in flight.
+            512 MiB keeps 16 uploads of 32 MiB blobs in flight. Blobs that a
+            synchronous save sends in place (contiguous host shards, to a store
+            that takes a body of parts, such as obstore's) use no buffer at all.
         read_window: bytes of copied ranged reads in flight during restore (also
             capped by ``memory_budget``): it bounds restore's host memory above the
             restored arrays. Reads whose buffers become the arrays themselves

@@ -73,6 +73,24 @@ def _odd_tree():
     return {"sharded": sharded, "small": small}
 
 
+def _record_pools(monkeypatch) -> list[StagingPool]:
+    """Make save record every staging pool it creates; returns the list they land in."""
+    pools: list[StagingPool] = []
+
+    class RecordingPool(StagingPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(save_module, "StagingPool", RecordingPool)
+    return pools
+
+
+def _assert_restores_exactly(target, tree):
+    restored = objckpt.restore(target.url, storage_options=target.storage_options)
+    assert_tree_bit_exact(jax.tree.map(np.asarray, tree), restored)
+
+
 def _assert_gaps_zero(target):
     """Every blob byte outside a piece is zero (never stale bytes of another blob)."""
     store = target.open()
@@ -92,14 +110,7 @@ def _assert_gaps_zero(target):
 @pytest.mark.s3
 def test_recycled_buffers_send_zeroed_gaps_and_exact_pieces(s3_store, monkeypatch):
     monkeypatch.setattr(save_module, "piece_bytes_in_place", lambda piece: None)  # stage every blob
-    pools: list[StagingPool] = []
-
-    class RecordingPool(StagingPool):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pools.append(self)
-
-    monkeypatch.setattr(save_module, "StagingPool", RecordingPool)
+    pools = _record_pools(monkeypatch)
     tree = _odd_tree()
     options = objckpt.Options(blob_size=1 << 20, staging_pool=3 << 20)
     objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options, options=options)
@@ -107,23 +118,15 @@ def test_recycled_buffers_send_zeroed_gaps_and_exact_pieces(s3_store, monkeypatc
     (pool,) = pools
     assert pool.allocated <= 3 and pool.reused > 0  # the save streamed through three buffers
 
-    restored = objckpt.restore(s3_store.url, storage_options=s3_store.storage_options)
-    assert_tree_bit_exact(jax.tree.map(np.asarray, tree), restored)
+    _assert_restores_exactly(s3_store, tree)
     _assert_gaps_zero(s3_store)
 
 
 @pytest.mark.s3
 def test_sync_save_to_s3_sends_array_bytes_in_place(s3_store, monkeypatch):
     """No staging copy: the PUT bodies' piece parts are the device buffers' own memory."""
-    pools: list[StagingPool] = []
+    pools = _record_pools(monkeypatch)
     sent: list[int] = []  # addresses of the parts every blob PUT carried
-
-    class RecordingPool(StagingPool):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pools.append(self)
-
-    monkeypatch.setattr(save_module, "StagingPool", RecordingPool)
     real_put_parts = ObstoreStore.put_parts
 
     async def recording_put_parts(self, key, parts, *, mode="overwrite"):
@@ -140,8 +143,7 @@ def test_sync_save_to_s3_sends_array_bytes_in_place(s3_store, monkeypatch):
     assert pool.allocated == 0  # nothing was staged
     shards = {s.data.unsafe_buffer_pointer() for leaf in tree["sharded"].values() for s in leaf.addressable_shards}
     assert shards and shards <= set(sent), "a shard's bytes were copied before upload"
-    restored = objckpt.restore(s3_store.url, storage_options=s3_store.storage_options)
-    assert_tree_bit_exact(jax.tree.map(np.asarray, tree), restored)
+    _assert_restores_exactly(s3_store, tree)
     _assert_gaps_zero(s3_store)
 
 
@@ -153,8 +155,7 @@ def test_async_save_never_sends_in_place(s3_store, monkeypatch):
     tree = _odd_tree()
     objckpt.save_async(s3_store.url, tree, storage_options=s3_store.storage_options).result()
     assert not asked
-    restored = objckpt.restore(s3_store.url, storage_options=s3_store.storage_options)
-    assert_tree_bit_exact(jax.tree.map(np.asarray, tree), restored)
+    _assert_restores_exactly(s3_store, tree)
 
 
 class _FailsFirstPut:

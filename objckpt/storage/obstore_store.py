@@ -18,6 +18,8 @@ Choices, and why:
   never copied unless it is strided). ``get_range`` returns ``bytes`` as
   the contract says, one copy out of obstore's buffer (~0.4 CPU-s per GiB
   here); ``get_range_buffer`` returns a view of that buffer instead.
+  ``put_parts`` hands obstore a list of buffers, which it sends as one body
+  without joining them: a save uploads array bytes where they lie.
 * **Multipart only for large puts** (> 64 MiB by default, 16 MiB parts):
   blobs are ~32 MiB and one PUT is the cheapest request. Create-if-absent is
   always a single-request PUT: GCS ignores preconditions on XML multipart.
@@ -224,46 +226,28 @@ class ObstoreStore(Store):
     # ------------------------------------------------------------------- writes
 
     async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
+        await self._put(key, _as_buffer(data), mode)
+
+    async def put_parts(self, key: str, parts: Sequence[memoryview], *, mode: PutMode = "overwrite") -> None:
+        """One object from several buffers, sent as they are: obstore takes a list of
+        buffers as one body without joining them (each is held, not copied)."""
+        bodies = [b for b in map(_as_buffer, parts) if len(b)]
+        await self._put(key, bodies if len(bodies) > 1 else (bodies[0] if bodies else b""), mode)
+
+    async def _put(self, key: str, body: bytes | memoryview | Sequence[bytes | memoryview], mode: PutMode) -> None:
         check_relative(key, "key", allow_empty=False, allow_partial=False)
         if mode not in ("overwrite", "create"):
             raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
         create = mode == "create"
         what = f"put {self._url(key)}" + (" (create-if-absent)" if create else "")
-        body = _as_buffer(data)
-        multipart = not create and len(body) > self.multipart_threshold
+        size = sum(len(b) for b in body) if isinstance(body, list) else len(body)
+        multipart = not create and size > self.multipart_threshold
         await self._call(
             what,
             lambda: obs.put_async(
                 self._store,
                 self._path(key),
                 body,
-                mode=mode,
-                use_multipart=multipart,
-                chunk_size=self.multipart_chunk_size,
-                max_concurrency=self.multipart_concurrency,
-            ),
-            create=create,
-        )
-
-    async def put_parts(self, key: str, parts: Sequence[memoryview], *, mode: PutMode = "overwrite") -> None:
-        """One object from several buffers, sent as they are: obstore takes a list of
-        buffers as one body without joining them (each is held, not copied)."""
-        bodies = [_as_buffer(p) for p in parts if len(p)]
-        if len(bodies) <= 1:
-            await self.put(key, bodies[0] if bodies else b"", mode=mode)
-            return
-        check_relative(key, "key", allow_empty=False, allow_partial=False)
-        if mode not in ("overwrite", "create"):
-            raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
-        create = mode == "create"
-        what = f"put {self._url(key)}" + (" (create-if-absent)" if create else "")
-        multipart = not create and sum(len(b) for b in bodies) > self.multipart_threshold
-        await self._call(
-            what,
-            lambda: obs.put_async(
-                self._store,
-                self._path(key),
-                bodies,
                 mode=mode,
                 use_multipart=multipart,
                 chunk_size=self.multipart_chunk_size,
