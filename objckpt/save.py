@@ -1,9 +1,11 @@
 """save and save_async: snapshot → plan → upload → commit.
 
-The caller's thread does only the blocking phase: it copies every owned piece
-off the devices into staging buffers that objckpt owns, blob by blob, under a
-byte budget (when the model is larger than the budget it streams: a buffer is
-reused once its blob is uploaded). Uploads and the commit run on the I/O loop.
+The caller's thread does only the blocking phase (:mod:`objckpt.upload`): it
+copies every owned piece off the devices into staging buffers that objckpt
+owns, blob by blob, under a byte budget (when the model is larger than the
+budget it streams: a buffer is reused once its blob is uploaded); a synchronous
+save to a store that takes a body of parts sends contiguous host shards in place
+instead. Uploads and the commit run on the I/O loop.
 
 Commit: every process publishes its piece index through the coordinator
 (JAX's key-value store, never a bucket listing), the primary merges them and
@@ -19,29 +21,23 @@ import concurrent.futures
 import datetime
 import json
 import logging
-import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from objckpt import _runtime
-from objckpt.arrays import copy_piece_into, piece_bytes_in_place
-from objckpt.checksum import crc32c
 from objckpt.errors import CheckpointExistsError, ObjectExistsError, StoreError
 from objckpt.format import MANIFEST_KEY, BlobEntry, LeafEntry, Manifest, Piece, parse_manifest
 from objckpt.leaves import classify
 from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
-from objckpt.plan import BlobPlan, blob_key, plan_blobs
+from objckpt.plan import blob_key, plan_blobs
 from objckpt.progress import closing, progress_bar
-from objckpt.staging import StagingPool
 from objckpt.storage import Store
 from objckpt.transfer import TransferEngine, TransferStats, open_store
 from objckpt.tree import flatten
+from objckpt.upload import PieceRecord, snapshot_and_upload
 
 log = logging.getLogger("objckpt")
 
@@ -136,7 +132,7 @@ def _start(
     *,
     hold_uploads: bool,
 ) -> SaveHandle:
-    """Snapshot ``tree`` and start its uploads and commit; ``hold_uploads`` as in :func:`_snapshot_and_upload`."""
+    """Snapshot ``tree`` and start its uploads and commit; ``hold_uploads`` as in :func:`objckpt.upload.snapshot_and_upload`."""
     entered = time.perf_counter()
     options = options or Options()
     stats = TransferStats()
@@ -174,7 +170,7 @@ def _start(
     started = time.perf_counter()
     bar = progress_bar("save", sum(b.size for b in blobs), lambda: stats.bytes_written, enabled=progress)
     try:
-        uploads = _snapshot_and_upload(blobs, engine, options, hold_uploads=hold_uploads)
+        uploads = snapshot_and_upload(blobs, engine, options, hold_uploads=hold_uploads)
     except BaseException:
         bar.close()
         raise
@@ -211,175 +207,6 @@ async def _make_engine(store: Store, options: Options, stats: TransferStats) -> 
         retry=options.retry,
         stats=stats,
     )
-
-
-PieceRecord = tuple[int, Piece]  # (leaf index, stored piece)
-
-
-def _snapshot_and_upload(
-    blobs: list[BlobPlan], engine: TransferEngine, options: Options, *, hold_uploads: bool
-) -> list[concurrent.futures.Future[list[PieceRecord]]]:
-    """The blocking phase: fill each blob's staging buffer, hand it to the uploader.
-
-    With ``hold_uploads`` (async save) uploads wait until the copies finish (on
-    2-core hosts the upload threads would otherwise slow the copy the caller
-    waits for), or until the budget runs out, when the model is bigger than the
-    budget and the phase has to stream. A synchronous save streams through a
-    small pool of recycled buffers (``Options.staging_pool``; see
-    :mod:`objckpt.staging` for why). Stops early if an upload has already failed.
-    """
-    limit = options.memory_budget if hold_uploads else min(options.memory_budget, options.staging_pool)
-    pool = StagingPool(limit, capacity=max((b.size for b in blobs), default=0))
-    failed = threading.Event()
-    gate: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-    def open_gate() -> None:
-        if not gate.done():
-            gate.set_result(None)
-
-    if not hold_uploads:
-        open_gate()
-    # A synchronous save may send array bytes straight from the arrays (it
-    # returns only after its uploads end), when the store sends a body of parts.
-    in_place = not hold_uploads and getattr(engine.store, "puts_parts", False)
-    futures: list[concurrent.futures.Future[list[PieceRecord]]] = []
-    try:
-        _fill_blobs(blobs, engine, pool, failed, gate, open_gate, futures, in_place=in_place, options=options)
-    finally:
-        open_gate()
-    return futures
-
-
-def _fill_blobs(
-    blobs: list[BlobPlan],
-    engine: TransferEngine,
-    pool: StagingPool,
-    failed: threading.Event,
-    gate: concurrent.futures.Future[None],
-    open_gate: Callable[[], None],
-    futures: list[concurrent.futures.Future[list[PieceRecord]]],
-    *,
-    in_place: bool,
-    options: Options,
-) -> None:
-    """Stage each blob and hand it to the uploader, or with ``in_place`` send its
-    pieces from the arrays themselves where they are contiguous host memory."""
-    slots = threading.Semaphore(options.max_concurrency)  # in-place uploads started and not done
-    for blob in blobs:
-        parts = _parts_in_place(blob) if in_place else None
-        if parts is not None:
-            if not _take_slot(slots, failed):
-                break
-            future = _runtime.submit(_upload_in_place(blob, parts, engine, slots))
-        else:
-            buffer = pool.take(failed, open_gate)
-            if buffer is None or failed.is_set():
-                break
-            staged = buffer[: blob.size]
-            _zero_gaps(staged, blob)  # a recycled buffer still holds an earlier blob
-            for placed in blob.pieces:
-                piece = placed.piece
-                dtype = placed.piece.source[0].dtype
-                view = staged[placed.offset : placed.offset + piece.nbytes].view(dtype).reshape(piece.shape)
-                copy_piece_into(piece, view)
-            future = _runtime.submit(_upload(blob, buffer, pool, engine, gate))
-
-        def _done(f: concurrent.futures.Future[Any]) -> None:
-            if f.cancelled() or f.exception() is not None:
-                failed.set()
-
-        future.add_done_callback(_done)
-        futures.append(future)
-
-
-_ZEROS = memoryview(bytes(4096))  # the bytes of a blob outside its pieces, sent in place
-
-
-def _parts_in_place(blob: BlobPlan) -> list[memoryview] | None:
-    """The blob's body as parts: zeros for its gaps, each piece's bytes where they lie.
-
-    None if any piece would need a copy (see :func:`objckpt.arrays.piece_bytes_in_place`).
-    """
-    parts: list[memoryview] = []
-    end = 0
-    for placed in blob.pieces:
-        data = piece_bytes_in_place(placed.piece)
-        if data is None:
-            return None
-        gap = placed.offset - end
-        parts.append(_ZEROS[:gap] if gap <= len(_ZEROS) else memoryview(bytes(gap)))
-        parts.append(data)
-        end = placed.offset + placed.piece.nbytes
-    if blob.size > end:
-        parts.append(memoryview(bytes(blob.size - end)))
-    return parts
-
-
-def _take_slot(slots: threading.Semaphore, failed: threading.Event) -> bool:
-    """Wait for an upload slot; False once an upload has failed."""
-    while not slots.acquire(timeout=0.1):
-        if failed.is_set():
-            return False
-    return not failed.is_set()
-
-
-async def _upload_in_place(
-    blob: BlobPlan, parts: list[memoryview], engine: TransferEngine, slots: threading.Semaphore
-) -> list[PieceRecord]:
-    """Checksum each piece (off the loop thread) and PUT the blob from its parts, with retries."""
-    try:
-        pieces = parts[1::2]  # gap, piece, gap, piece, ...
-
-        def checksums() -> list[int]:
-            return [crc32c(p) for p in pieces]
-
-        crcs = await asyncio.to_thread(checksums)
-        await engine.put(blob.key, parts)
-    finally:
-        slots.release()
-    return [
-        (p.piece.leaf, Piece(p.piece.start, p.piece.stop, blob.key, p.offset, p.piece.nbytes, crc))
-        for p, crc in zip(blob.pieces, crcs)
-    ]
-
-
-def _zero_gaps(staged: np.ndarray, blob: BlobPlan) -> None:
-    """Zero the bytes of a blob that belong to no piece (its spacers and alignment padding)."""
-    end = 0
-    for placed in blob.pieces:
-        staged[end : placed.offset] = 0
-        end = placed.offset + placed.piece.nbytes
-    staged[end:] = 0
-
-
-async def _upload(
-    blob: BlobPlan,
-    buffer: np.ndarray,
-    pool: StagingPool,
-    engine: TransferEngine,
-    gate: concurrent.futures.Future[None],
-) -> list[PieceRecord]:
-    """Checksum each piece (off the loop thread) and PUT the blob with retries, once the gate opens.
-
-    The buffer goes back to the pool afterwards, for reuse only if one attempt sent it.
-    """
-    attempts = 0
-    try:
-        await asyncio.wrap_future(gate)
-        data = buffer.data[: blob.size]
-
-        def checksums() -> list[int]:
-            view = data.toreadonly()
-            return [crc32c(view[p.offset : p.offset + p.piece.nbytes]) for p in blob.pieces]
-
-        crcs = await asyncio.to_thread(checksums)
-        attempts = await engine.put(blob.key, data)
-    finally:
-        pool.give(buffer, reusable=attempts == 1)
-    return [
-        (p.piece.leaf, Piece(p.piece.start, p.piece.stop, blob.key, p.offset, p.piece.nbytes, crc))
-        for p, crc in zip(blob.pieces, crcs)
-    ]
 
 
 class _Commit:

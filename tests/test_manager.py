@@ -83,13 +83,13 @@ def test_keep_best_reads_metrics_of_earlier_runs(memory_store):
 
 
 def test_error_of_a_background_save_is_raised_by_the_next_call(memory_store, monkeypatch):
-    save_module = importlib.import_module("objckpt.save")
+    upload_module = importlib.import_module("objckpt.upload")
 
     async def broken_upload(blob, buffer, pool, engine, gate):
         raise OSError("disk on fire")
 
     mgr = objckpt.CheckpointManager(memory_store.url)
-    monkeypatch.setattr(save_module, "_upload", broken_upload)
+    monkeypatch.setattr(upload_module, "_upload", broken_upload)
     handle = mgr.save(1, _state(1))
     with pytest.raises(OSError, match="disk on fire"):
         mgr.save(2, _state(2))
