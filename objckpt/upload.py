@@ -32,14 +32,15 @@ PieceRecord = tuple[int, Piece]  # (leaf index, stored piece)
 def snapshot_and_upload(
     blobs: list[BlobPlan], engine: TransferEngine, options: Options, *, hold_uploads: bool
 ) -> list[concurrent.futures.Future[list[PieceRecord]]]:
-    """The blocking phase: fill each blob's staging buffer, hand it to the uploader.
+    """The blocking phase: send each blob in place or fill its staging buffer, hand it to the uploader.
 
     With ``hold_uploads`` (async save) uploads wait until the copies finish (on
     2-core hosts the upload threads would otherwise slow the copy the caller
     waits for), or until the budget runs out, when the model is bigger than the
     budget and the phase has to stream. A synchronous save streams through a
     small pool of recycled buffers (``Options.staging_pool``; see
-    :mod:`objckpt.staging` for why). Stops early if an upload has already failed.
+    :mod:`objckpt.staging` for why), except for blobs it sends in place.
+    Stops early if an upload has already failed.
     """
     limit = options.memory_budget if hold_uploads else min(options.memory_budget, options.staging_pool)
     pool = StagingPool(limit, capacity=max((b.size for b in blobs), default=0))
@@ -141,19 +142,11 @@ async def _upload_in_place(
 ) -> list[PieceRecord]:
     """Checksum each piece (off the loop thread) and PUT the blob from its parts, with retries."""
     try:
-        pieces = parts[1::2]  # gap, piece, gap, piece, ...
-
-        def checksums() -> list[int]:
-            return [crc32c(p) for p in pieces]
-
-        crcs = await asyncio.to_thread(checksums)
+        crcs = await asyncio.to_thread(_checksums, parts[1::2])  # parts: gap, piece, gap, piece, ...
         await engine.put(blob.key, parts)
     finally:
         slots.release()
-    return [
-        (p.piece.leaf, Piece(p.piece.start, p.piece.stop, blob.key, p.offset, p.piece.nbytes, crc))
-        for p, crc in zip(blob.pieces, crcs)
-    ]
+    return _records(blob, crcs)
 
 
 def _zero_gaps(staged: np.ndarray, blob: BlobPlan) -> None:
@@ -180,15 +173,20 @@ async def _upload(
     try:
         await asyncio.wrap_future(gate)
         data = buffer.data[: blob.size]
-
-        def checksums() -> list[int]:
-            view = data.toreadonly()
-            return [crc32c(view[p.offset : p.offset + p.piece.nbytes]) for p in blob.pieces]
-
-        crcs = await asyncio.to_thread(checksums)
+        view = data.toreadonly()
+        crcs = await asyncio.to_thread(_checksums, [view[p.offset : p.offset + p.piece.nbytes] for p in blob.pieces])
         attempts = await engine.put(blob.key, data)
     finally:
         pool.give(buffer, reusable=attempts == 1)
+    return _records(blob, crcs)
+
+
+def _checksums(pieces: list[memoryview]) -> list[int]:
+    return [crc32c(p) for p in pieces]
+
+
+def _records(blob: BlobPlan, crcs: list[int]) -> list[PieceRecord]:
+    """The manifest's record of each piece of an uploaded blob."""
     return [
         (p.piece.leaf, Piece(p.piece.start, p.piece.stop, blob.key, p.offset, p.piece.nbytes, crc))
         for p, crc in zip(blob.pieces, crcs)
