@@ -37,6 +37,7 @@ from objckpt.plan import ReadRequest, intersect, pieces_needed, plan_reads
 from objckpt.progress import progress_bar
 from objckpt.read_once import designate, share
 from objckpt.read_once import supported as read_once_supported
+from objckpt.read_pool import ReadBufferPool
 from objckpt.transfer import TransferEngine, TransferStats, open_store
 from objckpt.tree import build, flatten_target, unflatten_target
 
@@ -281,24 +282,38 @@ async def _fetch(
 
     alignment = ResponseAlignment(store.response_phase())
     lock = threading.Lock()
-
-    async def one(request: ReadRequest) -> None:
-        data = await read_aligned(engine, request, options.read_chunk, alignment)
-        if len(data) != request.length:
-            paths = sorted({jobs[p.leaf].entry.path for p in request.parts})
-            raise IntegrityError(
-                f"blob {store.url}/{request.blob} is truncated: asked bytes [{request.start}, {request.end}),"
-                f" got {len(data)} (leaves {', '.join(paths)})"
-            )
-        await asyncio.to_thread(_land, request, data, jobs, store.url, lock)
-
     # A read that will become its boxes' arrays is not memory above the restored
     # arrays (when the client fills its buffer in place), so only reads that are
     # copied, then freed, count against the window; max_concurrency still bounds
-    # the requests in flight.
+    # the requests in flight. Copied reads land in recycled buffers when the
+    # store can receive into them (objckpt.read_pool says why).
     in_place = store.reads_in_place
     copied = {id(r) for r in requests if not (in_place and _may_adopt(r, jobs))}
     window = min(options.read_window, options.memory_budget)
+    pool = ReadBufferPool(window, sum(r.length for r in requests if id(r) in copied)) if store.reads_into else None
+
+    def check_length(request: ReadRequest, got: int) -> None:
+        if got != request.length:
+            paths = sorted({jobs[p.leaf].entry.path for p in request.parts})
+            raise IntegrityError(
+                f"blob {store.url}/{request.blob} is truncated: asked bytes [{request.start}, {request.end}),"
+                f" got {got} (leaves {', '.join(paths)})"
+            )
+
+    async def one(request: ReadRequest) -> None:
+        if pool is not None and id(request) in copied:
+            buffer = pool.take(request.length)
+            try:
+                got = await engine.get_range_into(request.blob, request.start, buffer.data[: request.length])
+                check_length(request, got)
+                await asyncio.to_thread(_land, request, buffer.data[:got], jobs, store.url, lock, adopt=False)
+            finally:
+                pool.give(buffer)  # _land copied every byte out; the read has stopped writing
+            return
+        data = await read_aligned(engine, request, options.read_chunk, alignment)
+        check_length(request, len(data))
+        await asyncio.to_thread(_land, request, data, jobs, store.url, lock)
+
     await engine.for_each(requests, one, window_bytes=window, size=lambda r: r.length if id(r) in copied else 0)
 
 
@@ -362,17 +377,26 @@ def _place_box(job: _LeafJob, box: Box) -> None:
     job.placed_boxes.add(box)
 
 
-def _land(request: ReadRequest, data: memoryview, jobs: dict[int, _LeafJob], url: str, lock: threading.Lock) -> None:
+def _land(
+    request: ReadRequest,
+    data: memoryview,
+    jobs: dict[int, _LeafJob],
+    url: str,
+    lock: threading.Lock,
+    *,
+    adopt: bool = True,
+) -> None:
     """All one response does, in one trip off the loop thread (a trip costs more than placing a box).
 
     Allocate the boxes it copies into, check and scatter its pieces, put each
     box it completes on its devices, then finish each leaf it completes. The
     counters are shared with other responses' threads, hence ``lock``; a
     part is counted done only after its boxes are placed, so a leaf is never
-    finished while another thread still places one of its boxes.
+    finished while another thread still places one of its boxes. ``adopt=False``
+    copies every part (``data`` is a recycled buffer).
     """
     with lock:
-        adopted = _adoptable(request, data, jobs)
+        adopted = _adoptable(request, data, jobs) if adopt else set()
         for k, part in enumerate(request.parts):
             if k not in adopted:
                 _allocate(jobs[part.leaf], _boxes_of(part.piece, jobs[part.leaf].box_remaining))

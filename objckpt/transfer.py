@@ -228,6 +228,15 @@ class TransferEngine:
         self.stats.add(bytes_read=len(data))
         return data
 
+    async def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        """Bytes from ``start`` on into ``buffer`` (``Store.get_range_into``); how many arrived."""
+        n = await self.call(
+            f"GET {self.store.url}/{key} [{start}, {start + len(buffer)})",
+            lambda: self.store.get_range_into(key, start=start, buffer=buffer),
+        )
+        self.stats.add(bytes_read=n)
+        return n
+
     async def get(self, key: str) -> bytes:
         data = await self.call(f"GET {self.store.url}/{key}", lambda: self.store.get(key))
         self.stats.add(bytes_read=len(data))

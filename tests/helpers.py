@@ -73,6 +73,11 @@ class CountingStore:
         self.reads.append((key, start, start + len(data)))
         return data
 
+    async def get_range_into(self, key, *, start, buffer):
+        n = await self.inner.get_range_into(key, start=start, buffer=buffer)
+        self.reads.append((key, start, start + n))
+        return n
+
 
 def count_reads(monkeypatch) -> list[CountingStore]:
     """Make every store objckpt opens count its reads; returns the list the stores land in."""

@@ -23,6 +23,7 @@ from objckpt import _runtime
 from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros, host_buffer
 from objckpt.format import MANIFEST_KEY, parse_manifest
 from objckpt.plan import ALIGN, SPACER
+from objckpt.read_pool import ReadBufferPool
 from objckpt.storage import from_url
 
 restore_module = importlib.import_module("objckpt.restore")
@@ -98,18 +99,66 @@ def test_restore_from_s3_adopts_large_responses_without_a_copy(s3_store, monkeyp
             assert shard.data.unsafe_buffer_pointer() % DEVICE_ALIGNMENT == 0
 
 
-def test_restore_onto_another_sharding_copies_and_stays_exact(s3_store):
+def _recording_pools(monkeypatch) -> list[ReadBufferPool]:
+    pools: list[ReadBufferPool] = []
+
+    class Recording(ReadBufferPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(restore_module, "ReadBufferPool", Recording)
+    return pools
+
+
+def test_restore_onto_another_sharding_copies_and_stays_exact(s3_store, monkeypatch):
+    """Its copied reads land in a few recycled buffers (not one new buffer per read)."""
     tree, values = _big_tree()
     objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options)
+    pools = _recording_pools(monkeypatch)
     other = jax.make_mesh((2, 4), ("x", "y"))
     target = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P("y", "x") if v.ndim == 2 else P()))
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P("x", "y") if v.ndim == 2 else P()))
         for k, v in values.items()
-    }
-    out = objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options)
+    }  # boxes of 512 x 512, each assembled from parts of two saved 256 x 1024 ones
+    window = 2 << 20
+    out = objckpt.restore(
+        s3_store.url,
+        target,
+        storage_options=s3_store.storage_options,
+        options=objckpt.Options(read_window=window, max_read_size=1 << 20),
+    )
     for k, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v)
         assert out[k].sharding == target[k].sharding
+    (pool,) = pools
+    assert pool.reused >= 8, f"only {pool.reused} of the reads reused a buffer"
+    assert pool.allocated <= window + (2 << 20)
+
+
+def test_recycled_read_buffers_never_become_arrays(s3_store, monkeypatch):
+    """Small whole boxes read into a recycled buffer are copied out: adopting one would
+    let the next read overwrite a restored array."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    rng = np.random.default_rng(11)
+    values = {f"w{i:02d}": rng.standard_normal((256, 256), dtype=np.float32) for i in range(24)}
+    sharding = NamedSharding(mesh, P("data", "model"))
+    tree = {k: jax.device_put(v, sharding) for k, v in values.items()}
+    # blobs under 1 MiB: their reads are copied (too small to adopt) and hold whole boxes
+    objckpt.save(
+        s3_store.url, tree, storage_options=s3_store.storage_options, options=objckpt.Options(blob_size=256 << 10)
+    )
+    pools = _recording_pools(monkeypatch)
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in values.items()}
+    out = objckpt.restore(
+        s3_store.url,
+        target,
+        storage_options=s3_store.storage_options,
+        options=objckpt.Options(read_window=1 << 20, max_read_size=64 << 10),
+    )
+    assert pools and pools[0].reused > 0
+    for k, v in values.items():
+        np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
 
 
 def test_early_starts_read_only_free_bytes_and_skip_other_leaves(s3_store, monkeypatch):
@@ -173,3 +222,21 @@ def test_packed_blobs_are_full_and_each_is_one_get(s3_store, monkeypatch):
     assert_tree_bit_exact(tree, out)
     reads = [r for s in counting for r in s.reads if r[0] in large_blobs]
     assert sorted(r[0] for r in reads) == sorted(large_blobs), f"expected one GET per blob, got {reads}"
+
+
+def test_read_pool_reuses_the_best_fit_and_keeps_nothing_it_will_not_need():
+    pool = ReadBufferPool(limit=8 << 20, expected=(3 << 20) + 5 + (1 << 20))
+    big, small = pool.take(3 << 20), pool.take(5)
+    assert (big.nbytes, small.nbytes) == (3 << 20, 1 << 20) and pool.allocated == 4 << 20
+    pool.give(big)
+    pool.give(small)  # the free 3 MiB already cover the 1 MiB still to come: dropped
+    assert pool.allocated == 3 << 20
+    again = pool.take(1 << 20)
+    assert again is big and pool.reused == 1
+    pool.give(again)  # nothing more to come
+    assert pool.allocated == 0
+
+    bounded = ReadBufferPool(limit=2 << 20, expected=1 << 30)
+    bounded.give(bounded.take(1 << 20))
+    bounded.take(2 << 20)  # no free buffer fits: the free one is dropped to stay in the limit
+    assert bounded.allocated == 2 << 20

@@ -71,6 +71,10 @@ class Store(abc.ABC):
     #: True when :meth:`put_parts` sends the parts as they are (no join into
     #: one buffer), so a save can upload array bytes straight from the arrays.
     puts_parts: bool = False
+    #: True when :meth:`get_range_into` receives the body straight into the
+    #: caller's buffer (no buffer of the client's own), so restore can recycle
+    #: the buffers of reads it copies out of instead of faulting in new pages.
+    reads_into: bool = False
 
     @abc.abstractmethod
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:
@@ -85,6 +89,18 @@ class Store(abc.ABC):
         it into a new ``bytes``. Same semantics and errors as ``get_range``.
         """
         return memoryview(await self.get_range(key, start=start, end=end))
+
+    async def get_range_into(self, key: str, *, start: int, buffer: memoryview) -> int:
+        """Read bytes ``[start, start + len(buffer))`` of ``key`` into ``buffer``.
+
+        Returns how many arrived: fewer only if the object is shorter. Same errors
+        as :meth:`get_range`; once it returns or raises, nothing writes into
+        ``buffer``. The default reads with :meth:`get_range_buffer` and copies;
+        stores with :attr:`reads_into` receive in place.
+        """
+        data = await self.get_range_buffer(key, start=start, end=start + len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
 
     def response_phase(self) -> int | None:
         """Where a large :meth:`get_range_buffer` result's bytes start past a 64-byte

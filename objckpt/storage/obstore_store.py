@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -44,6 +45,7 @@ from objckpt.errors import ObjectNotFoundError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
 from objckpt.storage.error_map import PROGRAMMING_ERRORS, map_obstore_error
 from objckpt.storage.obstore_config import NativeSpec
+from objckpt.storage.s3_read_into import S3Credentials, S3RangeReader
 from objckpt.storage.urls import check_relative, redact_url
 
 if TYPE_CHECKING:
@@ -96,6 +98,8 @@ class ObstoreStore(Store):
             a multipart upload.
         multipart_chunk_size: Part size of those uploads.
         multipart_concurrency: Parts in flight per upload.
+        range_reader: Receives ranged GETs into caller buffers
+            (:meth:`get_range_into`); S3 only, shared by :meth:`child` stores.
     """
 
     reads_in_place = True  # object_store sizes one buffer from Content-Length and fills it
@@ -111,6 +115,7 @@ class ObstoreStore(Store):
         multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
         multipart_chunk_size: int = DEFAULT_MULTIPART_CHUNK_SIZE,
         multipart_concurrency: int = DEFAULT_MULTIPART_CONCURRENCY,
+        range_reader: S3RangeReader | None = None,
     ) -> None:
         if request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {request_timeout}")
@@ -126,6 +131,8 @@ class ObstoreStore(Store):
         self.multipart_threshold = int(multipart_threshold)
         self.multipart_chunk_size = int(multipart_chunk_size)
         self.multipart_concurrency = int(multipart_concurrency)
+        self._range_reader = range_reader
+        self.reads_into = range_reader is not None
 
     # ------------------------------------------------------------------ helpers
 
@@ -189,6 +196,21 @@ class ObstoreStore(Store):
                 return memoryview(b"")
             raise
         return memoryview(data)
+
+    async def get_range_into(self, key: str, *, start: int, buffer: memoryview) -> int:
+        """Receive bytes into ``buffer`` with the range reader when there is one (see
+        :mod:`objckpt.storage.s3_read_into`); else read and copy."""
+        reader = self._range_reader
+        if reader is None or not len(buffer):
+            return await super().get_range_into(key, start=start, buffer=buffer)
+        check_relative(key, "key", allow_empty=False, allow_partial=False)
+        if start < 0:
+            raise ValueError(f"invalid byte range start {start} for {self._url(key)}")
+        what = f"get {self._url(key)} bytes [{start}, {start + len(buffer)})"
+        try:
+            return await asyncio.wait_for(reader.read_into(self._path(key), start, buffer, what), self.request_timeout)
+        except TimeoutError as exc:
+            raise TransientStoreError(f"{what} timed out after {self.request_timeout:g} s") from exc
 
     def response_phase(self) -> int | None:
         return malloc_phase()  # obstore's buffers come from the Rust (system) allocator
@@ -275,8 +297,8 @@ class ObstoreStore(Store):
         return clone
 
     async def close(self) -> None:
-        """Nothing to do: connections belong to the obstore store, shared with
-        :meth:`child` stores and released when it is collected."""
+        """Nothing to do: connections belong to the obstore store (and the range
+        reader), shared with :meth:`child` stores and released when collected."""
 
 
 # ------------------------------------------------------------------ factories
@@ -312,7 +334,38 @@ def open_spec(spec: NativeSpec, url: str, *, request_timeout: float = DEFAULT_RE
         )
     else:
         raise ValueError(f"unknown native store kind {spec.kind!r}")
-    return ObstoreStore(store, url=url, prefix=spec.prefix, request_timeout=request_timeout)
+    return ObstoreStore(
+        store,
+        url=url,
+        prefix=spec.prefix,
+        request_timeout=request_timeout,
+        range_reader=range_reader(spec, request_timeout),
+    )
+
+
+def range_reader(spec: NativeSpec, request_timeout: float) -> S3RangeReader | None:
+    """An :class:`S3RangeReader` for an S3 spec whose credentials are static or absent.
+
+    Credentials that obstore finds on its own (instance metadata, web identity,
+    container roles) are not known here: those stores read through obstore only.
+    """
+    config = spec.config
+    if spec.kind != "s3" or os.environ.get("OBJCKPT_S3_READ_INTO", "1") == "0":
+        return None
+    if config.get("skip_signature"):
+        credentials = None
+    elif config.get("access_key_id") and config.get("secret_access_key"):
+        credentials = S3Credentials(config["access_key_id"], config["secret_access_key"], config.get("session_token"))
+    else:
+        return None
+    return S3RangeReader(
+        endpoint=spec.endpoint,
+        bucket=spec.bucket,
+        region=config["region"],
+        credentials=credentials,
+        virtual_hosted=bool(config.get("virtual_hosted_style_request")),
+        timeout=request_timeout,
+    )
 
 
 def open_local_path(path: str, url: str, *, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S) -> ObstoreStore:

@@ -1,0 +1,196 @@
+"""Ranged S3 GETs received into caller buffers (``objckpt.storage.s3_read_into``).
+
+The signer is checked against botocore's for the same request; the reader
+against the real S3 server (SeaweedFS verifies every signature), and through
+the fault proxy for throttling, stalls and late bytes after a caller gave up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime as dt
+import threading
+import time
+import uuid
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import objckpt
+from backends.proxy import FaultProxy
+from objckpt import _runtime
+from objckpt.errors import ObjectNotFoundError, StorePermissionError, TransientStoreError
+from objckpt.storage import from_url
+from objckpt.storage.s3_read_into import S3Credentials, S3RangeReader, SigV4Signer
+
+PAYLOAD = bytes(np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("token", [None, "FwoGZXIvYXdzE+session/token=="])
+@pytest.mark.parametrize("key", ["ckpt/ab12/blob-0001.bin", "odd keys/with space+plus=eq~tilde"])
+def test_signature_matches_botocore(monkeypatch, token, key):
+    botocore_auth = pytest.importorskip("botocore.auth")
+    from urllib.parse import quote
+
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    when = dt.datetime(2026, 11, 30, 7, 5, 9)
+    monkeypatch.setattr(botocore_auth, "get_current_datetime", lambda: when)
+    path = f"/my-bucket/{quote(key, safe='/-_.~')}"
+    request = AWSRequest(method="GET", url=f"http://127.0.0.1:8333{path}", headers={"Range": "bytes=100-199"})
+    botocore_auth.S3SigV4Auth(
+        Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", token), "s3", "eu-west-3"
+    ).add_auth(request)
+
+    signer = SigV4Signer(S3Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", token), "eu-west-3")
+    ours = signer.sign(
+        "GET", "127.0.0.1:8333", path, {"range": "bytes=100-199"}, when=when.replace(tzinfo=dt.UTC).timestamp()
+    )
+    assert ours["authorization"] == request.headers["Authorization"]
+    assert ours["x-amz-date"] == request.headers["X-Amz-Date"]
+    assert ours.get("x-amz-security-token") == request.headers.get("X-Amz-Security-Token")
+
+
+def test_credentials_never_show_in_repr():
+    creds = S3Credentials("AKIDSECRETLOOKING", "verysecretvalue", "tokenvalue")
+    assert "verysecretvalue" not in repr(creds) and "AKIDSECRETLOOKING" not in repr(creds)
+
+
+def _store(s3_service, **options):
+    merged = {**copy.deepcopy(s3_service.storage_options()), **options}
+    store = from_url(s3_service.url(f"readinto-{uuid.uuid4().hex[:8]}"), **merged)
+    assert store.reads_into, "the S3 store should receive ranged reads into caller buffers"
+    return store
+
+
+def test_reads_ranges_into_the_buffer_from_s3(s3_service):
+    store = _store(s3_service)
+    _runtime.run_sync(store.put("blob", PAYLOAD))
+    buffer = np.full(1 << 20, 0xAA, dtype=np.uint8)
+    n = _runtime.run_sync(store.get_range_into("blob", start=12345, buffer=buffer.data))
+    assert n == len(buffer) and buffer.tobytes() == PAYLOAD[12345 : 12345 + len(buffer)]
+    # the object ends first: fewer bytes, the rest of the buffer untouched
+    buffer[:] = 0xAA
+    tail = len(PAYLOAD) - 1000
+    n = _runtime.run_sync(store.get_range_into("blob", start=tail, buffer=buffer.data))
+    assert n == 1000 and buffer[:1000].tobytes() == PAYLOAD[tail:] and (buffer[1000:] == 0xAA).all()
+    assert _runtime.run_sync(store.get_range_into("blob", start=len(PAYLOAD) + 5, buffer=buffer.data)) == 0
+    # many reads in parallel over the kept connections agree with get_range
+    starts = list(range(0, len(PAYLOAD) - 4096, 97_001))
+
+    async def all_reads():
+        bufs = [bytearray(4096) for _ in starts]
+        await asyncio.gather(
+            *(store.get_range_into("blob", start=s, buffer=memoryview(b)) for s, b in zip(starts, bufs))
+        )
+        return bufs
+
+    for s, b in zip(starts, _runtime.run_sync(all_reads())):
+        assert bytes(b) == PAYLOAD[s : s + 4096]
+
+
+def test_missing_objects_and_bad_credentials_are_named(s3_service):
+    store = _store(s3_service)
+    buffer = bytearray(16)
+    with pytest.raises(ObjectNotFoundError, match="nothing-here"):
+        _runtime.run_sync(store.get_range_into("nothing-here", start=0, buffer=memoryview(buffer)))
+    _runtime.run_sync(store.put("blob", PAYLOAD))
+    wrong = _store(s3_service, secret="not-the-secret-key")
+    with pytest.raises(StorePermissionError) as info:
+        _runtime.run_sync(wrong.get_range_into("blob", start=0, buffer=memoryview(buffer)))
+    assert "not-the-secret-key" not in str(info.value) and s3_service.secret_key not in str(info.value)
+    assert "s3://" in str(info.value)
+
+
+@pytest.fixture
+def proxy(s3_service):
+    host, port = s3_service.endpoint_url.rsplit("//", 1)[1].split(":")
+    with FaultProxy(host, int(port), stall_seconds=20, seed=3) as running:
+        yield running
+
+
+def _proxied(s3_service, proxy, **options):
+    merged = copy.deepcopy(s3_service.storage_options())
+    merged["client_kwargs"]["endpoint_url"] = proxy.endpoint_url
+    return _store(s3_service, **{**merged, **options})
+
+
+def test_throttling_is_transient_and_named(s3_service, proxy):
+    store = _proxied(s3_service, proxy)
+    _runtime.run_sync(store.put("blob", PAYLOAD))
+    proxy.set_faults(1.0, ("503",))
+    with pytest.raises(TransientStoreError, match="SlowDown") as info:
+        _runtime.run_sync(store.get_range_into("blob", start=0, buffer=memoryview(bytearray(100))))
+    assert "blob" in str(info.value)
+    proxy.set_faults(1.0, ("reset", "truncate"))
+    with pytest.raises(TransientStoreError):
+        _runtime.run_sync(store.get_range_into("blob", start=0, buffer=memoryview(bytearray(1 << 20))))
+    proxy.set_faults(0.0)
+    buffer = bytearray(1 << 20)
+    assert _runtime.run_sync(store.get_range_into("blob", start=7, buffer=memoryview(buffer))) == len(buffer)
+    assert bytes(buffer) == PAYLOAD[7 : 7 + len(buffer)]
+
+
+def test_a_read_given_up_writes_nothing_after_it_returns(s3_service, proxy):
+    """The answer arrives after the caller gave up (its socket timeout is longer):
+    the socket is shut down and the buffer stays as it was."""
+    prefix = f"readinto-{uuid.uuid4().hex[:8]}"
+    _runtime.run_sync(from_url(s3_service.url(prefix), **s3_service.storage_options()).put("blob", PAYLOAD))
+    reader = S3RangeReader(
+        endpoint=proxy.endpoint_url,
+        bucket=s3_service.bucket,
+        region=s3_service.region,
+        credentials=S3Credentials(s3_service.access_key, s3_service.secret_key),
+        timeout=30,
+    )
+    proxy.latency_ms = 2000  # the answer comes ~1.5 s after the caller gave up
+    buffer = np.full(1 << 20, 0xAA, dtype=np.uint8)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _runtime.run_sync(asyncio.wait_for(reader.read_into(f"{prefix}/blob", 0, buffer.data, "get blob"), 0.5))
+    assert time.monotonic() - started < 1.5
+    time.sleep(2.5)
+    assert (buffer == 0xAA).all(), "a read went on writing into the buffer after it returned"
+    proxy.latency_ms = 0
+    assert _runtime.run_sync(reader.read_into(f"{prefix}/blob", 0, buffer.data, "get blob")) == len(buffer)
+    assert buffer.tobytes() == PAYLOAD[: len(buffer)]
+    reader.close()
+
+
+def test_stalled_reads_in_a_resharded_restore_are_retried_bit_exact(s3_service, proxy):
+    """Restore onto another sharding reads through the recycled buffers; a stall is abandoned and retried."""
+    options = copy.deepcopy(s3_service.storage_options())
+    options["client_kwargs"]["endpoint_url"] = proxy.endpoint_url
+    url = s3_service.url(f"readinto-stall/{uuid.uuid4().hex[:8]}")
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    values = np.random.default_rng(9).standard_normal((1024, 512)).astype(np.float32)
+    objckpt.save(url, {"w": jax.device_put(values, NamedSharding(mesh, P("x", "y")))}, storage_options=options)
+    other = NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b"))
+    proxy.set_faults(1.0, ("stall",), only="GET")
+
+    def heal():
+        time.sleep(3)
+        proxy.set_faults(0.0)
+
+    threading.Thread(target=heal, daemon=True).start()
+    stats = objckpt.TransferStats()
+    started = time.monotonic()
+    out = objckpt.restore(
+        url,
+        {"w": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=other)},
+        storage_options=options,
+        options=objckpt.Options(request_timeout=2),
+        stats=stats,
+    )
+    np.testing.assert_array_equal(np.asarray(out["w"]), values)
+    assert stats.retries >= 1 and time.monotonic() - started < 20
+
+
+def test_reader_rejects_an_endpoint_that_is_not_http():
+    with pytest.raises(ValueError, match="http"):
+        S3RangeReader(endpoint="ftp://example.com", bucket="b", region="us-east-1", credentials=None)
