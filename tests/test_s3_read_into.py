@@ -13,6 +13,7 @@ import datetime as dt
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -194,3 +195,46 @@ def test_stalled_reads_in_a_resharded_restore_are_retried_bit_exact(s3_service, 
 def test_reader_rejects_an_endpoint_that_is_not_http():
     with pytest.raises(ValueError, match="http"):
         S3RangeReader(endpoint="ftp://example.com", bucket="b", region="us-east-1", credentials=None)
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_without_an_error():
+    """Servers close idle kept-alive connections; the next read on one goes out again on a new one."""
+    import http.server
+
+    body = bytes(range(256)) * 16
+    connections: list[int] = []
+
+    class OneRequestPerConnection(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive by default: the client keeps the connection
+
+        def setup(self):
+            super().setup()
+            connections.append(1)
+
+        def do_GET(self):
+            first, last = (int(x) for x in self.headers["Range"].removeprefix("bytes=").split("-"))
+            self.send_response(206)
+            self.send_header("Content-Length", str(last - first + 1))
+            self.end_headers()
+            self.wfile.write(body[first : last + 1])
+            self.close_connection = True  # closed without saying so, like an idle timeout
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OneRequestPerConnection)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reader = S3RangeReader(
+            endpoint=f"http://127.0.0.1:{server.server_port}", bucket="b", region="us-east-1", credentials=None
+        )
+        reader._executor = ThreadPoolExecutor(1)  # one worker: one kept connection
+        for start in (0, 100, 200):
+            buffer = bytearray(50)
+            assert _runtime.run_sync(reader.read_into("k", start, memoryview(buffer), "get k")) == 50
+            assert bytes(buffer) == body[start : start + 50]
+            time.sleep(0.1)  # let the server's close arrive first
+        assert len(connections) == 3
+    finally:
+        server.shutdown()
+        server.server_close()

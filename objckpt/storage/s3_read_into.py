@@ -231,13 +231,8 @@ class S3RangeReader:
             headers = self._signer.sign("GET", self._host_header, request_path, headers)
         else:
             headers["host"] = self._host_header
-        conn = self._connection()
         try:
-            if conn.sock is None:
-                conn.connect()
-            attempt.attach(conn.sock)
-            conn.request("GET", request_path, headers=headers)
-            response = conn.getresponse()
+            response = self._send(request_path, headers, attempt)
             if response.status in (200, 206):
                 return self._receive(response, start, buffer, what)
             body = response.read(_ERROR_BODY_LIMIT)
@@ -257,6 +252,23 @@ class S3RangeReader:
             raise
         finally:
             attempt.detach()
+
+    def _send(self, request_path: str, headers: dict[str, str], attempt: _Attempt) -> http.client.HTTPResponse:
+        """Send the GET and read the response head; once more on a new connection if a
+        kept-alive one turns out closed by the server (an idle timeout, not a failure)."""
+        while True:
+            conn = self._connection()
+            reused = conn.sock is not None
+            try:
+                if not reused:
+                    conn.connect()
+                attempt.attach(conn.sock)
+                conn.request("GET", request_path, headers=headers)
+                return conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._drop_connection()
+                if not reused or attempt.aborted:
+                    raise
 
     def _receive(self, response: http.client.HTTPResponse, start: int, buffer: memoryview, what: str) -> int:
         """Read the body into ``buffer``; a 200 (the server ignored the range) only from byte 0."""
