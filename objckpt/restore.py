@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 
 from objckpt import _runtime
 from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros
-from objckpt.aligned_reads import ResponseAlignment, address, read_aligned
+from objckpt.aligned_reads import ResponseAlignment, address, read_aligned, read_into
 from objckpt.arrays import Box, box_to_slices, needed_boxes
 from objckpt.checksum import crc32c
 from objckpt.dtypes import dtype_from_name
@@ -123,7 +123,7 @@ def restore(
         for i, t in selection.items()
         if manifest.leaves[i].kind in ARRAY_KINDS
     }
-    requests = _plan(manifest, jobs, options)
+    requests = _plan(manifest, jobs, options, recycled=store.inner.reads_into)
     base = stats.bytes_read
     total = sum(r.length for r in requests)
     with progress_bar("restore", total, lambda: stats.bytes_read - base, enabled=progress):
@@ -243,7 +243,8 @@ def _inline(entry: LeafEntry, target: Any) -> Any:
     return entry.value
 
 
-def _plan(manifest: Manifest, jobs: dict[int, _LeafJob], options: Options) -> list[ReadRequest]:
+def _plan(manifest: Manifest, jobs: dict[int, _LeafJob], options: Options, *, recycled: bool) -> list[ReadRequest]:
+    """The coalesced reads for ``jobs``; ``recycled``: copied reads land in recycled buffers."""
     wanted: list[tuple[int, Piece]] = []
     for i, job in jobs.items():
         boxes = job.read_boxes
@@ -258,7 +259,7 @@ def _plan(manifest: Manifest, jobs: dict[int, _LeafJob], options: Options) -> li
     return plan_reads(
         wanted,
         coalesce_gap=options.coalesce_gap,
-        max_read_size=options.max_read_size,
+        max_read_size=options.copied_read_limit(recycled=recycled),
         layout=layout,
         kept=lambda leaf, piece: _whole_box(piece, jobs[leaf]),
         max_kept_read_size=options.read_chunk,
@@ -304,7 +305,7 @@ async def _fetch(
         if pool is not None and id(request) in copied:
             buffer = pool.take(request.length)
             try:
-                got = await engine.get_range_into(request.blob, request.start, buffer.data[: request.length])
+                got = await read_into(engine, request, options.read_chunk, buffer.data)
                 check_length(request, got)
                 await asyncio.to_thread(_land, request, buffer.data[:got], jobs, store.url, lock, adopt=False)
             finally:

@@ -269,13 +269,14 @@ class TransferEngine:
                     held = await budget.acquire(size(item))
                     group.create_task(run(item, held))
         except BaseExceptionGroup as errors:  # callers expect the error itself, not a group
-            raise _first_error(errors) from None
+            raise first_error(errors) from None
 
 
-def _first_error(group: BaseExceptionGroup) -> BaseException:
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The first real error in a task group's exceptions (callers expect it, not the group)."""
     for error in group.exceptions:
         if isinstance(error, BaseExceptionGroup):
-            return _first_error(error)
+            return first_error(error)
         if not isinstance(error, asyncio.CancelledError):
             return error
     return group.exceptions[0]

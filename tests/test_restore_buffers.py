@@ -240,3 +240,28 @@ def test_read_pool_reuses_the_best_fit_and_keeps_nothing_it_will_not_need():
     bounded.give(bounded.take(1 << 20))
     bounded.take(2 << 20)  # no free buffer fits: the free one is dropped to stay in the limit
     assert bounded.allocated == 2 << 20
+
+
+def test_copied_reads_coalesce_up_to_a_blob_only_into_recycled_buffers(s3_store, monkeypatch):
+    defaults = objckpt.Options()
+    assert defaults.copied_read_limit(recycled=True) == defaults.read_chunk
+    assert defaults.copied_read_limit(recycled=False) == 8 << 20
+    assert objckpt.Options(max_read_size=1 << 20).copied_read_limit(recycled=True) == 1 << 20
+    with pytest.raises(ValueError, match="max_read_size"):
+        objckpt.Options(max_read_size=0)
+
+    tree, values = _big_tree()
+    objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options)
+    other = jax.make_mesh((2, 4), ("x", "y"))
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P("x", "y") if v.ndim == 2 else P()))
+        for k, v in values.items()
+    }
+    requests = {}
+    for switch in ("1", "0"):  # 0: obstore reads, a new buffer per response
+        monkeypatch.setenv("OBJCKPT_S3_READ_INTO", switch)
+        stats = objckpt.TransferStats()
+        out = objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options, stats=stats)
+        np.testing.assert_array_equal(np.asarray(out["w"]), values["w"])
+        requests[switch] = stats.requests
+    assert requests["1"] < requests["0"], requests

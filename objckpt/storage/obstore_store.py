@@ -20,6 +20,9 @@ Choices, and why:
   here); ``get_range_buffer`` returns a view of that buffer instead.
   ``put_parts`` hands obstore a list of buffers, which it sends as one body
   without joining them: a save uploads array bytes where they lie.
+* **Ranged reads into caller buffers** (``get_range_into``, S3 with static
+  credentials): sent by :mod:`objckpt.storage.s3_read_into`, not obstore, so
+  restore can recycle the buffers of reads it copies out of.
 * **Multipart only for large puts** (> 64 MiB by default, 16 MiB parts):
   blobs are ~32 MiB and one PUT is the cheapest request. Create-if-absent is
   always a single-request PUT: GCS ignores preconditions on XML multipart.
@@ -347,10 +350,12 @@ def range_reader(spec: NativeSpec, request_timeout: float) -> S3RangeReader | No
     """An :class:`S3RangeReader` for an S3 spec whose credentials are static or absent.
 
     Credentials that obstore finds on its own (instance metadata, web identity,
-    container roles) are not known here: those stores read through obstore only.
+    container roles) are not known here, and requester-pays buckets need a header
+    it does not send: those stores read through obstore only. So does any store
+    when ``OBJCKPT_S3_READ_INTO=0`` (an A/B switch).
     """
     config = spec.config
-    if spec.kind != "s3" or os.environ.get("OBJCKPT_S3_READ_INTO", "1") == "0":
+    if spec.kind != "s3" or config.get("request_payer") or os.environ.get("OBJCKPT_S3_READ_INTO", "1") == "0":
         return None
     if config.get("skip_signature"):
         credentials = None
