@@ -67,7 +67,7 @@ class Options:
         max_read_size: largest coalesced ranged read of pieces that are copied
             (a single larger piece is read alone). None (the default) picks by
             where the bytes land: ``read_chunk`` when the store receives them into
-            restore's recycled buffers (S3 through obstore), since their memory is
+            restore's recycled buffers (S3 with static credentials), since their memory is
             bounded by the window whatever the read size and fewer, larger GETs
             cost less (measured, medium onto another sharding: 2.90 → 2.73 s at
             0 ms, 4.77 → 4.09 s at 40 ms); else 8 MiB, because each such response
