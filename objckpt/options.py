@@ -110,10 +110,9 @@ class Options:
             "max_read_size",
             "read_chunk",
         ):
-            if name == "max_read_size" and self.max_read_size is None:
-                continue
-            if getattr(self, name) <= 0:
-                raise ValueError(f"Options.{name} must be positive, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value is not None and value <= 0:  # only max_read_size may be None (pick by store)
+                raise ValueError(f"Options.{name} must be positive, got {value!r}")
         if self.coalesce_gap < 0:
             raise ValueError(f"Options.coalesce_gap must be >= 0, got {self.coalesce_gap!r}")
 
