@@ -1,11 +1,11 @@
-"""How restore issues one planned read: into the store client's buffer, or into one of its own.
+"""How restore issues one planned read whose bytes may become arrays as they land.
 
 A piece whose bytes sit on a 64-byte boundary inside a response can become its
 box's host array without a copy (and on the CPU backend the device array
 itself). :func:`read_aligned` predicts where responses land and starts reads
 early to match, and joins the sub-ranges of a huge read into aligned memory.
-:func:`read_into` fills a buffer restore owns (a recycled one), a huge read as
-sub-ranges straight into their places.
+Reads restore copies out of go another way on stores that stream
+(:mod:`objckpt.stream_scatter`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros
 from objckpt.plan import PACKING_SLACK, ReadRequest
-from objckpt.transfer import TransferEngine, first_error
+from objckpt.transfer import TransferEngine
 
 
 class ResponseAlignment:
@@ -74,38 +74,6 @@ async def read_aligned(
     starts = range(request.start, request.end, chunk)
     parts = await asyncio.gather(*(engine.get_range(request.blob, s, min(s + chunk, request.end)) for s in starts))
     return await asyncio.to_thread(_join, parts, request.length)
-
-
-async def read_into(engine: TransferEngine, request: ReadRequest, chunk: int, buffer: memoryview) -> int:
-    """One coalesced read into ``buffer`` (``Store.get_range_into``); how many bytes arrived.
-
-    Like :func:`read_aligned`, a read longer than ``chunk`` plus ``PACKING_SLACK``
-    goes out as parallel sub-range GETs, each straight into its place. If one
-    fails, the others are cancelled and waited for, so nothing writes into
-    ``buffer`` once this returns or raises. Fewer bytes only if the blob is shorter.
-    """
-    view = buffer[: request.length]
-    if request.length <= chunk + PACKING_SLACK:
-        return await engine.get_range_into(request.blob, request.start, view)
-    starts = range(request.start, request.end, chunk)
-    try:
-        async with asyncio.TaskGroup() as group:
-            parts = [
-                group.create_task(
-                    engine.get_range_into(
-                        request.blob, s, view[s - request.start : min(s + chunk, request.end) - request.start]
-                    )
-                )
-                for s in starts
-            ]
-    except BaseExceptionGroup as errors:
-        raise first_error(errors) from None
-    got = 0
-    for s, part in zip(starts, parts):
-        got += part.result()
-        if part.result() < min(s + chunk, request.end) - s:
-            break  # the blob ended inside this part
-    return got
 
 
 def _join(parts: list[memoryview], length: int) -> memoryview:

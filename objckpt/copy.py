@@ -162,7 +162,7 @@ async def _copy(
     source, target = engine(src, src_stats), engine(dst, dst_stats)
     present = {o.key: o.size for o in await dst.list()}
     by_blob = pieces_by_blob(manifest)
-    chunk = min(READ_CHUNK, options.copied_read_limit(recycled=False))
+    chunk = min(READ_CHUNK, options.copied_read_limit(streamed=False))
 
     async def one(blob: BlobEntry) -> None:
         pieces = by_blob.get(blob.key, [])

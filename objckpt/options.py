@@ -66,11 +66,11 @@ class Options:
             (aligned whole boxes) do not count; ``max_concurrency`` bounds those.
         max_read_size: largest coalesced ranged read of pieces that are copied
             (a single larger piece is read alone). None (the default) picks by
-            where the bytes land: ``read_chunk`` when the store receives them into
-            restore's recycled buffers (S3 with static credentials), since their memory is
-            bounded by the window whatever the read size and fewer, larger GETs
-            cost less (measured, medium onto another sharding: 2.90 → 2.73 s at
-            0 ms, 4.77 → 4.09 s at 40 ms); else 8 MiB, because each such response
+            where the bytes land: ``read_chunk`` when the store streams them
+            (S3 with static credentials: restore scatters each few MiB as it
+            arrives, so a read holds no buffer of its length) and fewer, larger
+            GETs cost less (measured, medium onto another sharding: 2.90 → 2.73 s
+            at 0 ms, 4.77 → 4.09 s at 40 ms); else 8 MiB, because each such response
             is a new buffer and 32 MiB ones measured 300–400 MiB more peak memory.
         read_chunk: largest single GET. Reads made only of whole target boxes,
             whose response buffers become the arrays, coalesce up to this size;
@@ -116,8 +116,8 @@ class Options:
         if self.coalesce_gap < 0:
             raise ValueError(f"Options.coalesce_gap must be >= 0, got {self.coalesce_gap!r}")
 
-    def copied_read_limit(self, *, recycled: bool) -> int:
-        """``max_read_size``, or its default for reads into recycled buffers (``recycled``) or not."""
+    def copied_read_limit(self, *, streamed: bool) -> int:
+        """``max_read_size``, or its default for reads the store streams (``streamed``) or not."""
         if self.max_read_size is not None:
             return self.max_read_size
-        return self.read_chunk if recycled else DEFAULT_COPIED_READ_SIZE
+        return self.read_chunk if streamed else DEFAULT_COPIED_READ_SIZE

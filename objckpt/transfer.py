@@ -21,6 +21,7 @@ from objckpt.errors import ObjectNotFoundError, StoreError, TransientStoreError
 from objckpt.options import Options, RetryConfig
 from objckpt.storage import from_url
 from objckpt.storage.base import ObjectInfo, PutMode, Store
+from objckpt.storage.streaming import ReadSink
 
 T = TypeVar("T")
 Item = TypeVar("Item")
@@ -228,11 +229,12 @@ class TransferEngine:
         self.stats.add(bytes_read=len(data))
         return data
 
-    async def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
-        """Bytes from ``start`` on into ``buffer`` (``Store.get_range_into``); how many arrived."""
+    async def get_range_streamed(self, key: str, start: int, end: int, sink: ReadSink) -> int:
+        """Bytes ``[start, end)`` handed to ``sink`` as they arrive (``Store.get_range_streamed``);
+        a retry starts the sink over. How many bytes were handed over."""
         n = await self.call(
-            f"GET {self.store.url}/{key} [{start}, {start + len(buffer)})",
-            lambda: self.store.get_range_into(key, start=start, buffer=buffer),
+            f"GET {self.store.url}/{key} [{start}, {end})",
+            lambda: self.store.get_range_streamed(key, start=start, end=end, sink=sink),
         )
         self.stats.add(bytes_read=n)
         return n

@@ -171,7 +171,7 @@ async def _verify(store: Any, manifest: Manifest, options: Options, stats: Trans
     )
     present = {o.key: o.size for o in await store.list()}
     by_blob = pieces_by_blob(manifest)
-    chunk = min(READ_CHUNK, options.copied_read_limit(recycled=False))
+    chunk = min(READ_CHUNK, options.copied_read_limit(streamed=False))
     problems: list[VerifyProblem] = []
 
     async def one(blob: BlobEntry) -> None:

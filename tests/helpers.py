@@ -73,8 +73,8 @@ class CountingStore:
         self.reads.append((key, start, start + len(data)))
         return data
 
-    async def get_range_into(self, key, *, start, buffer):
-        n = await self.inner.get_range_into(key, start=start, buffer=buffer)
+    async def get_range_streamed(self, key, *, start, end, sink):
+        n = await self.inner.get_range_streamed(key, start=start, end=end, sink=sink)
         self.reads.append((key, start, start + n))
         return n
 

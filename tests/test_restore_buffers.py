@@ -23,8 +23,8 @@ from objckpt import _runtime
 from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros, host_buffer
 from objckpt.format import MANIFEST_KEY, parse_manifest
 from objckpt.plan import ALIGN, SPACER
-from objckpt.read_pool import ReadBufferPool
 from objckpt.storage import from_url
+from objckpt.storage.obstore_store import ObstoreStore
 
 restore_module = importlib.import_module("objckpt.restore")
 
@@ -80,13 +80,13 @@ def test_restore_from_s3_adopts_large_responses_without_a_copy(s3_store, monkeyp
     tree, _ = _big_tree()
     objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options)
     allocated: list[str] = []
-    real_allocate = restore_module._allocate
+    real_allocate = restore_module.allocate
 
     def counting_allocate(job, boxes=None):
         allocated.extend(job.entry.path for _ in (boxes if boxes is not None else job.read_boxes))
         return real_allocate(job, boxes)
 
-    monkeypatch.setattr(restore_module, "_allocate", counting_allocate)
+    monkeypatch.setattr(restore_module, "allocate", counting_allocate)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     out = objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options)
     assert_tree_bit_exact(tree, out)
@@ -99,23 +99,26 @@ def test_restore_from_s3_adopts_large_responses_without_a_copy(s3_store, monkeyp
             assert shard.data.unsafe_buffer_pointer() % DEVICE_ALIGNMENT == 0
 
 
-def _recording_pools(monkeypatch) -> list[ReadBufferPool]:
-    pools: list[ReadBufferPool] = []
+def _recording_streams(monkeypatch) -> list[tuple[str, int, int]]:
+    """Record the ranged reads S3 stores stream (``get_range_streamed``)."""
+    streamed: list[tuple[str, int, int]] = []
+    real = ObstoreStore.get_range_streamed
 
-    class Recording(ReadBufferPool):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pools.append(self)
+    async def recording(self, key, *, start, end, sink):
+        n = await real(self, key, start=start, end=end, sink=sink)
+        streamed.append((key, start, start + n))
+        return n
 
-    monkeypatch.setattr(restore_module, "ReadBufferPool", Recording)
-    return pools
+    monkeypatch.setattr(ObstoreStore, "get_range_streamed", recording)
+    return streamed
 
 
 def test_restore_onto_another_sharding_copies_and_stays_exact(s3_store, monkeypatch):
-    """Its copied reads land in a few recycled buffers (not one new buffer per read)."""
+    """Its copied reads are streamed (scattered as they arrive, no buffer per response)."""
     tree, values = _big_tree()
     objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options)
-    pools = _recording_pools(monkeypatch)
+    streamed = _recording_streams(monkeypatch)
+    buffered = count_reads(monkeypatch)
     other = jax.make_mesh((2, 4), ("x", "y"))
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P("x", "y") if v.ndim == 2 else P()))
@@ -131,14 +134,14 @@ def test_restore_onto_another_sharding_copies_and_stays_exact(s3_store, monkeypa
     for k, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v)
         assert out[k].sharding == target[k].sharding
-    (pool,) = pools
-    assert pool.reused >= 8, f"only {pool.reused} of the reads reused a buffer"
-    assert pool.allocated <= window + (2 << 20)
+    assert sum(end - start for _, start, end in streamed) >= values["w"].nbytes + values["v"].nbytes
+    whole = [r for store in buffered for r in store.reads if r not in streamed and r[0].endswith(".blob")]
+    assert not whole, f"copied reads fetched whole instead of streamed: {whole}"
 
 
-def test_recycled_read_buffers_never_become_arrays(s3_store, monkeypatch):
-    """Small whole boxes read into a recycled buffer are copied out: adopting one would
-    let the next read overwrite a restored array."""
+def test_small_whole_boxes_are_streamed_and_copied_exact(s3_store, monkeypatch):
+    """Reads too small to adopt hold whole boxes; streamed, each is copied into its box
+    slab by slab (a box is placed only once its read has completed)."""
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     rng = np.random.default_rng(11)
     values = {f"w{i:02d}": rng.standard_normal((256, 256), dtype=np.float32) for i in range(24)}
@@ -148,7 +151,7 @@ def test_recycled_read_buffers_never_become_arrays(s3_store, monkeypatch):
     objckpt.save(
         s3_store.url, tree, storage_options=s3_store.storage_options, options=objckpt.Options(blob_size=256 << 10)
     )
-    pools = _recording_pools(monkeypatch)
+    streamed = _recording_streams(monkeypatch)
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in values.items()}
     out = objckpt.restore(
         s3_store.url,
@@ -156,7 +159,7 @@ def test_recycled_read_buffers_never_become_arrays(s3_store, monkeypatch):
         storage_options=s3_store.storage_options,
         options=objckpt.Options(read_window=1 << 20, max_read_size=64 << 10),
     )
-    assert pools and pools[0].reused > 0
+    assert sum(end - start for _, start, end in streamed) >= sum(v.nbytes for v in values.values())
     for k, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
 
@@ -224,29 +227,11 @@ def test_packed_blobs_are_full_and_each_is_one_get(s3_store, monkeypatch):
     assert sorted(r[0] for r in reads) == sorted(large_blobs), f"expected one GET per blob, got {reads}"
 
 
-def test_read_pool_reuses_the_best_fit_and_keeps_nothing_it_will_not_need():
-    pool = ReadBufferPool(limit=8 << 20, expected=(3 << 20) + 5 + (1 << 20))
-    big, small = pool.take(3 << 20), pool.take(5)
-    assert (big.nbytes, small.nbytes) == (3 << 20, 1 << 20) and pool.allocated == 4 << 20
-    pool.give(big)
-    pool.give(small)  # the free 3 MiB already cover the 1 MiB still to come: dropped
-    assert pool.allocated == 3 << 20
-    again = pool.take(1 << 20)
-    assert again is big and pool.reused == 1
-    pool.give(again)  # nothing more to come
-    assert pool.allocated == 0
-
-    bounded = ReadBufferPool(limit=2 << 20, expected=1 << 30)
-    bounded.give(bounded.take(1 << 20))
-    bounded.take(2 << 20)  # no free buffer fits: the free one is dropped to stay in the limit
-    assert bounded.allocated == 2 << 20
-
-
-def test_copied_reads_coalesce_up_to_a_blob_only_into_recycled_buffers(s3_store, monkeypatch):
+def test_copied_reads_coalesce_up_to_a_blob_only_when_streamed(s3_store, monkeypatch):
     defaults = objckpt.Options()
-    assert defaults.copied_read_limit(recycled=True) == defaults.read_chunk
-    assert defaults.copied_read_limit(recycled=False) == 8 << 20
-    assert objckpt.Options(max_read_size=1 << 20).copied_read_limit(recycled=True) == 1 << 20
+    assert defaults.copied_read_limit(streamed=True) == defaults.read_chunk
+    assert defaults.copied_read_limit(streamed=False) == 8 << 20
+    assert objckpt.Options(max_read_size=1 << 20).copied_read_limit(streamed=True) == 1 << 20
     with pytest.raises(ValueError, match="max_read_size"):
         objckpt.Options(max_read_size=0)
 
@@ -259,7 +244,7 @@ def test_copied_reads_coalesce_up_to_a_blob_only_into_recycled_buffers(s3_store,
     }
     requests = {}
     for switch in ("1", "0"):  # 0: obstore reads, a new buffer per response
-        monkeypatch.setenv("OBJCKPT_S3_READ_INTO", switch)
+        monkeypatch.setenv("OBJCKPT_S3_STREAM", switch)
         stats = objckpt.TransferStats()
         out = objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options, stats=stats)
         np.testing.assert_array_equal(np.asarray(out["w"]), values["w"])

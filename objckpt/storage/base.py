@@ -21,6 +21,7 @@ from typing import Literal
 
 from objckpt._memory import bytes_phase
 from objckpt.errors import ObjectExistsError, ObjectNotFoundError  # noqa: F401  (re-exported)
+from objckpt.storage.streaming import STREAM_PIECE, ReadSink, feed
 
 PutMode = Literal["overwrite", "create"]
 
@@ -71,10 +72,10 @@ class Store(abc.ABC):
     #: True when :meth:`put_parts` sends the parts as they are (no join into
     #: one buffer), so a save can upload array bytes straight from the arrays.
     puts_parts: bool = False
-    #: True when :meth:`get_range_into` receives the body straight into the
-    #: caller's buffer (no buffer of the client's own), so restore can recycle
-    #: the buffers of reads it copies out of instead of faulting in new pages.
-    reads_into: bool = False
+    #: True when :meth:`get_range_streamed` hands the body to its sink as it
+    #: arrives, in small pieces of one reused buffer (no buffer for the whole
+    #: body), so restore can check and scatter bytes while they are still in cache.
+    streams_reads: bool = False
 
     @abc.abstractmethod
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:
@@ -90,17 +91,20 @@ class Store(abc.ABC):
         """
         return memoryview(await self.get_range(key, start=start, end=end))
 
-    async def get_range_into(self, key: str, *, start: int, buffer: memoryview) -> int:
-        """Read bytes ``[start, start + len(buffer))`` of ``key`` into ``buffer``.
+    async def get_range_streamed(self, key: str, *, start: int, end: int, sink: ReadSink) -> int:
+        """Hand bytes ``[start, end)`` of ``key`` to ``sink``, in order, in pieces it sizes.
 
-        Returns how many arrived: fewer only if the object is shorter. Same errors
-        as :meth:`get_range`; once it returns or raises, nothing writes into
-        ``buffer``. The default reads with :meth:`get_range_buffer` and copies;
-        stores with :attr:`reads_into` receive in place.
+        Calls ``sink.begin()`` first (again on every retry), then for each
+        piece ``sink.receive(offset, data)`` with ``len(data) ==
+        sink.next_size(offset, limit)``; ``data`` is only valid during the call.
+        Returns how many bytes were handed over: fewer only if the object is
+        shorter. Same errors as :meth:`get_range`, plus whatever the sink
+        raises; once it returns or raises, the sink is not called any more.
+        The default reads the whole range, then hands it over; stores with
+        :attr:`streams_reads` hand over each piece as it arrives.
         """
-        data = await self.get_range_buffer(key, start=start, end=start + len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
+        data = await self.get_range_buffer(key, start=start, end=end)
+        return feed(sink, data, length=end - start, limit=STREAM_PIECE)
 
     def response_phase(self) -> int | None:
         """Where a large :meth:`get_range_buffer` result's bytes start past a 64-byte

@@ -20,9 +20,10 @@ Choices, and why:
   here); ``get_range_buffer`` returns a view of that buffer instead.
   ``put_parts`` hands obstore a list of buffers, which it sends as one body
   without joining them: a save uploads array bytes where they lie.
-* **Ranged reads into caller buffers** (``get_range_into``, S3 with static
-  credentials): sent by :mod:`objckpt.storage.s3_read_into`, not obstore, so
-  restore can recycle the buffers of reads it copies out of.
+* **Streamed ranged reads** (``get_range_streamed``, S3 with static
+  credentials): sent by :mod:`objckpt.storage.s3_stream`, not obstore, so
+  restore can scatter each few MiB of a read it copies out of while they
+  are in cache (:mod:`objckpt.storage.streaming` says why).
 * **Multipart only for large puts** (> 64 MiB by default, 16 MiB parts):
   blobs are ~32 MiB and one PUT is the cheapest request. Create-if-absent is
   always a single-request PUT: GCS ignores preconditions on XML multipart.
@@ -48,7 +49,8 @@ from objckpt.errors import ObjectNotFoundError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
 from objckpt.storage.error_map import PROGRAMMING_ERRORS, map_obstore_error
 from objckpt.storage.obstore_config import NativeSpec
-from objckpt.storage.s3_read_into import S3Credentials, S3RangeReader
+from objckpt.storage.s3_stream import S3Credentials, S3RangeReader
+from objckpt.storage.streaming import ReadSink
 from objckpt.storage.urls import check_relative, redact_url
 
 if TYPE_CHECKING:
@@ -135,7 +137,7 @@ class ObstoreStore(Store):
         self.multipart_chunk_size = int(multipart_chunk_size)
         self.multipart_concurrency = int(multipart_concurrency)
         self._range_reader = range_reader
-        self.reads_into = range_reader is not None
+        self.streams_reads = range_reader is not None
 
     # ------------------------------------------------------------------ helpers
 
@@ -200,18 +202,19 @@ class ObstoreStore(Store):
             raise
         return memoryview(data)
 
-    async def get_range_into(self, key: str, *, start: int, buffer: memoryview) -> int:
-        """Receive bytes into ``buffer`` with the range reader when there is one (see
-        :mod:`objckpt.storage.s3_read_into`); else read and copy."""
+    async def get_range_streamed(self, key: str, *, start: int, end: int, sink: ReadSink) -> int:
+        """Hand the bytes to ``sink`` as they arrive with the range reader when there is
+        one (see :mod:`objckpt.storage.streaming`); else read, then hand over."""
         reader = self._range_reader
-        if reader is None or not len(buffer):
-            return await super().get_range_into(key, start=start, buffer=buffer)
+        if reader is None or end <= start:
+            return await super().get_range_streamed(key, start=start, end=end, sink=sink)
         check_relative(key, "key", allow_empty=False, allow_partial=False)
         if start < 0:
             raise ValueError(f"invalid byte range start {start} for {self._url(key)}")
-        what = f"get {self._url(key)} bytes [{start}, {start + len(buffer)})"
+        what = f"get {self._url(key)} bytes [{start}, {end})"
+        read = reader.read_streamed(self._path(key), start, end - start, sink, what)
         try:
-            return await asyncio.wait_for(reader.read_into(self._path(key), start, buffer, what), self.request_timeout)
+            return await asyncio.wait_for(read, self.request_timeout)
         except TimeoutError as exc:
             raise TransientStoreError(f"{what} timed out after {self.request_timeout:g} s") from exc
 
@@ -352,10 +355,10 @@ def range_reader(spec: NativeSpec, request_timeout: float) -> S3RangeReader | No
     Credentials that obstore finds on its own (instance metadata, web identity,
     container roles) are not known here, and requester-pays buckets need a header
     it does not send: those stores read through obstore only. So does any store
-    when ``OBJCKPT_S3_READ_INTO=0`` (an A/B switch).
+    when ``OBJCKPT_S3_STREAM=0`` (an A/B switch).
     """
     config = spec.config
-    if spec.kind != "s3" or config.get("request_payer") or os.environ.get("OBJCKPT_S3_READ_INTO", "1") == "0":
+    if spec.kind != "s3" or config.get("request_payer") or os.environ.get("OBJCKPT_S3_STREAM", "1") == "0":
         return None
     if config.get("skip_signature"):
         credentials = None

@@ -1,23 +1,24 @@
-"""Ranged S3 GETs received straight into a buffer the caller owns.
+"""Ranged S3 GETs streamed to a sink a few MiB at a time (``Store.get_range_streamed``).
 
-Why it exists beside obstore: obstore hands back each response in a buffer it
-allocates, so every byte read lands on fresh pages. That is free when the
-buffer becomes the restored array, but a restore onto another sharding copies
-each response into its target boxes and frees it. Measured on this project's
-VM (perf, 1 GiB resharded restore): faulting in those response pages cost as
-much CPU as the target arrays themselves, about a third of the whole restore.
-Reading into buffers that restore recycles touches those pages once per
-buffer instead of once per byte (:mod:`objckpt.read_pool`).
+Why it exists beside obstore: obstore hands back each response whole, in a
+buffer it allocates. That is right when the buffer becomes the restored
+array, but a restore onto another sharding copies every byte it reads into
+target boxes, in runs as short as 1 KiB. Out of a whole response those
+copies read cold memory, and every response faults in fresh pages first
+(perf, 1 GiB resharded restore on this project's VM: as much page clearing
+in the response buffers as in the targets). Here each thread receives a few
+MiB into one buffer it reuses and hands them to restore's sink at once,
+while they are in cache (:mod:`objckpt.storage.streaming` has the numbers).
 
 How: plain ``http.client`` over one keep-alive connection per worker thread,
-the body received with ``recv_into`` into the caller's memory (no copy in
-user space), requests signed with AWS Signature Version 4 (:class:`SigV4Signer`).
-Only GETs go this way; every other request still goes through obstore.
+the body received with ``recv_into`` (no copy in user space), requests signed
+with AWS Signature Version 4 (:class:`SigV4Signer`). Only these GETs go this
+way; every other request, including reads that become arrays, goes through obstore.
 
 Timeouts and cancellation: the socket has the request timeout (a stalled
 server fails the read), and a caller that gives up (its own deadline, or a
 cancelled restore) shuts the socket down and waits for the thread to stop
-before it returns, so no thread ever writes into a buffer that was handed back.
+before it returns, so the sink is never called after that.
 Credentials live in the signer only; they never reach a message or a log.
 """
 
@@ -32,12 +33,14 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import quote, urlsplit
 
 from objckpt.errors import ObjectNotFoundError, StoreError, StorePermissionError, TransientStoreError
 from objckpt.storage.error_map import TRANSIENT_STATUS
+from objckpt.storage.streaming import STREAM_PIECE, ReadSink, piece_size
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _ALGORITHM = "AWS4-HMAC-SHA256"
@@ -132,7 +135,7 @@ class _Attempt:
 
 
 class S3RangeReader:
-    """Ranged GETs of one bucket's objects into caller buffers (see the module doc).
+    """Ranged GETs of one bucket's objects, streamed to a sink (see the module doc).
 
     Args:
         endpoint: ``http(s)://host[:port]``; None for AWS's regional endpoint.
@@ -171,17 +174,25 @@ class S3RangeReader:
 
     # ---------------------------------------------------------------- async side
 
-    async def read_into(self, path: str, start: int, buffer: memoryview, what: str) -> int:
-        """Receive bytes ``[start, start + len(buffer))`` of ``path`` into ``buffer``.
+    async def read_streamed(self, path: str, start: int, length: int, sink: ReadSink, what: str) -> int:
+        """Hand bytes ``[start, start + length)`` of ``path`` to ``sink`` as they arrive, each
+        piece received into this thread's reused buffer (``Store.get_range_streamed``).
 
-        Returns how many bytes arrived: fewer only when the object ends first
-        (0 when ``start`` is at or past its end). Raises :class:`ObjectNotFoundError`,
+        Returns how many bytes were handed over: fewer only when the object ends
+        first (0 when ``start`` is at or past its end). Raises :class:`ObjectNotFoundError`,
         :class:`StorePermissionError`, :class:`TransientStoreError` (timeouts,
-        resets, 429/5xx, a body cut short) or :class:`StoreError`, naming ``what``.
-        Once it returns or raises, nothing writes into ``buffer`` any more.
+        resets, 429/5xx, a body cut short), :class:`StoreError`, naming ``what``,
+        or whatever the sink raises. Once it returns or raises, the sink is not
+        called any more.
         """
+        return await self._run(path, start, length, what, lambda response: self._stream(response, length, sink, what))
+
+    async def _run(
+        self, path: str, start: int, length: int, what: str, consume: Callable[[http.client.HTTPResponse], int]
+    ) -> int:
+        """One GET on a worker thread; abandoned safely (see the module doc) if the caller gives up."""
         attempt = _Attempt()
-        future = self._pool().submit(self._read, path, start, buffer, what, attempt)
+        future = self._pool().submit(self._read, path, start, length, what, attempt, consume)
         try:
             return await asyncio.wrap_future(future)
         except BaseException:
@@ -224,17 +235,28 @@ class S3RangeReader:
         if conn is not None:
             conn.close()
 
-    def _read(self, path: str, start: int, buffer: memoryview, what: str, attempt: _Attempt) -> int:
+    def _read(
+        self,
+        path: str,
+        start: int,
+        length: int,
+        what: str,
+        attempt: _Attempt,
+        consume: Callable[[http.client.HTTPResponse], int],
+    ) -> int:
         request_path = f"{self._base_path}/{quote(path, safe='/-_.~')}"
-        headers = {"range": f"bytes={start}-{start + len(buffer) - 1}"}
+        headers = {"range": f"bytes={start}-{start + length - 1}"}
         if self._signer is not None:
             headers = self._signer.sign("GET", self._host_header, request_path, headers)
         else:
             headers["host"] = self._host_header
         try:
             response = self._send(request_path, headers, attempt)
+            if response.status == 200 and start != 0:
+                self._drop_connection()
+                raise StoreError(f"{what}: the server ignored the byte range (HTTP 200)")
             if response.status in (200, 206):
-                return self._receive(response, start, buffer, what)
+                return consume(response)
             body = response.read(_ERROR_BODY_LIMIT)
             self._drop_connection()
             if response.status == 416:  # the range starts at or past the end
@@ -270,26 +292,35 @@ class S3RangeReader:
                 if not reused or attempt.aborted:
                     raise
 
-    def _receive(self, response: http.client.HTTPResponse, start: int, buffer: memoryview, what: str) -> int:
-        """Read the body into ``buffer``; a 200 (the server ignored the range) only from byte 0."""
-        if response.status == 200 and start != 0:
-            self._drop_connection()
-            raise StoreError(f"{what}: the server ignored the byte range (HTTP 200)")
+    def _stream(self, response: http.client.HTTPResponse, length: int, sink: ReadSink, what: str) -> int:
+        """Receive the body piece by piece into this thread's buffer, handing each to ``sink``."""
+        piece = getattr(self._local, "piece", None)
+        if piece is None:
+            piece = self._local.piece = memoryview(bytearray(STREAM_PIECE))
         expected = response.length  # None when the body is chunked
-        want = len(buffer) if expected is None else min(expected, len(buffer))
-        view = buffer[:want]
-        filled = 0
-        while filled < want:
-            n = response.readinto(view[filled:])
-            if not n:
-                break
-            filled += n
-        if expected is not None and filled < want:
-            self._drop_connection()
-            raise TransientStoreError(f"{what}: body cut short ({filled} of {want} bytes)")
-        if expected is None or filled < expected:
+        want = length if expected is None else min(expected, length)
+        sink.begin()
+        handed = 0
+        while handed < want:
+            n = piece_size(sink, handed, min(len(piece), length - handed))
+            if n > want - handed:
+                break  # the object ends inside this piece: the caller sees the read short
+            filled = 0
+            while filled < n:
+                got = response.readinto(piece[filled:n])
+                if not got:
+                    break
+                filled += got
+            if filled < n:
+                self._drop_connection()
+                if expected is not None:
+                    raise TransientStoreError(f"{what}: body cut short ({handed + filled} of {want} bytes)")
+                return handed  # a chunked body that ended early: the caller sees it short
+            sink.receive(handed, piece[:n])
+            handed += n
+        if expected is None or handed < expected:
             self._drop_connection()  # bytes may be left unread: the connection cannot be reused
-        return filled
+        return handed
 
 
 def _status_error(status: int, body: bytes, what: str) -> StoreError:

@@ -1,4 +1,4 @@
-"""Ranged S3 GETs received into caller buffers (``objckpt.storage.s3_read_into``).
+"""Ranged S3 GETs streamed to a sink (``objckpt.storage.s3_stream``).
 
 The signer is checked against botocore's for the same request; the reader
 against the real S3 server (SeaweedFS verifies every signature), and through
@@ -26,7 +26,7 @@ from backends.proxy import FaultProxy
 from objckpt import _runtime
 from objckpt.errors import ObjectNotFoundError, StorePermissionError, TransientStoreError
 from objckpt.storage import from_url
-from objckpt.storage.s3_read_into import S3Credentials, S3RangeReader, SigV4Signer
+from objckpt.storage.s3_stream import S3Credentials, S3RangeReader, SigV4Signer
 
 PAYLOAD = bytes(np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8))
 
@@ -64,46 +64,91 @@ def test_credentials_never_show_in_repr():
 
 def _store(s3_service, **options):
     merged = {**copy.deepcopy(s3_service.storage_options()), **options}
-    store = from_url(s3_service.url(f"readinto-{uuid.uuid4().hex[:8]}"), **merged)
-    assert store.reads_into, "the S3 store should receive ranged reads into caller buffers"
+    store = from_url(s3_service.url(f"stream-{uuid.uuid4().hex[:8]}"), **merged)
+    assert store.streams_reads, "the S3 store should stream ranged reads"
     return store
 
 
-def test_reads_ranges_into_the_buffer_from_s3(s3_service):
+class Collect:
+    """A sink that asks for pieces of ``size`` bytes and keeps what it is handed."""
+
+    def __init__(self, size: int = 1000) -> None:
+        self.size = size
+        self.data = bytearray()
+        self.begins = 0
+        self.calls: list[float] = []
+
+    def begin(self) -> None:
+        self.begins += 1
+        self.data = bytearray()
+
+    def next_size(self, offset: int, limit: int) -> int:
+        assert offset == len(self.data), "pieces must come in order"
+        return min(self.size, limit)
+
+    def receive(self, offset: int, data: memoryview) -> None:
+        self.calls.append(time.monotonic())
+        self.data += data
+
+
+def _stream(store, key, start, end, size=1000):
+    sink = Collect(size)
+    n = _runtime.run_sync(store.get_range_streamed(key, start=start, end=end, sink=sink))
+    assert n == len(sink.data)
+    return bytes(sink.data)
+
+
+def test_streams_ranges_in_the_pieces_the_sink_asks_for(s3_service):
     store = _store(s3_service)
     _runtime.run_sync(store.put("blob", PAYLOAD))
-    buffer = np.full(1 << 20, 0xAA, dtype=np.uint8)
-    n = _runtime.run_sync(store.get_range_into("blob", start=12345, buffer=buffer.data))
-    assert n == len(buffer) and buffer.tobytes() == PAYLOAD[12345 : 12345 + len(buffer)]
-    # the object ends first: fewer bytes, the rest of the buffer untouched
-    buffer[:] = 0xAA
+    sink = Collect(333_333)  # odd: pieces end mid-packet
+    n = _runtime.run_sync(store.get_range_streamed("blob", start=12345, end=12345 + (1 << 20), sink=sink))
+    assert n == 1 << 20 and bytes(sink.data) == PAYLOAD[12345 : 12345 + (1 << 20)]
+    assert len(sink.calls) == 4 and sink.begins == 1
+    # the object ends first: only the whole pieces that arrived are handed over
     tail = len(PAYLOAD) - 1000
-    n = _runtime.run_sync(store.get_range_into("blob", start=tail, buffer=buffer.data))
-    assert n == 1000 and buffer[:1000].tobytes() == PAYLOAD[tail:] and (buffer[1000:] == 0xAA).all()
-    assert _runtime.run_sync(store.get_range_into("blob", start=len(PAYLOAD) + 5, buffer=buffer.data)) == 0
-    # many reads in parallel over the kept connections agree with get_range
+    assert _stream(store, "blob", tail, tail + 5000, size=100) == PAYLOAD[tail:]
+    assert _stream(store, "blob", tail, tail + 5000, size=600) == PAYLOAD[tail : tail + 600]
+    assert _stream(store, "blob", len(PAYLOAD) + 5, len(PAYLOAD) + 100) == b""
+    # many reads in parallel over the kept connections agree with the payload
     starts = list(range(0, len(PAYLOAD) - 4096, 97_001))
 
     async def all_reads():
-        bufs = [bytearray(4096) for _ in starts]
+        sinks = [Collect(1024) for _ in starts]
         await asyncio.gather(
-            *(store.get_range_into("blob", start=s, buffer=memoryview(b)) for s, b in zip(starts, bufs))
+            *(store.get_range_streamed("blob", start=s, end=s + 4096, sink=k) for s, k in zip(starts, sinks))
         )
-        return bufs
+        return sinks
 
-    for s, b in zip(starts, _runtime.run_sync(all_reads())):
-        assert bytes(b) == PAYLOAD[s : s + 4096]
+    for s, k in zip(starts, _runtime.run_sync(all_reads())):
+        assert bytes(k.data) == PAYLOAD[s : s + 4096]
+
+
+def test_a_sink_that_raises_stops_the_read_with_its_error(s3_service):
+    store = _store(s3_service)
+    _runtime.run_sync(store.put("blob", PAYLOAD))
+
+    class Refuses(Collect):
+        def receive(self, offset, data):
+            if offset >= 2000:
+                raise objckpt.IntegrityError("checksum mismatch in leaf w")
+            super().receive(offset, data)
+
+    sink = Refuses(1000)
+    with pytest.raises(objckpt.IntegrityError, match="leaf w"):
+        _runtime.run_sync(store.get_range_streamed("blob", start=0, end=1 << 20, sink=sink))
+    assert len(sink.data) == 2000
+    assert _stream(store, "blob", 0, 3000) == PAYLOAD[:3000]  # the thread's next read is clean
 
 
 def test_missing_objects_and_bad_credentials_are_named(s3_service):
     store = _store(s3_service)
-    buffer = bytearray(16)
     with pytest.raises(ObjectNotFoundError, match="nothing-here"):
-        _runtime.run_sync(store.get_range_into("nothing-here", start=0, buffer=memoryview(buffer)))
+        _stream(store, "nothing-here", 0, 16)
     _runtime.run_sync(store.put("blob", PAYLOAD))
     wrong = _store(s3_service, secret="not-the-secret-key")
     with pytest.raises(StorePermissionError) as info:
-        _runtime.run_sync(wrong.get_range_into("blob", start=0, buffer=memoryview(buffer)))
+        _stream(wrong, "blob", 0, 16)
     assert "not-the-secret-key" not in str(info.value) and s3_service.secret_key not in str(info.value)
     assert "s3://" in str(info.value)
 
@@ -126,21 +171,19 @@ def test_throttling_is_transient_and_named(s3_service, proxy):
     _runtime.run_sync(store.put("blob", PAYLOAD))
     proxy.set_faults(1.0, ("503",))
     with pytest.raises(TransientStoreError, match="SlowDown") as info:
-        _runtime.run_sync(store.get_range_into("blob", start=0, buffer=memoryview(bytearray(100))))
+        _stream(store, "blob", 0, 100)
     assert "blob" in str(info.value)
     proxy.set_faults(1.0, ("reset", "truncate"))
     with pytest.raises(TransientStoreError):
-        _runtime.run_sync(store.get_range_into("blob", start=0, buffer=memoryview(bytearray(1 << 20))))
+        _stream(store, "blob", 0, 1 << 20, size=1 << 16)
     proxy.set_faults(0.0)
-    buffer = bytearray(1 << 20)
-    assert _runtime.run_sync(store.get_range_into("blob", start=7, buffer=memoryview(buffer))) == len(buffer)
-    assert bytes(buffer) == PAYLOAD[7 : 7 + len(buffer)]
+    assert _stream(store, "blob", 7, 7 + (1 << 20), size=1 << 16) == PAYLOAD[7 : 7 + (1 << 20)]
 
 
-def test_a_read_given_up_writes_nothing_after_it_returns(s3_service, proxy):
+def test_a_read_given_up_hands_nothing_over_after_it_returns(s3_service, proxy):
     """The answer arrives after the caller gave up (its socket timeout is longer):
-    the socket is shut down and the buffer stays as it was."""
-    prefix = f"readinto-{uuid.uuid4().hex[:8]}"
+    the socket is shut down and the sink is never called."""
+    prefix = f"stream-{uuid.uuid4().hex[:8]}"
     _runtime.run_sync(from_url(s3_service.url(prefix), **s3_service.storage_options()).put("blob", PAYLOAD))
     reader = S3RangeReader(
         endpoint=proxy.endpoint_url,
@@ -150,24 +193,24 @@ def test_a_read_given_up_writes_nothing_after_it_returns(s3_service, proxy):
         timeout=30,
     )
     proxy.latency_ms = 2000  # the answer comes ~1.5 s after the caller gave up
-    buffer = np.full(1 << 20, 0xAA, dtype=np.uint8)
+    sink = Collect(1 << 16)
     started = time.monotonic()
     with pytest.raises(TimeoutError):
-        _runtime.run_sync(asyncio.wait_for(reader.read_into(f"{prefix}/blob", 0, buffer.data, "get blob"), 0.5))
+        _runtime.run_sync(asyncio.wait_for(reader.read_streamed(f"{prefix}/blob", 0, 1 << 20, sink, "get blob"), 0.5))
     assert time.monotonic() - started < 1.5
     time.sleep(2.5)
-    assert (buffer == 0xAA).all(), "a read went on writing into the buffer after it returned"
+    assert not sink.calls, "a read went on handing bytes over after it returned"
     proxy.latency_ms = 0
-    assert _runtime.run_sync(reader.read_into(f"{prefix}/blob", 0, buffer.data, "get blob")) == len(buffer)
-    assert buffer.tobytes() == PAYLOAD[: len(buffer)]
+    assert _runtime.run_sync(reader.read_streamed(f"{prefix}/blob", 0, 1 << 20, sink, "get blob")) == 1 << 20
+    assert bytes(sink.data) == PAYLOAD[: 1 << 20]
     reader.close()
 
 
 def test_stalled_reads_in_a_resharded_restore_are_retried_bit_exact(s3_service, proxy):
-    """Restore onto another sharding reads through the recycled buffers; a stall is abandoned and retried."""
+    """Restore onto another sharding streams its reads; a stall is abandoned and retried."""
     options = copy.deepcopy(s3_service.storage_options())
     options["client_kwargs"]["endpoint_url"] = proxy.endpoint_url
-    url = s3_service.url(f"readinto-stall/{uuid.uuid4().hex[:8]}")
+    url = s3_service.url(f"stream-stall/{uuid.uuid4().hex[:8]}")
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     values = np.random.default_rng(9).standard_normal((1024, 512)).astype(np.float32)
     objckpt.save(url, {"w": jax.device_put(values, NamedSharding(mesh, P("x", "y")))}, storage_options=options)
@@ -230,9 +273,9 @@ def test_a_kept_connection_the_server_closed_is_replaced_without_an_error():
         )
         reader._executor = ThreadPoolExecutor(1)  # one worker: one kept connection
         for start in (0, 100, 200):
-            buffer = bytearray(50)
-            assert _runtime.run_sync(reader.read_into("k", start, memoryview(buffer), "get k")) == 50
-            assert bytes(buffer) == body[start : start + 50]
+            sink = Collect(20)
+            assert _runtime.run_sync(reader.read_streamed("k", start, 50, sink, "get k")) == 50
+            assert bytes(sink.data) == body[start : start + 50] and len(sink.calls) == 3  # 20 + 20 + 10
             time.sleep(0.1)  # let the server's close arrive first
         assert len(connections) == 3
     finally:

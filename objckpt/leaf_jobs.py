@@ -1,0 +1,201 @@
+"""One leaf being restored: where its bytes go, and how it is finished.
+
+Restore reads pieces in any order, on several threads; a leaf's state here
+says which target boxes this process fills, which host buffers exist, how many
+pieces each box still waits for, and turns complete boxes into device arrays
+as soon as they are whole, so host memory follows progress.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from objckpt._memory import aligned_zeros
+from objckpt.arrays import Box, needed_boxes
+from objckpt.dtypes import dtype_from_name
+from objckpt.errors import TargetMismatchError
+from objckpt.format import LeafEntry, Piece
+from objckpt.plan import ReadRequest, intersect
+from objckpt.read_once import designate
+from objckpt.read_once import supported as read_once_supported
+
+
+@dataclass
+class LeafJob:
+    """One leaf being restored: where its bytes go and how to finish it."""
+
+    entry: LeafEntry
+    dtype: np.dtype  # saved dtype
+    out_dtype: np.dtype | None  # cast to this when it differs
+    sharding: jax.sharding.Sharding | None  # None → host numpy
+    devices_by_box: dict[Box, list[Any]]
+    buffers: dict[Box, np.ndarray] = field(default_factory=dict)  # allocated when the first piece lands
+    remaining: int = 0
+    key_sharding: Any = None  # typed PRNG keys: where to put the wrapped keys
+    designated: dict[Box, Any] | None = None  # read-once: the device that reads each box
+    box_remaining: dict[Box, int] = field(default_factory=dict)  # pieces still to land, per box
+    placed: list[jax.Array] = field(default_factory=list)  # single-device arrays of finished boxes
+    placed_boxes: set[Box] = field(default_factory=set)
+
+    @property
+    def places_boxes(self) -> bool:
+        """Plain sharded leaves go to their devices box by box, freeing host memory early."""
+        return self.sharding is not None and self.designated is None
+
+    @property
+    def read_boxes(self) -> list[Box]:
+        """Boxes this process fetches: all it needs, or with read-once only its designated ones."""
+        if self.designated is None:
+            return list(self.devices_by_box)
+        return [box for box, devices in self.devices_by_box.items() if self.designated[box] in devices]
+
+    result: Any = None
+    done: bool = field(default=False)
+
+
+def make_job(entry: LeafEntry, target: Any, *, read_once: bool = False) -> LeafJob:
+    dtype = dtype_from_name(entry.dtype or "")
+    assert dtype is not None and entry.shape is not None  # validated by the reader
+    shape = entry.shape
+    sharding = None
+    out_dtype = None
+    if entry.prng_impl is not None:  # keys are tiny: rebuild on the host, then place them
+        key_sharding = (
+            getattr(target, "sharding", None) if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)) else None
+        )
+        full = ((0,) * len(shape), shape)
+        return LeafJob(entry, dtype, None, None, {full: []}, key_sharding=key_sharding)
+    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+        if tuple(target.shape) != shape:
+            raise TargetMismatchError(
+                f"leaf {entry.path}: target shape {tuple(target.shape)} does not match saved shape {shape}"
+            )
+        if entry.kind in ("str", "bytes"):
+            raise TargetMismatchError(f"leaf {entry.path}: saved a {entry.kind}, the target asks for an array")
+        sharding = getattr(target, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        out_dtype = np.dtype(target.dtype)
+        try:
+            devices_by_box = needed_boxes(sharding, shape)
+        except Exception as e:
+            raise TargetMismatchError(
+                f"leaf {entry.path}: sharding {sharding} does not fit shape {shape}: {e}"
+            ) from None
+        if read_once and isinstance(sharding, NamedSharding) and read_once_supported(sharding, out_dtype):
+            designated = designate(sharding, shape, dtype.itemsize)
+            return LeafJob(entry, dtype, out_dtype, sharding, devices_by_box, designated=designated)
+    else:
+        full = ((0,) * len(shape), shape)
+        devices_by_box = {full: []}
+    return LeafJob(entry, dtype, out_dtype, sharding, devices_by_box)
+
+
+def whole_box(piece: Piece, job: LeafJob) -> bool:
+    """A piece that is exactly one box of a leaf placed box by box, with no cast."""
+    return (
+        job.places_boxes
+        and job.box_remaining.get((piece.start, piece.stop)) == 1
+        and (job.out_dtype is None or job.out_dtype == job.dtype)
+    )
+
+
+def boxes_of(piece: Piece, boxes: Any) -> list[Box]:
+    """The boxes (of an iterable of boxes) that a saved piece intersects."""
+    return [box for box in boxes if intersect(piece.start, piece.stop, *box) is not None]
+
+
+def allocate(job: LeafJob, boxes: list[Box] | None = None) -> None:
+    """Host buffers for ``boxes`` of a leaf (all it reads by default), made only when needed.
+
+    Made when the first piece for a box lands and, for plain sharded leaves, freed
+    as soon as the box is complete, so host memory follows progress.
+    """
+    if job.done:
+        return
+    for box in job.read_boxes if boxes is None else boxes:
+        if box not in job.buffers:
+            job.buffers[box] = aligned_zeros(tuple(b - a for a, b in zip(*box)), job.dtype)
+
+
+def place_box(job: LeafJob, box: Box) -> None:
+    """Put one complete box on each of its devices and free its host buffer."""
+    host = job.buffers.pop(box)
+    if job.out_dtype is not None and job.out_dtype != job.dtype:
+        host = host.astype(job.out_dtype)
+    job.placed.extend(jax.device_put(host, device) for device in job.devices_by_box[box])
+    job.placed_boxes.add(box)
+
+
+def complete(request: ReadRequest, jobs: dict[int, LeafJob], lock: threading.Lock) -> None:
+    """Count a read's pieces as landed: put each box it completes on its devices,
+    then finish each leaf it completes.
+
+    ``lock`` guards the counters, which responses on other threads share; a
+    part is counted done only after its boxes are placed, so a leaf is never
+    finished while another thread still places one of its boxes.
+    """
+    done: list[tuple[LeafJob, Box]] = []
+    with lock:
+        for part in request.parts:
+            job = jobs[part.leaf]
+            if job.places_boxes:
+                for box in boxes_of(part.piece, job.box_remaining):
+                    job.box_remaining[box] -= 1
+                    if job.box_remaining[box] == 0:
+                        done.append((job, box))
+    for job, box in done:
+        place_box(job, box)
+    finished: list[LeafJob] = []
+    with lock:
+        for part in request.parts:
+            job = jobs[part.leaf]
+            job.remaining -= 1
+            if job.remaining == 0:
+                finished.append(job)
+    for job in finished:
+        finish(job)
+
+
+def finish(job: LeafJob) -> None:
+    """Turn a leaf's filled buffers into its final value and free them."""
+    entry = job.entry
+    buffers = job.buffers
+    if job.out_dtype is not None and job.out_dtype != job.dtype:
+        buffers = {box: b.astype(job.out_dtype) for box, b in buffers.items()}
+    if job.designated is not None:  # replicas other than the designated one start as zeros
+        assert job.sharding is not None
+        out_dtype = job.out_dtype if job.out_dtype is not None else job.dtype
+        singles = []
+        for box, devices in job.devices_by_box.items():
+            for device in devices:
+                if job.designated[box] == device:
+                    host = buffers[box]
+                else:
+                    host = aligned_zeros(tuple(b - a for a, b in zip(*box)), out_dtype)
+                singles.append(jax.device_put(host, device))
+        job.result = jax.make_array_from_single_device_arrays(entry.shape or (), job.sharding, singles)
+    elif job.sharding is not None:
+        for box in job.devices_by_box:  # boxes not placed yet (empty ones)
+            if box not in job.placed_boxes:
+                allocate(job, [box])
+                place_box(job, box)
+        job.result = jax.make_array_from_single_device_arrays(entry.shape or (), job.sharding, job.placed)
+        job.placed = []
+    else:
+        (value,) = buffers.values()
+        if entry.prng_impl is not None:
+            keys = jax.random.wrap_key_data(jax.numpy.asarray(value), impl=entry.prng_impl)
+            job.result = jax.device_put(keys, job.key_sharding) if job.key_sharding is not None else keys
+        elif entry.kind == "str":
+            job.result = value.tobytes().decode()
+        elif entry.kind == "bytes":
+            job.result = value.tobytes()
+        else:
+            job.result = value
+    job.buffers = {}
+    job.done = True

@@ -1,0 +1,259 @@
+"""Check and scatter a streamed read into its target boxes while its bytes are in cache.
+
+A restore onto another sharding copies every byte it reads: each saved piece
+is cut into the target boxes it overlaps, in runs as short as a row of the
+overlap. :class:`ScatterSink` takes the read's body a few MiB at a time
+(``Store.get_range_streamed``), each time whole rows of one piece (a *slab*,
+itself a box), extends that piece's crc32c over them and copies the slab
+into the boxes it meets. Why: see :mod:`objckpt.storage.streaming`.
+
+Bytes reach the target buffers before their piece's checksum is complete.
+That is safe because a mismatch fails the whole restore (the buffers are
+never handed out), and a retried read writes the same bytes again.
+
+A long read goes out as parallel sub-range streams (*spans*) cut between
+rows; the parts of a piece that spans share are checksummed apart and
+combined (:func:`objckpt.checksum.crc32c_combine`) once every span is in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import numpy as np
+
+from objckpt.arrays import Box, box_to_slices
+from objckpt.checksum import crc32c, crc32c_combine
+from objckpt.errors import IntegrityError
+from objckpt.leaf_jobs import LeafJob, allocate, boxes_of
+from objckpt.plan import PACKING_SLACK, ReadPart, ReadRequest, intersect
+from objckpt.storage.streaming import STREAM_PIECE
+from objckpt.transfer import TransferEngine, first_error
+
+Span = tuple[int, int]  # [first, last) bytes of a read's body
+
+
+async def stream_read(
+    engine: TransferEngine,
+    request: ReadRequest,
+    jobs: dict[int, LeafJob],
+    url: str,
+    lock: threading.Lock,
+    chunk: int,
+) -> int:
+    """One copied read, streamed into its boxes; how many bytes arrived.
+
+    A read longer than ``chunk`` plus ``PACKING_SLACK`` goes out as parallel
+    spans of about ``chunk`` bytes. If one fails, the others are cancelled and
+    waited for (a stream stops writing once its call returns). Fewer bytes
+    only if the blob is shorter; then nothing was checked past the shortfall.
+    """
+    for part in request.parts:
+        if part.piece.length == 0 and part.piece.crc32c != 0:
+            raise _mismatch(part, jobs, url)
+    sinks = [ScatterSink(request, jobs, url, lock, span) for span in split_spans(request, jobs, chunk)]
+
+    async def stream(sink: ScatterSink) -> int:
+        first, last = sink.span
+        return await engine.get_range_streamed(request.blob, request.start + first, request.start + last, sink)
+
+    if len(sinks) == 1:
+        return await stream(sinks[0])
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(stream(sink)) for sink in sinks]
+    except BaseExceptionGroup as errors:
+        raise first_error(errors) from None
+    got = 0
+    for sink, task in zip(sinks, tasks):
+        got += task.result()
+        if task.result() < sink.span[1] - sink.span[0]:
+            return got  # the blob ended inside this span
+    _check_shared_parts(request, sinks, jobs, url)
+    return got
+
+
+def split_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> list[Span]:
+    """Cut a read into spans of about ``chunk`` bytes, each cut between rows of a piece.
+
+    A cut inside a piece is moved back to a multiple of the step along the
+    piece's slab axis, so every span starts on a slab of its own.
+    """
+    if request.length <= chunk + PACKING_SLACK:
+        return [(0, request.length)]
+    cuts = [0]
+    for target in range(chunk, request.length, chunk):
+        cut = target
+        for part in request.parts:
+            at = target - part.offset
+            if 0 < at < part.piece.length:
+                piece = part.piece
+                itemsize = jobs[part.leaf].dtype.itemsize
+                step = _strides(piece.shape, itemsize)[_slab_axis(piece.shape, itemsize, STREAM_PIECE, 0)]
+                cut = part.offset + at // step * step
+                break
+        if cut > cuts[-1]:
+            cuts.append(cut)
+    cuts.append(request.length)
+    return list(zip(cuts, cuts[1:]))
+
+
+class ScatterSink:
+    """Consumes one span of a planned read (a :class:`~objckpt.storage.streaming.ReadSink`).
+
+    Runs on the store's receiving thread; ``lock`` guards the leaves' buffer
+    maps, which other reads' threads share. Completion (placing boxes,
+    finishing leaves) is left to :func:`objckpt.leaf_jobs.complete` once the
+    whole read has arrived. A piece wholly inside the span is checked here;
+    the checksums of a piece cut by the span's ends are kept in ``shared``.
+    """
+
+    def __init__(
+        self,
+        request: ReadRequest,
+        jobs: dict[int, LeafJob],
+        url: str,
+        lock: threading.Lock,
+        span: Span | None = None,
+    ) -> None:
+        self.request = request
+        self.jobs = jobs
+        self.url = url
+        self.lock = lock
+        self.span = span or (0, request.length)
+        first, last = self.span
+        self._parts = sorted(
+            (p for p in request.parts if p.piece.length and p.offset < last and p.offset + p.piece.length > first),
+            key=lambda p: p.offset,
+        )
+        self.shared: dict[int, tuple[int, int, int]] = {}  # id(part) → (from, length, crc) in the piece
+        self.begin()
+
+    def begin(self) -> None:
+        self._k = 0  # the part being received (or the next one, in a gap)
+        self._crc = 0  # of the current part's bytes in this span so far
+        self._planned: tuple[int, int, int] = (-1, 0, 0)  # (position, slab axis, length)
+        self.shared = {}
+
+    def next_size(self, offset: int, limit: int) -> int:
+        first, last = self.span
+        position = first + offset
+        limit = min(limit, last - position)
+        part = self._current(position)
+        if part is None or position < part.offset:  # after the last piece, or a gap before one
+            return limit if part is None else min(part.offset - position, limit)
+        itemsize = self.jobs[part.leaf].dtype.itemsize
+        at = position - part.offset
+        axis, length = _slab(part.piece.shape, itemsize, at, min(limit, part.piece.length - at))
+        self._planned = (position, axis, length)
+        return length
+
+    def receive(self, offset: int, data: memoryview) -> None:
+        position = self.span[0] + offset
+        part = self._current(position)
+        if part is None or position < part.offset:
+            return
+        piece = part.piece
+        job = self.jobs[part.leaf]
+        at = position - part.offset
+        if position == max(part.offset, self.span[0]):
+            with self.lock:
+                allocate(job, boxes_of(piece, job.box_remaining))
+        self._crc = crc32c(data, self._crc)
+        planned_position, axis, length = self._planned
+        if planned_position != position or length != len(data):
+            axis, length = _slab(piece.shape, job.dtype.itemsize, at, len(data))
+            if length != len(data):
+                raise ValueError(f"{len(data)} bytes at byte {at} of a piece of leaf {job.entry.path} are not a slab")
+        start, stop = _slab_box(piece.start, piece.shape, job.dtype.itemsize, at, axis, length)
+        source = np.frombuffer(data, dtype=job.dtype).reshape(tuple(b - a for a, b in zip(start, stop)))
+        for box in job.box_remaining:  # fixed after planning, unlike job.buffers
+            overlap = intersect(start, stop, *box)
+            if overlap is not None:
+                target = job.buffers[box]
+                target[box_to_slices(*overlap, origin=box[0])] = source[box_to_slices(*overlap, origin=start)]
+        if position + len(data) == min(part.offset + piece.length, self.span[1]):
+            self._end_part(part)
+
+    def _current(self, position: int) -> ReadPart | None:
+        """The part that ``position`` falls in or precedes (None: past the last)."""
+        while self._k < len(self._parts):
+            part = self._parts[self._k]
+            if position < part.offset + part.piece.length:
+                return part
+            self._k += 1
+        return None
+
+    def _end_part(self, part: ReadPart) -> None:
+        first, last = self.span
+        begins = max(part.offset, first) - part.offset
+        ends = min(part.offset + part.piece.length, last) - part.offset
+        if begins == 0 and ends == part.piece.length:
+            if self._crc != part.piece.crc32c:
+                raise _mismatch(part, self.jobs, self.url)
+        else:
+            self.shared[id(part)] = (begins, ends - begins, self._crc)
+        self._k += 1
+        self._crc = 0
+
+
+def _check_shared_parts(request: ReadRequest, sinks: list[ScatterSink], jobs: dict[int, LeafJob], url: str) -> None:
+    """Combine, in order, the checksums of each piece that several spans received."""
+    for part in request.parts:
+        runs = sorted(s.shared[id(part)] for s in sinks if id(part) in s.shared)
+        if not runs:
+            continue
+        crc, covered = 0, 0
+        for begins, length, run_crc in runs:
+            if begins != covered:
+                raise _mismatch(part, jobs, url)  # cannot happen unless a span lost bytes
+            crc = crc32c_combine(crc, run_crc, length)
+            covered += length
+        if covered != part.piece.length or crc != part.piece.crc32c:
+            raise _mismatch(part, jobs, url)
+
+
+def _mismatch(part: ReadPart, jobs: dict[int, LeafJob], url: str) -> IntegrityError:
+    piece = part.piece
+    return IntegrityError(
+        f"checksum mismatch in leaf {jobs[part.leaf].entry.path}: blob {url}/{piece.blob}"
+        f" bytes [{piece.offset}, {piece.offset + piece.length})"
+    )
+
+
+def _strides(shape: tuple[int, ...], itemsize: int) -> list[int]:
+    """Bytes per step along each axis of a C-ordered box."""
+    return [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
+
+
+def _slab_axis(shape: tuple[int, ...], itemsize: int, limit: int, at: int) -> int:
+    """The outermost axis whose step fits in ``limit`` bytes and divides ``at``."""
+    strides = _strides(shape, itemsize)
+    return next(d for d, s in enumerate(strides) if s <= limit and at % s == 0)
+
+
+def _slab(shape: tuple[int, ...], itemsize: int, at: int, limit: int) -> tuple[int, int]:
+    """(axis, bytes) of the next slab at byte ``at`` of a piece: whole steps along that
+    axis, as many as fit in ``limit`` without passing the end of the axis."""
+    if not shape:
+        return 0, itemsize
+    axis = _slab_axis(shape, itemsize, max(limit, itemsize), at)
+    stride = _strides(shape, itemsize)[axis]
+    index = at // stride % shape[axis]
+    return axis, max(1, min(limit // stride, shape[axis] - index)) * stride
+
+
+def _slab_box(origin: tuple[int, ...], shape: tuple[int, ...], itemsize: int, at: int, axis: int, length: int) -> Box:
+    """The box (global coordinates) of the slab of ``length`` bytes along ``axis`` at byte
+    ``at`` of a piece whose first element sits at ``origin``."""
+    if not shape:
+        return origin, origin
+    strides = _strides(shape, itemsize)
+    start = [a + at // s % n for a, s, n in zip(origin, strides, shape)]
+    stop = [i + 1 for i in start]
+    stop[axis] = start[axis] + length // strides[axis]
+    for d in range(axis + 1, len(shape)):
+        start[d], stop[d] = origin[d], origin[d] + shape[d]
+    return tuple(start), tuple(stop)

@@ -1,0 +1,153 @@
+"""Streamed reads scattered into target boxes slab by slab (``objckpt.stream_scatter``).
+
+The memory store is made to stream (its default ``get_range_streamed`` hands a
+whole body over in the sink's pieces), with pieces far smaller than the
+library's, so that slabs run along every axis and long reads split into spans
+cut through pieces. The real S3 server's streaming is covered in
+``test_s3_read_into.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from helpers import assert_tree_bit_exact, random_array
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import objckpt
+import objckpt.storage.base as store_base
+import objckpt.stream_scatter as stream_scatter
+from objckpt import _runtime
+from objckpt.checksum import crc32c, crc32c_combine
+from objckpt.errors import TransientStoreError
+from objckpt.format import MANIFEST_KEY, parse_manifest
+from objckpt.leaf_jobs import make_job
+from objckpt.plan import ReadPart, ReadRequest
+from objckpt.storage import from_url
+from objckpt.storage.fsspec_store import FsspecStore
+
+
+@pytest.fixture
+def streaming(monkeypatch):
+    """Memory stores stream, 1 KiB at a time."""
+    monkeypatch.setattr(FsspecStore, "streams_reads", True)
+    monkeypatch.setattr(store_base, "STREAM_PIECE", 1024)
+    monkeypatch.setattr(stream_scatter, "STREAM_PIECE", 1024)
+    calls: list[tuple[str, int, int]] = []
+    real = FsspecStore.get_range_streamed
+
+    async def recording(self, key, *, start, end, sink):
+        calls.append((key, start, end))
+        return await real(self, key, start=start, end=end, sink=sink)
+
+    monkeypatch.setattr(FsspecStore, "get_range_streamed", recording)
+    return calls
+
+
+def _tree():
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+
+    def put(value, spec):
+        return jax.device_put(value, NamedSharding(mesh, spec))
+
+    return {
+        "cube": put(random_array((16, 12, 40), np.float32, 1), P("x", "y", None)),  # rows of 160 B: slabs of rows
+        "wide": put(random_array((8, 1000), np.float32, 2), P("x", "y")),  # rows of 2000 B: slabs along axis 1
+        "bytes": put(random_array((64, 96), np.int8, 3), P("x", "y")),
+        "vector": put(random_array((4096,), np.float32, 4), P(None)),
+        "scalar": put(np.float32(7.5), P()),
+        "half": put(random_array((32, 64), jax.numpy.bfloat16, 5), P("y", "x")),
+    }
+
+
+def _resharded_target(tree):
+    other = jax.make_mesh((2, 4), ("a", "b"))
+    specs = {"cube": P(None, "a", "b"), "wide": P("b", "a"), "bytes": P("b", "a"), "vector": P("b")}
+    return {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, specs.get(k, P())))
+        for k, v in tree.items()
+    }
+
+
+@pytest.mark.parametrize("read_chunk", [32 << 20, 3000])  # one GET per read; long reads cut into spans
+def test_streamed_reads_land_bit_exact_on_another_sharding(memory_store, streaming, read_chunk):
+    tree = _tree()
+    objckpt.save(memory_store.url, tree)
+    target = _resharded_target(tree)
+    out = objckpt.restore(memory_store.url, target, options=objckpt.Options(read_chunk=read_chunk))
+    assert_tree_bit_exact(tree, out)
+    for k in tree:
+        assert out[k].sharding == target[k].sharding
+    assert streaming, "no read was streamed"
+    if read_chunk == 3000:
+        manifest = parse_manifest(_runtime.run_sync(from_url(memory_store.url).get(MANIFEST_KEY)), size_limit=1 << 30)
+        pieces = {(p.blob, p.offset): p.length for leaf in manifest.leaves for p in leaf.pieces}
+        cut = [(k, s, e) for k, s, e in streaming if (k, s) not in pieces or pieces[(k, s)] != e - s]
+        assert cut, "no piece was read as several spans"
+
+
+def test_a_corrupt_byte_in_a_streamed_piece_is_named(memory_store, streaming):
+    tree = _tree()
+    objckpt.save(memory_store.url, tree)
+    store = from_url(memory_store.url)
+    manifest = parse_manifest(_runtime.run_sync(store.get(MANIFEST_KEY)), size_limit=1 << 30)
+    (entry,) = [leaf for leaf in manifest.leaves if leaf.path == "['wide']"]
+    piece = entry.pieces[0]
+    data = bytearray(_runtime.run_sync(store.get(piece.blob)))
+    data[piece.offset + piece.length - 3] ^= 0x10  # in the last slab: checked once every slab is in
+    _runtime.run_sync(store.put(piece.blob, bytes(data)))
+    for chunk in (32 << 20, 3000):  # checked whole, and combined from spans
+        with pytest.raises(objckpt.IntegrityError, match=r"\['wide'\].*" + piece.blob):
+            objckpt.restore(memory_store.url, _resharded_target(tree), options=objckpt.Options(read_chunk=chunk))
+
+
+def test_a_stream_cut_short_is_retried_from_the_start(memory_store, streaming, monkeypatch):
+    """A retry starts the sink over: the checksum it had begun in the failed attempt
+    is forgotten (kept, it would not match the piece's)."""
+    tree = _tree()
+    objckpt.save(memory_store.url, tree)
+    failed: list[str] = []
+    streamed = FsspecStore.get_range_streamed  # the recording one
+
+    async def cut_once(self, key, *, start, end, sink):
+        if end - start > 2048 and not failed:
+            failed.append(key)
+            body = await self.get_range_buffer(key, start=start, end=end)
+            sink.begin()
+            first = sink.next_size(0, 1024)
+            sink.receive(0, body[:first])  # a first slab, then the connection drops
+            raise TransientStoreError("connection reset mid-body")
+        return await streamed(self, key, start=start, end=end, sink=sink)
+
+    monkeypatch.setattr(FsspecStore, "get_range_streamed", cut_once)
+    stats = objckpt.TransferStats()
+    out = objckpt.restore(memory_store.url, _resharded_target(tree), stats=stats)
+    assert failed and stats.retries >= 1
+    assert_tree_bit_exact(tree, out)
+
+
+def test_spans_are_cut_between_rows_of_a_piece(memory_store):
+    tree = {"w": jax.device_put(random_array((100, 300), np.float32, 9))}  # rows of 1200 bytes
+    objckpt.save(memory_store.url, tree)
+    manifest = parse_manifest(_runtime.run_sync(from_url(memory_store.url).get(MANIFEST_KEY)), size_limit=1 << 30)
+    (piece,) = manifest.leaves[0].pieces
+    request = ReadRequest(piece.blob, piece.offset, piece.offset + piece.length, (ReadPart(0, piece, 0),))
+    target = {"w": jax.ShapeDtypeStruct((100, 300), np.float32, sharding=tree["w"].sharding)}
+    jobs = {0: make_job(manifest.leaves[0], target["w"])}
+    spans = stream_scatter.split_spans(request, jobs, 10_000)
+    assert spans[0][0] == 0 and spans[-1][1] == piece.length
+    assert all(a == b for (_, a), (b, _) in zip(spans, spans[1:]))  # contiguous
+    assert all(first % 1200 == 0 for first, _ in spans)  # each starts on a row
+    assert (
+        len(spans) == 12 and max(last - first for first, last in spans) <= 10_000 + 1200
+    )  # cuts move back a row at most
+
+
+@pytest.mark.parametrize(("a", "b"), [(0, 0), (1, 0), (0, 1), (5, 7), (4096, 3), (3, 1 << 20), (777, 12345)])
+def test_crc32c_combine_matches_the_whole(a, b):
+    first, second = os.urandom(a), os.urandom(b)
+    assert crc32c_combine(crc32c(first), crc32c(second), b) == crc32c(first + second)
