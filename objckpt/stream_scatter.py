@@ -27,7 +27,7 @@ import numpy as np
 from objckpt.arrays import Box, box_to_slices
 from objckpt.checksum import crc32c, crc32c_combine
 from objckpt.errors import IntegrityError
-from objckpt.leaf_jobs import LeafJob, allocate, boxes_of
+from objckpt.leaf_jobs import LeafJob, allocate
 from objckpt.plan import PACKING_SLACK, ReadPart, ReadRequest, intersect
 from objckpt.storage.streaming import STREAM_PIECE
 from objckpt.transfer import TransferEngine, first_error
@@ -129,6 +129,7 @@ class ScatterSink:
             key=lambda p: p.offset,
         )
         self.shared: dict[int, tuple[int, int, int]] = {}  # id(part) → (from, length, crc) in the piece
+        self._meets: dict[int, list[tuple[Box, Box]]] = {}  # id(part) → (box, piece ∩ box) for each box it meets
         self.begin()
 
     def begin(self) -> None:
@@ -158,19 +159,31 @@ class ScatterSink:
         piece = part.piece
         job = self.jobs[part.leaf]
         at = position - part.offset
+        meets = self._meets.get(id(part))
+        if meets is None:
+            meets = self._meets[id(part)] = [
+                (box, overlap)
+                for box in job.box_remaining  # fixed after planning, unlike job.buffers
+                if (overlap := intersect(piece.start, piece.stop, *box)) is not None
+            ]
         if position == max(part.offset, self.span[0]):
             with self.lock:
-                allocate(job, boxes_of(piece, job.box_remaining))
+                allocate(job, [box for box, _ in meets])
         self._crc = crc32c(data, self._crc)
         planned_position, axis, length = self._planned
         if planned_position != position or length != len(data):
             axis, length = _slab(piece.shape, job.dtype.itemsize, at, len(data))
             if length != len(data):
                 raise ValueError(f"{len(data)} bytes at byte {at} of a piece of leaf {job.entry.path} are not a slab")
-        start, stop = _slab_box(piece.start, piece.shape, job.dtype.itemsize, at, axis, length)
+        whole = length == piece.length  # most small pieces: the slab is the piece
+        start, stop = (
+            (piece.start, piece.stop)
+            if whole
+            else _slab_box(piece.start, piece.shape, job.dtype.itemsize, at, axis, length)
+        )
         source = np.frombuffer(data, dtype=job.dtype).reshape(tuple(b - a for a, b in zip(start, stop)))
-        for box in job.box_remaining:  # fixed after planning, unlike job.buffers
-            overlap = intersect(start, stop, *box)
+        for box, in_piece in meets:
+            overlap = in_piece if whole else intersect(start, stop, *in_piece)
             if overlap is not None:
                 target = job.buffers[box]
                 target[box_to_slices(*overlap, origin=box[0])] = source[box_to_slices(*overlap, origin=start)]

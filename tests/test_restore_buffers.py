@@ -244,7 +244,7 @@ def test_copied_reads_coalesce_up_to_a_blob_only_when_streamed(s3_store, monkeyp
     }
     requests = {}
     for switch in ("1", "0"):  # 0: obstore reads, a new buffer per response
-        monkeypatch.setenv("OBJCKPT_S3_STREAM", switch)
+        monkeypatch.setenv("OBJCKPT_STREAM_READS", switch)
         stats = objckpt.TransferStats()
         out = objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options, stats=stats)
         np.testing.assert_array_equal(np.asarray(out["w"]), values["w"])

@@ -34,7 +34,13 @@ from objckpt.storage.fsspec_store import FsspecStore
 @pytest.fixture
 def streaming(monkeypatch):
     """Memory stores stream, 1 KiB at a time."""
-    monkeypatch.setattr(FsspecStore, "streams_reads", True)
+    real_init = FsspecStore.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.streams_reads = True  # with no reader: the default get_range_streamed hands bodies over
+
+    monkeypatch.setattr(FsspecStore, "__init__", init)
     monkeypatch.setattr(store_base, "STREAM_PIECE", 1024)
     monkeypatch.setattr(stream_scatter, "STREAM_PIECE", 1024)
     calls: list[tuple[str, int, int]] = []

@@ -42,6 +42,8 @@ from objckpt.storage.error_map import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
 from objckpt.storage.error_map import http_status as _http_status
 from objckpt.storage.error_map import map_error
 from objckpt.storage.gcs_upload import media_upload
+from objckpt.storage.http_stream import HttpRangeReader, stream_range
+from objckpt.storage.streaming import ReadSink
 from objckpt.storage.urls import check_relative as _check_relative
 from objckpt.storage.urls import redact_url
 
@@ -165,6 +167,10 @@ class FsspecStore(Store):
             create-if-absent atomically (only for filesystems this module
             has no dedicated strategy for: they then use
             ``pipe_file(mode="create")``).
+        range_reader: Streams ranged reads (:meth:`get_range_streamed`) over
+            plain HTTP, for a filesystem whose paths it knows (gcsfs's:
+            :func:`objckpt.storage.gcs_stream.gcsfs_range_reader`); shared by
+            :meth:`child` stores.
     """
 
     def __init__(
@@ -175,6 +181,7 @@ class FsspecStore(Store):
         url: str | None = None,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
         atomic_create: bool | None = None,
+        range_reader: HttpRangeReader | None = None,
     ) -> None:
         if request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {request_timeout}")
@@ -188,6 +195,8 @@ class FsspecStore(Store):
         if atomic_create is not None and self._kind in ("native", "none"):
             self._kind = "native" if atomic_create else "none"
         self.supports_create = self._kind != "none"
+        self._range_reader = range_reader
+        self.streams_reads = range_reader is not None
 
     # ------------------------------------------------------------------ helpers
 
@@ -245,6 +254,18 @@ class FsspecStore(Store):
         return await self._run(what, lambda: asyncio.to_thread(fn, *args))
 
     # -------------------------------------------------------------------- reads
+
+    async def get_range_streamed(self, key: str, *, start: int, end: int, sink: ReadSink) -> int:
+        """Hand the bytes to ``sink`` as they arrive with the range reader when there is
+        one (see :mod:`objckpt.storage.streaming`); else read, then hand over."""
+        reader = self._range_reader
+        if reader is None or end <= start:
+            return await super().get_range_streamed(key, start=start, end=end, sink=sink)
+        _check_relative(key, "key", allow_empty=False, allow_partial=False)
+        if start < 0:
+            raise ValueError(f"invalid byte range start {start} for {self._url(key)}")
+        what = f"get {self._url(key)} bytes [{start}, {end})"
+        return await stream_range(reader, self._path(key), start, end, sink, what, self.request_timeout)
 
     async def head(self, key: str) -> ObjectInfo:
         _check_relative(key, "key", allow_empty=False, allow_partial=False)

@@ -48,6 +48,7 @@ from objckpt._memory import malloc_phase
 from objckpt.errors import ObjectNotFoundError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
 from objckpt.storage.error_map import PROGRAMMING_ERRORS, map_obstore_error
+from objckpt.storage.http_stream import HttpRangeReader, stream_range
 from objckpt.storage.obstore_config import NativeSpec
 from objckpt.storage.s3_stream import S3Credentials, S3RangeReader
 from objckpt.storage.streaming import ReadSink
@@ -103,8 +104,8 @@ class ObstoreStore(Store):
             a multipart upload.
         multipart_chunk_size: Part size of those uploads.
         multipart_concurrency: Parts in flight per upload.
-        range_reader: Receives ranged GETs into caller buffers
-            (:meth:`get_range_into`); S3 only, shared by :meth:`child` stores.
+        range_reader: Streams ranged GETs (:meth:`get_range_streamed`; see
+            :func:`range_reader`), shared by :meth:`child` stores.
     """
 
     reads_in_place = True  # object_store sizes one buffer from Content-Length and fills it
@@ -120,7 +121,7 @@ class ObstoreStore(Store):
         multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
         multipart_chunk_size: int = DEFAULT_MULTIPART_CHUNK_SIZE,
         multipart_concurrency: int = DEFAULT_MULTIPART_CONCURRENCY,
-        range_reader: S3RangeReader | None = None,
+        range_reader: HttpRangeReader | None = None,
     ) -> None:
         if request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {request_timeout}")
@@ -212,11 +213,7 @@ class ObstoreStore(Store):
         if start < 0:
             raise ValueError(f"invalid byte range start {start} for {self._url(key)}")
         what = f"get {self._url(key)} bytes [{start}, {end})"
-        read = reader.read_streamed(self._path(key), start, end - start, sink, what)
-        try:
-            return await asyncio.wait_for(read, self.request_timeout)
-        except TimeoutError as exc:
-            raise TransientStoreError(f"{what} timed out after {self.request_timeout:g} s") from exc
+        return await stream_range(reader, self._path(key), start, end, sink, what, self.request_timeout)
 
     def response_phase(self) -> int | None:
         return malloc_phase()  # obstore's buffers come from the Rust (system) allocator
@@ -349,16 +346,17 @@ def open_spec(spec: NativeSpec, url: str, *, request_timeout: float = DEFAULT_RE
     )
 
 
-def range_reader(spec: NativeSpec, request_timeout: float) -> S3RangeReader | None:
-    """An :class:`S3RangeReader` for an S3 spec whose credentials are static or absent.
+def range_reader(spec: NativeSpec, request_timeout: float) -> HttpRangeReader | None:
+    """A reader that streams ranged GETs for an S3 ``spec`` whose credentials are static or absent.
 
     Credentials that obstore finds on its own (instance metadata, web identity,
-    container roles) are not known here, and requester-pays buckets need a header
-    it does not send: those stores read through obstore only. So does any store
-    when ``OBJCKPT_S3_STREAM=0`` (an A/B switch).
+    container roles) are not known here, and requester-pays buckets need a
+    header it does not send: those stores read through obstore only. So does
+    any store when ``OBJCKPT_STREAM_READS=0`` (an A/B switch). (``gs://`` opens
+    with gcsfs by default, which streams through :mod:`objckpt.storage.gcs_stream`.)
     """
     config = spec.config
-    if spec.kind != "s3" or config.get("request_payer") or os.environ.get("OBJCKPT_S3_STREAM", "1") == "0":
+    if spec.kind != "s3" or config.get("request_payer") or os.environ.get("OBJCKPT_STREAM_READS", "1") == "0":
         return None
     if config.get("skip_signature"):
         credentials = None

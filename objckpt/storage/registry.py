@@ -367,7 +367,10 @@ def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
     path = fs._strip_protocol(url).rstrip("/")
     if not path:
         raise ValueError(f"GCS URL needs a bucket: {_display(url)!r}")
-    return FsspecStore(fs, path, url=url, **store_kw)
+    from objckpt.storage.gcs_stream import gcsfs_range_reader
+
+    reader = gcsfs_range_reader(fs, store_kw["request_timeout"])
+    return FsspecStore(fs, path, url=url, range_reader=reader, **store_kw)
 
 
 def open_local(url: str, **storage_options: Any) -> Store:
