@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 from objckpt.errors import ObjectNotFoundError, StoreError, StorePermissionError, TransientStoreError
 from objckpt.storage.error_map import TRANSIENT_STATUS
 from objckpt.storage.streaming import STREAM_PIECE, ReadSink, piece_size
+from objckpt.storage.urls import check_relative
 
 _ERROR_BODY_LIMIT = 2048  # bytes of an error response kept for its code (S3's XML <Code>, GCS's JSON reason)
 _WORKERS = 64  # threads per reader; the transfer engine's slots bound requests in flight
@@ -254,9 +255,15 @@ def status_error(status: int, code: str, what: str) -> StoreError:
 
 
 async def stream_range(
-    reader: HttpRangeReader, path: str, start: int, end: int, sink: ReadSink, what: str, timeout: float
+    reader: HttpRangeReader, *, key: str, path: str, url: str, start: int, end: int, sink: ReadSink, timeout: float
 ) -> int:
-    """``reader.read_streamed`` under a store's request timeout (a :class:`TransientStoreError` past it)."""
+    """A store's ``get_range_streamed`` through ``reader``: bytes ``[start, end)`` of ``key``
+    (object ``path`` to the reader, ``url`` in messages), under the store's request
+    timeout (a :class:`TransientStoreError` past it)."""
+    check_relative(key, "key", allow_empty=False, allow_partial=False)
+    if start < 0:
+        raise ValueError(f"invalid byte range start {start} for {url}")
+    what = f"get {url} bytes [{start}, {end})"
     try:
         return await asyncio.wait_for(reader.read_streamed(path, start, end - start, sink, what), timeout)
     except TimeoutError as exc:

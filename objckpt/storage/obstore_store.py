@@ -209,11 +209,16 @@ class ObstoreStore(Store):
         reader = self._range_reader
         if reader is None or end <= start:
             return await super().get_range_streamed(key, start=start, end=end, sink=sink)
-        check_relative(key, "key", allow_empty=False, allow_partial=False)
-        if start < 0:
-            raise ValueError(f"invalid byte range start {start} for {self._url(key)}")
-        what = f"get {self._url(key)} bytes [{start}, {end})"
-        return await stream_range(reader, self._path(key), start, end, sink, what, self.request_timeout)
+        return await stream_range(
+            reader,
+            key=key,
+            path=self._path(key),
+            url=self._url(key),
+            start=start,
+            end=end,
+            sink=sink,
+            timeout=self.request_timeout,
+        )
 
     def response_phase(self) -> int | None:
         return malloc_phase()  # obstore's buffers come from the Rust (system) allocator
