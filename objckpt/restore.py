@@ -28,11 +28,11 @@ from objckpt.arrays import box_to_slices
 from objckpt.checksum import crc32c
 from objckpt.errors import CoordinationError, IntegrityError, TargetMismatchError
 from objckpt.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
-from objckpt.leaf_jobs import LeafJob, allocate, boxes_of, complete, finish, make_job, whole_box
+from objckpt.leaf_jobs import LeafJob, allocate, complete, finish, make_job, meets_of, plan_pieces, whole_box
 from objckpt.manifest_io import read_manifest
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
-from objckpt.plan import ReadRequest, intersect, pieces_needed, plan_reads
+from objckpt.plan import ReadRequest, plan_reads
 from objckpt.progress import progress_bar
 from objckpt.read_once import share
 from objckpt.stream_scatter import stream_read
@@ -176,14 +176,7 @@ def _plan(manifest: Manifest, jobs: dict[int, LeafJob], options: Options, *, str
     """The coalesced reads for ``jobs``; ``streamed``: the store streams copied reads."""
     wanted: list[tuple[int, Piece]] = []
     for i, job in jobs.items():
-        boxes = job.read_boxes
-        pieces = pieces_needed(job.entry.pieces, boxes)
-        job.remaining = len(pieces)
-        job.box_remaining = {box: 0 for box in boxes}
-        for p in pieces:
-            for box in boxes_of(p, boxes):
-                job.box_remaining[box] += 1
-        wanted.extend((i, p) for p in pieces)
+        wanted.extend((i, p) for p in plan_pieces(job))
     layout = (piece for leaf in manifest.leaves for piece in leaf.pieces)
     return plan_reads(
         wanted,
@@ -281,7 +274,7 @@ def _land(request: ReadRequest, data: memoryview, jobs: dict[int, LeafJob], url:
         adopted = _adoptable(request, data, jobs)
         for k, part in enumerate(request.parts):
             if k not in adopted:
-                allocate(jobs[part.leaf], boxes_of(part.piece, jobs[part.leaf].box_remaining))
+                allocate(jobs[part.leaf], [box for box, _ in meets_of(jobs[part.leaf], part.piece)])
     _scatter(request, data, jobs, url, adopted)
     complete(request, jobs, lock)
 
@@ -312,8 +305,6 @@ def _scatter(
         if k in adopted:
             job.buffers[(piece.start, piece.stop)] = source
             continue
-        for box in job.box_remaining:  # fixed after planning, unlike job.buffers, which other threads change
-            overlap = intersect(piece.start, piece.stop, *box)
-            if overlap is not None:
-                buffer = job.buffers[box]
-                buffer[box_to_slices(*overlap, origin=box[0])] = source[box_to_slices(*overlap, origin=piece.start)]
+        for box, overlap in meets_of(job, piece):
+            buffer = job.buffers[box]
+            buffer[box_to_slices(*overlap, origin=box[0])] = source[box_to_slices(*overlap, origin=piece.start)]

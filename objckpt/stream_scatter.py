@@ -27,7 +27,7 @@ import numpy as np
 from objckpt.arrays import Box, box_to_slices
 from objckpt.checksum import crc32c, crc32c_combine
 from objckpt.errors import IntegrityError
-from objckpt.leaf_jobs import LeafJob, allocate
+from objckpt.leaf_jobs import LeafJob, allocate, meets_of
 from objckpt.plan import PACKING_SLACK, ReadPart, ReadRequest, intersect
 from objckpt.storage.streaming import STREAM_PIECE
 from objckpt.transfer import TransferEngine, first_error
@@ -129,7 +129,6 @@ class ScatterSink:
             key=lambda p: p.offset,
         )
         self.shared: dict[int, tuple[int, int, int]] = {}  # id(part) → (from, length, crc) in the piece
-        self._meets: dict[int, list[tuple[Box, Box]]] = {}  # id(part) → (box, piece ∩ box) for each box it meets
         self.begin()
 
     def begin(self) -> None:
@@ -159,13 +158,7 @@ class ScatterSink:
         piece = part.piece
         job = self.jobs[part.leaf]
         at = position - part.offset
-        meets = self._meets.get(id(part))
-        if meets is None:
-            meets = self._meets[id(part)] = [
-                (box, overlap)
-                for box in job.box_remaining  # fixed after planning, unlike job.buffers
-                if (overlap := intersect(piece.start, piece.stop, *box)) is not None
-            ]
+        meets = meets_of(job, piece)
         if position == max(part.offset, self.span[0]):
             with self.lock:
                 allocate(job, [box for box, _ in meets])

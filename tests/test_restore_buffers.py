@@ -250,3 +250,68 @@ def test_copied_reads_coalesce_up_to_a_blob_only_when_streamed(s3_store, monkeyp
         np.testing.assert_array_equal(np.asarray(out["w"]), values["w"])
         requests[switch] = stats.requests
     assert requests["1"] < requests["0"], requests
+
+
+def test_complete_boxes_go_to_their_devices_in_batched_transfers(monkeypatch):
+    """Many small leaves (a small model): boxes are placed one batch per read, not one
+    ``device_put`` per box, and still land exact on their devices."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    rng = np.random.default_rng(12)
+    values = {f"w{i:02d}": rng.standard_normal((32, 16), dtype=np.float32) for i in range(30)}
+    values.update({f"b{i:02d}": rng.standard_normal((16,), dtype=np.float32) for i in range(30)})
+    shardings = {k: NamedSharding(mesh, P("data", "model") if v.ndim == 2 else P()) for k, v in values.items()}
+    url = "memory://restore-buffers/batched"
+    objckpt.save(url, {k: jax.device_put(v, shardings[k]) for k, v in values.items()})
+    leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
+    calls = []
+    real = leaf_jobs.jax.device_put
+
+    def counting(x, device=None, **kwargs):
+        calls.append(len(x) if isinstance(x, list) else 1)
+        return real(x, device, **kwargs)
+
+    monkeypatch.setattr(leaf_jobs.jax, "device_put", counting)
+    stats = objckpt.TransferStats()
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in values.items()}
+    out = objckpt.restore(url, target, stats=stats)
+    for k, v in values.items():
+        np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
+        assert out[k].sharding == shardings[k]
+    assert sum(calls) == 30 * 8 + 30 * 8  # every device of every box
+    assert len(calls) <= stats.requests, f"{len(calls)} device_put calls for {stats.requests} reads"
+
+
+def test_restore_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
+    """Full collections walk the caller's whole heap; a restore defers them, and leaves the
+    collector as it found it, also after an error and when the caller had it off."""
+    import gc
+
+    url = "memory://restore-buffers/gc"
+    objckpt.save(url, {"a": np.arange(10, dtype=np.float32)})
+    seen = []
+    real = restore_module._plan
+
+    def spying(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(restore_module, "_plan", spying)
+    assert gc.isenabled()
+    np.testing.assert_array_equal(objckpt.restore(url)["a"], np.arange(10, dtype=np.float32))
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(objckpt.CheckpointNotFoundError):
+        objckpt.restore("memory://restore-buffers/none")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        objckpt.restore(url)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    # overlapping restores on two threads share one pause: the collector comes back after the last
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _runtime.collection_paused(), ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda _: objckpt.restore(url), range(4)))
+        assert not gc.isenabled()
+    assert gc.isenabled()
