@@ -166,7 +166,7 @@ def place_boxes(done: list[tuple[LeafJob, Box]]) -> None:
         job.placed_boxes.add(box)
     if not hosts:
         return
-    for job, array in zip(owners, [jax.device_put(h, d) for h, d in zip(hosts, devices)]):
+    for job, array in zip(owners, jax.device_put(hosts, devices)):
         job.placed.append(array)
 
 

@@ -42,6 +42,7 @@ from objckpt.tree import build, flatten_target, unflatten_target
 log = logging.getLogger("objckpt")
 
 
+@_runtime.collection_paused()
 def restore(
     url: str,
     target: Any = None,
