@@ -261,16 +261,7 @@ class FsspecStore(Store):
         reader = self._range_reader
         if reader is None or end <= start:
             return await super().get_range_streamed(key, start=start, end=end, sink=sink)
-        return await stream_range(
-            reader,
-            key=key,
-            path=self._path(key),
-            url=self._url(key),
-            start=start,
-            end=end,
-            sink=sink,
-            timeout=self.request_timeout,
-        )
+        return await stream_range(reader, self, key, start=start, end=end, sink=sink)
 
     async def head(self, key: str) -> ObjectInfo:
         _check_relative(key, "key", allow_empty=False, allow_partial=False)

@@ -32,6 +32,7 @@ import socket
 import ssl
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from objckpt.errors import ObjectNotFoundError, StoreError, StorePermissionError, TransientStoreError
@@ -254,17 +255,29 @@ def status_error(status: int, code: str, what: str) -> StoreError:
     return StoreError(message)
 
 
+class StreamingStore(Protocol):
+    """What :func:`stream_range` needs of a store that holds an :class:`HttpRangeReader`."""
+
+    request_timeout: float
+
+    def _path(self, key: str) -> str: ...
+
+    def _url(self, key: str) -> str: ...
+
+
 async def stream_range(
-    reader: HttpRangeReader, *, key: str, path: str, url: str, start: int, end: int, sink: ReadSink, timeout: float
+    reader: HttpRangeReader, store: StreamingStore, key: str, *, start: int, end: int, sink: ReadSink
 ) -> int:
     """A store's ``get_range_streamed`` through ``reader``: bytes ``[start, end)`` of ``key``
-    (object ``path`` to the reader, ``url`` in messages), under the store's request
+    (the store's object path to the reader, its URL in messages), under the store's request
     timeout (a :class:`TransientStoreError` past it)."""
     check_relative(key, "key", allow_empty=False, allow_partial=False)
+    url = store._url(key)
     if start < 0:
         raise ValueError(f"invalid byte range start {start} for {url}")
     what = f"get {url} bytes [{start}, {end})"
+    timeout = store.request_timeout
     try:
-        return await asyncio.wait_for(reader.read_streamed(path, start, end - start, sink, what), timeout)
+        return await asyncio.wait_for(reader.read_streamed(store._path(key), start, end - start, sink, what), timeout)
     except TimeoutError as exc:
         raise TransientStoreError(f"{what} timed out after {timeout:g} s") from exc

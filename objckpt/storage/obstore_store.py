@@ -209,16 +209,7 @@ class ObstoreStore(Store):
         reader = self._range_reader
         if reader is None or end <= start:
             return await super().get_range_streamed(key, start=start, end=end, sink=sink)
-        return await stream_range(
-            reader,
-            key=key,
-            path=self._path(key),
-            url=self._url(key),
-            start=start,
-            end=end,
-            sink=sink,
-            timeout=self.request_timeout,
-        )
+        return await stream_range(reader, self, key, start=start, end=end, sink=sink)
 
     def response_phase(self) -> int | None:
         return malloc_phase()  # obstore's buffers come from the Rust (system) allocator
