@@ -22,10 +22,10 @@ from objckpt.plan import Index, OwnedPiece
 Box = tuple[Index, Index]
 
 
-def index_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
-    """A tuple of slices (as JAX's sharding maps give) → an explicit ``(start, stop)`` box."""
+def index_to_box(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> Box:
+    """A tuple of slices (as JAX's sharding maps give; None: the whole array) → an explicit ``(start, stop)`` box."""
     start, stop = [], []
-    for s, n in zip(index, shape):
+    for s, n in zip(index if index is not None else (slice(None),) * len(shape), shape):
         a, b, step = s.indices(n)
         if step != 1:
             raise ValueError(f"strided shard index {s} is not supported")
@@ -121,8 +121,7 @@ def needed_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dic
     """Unique boxes this process needs for ``sharding``, each with its local devices."""
     boxes: dict[Box, list[Any]] = defaultdict(list)
     for device, index in sharding.addressable_devices_indices_map(shape).items():
-        full = tuple(slice(None) for _ in shape)
-        boxes[index_to_box(index if index is not None else full, shape)].append(device)
+        boxes[index_to_box(index, shape)].append(device)
     return boxes
 
 

@@ -2,12 +2,16 @@
 
 Restore reads pieces in any order, on several threads; a leaf's state here
 says which target boxes this process fills, which host buffers exist, how many
-pieces each box still waits for, and turns complete boxes into device arrays
-as soon as they are whole, so host memory follows progress.
+pieces each box still waits for, and turns its boxes into device arrays: a
+large leaf box by box as soon as each is whole, so host memory follows
+progress; a small one all at once when it is complete, because placing arrays
+one at a time costs per array (a small model has ~2,400 of them).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,14 +20,23 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from objckpt._memory import aligned_zeros
-from objckpt.arrays import Box, needed_boxes
+from objckpt._memory import aligned_empty, aligned_zeros
+from objckpt.arrays import Box, index_to_box, needed_boxes
 from objckpt.dtypes import dtype_from_name
 from objckpt.errors import TargetMismatchError
 from objckpt.format import LeafEntry, Piece
 from objckpt.plan import ReadRequest, intersect
 from objckpt.read_once import designate
 from objckpt.read_once import supported as read_once_supported
+
+#: A sharded leaf with more bytes than this on this process goes to its devices
+#: box by box as boxes complete; a smaller one in one transfer when it is done.
+#: Measured on a small model (2,352 device arrays from 294 leaves): 0.20 s as
+#: batched per-box ``jax.device_put`` against 0.05 s as one
+#: ``jax.make_array_from_callback`` per leaf. Holding a small leaf's host
+#: buffers until it completes costs nothing on the CPU backend (the buffers
+#: become the device arrays) and at most this much per leaf elsewhere.
+WHOLE_LEAF_BYTES = 16 << 20
 
 
 @dataclass
@@ -46,8 +59,14 @@ class LeafJob:
 
     @property
     def places_boxes(self) -> bool:
-        """Plain sharded leaves go to their devices box by box, freeing host memory early."""
+        """Plain sharded leaves go to their devices box by box (each box's own array)."""
         return self.sharding is not None and self.designated is None
+
+    @functools.cached_property
+    def places_early(self) -> bool:
+        """Whether complete boxes go to their devices before the leaf is done (see :data:`WHOLE_LEAF_BYTES`)."""
+        local_bytes = sum(math.prod(b - a for a, b in zip(*box)) for box in self.read_boxes) * self.dtype.itemsize
+        return self.places_boxes and local_bytes > WHOLE_LEAF_BYTES
 
     @property
     def read_boxes(self) -> list[Box]:
@@ -132,17 +151,22 @@ def meets_of(job: LeafJob, piece: Piece) -> list[tuple[Box, Box]]:
     return job.meets[(piece.start, piece.stop)]
 
 
-def allocate(job: LeafJob, boxes: list[Box] | None = None) -> None:
+def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool = False) -> None:
     """Host buffers for ``boxes`` of a leaf (all it reads by default), made only when needed.
 
-    Made when the first piece for a box lands and, for plain sharded leaves, freed
-    as soon as the box is complete, so host memory follows progress.
+    Made when the first piece for a box lands and, for large sharded leaves, freed
+    as soon as the box is complete, so host memory follows progress. With
+    ``for_pieces`` the buffers are left uncleared: the saved pieces tile each leaf
+    exactly (checked when the manifest is parsed), a box is placed only once
+    every piece that meets it has landed, and a failed read fails the restore,
+    so every byte is written before it can be read.
     """
     if job.done:
         return
+    make = aligned_empty if for_pieces else aligned_zeros
     for box in job.read_boxes if boxes is None else boxes:
         if box not in job.buffers:
-            job.buffers[box] = aligned_zeros(tuple(b - a for a, b in zip(*box)), job.dtype)
+            job.buffers[box] = make(tuple(b - a for a, b in zip(*box)), job.dtype)
 
 
 def place_boxes(done: list[tuple[LeafJob, Box]]) -> None:
@@ -182,7 +206,7 @@ def complete(request: ReadRequest, jobs: dict[int, LeafJob], lock: threading.Loc
     with lock:
         for part in request.parts:
             job = jobs[part.leaf]
-            if job.places_boxes:
+            if job.places_early:
                 for box, _ in meets_of(job, part.piece):
                     job.box_remaining[box] -= 1
                     if job.box_remaining[box] == 0:
@@ -202,6 +226,8 @@ def complete(request: ReadRequest, jobs: dict[int, LeafJob], lock: threading.Loc
 def finish(job: LeafJob) -> None:
     """Turn a leaf's filled buffers into its final value and free them."""
     entry = job.entry
+    if job.places_boxes:  # a box that no piece fills (it has no elements) starts as zeros
+        allocate(job, [box for box in job.devices_by_box if box not in job.buffers and box not in job.placed_boxes])
     buffers = job.buffers
     if job.out_dtype is not None and job.out_dtype != job.dtype:
         buffers = {box: b.astype(job.out_dtype) for box, b in buffers.items()}
@@ -217,12 +243,16 @@ def finish(job: LeafJob) -> None:
                     host = aligned_zeros(tuple(b - a for a, b in zip(*box)), out_dtype)
                 singles.append(jax.device_put(host, device))
         job.result = jax.make_array_from_single_device_arrays(entry.shape or (), job.sharding, singles)
-    elif job.sharding is not None:
-        empty = [box for box in job.devices_by_box if box not in job.placed_boxes]  # not placed yet
-        allocate(job, empty)
-        place_boxes([(job, box) for box in empty])
+    elif job.places_early:
+        assert job.sharding is not None
+        place_boxes([(job, box) for box in list(job.buffers)])  # the boxes with no elements
         job.result = jax.make_array_from_single_device_arrays(entry.shape or (), job.sharding, job.placed)
         job.placed = []
+    elif job.sharding is not None:  # one transfer for the whole leaf
+        shape = entry.shape or ()
+        job.result = jax.make_array_from_callback(
+            shape, job.sharding, lambda index: buffers[index_to_box(index, shape)]
+        )
     else:
         (value,) = buffers.values()
         if entry.prng_impl is not None:

@@ -275,7 +275,7 @@ def _land(request: ReadRequest, data: memoryview, jobs: dict[int, LeafJob], url:
         adopted = _adoptable(request, data, jobs)
         for k, part in enumerate(request.parts):
             if k not in adopted:
-                allocate(jobs[part.leaf], [box for box, _ in meets_of(jobs[part.leaf], part.piece)])
+                allocate(jobs[part.leaf], [box for box, _ in meets_of(jobs[part.leaf], part.piece)], for_pieces=True)
     _scatter(request, data, jobs, url, adopted)
     complete(request, jobs, lock)
 

@@ -161,7 +161,7 @@ class ScatterSink:
         meets = meets_of(job, piece)
         if position == max(part.offset, self.span[0]):
             with self.lock:
-                allocate(job, [box for box, _ in meets])
+                allocate(job, [box for box, _ in meets], for_pieces=True)
         self._crc = crc32c(data, self._crc)
         planned_position, axis, length = self._planned
         if planned_position != position or length != len(data):

@@ -82,9 +82,9 @@ def test_restore_from_s3_adopts_large_responses_without_a_copy(s3_store, monkeyp
     allocated: list[str] = []
     real_allocate = restore_module.allocate
 
-    def counting_allocate(job, boxes=None):
+    def counting_allocate(job, boxes=None, **kwargs):
         allocated.extend(job.entry.path for _ in (boxes if boxes is not None else job.read_boxes))
-        return real_allocate(job, boxes)
+        return real_allocate(job, boxes, **kwargs)
 
     monkeypatch.setattr(restore_module, "allocate", counting_allocate)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -252,33 +252,67 @@ def test_copied_reads_coalesce_up_to_a_blob_only_when_streamed(s3_store, monkeyp
     assert requests["1"] < requests["0"], requests
 
 
-def test_complete_boxes_go_to_their_devices_in_batched_transfers(monkeypatch):
-    """Many small leaves (a small model): boxes are placed one batch per read, not one
-    ``device_put`` per box, and still land exact on their devices."""
+def _many_small_leaves(url: str) -> tuple[dict, dict]:
+    """60 small leaves over 8 devices (a small model in miniature), saved at ``url``."""
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     rng = np.random.default_rng(12)
     values = {f"w{i:02d}": rng.standard_normal((32, 16), dtype=np.float32) for i in range(30)}
     values.update({f"b{i:02d}": rng.standard_normal((16,), dtype=np.float32) for i in range(30)})
     shardings = {k: NamedSharding(mesh, P("data", "model") if v.ndim == 2 else P()) for k, v in values.items()}
-    url = "memory://restore-buffers/batched"
     objckpt.save(url, {k: jax.device_put(v, shardings[k]) for k, v in values.items()})
+    return values, shardings
+
+
+def _count_placements(monkeypatch) -> dict[str, list[int]]:
+    """Record restore's transfers to devices: per-box ``device_put`` calls (arrays in each)
+    and whole-leaf ``make_array_from_callback`` calls."""
     leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
-    calls = []
-    real = leaf_jobs.jax.device_put
+    calls: dict[str, list[int]] = {"device_put": [], "whole_leaf": []}
+    real_put, real_whole = leaf_jobs.jax.device_put, leaf_jobs.jax.make_array_from_callback
 
-    def counting(x, device=None, **kwargs):
-        calls.append(len(x) if isinstance(x, list) else 1)
-        return real(x, device, **kwargs)
+    def counting_put(x, device=None, **kwargs):
+        calls["device_put"].append(len(x) if isinstance(x, list) else 1)
+        return real_put(x, device, **kwargs)
 
-    monkeypatch.setattr(leaf_jobs.jax, "device_put", counting)
-    stats = objckpt.TransferStats()
+    def counting_whole(shape, sharding, callback, *args, **kwargs):
+        calls["whole_leaf"].append(1)
+        return real_whole(shape, sharding, callback, *args, **kwargs)
+
+    monkeypatch.setattr(leaf_jobs.jax, "device_put", counting_put)
+    monkeypatch.setattr(leaf_jobs.jax, "make_array_from_callback", counting_whole)
+    return calls
+
+
+def test_small_leaves_go_to_their_devices_in_one_transfer_each(monkeypatch):
+    """A small model: each small leaf is placed whole, in one transfer, once it is
+    complete (not box by box), and lands exact on its devices."""
+    values, shardings = _many_small_leaves("memory://restore-buffers/whole")
+    calls = _count_placements(monkeypatch)
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in values.items()}
-    out = objckpt.restore(url, target, stats=stats)
+    out = objckpt.restore("memory://restore-buffers/whole", target)
     for k, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
         assert out[k].sharding == shardings[k]
-    assert sum(calls) == 30 * 8 + 30 * 8  # every device of every box
-    assert len(calls) <= stats.requests, f"{len(calls)} device_put calls for {stats.requests} reads"
+        assert len(out[k].addressable_shards) == 8
+    assert calls == {"device_put": [], "whole_leaf": [1] * 60}, calls
+
+
+def test_large_leaves_go_box_by_box_in_batched_transfers(monkeypatch):
+    """Leaves over ``WHOLE_LEAF_BYTES`` are placed as their boxes complete: one
+    batched ``device_put`` per read at most, never one per box, and exact."""
+    leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
+    monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 0)  # every leaf here is "large"
+    values, shardings = _many_small_leaves("memory://restore-buffers/batched")
+    calls = _count_placements(monkeypatch)
+    stats = objckpt.TransferStats()
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in values.items()}
+    out = objckpt.restore("memory://restore-buffers/batched", target, stats=stats)
+    for k, v in values.items():
+        np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
+        assert out[k].sharding == shardings[k]
+    assert calls["whole_leaf"] == []
+    assert sum(calls["device_put"]) == 30 * 8 + 30 * 8  # every device of every box
+    assert len(calls["device_put"]) <= stats.requests, f"{calls} for {stats.requests} reads"
 
 
 def test_restore_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
