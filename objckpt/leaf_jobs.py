@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from objckpt._memory import aligned_empty, aligned_zeros
+from objckpt._memory import aligned_arrays, aligned_zeros
 from objckpt.arrays import Box, index_to_box, needed_boxes
 from objckpt.dtypes import dtype_from_name
 from objckpt.errors import TargetMismatchError
@@ -56,6 +56,7 @@ class LeafJob:
     meets: dict[Box, list[tuple[Box, Box]]] = field(default_factory=dict)  # piece → (box, piece ∩ box) per box it meets
     placed: list[jax.Array] = field(default_factory=list)  # single-device arrays of finished boxes
     placed_boxes: set[Box] = field(default_factory=set)
+    assembled: list[Box] = field(default_factory=list)  # boxes no single saved piece equals (never adopted)
 
     @property
     def places_boxes(self) -> bool:
@@ -143,6 +144,8 @@ def plan_pieces(job: LeafJob) -> list[Piece]:
                 job.box_remaining[box] += 1
             needed.append(piece)
     job.remaining = len(needed)
+    exact = {(piece.start, piece.stop) for piece in needed}
+    job.assembled = [box for box in boxes if box not in exact and job.box_remaining[box]]
     return needed
 
 
@@ -163,10 +166,19 @@ def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool =
     """
     if job.done:
         return
-    make = aligned_empty if for_pieces else aligned_zeros
-    for box in job.read_boxes if boxes is None else boxes:
-        if box not in job.buffers:
-            job.buffers[box] = make(tuple(b - a for a, b in zip(*box)), job.dtype)
+    missing = [box for box in (job.read_boxes if boxes is None else boxes) if box not in job.buffers]
+    if not missing:
+        return
+    shapes = [tuple(b - a for a, b in zip(*box)) for box in missing]
+    if job.places_early:  # a buffer per box, each freed once its box is placed
+        for box, shape in zip(missing, shapes):
+            (job.buffers[box],) = aligned_arrays([shape], job.dtype, zeroed=not for_pieces)
+        return
+    if for_pieces:  # a small leaf: every box that pieces assemble, in one buffer
+        more = [box for box in job.assembled if box not in job.buffers and box not in missing]
+        missing += more
+        shapes += [tuple(b - a for a, b in zip(*box)) for box in more]
+    job.buffers.update(zip(missing, aligned_arrays(shapes, job.dtype, zeroed=not for_pieces)))
 
 
 def place_boxes(done: list[tuple[LeafJob, Box]]) -> None:

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt import _runtime
-from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros, host_buffer
+from objckpt._memory import DEVICE_ALIGNMENT, aligned_arrays, aligned_zeros, host_buffer
 from objckpt.format import MANIFEST_KEY, parse_manifest
 from objckpt.plan import ALIGN, SPACER
 from objckpt.storage import from_url
@@ -37,6 +37,56 @@ def test_host_buffers_are_zeroed_and_aligned():
         assert not buf.any()
     arr = aligned_zeros((3, 5, 7), np.dtype(np.float32))
     assert arr.shape == (3, 5, 7) and arr.flags.c_contiguous and arr.ctypes.data % DEVICE_ALIGNMENT == 0
+
+
+def test_arrays_cut_from_one_buffer_are_aligned_and_disjoint():
+    shapes = [(3, 5), (0,), (7,), (2, 2, 2), ()]
+    arrays = aligned_arrays(shapes, np.dtype(np.float32))
+    for shape, arr in zip(shapes, arrays):
+        assert arr.shape == shape and arr.flags.c_contiguous and arr.flags.writeable
+        assert arr.ctypes.data % DEVICE_ALIGNMENT == 0 and not arr.any()
+    for k, arr in enumerate(arrays):
+        arr[...] = k + 1
+    for k, arr in enumerate(arrays):
+        assert (arr == k + 1).all()  # no array overlaps another
+
+
+@pytest.mark.parametrize("where", ["s3", "memory"])
+def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where, s3_store, monkeypatch):
+    """Buffers that saved pieces fill are not cleared first: poison them and check that
+    a restore onto another sharding (small leaves in one buffer each, large ones box
+    by box; streamed from S3, buffered from memory) overwrites every byte."""
+    leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
+    real = leaf_jobs.aligned_arrays
+    uncleared = []
+
+    def poisoned(shapes, dtype, *, zeroed=True):
+        arrays = real(shapes, dtype, zeroed=zeroed)
+        if not zeroed:
+            for arr in arrays:
+                arr.view(np.uint8)[...] = 0xFF  # a NaN in every float
+            uncleared.extend(arrays)
+        return arrays
+
+    monkeypatch.setattr(leaf_jobs, "aligned_arrays", poisoned)
+    monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 1 << 20)  # "w" and "v" are placed box by box
+    tree, values = _big_tree()
+    rng = np.random.default_rng(5)
+    for i in range(6):  # and some small leaves, each placed whole
+        values[f"s{i}"] = rng.standard_normal((64, 48), dtype=np.float32)
+        tree[f"s{i}"] = jax.device_put(values[f"s{i}"], tree["w"].sharding)
+    url = s3_store.url if where == "s3" else "memory://restore-buffers/poisoned"
+    options = s3_store.storage_options if where == "s3" else None
+    objckpt.save(url, tree, storage_options=options)
+    other = jax.make_mesh((2, 4), ("x", "y"))
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P("x", "y") if v.ndim == 2 else P()))
+        for k, v in values.items()
+    }
+    out = objckpt.restore(url, target, storage_options=options)
+    assert len(uncleared) > 8
+    for k, v in values.items():
+        np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
 
 
 def test_large_host_buffers_are_private_mappings():
