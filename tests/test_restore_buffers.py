@@ -9,6 +9,9 @@ check that it never reads a byte of a piece it was not asked for.
 from __future__ import annotations
 
 import importlib
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -87,6 +90,16 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
     assert len(uncleared) > 8
     for k, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
+
+
+def test_malloc_tuning_reaches_glibc():
+    """The mmap threshold is fixed through the libc already loaded (no ldconfig subprocess):
+    on glibc the call must succeed, or freed response buffers stay in RSS."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    code = "from objckpt._memory import tune_malloc; print(tune_malloc(), tune_malloc())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]  # set once per process
 
 
 def test_large_host_buffers_are_private_mappings():
