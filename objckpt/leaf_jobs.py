@@ -60,7 +60,8 @@ class LeafJob:
 
     @property
     def places_boxes(self) -> bool:
-        """Plain sharded leaves go to their devices box by box (each box's own array)."""
+        """Plain sharded leaves: each box's buffer becomes its devices' arrays (placed as it
+        completes, or with the whole leaf, see :attr:`places_early`)."""
         return self.sharding is not None and self.designated is None
 
     @functools.cached_property
@@ -207,8 +208,8 @@ def place_boxes(done: list[tuple[LeafJob, Box]]) -> None:
 
 
 def complete(request: ReadRequest, jobs: dict[int, LeafJob], lock: threading.Lock) -> None:
-    """Count a read's pieces as landed: put each box it completes on its devices,
-    then finish each leaf it completes.
+    """Count a read's pieces as landed: put each box of a large leaf it completes on
+    its devices, then finish each leaf it completes (a small leaf goes whole then).
 
     ``lock`` guards the counters, which responses on other threads share; a
     part is counted done only after its boxes are placed, so a leaf is never
