@@ -170,15 +170,13 @@ def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool =
     missing = [box for box in (job.read_boxes if boxes is None else boxes) if box not in job.buffers]
     if not missing:
         return
+    if for_pieces and not job.places_early:  # a small leaf: every box that pieces assemble, in one buffer
+        missing += [box for box in job.assembled if box not in job.buffers and box not in missing]
     shapes = [tuple(b - a for a, b in zip(*box)) for box in missing]
     if job.places_early:  # a buffer per box, each freed once its box is placed
         for box, shape in zip(missing, shapes):
             (job.buffers[box],) = aligned_arrays([shape], job.dtype, zeroed=not for_pieces)
         return
-    if for_pieces:  # a small leaf: every box that pieces assemble, in one buffer
-        more = [box for box in job.assembled if box not in job.buffers and box not in missing]
-        missing += more
-        shapes += [tuple(b - a for a, b in zip(*box)) for box in more]
     job.buffers.update(zip(missing, aligned_arrays(shapes, job.dtype, zeroed=not for_pieces)))
 
 
