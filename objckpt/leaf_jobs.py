@@ -25,7 +25,7 @@ from objckpt.arrays import Box, index_to_box, needed_boxes
 from objckpt.dtypes import dtype_from_name
 from objckpt.errors import TargetMismatchError
 from objckpt.format import LeafEntry, Piece
-from objckpt.plan import ReadRequest, intersect
+from objckpt.plan import BoxIndex, ReadRequest
 from objckpt.read_once import designate
 from objckpt.read_once import supported as read_once_supported
 
@@ -134,11 +134,12 @@ def plan_pieces(job: LeafJob) -> list[Piece]:
     box again (a small model has ~1,300 pieces).
     """
     boxes = job.read_boxes
+    index = BoxIndex(boxes)
     job.box_remaining = {box: 0 for box in boxes}
     job.meets = {}
     needed = []
     for piece in job.entry.pieces:
-        meets = [(box, overlap) for box in boxes if (overlap := intersect(piece.start, piece.stop, *box)) is not None]
+        meets = index.meeting(piece.start, piece.stop)
         if meets:
             job.meets[(piece.start, piece.stop)] = meets
             for box, _ in meets:

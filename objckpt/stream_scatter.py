@@ -4,8 +4,9 @@ A restore onto another sharding copies every byte it reads: each saved piece
 is cut into the target boxes it overlaps, in runs as short as a row of the
 overlap. :class:`ScatterSink` takes the read's body a few MiB at a time
 (``Store.get_range_streamed``), each time whole rows of one piece (a *slab*,
-itself a box), extends that piece's crc32c over them and copies the slab
-into the boxes it meets. Why: see :mod:`objckpt.storage.streaming`.
+itself a box) or several whole small pieces, extends each piece's crc32c over
+them and copies them into the boxes they meet. Why: see
+:mod:`objckpt.storage.streaming`.
 
 Bytes reach the target buffers before their piece's checksum is complete.
 That is safe because a mismatch fails the whole restore (the buffers are
@@ -144,44 +145,88 @@ class ScatterSink:
         part = self._current(position)
         if part is None or position < part.offset:  # after the last piece, or a gap before one
             return limit if part is None else min(part.offset - position, limit)
-        itemsize = self.jobs[part.leaf].dtype.itemsize
         at = position - part.offset
+        if at == 0 and part.piece.length <= limit:
+            return self._whole_pieces(position, limit)
+        itemsize = self.jobs[part.leaf].dtype.itemsize
         axis, length = _slab(part.piece.shape, itemsize, at, min(limit, part.piece.length - at))
         self._planned = (position, axis, length)
         return length
 
+    def _whole_pieces(self, position: int, limit: int) -> int:
+        """Bytes from ``position`` (where the current part starts) to the end of the last
+        part after it that still fits in ``limit``: small pieces are handed over many at a
+        time (one receive of 2 MiB instead of ~40 of 48 KiB, each a trip through the socket
+        and the GIL)."""
+        end = position
+        for part in self._parts[self._k :]:
+            part_end = part.offset + part.piece.length
+            if part_end - position > limit:
+                break
+            end = part_end
+        return end - position
+
     def receive(self, offset: int, data: memoryview) -> None:
-        position = self.span[0] + offset
-        part = self._current(position)
-        if part is None or position < part.offset:
+        base = self.span[0] + offset  # where data starts in the read's body
+        position, end = base, base + len(data)
+        while position < end:
+            part = self._current(position)
+            if part is None or part.offset >= end:
+                return
+            if position < part.offset:  # a gap before the part: bytes of no piece
+                position = part.offset
+                continue
+            piece = part.piece
+            if position == part.offset and piece.length <= end - position:
+                self._receive_whole(part, data[position - base : position - base + piece.length])
+                position += piece.length
+                continue
+            self._receive_slab(part, position, data[position - base :])
             return
+
+    def _receive_whole(self, part: ReadPart, data: memoryview) -> None:
+        """A whole piece in one go: check it and copy it into each box it meets."""
+        piece = part.piece
+        job = self.jobs[part.leaf]
+        meets = self._allocated(part)
+        self._crc = crc32c(data)
+        _copy(job, meets, np.frombuffer(data, dtype=job.dtype).reshape(piece.shape), piece.start)
+        self._end_part(part)
+
+    def _receive_slab(self, part: ReadPart, position: int, data: memoryview) -> None:
+        """Whole rows of one piece (a slab along some axis), the rest of this receive."""
         piece = part.piece
         job = self.jobs[part.leaf]
         at = position - part.offset
-        meets = meets_of(job, piece)
         if position == max(part.offset, self.span[0]):
-            with self.lock:
-                allocate(job, [box for box, _ in meets], for_pieces=True)
+            meets = self._allocated(part)
+        else:
+            meets = meets_of(job, piece)
         self._crc = crc32c(data, self._crc)
         planned_position, axis, length = self._planned
         if planned_position != position or length != len(data):
             axis, length = _slab(piece.shape, job.dtype.itemsize, at, len(data))
             if length != len(data):
                 raise ValueError(f"{len(data)} bytes at byte {at} of a piece of leaf {job.entry.path} are not a slab")
-        whole = length == piece.length  # most small pieces: the slab is the piece
-        start, stop = (
-            (piece.start, piece.stop)
-            if whole
-            else _slab_box(piece.start, piece.shape, job.dtype.itemsize, at, axis, length)
-        )
+        start, stop = _slab_box(piece.start, piece.shape, job.dtype.itemsize, at, axis, length)
         source = np.frombuffer(data, dtype=job.dtype).reshape(tuple(b - a for a, b in zip(start, stop)))
-        for box, in_piece in meets:
-            overlap = in_piece if whole else intersect(start, stop, *in_piece)
-            if overlap is not None:
-                target = job.buffers[box]
-                target[box_to_slices(*overlap, origin=box[0])] = source[box_to_slices(*overlap, origin=start)]
+        overlaps = [(box, overlap) for box, in_piece in meets if (overlap := intersect(start, stop, *in_piece))]
+        _copy(job, overlaps, source, start)
         if position + len(data) == min(part.offset + piece.length, self.span[1]):
             self._end_part(part)
+
+    def _allocated(self, part: ReadPart) -> list[tuple[Box, Box]]:
+        """The boxes a part meets (with their overlaps), their buffers made if missing.
+
+        Looked at without the lock first: a box's buffer, once made, stays until
+        the box is complete, which needs this very part.
+        """
+        job = self.jobs[part.leaf]
+        meets = meets_of(job, part.piece)
+        if not all(box in job.buffers for box, _ in meets):
+            with self.lock:
+                allocate(job, [box for box, _ in meets], for_pieces=True)
+        return meets
 
     def _current(self, position: int) -> ReadPart | None:
         """The part that ``position`` falls in or precedes (None: past the last)."""
@@ -203,6 +248,12 @@ class ScatterSink:
             self.shared[id(part)] = (begins, ends - begins, self._crc)
         self._k += 1
         self._crc = 0
+
+
+def _copy(job: LeafJob, overlaps: list[tuple[Box, Box]], source: np.ndarray, origin: tuple[int, ...]) -> None:
+    """Copy each (box, overlap) of ``source`` (whose first element sits at ``origin``) into that box's buffer."""
+    for box, (start, stop) in overlaps:
+        job.buffers[box][box_to_slices(start, stop, origin=box[0])] = source[box_to_slices(start, stop, origin=origin)]
 
 
 def _check_shared_parts(request: ReadRequest, sinks: list[ScatterSink], jobs: dict[int, LeafJob], url: str) -> None:

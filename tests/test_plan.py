@@ -13,6 +13,7 @@ from objckpt.plan import (
     PACKING_SLACK,
     SPACED_MIN,
     SPACER,
+    BoxIndex,
     OwnedPiece,
     blob_key,
     intersect,
@@ -99,6 +100,52 @@ def test_intersect():
 
 def _piece(blob, offset, length):
     return Piece((0,), (length,), blob, offset, length, 0)
+
+
+def _grid(shape, cuts):
+    """Every box of ``shape`` cut at ``cuts`` (sorted inner cut points per axis)."""
+    edges = [[0, *c, n] for c, n in zip(cuts, shape)]
+    return [
+        (tuple(e[k] for e, k in zip(edges, ks)), tuple(e[k + 1] for e, k in zip(edges, ks)))
+        for ks in itertools.product(*(range(len(e) - 1) for e in edges))
+    ]
+
+
+def _brute_force(boxes, start, stop):
+    return sorted((box, o) for box in boxes if (o := intersect(start, stop, *box)) is not None)
+
+
+def test_box_index_finds_exactly_the_boxes_a_box_meets():
+    """Against testing every box: grids (bisected) and boxes that are no grid (tested one by one)."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        ndim = int(rng.integers(0, 4))
+        shape = tuple(int(n) for n in rng.integers(1, 12, ndim))
+        cuts = [sorted({int(c) for c in rng.integers(1, n, rng.integers(0, 3))}) if n > 1 else [] for n in shape]
+        boxes = _grid(shape, cuts)
+        rng.shuffle(boxes)
+        if rng.random() < 0.3 and len(boxes) > 1:
+            boxes = boxes[: len(boxes) // 2]  # a subset, as read-once leaves: no longer a grid
+        index = BoxIndex([tuple(map(tuple, b)) for b in boxes])
+        for _ in range(10):
+            a = tuple(int(rng.integers(0, n)) for n in shape)
+            b = tuple(int(rng.integers(x + 1, n + 1)) for x, n in zip(a, shape))
+            assert sorted(index.meeting(a, b)) == _brute_force(boxes, a, b)
+
+
+def test_box_index_bisects_a_grid_and_tests_others_one_by_one():
+    grid = _grid((8, 6), [[2, 4, 6], [3]])
+    assert BoxIndex(grid)._axes == [([0, 2, 4, 6], [2, 4, 6, 8]), ([0, 3], [3, 6])]
+    assert BoxIndex(grid).meeting((1, 2), (3, 4)) == [
+        (((0, 0), (2, 3)), ((1, 2), (2, 3))),
+        (((0, 3), (2, 6)), ((1, 3), (2, 4))),
+        (((2, 0), (4, 3)), ((2, 2), (3, 3))),
+        (((2, 3), (4, 6)), ((2, 3), (3, 4))),
+    ]
+    assert BoxIndex(grid[:-1])._axes is None  # a combination missing
+    assert BoxIndex([((0,), (4,)), ((2,), (6,))])._axes is None  # overlapping intervals
+    assert BoxIndex([((), ())]).meeting((), ()) == [(((), ()), ((), ()))]  # a scalar's one box
+    assert BoxIndex([]).meeting((0,), (1,)) == []
 
 
 def test_plan_reads_coalesces_adjacent_only_by_default():

@@ -31,9 +31,8 @@ from objckpt.storage import from_url
 from objckpt.storage.fsspec_store import FsspecStore
 
 
-@pytest.fixture
-def streaming(monkeypatch):
-    """Memory stores stream, 1 KiB at a time."""
+def streamed_stores(monkeypatch):
+    """Memory stores stream (in the library's pieces unless STREAM_PIECE is patched too)."""
     real_init = FsspecStore.__init__
 
     def init(self, *args, **kwargs):
@@ -41,6 +40,12 @@ def streaming(monkeypatch):
         self.streams_reads = True  # with no reader: the default get_range_streamed hands bodies over
 
     monkeypatch.setattr(FsspecStore, "__init__", init)
+
+
+@pytest.fixture
+def streaming(monkeypatch):
+    """Memory stores stream, 1 KiB at a time."""
+    streamed_stores(monkeypatch)
     monkeypatch.setattr(store_base, "STREAM_PIECE", 1024)
     monkeypatch.setattr(stream_scatter, "STREAM_PIECE", 1024)
     calls: list[tuple[str, int, int]] = []
@@ -134,6 +139,61 @@ def test_a_stream_cut_short_is_retried_from_the_start(memory_store, streaming, m
     out = objckpt.restore(memory_store.url, _resharded_target(tree), stats=stats)
     assert failed and stats.retries >= 1
     assert_tree_bit_exact(tree, out)
+
+
+def _small_leaves():
+    """Leaves of a few KiB, packed many to a blob with alignment gaps between them."""
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    return {
+        f"w{i:02d}": jax.device_put(
+            random_array((8 + 4 * (i % 3), 36), np.float32, 20 + i), NamedSharding(mesh, P("x", "y"))
+        )
+        for i in range(24)
+    }
+
+
+def _small_target(tree):
+    other = jax.make_mesh((2, 4), ("a", "b"))
+    return {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P("a", "b"))) for k, v in tree.items()
+    }
+
+
+def test_small_pieces_are_received_many_at_a_time(memory_store, monkeypatch):
+    """With the library's piece size, one receive carries many whole pieces and the gaps
+    between them; each is still checked and scattered on its own."""
+    streamed_stores(monkeypatch)
+    sizes: list[int] = []
+    real = stream_scatter.ScatterSink.receive
+
+    def recording(self, offset, data):
+        sizes.append(len(data))
+        return real(self, offset, data)
+
+    monkeypatch.setattr(stream_scatter.ScatterSink, "receive", recording)
+    tree = _small_leaves()
+    objckpt.save(memory_store.url, tree)
+    manifest = parse_manifest(_runtime.run_sync(from_url(memory_store.url).get(MANIFEST_KEY)), size_limit=1 << 30)
+    pieces = [p for leaf in manifest.leaves for p in leaf.pieces]
+    out = objckpt.restore(memory_store.url, _small_target(tree))
+    assert_tree_bit_exact(tree, out)
+    assert len(sizes) < len(pieces) // 4, "small pieces were received one by one"
+    assert max(sizes) > 8 * max(p.length for p in pieces)
+
+
+def test_a_corrupt_byte_among_many_pieces_received_at_once_is_named(memory_store, monkeypatch):
+    streamed_stores(monkeypatch)
+    tree = _small_leaves()
+    objckpt.save(memory_store.url, tree)
+    store = from_url(memory_store.url)
+    manifest = parse_manifest(_runtime.run_sync(store.get(MANIFEST_KEY)), size_limit=1 << 30)
+    (entry,) = [leaf for leaf in manifest.leaves if leaf.path == "['w13']"]
+    piece = entry.pieces[1]
+    data = bytearray(_runtime.run_sync(store.get(piece.blob)))
+    data[piece.offset + 5] ^= 0x01
+    _runtime.run_sync(store.put(piece.blob, bytes(data)))
+    with pytest.raises(objckpt.IntegrityError, match=r"\['w13'\].*" + piece.blob):
+        objckpt.restore(memory_store.url, _small_target(tree))
 
 
 def test_spans_are_cut_between_rows_of_a_piece(memory_store):
