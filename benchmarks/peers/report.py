@@ -1,0 +1,259 @@
+"""The report of a peers run: medians and ratios per cell, the targets checked, the markdown tables.
+
+Kept apart from ``benchmarks/bench_peers.py``, which runs the measurements: these
+functions read only the samples, so a finished run's JSON can be summarized again
+(``summarize(json.load(f)["samples"])``) after a change to the report alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from benchmarks.peers import SYSTEMS, workloads
+from benchmarks.peers.common import BLOB_SIZE, CONCURRENCY
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians and min–max per (store, profile, workload, system, phase), ratios, target checks."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    skipped: dict[tuple, str] = {}
+    errors: dict[tuple, list[str]] = {}
+    for row in rows:
+        key = (row["store"], row["profile_ms"], row["workload"], row["system"], row["phase"])
+        if "skipped" in row:
+            skipped[key] = row["skipped"]
+        elif "error" in row:
+            errors.setdefault(key, []).append(row["error"])
+        else:
+            groups.setdefault(key, []).append(row)
+    cells = []
+    for key, samples in sorted(groups.items()):
+        store, ms, workload, system, phase = key
+        secs = [s["seconds"] for s in samples]
+        nbytes = samples[0]["bytes"]
+        med = statistics.median(secs)
+
+        def med_of(field: str, samples: list[dict[str, Any]] = samples) -> float | None:
+            vals = [s[field] for s in samples if s.get(field) is not None]
+            return statistics.median(vals) if vals else None
+
+        cells.append(
+            {
+                "store": store,
+                "profile_ms": ms,
+                "workload": workload,
+                "system": system,
+                "phase": phase,
+                "n": len(samples),
+                "bytes": nbytes,
+                "seconds_median": med,
+                "seconds_min": min(secs),
+                "seconds_max": max(secs),
+                "gib_s_median": nbytes / med / GiB,
+                "gib_s_min": nbytes / max(secs) / GiB,
+                "gib_s_max": nbytes / min(secs) / GiB,
+                "cpu_s_per_gib": med_of("cpu_s") / (nbytes / GiB),
+                "peak_rss_mib": med_of("peak_rss") / MiB,
+                "peak_above_start_mib": statistics.median(s["peak_rss"] - s["rss_before"] for s in samples) / MiB,
+                "requests": med_of("requests"),
+                "proxy_requests": med_of("proxy_requests"),
+                "objects": med_of("objects_listed"),
+                "verified": all(s.get("verified", True) for s in samples),
+                "errors": errors.get(key, []),
+            }
+        )
+    for key, why in sorted(skipped.items()):
+        store, ms, workload, system, phase = key
+        cells.append(
+            {"store": store, "profile_ms": ms, "workload": workload, "system": system, "phase": phase, "skipped": why}
+        )
+    for key, errs in sorted(errors.items()):
+        if key not in groups:
+            store, ms, workload, system, phase = key
+            cells.append(
+                {
+                    "store": store,
+                    "profile_ms": ms,
+                    "workload": workload,
+                    "system": system,
+                    "phase": phase,
+                    "errors": errs,
+                }
+            )
+    return {"cells": cells, "checks": check_targets(cells)}
+
+
+def _cell(cells: list[dict], **key: Any) -> dict | None:
+    for c in cells:
+        if all(c.get(k) == v for k, v in key.items()) and "gib_s_median" in c:
+            return c
+    return None
+
+
+def check_targets(cells: list[dict]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the numbers it compares and pass/fail."""
+    checks: list[dict[str, Any]] = []
+
+    def add(what: str, where: str, value: float, limit: float, ok: bool) -> None:
+        checks.append({"target": what, "where": where, "value": round(value, 3), "limit": round(limit, 3), "pass": ok})
+
+    combos = sorted({(c["store"], c["profile_ms"], c["workload"]) for c in cells})
+    for store, ms, workload in combos:
+        where = f"{store} {ms} ms {workload}"
+        key = {"store": store, "profile_ms": ms, "workload": workload}
+        ours_save = _cell(cells, system="objckpt", phase="save", **key)
+        ours_restore = _cell(cells, system="objckpt", phase="restore", **key)
+        if ours_save is None or ours_restore is None:
+            continue
+        raw_save = _cell(cells, system="raw", phase="save", **key)
+        raw_restore = _cell(cells, system="raw", phase="restore", **key)
+        if workload in ("medium", "large") and raw_save and raw_restore:
+            r = ours_save["gib_s_median"] / raw_save["gib_s_median"]
+            add("save ≥ 0.9× raw PUT", where, r, 0.9, r >= 0.9)
+            r = ours_restore["gib_s_median"] / raw_restore["gib_s_median"]
+            add("restore ≥ 0.9× raw GET", where, r, 0.9, r >= 0.9)
+        for peer in ("orbax", "dcp", "naive"):
+            for phase, ours in (("save", ours_save), ("restore", ours_restore)):
+                theirs = _cell(cells, system=peer, phase=phase, **key)
+                if theirs is None:
+                    continue
+                r = ours["gib_s_median"] / theirs["gib_s_median"]
+                if workload == "small" and peer != "orbax":
+                    continue
+                what = f"{phase} no slower than {peer}" if workload == "small" else f"{phase} ahead of {peer}"
+                add(what, where, r, 1.0, r >= 1.0 if workload == "small" else r > 1.0)
+        resharded = _cell(cells, system="objckpt", phase="restore_resharded", **key)
+        if resharded:
+            r = resharded["seconds_median"] / ours_restore["seconds_median"]
+            add("resharded restore ≤ 1.1× same-sharding", where, r, 1.1, r <= 1.1)
+        restored_mib = ours_restore["bytes"] / MiB
+        for phase_cell, label in ((ours_restore, "restore"), (resharded, "resharded restore")):
+            if phase_cell:
+                v = phase_cell["peak_above_start_mib"]
+                add(
+                    f"{label} peak RSS ≤ restored bytes + 256 MiB (MiB above start)",
+                    where,
+                    v,
+                    restored_mib + 256,
+                    v <= restored_mib + 256,
+                )
+        from objckpt.options import Options
+
+        budget = Options().memory_budget / MiB
+        v = ours_save["peak_above_start_mib"]
+        add(
+            "save peak RSS ≤ memory budget + 256 MiB above live arrays (MiB)", where, v, budget + 256, v <= budget + 256
+        )
+    return checks
+
+
+def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
+    cells = summary["cells"]
+    lines = [
+        f"# objckpt vs peers — {meta['started']}",
+        "",
+        f"{meta['machine']}. objckpt at {meta.get('git_commit', '?')} (sources {meta.get('objckpt_source', '?')}"
+        + (", CHANGED DURING THE RUN" if meta.get("objckpt_source_changes") else "")
+        + f"). Repeats: {meta['repeats']} (interleaved; medians, [min–max]). "
+        f"Raw ceiling: {meta['raw_client']}, {BLOB_SIZE // MiB} MiB objects, {CONCURRENCY} in flight. "
+        "Latency: a user-space TCP proxy adding the RTT (backends/proxy.py). "
+        "CPU = client CPU seconds per GiB (all threads; the s3fs-fuse daemon added for Orbax on S3). "
+        "Peak = VmHWM during the phase, and in brackets above the RSS at its start "
+        "(save: live arrays already built; restore: after imports and target set-up).",
+        "",
+    ]
+    combos = sorted({(c["workload"], c["store"]) for c in cells}, key=lambda k: (workloads.NAMES.index(k[0]), k[1]))
+    for workload, store in combos:
+        wl = workloads.get(workload)
+        lines += [
+            f"## {workload} ({wl.nbytes / MiB:.0f} MiB, {wl.n_leaves} leaves) on {store}",
+            "",
+            "| RTT | system | save s | save GiB/s [min–max] | restore s | restore GiB/s [min–max] | save CPU/GiB | restore CPU/GiB | save peak MiB | restore peak MiB | requests save/restore | objects |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for ms in sorted({c["profile_ms"] for c in cells if c["workload"] == workload and c["store"] == store}):
+            key = {"store": store, "profile_ms": ms, "workload": workload}
+            for system in SYSTEMS:
+                s = _cell(cells, system=system, phase="save", **key)
+                r = _cell(cells, system=system, phase="restore", **key)
+                skip = next(
+                    (
+                        c
+                        for c in cells
+                        if c.get("system") == system and "skipped" in c and all(c[k] == v for k, v in key.items())
+                    ),
+                    None,
+                )
+                err = next(
+                    (
+                        c
+                        for c in cells
+                        if c.get("system") == system
+                        and c.get("errors")
+                        and "gib_s_median" not in c
+                        and all(c[k] == v for k, v in key.items())
+                    ),
+                    None,
+                )
+                label = "orbax (s3fs-fuse)" if system == "orbax" and store == "s3" else system
+                if skip:
+                    lines.append(f"| {ms} ms | {label} | — | skipped: {skip['skipped']} | | | | | | | | |")
+                    continue
+                if s is None and err:
+                    lines.append(f"| {ms} ms | {label} | — | error: {err['errors'][0][:120]} | | | | | | | | |")
+                    continue
+                if s is None:
+                    continue
+
+                def fmt(c: dict | None, col: str) -> str:
+                    if c is None:
+                        return "—"
+                    if col == "s":
+                        return f"{c['seconds_median']:.2f}"
+                    if col == "gib":
+                        bad = "" if c["verified"] else " ✗"
+                        return f"{c['gib_s_median']:.3f} [{c['gib_s_min']:.3f}–{c['gib_s_max']:.3f}]{bad}"
+                    if col == "cpu":
+                        return f"{c['cpu_s_per_gib']:.2f}"
+                    if col == "peak":
+                        return f"{c['peak_rss_mib']:.0f} (+{c['peak_above_start_mib']:.0f})"
+                    return ""
+
+                req_s = s.get("requests") if s.get("requests") is not None else s.get("proxy_requests")
+                req_r = (
+                    (r or {}).get("requests")
+                    if (r or {}).get("requests") is not None
+                    else (r or {}).get("proxy_requests")
+                )
+                reqs = f"{req_s:.0f}/{req_r:.0f}" if req_s is not None and req_r is not None else "—"
+                objs = f"{s['objects']:.0f}" if s.get("objects") is not None else "—"
+                lines.append(
+                    f"| {ms} ms | {label} | {fmt(s, 's')} | {fmt(s, 'gib')} | {fmt(r, 's')} | {fmt(r, 'gib')} | "
+                    f"{fmt(s, 'cpu')} | {fmt(r, 'cpu')} | {fmt(s, 'peak')} | {fmt(r, 'peak')} | {reqs} | {objs} |"
+                )
+                rr = _cell(cells, system=system, phase="restore_resharded", **key)
+                if rr:
+                    lines.append(
+                        f"| {ms} ms | {system} (restore onto another sharding) | | | {fmt(rr, 's')} | {fmt(rr, 'gib')} | | "
+                        f"{fmt(rr, 'cpu')} | | {fmt(rr, 'peak')} | /{rr['requests']:.0f} | |"
+                    )
+        lines.append("")
+    lines += ["## Targets", "", "| target | where | value | limit | |", "|---|---|---|---|---|"]
+    for c in summary["checks"]:
+        lines.append(
+            f"| {c['target']} | {c['where']} | {c['value']} | {c['limit']} | {'pass' if c['pass'] else '**FAIL**'} |"
+        )
+    lines += [
+        "",
+        "Ratios compare medians within this run. Requests: objckpt's own count; for the others, requests "
+        "seen by the latency proxy (so only at 10/40 ms). Objects: listed after the save.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main

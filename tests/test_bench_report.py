@@ -1,0 +1,74 @@
+"""The peers benchmark's report: medians per cell and the issue's targets checked from them."""
+
+from __future__ import annotations
+
+from benchmarks.peers.report import check_targets, summarize
+
+GiB = 1 << 30
+
+
+def _rows(
+    system: str, phase: str, seconds: list[float], *, workload: str = "medium", peak_above: int = 0
+) -> list[dict]:
+    return [
+        {
+            "store": "s3",
+            "profile_ms": 0,
+            "workload": workload,
+            "system": system,
+            "phase": phase,
+            "seconds": s,
+            "bytes": GiB,
+            "cpu_s": 2 * s,
+            "peak_rss": (1 << 30) + peak_above,
+            "rss_before": 1 << 30,
+        }
+        for s in seconds
+    ]
+
+
+def _check(checks: list[dict], target: str) -> dict:
+    (check,) = [c for c in checks if c["target"].startswith(target)]
+    return check
+
+
+def test_medians_min_max_and_the_ceiling_and_reshard_targets():
+    rows = (
+        _rows("raw", "save", [8.0, 10.0, 9.0])
+        + _rows("raw", "restore", [2.0, 2.0, 2.0])
+        + _rows("objckpt", "save", [10.0, 11.0, 30.0])  # one outlier: the median ignores it
+        + _rows("objckpt", "restore", [2.5, 2.0, 2.1])
+        + _rows("objckpt", "restore_resharded", [2.4, 2.2, 9.0])
+    )
+    summary = summarize(rows)
+    (save,) = [c for c in summary["cells"] if c["system"] == "objckpt" and c["phase"] == "save"]
+    assert (save["seconds_median"], save["seconds_min"], save["seconds_max"], save["n"]) == (11.0, 10.0, 30.0, 3)
+    assert abs(save["gib_s_median"] - 1 / 11) < 1e-9 and save["cpu_s_per_gib"] == 22.0
+    checks = summary["checks"]
+    assert _check(checks, "save ≥ 0.9× raw PUT") == {
+        "target": "save ≥ 0.9× raw PUT",
+        "where": "s3 0 ms medium",
+        "value": round(9 / 11, 3),
+        "limit": 0.9,
+        "pass": False,
+    }
+    assert _check(checks, "restore ≥ 0.9× raw GET")["pass"] is True  # 2.0 / 2.1 = 0.95
+    reshard = _check(checks, "resharded restore ≤ 1.1×")
+    assert reshard["value"] == round(2.4 / 2.1, 3) and reshard["pass"] is False
+
+
+def test_small_is_held_to_no_slower_than_orbax_and_memory_to_its_limits():
+    rows = (
+        _rows("objckpt", "save", [1.0] * 3, workload="small", peak_above=300 << 20)
+        + _rows("objckpt", "restore", [1.0] * 3, workload="small", peak_above=(1 << 30) + (300 << 20))
+        + _rows("orbax", "save", [1.0] * 3, workload="small")
+        + _rows("orbax", "restore", [0.9] * 3, workload="small")
+        + _rows("dcp", "restore", [0.1] * 3, workload="small")  # small is compared with Orbax only
+    )
+    checks = check_targets(summarize(rows)["cells"])
+    assert _check(checks, "save no slower than orbax")["pass"] is True  # equal is enough
+    assert _check(checks, "restore no slower than orbax")["pass"] is False
+    assert not [c for c in checks if "dcp" in c["target"]]
+    assert not [c for c in checks if "raw" in c["target"]]  # the ceiling is checked on medium and large
+    memory = _check(checks, "restore peak RSS")
+    assert memory["value"] == 1024 + 300 and memory["limit"] == 1024 + 256 and memory["pass"] is False
