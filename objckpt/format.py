@@ -281,10 +281,56 @@ def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int]) -> LeafEntry:
         _need(sharding["prng_impl"] in PRNG_IMPLS, f"{where}.sharding.prng_impl", f"unknown {sharding['prng_impl']!r}")
     _need(isinstance(raw["pieces"], list), f"{where}.pieces", "must be a list")
     pieces = tuple(
-        _piece_from_json(p, f"{where}.pieces[{j}]", shape, dtype.itemsize, blobs) for j, p in enumerate(raw["pieces"])
+        _fast_piece(p, shape, dtype.itemsize, blobs)
+        or _piece_from_json(p, f"{where}.pieces[{j}]", shape, dtype.itemsize, blobs)
+        for j, p in enumerate(raw["pieces"])
     )
     _check_tiling(pieces, tuple(shape), f"{where}.pieces")
     return LeafEntry(path, kind, raw["dtype"], tuple(shape), pieces, sharding=sharding)
+
+
+_PIECE_KEYS = frozenset({"start", "stop", "blob", "offset", "length", "crc32c"})
+
+
+def _fast_piece(raw: Any, shape: list[int], itemsize: int, blobs: dict[str, int]) -> Piece | None:
+    """The piece if it passes every check of :func:`_piece_from_json`, else None (which
+    then names what is wrong).
+
+    Why twice: building each check's message and field name up front cost 38 µs a
+    piece, 50 ms of a small model's 0.4 s restore (1,326 pieces); this tests the
+    same conditions and formats nothing. ``type(x) is int`` excludes booleans, as
+    :func:`_is_int` does.
+    """
+    if type(raw) is not dict or raw.keys() != _PIECE_KEYS:
+        return None
+    start, stop, blob, offset, length, crc = (
+        raw["start"],
+        raw["stop"],
+        raw["blob"],
+        raw["offset"],
+        raw["length"],
+        raw["crc32c"],
+    )
+    if type(start) is not list or type(stop) is not list or len(start) != len(shape) or len(stop) != len(shape):
+        return None
+    expected = itemsize
+    for a, b, n in zip(start, stop, shape):
+        if type(a) is not int or type(b) is not int or not 0 <= a < b <= n:
+            return None
+        expected *= b - a
+    size = blobs.get(blob) if type(blob) is str else None
+    if (
+        size is None
+        or type(offset) is not int
+        or type(length) is not int
+        or type(crc) is not int
+        or offset < 0
+        or length != expected
+        or offset + length > size
+        or not 0 <= crc < 2**32
+    ):
+        return None
+    return Piece(tuple(start), tuple(stop), blob, offset, length, crc)
 
 
 def _piece_from_json(raw: Any, where: str, shape: list[int], itemsize: int, blobs: dict[str, int]) -> Piece:

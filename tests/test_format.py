@@ -77,6 +77,51 @@ def test_violations_name_the_field(path, value, field):
     assert field in str(info.value)
 
 
+_PIECE_MUTATIONS = [
+    ("start", [0]),
+    ("start", [0, 0, 0]),
+    ("start", [0, True]),
+    ("start", [0.0, 0]),
+    ("start", "00"),
+    ("start", [-1, 0]),
+    ("stop", [2, 5]),
+    ("stop", [0, 4]),
+    ("stop", [2, False]),
+    ("blob", "zz/other.blob"),
+    ("blob", 7),
+    ("offset", -1),
+    ("offset", 65),
+    ("offset", True),
+    ("offset", 1.0),
+    ("length", 31),
+    ("length", 32.0),
+    ("crc32c", 2**32),
+    ("crc32c", -1),
+    ("crc32c", True),
+    ("crc32c", "1"),
+    ("extra", 1),
+    ("crc32c", KeyError),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), _PIECE_MUTATIONS)
+def test_the_fast_piece_check_refuses_whatever_the_full_one_refuses(field, value):
+    """Pieces are parsed by a fast check that formats no messages, falling back to the
+    full one, which names the field: both must refuse the same pieces."""
+    from objckpt.format import _fast_piece, _piece_from_json
+
+    piece = {"start": [0, 0], "stop": [2, 4], "blob": "ab/b", "offset": 64, "length": 32, "crc32c": 5}
+    blobs = {"ab/b": 96}
+    assert _fast_piece(dict(piece), [4, 4], 4, blobs) == _piece_from_json(dict(piece), "p", [4, 4], 4, blobs)
+    if value is KeyError:
+        del piece[field]
+    else:
+        piece[field] = value
+    assert _fast_piece(piece, [4, 4], 4, blobs) is None
+    with pytest.raises(FormatError):
+        _piece_from_json(piece, "p", [4, 4], 4, blobs)
+
+
 def test_hole_is_rejected():
     doc = _doc()
     doc["leaves"][0]["pieces"].pop()
