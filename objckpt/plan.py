@@ -165,7 +165,7 @@ def intersect(a_start: Index, a_stop: Index, b_start: Index, b_stop: Index) -> t
 
 
 class BoxIndex:
-    """The boxes of one leaf, found by the boxes they meet without testing every one.
+    """The boxes of one leaf, indexed to find those a given box meets without testing every one.
 
     Why: restore meets every saved piece of a leaf with the boxes the target
     sharding gives this process. A small model has ~1,300 of each, and testing
