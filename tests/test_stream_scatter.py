@@ -101,16 +101,24 @@ def test_streamed_reads_land_bit_exact_on_another_sharding(memory_store, streami
         assert cut, "no piece was read as several spans"
 
 
+def _corrupt(url, path, k, at):
+    """Flip a bit of the ``k``-th saved piece of leaf ``path``, ``at(piece)`` bytes into it; the piece."""
+    store = from_url(url)
+    manifest = parse_manifest(_runtime.run_sync(store.get(MANIFEST_KEY)), size_limit=1 << 30)
+    (entry,) = [leaf for leaf in manifest.leaves if leaf.path == path]
+    piece = entry.pieces[k]
+    data = bytearray(_runtime.run_sync(store.get(piece.blob)))
+    data[piece.offset + at(piece)] ^= 0x10
+    _runtime.run_sync(store.put(piece.blob, bytes(data)))
+    return piece
+
+
 def test_a_corrupt_byte_in_a_streamed_piece_is_named(memory_store, streaming):
     tree = _tree()
     objckpt.save(memory_store.url, tree)
-    store = from_url(memory_store.url)
-    manifest = parse_manifest(_runtime.run_sync(store.get(MANIFEST_KEY)), size_limit=1 << 30)
-    (entry,) = [leaf for leaf in manifest.leaves if leaf.path == "['wide']"]
-    piece = entry.pieces[0]
-    data = bytearray(_runtime.run_sync(store.get(piece.blob)))
-    data[piece.offset + piece.length - 3] ^= 0x10  # in the last slab: checked once every slab is in
-    _runtime.run_sync(store.put(piece.blob, bytes(data)))
+    piece = _corrupt(
+        memory_store.url, "['wide']", 0, lambda p: p.length - 3
+    )  # in the last slab: checked once every slab is in
     for chunk in (32 << 20, 3000):  # checked whole, and combined from spans
         with pytest.raises(objckpt.IntegrityError, match=r"\['wide'\].*" + piece.blob):
             objckpt.restore(memory_store.url, _resharded_target(tree), options=objckpt.Options(read_chunk=chunk))
@@ -185,13 +193,7 @@ def test_a_corrupt_byte_among_many_pieces_received_at_once_is_named(memory_store
     streamed_stores(monkeypatch)
     tree = _small_leaves()
     objckpt.save(memory_store.url, tree)
-    store = from_url(memory_store.url)
-    manifest = parse_manifest(_runtime.run_sync(store.get(MANIFEST_KEY)), size_limit=1 << 30)
-    (entry,) = [leaf for leaf in manifest.leaves if leaf.path == "['w13']"]
-    piece = entry.pieces[1]
-    data = bytearray(_runtime.run_sync(store.get(piece.blob)))
-    data[piece.offset + 5] ^= 0x01
-    _runtime.run_sync(store.put(piece.blob, bytes(data)))
+    piece = _corrupt(memory_store.url, "['w13']", 1, lambda p: 5)
     with pytest.raises(objckpt.IntegrityError, match=r"\['w13'\].*" + piece.blob):
         objckpt.restore(memory_store.url, _small_target(tree))
 

@@ -15,6 +15,7 @@ from benchmarks.peers.common import BLOB_SIZE, CONCURRENCY
 
 GiB = 1 << 30
 MiB = 1 << 20
+KEY_FIELDS = ("store", "profile_ms", "workload", "system", "phase")  # what one cell is the median of
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -23,7 +24,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     skipped: dict[tuple, str] = {}
     errors: dict[tuple, list[str]] = {}
     for row in rows:
-        key = (row["store"], row["profile_ms"], row["workload"], row["system"], row["phase"])
+        key = tuple(row[field] for field in KEY_FIELDS)
         if "skipped" in row:
             skipped[key] = row["skipped"]
         elif "error" in row:
@@ -43,11 +44,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
         cells.append(
             {
-                "store": store,
-                "profile_ms": ms,
-                "workload": workload,
-                "system": system,
-                "phase": phase,
+                **dict(zip(KEY_FIELDS, key)),
                 "n": len(samples),
                 "bytes": nbytes,
                 "seconds_median": med,
@@ -67,23 +64,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             }
         )
     for key, why in sorted(skipped.items()):
-        store, ms, workload, system, phase = key
-        cells.append(
-            {"store": store, "profile_ms": ms, "workload": workload, "system": system, "phase": phase, "skipped": why}
-        )
+        cells.append({**dict(zip(KEY_FIELDS, key)), "skipped": why})
     for key, errs in sorted(errors.items()):
         if key not in groups:
-            store, ms, workload, system, phase = key
-            cells.append(
-                {
-                    "store": store,
-                    "profile_ms": ms,
-                    "workload": workload,
-                    "system": system,
-                    "phase": phase,
-                    "errors": errs,
-                }
-            )
+            cells.append({**dict(zip(KEY_FIELDS, key)), "errors": errs})
     return {"cells": cells, "checks": check_targets(cells)}
 
 
