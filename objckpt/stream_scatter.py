@@ -198,10 +198,7 @@ class ScatterSink:
         piece = part.piece
         job = self.jobs[part.leaf]
         at = position - part.offset
-        if position == max(part.offset, self.span[0]):
-            meets = self._allocated(part)
-        else:
-            meets = meets_of(job, piece)
+        meets = self._allocated(part)
         self._crc = crc32c(data, self._crc)
         planned_position, axis, length = self._planned
         if planned_position != position or length != len(data):
