@@ -116,9 +116,8 @@ def _corrupt(url, path, k, at):
 def test_a_corrupt_byte_in_a_streamed_piece_is_named(memory_store, streaming):
     tree = _tree()
     objckpt.save(memory_store.url, tree)
-    piece = _corrupt(
-        memory_store.url, "['wide']", 0, lambda p: p.length - 3
-    )  # in the last slab: checked once every slab is in
+    # A byte in the last slab: the piece is checked once every slab is in.
+    piece = _corrupt(memory_store.url, "['wide']", 0, lambda p: p.length - 3)
     for chunk in (32 << 20, 3000):  # checked whole, and combined from spans
         with pytest.raises(objckpt.IntegrityError, match=r"\['wide'\].*" + piece.blob):
             objckpt.restore(memory_store.url, _resharded_target(tree), options=objckpt.Options(read_chunk=chunk))
