@@ -25,7 +25,7 @@ import objckpt
 from objckpt import _runtime
 from objckpt._memory import DEVICE_ALIGNMENT, aligned_arrays, aligned_zeros, host_buffer
 from objckpt.format import MANIFEST_KEY, parse_manifest
-from objckpt.plan import ALIGN, SPACER
+from objckpt.plan import ALIGN, PACKING_SLACK, SPACER
 from objckpt.storage import from_url
 from objckpt.storage.obstore_store import ObstoreStore
 
@@ -289,10 +289,26 @@ def test_packed_blobs_are_full_and_each_is_one_get(s3_store, monkeypatch):
     reads = [r for s in counting for r in s.reads if r[0] in large_blobs]
     assert sorted(r[0] for r in reads) == sorted(large_blobs), f"expected one GET per blob, got {reads}"
 
+    # Onto another sharding every byte is copied, streamed where the store streams:
+    # such a read holds no buffer of its length, so it too takes a whole blob.
+    other = jax.make_mesh((2, 4), ("x", "y"))
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, P("x", "y"))), tree
+    )
+    for switch in ("1", "0"):  # 0: obstore reads, copied in reads of up to 8 MiB (more than a blob here)
+        monkeypatch.setenv("OBJCKPT_STREAM_READS", switch)
+        counting = count_reads(monkeypatch)
+        out = objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options, options=options)
+        assert_tree_bit_exact(tree, out)
+        reads = [r for s in counting for r in s.reads if r[0] in large_blobs]
+        assert sorted(r[0] for r in reads) == sorted(large_blobs), (
+            f"streamed={switch}: expected one GET per blob, got {reads}"
+        )
+
 
 def test_copied_reads_coalesce_up_to_a_blob_only_when_streamed(s3_store, monkeypatch):
     defaults = objckpt.Options()
-    assert defaults.copied_read_limit(streamed=True) == defaults.read_chunk
+    assert defaults.copied_read_limit(streamed=True) == defaults.read_chunk + PACKING_SLACK  # a whole packed blob
     assert defaults.copied_read_limit(streamed=False) == 8 << 20
     assert objckpt.Options(max_read_size=1 << 20).copied_read_limit(streamed=True) == 1 << 20
     with pytest.raises(ValueError, match="max_read_size"):
