@@ -1,8 +1,9 @@
 """objckpt next to its peers and the raw ceiling, on S3 and GCS, at three latencies.
 
     python -m benchmarks.bench_peers            # the default run (~50 min on 2 cores)
-    python -m benchmarks.bench_peers --quick    # medium on S3 at 0 and 10 ms, 3 repeats (~11 min)
+    python -m benchmarks.bench_peers --quick    # medium on S3 at 0 and 10 ms, 3 repeats (~17 min)
     python -m benchmarks.bench_peers --workloads medium --stores s3 --profiles 0,10,40 --repeats 3
+    python -m benchmarks.bench_peers --url gs://bucket/scratch --workloads medium,large   # real buckets
 
 ``benchmarks/run_peers.sh`` does the same after setting up the environment. It starts
 the local S3 server (SeaweedFS) and GCS emulator (fake-gcs-server), and latency
@@ -22,6 +23,9 @@ which builds the tree deterministically, times only the call, and reports its CP
 seconds and peak RSS; restores are checked against crc32 fingerprints of the saved
 values. Objects are listed (counted) and deleted after each system's turn.
 
+With ``--url`` (``benchmarks/peers/endpoints.py``) the same run goes to real buckets
+instead: nothing is started, no latency is added, credentials come from the environment.
+
 Writes ``<out>/<name>.json`` (every sample, medians, ratios, target checks),
 ``<name>.md`` (the tables) and ``<name>.png`` (``benchmarks/plot.py``).
 """
@@ -36,7 +40,6 @@ import platform
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -45,9 +48,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import backends  # noqa: E402  (sets the gcsfs environment default)
+import backends  # noqa: E402, F401  (sets the gcsfs environment default)
 from benchmarks.peers import SYSTEMS, workloads  # noqa: E402
 from benchmarks.peers.common import Context  # noqa: E402
+from benchmarks.peers.endpoints import Buckets, LocalServers  # noqa: E402
 from benchmarks.peers.report import markdown, summarize  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -69,83 +73,6 @@ ALL_PROFILES = (0, 10, 40)
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# ----------------------------------------------------------------------------- stores
-
-
-class Endpoints:
-    """The servers, and a latency proxy per (store, RTT) in front of them."""
-
-    def __init__(self, stores: list[str], profiles: list[int]) -> None:
-        self.stack = contextlib.ExitStack()
-        self.services: dict[str, Any] = {}
-        self.proxies: dict[tuple[str, int], Any] = {}
-        from backends.proxy import FaultProxy
-
-        for store in stores:
-            log(f"starting {store} server ...")
-            service = backends.start_s3() if store == "s3" else backends.start_gcs()
-            self.stack.callback(service.stop)
-            self.services[store] = service
-            port = int(service.endpoint_url.rsplit(":", 1)[1])
-            for ms in profiles:
-                if ms:
-                    proxy = FaultProxy("127.0.0.1", port, latency_ms=ms).start()
-                    self.stack.callback(proxy.stop)
-                    self.proxies[(store, ms)] = proxy
-
-    def close(self) -> None:
-        self.stack.close()
-
-    def context(self, store: str, ms: int, **kw: Any) -> Context:
-        service = self.services[store]
-        endpoint = self.proxies[(store, ms)].endpoint_url if ms else service.endpoint_url
-        extra = {"access_key": service.access_key, "secret_key": service.secret_key} if store == "s3" else {}
-        return Context(store=store, endpoint=endpoint, bucket=service.bucket, **extra, **kw)
-
-    def proxy_requests(self, store: str, ms: int) -> int | None:
-        proxy = self.proxies.get((store, ms))
-        return proxy.stats.requests if proxy else None
-
-    def list_and_delete(self, store: str, prefix: str) -> tuple[int, int]:
-        """(objects, bytes) under ``prefix``, then delete them (direct, not through a proxy)."""
-        service = self.services[store]
-        if store == "s3":
-            import obstore as obs
-
-            client = service.obstore_client()
-            metas = [m for batch in obs.list(client, prefix + "/") for m in batch]
-            paths = [m["path"] for m in metas]
-            for i in range(0, len(paths), 500):
-                obs.delete(client, paths[i : i + 500])
-            # s3fs-fuse (Orbax on S3) also writes the folder itself as an object
-            with contextlib.suppress(Exception):
-                obs.delete(client, prefix + "/")
-            return len(metas), sum(m["size"] for m in metas)
-        import gcsfs
-
-        fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **service.storage_options())
-        root = f"{service.bucket}/{prefix}"
-        try:
-            files = fs.find(root, detail=True)
-        except FileNotFoundError:
-            files = {}
-        if files:
-            fs.rm(list(files), recursive=False)
-        return len(files), sum(int(f.get("size", 0)) for f in files.values())
-
-    def compact(self) -> None:
-        """Ask SeaweedFS to reclaim the space of deleted objects (untimed, after each system's turn)."""
-        service = self.services.get("s3")
-        if service is None or service._process is None:
-            return
-        args = [a for a in service._process.popen.args if str(a).startswith("-master.port=")]
-        if not args:
-            return
-        port = str(args[0]).split("=", 1)[1]
-        with contextlib.suppress(OSError):
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.01", timeout=300).read()
 
 
 # ----------------------------------------------------------------------------- one phase
@@ -183,7 +110,14 @@ def run_phase(ctx: Context, timeout_s: float, log_dir: Path) -> dict[str, Any]:
 
 
 def measure(
-    eps: Endpoints, store: str, ms: int, workload: str, system: str, rep: int, args: argparse.Namespace, run_id: str
+    eps: LocalServers | Buckets,
+    store: str,
+    ms: int,
+    workload: str,
+    system: str,
+    rep: int,
+    args: argparse.Namespace,
+    run_id: str,
 ) -> list[dict[str, Any]]:
     prefix = f"bench-peers/{run_id}/{store}-{ms}ms/{workload}/{system}/r{rep}"
     phases = ["save", "restore"] + (["restore_resharded"] if system == "objckpt" else [])
@@ -264,7 +198,7 @@ def describe(row: dict[str, Any]) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="medium on S3 at 0 and 10 ms, 3 repeats (~11 min)")
+    p.add_argument("--quick", action="store_true", help="medium on S3 at 0 and 10 ms, 3 repeats (~17 min)")
     p.add_argument("--full", action="store_true", help="every workload on every store at every RTT (hours)")
     p.add_argument("--workloads", help="comma list of small,medium,large")
     p.add_argument("--stores", help="comma list of s3,gcs")
@@ -275,7 +209,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="result file stem (default: peers, or peers-quick)")
     p.add_argument("--timeout", type=float, default=WORKER_TIMEOUT_S, help="seconds per phase before it is killed")
     p.add_argument("--profile", action="store_true", help="cProfile objckpt's timed calls into <out>/profiles/")
+    p.add_argument(
+        "--url",
+        action="append",
+        help="measure against a real bucket instead of the local servers: s3://bucket/prefix or"
+        " gs://bucket/prefix (repeat for both; credentials from the environment; no added latency;"
+        " default workloads: medium)",
+    )
     args = p.parse_args(argv)
+    args.buckets = None
+    if args.url:
+        if args.quick or args.full or args.stores or args.profiles not in (None, "0"):
+            p.error("--url measures the buckets it names as they are: no --quick, --full, --stores or --profiles")
+        try:
+            args.buckets = Buckets([u for arg in args.url for u in arg.split(",") if u])
+        except ValueError as e:
+            p.error(str(e))
+        args.workloads = args.workloads or "medium"
+        args.stores = ",".join(args.buckets.stores)
+        args.profiles = "0"
     if args.quick:
         args.workloads = args.workloads or "medium"
         args.stores = args.stores or "s3"
@@ -311,12 +263,14 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB, "
-        f"Python {platform.python_version()}, loopback servers (SeaweedFS S3, fake-gcs-server)",
+        f"Python {platform.python_version()}, "
+        + (args.buckets.describe() if args.buckets else LocalServers.DESCRIPTION),
         "repeats": args.repeats,
         "plan": {k: {st: list(p) for st, p in v.items()} for k, v in args.plan.items()},
         "stores": args.stores,
         "systems": args.systems,
-        "raw_client": "obstore on S3, gcsfs on GCS",
+        "raw_client": "obstore" if args.buckets else "obstore on S3, gcsfs on GCS",
+        "real_buckets": bool(args.buckets),
         "command": " ".join(["python -m benchmarks.bench_peers", *(argv if argv is not None else sys.argv[1:])]),
         "versions": _versions(),
         "objckpt_source": objckpt_source_hash(),
@@ -324,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
-    eps = Endpoints(args.stores, all_profiles)
+    eps = args.buckets or LocalServers(args.stores, all_profiles, log=log)
     try:
         for name in args.plan:
             expected_fingerprint(name)

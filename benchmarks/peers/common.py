@@ -18,7 +18,7 @@ class Context:
 
     system: str
     store: str  # "s3" | "gcs"
-    endpoint: str  # direct, or the latency proxy in front of the server
+    endpoint: str  # direct, or the latency proxy in front of the server; "" for a real bucket
     bucket: str
     prefix: str  # key prefix of this measurement's checkpoint, no leading/trailing "/"
     workload: str
@@ -36,8 +36,15 @@ class Context:
         scheme = "s3" if self.store == "s3" else "gs"
         return f"{scheme}://{self.bucket}/{self.prefix}"
 
+    @property
+    def real(self) -> bool:
+        """A real bucket: every client configures itself from the environment."""
+        return not self.endpoint
+
     def fsspec_options(self) -> dict[str, Any]:
         """s3fs / gcsfs options for this endpoint (what objckpt, DCP and naive take)."""
+        if self.real:
+            return {}
         if self.store == "s3":
             return {
                 "key": self.access_key,
@@ -48,6 +55,8 @@ class Context:
         return {"endpoint_url": self.endpoint, "token": "anon", "project": "test"}
 
     def base_env(self) -> dict[str, str]:
+        if self.real:  # the driver's environment, inherited as is
+            return {}
         if self.store == "s3":
             return {
                 "AWS_ACCESS_KEY_ID": self.access_key,

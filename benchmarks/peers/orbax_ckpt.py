@@ -14,6 +14,8 @@ restore of the sharded tree onto the same abstract tree (ShapeDtypeStruct + shar
   and Orbax saves to the mounted local path, as users without GCS do. The FUSE
   daemon's CPU time is added to Orbax's. Skipped, with the reason, where
   ``s3fs`` or ``/dev/fuse`` is missing.
+- Real buckets (``--url``): GCS natively, with the environment's credentials; S3 is
+  skipped (the s3fs-fuse route is set up for the local server's static keys only).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ _mount: dict[str, Any] = {}
 
 
 def env(ctx: Context) -> dict[str, str]:
-    if ctx.store == "gcs":
+    if ctx.store == "gcs" and not ctx.real:
         return {
             "TENSORSTORE_GCS_HTTP_URL": ctx.endpoint,
             "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
@@ -49,6 +51,8 @@ def supports(ctx: Context) -> str | None:
     except ImportError:
         return "orbax-checkpoint not installed (pip install -e '.[bench]')"
     if ctx.store == "s3":
+        if ctx.real:
+            return "Orbax has no S3 support; the s3fs-fuse route is set up for the local server only"
         if not shutil.which("s3fs"):
             return "Orbax has no S3 support; the s3fs-fuse route needs the 's3fs' binary (apt-get install s3fs)"
         if not os.path.exists("/dev/fuse"):

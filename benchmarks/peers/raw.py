@@ -8,6 +8,7 @@ checkpoint logic at all (no planning, no checksums, no manifest, no arrays).
   fake-gcs-server: with ``skip_signature`` it still asks the metadata server for
   a token (measured: ``Error performing token request``), and it speaks the XML
   API for writes, which the emulator does not take.
+- Real buckets (``--url``): obstore for both, configured from the environment.
 """
 
 from __future__ import annotations
@@ -53,7 +54,15 @@ def prepare_restore(ctx: Context, workload: workloads.Workload, resharded: bool)
     return _sizes(workload.nbytes)
 
 
+def _uses_obstore(ctx: Context) -> bool:
+    return ctx.store == "s3" or ctx.real
+
+
 def _client(ctx: Context) -> Any:
+    if ctx.real:
+        from benchmarks.peers.endpoints import bucket_client
+
+        return bucket_client(ctx.store, ctx.bucket)
     if ctx.store == "s3":
         from obstore.store import S3Store
 
@@ -80,7 +89,7 @@ async def _put_all(ctx: Context, data: memoryview) -> None:
     async def put(i: int) -> None:
         chunk = data[i * BLOB_SIZE : i * BLOB_SIZE + sizes[i]]
         async with sem:
-            if ctx.store == "s3":
+            if _uses_obstore(ctx):
                 import obstore as obs
 
                 await obs.put_async(client, keys[i], chunk, use_multipart=False)
@@ -99,7 +108,7 @@ async def _get_all(ctx: Context, sizes: list[int]) -> int:
     async def get(i: int) -> None:
         nonlocal total
         async with sem:
-            if ctx.store == "s3":
+            if _uses_obstore(ctx):
                 import obstore as obs
 
                 got = await obs.get_range_async(client, keys[i], start=0, end=sizes[i])

@@ -144,8 +144,12 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         + (", CHANGED DURING THE RUN" if meta.get("objckpt_source_changes") else "")
         + f"). Repeats: {meta['repeats']} (interleaved; medians, [min–max]). "
         f"Raw ceiling: {meta['raw_client']}, {BLOB_SIZE // MiB} MiB objects, {CONCURRENCY} in flight. "
-        "Latency: a user-space TCP proxy adding the RTT (backends/proxy.py). "
-        "CPU = client CPU seconds per GiB (all threads; the s3fs-fuse daemon added for Orbax on S3). "
+        + (
+            "Latency: the network's own (the 0 ms rows add none). "
+            if meta.get("real_buckets")
+            else "Latency: a user-space TCP proxy adding the RTT (backends/proxy.py). "
+        )
+        + "CPU = client CPU seconds per GiB (all threads; the s3fs-fuse daemon added for Orbax on S3). "
         "Peak = VmHWM during the phase, and in brackets above the RSS at its start "
         "(save: live arrays already built; restore: after imports and target set-up).",
         "",

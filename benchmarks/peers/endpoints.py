@@ -1,0 +1,184 @@
+"""Where the peers benchmark measures: local servers behind latency proxies, or real buckets.
+
+Both give the driver the same five calls: a :class:`~benchmarks.peers.common.Context`
+per measurement, the requests a proxy saw, counting and deleting what a system wrote,
+reclaiming space, and closing.
+
+- :class:`LocalServers`: SeaweedFS (S3) and fake-gcs-server (GCS) from ``backends/``,
+  started here, each directly (0 ms) and behind ``backends.proxy.FaultProxy`` per RTT.
+- :class:`Buckets`: real ``s3://`` / ``gs://`` buckets given by URL (``--url``). Nothing
+  is started and no latency is added: the RTT is the network's own. Credentials come from
+  the environment (``AWS_*``, an instance role, or Google's application default
+  credentials) and reach the worker processes through it, never through a Context, a log
+  or a results file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import urllib.request
+from typing import Any
+from urllib.parse import urlparse
+
+from benchmarks.peers.common import Context
+
+
+class LocalServers:
+    """The servers, and a latency proxy per (store, RTT) in front of them."""
+
+    DESCRIPTION = "loopback servers (SeaweedFS S3, fake-gcs-server)"
+
+    def __init__(self, stores: list[str], profiles: list[int], log: Any = print) -> None:
+        import backends
+        from backends.proxy import FaultProxy
+
+        self.stack = contextlib.ExitStack()
+        self.services: dict[str, Any] = {}
+        self.proxies: dict[tuple[str, int], Any] = {}
+        for store in stores:
+            log(f"starting {store} server ...")
+            service = backends.start_s3() if store == "s3" else backends.start_gcs()
+            self.stack.callback(service.stop)
+            self.services[store] = service
+            port = int(service.endpoint_url.rsplit(":", 1)[1])
+            for ms in profiles:
+                if ms:
+                    proxy = FaultProxy("127.0.0.1", port, latency_ms=ms).start()
+                    self.stack.callback(proxy.stop)
+                    self.proxies[(store, ms)] = proxy
+
+    def close(self) -> None:
+        self.stack.close()
+
+    def context(self, store: str, ms: int, **kw: Any) -> Context:
+        service = self.services[store]
+        endpoint = self.proxies[(store, ms)].endpoint_url if ms else service.endpoint_url
+        extra = {"access_key": service.access_key, "secret_key": service.secret_key} if store == "s3" else {}
+        return Context(store=store, endpoint=endpoint, bucket=service.bucket, **extra, **kw)
+
+    def proxy_requests(self, store: str, ms: int) -> int | None:
+        proxy = self.proxies.get((store, ms))
+        return proxy.stats.requests if proxy else None
+
+    def list_and_delete(self, store: str, prefix: str) -> tuple[int, int]:
+        """(objects, bytes) under ``prefix``, then delete them (direct, not through a proxy)."""
+        service = self.services[store]
+        if store == "s3":
+            found = _obstore_list_and_delete(service.obstore_client(), prefix)
+            # s3fs-fuse (Orbax on S3) also writes the folder itself as an object
+            with contextlib.suppress(Exception):
+                import obstore as obs
+
+                obs.delete(service.obstore_client(), prefix + "/")
+            return found
+        import gcsfs
+
+        fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **service.storage_options())
+        root = f"{service.bucket}/{prefix}"
+        try:
+            files = fs.find(root, detail=True)
+        except FileNotFoundError:
+            files = {}
+        if files:
+            fs.rm(list(files), recursive=False)
+        return len(files), sum(int(f.get("size", 0)) for f in files.values())
+
+    def compact(self) -> None:
+        """Ask SeaweedFS to reclaim the space of deleted objects (untimed, after each system's turn)."""
+        service = self.services.get("s3")
+        if service is None or service._process is None:
+            return
+        args = [a for a in service._process.popen.args if str(a).startswith("-master.port=")]
+        if not args:
+            return
+        port = str(args[0]).split("=", 1)[1]
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.01", timeout=300).read()
+
+
+class Buckets:
+    """Real buckets: one ``s3://bucket/prefix`` and/or one ``gs://bucket/prefix``.
+
+    Every measurement writes under ``<prefix>/bench-peers/<run id>/…`` and its objects
+    are deleted after each system's turn; nothing else in the bucket is touched.
+    """
+
+    SCHEMES = {"s3": "s3", "gs": "gcs"}
+
+    def __init__(self, urls: list[str]) -> None:
+        self.roots: dict[str, tuple[str, str]] = {}  # store → (bucket, prefix)
+        for url in urls:
+            parsed = urlparse(url)
+            store = self.SCHEMES.get(parsed.scheme)
+            if store is None or not parsed.netloc:
+                raise ValueError(f"--url {url!r}: expected s3://bucket[/prefix] or gs://bucket[/prefix]")
+            if store in self.roots:
+                raise ValueError(f"--url {url!r}: one bucket per store ({store} given twice)")
+            self.roots[store] = (parsed.netloc, parsed.path.strip("/"))
+
+    @property
+    def stores(self) -> list[str]:
+        return [store for store in ("s3", "gcs") if store in self.roots]
+
+    def describe(self) -> str:
+        """For the results' header (bucket URLs only: no credentials)."""
+        urls = ", ".join(f"{'s3' if s == 's3' else 'gs'}://{b}/{p}".rstrip("/") for s, (b, p) in self.roots.items())
+        return f"real buckets ({urls}; no added latency: the RTT is the network's own)"
+
+    def close(self) -> None:
+        pass
+
+    def _key(self, store: str, prefix: str) -> str:
+        base = self.roots[store][1]
+        return f"{base}/{prefix}" if base else prefix
+
+    def context(self, store: str, ms: int, *, prefix: str, **kw: Any) -> Context:
+        if ms:
+            raise ValueError("real buckets are measured as they are: no added latency")
+        return Context(store=store, endpoint="", bucket=self.roots[store][0], prefix=self._key(store, prefix), **kw)
+
+    def proxy_requests(self, store: str, ms: int) -> int | None:
+        return None
+
+    def list_and_delete(self, store: str, prefix: str) -> tuple[int, int]:
+        """(objects, bytes) under ``prefix`` (below the URL's), then delete them."""
+        return _obstore_list_and_delete(bucket_client(store, self.roots[store][0]), self._key(store, prefix))
+
+    def compact(self) -> None:
+        pass
+
+
+def bucket_client(store: str, bucket: str) -> Any:
+    """An obstore client for a real bucket, configured from the environment the way
+    objckpt configures its own (``objckpt.storage.obstore_config``: ``AWS_*`` variables,
+    ``GOOGLE_APPLICATION_CREDENTIALS``), so the raw ceiling signs and connects as objckpt
+    does. Where objckpt would not take the native path (an AWS profile file, say), obstore
+    reads the environment itself (instance roles and the metadata server included)."""
+    import os
+
+    from obstore.store import GCSStore, S3Store
+
+    from objckpt.storage.obstore_config import NotTranslatable, translate_gcs, translate_s3
+
+    url = f"{'s3' if store == 's3' else 'gs'}://{bucket}"
+    config: Any = None
+    http = False
+    try:
+        spec = (translate_s3 if store == "s3" else translate_gcs)(url, {}, os.environ)
+        config, http = spec.config, bool(spec.endpoint and spec.endpoint.startswith("http://"))
+    except NotTranslatable:
+        pass
+    options: Any = {"timeout": "600s", "connect_timeout": "30s", "allow_http": http}
+    if store == "s3":
+        return S3Store(bucket, config=config, client_options=options)
+    return GCSStore(bucket, config=config, client_options=options)
+
+
+def _obstore_list_and_delete(client: Any, prefix: str) -> tuple[int, int]:
+    import obstore as obs
+
+    metas = [m for batch in obs.list(client, prefix + "/") for m in batch]
+    paths = [m["path"] for m in metas]
+    for i in range(0, len(paths), 500):
+        obs.delete(client, paths[i : i + 500])
+    return len(metas), sum(m["size"] for m in metas)
