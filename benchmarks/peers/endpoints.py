@@ -64,12 +64,12 @@ class LocalServers:
         """(objects, bytes) under ``prefix``, then delete them (direct, not through a proxy)."""
         service = self.services[store]
         if store == "s3":
-            found = _obstore_list_and_delete(service.obstore_client(), prefix)
-            # s3fs-fuse (Orbax on S3) also writes the folder itself as an object
-            with contextlib.suppress(Exception):
-                import obstore as obs
+            import obstore as obs
 
-                obs.delete(service.obstore_client(), prefix + "/")
+            client = service.obstore_client()
+            found = _obstore_list_and_delete(client, prefix)
+            with contextlib.suppress(Exception):  # s3fs-fuse (Orbax on S3) also writes the folder as an object
+                obs.delete(client, prefix + "/")
             return found
         import gcsfs
 
