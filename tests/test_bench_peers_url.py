@@ -88,5 +88,7 @@ def test_buckets_keep_every_key_under_the_url_prefix() -> None:
     assert (s3.url, s3.real, s3.fsspec_options(), s3.base_env()) == ("s3://a/runs/x/bench-peers/1/r0", True, {}, {})
     gcs = buckets.context("gcs", 0, system="raw", prefix="bench-peers/1/r0", workload="small", phase="save")
     assert gcs.url == "gs://b/bench-peers/1/r0"
+    shown = Buckets(["s3://key:hunter2@a/runs?x=1"]).describe()
+    assert "s3://a/runs" in shown and "hunter2" not in shown and "key" not in shown
     with pytest.raises(ValueError, match="no added latency"):
         buckets.context("s3", 10, system="raw", prefix="p", workload="small", phase="save")

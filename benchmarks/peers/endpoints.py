@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import urllib.request
 from typing import Any
-from urllib.parse import urlparse
 
 from benchmarks.peers.common import Context
 
@@ -106,24 +105,29 @@ class Buckets:
     SCHEMES = {"s3": "s3", "gs": "gcs"}
 
     def __init__(self, urls: list[str]) -> None:
+        from objckpt.storage.obstore_config import split_bucket_url
+        from objckpt.storage.urls import redact_url
+
         self.roots: dict[str, tuple[str, str]] = {}  # store → (bucket, prefix)
+        self.shown: list[str] = []  # the URLs as the results name them (no user info, no query)
         for url in urls:
-            parsed = urlparse(url)
-            store = self.SCHEMES.get(parsed.scheme)
-            if store is None or not parsed.netloc:
-                raise ValueError(f"--url {url!r}: expected s3://bucket[/prefix] or gs://bucket[/prefix]")
+            scheme = url.partition("://")[0]
+            store = self.SCHEMES.get(scheme)
+            bucket, prefix = split_bucket_url(url) if store else ("", "")
+            if not bucket:
+                raise ValueError(f"--url {redact_url(url)!r}: expected s3://bucket[/prefix] or gs://bucket[/prefix]")
             if store in self.roots:
-                raise ValueError(f"--url {url!r}: one bucket per store ({store} given twice)")
-            self.roots[store] = (parsed.netloc, parsed.path.strip("/"))
+                raise ValueError(f"--url {redact_url(url)!r}: one bucket per store ({store} given twice)")
+            self.roots[store] = (bucket, prefix)
+            self.shown.append(f"{scheme}://{bucket}/{prefix}".rstrip("/"))
 
     @property
     def stores(self) -> list[str]:
         return [store for store in ("s3", "gcs") if store in self.roots]
 
     def describe(self) -> str:
-        """For the results' header (bucket URLs only: no credentials)."""
-        urls = ", ".join(f"{'s3' if s == 's3' else 'gs'}://{b}/{p}".rstrip("/") for s, (b, p) in self.roots.items())
-        return f"real buckets ({urls}; no added latency: the RTT is the network's own)"
+        """For the results' header (bucket and prefix only: no credentials)."""
+        return f"real buckets ({', '.join(self.shown)}; no added latency: the RTT is the network's own)"
 
     def close(self) -> None:
         pass
