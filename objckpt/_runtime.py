@@ -6,16 +6,30 @@ device→host copies. Sync entry points submit coroutines here and wait.
 
 The thread is a daemon: a process that is done (or killed by a test) never waits
 on it, and correctness never depends on it finishing (the manifest commits last).
+
+Native clients (obstore's Rust runtime) complete their futures from their own
+threads, through ``call_soon_threadsafe``, and take the GIL to do it. On Python
+≤ 3.13 a foreign thread that takes the GIL once the interpreter is finalizing is
+ended with ``pthread_exit``, which aborts a Rust thread (SIGABRT, exit -6): a
+process that printed its result and returned 0 died instead. Measured here: up to 1 in
+~6 CLI runs under load, the Rust thread still inside the wake-up write of the
+call whose result the main thread had already got. So at exit (an ``atexit``
+hook runs before finalization) the loop's tasks are cancelled and settled, and
+calls from other threads still inside ``call_soon_threadsafe`` are waited for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import gc
 import threading
-from collections.abc import Coroutine, Iterator
+import time
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from objckpt._memory import tune_malloc
@@ -28,6 +42,23 @@ _thread: threading.Thread | None = None
 _pause_lock = threading.Lock()
 _pauses = 0  # calls inside collection_paused() now
 _resume = False  # whether the collector was on when the first of them began
+#: One entry per ``call_soon_threadsafe`` under way (deque append/pop are atomic under the GIL).
+_wakeups_in_flight: collections.deque[None] = collections.deque()
+#: How long the exit hook waits at most for tasks and other threads' calls to settle.
+EXIT_GRACE_S = 2.0
+
+
+class _IOLoop(asyncio.SelectorEventLoop):
+    """The I/O loop, counting the calls other threads make into it, so exit can wait for them."""
+
+    def call_soon_threadsafe(  # type: ignore[override]  # same call, the generic spelled plainly
+        self, callback: Callable[..., object], *args: Any, context: contextvars.Context | None = None
+    ) -> asyncio.Handle:
+        _wakeups_in_flight.append(None)
+        try:
+            return super().call_soon_threadsafe(callback, *args, context=context)
+        finally:
+            _wakeups_in_flight.pop()
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
@@ -36,7 +67,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
     with _lock:
         if _loop is None or not _loop.is_running():
             tune_malloc()
-            loop = asyncio.new_event_loop()
+            loop = _IOLoop()
             started = threading.Event()
 
             def _run() -> None:
@@ -47,8 +78,41 @@ def get_loop() -> asyncio.AbstractEventLoop:
             thread = threading.Thread(target=_run, name="objckpt-io", daemon=True)
             thread.start()
             started.wait()
+            if _loop is None:
+                atexit.register(_settle_at_exit)
             _loop, _thread = loop, thread
         return _loop
+
+
+async def _cancel_other_tasks(timeout: float) -> int:
+    """Cancel every task on the loop but this one; wait up to ``timeout`` for them to finish."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+    return len(tasks)
+
+
+def _settle_at_exit() -> None:
+    """Before Python finalizes, leave no other thread about to take the GIL on the loop's behalf.
+
+    Work still running at exit is abandoned either way (nothing is committed
+    without its manifest); cancelling it here lets its own clean-up run and its
+    native futures settle while Python can still take their callbacks.
+    """
+    loop, thread = _loop, _thread
+    if loop is None or thread is None or not loop.is_running() or threading.current_thread() is thread:
+        return
+    deadline = time.monotonic() + EXIT_GRACE_S
+    cancelled = 0
+    with contextlib.suppress(Exception):
+        future = asyncio.run_coroutine_threadsafe(_cancel_other_tasks(EXIT_GRACE_S / 2), loop)
+        cancelled = future.result(EXIT_GRACE_S)
+    while _wakeups_in_flight and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if cancelled:  # a cancelled native future still takes the GIL once, on its own thread, to see it
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
