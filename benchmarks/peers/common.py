@@ -9,6 +9,7 @@ from typing import Any
 
 BLOB_SIZE = 32 << 20  # objckpt's default blob size: the raw ceiling uses the same objects
 CONCURRENCY = 32  # objckpt's default request limit: the raw ceiling uses the same
+SCHEMES = {"s3": "s3", "gcs": "gs"}  # store → URL scheme
 
 
 @dataclass
@@ -33,8 +34,7 @@ class Context:
 
     @property
     def url(self) -> str:
-        scheme = "s3" if self.store == "s3" else "gs"
-        return f"{scheme}://{self.bucket}/{self.prefix}"
+        return f"{SCHEMES[self.store]}://{self.bucket}/{self.prefix}"
 
     @property
     def real(self) -> bool:

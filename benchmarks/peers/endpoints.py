@@ -19,7 +19,7 @@ import contextlib
 import urllib.request
 from typing import Any
 
-from benchmarks.peers.common import Context
+from benchmarks.peers.common import SCHEMES, Context
 
 
 class LocalServers:
@@ -102,8 +102,6 @@ class Buckets:
     are deleted after each system's turn; nothing else in the bucket is touched.
     """
 
-    SCHEMES = {"s3": "s3", "gs": "gcs"}
-
     def __init__(self, urls: list[str]) -> None:
         from objckpt.storage.obstore_config import split_bucket_url
         from objckpt.storage.urls import redact_url
@@ -112,7 +110,7 @@ class Buckets:
         self.shown: list[str] = []  # the URLs as the results name them (no user info, no query)
         for url in urls:
             scheme = url.partition("://")[0]
-            store = self.SCHEMES.get(scheme)
+            store = next((store for store, s in SCHEMES.items() if s == scheme), None)
             bucket, prefix = split_bucket_url(url) if store else ("", "")
             if not bucket:
                 raise ValueError(f"--url {redact_url(url)!r}: expected s3://bucket[/prefix] or gs://bucket[/prefix]")
@@ -164,7 +162,7 @@ def bucket_client(store: str, bucket: str) -> Any:
 
     from objckpt.storage.obstore_config import NotTranslatable, translate_gcs, translate_s3
 
-    url = f"{'s3' if store == 's3' else 'gs'}://{bucket}"
+    url = f"{SCHEMES[store]}://{bucket}"
     config: Any = None
     http = False
     try:
