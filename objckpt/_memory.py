@@ -89,23 +89,75 @@ def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return host_buffer(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
 
 
-def aligned_arrays(shapes: list[tuple[int, ...]], dtype: np.dtype, *, zeroed: bool = True) -> list[np.ndarray]:
+def aligned_layout(shapes: list[tuple[int, ...]], dtype: np.dtype) -> tuple[list[int], int]:
+    """Where each array of :func:`aligned_arrays` starts in its buffer, and the buffer's size."""
+    itemsize = np.dtype(dtype).itemsize
+    offsets = [0]
+    for shape in shapes:
+        offsets.append(offsets[-1] + -(-math.prod(shape) * itemsize // DEVICE_ALIGNMENT) * DEVICE_ALIGNMENT)
+    return offsets[:-1], offsets[-1]
+
+
+def aligned_arrays(
+    shapes: list[tuple[int, ...]],
+    dtype: np.dtype,
+    *,
+    zeroed: bool = True,
+    buffer: np.ndarray | None = None,
+) -> list[np.ndarray]:
     """Several C-contiguous arrays cut from one buffer, each on a :data:`DEVICE_ALIGNMENT` boundary.
 
     For the boxes of one small leaf: one allocation instead of one per box (a
     small model restored onto another sharding allocates ~1,300 boxes of
     ~40 KiB, at ~10 µs each in numpy calls alone). The buffer lives as long as
-    any of the arrays (or the device arrays that alias them) does.
+    any of the arrays (or the device arrays that alias them) does. ``buffer``
+    (uint8, aligned, at least :func:`aligned_layout`'s size): cut them from it
+    instead of a new one.
     """
     dtype = np.dtype(dtype)
-    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
-    offsets = [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + -(-size // DEVICE_ALIGNMENT) * DEVICE_ALIGNMENT)
-    buffer = host_buffer(offsets[-1], zeroed=zeroed)
+    offsets, total = aligned_layout(shapes, dtype)
+    if buffer is None:
+        buffer = host_buffer(total, zeroed=zeroed)
     return [
-        buffer[offset : offset + size].view(dtype).reshape(shape) for shape, size, offset in zip(shapes, sizes, offsets)
+        buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+        for shape, offset in zip(shapes, offsets)
     ]
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def prefaulted_buffer(nbytes: int) -> np.ndarray:
+    """Like a large :func:`host_buffer`, with every page already faulted in, the GIL let go meanwhile.
+
+    ``madvise(MADV_POPULATE_WRITE)`` through ctypes (which releases the GIL)
+    where the kernel has it, else a write to every page by numpy (which lets go
+    of the GIL for a strided fill). Not ``MAP_POPULATE``: Python's ``mmap``
+    holds the GIL through the call (measured: a thread mapping 64 MiB so
+    blocked the main thread for 24 ms).
+    """
+    buffer = np.frombuffer(mmap.mmap(-1, max(nbytes, 1), **_PRIVATE), dtype=np.uint8)
+    if not _populate(buffer):
+        buffer[:: mmap.PAGESIZE] = 0
+    return buffer
+
+
+def _populate(buffer: np.ndarray) -> bool:
+    madvise = _libc_madvise()
+    if madvise is None:
+        return False
+    return bool(madvise(buffer.ctypes.data, buffer.nbytes, _MADV_POPULATE_WRITE) == 0)
+
+
+@functools.cache
+def _libc_madvise() -> Any:
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
 
 
 _PROBE_BYTES = 1 << 20

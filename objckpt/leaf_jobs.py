@@ -26,6 +26,7 @@ from objckpt.dtypes import dtype_from_name
 from objckpt.errors import TargetMismatchError
 from objckpt.format import LeafEntry, Piece
 from objckpt.plan import BoxIndex, ReadRequest
+from objckpt.prefault import AssemblyArena
 from objckpt.read_once import designate
 from objckpt.read_once import supported as read_once_supported
 
@@ -57,6 +58,8 @@ class LeafJob:
     placed: list[jax.Array] = field(default_factory=list)  # single-device arrays of finished boxes
     placed_boxes: set[Box] = field(default_factory=set)
     assembled: list[Box] = field(default_factory=list)  # boxes no single saved piece equals (never adopted)
+    arena: AssemblyArena | None = None  # prefaulted memory for this small leaf's boxes (see reserve_assembled)
+    arena_key: int = 0
 
     @property
     def places_boxes(self) -> bool:
@@ -156,6 +159,29 @@ def meets_of(job: LeafJob, piece: Piece) -> list[tuple[Box, Box]]:
     return job.meets[(piece.start, piece.stop)]
 
 
+def reserve_assembled(jobs: dict[int, LeafJob]) -> AssemblyArena:
+    """Start mapping prefaulted memory for every small leaf that will be assembled from parts.
+
+    Called before planning, so the mapping overlaps it (:mod:`objckpt.prefault`
+    says why). A small leaf qualifies when some box it reads is not exactly one
+    saved piece; all of its boxes get room, since a streamed read copies even
+    the pieces that are whole boxes.
+    """
+    chosen = []
+    for key, job in jobs.items():
+        if job.places_early or job.done:
+            continue
+        boxes = job.read_boxes
+        saved = {(piece.start, piece.stop) for piece in job.entry.pieces}
+        if any(box not in saved for box in boxes):
+            job.arena_key = key
+            chosen.append((key, boxes, job))
+    arena = AssemblyArena((key, boxes, job.dtype) for key, boxes, job in chosen)
+    for _, _, job in chosen:
+        job.arena = arena
+    return arena
+
+
 def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool = False) -> None:
     """Host buffers for ``boxes`` of a leaf (all it reads by default), made only when needed.
 
@@ -173,6 +199,10 @@ def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool =
         return
     if for_pieces and not job.places_early:  # a small leaf: every box that pieces assemble, in one buffer
         missing += [box for box in job.assembled if box not in job.buffers and box not in missing]
+    made = job.arena.buffers(job.arena_key) if for_pieces and job.arena is not None else None
+    if made is not None:  # made ahead, in prefaulted memory (see reserve_assembled)
+        job.buffers.update((box, made[box]) for box in missing)
+        return
     shapes = [tuple(b - a for a, b in zip(*box)) for box in missing]
     if job.places_early:  # a buffer per box, each freed once its box is placed
         for box, shape in zip(missing, shapes):

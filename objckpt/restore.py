@@ -28,7 +28,17 @@ from objckpt.arrays import box_to_slices
 from objckpt.checksum import crc32c
 from objckpt.errors import CoordinationError, IntegrityError, TargetMismatchError
 from objckpt.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
-from objckpt.leaf_jobs import LeafJob, allocate, complete, finish, make_job, meets_of, plan_pieces, whole_box
+from objckpt.leaf_jobs import (
+    LeafJob,
+    allocate,
+    complete,
+    finish,
+    make_job,
+    meets_of,
+    plan_pieces,
+    reserve_assembled,
+    whole_box,
+)
 from objckpt.manifest_io import read_manifest
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
@@ -89,6 +99,7 @@ def restore(
         for i, t in selection.items()
         if manifest.leaves[i].kind in ARRAY_KINDS
     }
+    reserve_assembled(jobs)  # maps memory on a thread while this one plans
     requests = _plan(manifest, jobs, options, streamed=store.inner.streams_reads)
     base = stats.bytes_read
     total = sum(r.length for r in requests)
@@ -206,6 +217,7 @@ async def _fetch(
 
     alignment = ResponseAlignment(store.response_phase())
     lock = threading.Lock()
+    copy_lock = threading.Lock()  # runs of small copies take turns (stream_scatter.ScatterSink says why)
     # A read that will become its boxes' arrays is not memory above the restored
     # arrays (when the client fills its buffer in place), so only reads that are
     # copied count against the window; max_concurrency still bounds the requests
@@ -229,7 +241,7 @@ async def _fetch(
 
     async def one(request: ReadRequest) -> None:
         if streamed and id(request) in copied:
-            got = await stream_read(engine, request, jobs, store.url, lock, options.read_chunk)
+            got = await stream_read(engine, request, jobs, store.url, lock, options.read_chunk, copy_lock)
             check_length(request, got)
             await asyncio.to_thread(complete, request, jobs, lock)
             return

@@ -60,8 +60,11 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
     a restore onto another sharding (small leaves in one buffer each, large ones box
     by box; streamed from S3, buffered from memory) overwrites every byte."""
     leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
+    prefault = importlib.import_module("objckpt.prefault")
     real = leaf_jobs.aligned_arrays
+    real_prefaulted = prefault.prefaulted_buffer
     uncleared = []
+    prefaulted = []
 
     def poisoned(shapes, dtype, *, zeroed=True):
         arrays = real(shapes, dtype, zeroed=zeroed)
@@ -71,7 +74,14 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
             uncleared.extend(arrays)
         return arrays
 
+    def poisoned_prefaulted(nbytes):
+        buffer = real_prefaulted(nbytes)
+        buffer[...] = 0xFF
+        prefaulted.append(buffer)
+        return buffer
+
     monkeypatch.setattr(leaf_jobs, "aligned_arrays", poisoned)
+    monkeypatch.setattr(prefault, "prefaulted_buffer", poisoned_prefaulted)
     monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 1 << 20)  # "w" and "v" are placed box by box
     tree, values = _big_tree()
     rng = np.random.default_rng(5)
@@ -87,7 +97,8 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
         for k, v in values.items()
     }
     out = objckpt.restore(url, target, storage_options=options)
-    assert len(uncleared) > 8
+    assert len(uncleared) >= 16  # the boxes of "w" and "v"
+    assert len(prefaulted) == 1  # the small leaves' boxes, made ahead in one mapping
     for k, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
 

@@ -218,3 +218,25 @@ def test_spans_are_cut_between_rows_of_a_piece(memory_store):
 def test_crc32c_combine_matches_the_whole(a, b):
     first, second = os.urandom(a), os.urandom(b)
     assert crc32c_combine(crc32c(first), crc32c(second), b) == crc32c(first + second)
+
+
+def test_runs_of_whole_pieces_hold_the_copy_lock_and_slabs_do_not(memory_store, streaming, monkeypatch):
+    """Receives that start with a whole piece copy under the restore's shared copy lock
+    (numpy's per-copy GIL release makes threads copying small pieces at once trade the
+    GIL on every copy); slabs of a piece that spans several receives go without it."""
+    held: list[tuple[bool, bool]] = []  # (a run of whole pieces, lock held)
+    real = stream_scatter.ScatterSink._receive
+
+    def recording(self, base, data):
+        part = self._current(base)
+        whole = part is not None and part.offset >= base and part.offset + part.piece.length <= base + len(data)
+        held.append((whole, self.copy_lock.locked()))
+        return real(self, base, data)
+
+    monkeypatch.setattr(stream_scatter.ScatterSink, "_receive", recording)
+    tree = _tree()
+    objckpt.save(memory_store.url, tree)
+    out = objckpt.restore(memory_store.url, _resharded_target(tree))
+    assert_tree_bit_exact(tree, out)
+    assert {whole for whole, _ in held} == {True, False}, "expected both whole pieces and slabs"
+    assert all(locked == whole for whole, locked in held)

@@ -1,0 +1,127 @@
+"""Prefaulted memory for the small leaves a restore assembles (``objckpt.prefault``).
+
+Their boxes are cut from mappings made on a thread while restore plans, so the
+copies into them take no page faults; leaves whose responses become the arrays
+get none, and a mapping that fails leaves the leaves to buffers of their own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import resource
+
+import jax
+import numpy as np
+import pytest
+from helpers import assert_tree_bit_exact, random_array
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import objckpt
+from objckpt._memory import DEVICE_ALIGNMENT
+from objckpt.prefault import AssemblyArena
+
+prefault = importlib.import_module("objckpt.prefault")
+
+
+def _boxes(rows: int, cols: int, cut_rows: int, cut_cols: int):
+    r, c = rows // cut_rows, cols // cut_cols
+    return [((i * r, j * c), ((i + 1) * r, (j + 1) * c)) for i in range(cut_rows) for j in range(cut_cols)]
+
+
+def _recording(monkeypatch) -> list[int]:
+    sizes: list[int] = []
+    real = prefault.prefaulted_buffer
+
+    def recording(nbytes):
+        sizes.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(prefault, "prefaulted_buffer", recording)
+    return sizes
+
+
+def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypatch):
+    monkeypatch.setattr(prefault, "GROUP_BYTES", 1 << 20)
+    sizes = _recording(monkeypatch)
+    leaves = [(k, _boxes(256, 96 + 8 * k, 2, 4), np.dtype(np.float32)) for k in range(6)]  # ~100 KiB each... ×4
+    leaves.append((9, _boxes(1024, 512, 1, 1), np.dtype(np.float32)))  # 2 MiB: a mapping of its own
+    arena = AssemblyArena(leaves)
+    made = {key: arena.buffers(key) for key, _, _ in leaves}
+    assert len(sizes) >= 2 and max(sizes) >= 2 << 20 and all(size <= 2 << 20 for size in sizes)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    value = 0
+    for key, boxes, dtype in leaves:
+        assert list(made[key]) == boxes
+        for (start, stop), array in made[key].items():
+            assert array.shape == tuple(b - a for a, b in zip(start, stop)) and array.dtype == dtype
+            assert array.flags.c_contiguous and array.flags.writeable
+            assert array.ctypes.data % DEVICE_ALIGNMENT == 0
+            value += 1
+            array[...] = value
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    assert faults < 64, f"{faults} page faults writing prefaulted arrays"
+    value = 0
+    for key, _, _ in leaves:
+        for array in made[key].values():
+            value += 1
+            assert (array == value).all()  # no array overlaps another
+    assert AssemblyArena([]).buffers(3) is None
+
+
+def _small_tree():
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    tree = {
+        f"w{i}": jax.device_put(random_array((64, 48 + 8 * i), np.float32, i), NamedSharding(mesh, P("x", "y")))
+        for i in range(5)
+    }
+    tree["bias"] = jax.device_put(random_array((48,), np.float32, 9), NamedSharding(mesh, P()))
+    return tree
+
+
+def _target(tree, spec):
+    other = jax.make_mesh((2, 4), ("a", "b"))
+    return {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, spec if v.ndim == 2 else P()))
+        for k, v in tree.items()
+    }
+
+
+@pytest.mark.parametrize("where", ["s3", "memory"])
+def test_only_assembled_leaves_get_prefaulted_memory_and_become_it(where, s3_store, monkeypatch):
+    """Onto another sharding the small leaves' device arrays are the prefaulted memory
+    itself (CPU backend); onto boxes equal to the saved pieces nothing is mapped."""
+    sizes = _recording(monkeypatch)
+    mappings: list[np.ndarray] = []
+    real = prefault.prefaulted_buffer
+
+    def keeping(nbytes):
+        mappings.append(real(nbytes))
+        return mappings[-1]
+
+    monkeypatch.setattr(prefault, "prefaulted_buffer", keeping)
+    tree = _small_tree()
+    url = s3_store.url if where == "s3" else "memory://prefault/small"
+    options = s3_store.storage_options if where == "s3" else None
+    objckpt.save(url, tree, storage_options=options)
+    same = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    assert_tree_bit_exact(tree, objckpt.restore(url, same, storage_options=options))
+    assert not mappings and not sizes
+    out = objckpt.restore(url, _target(tree, P("a", "b")), storage_options=options)
+    assert_tree_bit_exact(tree, out)
+    assert len(mappings) == 1
+    low = mappings[0].ctypes.data
+    high = low + mappings[0].nbytes
+    for k in (k for k in tree if k.startswith("w")):
+        for shard in out[k].addressable_shards:
+            assert low <= shard.data.unsafe_buffer_pointer() < high, f"{k} was not restored into the mapping"
+
+
+def test_a_failed_mapping_leaves_the_leaves_buffers_of_their_own(memory_store, monkeypatch):
+    def failing(nbytes):
+        raise MemoryError(f"cannot map {nbytes} bytes")
+
+    monkeypatch.setattr(prefault, "prefaulted_buffer", failing)
+    tree = _small_tree()
+    objckpt.save(memory_store.url, tree)
+    assert_tree_bit_exact(tree, objckpt.restore(memory_store.url, _target(tree, P("b", "a"))))
