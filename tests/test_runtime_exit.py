@@ -40,8 +40,8 @@ _CHILD = textwrap.dedent(
     class SlowFinalization:
         # finalization that takes a while, as with JAX's large heap: the window stays open
 
-        def __del__(self):
-            time.sleep(1.0)
+        def __del__(self, sleep=time.sleep):  # bound now: module globals may be None by then
+            sleep(1.0)
 
 
     keeper = SlowFinalization()  # a module global: deleted only once Python is finalizing
