@@ -98,26 +98,17 @@ def aligned_layout(shapes: list[tuple[int, ...]], dtype: np.dtype) -> tuple[list
     return offsets[:-1], offsets[-1]
 
 
-def aligned_arrays(
-    shapes: list[tuple[int, ...]],
-    dtype: np.dtype,
-    *,
-    zeroed: bool = True,
-    buffer: np.ndarray | None = None,
-) -> list[np.ndarray]:
+def aligned_arrays(shapes: list[tuple[int, ...]], dtype: np.dtype, *, zeroed: bool = True) -> list[np.ndarray]:
     """Several C-contiguous arrays cut from one buffer, each on a :data:`DEVICE_ALIGNMENT` boundary.
 
     For the boxes of one small leaf: one allocation instead of one per box (a
     small model restored onto another sharding allocates ~1,300 boxes of
     ~40 KiB, at ~10 µs each in numpy calls alone). The buffer lives as long as
-    any of the arrays (or the device arrays that alias them) does. ``buffer``
-    (uint8, aligned, at least :func:`aligned_layout`'s size): cut them from it
-    instead of a new one.
+    any of the arrays (or the device arrays that alias them) does.
     """
     dtype = np.dtype(dtype)
     offsets, total = aligned_layout(shapes, dtype)
-    if buffer is None:
-        buffer = host_buffer(total, zeroed=zeroed)
+    buffer = host_buffer(total, zeroed=zeroed)
     return [
         buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
         for shape, offset in zip(shapes, offsets)
