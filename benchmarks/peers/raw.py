@@ -27,6 +27,11 @@ def env(ctx: Context) -> dict[str, str]:
 
 
 def supports(ctx: Context) -> str | None:
+    # The client library is imported untimed, as every system's is.
+    if _uses_obstore(ctx):
+        import obstore  # noqa: F401
+    else:
+        import gcsfs  # noqa: F401
     return None
 
 
