@@ -12,8 +12,10 @@ client's own threads (the response buffers become the arrays), off the GIL.
 So, as soon as the leaves are known, :class:`AssemblyArena` maps memory for
 every box of such leaves on a thread of its own and has the kernel fault the
 pages in with the GIL released (:func:`objckpt._memory.prefaulted_buffer`),
-while the main thread plans the reads (~50 ms on that model) and the server
-is idle. Leaves are grouped into mappings of at most :data:`GROUP_BYTES`, so
+while the main thread plans the reads (~25 ms on that model) and the server
+is idle. Until restore says planning is done (:meth:`AssemblyArena.planned`)
+the pages go in by plain writes, which do not hold up the main thread's own
+allocations the way ``madvise`` does (that function says why). Leaves are grouped into mappings of at most :data:`GROUP_BYTES`, so
 freeing some restored leaves can free memory while others live on. Leaves
 whose boxes all equal saved pieces are left out: their responses become the
 arrays. The memory is what those leaves' buffers would hold anyway, only
@@ -51,6 +53,7 @@ class AssemblyArena:
         self._leaves = list(leaves)
         self._buffers: dict[int, dict[Box, np.ndarray]] = {}
         self._ready = threading.Event()
+        self._planned = threading.Event()
         if self._leaves:
             threading.Thread(target=self._make, name="objckpt-prefault", daemon=True).start()
         else:
@@ -69,7 +72,7 @@ class AssemblyArena:
                 groups[-1].append((key, boxes, shapes, dtype, [size + o for o in offsets], total))
                 size += total
             for group in groups:
-                memory = prefaulted_buffer(sum(leaf[-1] for leaf in group))
+                memory = prefaulted_buffer(sum(leaf[-1] for leaf in group), touch_while=self._planning)
                 for key, boxes, shapes, dtype, offsets, _ in group:
                     itemsize = np.dtype(dtype).itemsize
                     self._buffers[key] = {
@@ -81,6 +84,13 @@ class AssemblyArena:
         finally:
             self._leaves = []
             self._ready.set()
+
+    def planned(self) -> None:
+        """The main thread has planned the reads: fault the rest in the cheapest way."""
+        self._planned.set()
+
+    def _planning(self) -> bool:
+        return not self._planned.is_set()
 
     def buffers(self, key: int) -> dict[Box, np.ndarray] | None:
         """A leaf's arrays, box by box, once made; None if they could not be."""

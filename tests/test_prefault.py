@@ -33,9 +33,9 @@ def _recording(monkeypatch) -> list[int]:
     sizes: list[int] = []
     real = prefault.prefaulted_buffer
 
-    def recording(nbytes):
+    def recording(nbytes, **kwargs):
         sizes.append(nbytes)
-        return real(nbytes)
+        return real(nbytes, **kwargs)
 
     monkeypatch.setattr(prefault, "prefaulted_buffer", recording)
     return sizes
@@ -69,6 +69,32 @@ def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypat
     assert AssemblyArena([]).buffers(3) is None
 
 
+@pytest.mark.parametrize("touched_steps", [0, 2, 99])
+def test_pages_go_in_by_writes_while_planning_then_by_madvise(touched_steps, monkeypatch):
+    """While ``touch_while()`` holds, 4 MiB at a time go in by writes; the rest goes to
+    one ``madvise``; either way every page is in and zero."""
+    memory = importlib.import_module("objckpt._memory")
+    populated: list[int] = []
+    real_populate = memory._populate
+    monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or real_populate(b))
+    asked = 0
+
+    def touch_while() -> bool:
+        nonlocal asked
+        asked += 1
+        return asked <= touched_steps
+
+    nbytes = (10 << 20) + 12345
+    buffer = memory.prefaulted_buffer(nbytes, touch_while=touch_while)
+    touched = min(touched_steps, 3) * memory._TOUCH_STEP  # 3 steps cover 10 MiB and a bit
+    assert buffer.nbytes == nbytes and populated == ([nbytes - touched] if touched < nbytes else [])
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    assert not buffer.any()
+    buffer[...] = 7
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    assert faults < 64, f"{faults} page faults in a prefaulted buffer (touched {touched} bytes)"
+
+
 def _small_tree():
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     tree = {
@@ -93,10 +119,12 @@ def test_only_assembled_leaves_get_prefaulted_memory_and_become_it(where, s3_sto
     itself (CPU backend); onto boxes equal to the saved pieces nothing is mapped."""
     sizes = _recording(monkeypatch)
     mappings: list[np.ndarray] = []
+    still_planning: list = []
     real = prefault.prefaulted_buffer
 
-    def keeping(nbytes):
-        mappings.append(real(nbytes))
+    def keeping(nbytes, *, touch_while):
+        still_planning.append(touch_while)
+        mappings.append(real(nbytes, touch_while=touch_while))
         return mappings[-1]
 
     monkeypatch.setattr(prefault, "prefaulted_buffer", keeping)
@@ -110,6 +138,7 @@ def test_only_assembled_leaves_get_prefaulted_memory_and_become_it(where, s3_sto
     out = objckpt.restore(url, _target(tree, P("a", "b")), storage_options=options)
     assert_tree_bit_exact(tree, out)
     assert len(mappings) == 1
+    assert not still_planning[0](), "restore never told the arena that planning was over"
     low = mappings[0].ctypes.data
     high = low + mappings[0].nbytes
     for k in (k for k in tree if k.startswith("w")):
@@ -118,7 +147,7 @@ def test_only_assembled_leaves_get_prefaulted_memory_and_become_it(where, s3_sto
 
 
 def test_a_failed_mapping_leaves_the_leaves_buffers_of_their_own(memory_store, monkeypatch):
-    def failing(nbytes):
+    def failing(nbytes, **kwargs):
         raise MemoryError(f"cannot map {nbytes} bytes")
 
     monkeypatch.setattr(prefault, "prefaulted_buffer", failing)

@@ -74,8 +74,8 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
             uncleared.extend(arrays)
         return arrays
 
-    def poisoned_prefaulted(nbytes):
-        buffer = real_prefaulted(nbytes)
+    def poisoned_prefaulted(nbytes, **kwargs):
+        buffer = real_prefaulted(nbytes, **kwargs)
         buffer[...] = 0xFF
         prefaulted.append(buffer)
         return buffer
