@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # objckpt next to the raw ceiling, Orbax, PyTorch DCP and a naive saver, on local S3 and GCS
 # servers at 0, 10 and 40 ms RTT. One command; results in benchmarks/results/peers.{md,json,png}.
-#   ./benchmarks/run_peers.sh            # the default plan (45–88 min on 2 cores)
+#   ./benchmarks/run_peers.sh            # the default plan (45–94 min on 2 cores)
 #   ./benchmarks/run_peers.sh --quick    # medium on S3 at 0 and 10 ms, 3 repeats (10–17 min)
 #   ./benchmarks/run_peers.sh --url gs://bucket/prefix   # against a real bucket (credentials from the environment)
 # Any other flag goes to `python -m benchmarks.bench_peers` (see --help).
