@@ -137,7 +137,7 @@ def prefaulted_buffer(nbytes: int, *, touch_while: Callable[[], bool] | None = N
     fault takes only its own mapping's lock (Linux 6.4+). Measured on a small
     model resharded from S3 (64 MiB faulted in on a thread while the main
     thread plans): planning took 65–70 ms beside ``madvise`` and 30 ms beside
-    writes (25 alone); the restore's median 0.398 → 0.370 s over 8
+    writes (25 alone); the restore's median 0.386 → 0.370 s over 8
     interleaved runs. ``madvise`` costs fewer CPU-s per page (64 MiB: 45 ms
     against 55), so it still takes whatever is left once nothing else allocates.
     """

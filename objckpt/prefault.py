@@ -15,8 +15,9 @@ pages in with the GIL released (:func:`objckpt._memory.prefaulted_buffer`),
 while the main thread plans the reads (~25 ms on that model) and the server
 is idle. Until restore says planning is done (:meth:`AssemblyArena.planned`)
 the pages go in by plain writes, which do not hold up the main thread's own
-allocations the way ``madvise`` does (that function says why). Leaves are grouped into mappings of at most :data:`GROUP_BYTES`, so
-freeing some restored leaves can free memory while others live on. Leaves
+allocations the way ``madvise`` does (that function says why). Leaves are
+grouped into mappings of at most :data:`GROUP_BYTES`, so freeing some
+restored leaves can free memory while others live on. Leaves
 whose boxes all equal saved pieces are left out: their responses become the
 arrays. The memory is what those leaves' buffers would hold anyway, only
 taken a little earlier.
