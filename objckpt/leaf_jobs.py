@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from objckpt._memory import aligned_arrays, aligned_zeros
+from objckpt._memory import aligned_arrays, aligned_zeros, fault_in
 from objckpt.arrays import Box, index_to_box, needed_boxes
 from objckpt.dtypes import dtype_from_name
 from objckpt.errors import TargetMismatchError
@@ -182,7 +182,7 @@ def reserve_assembled(jobs: dict[int, LeafJob]) -> AssemblyArena:
     return arena
 
 
-def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool = False) -> None:
+def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool = False) -> list[np.ndarray]:
     """Host buffers for ``boxes`` of a leaf (all it reads by default), made only when needed.
 
     Made when the first piece for a box lands and, for large sharded leaves, freed
@@ -191,24 +191,40 @@ def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool =
     exactly (checked when the manifest is parsed), a box is placed only once
     every piece that meets it has landed, and a failed read fails the restore,
     so every byte is written before it can be read.
+
+    Returns the buffers it made for pieces of a large leaf, fresh memory whose
+    pages none of the copies has faulted in yet: the caller passes them to
+    :func:`fault_in_fresh` once it has let go of the lock it allocates under.
     """
     if job.done:
-        return
+        return []
     missing = [box for box in (job.read_boxes if boxes is None else boxes) if box not in job.buffers]
     if not missing:
-        return
+        return []
     if for_pieces and not job.places_early:  # a small leaf: every box that pieces assemble, in one buffer
         missing += [box for box in job.assembled if box not in job.buffers and box not in missing]
     made = job.arena.buffers(job.arena_key) if for_pieces and job.arena is not None else None
     if made is not None:  # made ahead, in prefaulted memory (see reserve_assembled)
         job.buffers.update((box, made[box]) for box in missing)
-        return
+        return []
     shapes = [tuple(b - a for a, b in zip(*box)) for box in missing]
     if job.places_early:  # a buffer per box, each freed once its box is placed
         for box, shape in zip(missing, shapes):
             (job.buffers[box],) = aligned_arrays([shape], job.dtype, zeroed=not for_pieces)
-        return
+        return [job.buffers[box] for box in missing] if for_pieces else []
     job.buffers.update(zip(missing, aligned_arrays(shapes, job.dtype, zeroed=not for_pieces)))
+    return []
+
+
+def fault_in_fresh(buffers: list[np.ndarray]) -> None:
+    """Fault in the pages of buffers :func:`allocate` just made, before pieces are copied
+    into them (cheaper than a fault per page inside the copies: :func:`objckpt._memory.fault_in`).
+
+    Called without the allocation lock held: other threads may already be
+    copying into the same buffers, which is harmless (a page already in is left as is).
+    """
+    for buffer in buffers:
+        fault_in(buffer)
 
 
 def place_boxes(done: list[tuple[LeafJob, Box]]) -> None:

@@ -32,6 +32,7 @@ from objckpt.leaf_jobs import (
     LeafJob,
     allocate,
     complete,
+    fault_in_fresh,
     finish,
     make_job,
     meets_of,
@@ -284,11 +285,14 @@ def _land(request: ReadRequest, data: memoryview, jobs: dict[int, LeafJob], url:
     them, see :func:`_adoptable`), then :func:`~objckpt.leaf_jobs.complete`
     them. The counters are shared with other responses' threads, hence ``lock``.
     """
+    fresh: list[np.ndarray] = []
     with lock:
         adopted = _adoptable(request, data, jobs)
         for k, part in enumerate(request.parts):
             if k not in adopted:
-                allocate(jobs[part.leaf], [box for box, _ in meets_of(jobs[part.leaf], part.piece)], for_pieces=True)
+                job = jobs[part.leaf]
+                fresh += allocate(job, [box for box, _ in meets_of(job, part.piece)], for_pieces=True)
+    fault_in_fresh(fresh)
     _scatter(request, data, jobs, url, adopted)
     complete(request, jobs, lock)
 

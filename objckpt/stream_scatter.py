@@ -28,7 +28,7 @@ import numpy as np
 from objckpt.arrays import Box, box_to_slices
 from objckpt.checksum import crc32c, crc32c_combine
 from objckpt.errors import IntegrityError
-from objckpt.leaf_jobs import LeafJob, allocate, meets_of
+from objckpt.leaf_jobs import LeafJob, allocate, fault_in_fresh, meets_of
 from objckpt.plan import PACKING_SLACK, ReadPart, ReadRequest, intersect
 from objckpt.storage.streaming import STREAM_PIECE
 from objckpt.transfer import TransferEngine, first_error
@@ -246,7 +246,8 @@ class ScatterSink:
         meets = meets_of(job, part.piece)
         if not all(box in job.buffers for box, _ in meets):
             with self.lock:
-                allocate(job, [box for box, _ in meets], for_pieces=True)
+                fresh = allocate(job, [box for box, _ in meets], for_pieces=True)
+            fault_in_fresh(fresh)
         return meets
 
     def _current(self, position: int) -> ReadPart | None:

@@ -154,3 +154,46 @@ def test_a_failed_mapping_leaves_the_leaves_buffers_of_their_own(memory_store, m
     tree = _small_tree()
     objckpt.save(memory_store.url, tree)
     assert_tree_bit_exact(tree, objckpt.restore(memory_store.url, _target(tree, P("b", "a"))))
+
+
+def test_fault_in_takes_a_fresh_mapping_4_mib_at_a_time_and_leaves_heap_buffers(monkeypatch):
+    memory = importlib.import_module("objckpt._memory")
+    populated: list[int] = []
+    real_populate = memory._populate
+    monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or real_populate(b))
+    nbytes = (9 << 20) + 4096 * 3
+    buffer = memory.aligned_arrays([(nbytes // 4,)], np.dtype(np.float32), zeroed=False)[0]
+    assert memory.fault_in(buffer)
+    assert populated == [4 << 20, 4 << 20, (1 << 20) + 4096 * 3]
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    assert not buffer.any()
+    buffer[...] = 7
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    assert faults < 64, f"{faults} page faults writing a faulted-in buffer of {nbytes} bytes"
+    populated.clear()
+    assert not memory.fault_in(np.zeros(1000, np.float32)) and not populated  # from the heap: left alone
+
+
+@pytest.mark.parametrize("where", ["s3", "memory"])
+def test_large_leaf_boxes_are_faulted_in_before_pieces_are_copied_into_them(where, s3_store, monkeypatch):
+    """Onto another sharding, every box buffer of a leaf placed box by box is faulted in once,
+    whether the read is streamed (S3) or lands whole (memory), and becomes the device array."""
+    leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
+    monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 1 << 20)  # so a 4 MiB leaf goes box by box
+    faulted: list[tuple[int, int]] = []
+    real_fault_in = leaf_jobs.fault_in
+
+    def recording(buffer):
+        faulted.append((buffer.ctypes.data, buffer.nbytes))
+        return real_fault_in(buffer)
+
+    monkeypatch.setattr(leaf_jobs, "fault_in", recording)
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    tree = {"w": jax.device_put(random_array((1024, 1024), np.float32, 3), NamedSharding(mesh, P("x", "y")))}
+    url = s3_store.url if where == "s3" else "memory://prefault/large"
+    options = s3_store.storage_options if where == "s3" else None
+    objckpt.save(url, tree, storage_options=options)
+    out = objckpt.restore(url, _target(tree, P("a", "b")), storage_options=options)  # 8 boxes of 512 x 256
+    assert_tree_bit_exact(tree, out)
+    shards = sorted((s.data.unsafe_buffer_pointer(), 512 * 256 * 4) for s in out["w"].addressable_shards)
+    assert sorted(faulted) == shards
