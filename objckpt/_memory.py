@@ -161,7 +161,7 @@ def fault_in(buffer: np.ndarray) -> bool:
     copies; ``madvise(MADV_POPULATE_WRITE)`` faults them in a loop in the kernel,
     with the GIL released. Measured on the large model (4 GiB, 3.7 GiB of it in
     boxes of 6–27 MiB) resharded from S3 at 0 ms, fresh processes, medians of
-    6: client CPU 7.58 → 6.15 s, 8.62 → 7.46 s (same sharding: 7.90 s). It goes
+    6: client CPU 6.97 → 5.90 s, 7.86 → 7.13 s (same sharding: 6.92 s). It goes
     4 MiB per call so that the mmap lock it holds for reading (see
     :func:`prefaulted_buffer`) keeps no other thread's allocation waiting long.
     A buffer under 1 MiB comes from the heap, mostly faulted in already: left alone.
