@@ -9,6 +9,7 @@ check that it never reads a byte of a piece it was not asked for.
 from __future__ import annotations
 
 import importlib
+import json
 import platform
 import subprocess
 import sys
@@ -150,9 +151,12 @@ def _big_tree():
     return tree, values
 
 
-def test_restore_from_s3_adopts_large_responses_without_a_copy(s3_store, monkeypatch):
+def _adoption_report(url: str, storage_options: dict) -> dict:
+    """Save ``_big_tree`` to ``url``, restore it onto the same sharding, and say
+    which large boxes were copied rather than adopted (run in a fresh process by
+    the test below)."""
     tree, _ = _big_tree()
-    objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options)
+    objckpt.save(url, tree, storage_options=storage_options)
     allocated: list[str] = []
     real_allocate = restore_module.allocate
 
@@ -160,17 +164,47 @@ def test_restore_from_s3_adopts_large_responses_without_a_copy(s3_store, monkeyp
         allocated.extend(job.entry.path for _ in (boxes if boxes is not None else job.read_boxes))
         return real_allocate(job, boxes, **kwargs)
 
-    monkeypatch.setattr(restore_module, "allocate", counting_allocate)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-    out = objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options)
+    restore_module.allocate = counting_allocate
+    try:
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+        out = objckpt.restore(url, target, storage_options=storage_options)
+    finally:
+        restore_module.allocate = real_allocate
     assert_tree_bit_exact(tree, out)
-    # Adoption depends on where the client's allocator puts each response; it
-    # falls back to a copy when one lands elsewhere, so ask for most, not all.
-    large = [path for path in allocated if path in ("['w']", "['v']")]
-    assert len(large) <= 4, f"{len(large)} of 16 large boxes were copied, expected them adopted"
-    for leaf in (out["w"], out["v"]):
-        for shard in leaf.addressable_shards:
-            assert shard.data.unsafe_buffer_pointer() % DEVICE_ALIGNMENT == 0
+    return {
+        "copied": [path for path in allocated if path in ("['w']", "['v']")],
+        "misaligned": [
+            name
+            for name in ("w", "v")
+            for shard in out[name].addressable_shards
+            if shard.data.unsafe_buffer_pointer() % DEVICE_ALIGNMENT
+        ],
+    }
+
+
+def test_restore_from_s3_adopts_large_responses_without_a_copy(s3_store):
+    """Large boxes whose bytes land aligned in the client's response become the arrays.
+
+    Where a response lands is up to the client's allocator: when it serves one
+    from memory it already holds rather than a fresh mapping, the phase is not
+    the one predicted and every box of that read falls back to a copy (correct,
+    just slower). That happened once in CI, 400 tests into the suite and never
+    in a run of this file, so this runs in a fresh interpreter, whose allocator
+    state is the one a restore after start-up meets.
+    """
+    code = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_restore_buffers import _adoption_report\n"
+        "args = json.load(sys.stdin)\n"
+        "print('REPORT', json.dumps(_adoption_report(args['url'], args['storage_options'])))\n"
+    )
+    args = json.dumps({"url": s3_store.url, "storage_options": s3_store.storage_options})  # stdin, not argv: keys
+    run = subprocess.run([sys.executable, "-c", code], input=args, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads(run.stdout.split("REPORT ", 1)[1])
+    assert not report["copied"], f"{len(report['copied'])} of 16 large boxes were copied, expected them adopted"
+    assert not report["misaligned"]
 
 
 def _recording_streams(monkeypatch) -> list[tuple[str, int, int]]:
