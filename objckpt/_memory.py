@@ -193,7 +193,13 @@ def _libc_madvise() -> Any:
     return madvise
 
 
-_PROBE_BYTES = 1 << 20
+# Larger than glibc's largest dynamic mmap threshold (32 MiB): a probe this size
+# gets a fresh mapping, where large responses land, and not a chunk that memory
+# freed earlier in the process's life left in the heap (after freeing a 20 and
+# a 16 MiB array, a 1 MiB probe came back 48 bytes past a boundary, a 64 MiB
+# one at 16, like the responses). Neither probe touches its pages: np.empty leaves them
+# alone, and ``bytes`` of a size is a calloc, which takes a mapping's zeros.
+_PROBE_BYTES = 64 << 20
 
 
 @functools.cache

@@ -11,6 +11,7 @@ Reads restore copies out of go another way on stores that stream
 from __future__ import annotations
 
 import asyncio
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -30,12 +31,23 @@ class ResponseAlignment:
     read that many bytes short of 64 early (blobs keep free bytes before large
     pieces) puts the piece on the boundary. The store gives the phase it
     expects; each large response corrects it, and a miss only costs the copy.
+    What a store's responses taught is kept for the next restore from the same
+    kind of store (``learned``), so a wrong first guess costs one read's
+    copies once per process, not every restore's first reads.
     """
 
     LARGE = 1 << 20  # smaller responses come from the heap, at no fixed phase
+    learned: ClassVar[dict[type, int]] = {}  # per store class: the phase its last large response had
 
-    def __init__(self, phase: int | None) -> None:
-        self.phase = phase  # address % DEVICE_ALIGNMENT of large responses; None: unknown
+    def __init__(self, phase: int | None, kind: type | None = None) -> None:
+        self.kind = kind
+        self.phase = self.learned.get(kind, phase) if kind is not None else phase
+        # address % DEVICE_ALIGNMENT of large responses; None: unknown
+
+    @classmethod
+    def of(cls, store: Any) -> ResponseAlignment:
+        """The alignment to start with for ``store``: what its kind taught, else its hint."""
+        return cls(store.response_phase(), type(store))
 
     def pad(self, request: ReadRequest) -> int:
         """Bytes to read before the request's start (0 unless it has that much slack)."""
@@ -48,6 +60,8 @@ class ResponseAlignment:
         """Learn the phase from a whole response as the store returned it."""
         if len(response) >= self.LARGE:
             self.phase = address(response) % DEVICE_ALIGNMENT
+            if self.kind is not None:
+                self.learned[self.kind] = self.phase
 
 
 def address(data: memoryview | np.ndarray) -> int:

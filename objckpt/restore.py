@@ -217,7 +217,7 @@ async def _fetch(
             allocate(job)
             await asyncio.to_thread(finish, job)
 
-    alignment = ResponseAlignment(store.response_phase())
+    alignment = ResponseAlignment.of(store)
     lock = threading.Lock()
     copy_lock = threading.Lock()  # runs of small copies take turns (stream_scatter.ScatterSink says why)
     # A read that will become its boxes' arrays is not memory above the restored

@@ -151,35 +151,54 @@ def _big_tree():
     return tree, values
 
 
-def _adoption_report(url: str, storage_options: dict) -> dict:
-    """Save ``_big_tree`` to ``url``, restore it onto the same sharding, and say
-    which large boxes were copied rather than adopted (run in a fresh process by
-    the test below)."""
+def _adoption_report(url: str, storage_options: dict, *, hint_off_by: int = 0, restores: int = 1) -> dict:
+    """Save ``_big_tree`` to ``url``, restore it onto the same sharding ``restores``
+    times, and say how many large boxes each copied rather than adopted (run in a
+    fresh process by the tests below). ``hint_off_by`` skews the store's phase hint."""
     tree, _ = _big_tree()
     objckpt.save(url, tree, storage_options=storage_options)
     allocated: list[str] = []
-    real_allocate = restore_module.allocate
+    real_allocate, real_phase = restore_module.allocate, ObstoreStore.response_phase
 
     def counting_allocate(job, boxes=None, **kwargs):
         allocated.extend(job.entry.path for _ in (boxes if boxes is not None else job.read_boxes))
         return real_allocate(job, boxes, **kwargs)
 
     restore_module.allocate = counting_allocate
+    ObstoreStore.response_phase = lambda self: (real_phase(self) + hint_off_by) % DEVICE_ALIGNMENT
+    copied, misaligned = [], []
     try:
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-        out = objckpt.restore(url, target, storage_options=storage_options)
+        for _ in range(restores):
+            allocated.clear()
+            out = objckpt.restore(url, target, storage_options=storage_options)
+            assert_tree_bit_exact(tree, out)
+            copied.append(sum(path in ("['w']", "['v']") for path in allocated))
+            misaligned.append(
+                sum(
+                    shard.data.unsafe_buffer_pointer() % DEVICE_ALIGNMENT != 0
+                    for name in ("w", "v")
+                    for shard in out[name].addressable_shards
+                )
+            )
     finally:
-        restore_module.allocate = real_allocate
-    assert_tree_bit_exact(tree, out)
-    return {
-        "copied": [path for path in allocated if path in ("['w']", "['v']")],
-        "misaligned": [
-            name
-            for name in ("w", "v")
-            for shard in out[name].addressable_shards
-            if shard.data.unsafe_buffer_pointer() % DEVICE_ALIGNMENT
-        ],
-    }
+        restore_module.allocate, ObstoreStore.response_phase = real_allocate, real_phase
+    return {"copied": copied, "misaligned": misaligned}
+
+
+def _adoption_in_a_fresh_process(s3_store, **kwargs) -> dict:
+    code = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_restore_buffers import _adoption_report\n"
+        "args = json.load(sys.stdin)\n"
+        "print('REPORT', json.dumps(_adoption_report(args['url'], args['storage_options'], **args['kwargs'])))\n"
+    )
+    # on stdin, not the command line: the options hold the keys
+    args = json.dumps({"url": s3_store.url, "storage_options": s3_store.storage_options, "kwargs": kwargs})
+    run = subprocess.run([sys.executable, "-c", code], input=args, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.split("REPORT ", 1)[1])
 
 
 def test_restore_from_s3_adopts_large_responses_without_a_copy(s3_store):
@@ -192,19 +211,35 @@ def test_restore_from_s3_adopts_large_responses_without_a_copy(s3_store):
     in a run of this file, so this runs in a fresh interpreter, whose allocator
     state is the one a restore after start-up meets.
     """
-    code = (
-        "import json, sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_restore_buffers import _adoption_report\n"
-        "args = json.load(sys.stdin)\n"
-        "print('REPORT', json.dumps(_adoption_report(args['url'], args['storage_options'])))\n"
-    )
-    args = json.dumps({"url": s3_store.url, "storage_options": s3_store.storage_options})  # stdin, not argv: keys
-    run = subprocess.run([sys.executable, "-c", code], input=args, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
-    report = json.loads(run.stdout.split("REPORT ", 1)[1])
-    assert not report["copied"], f"{len(report['copied'])} of 16 large boxes were copied, expected them adopted"
-    assert not report["misaligned"]
+    report = _adoption_in_a_fresh_process(s3_store)
+    assert report["copied"] == [0], f"{report['copied'][0]} of 16 large boxes were copied, expected them adopted"
+    assert report["misaligned"] == [0]
+
+
+def test_a_wrong_phase_hint_costs_one_restore_its_adoption_and_is_learned(s3_store):
+    """The store's hint is a guess about its client's allocator; responses correct it,
+    and later restores from that kind of store start from what they taught."""
+    report = _adoption_in_a_fresh_process(s3_store, hint_off_by=16, restores=2)
+    assert report["copied"] == [16, 0], f"large boxes copied per restore: {report['copied']}, expected [16, 0]"
+    assert report["misaligned"] == [0, 0]
+
+
+def test_a_store_kinds_learned_phase_outlives_one_restore(monkeypatch):
+    from objckpt.aligned_reads import ResponseAlignment
+
+    class Store:
+        def response_phase(self):
+            return 16
+
+    monkeypatch.setattr(ResponseAlignment, "learned", {})
+    assert ResponseAlignment.of(Store()).phase == 16  # nothing learned yet: the hint
+    first = ResponseAlignment.of(Store())
+    first.observe(memoryview(host_buffer(ResponseAlignment.LARGE + 64)[32:]))
+    assert ResponseAlignment.of(Store()).phase == 32
+    ResponseAlignment(None).observe(
+        memoryview(host_buffer(ResponseAlignment.LARGE + 64)[48:])
+    )  # no kind: kept to itself
+    assert ResponseAlignment.of(Store()).phase == 32
 
 
 def _recording_streams(monkeypatch) -> list[tuple[str, int, int]]:
