@@ -5,8 +5,11 @@ obstore completes futures from its Rust threads through the loop's
 the Rust thread was still inside the wake-up write (GIL released) when the main
 thread, already holding its result, finalized Python; taking the GIL back then
 ends the thread with ``pthread_exit``, which aborts a Rust thread. Here the
-wake-up write is slowed on foreign threads, and finalization made slow, so that
-window is always hit.
+wake-up write is slowed on foreign threads (1 s, within the hook's 2 s grace),
+and finalization made slower still (3 s), so that window is always hit. The
+control once exited cleanly in CI: its slow finalizer was a global of the script,
+whose namespace the loop keeps alive (through the patched method), so it was never
+deleted and finalization took ~0.1 s, less than the 0.2 s slow-down then used.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ pytest.importorskip("obstore")
 
 _CHILD = textwrap.dedent(
     """
-    import atexit, sys, threading, time
+    import atexit, sys, threading, time, types
     import obstore as obs
     from obstore.store import MemoryStore
     from objckpt import _runtime
@@ -34,17 +37,26 @@ _CHILD = textwrap.dedent(
         original()
         if threading.current_thread() not in (threading.main_thread(), _runtime._thread):
             slowed.append(1)
-            time.sleep(0.2)  # the Rust thread is descheduled after waking the loop
+            # the Rust thread is descheduled after waking the loop, for longer than the main
+            # thread takes to reach finalization (JAX's atexit work included) on a loaded machine
+            time.sleep(1.0)
 
 
     class SlowFinalization:
         # finalization that takes a while, as with JAX's large heap: the window stays open
 
         def __del__(self, sleep=time.sleep):  # bound now: module globals may be None by then
-            sleep(1.0)
+            sleep(3.0)
 
 
-    keeper = SlowFinalization()  # a module global: deleted only once Python is finalizing
+    # Held by a module of its own, which only finalization frees. Not a global of this
+    # script: the loop keeps slow_on_foreign_threads, so __main__'s namespace outlives
+    # finalization uncleared and a keeper there is never deleted (the window then shuts
+    # before the Rust thread wakes, and the control exits cleanly).
+    holder = types.ModuleType("slow_finalization")
+    holder.keeper = SlowFinalization()
+    sys.modules[holder.__name__] = holder
+    del holder
 
     loop._write_to_self = slow_on_foreign_threads
     if sys.argv[1] == "without-hook":
