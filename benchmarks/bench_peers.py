@@ -124,9 +124,9 @@ def measure(
     phases = ["save", "restore"]
     if system == "objckpt":
         # The two restores alternate places from one repeat to the next, so that neither is
-        # always the one right after the save (a run at ac92e84 had the same-sharding
-        # restore follow the save every time: medium 1.81 s against 1.20 s onto another
-        # sharding, while fresh pairs away from any save read 1.12 against 1.23 s).
+        # always the one right after the save and the reshard ratio is not the order's doing.
+        # (It was not, when checked: at 0 ms the same-sharding medium restore took 1.68 and
+        # 2.70 s right after the save, 1.04 and 1.74 s after the other one, which took 1.07-1.61 s.)
         phases = ["save"] + (["restore", "restore_resharded"] if rep % 2 == 0 else ["restore_resharded", "restore"])
     rows: list[dict[str, Any]] = []
     for phase in phases:

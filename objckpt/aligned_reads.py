@@ -41,8 +41,8 @@ class ResponseAlignment:
 
     def __init__(self, phase: int | None, kind: type | None = None) -> None:
         self.kind = kind
-        self.phase = self.learned.get(kind, phase) if kind is not None else phase
         # address % DEVICE_ALIGNMENT of large responses; None: unknown
+        self.phase = self.learned.get(kind, phase) if kind is not None else phase
 
     @classmethod
     def of(cls, store: Any) -> ResponseAlignment:
