@@ -121,34 +121,35 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _TOUCH_STEP = 4 << 20
 
 
-def prefaulted_buffer(nbytes: int, *, touch_while: Callable[[], bool] | None = None) -> np.ndarray:
-    """Like a large :func:`host_buffer`, with every page already faulted in, the GIL let go meanwhile.
+def mapped_buffer(nbytes: int) -> np.ndarray:
+    """A fresh private anonymous mapping (at least one byte), no page of it faulted in yet.
 
-    Pages go in by ``madvise(MADV_POPULATE_WRITE)`` through ctypes (which
-    releases the GIL) where the kernel has it, else by a write to every page
-    from numpy (which lets go of the GIL for a strided fill). Not
-    ``MAP_POPULATE``: Python's ``mmap`` holds the GIL through the call
+    Not ``MAP_POPULATE``: Python's ``mmap`` holds the GIL through the call
     (measured: a thread mapping 64 MiB so blocked the main thread for 24 ms).
-
-    While ``touch_while()`` is true, pages go in by writes, 4 MiB at a time,
-    and only the rest by ``madvise``. Why: ``madvise`` holds the process's
-    mmap lock for reading while it works, and a thread that grows its heap
-    (every Python thread that allocates) waits for that lock, whereas a page
-    fault takes only its own mapping's lock (Linux 6.4+). Measured on a small
-    model resharded from S3 (64 MiB faulted in on a thread while the main
-    thread plans): planning took 65–70 ms beside ``madvise`` and 30 ms beside
-    writes (25 alone); the restore's median 0.386 → 0.370 s over 8
-    interleaved runs. ``madvise`` costs fewer CPU-s per page (64 MiB: 45 ms
-    against 55), so it still takes whatever is left once nothing else allocates.
+    Pages go in afterwards, by :func:`touch_pages` and :func:`fault_in`.
     """
-    buffer = np.frombuffer(mmap.mmap(-1, max(nbytes, 1), **_PRIVATE), dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1), **_PRIVATE), dtype=np.uint8)
+
+
+def touch_pages(buffer: np.ndarray, *, while_: Callable[[], bool]) -> int:
+    """Fault in a fresh mapping's pages by writing a zero to each, 4 MiB at a time, for as
+    long as ``while_()`` holds; returns how many bytes from the start it did.
+
+    Why writes and not :func:`fault_in` while another thread is busy:
+    ``madvise`` holds the process's mmap lock for reading while it works, and a
+    thread that grows its heap (every Python thread that allocates) waits for
+    that lock, whereas a page fault takes only its own mapping's lock (Linux
+    6.4+). Measured on a small model resharded from S3 (64 MiB faulted in on a
+    thread while the main thread plans): planning took 65–70 ms beside
+    ``madvise`` and 30 ms beside writes (25 alone). ``madvise`` costs fewer
+    CPU-s per page (64 MiB: 45 ms against 55), so it takes whatever is left.
+    The writes change the bytes: only for memory nobody has been handed yet.
+    """
     at = 0
-    while touch_while is not None and at < buffer.nbytes and touch_while():
+    while at < buffer.nbytes and while_():
         buffer[at : at + _TOUCH_STEP : mmap.PAGESIZE] = 0
         at += _TOUCH_STEP
-    if at < buffer.nbytes and not _populate(buffer[at:]):
-        buffer[at :: mmap.PAGESIZE] = 0
-    return buffer
+    return min(at, buffer.nbytes)
 
 
 def fault_in(buffer: np.ndarray) -> bool:

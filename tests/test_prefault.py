@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import resource
+import threading
 
 import jax
 import numpy as np
@@ -31,13 +32,13 @@ def _boxes(rows: int, cols: int, cut_rows: int, cut_cols: int):
 
 def _recording(monkeypatch) -> list[int]:
     sizes: list[int] = []
-    real = prefault.prefaulted_buffer
+    real = prefault.mapped_buffer
 
-    def recording(nbytes, **kwargs):
+    def recording(nbytes):
         sizes.append(nbytes)
-        return real(nbytes, **kwargs)
+        return real(nbytes)
 
-    monkeypatch.setattr(prefault, "prefaulted_buffer", recording)
+    monkeypatch.setattr(prefault, "mapped_buffer", recording)
     return sizes
 
 
@@ -71,28 +72,88 @@ def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypat
 
 @pytest.mark.parametrize("touched_steps", [0, 2, 99])
 def test_pages_go_in_by_writes_while_planning_then_by_madvise(touched_steps, monkeypatch):
-    """While ``touch_while()`` holds, 4 MiB at a time go in by writes; the rest goes to
-    one ``madvise``; either way every page is in and zero."""
+    """While planning, 4 MiB at a time go in by writes; the rest by ``madvise``, 4 MiB a
+    call, after the arrays are handed out; either way every page is in and zero."""
     memory = importlib.import_module("objckpt._memory")
     populated: list[int] = []
     real_populate = memory._populate
     monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or real_populate(b))
     asked = 0
 
-    def touch_while() -> bool:
+    def planning() -> bool:
         nonlocal asked
         asked += 1
         return asked <= touched_steps
 
     nbytes = (10 << 20) + 12345
-    buffer = memory.prefaulted_buffer(nbytes, touch_while=touch_while)
-    touched = min(touched_steps, 3) * memory._TOUCH_STEP  # 3 steps cover 10 MiB and a bit
-    assert buffer.nbytes == nbytes and populated == ([nbytes - touched] if touched < nbytes else [])
+    buffer = memory.mapped_buffer(nbytes)
+    at = memory.touch_pages(buffer, while_=planning)
+    assert at == min(touched_steps * memory._TOUCH_STEP, nbytes)
+    assert not populated
+    if at < nbytes:
+        assert memory.fault_in(buffer[at:])
+    assert sum(populated) == nbytes - at and all(size <= memory._TOUCH_STEP for size in populated)
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     assert not buffer.any()
     buffer[...] = 7
     faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
-    assert faults < 64, f"{faults} page faults in a prefaulted buffer (touched {touched} bytes)"
+    assert faults < 64, f"{faults} page faults in a prefaulted buffer (touched {at} bytes)"
+
+
+def test_arrays_are_handed_out_once_planning_is_over_not_once_every_page_is_in(monkeypatch):
+    """The last pages go in while the reads start: a copy into the arrays must not wait
+    for ``madvise`` (the reads' own threads could not even start meanwhile)."""
+    release = threading.Event()
+    faulting = threading.Event()
+
+    def slow_fault_in(buffer):
+        faulting.set()
+        release.wait(30)
+        return True
+
+    monkeypatch.setattr(prefault, "fault_in", slow_fault_in)
+    monkeypatch.setattr(prefault, "touch_pages", lambda buffer, *, while_: 0)  # all left to madvise
+    arena = AssemblyArena([(1, _boxes(1024, 1024, 2, 4), np.dtype(np.float32))])  # 4 MiB
+    try:
+        arena.planned()
+        assert faulting.wait(30), "the rest of the pages never went to madvise"
+        got: list = []
+        taker = threading.Thread(target=lambda: got.append(arena.buffers(1)))
+        taker.start()
+        taker.join(10)
+        assert got, "the arrays waited for madvise"
+        (made,) = got
+        assert made is not None and len(made) == 8
+        for k, array in enumerate(made.values()):
+            array[...] = k
+        assert all((array == k).all() for k, array in enumerate(made.values()))
+    finally:
+        release.set()
+
+
+def test_the_arrays_are_not_handed_out_while_pages_go_in_by_writes(monkeypatch):
+    """Writes of zeros would overwrite bytes already copied in: nobody may hold the arrays then."""
+    touching = threading.Event()
+    release = threading.Event()
+
+    def slow_touch(buffer, *, while_):
+        touching.set()
+        release.wait(30)
+        return buffer.nbytes
+
+    monkeypatch.setattr(prefault, "touch_pages", slow_touch)
+    arena = AssemblyArena([(1, _boxes(1024, 1024, 2, 4), np.dtype(np.float32))])
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(arena.buffers(1)))
+    try:
+        assert touching.wait(30)
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive() and not got, "arrays handed out while pages were still being written"
+    finally:
+        release.set()
+    waiter.join(30)
+    assert got and got[0] is not None
 
 
 def _small_tree():
@@ -117,24 +178,28 @@ def _target(tree, spec):
 def test_only_assembled_leaves_get_prefaulted_memory_and_become_it(where, s3_store, monkeypatch):
     """Onto another sharding the small leaves' device arrays are the prefaulted memory
     itself (CPU backend); onto boxes equal to the saved pieces nothing is mapped."""
-    sizes = _recording(monkeypatch)
     mappings: list[np.ndarray] = []
     still_planning: list = []
-    real = prefault.prefaulted_buffer
+    real_map = prefault.mapped_buffer
+    real_touch = prefault.touch_pages
 
-    def keeping(nbytes, *, touch_while):
-        still_planning.append(touch_while)
-        mappings.append(real(nbytes, touch_while=touch_while))
+    def keeping(nbytes):
+        mappings.append(real_map(nbytes))
         return mappings[-1]
 
-    monkeypatch.setattr(prefault, "prefaulted_buffer", keeping)
+    def touching(buffer, *, while_):
+        still_planning.append(while_)
+        return real_touch(buffer, while_=while_)
+
+    monkeypatch.setattr(prefault, "mapped_buffer", keeping)
+    monkeypatch.setattr(prefault, "touch_pages", touching)
     tree = _small_tree()
     url = s3_store.url if where == "s3" else "memory://prefault/small"
     options = s3_store.storage_options if where == "s3" else None
     objckpt.save(url, tree, storage_options=options)
     same = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     assert_tree_bit_exact(tree, objckpt.restore(url, same, storage_options=options))
-    assert not mappings and not sizes
+    assert not mappings
     out = objckpt.restore(url, _target(tree, P("a", "b")), storage_options=options)
     assert_tree_bit_exact(tree, out)
     assert len(mappings) == 1
@@ -150,7 +215,7 @@ def test_a_failed_mapping_leaves_the_leaves_buffers_of_their_own(memory_store, m
     def failing(nbytes, **kwargs):
         raise MemoryError(f"cannot map {nbytes} bytes")
 
-    monkeypatch.setattr(prefault, "prefaulted_buffer", failing)
+    monkeypatch.setattr(prefault, "mapped_buffer", failing)
     tree = _small_tree()
     objckpt.save(memory_store.url, tree)
     assert_tree_bit_exact(tree, objckpt.restore(memory_store.url, _target(tree, P("b", "a"))))

@@ -63,7 +63,7 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
     leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
     prefault = importlib.import_module("objckpt.prefault")
     real = leaf_jobs.aligned_arrays
-    real_prefaulted = prefault.prefaulted_buffer
+    real_touch = prefault.touch_pages
     uncleared = []
     prefaulted = []
 
@@ -75,14 +75,14 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
             uncleared.extend(arrays)
         return arrays
 
-    def poisoned_prefaulted(nbytes, **kwargs):
-        buffer = real_prefaulted(nbytes, **kwargs)
+    def poisoned_touch(buffer, *, while_):  # the last write before the arrays are handed out
+        at = real_touch(buffer, while_=while_)
         buffer[...] = 0xFF
         prefaulted.append(buffer)
-        return buffer
+        return at
 
     monkeypatch.setattr(leaf_jobs, "aligned_arrays", poisoned)
-    monkeypatch.setattr(prefault, "prefaulted_buffer", poisoned_prefaulted)
+    monkeypatch.setattr(prefault, "touch_pages", poisoned_touch)
     monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 1 << 20)  # "w" and "v" are placed box by box
     tree, values = _big_tree()
     rng = np.random.default_rng(5)
