@@ -17,7 +17,6 @@ import math
 import mmap
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -117,7 +116,7 @@ def aligned_arrays(shapes: list[tuple[int, ...]], dtype: np.dtype, *, zeroed: bo
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
-#: Bytes faulted in by touch between looks at whether the main thread is still busy.
+#: Bytes faulted in per step: one numpy fill of :func:`touch_pages`, one ``madvise`` call of :func:`fault_in`.
 _TOUCH_STEP = 4 << 20
 
 
@@ -126,30 +125,26 @@ def mapped_buffer(nbytes: int) -> np.ndarray:
 
     Not ``MAP_POPULATE``: Python's ``mmap`` holds the GIL through the call
     (measured: a thread mapping 64 MiB so blocked the main thread for 24 ms).
-    Pages go in afterwards, by :func:`touch_pages` and :func:`fault_in`.
+    Pages go in afterwards, by :func:`touch_pages` or :func:`fault_in`.
     """
     return np.frombuffer(mmap.mmap(-1, max(nbytes, 1), **_PRIVATE), dtype=np.uint8)
 
 
-def touch_pages(buffer: np.ndarray, *, while_: Callable[[], bool]) -> int:
-    """Fault in a fresh mapping's pages by writing a zero to each, 4 MiB at a time, for as
-    long as ``while_()`` holds; returns how many bytes from the start it did.
+def touch_pages(buffer: np.ndarray) -> None:
+    """Fault in a fresh mapping's pages by writing a zero to each, 4 MiB at a time.
 
-    Why writes and not :func:`fault_in` while another thread is busy:
-    ``madvise`` holds the process's mmap lock for reading while it works, and a
-    thread that grows its heap (every Python thread that allocates) waits for
-    that lock, whereas a page fault takes only its own mapping's lock (Linux
-    6.4+). Measured on a small model resharded from S3 (64 MiB faulted in on a
-    thread while the main thread plans): planning took 65–70 ms beside
-    ``madvise`` and 30 ms beside writes (25 alone). ``madvise`` costs fewer
-    CPU-s per page (64 MiB: 45 ms against 55), so it takes whatever is left.
-    The writes change the bytes: only for memory nobody has been handed yet.
+    For memory made on a thread while others start up, where :func:`fault_in`
+    would cost more than it saves: ``madvise`` holds the process's mmap lock
+    for reading while it works, and a thread that maps memory (a new thread's
+    stack, a new arena of Python's allocator, a growing heap) waits for that
+    lock, whereas a page fault takes only its own mapping's lock (Linux 6.4+).
+    Measured on a small model resharded from S3 in fresh processes, the reads'
+    first ``connect`` took 31 ms beside ``madvise`` instead of 1 ms (details at
+    :mod:`objckpt.prefault`). ``madvise`` costs fewer CPU-s per page (64 MiB:
+    45 ms against 55), so it stays for buffers made mid-restore.
     """
-    at = 0
-    while at < buffer.nbytes and while_():
+    for at in range(0, buffer.nbytes, _TOUCH_STEP):
         buffer[at : at + _TOUCH_STEP : mmap.PAGESIZE] = 0
-        at += _TOUCH_STEP
-    return min(at, buffer.nbytes)
 
 
 def fault_in(buffer: np.ndarray) -> bool:

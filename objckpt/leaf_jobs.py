@@ -60,7 +60,6 @@ class LeafJob:
     assembled: list[Box] = field(default_factory=list)  # boxes no single saved piece equals (never adopted)
     arena: AssemblyArena | None = None  # prefaulted memory for this small leaf's boxes (see reserve_assembled)
     arena_key: int = 0
-    leaf_copy: Any = None  # a small leaf copied whole in one go (objckpt.grid_copy); False: it cannot be
 
     @property
     def places_boxes(self) -> bool:

@@ -11,23 +11,22 @@ client's own threads (the response buffers become the arrays), off the GIL.
 
 So, as soon as the leaves are known, :class:`AssemblyArena` maps memory for
 every box of such leaves on a thread of its own, cuts the boxes' arrays from
-it, and faults the pages in while the main thread plans the reads (~25 ms on
-that model) and the server is idle: by plain writes until restore says
-planning is done (:meth:`AssemblyArena.planned`), since those do not hold up
-the main thread's own allocations the way ``madvise`` does
-(:func:`objckpt._memory.touch_pages` says why). Then the arrays are handed
-out, and the kernel faults in the rest (``madvise``, GIL released, 4 MiB at a
-time) while the first responses arrive and are copied in. The arrays used to
-wait for every page: the reads' threads could not even start meanwhile (a new
-thread's stack is a mapping, and ``madvise`` holds the mmap lock), and a
-small model resharded took 0.187 s in-process against 0.148 s onto its own
-sharding; handed out early, 0.156 s (medians of 20 interleaved, both without
-:mod:`objckpt.grid_copy`). Leaves are
-grouped into mappings of at most :data:`GROUP_BYTES`, so freeing some
-restored leaves can free memory while others live on. Leaves whose boxes all
-equal saved pieces are left out: their responses become the arrays. The
-memory is what those leaves' buffers would hold anyway, only taken a little
-earlier.
+it, and faults every page in by writing to it, while the main thread plans
+the reads (~25 ms on that model), the reads start, and the server prepares
+its first bytes; the arrays are handed out once every page is in.
+
+Why writes and not ``madvise(MADV_POPULATE_WRITE)``, which costs fewer CPU-s
+per page: it holds the process's mmap lock, and the restore's other threads
+map memory just then (new threads' stacks, the allocator's first arenas). In
+fresh processes (small model resharded from S3, 12 interleaved runs, medians)
+the restore took 0.148 s all by writes, against 0.164 s by writes while
+planning and ``madvise`` for the rest (the first read's ``connect`` waited
+31 ms for the lock) and 0.165 s with the rest left to the copies' own faults;
+onto the same sharding 0.134 s. Leaves are grouped into mappings of at most
+:data:`GROUP_BYTES`, so freeing some restored leaves can free memory while
+others live on. Leaves whose boxes all equal saved pieces are left out: their
+responses become the arrays. The memory is what those leaves' buffers would
+hold anyway, only taken a little earlier.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from objckpt._memory import aligned_layout, fault_in, mapped_buffer, touch_pages
+from objckpt._memory import aligned_layout, mapped_buffer, touch_pages
 from objckpt.arrays import Box
 
 log = logging.getLogger("objckpt")
@@ -52,8 +51,7 @@ class AssemblyArena:
     """Host arrays for the boxes of some leaves, cut from prefaulted mappings on a thread.
 
     ``leaves`` gives, per key, its boxes and dtype; the work starts at once,
-    and :meth:`buffers` waits until planning is over and the arrays are made
-    (not for the last pages to go in). The thread also makes the arrays
+    and :meth:`buffers` waits for it. The thread also makes the arrays
     themselves (a few µs each, ~2,400 on a small model), which then cost the
     threads that copy into them only a dict lookup.
     """
@@ -62,7 +60,6 @@ class AssemblyArena:
         self._leaves = list(leaves)
         self._buffers: dict[int, dict[Box, np.ndarray]] = {}
         self._ready = threading.Event()
-        self._planned = threading.Event()
         if self._leaves:
             threading.Thread(target=self._make, name="objckpt-prefault", daemon=True).start()
         else:
@@ -90,23 +87,13 @@ class AssemblyArena:
                         box: memory[at : at + math.prod(shape) * itemsize].view(dtype).reshape(shape)
                         for box, shape, at in zip(boxes, shapes, offsets)
                     }
-            touched = [touch_pages(memory, while_=self._planning) for memory in mappings]
-            self._ready.set()  # from here on the arrays may be written: no more writes of ours
-            for memory, at in zip(mappings, touched):
-                if at < memory.nbytes:
-                    fault_in(memory[at:])  # where it cannot, the copies fault pages in themselves
+            for memory in mappings:
+                touch_pages(memory)
         except (OSError, MemoryError, ValueError) as e:  # the leaves left get buffers of their own instead
             log.debug("objckpt: no prefaulted memory for some assembled leaves: %s", e)
         finally:
             self._leaves = []
             self._ready.set()
-
-    def planned(self) -> None:
-        """The main thread has planned the reads: fault the rest in the cheapest way."""
-        self._planned.set()
-
-    def _planning(self) -> bool:
-        return not self._planned.is_set()
 
     def buffers(self, key: int) -> dict[Box, np.ndarray] | None:
         """A leaf's arrays, box by box, once made; None if they could not be."""

@@ -100,9 +100,8 @@ def restore(
         for i, t in selection.items()
         if manifest.leaves[i].kind in ARRAY_KINDS
     }
-    arena = reserve_assembled(jobs)  # maps memory on a thread while this one plans
+    reserve_assembled(jobs)  # maps memory on a thread while this one plans
     requests = _plan(manifest, jobs, options, streamed=store.inner.streams_reads)
-    arena.planned()
     base = stats.bytes_read
     total = sum(r.length for r in requests)
     with progress_bar("restore", total, lambda: stats.bytes_read - base, enabled=progress):

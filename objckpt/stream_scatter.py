@@ -28,7 +28,6 @@ import numpy as np
 from objckpt.arrays import Box, box_to_slices
 from objckpt.checksum import crc32c, crc32c_combine
 from objckpt.errors import IntegrityError
-from objckpt.grid_copy import LeafCopy, grid_of, plan_copy
 from objckpt.leaf_jobs import LeafJob, allocate, fault_in_fresh, meets_of
 from objckpt.plan import PACKING_SLACK, ReadPart, ReadRequest, intersect
 from objckpt.storage.streaming import STREAM_PIECE
@@ -173,18 +172,14 @@ class ScatterSink:
         """Bytes from ``position`` (where the current part starts) to the end of the last
         part after it that still fits in ``limit``: small pieces are handed over many at a
         time (one receive of 2 MiB instead of ~40 of 48 KiB, each a trip through the socket
-        and the GIL). The run stops at the end of a leaf when one fits, so that a small leaf's
-        pieces arrive together and can be copied at once (:meth:`_receive_leaf`)."""
-        end = leaf_end = position
-        parts = self._parts
-        for k in range(self._k, len(parts)):
-            part_end = parts[k].offset + parts[k].piece.length
+        and the GIL)."""
+        end = position
+        for part in self._parts[self._k :]:
+            part_end = part.offset + part.piece.length
             if part_end - position > limit:
                 break
             end = part_end
-            if k + 1 == len(parts) or parts[k + 1].leaf != parts[k].leaf:
-                leaf_end = end
-        return (leaf_end if leaf_end > position else end) - position
+        return end - position
 
     def receive(self, offset: int, data: memoryview) -> None:
         position = self.span[0] + offset
@@ -207,11 +202,8 @@ class ScatterSink:
                 continue
             piece = part.piece
             if position == part.offset and piece.length <= end - position:
-                took = self._receive_leaf(part, base, data)
-                if not took:
-                    self._receive_whole(part, data[position - base : position - base + piece.length])
-                    took = piece.length
-                position += took
+                self._receive_whole(part, data[position - base : position - base + piece.length])
+                position += piece.length
                 continue
             self._receive_slab(part, position, data[position - base :])
             return
@@ -224,47 +216,6 @@ class ScatterSink:
         self._crc = crc32c(data)
         _copy(job, meets, np.frombuffer(data, dtype=job.dtype).reshape(piece.shape), piece.start)
         self._end_part(part)
-
-    def _receive_leaf(self, part: ReadPart, base: int, data: memoryview) -> int:
-        """Every piece of a small leaf, when they all lie in ``data`` from ``part`` on, in
-        grid order at an even spacing: checked, then copied in one strided copy
-        (:mod:`objckpt.grid_copy`). Returns the bytes it took, 0 when it did nothing."""
-        job = self.jobs[part.leaf]
-        copier = self._leaf_copy(job)
-        if copier is None:
-            return 0
-        order = copier.pieces.boxes
-        parts = self._parts[self._k : self._k + len(order)]
-        if len(parts) < len(order) or parts[-1].offset + parts[-1].piece.length > base + len(data):
-            return 0
-        step = parts[1].offset - part.offset if len(parts) > 1 else 0
-        for k, (other, box) in enumerate(zip(parts, order)):
-            piece = other.piece
-            if other.leaf != part.leaf or (piece.start, piece.stop) != box or other.offset != part.offset + k * step:
-                return 0
-        at = part.offset - base
-        for k, other in enumerate(parts):
-            if crc32c(data[at + k * step : at + k * step + other.piece.length]) != other.piece.crc32c:
-                raise _mismatch(other, self.jobs, self.url)
-        took = parts[-1].offset + parts[-1].piece.length - part.offset
-        copier.copy(np.frombuffer(data, dtype=job.dtype, count=took // job.dtype.itemsize, offset=at), step)
-        self._k += len(parts)
-        self._crc = 0
-        return took
-
-    def _leaf_copy(self, job: LeafJob) -> LeafCopy | None:
-        """The leaf's one-copy plan (made, with its buffers, the first time), or None."""
-        if job.leaf_copy is None:
-            job.leaf_copy = False
-            shape = job.entry.shape or ()
-            if not job.places_early and len(job.entry.pieces) * len(job.read_boxes) > 1:
-                pieces = grid_of(shape, [(piece.start, piece.stop) for piece in job.entry.pieces])
-                boxes = grid_of(shape, job.read_boxes)
-                if pieces is not None and boxes is not None:
-                    with self.lock:  # a small leaf: its buffers come whole, none to fault in here
-                        allocate(job, job.read_boxes, for_pieces=True)
-                    job.leaf_copy = plan_copy(shape, pieces, boxes, job.buffers) or False
-        return job.leaf_copy or None
 
     def _receive_slab(self, part: ReadPart, position: int, data: memoryview) -> None:
         """Whole rows of one piece (a slab along some axis), the rest of this receive."""

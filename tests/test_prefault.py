@@ -45,6 +45,9 @@ def _recording(monkeypatch) -> list[int]:
 def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypatch):
     monkeypatch.setattr(prefault, "GROUP_BYTES", 1 << 20)
     sizes = _recording(monkeypatch)
+    memory = importlib.import_module("objckpt._memory")
+    populated: list[int] = []
+    monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or True)
     leaves = [(k, _boxes(256, 96 + 8 * k, 2, 4), np.dtype(np.float32)) for k in range(6)]  # ~100 KiB each... ×4
     leaves.append((9, _boxes(1024, 512, 1, 1), np.dtype(np.float32)))  # 2 MiB: a mapping of its own
     arena = AssemblyArena(leaves)
@@ -62,6 +65,7 @@ def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypat
             array[...] = value
     faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
     assert faults < 64, f"{faults} page faults writing prefaulted arrays"
+    assert not populated, "the arena used madvise (it holds the mmap lock that starting threads wait for)"
     value = 0
     for key, _, _ in leaves:
         for array in made[key].values():
@@ -70,76 +74,31 @@ def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypat
     assert AssemblyArena([]).buffers(3) is None
 
 
-@pytest.mark.parametrize("touched_steps", [0, 2, 99])
-def test_pages_go_in_by_writes_while_planning_then_by_madvise(touched_steps, monkeypatch):
-    """While planning, 4 MiB at a time go in by writes; the rest by ``madvise``, 4 MiB a
-    call, after the arrays are handed out; either way every page is in and zero."""
+def test_pages_go_in_by_writes_not_madvise(monkeypatch):
+    """Every page of a fresh mapping is in (and zero) after ``touch_pages``, without
+    ``madvise``, whose hold on the mmap lock stalls threads that are starting up."""
     memory = importlib.import_module("objckpt._memory")
     populated: list[int] = []
-    real_populate = memory._populate
-    monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or real_populate(b))
-    asked = 0
-
-    def planning() -> bool:
-        nonlocal asked
-        asked += 1
-        return asked <= touched_steps
-
+    monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or True)
     nbytes = (10 << 20) + 12345
     buffer = memory.mapped_buffer(nbytes)
-    at = memory.touch_pages(buffer, while_=planning)
-    assert at == min(touched_steps * memory._TOUCH_STEP, nbytes)
+    memory.touch_pages(buffer)
     assert not populated
-    if at < nbytes:
-        assert memory.fault_in(buffer[at:])
-    assert sum(populated) == nbytes - at and all(size <= memory._TOUCH_STEP for size in populated)
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     assert not buffer.any()
     buffer[...] = 7
     faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
-    assert faults < 64, f"{faults} page faults in a prefaulted buffer (touched {at} bytes)"
-
-
-def test_arrays_are_handed_out_once_planning_is_over_not_once_every_page_is_in(monkeypatch):
-    """The last pages go in while the reads start: a copy into the arrays must not wait
-    for ``madvise`` (the reads' own threads could not even start meanwhile)."""
-    release = threading.Event()
-    faulting = threading.Event()
-
-    def slow_fault_in(buffer):
-        faulting.set()
-        release.wait(30)
-        return True
-
-    monkeypatch.setattr(prefault, "fault_in", slow_fault_in)
-    monkeypatch.setattr(prefault, "touch_pages", lambda buffer, *, while_: 0)  # all left to madvise
-    arena = AssemblyArena([(1, _boxes(1024, 1024, 2, 4), np.dtype(np.float32))])  # 4 MiB
-    try:
-        arena.planned()
-        assert faulting.wait(30), "the rest of the pages never went to madvise"
-        got: list = []
-        taker = threading.Thread(target=lambda: got.append(arena.buffers(1)))
-        taker.start()
-        taker.join(10)
-        assert got, "the arrays waited for madvise"
-        (made,) = got
-        assert made is not None and len(made) == 8
-        for k, array in enumerate(made.values()):
-            array[...] = k
-        assert all((array == k).all() for k, array in enumerate(made.values()))
-    finally:
-        release.set()
+    assert faults < 64, f"{faults} page faults in a touched buffer of {nbytes} bytes"
 
 
 def test_the_arrays_are_not_handed_out_while_pages_go_in_by_writes(monkeypatch):
-    """Writes of zeros would overwrite bytes already copied in: nobody may hold the arrays then."""
+    """Writes of zeros would overwrite bytes already copied in: nobody may have the arrays yet."""
     touching = threading.Event()
     release = threading.Event()
 
-    def slow_touch(buffer, *, while_):
+    def slow_touch(buffer):
         touching.set()
         release.wait(30)
-        return buffer.nbytes
 
     monkeypatch.setattr(prefault, "touch_pages", slow_touch)
     arena = AssemblyArena([(1, _boxes(1024, 1024, 2, 4), np.dtype(np.float32))])
@@ -179,20 +138,13 @@ def test_only_assembled_leaves_get_prefaulted_memory_and_become_it(where, s3_sto
     """Onto another sharding the small leaves' device arrays are the prefaulted memory
     itself (CPU backend); onto boxes equal to the saved pieces nothing is mapped."""
     mappings: list[np.ndarray] = []
-    still_planning: list = []
     real_map = prefault.mapped_buffer
-    real_touch = prefault.touch_pages
 
     def keeping(nbytes):
         mappings.append(real_map(nbytes))
         return mappings[-1]
 
-    def touching(buffer, *, while_):
-        still_planning.append(while_)
-        return real_touch(buffer, while_=while_)
-
     monkeypatch.setattr(prefault, "mapped_buffer", keeping)
-    monkeypatch.setattr(prefault, "touch_pages", touching)
     tree = _small_tree()
     url = s3_store.url if where == "s3" else "memory://prefault/small"
     options = s3_store.storage_options if where == "s3" else None
@@ -203,7 +155,6 @@ def test_only_assembled_leaves_get_prefaulted_memory_and_become_it(where, s3_sto
     out = objckpt.restore(url, _target(tree, P("a", "b")), storage_options=options)
     assert_tree_bit_exact(tree, out)
     assert len(mappings) == 1
-    assert not still_planning[0](), "restore never told the arena that planning was over"
     low = mappings[0].ctypes.data
     high = low + mappings[0].nbytes
     for k in (k for k in tree if k.startswith("w")):

@@ -75,11 +75,10 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
             uncleared.extend(arrays)
         return arrays
 
-    def poisoned_touch(buffer, *, while_):  # the last write before the arrays are handed out
-        at = real_touch(buffer, while_=while_)
+    def poisoned_touch(buffer):  # the last write before the arrays are handed out
+        real_touch(buffer)
         buffer[...] = 0xFF
         prefaulted.append(buffer)
-        return at
 
     monkeypatch.setattr(leaf_jobs, "aligned_arrays", poisoned)
     monkeypatch.setattr(prefault, "touch_pages", poisoned_touch)
