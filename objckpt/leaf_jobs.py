@@ -159,7 +159,7 @@ def meets_of(job: LeafJob, piece: Piece) -> list[tuple[Box, Box]]:
     return job.meets[(piece.start, piece.stop)]
 
 
-def reserve_assembled(jobs: dict[int, LeafJob]) -> AssemblyArena:
+def reserve_assembled(jobs: dict[int, LeafJob]) -> None:
     """Start mapping prefaulted memory for every small leaf that will be assembled from parts.
 
     Called before planning, so the mapping overlaps it (:mod:`objckpt.prefault`
@@ -179,7 +179,6 @@ def reserve_assembled(jobs: dict[int, LeafJob]) -> AssemblyArena:
     arena = AssemblyArena((key, boxes, job.dtype) for key, boxes, job in chosen)
     for _, _, job in chosen:
         job.arena = arena
-    return arena
 
 
 def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool = False) -> list[np.ndarray]:
