@@ -77,18 +77,15 @@ class AssemblyArena:
                     size = 0
                 groups[-1].append((key, boxes, shapes, dtype, [size + o for o in offsets], total))
                 size += total
-            mappings = []
             for group in groups:
                 memory = mapped_buffer(sum(leaf[-1] for leaf in group))
-                mappings.append(memory)
                 for key, boxes, shapes, dtype, offsets, _ in group:
                     itemsize = np.dtype(dtype).itemsize
                     self._buffers[key] = {
                         box: memory[at : at + math.prod(shape) * itemsize].view(dtype).reshape(shape)
                         for box, shape, at in zip(boxes, shapes, offsets)
                     }
-            for memory in mappings:
-                touch_pages(memory)
+                touch_pages(memory)  # nobody has the arrays yet: _ready is set below
         except (OSError, MemoryError, ValueError) as e:  # the leaves left get buffers of their own instead
             log.debug("objckpt: no prefaulted memory for some assembled leaves: %s", e)
         finally:
