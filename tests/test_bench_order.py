@@ -1,5 +1,6 @@
-"""The peers benchmark's order of phases: neither of objckpt's restores is always the one
-right after its save, so a reshard ratio is not the order's doing."""
+"""The peers benchmark's order of phases: neither of objckpt's restores (nor of the raw
+ceiling's) is always the one right after its save, so a ratio between them is not the
+order's doing."""
 
 from __future__ import annotations
 
@@ -50,5 +51,11 @@ def test_objckpt_restores_swap_places_each_repeat(phases_run: list[str]) -> None
     assert phases_run == [phase for order in orders for phase in order]
 
 
-def test_other_systems_save_then_restore(phases_run: list[str]) -> None:
-    assert _measure("raw", 0) == _measure("raw", 1) == ["save", "restore"]
+def test_raw_gets_that_keep_and_drop_swap_places_each_repeat(phases_run: list[str]) -> None:
+    assert _measure("raw", 0) == ["save", "restore", "restore_dropped"]
+    assert _measure("raw", 1) == ["save", "restore_dropped", "restore"]
+    assert _measure("raw", -1) == ["save", "restore"]  # the untimed warm-up: one restore is enough
+
+
+def test_peers_save_then_restore(phases_run: list[str]) -> None:
+    assert _measure("orbax", 0) == _measure("dcp", 1) == _measure("naive", 2) == ["save", "restore"]
