@@ -250,7 +250,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "Ratios compare medians within this run. Requests: objckpt's own count; for the others, requests "
         "seen by the latency proxy (so only at 10/40 ms). Objects: listed after the save. "
         "The raw restore keeps every response until the phase ends, as a restore must keep what it "
-        "read; \"GETs with each response dropped\" is the same requests' transport limit "
+        'read; "GETs with each response dropped" is the same requests\' transport limit '
         "(benchmarks/peers/raw.py says why the two differ).",
         "",
     ]
