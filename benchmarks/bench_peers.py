@@ -129,8 +129,8 @@ def measure(
         # 2.70 s right after the save, 1.04 and 1.74 s after the other one, which took 1.07-1.61 s.)
         phases = ["save"] + (["restore", "restore_resharded"] if rep % 2 == 0 else ["restore_resharded", "restore"])
     if system == "raw" and rep >= 0:
-        # The same for the raw GETs that keep their bytes and those that drop them.
-        phases = ["save"] + (["restore", "restore_dropped"] if rep % 2 == 0 else ["restore_dropped", "restore"])
+        # The same for the raw GETs that drop their bytes and those that keep them.
+        phases = ["save"] + (["restore", "restore_kept"] if rep % 2 == 0 else ["restore_kept", "restore"])
     rows: list[dict[str, Any]] = []
     for phase in phases:
         ctx = eps.context(

@@ -51,9 +51,9 @@ def test_objckpt_restores_swap_places_each_repeat(phases_run: list[str]) -> None
     assert phases_run == [phase for order in orders for phase in order]
 
 
-def test_raw_gets_that_keep_and_drop_swap_places_each_repeat(phases_run: list[str]) -> None:
-    assert _measure("raw", 0) == ["save", "restore", "restore_dropped"]
-    assert _measure("raw", 1) == ["save", "restore_dropped", "restore"]
+def test_raw_gets_that_drop_and_keep_swap_places_each_repeat(phases_run: list[str]) -> None:
+    assert _measure("raw", 0) == ["save", "restore", "restore_kept"]
+    assert _measure("raw", 1) == ["save", "restore_kept", "restore"]
     assert _measure("raw", -1) == ["save", "restore"]  # the untimed warm-up: one restore is enough
 
 

@@ -52,7 +52,7 @@ def test_url_runs_raw_and_objckpt_against_the_bucket_and_cleans_up(s3_service: S
     assert {(r["system"], r["phase"]) for r in measured if "seconds" in r} == {
         ("raw", "save"),
         ("raw", "restore"),
-        ("raw", "restore_dropped"),
+        ("raw", "restore_kept"),
         ("objckpt", "save"),
         ("objckpt", "restore"),
         ("objckpt", "restore_resharded"),

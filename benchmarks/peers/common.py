@@ -23,7 +23,7 @@ class Context:
     bucket: str
     prefix: str  # key prefix of this measurement's checkpoint, no leading/trailing "/"
     workload: str
-    phase: str  # "save" | "restore" | "restore_resharded" | "restore_dropped" (raw only)
+    phase: str  # "save" | "restore" | "restore_resharded" | "restore_kept" (raw only)
     access_key: str = ""
     secret_key: str = field(default="", repr=False)
     region: str = "us-east-1"

@@ -100,11 +100,11 @@ def check_targets(cells: list[dict]) -> list[dict[str, Any]]:
             add("save ≥ 0.9× raw PUT", where, r, 0.9, r >= 0.9)
             r = ours_restore["gib_s_median"] / raw_restore["gib_s_median"]
             add("restore ≥ 0.9× raw GET", where, r, 0.9, r >= 0.9)
-            dropped = _cell(cells, system="raw", phase="restore_dropped", **key)
-            if dropped:
-                # Not a target (a restore must keep its bytes), shown so that nothing hides.
-                r = ours_restore["gib_s_median"] / dropped["gib_s_median"]
-                add("(for reference) restore / raw GETs that drop each response", where, r, 0.9, r >= 0.9)
+            kept = _cell(cells, system="raw", phase="restore_kept", **key)
+            if kept:
+                # Not a target: what the gap to the GETs above is made of (raw.py says).
+                r = ours_restore["gib_s_median"] / kept["gib_s_median"]
+                add("(reference, not a target) restore / raw GETs that keep every response", where, r, 0.9, r >= 0.9)
         for peer in ("orbax", "dcp", "naive"):
             for phase, ours in (("save", ours_save), ("restore", ours_restore)):
                 theirs = _cell(cells, system=peer, phase=phase, **key)
@@ -230,7 +230,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                 )
                 for phase, what in (
                     ("restore_resharded", "restore onto another sharding"),
-                    ("restore_dropped", "GETs with each response dropped"),
+                    ("restore_kept", "the same GETs, every response kept"),
                 ):
                     rr = _cell(cells, system=system, phase=phase, **key)
                     if rr:
@@ -249,8 +249,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         "Ratios compare medians within this run. Requests: objckpt's own count; for the others, requests "
         "seen by the latency proxy (so only at 10/40 ms). Objects: listed after the save. "
-        "The raw restore keeps every response until the phase ends, as a restore must keep what it "
-        'read; "GETs with each response dropped" is the same requests\' transport limit '
+        "The raw restore drops each response as it lands (the store's limit, the targets' yardstick); "
+        '"the same GETs, every response kept" holds them all, as a restore must hold what it read '
         "(benchmarks/peers/raw.py says why the two differ).",
         "",
     ]
