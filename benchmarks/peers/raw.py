@@ -15,9 +15,9 @@ measured against. The ``restore_kept`` phase makes the same requests and keeps e
 response until the phase ends, as a restore must keep what it read; it is reported
 beside the other, for reference. The two differ by what fresh memory costs: a dropping
 client recycles the same ~1 GiB of pages (32 responses in flight) while a keeping one
-takes new pages for every byte, and on this VM the first touch of memory costs
-0.4–1.1 CPU-s/GiB (measured for 4 GiB from S3 at 0 ms: 3.84 s dropped against 5.50 s
-kept, the same requests).
+takes new pages for every byte, and on this VM the first touch of memory costs up to
+1.1 CPU-s/GiB, depending on the day (4 GiB from S3 at 0 ms, the same requests: 3.84 s
+dropped against 5.50 s kept one morning, 4.30 against 4.40 s that afternoon).
 """
 
 from __future__ import annotations
