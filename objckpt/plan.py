@@ -103,44 +103,71 @@ def blob_key(save_id: str, process_index: int, seq: int) -> str:
     return f"{zlib.crc32(name.encode()) & 0xFF:02x}/{name}"
 
 
+# Blobs that still take pieces while a save is planned: a piece goes into the
+# first of them with room, so the room a large piece leaves is filled by the
+# small ones after it (next-fit left it empty: the medium model's 18.6 MiB
+# embedding shards made 42 blobs of 1 GiB, now 33: a fifth fewer PUTs and GETs,
+# each a request a cloud store bills and rate-limits). Bounded so that
+# planning stays linear, and so that a leaf's pieces stay near each other
+# (a partial restore reads fewer, longer ranges).
+OPEN_BLOBS = 16
+
+
+class _OpenBlob:
+    """A blob being filled: its pieces, the end of the last one, and its bytes of pieces."""
+
+    def __init__(self) -> None:
+        self.pieces: list[PlacedPiece] = []
+        self.size = SPACER
+        self.payload = 0
+
+    def offset_for(self, part: OwnedPiece, blob_size: int) -> int | None:
+        """Where ``part`` would go in this blob, or None when it does not fit."""
+        spacer = SPACER if part.nbytes >= SPACED_MIN else 0
+        offset = -(-self.size // ALIGN) * ALIGN + spacer
+        if self.pieces and (self.payload + part.nbytes > blob_size or offset + part.nbytes > blob_size + PACKING_SLACK):
+            return None
+        return offset
+
+    def add(self, part: OwnedPiece, offset: int) -> None:
+        self.pieces.append(PlacedPiece(part, offset))
+        self.size = offset + part.nbytes
+        self.payload += part.nbytes
+
+
 def plan_blobs(
     pieces: Iterable[OwnedPiece],
     *,
     blob_size: int,
     key: Callable[[int], str],
 ) -> list[BlobPlan]:
-    """Pack pieces, in order, into blobs of about ``blob_size`` bytes.
+    """Pack pieces into blobs of about ``blob_size`` bytes, each into the first of the
+    last ``OPEN_BLOBS`` blobs with room for it (a new blob when none has).
 
     A piece larger than ``blob_size`` is split first; small pieces share a blob.
     A blob holds at most ``blob_size`` bytes of pieces; its spacing may take it
-    past ``blob_size`` by at most ``PACKING_SLACK`` bytes.
-    ``key(seq)`` names the ``seq``-th blob.
+    past ``blob_size`` by at most ``PACKING_SLACK`` bytes. Within a blob, pieces
+    lie in the order they came. ``key(seq)`` names the ``seq``-th blob opened.
     """
-    blobs: list[BlobPlan] = []
-    current: list[PlacedPiece] = []
-    size = SPACER
-    payload = 0  # bytes of pieces in the current blob
-
-    def flush() -> None:
-        nonlocal current, size, payload
-        if current:
-            blobs.append(BlobPlan(key(len(blobs)), tuple(current), size))
-        current, size, payload = [], SPACER, 0
-
+    blobs: list[_OpenBlob] = []
+    open_blobs: list[_OpenBlob] = []
     for piece in pieces:
         for start, stop in split_box(piece.start, piece.stop, piece.itemsize, max_bytes=blob_size):
             part = OwnedPiece(piece.leaf, start, stop, piece.itemsize, piece.source)
-            spacer = SPACER if part.nbytes >= SPACED_MIN else 0
-            offset = -(-size // ALIGN) * ALIGN + spacer
-            full = payload + part.nbytes > blob_size or offset + part.nbytes > blob_size + PACKING_SLACK
-            if current and full:
-                flush()
-                offset = SPACER + spacer
-            current.append(PlacedPiece(part, offset))
-            size = offset + part.nbytes
-            payload += part.nbytes
-    flush()
-    return blobs
+            for blob in open_blobs:
+                offset = blob.offset_for(part, blob_size)
+                if offset is not None:
+                    break
+            else:
+                blob = _OpenBlob()
+                blobs.append(blob)
+                open_blobs.append(blob)
+                if len(open_blobs) > OPEN_BLOBS:
+                    open_blobs.pop(0)
+                offset = blob.offset_for(part, blob_size)
+                assert offset is not None  # an empty blob takes any piece
+            blob.add(part, offset)
+    return [BlobPlan(key(seq), tuple(blob.pieces), blob.size) for seq, blob in enumerate(blobs)]
 
 
 # ----------------------------------------------------------------------------- restore

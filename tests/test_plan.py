@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from objckpt import plan as plan_module
 from objckpt.format import Piece
 from objckpt.plan import (
     ALIGN,
@@ -205,3 +206,30 @@ def test_reads_of_kept_pieces_grow_to_their_own_limit():
         (20, 40),
         (40, 60),
     ]
+
+
+def test_room_left_by_large_pieces_is_filled_by_later_small_ones():
+    """Shards a little over half a blob each (the medium model's embedding) leave room
+    that the smaller pieces after them fill: 8 blobs, not 8 + 4 (next-fit)."""
+    large = [OwnedPiece(0, (i * 4608, 0), ((i + 1) * 4608, 1024), 4) for i in range(8)]  # 18 MiB each
+    small = [OwnedPiece(1 + i // 8, (i * 512, 0), ((i + 1) * 512, 1024), 4) for i in range(56)]  # 2 MiB each
+    blobs = plan_blobs([*large, *small], blob_size=32 << 20, key=lambda s: f"b{s}")
+    assert len(blobs) == 8
+    assert all(sum(p.piece.nbytes for p in b.pieces) <= 32 << 20 for b in blobs)
+    assert all(b.size <= (32 << 20) + PACKING_SLACK for b in blobs)
+    placed = [(p.piece.leaf, p.piece.start) for b in blobs for p in b.pieces]
+    assert sorted(placed) == sorted((p.leaf, p.start) for p in [*large, *small])  # each piece once
+    for b in blobs:  # in a blob, pieces lie in the order they came, without overlap
+        spans = [(p.offset, p.offset + p.piece.nbytes) for p in b.pieces]
+        assert all(x[1] <= y[0] for x, y in itertools.pairwise(spans))
+
+
+def test_only_the_last_open_blobs_take_pieces(monkeypatch):
+    """A piece never goes back further than OPEN_BLOBS blobs (planning stays linear and a
+    leaf's pieces stay near each other); with one open blob it is next-fit."""
+    monkeypatch.setattr(plan_module, "OPEN_BLOBS", 1)
+    large = [OwnedPiece(0, (i * 4608, 0), ((i + 1) * 4608, 1024), 4) for i in range(8)]
+    small = [OwnedPiece(1, (i * 512, 0), ((i + 1) * 512, 1024), 4) for i in range(56)]
+    blobs = plan_blobs([*large, *small], blob_size=32 << 20, key=lambda s: f"b{s}")
+    assert len(blobs) == 12
+    assert [len(b.pieces) for b in blobs[:7]] == [1] * 7
