@@ -255,7 +255,7 @@ class _ClientSide(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._client: asyncio.Transport | None = None
         self._upstream: asyncio.Transport | None = None
-        self._head = bytearray()
+        self._head: bytearray | None = bytearray()  # None once the request head has been read
         self._to_upstream: _Delayed | None = None
         self._to_client: _Delayed | None = None
         self._pending: list[asyncio.Handle | asyncio.Task[None]] = []  # timers and the connect, cancelled on close
@@ -270,8 +270,9 @@ class _ClientSide(asyncio.Protocol):
         self._proxy._live.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if self._to_upstream is not None:
-            self._to_upstream.feed(data)
+        if self._head is None:  # the body: forwarded, or dropped under an injected status
+            if self._to_upstream is not None:
+                self._to_upstream.feed(data)
             return
         self._head += data
         end = self._head.find(b"\r\n\r\n")
@@ -280,14 +281,13 @@ class _ClientSide(asyncio.Protocol):
                 self.close()
             return
         head, rest = bytes(self._head[: end + 4]), bytes(self._head[end + 4 :])
-        self._head.clear()
+        self._head = None
         self._begin(head, rest)
 
     def eof_received(self) -> bool:
         if self._to_upstream is not None:
             self._to_upstream.feed(None)
-            return True  # half-closed: the response may still flow back
-        return False
+        return self._head is None  # after the head, half-closed: the answer may still flow back
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.close()
@@ -306,7 +306,6 @@ class _ClientSide(asyncio.Protocol):
         delay = self._proxy.latency_ms / 2000
         if fault in _STATUS_TEXT:
             self._pending.append(self._loop.call_later(delay, self._answer_error, fault))
-            self._to_upstream = _Delayed(self._loop, delay, lambda: None)  # the body goes nowhere
             return
         self._to_upstream = _Delayed(self._loop, delay, self._upstream_eof)
         self._to_upstream.feed(_force_close(head))
