@@ -13,6 +13,10 @@ bandwidth. On command it also injects faults, at a chosen rate, per request:
 
 "Midway" is half of the response's first chunk, so even a body-less PUT reply is cut.
 
+``set_capacity(n)`` makes it behave like an overloaded store instead: a request
+that arrives while ``n`` others are being served is answered 503 SlowDown
+(``stats.throttled`` counts them), as S3 does when a client outruns a prefix.
+
 Each request gets its own upstream connection (the proxy rewrites requests to
 ``Connection: close``), so a fault never leaks into the next request.
 
@@ -46,6 +50,7 @@ _ERROR_CODE = {"503": "SlowDown", "429": "TooManyRequests", "500": "InternalErro
 class ProxyStats:
     requests: int = 0
     faults: dict[str, int] = field(default_factory=dict)
+    throttled: int = 0  # requests refused over capacity (``set_capacity``)
 
     @property
     def faulted(self) -> int:
@@ -77,6 +82,8 @@ class FaultProxy:
         self._server: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
         self._live: set[_ClientSide] = set()  # open connections, touched on the loop thread only
+        self.capacity: int | None = None
+        self.serving = 0  # requests forwarded and not yet answered (loop thread only)
         self.port = 0
 
     @property
@@ -96,6 +103,12 @@ class FaultProxy:
             self.fault_rate = rate
             self.fault_kinds = tuple(kinds)
             self.fault_only = only.encode() if only else None
+
+    def set_capacity(self, capacity: int | None) -> None:
+        """Serve at most ``capacity`` requests at once and answer the rest 503 SlowDown (None: no limit)."""
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"bad capacity: {capacity}")
+        self.capacity = capacity
 
     def _draw(self, request_line: bytes) -> str | None:
         with self._lock:
@@ -259,6 +272,7 @@ class _ClientSide(asyncio.Protocol):
         self._to_upstream: _Delayed | None = None
         self._to_client: _Delayed | None = None
         self._pending: list[asyncio.Handle | asyncio.Task[None]] = []  # timers and the connect, cancelled on close
+        self._serving = False  # counted in the proxy's ``serving``
 
     # client transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -302,11 +316,18 @@ class _ClientSide(asyncio.Protocol):
 
     # the request
     def _begin(self, head: bytes, rest: bytes) -> None:
-        fault = self._proxy._draw(head.split(b"\r\n", 1)[0])
-        delay = self._proxy.latency_ms / 2000
+        proxy = self._proxy
+        fault = proxy._draw(head.split(b"\r\n", 1)[0])
+        delay = proxy.latency_ms / 2000
+        if fault is None and proxy.capacity is not None and proxy.serving >= proxy.capacity:
+            with proxy._lock:
+                proxy.stats.throttled += 1
+            fault = "503"
         if fault in _STATUS_TEXT:
             self._pending.append(self._loop.call_later(delay, self._answer_error, fault))
             return
+        proxy.serving += 1
+        self._serving = True
         self._to_upstream = _Delayed(self._loop, delay, self._upstream_eof)
         self._to_upstream.feed(_force_close(head))
         if rest:
@@ -380,6 +401,9 @@ class _ClientSide(asyncio.Protocol):
         for transport in (self._client, self._upstream):
             if transport is not None and not transport.is_closing():
                 transport.close()
+        if self._serving:
+            self._serving = False
+            self._proxy.serving -= 1
         self._proxy._live.discard(self)
 
     def abort(self) -> None:

@@ -41,6 +41,11 @@ class TransientStoreError(StoreError):
     """A storage operation failed in a way worth retrying (429/5xx, reset, timeout)."""
 
 
+class ThrottledError(TransientStoreError):
+    """The store asked the client to slow down (HTTP 429, 503 SlowDown): retried, and the
+    transfer engine lowers how many requests it keeps in flight (:mod:`objckpt.throttle`)."""
+
+
 class StoreNotAvailableError(ObjckptError, ImportError):
     """No store is registered for a URL scheme, or its package is not installed."""
 

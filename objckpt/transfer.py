@@ -5,6 +5,8 @@ so that concurrency limits, per-request timeouts, retry policy and byte
 counters live in one place. Retries are decided by exception *type* (the
 stores map vendor errors to :class:`TransientStoreError` at their boundary),
 with exponential backoff and full jitter, bounded by a per-request deadline.
+How many requests are in flight follows the store's throttling answers
+(:mod:`objckpt.throttle`), up to ``Options.max_concurrency``.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from objckpt.errors import ObjectNotFoundError, StoreError, TransientStoreError
+from objckpt.errors import ObjectNotFoundError, StoreError, ThrottledError, TransientStoreError
 from objckpt.options import Options, RetryConfig
 from objckpt.storage import from_url
 from objckpt.storage.base import ObjectInfo, PutMode, Store
 from objckpt.storage.streaming import ReadSink
+from objckpt.throttle import AdaptiveLimit, Outcome
 
 T = TypeVar("T")
 Item = TypeVar("Item")
@@ -33,6 +36,7 @@ class TransferStats:
 
     requests: int = 0
     retries: int = 0
+    throttled: int = 0  # answers asking to slow down (429, 503 SlowDown), each retried
     bytes_written: int = 0
     bytes_read: int = 0
     objects_written: int = 0
@@ -175,10 +179,12 @@ class TransferEngine:
         self.request_timeout = request_timeout
         self.retry = retry
         self.stats = stats if stats is not None else TransferStats()
-        self._slots = asyncio.Semaphore(max_concurrency)
+        self.limit = AdaptiveLimit(max_concurrency, name=store.url)
 
     async def call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         """Run one request, holding a concurrency slot per attempt, retrying transient failures.
+
+        Each attempt's outcome paces the next ones (:class:`~objckpt.throttle.AdaptiveLimit`).
 
         Args:
             what: names the request in errors (e.g. ``GET s3://b/k [0, 10)``).
@@ -186,9 +192,19 @@ class TransferEngine:
         """
 
         async def attempt() -> T:
-            async with self._slots:
+            ticket = await self.limit.acquire()
+            outcome: Outcome = "other"
+            try:
                 self.stats.add(requests=1)
-                return await fn()
+                result = await fn()
+                outcome = "ok"
+                return result
+            except ThrottledError:
+                outcome = "throttled"
+                self.stats.add(throttled=1)
+                raise
+            finally:
+                self.limit.release(ticket, outcome)
 
         return await call_with_retries(
             what, attempt, retry=self.retry, request_timeout=self.request_timeout, stats=self.stats

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -133,3 +134,29 @@ def test_stop_ends_open_connections(upstream):
     assert not thread.is_alive() and time.monotonic() - started < 10
     ended = outcome[0]  # a reset, or a connection closed before the body (http.client takes that as b"")
     assert isinstance(ended, (OSError, http.client.HTTPException)) or len(ended[1]) < 1 << 20, ended
+
+
+def test_over_capacity_requests_are_told_to_slow_down(upstream):
+    with FaultProxy("127.0.0.1", upstream) as proxy:
+        proxy.set_capacity(1)
+        body = b"y" * 1000
+        held = socket.create_connection(("127.0.0.1", proxy.port), timeout=30)
+        try:  # a PUT whose body is half sent: the one request being served
+            held.sendall(b"PUT /held HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + body[:500])
+            deadline = time.monotonic() + 10
+            while proxy.serving < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            status, answer, _ = _request(proxy.port, "GET", "/10")
+            assert status == 503 and b"<Code>SlowDown</Code>" in answer
+            held.sendall(body[500:])
+            reply = held.makefile("rb").read()
+            assert reply.startswith(b"HTTP/1.1 200") and hashlib.sha256(body).hexdigest().encode() in reply
+        finally:
+            held.close()
+        deadline = time.monotonic() + 10
+        while proxy.serving and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _request(proxy.port, "GET", "/10")[1] == _BODY[:10]  # room again
+        assert proxy.stats.throttled == 1 and proxy.stats.faults == {}
+        with pytest.raises(ValueError, match="capacity"):
+            proxy.set_capacity(0)

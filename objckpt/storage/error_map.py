@@ -6,7 +6,8 @@ here, so the transfer engine can decide retries by exception type alone:
 * missing → :class:`ObjectNotFoundError`;
 * a failed create-if-absent → :class:`ObjectExistsError`;
 * 401/403, missing credentials → :class:`StorePermissionError`;
-* 408/429/5xx, connection errors, timeouts → :class:`TransientStoreError`;
+* 429/503 (the store asks the client to slow down) → :class:`ThrottledError`;
+* 408/5xx, connection errors, timeouts → :class:`TransientStoreError`;
 * anything else → :class:`StoreError`.
 
 :func:`map_error` covers fsspec filesystems (s3fs/botocore, gcsfs/aiohttp,
@@ -17,6 +18,7 @@ URL credentials.
 
 from __future__ import annotations
 
+import re
 import sys
 
 from objckpt.errors import (
@@ -24,6 +26,7 @@ from objckpt.errors import (
     ObjectNotFoundError,
     StoreError,
     StorePermissionError,
+    ThrottledError,
     TransientStoreError,
 )
 from objckpt.storage.urls import scrub
@@ -31,6 +34,13 @@ from objckpt.storage.urls import scrub
 #: Bugs, not storage failures: never disguised as a StoreError.
 PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, AssertionError, MemoryError)
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+#: "Slow down": S3 answers 503 SlowDown, GCS and S3 429 when a client exceeds a rate.
+THROTTLE_STATUS = frozenset({429, 503})
+
+
+def transient_error(status: int | None, message: str) -> TransientStoreError:
+    """The retryable error for ``status``: :class:`ThrottledError` when it asks us to slow down."""
+    return ThrottledError(message) if status in THROTTLE_STATUS else TransientStoreError(message)
 
 
 # ------------------------------------------------------------------- fsspec
@@ -122,7 +132,7 @@ def map_error(exc: BaseException, what: str, *, create: bool = False) -> StoreEr
     if status in TRANSIENT_STATUS or (create and status == 409):
         # 409 on a conditional PUT: another conditional write to the same key
         # is in flight (S3 ConditionalRequestConflict); a retry sees 412 or wins.
-        return TransientStoreError(message)
+        return transient_error(status, message)
     if status is None and isinstance(exc, _transient_types()):
         return TransientStoreError(message)
     return StoreError(message)
@@ -135,6 +145,22 @@ def _first_line(exc: BaseException) -> str:
     # obstore appends a multi-line Rust debug dump; the first line says what happened.
     text = str(exc).strip().splitlines()
     return text[0] if text else ""
+
+
+_OBSTORE_STATUS = re.compile(r"\bstatus: (\d{3}),")
+
+
+def _obstore_status(exc: BaseException) -> int | None:
+    """The HTTP status in an obstore error's debug dump (``inner: Status { status: 503, ...``).
+
+    obstore attaches no status to its exceptions, so this one reading of their
+    text is used only to pace requests (a 429/503 lowers the window of requests
+    in flight); whether to retry is still decided by the exception's class. If
+    obstore's format changes, throttling answers are retried at full concurrency,
+    which ``tests/test_throttle.py`` would catch.
+    """
+    found = _OBSTORE_STATUS.search(str(exc))
+    return int(found.group(1)) if found else None
 
 
 def map_obstore_error(exc: BaseException, what: str, *, create: bool = False) -> StoreError:
@@ -171,7 +197,7 @@ def map_obstore_error(exc: BaseException, what: str, *, create: bool = False) ->
         if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
             return StorePermissionError(message)
         if isinstance(exc, (oe.GenericError, oe.JoinError)):
-            return TransientStoreError(message)
+            return transient_error(_obstore_status(exc), message)
         return StoreError(message)  # InvalidPath, NotSupported, NotModified, UnknownConfigurationKey
     # obstore raises some built-ins itself (FileNotFoundError for a missing
     # object); local stores raise OS errors.

@@ -36,7 +36,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from objckpt.errors import ObjectNotFoundError, StoreError, StorePermissionError, TransientStoreError
-from objckpt.storage.error_map import TRANSIENT_STATUS
+from objckpt.storage.error_map import TRANSIENT_STATUS, transient_error
 from objckpt.storage.streaming import STREAM_PIECE, ReadSink, piece_size
 from objckpt.storage.urls import check_relative
 
@@ -251,7 +251,7 @@ def status_error(status: int, code: str, what: str) -> StoreError:
     if status in (401, 403):
         return StorePermissionError(message)
     if status in TRANSIENT_STATUS:
-        return TransientStoreError(message)
+        return transient_error(status, message)
     return StoreError(message)
 
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import obstore as obs
 
 from objckpt._memory import malloc_phase
-from objckpt.errors import ObjectNotFoundError, TransientStoreError
+from objckpt.errors import ObjectNotFoundError, ThrottledError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
 from objckpt.storage.error_map import PROGRAMMING_ERRORS, map_obstore_error
 from objckpt.storage.http_stream import HttpRangeReader, stream_range
@@ -193,8 +193,8 @@ class ObstoreStore(Store):
                 what, lambda: obs.get_range_async(self._store, self._path(key), start=start, end=end)
             )
         except TransientStoreError as exc:
-            if isinstance(exc.__cause__, TimeoutError):
-                raise  # our own timeout: nothing to learn from the object's size
+            if isinstance(exc, ThrottledError) or isinstance(exc.__cause__, TimeoutError):
+                raise  # a 429/503 or our own timeout: nothing to learn from the object's size
             # A range starting at or past the end is an error (HTTP 416) that
             # obstore reports without a status; the object's size tells.
             info = await self.head(key)  # raises ObjectNotFoundError if it is gone

@@ -1,0 +1,187 @@
+"""The transfer engine backs off when the store says "slow down" (objckpt/throttle.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import uuid
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import objckpt
+from backends.proxy import FaultProxy
+from objckpt import _runtime, throttle
+from objckpt.errors import ThrottledError, TransientStoreError
+from objckpt.storage import from_url
+from objckpt.storage.error_map import map_error
+from objckpt.storage.http_stream import status_error
+from objckpt.throttle import AdaptiveLimit
+
+# ------------------------------------------------------------------ the window
+
+
+def test_window_starts_full_and_queues_the_rest():
+    async def run() -> None:
+        limit = AdaptiveLimit(3)
+        tickets = [await limit.acquire() for _ in range(3)]
+        waiting = asyncio.ensure_future(limit.acquire())
+        await asyncio.sleep(0)
+        assert not waiting.done() and limit.in_flight == 3
+        limit.release(tickets[0], "ok")
+        await asyncio.sleep(0)
+        assert waiting.done() and limit.in_flight == 3
+
+    asyncio.run(run())
+
+
+def test_throttling_halves_once_per_round_and_successes_widen_it_back():
+    async def run() -> None:
+        limit = AdaptiveLimit(32)
+        first_round = [await limit.acquire() for _ in range(32)]
+        for ticket in first_round[:20]:  # one congestion event, seen by 20 requests
+            limit.release(ticket, "throttled")
+        assert limit.limit == 16 and limit.cuts == 1
+        for ticket in first_round[20:]:
+            limit.release(ticket, "other")  # a reset or a timeout does not cut
+        assert limit.limit == 16 and limit.in_flight == 0
+        later = await limit.acquire()
+        limit.release(later, "throttled")  # started after the cut: a new event
+        assert limit.limit == 8 and limit.lowest == 8
+        for _ in range(9):  # about one round of successes (1/8 + 1/8.125 + ...): one more request
+            limit.release(await limit.acquire(), "ok")
+        assert limit.limit == 9
+        for _ in range(2000):
+            limit.release(await limit.acquire(), "ok")
+        assert limit.limit == 32 and limit.lowest == 8
+
+    asyncio.run(run())
+
+
+def test_window_never_drops_below_its_minimum():
+    async def run() -> None:
+        limit = AdaptiveLimit(4, minimum=2)
+        for _ in range(10):
+            limit.release(await limit.acquire(), "throttled")
+        assert limit.limit == 2 and limit.cuts == 10
+        with pytest.raises(ValueError, match="bounds"):
+            AdaptiveLimit(2, minimum=3)
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_waiter_leaks_no_slot():
+    async def run() -> None:
+        limit = AdaptiveLimit(1)
+        held = await limit.acquire()
+        cancelled = asyncio.ensure_future(limit.acquire())
+        queued = asyncio.ensure_future(limit.acquire())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.sleep(0)
+        limit.release(held, "ok")
+        ticket = await asyncio.wait_for(queued, 1)  # the slot went past the cancelled waiter
+        assert limit.in_flight == 1
+        limit.release(ticket, "ok")
+        assert limit.in_flight == 0
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------------ which answers are throttling
+
+
+class _HttpFailure(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_slow_down_statuses_map_to_throttled(status):
+    assert isinstance(map_error(_HttpFailure(status), "put s3://b/k"), ThrottledError)
+    assert isinstance(status_error(status, "SlowDown", "get s3://b/k"), ThrottledError)
+
+
+@pytest.mark.parametrize("status", [500, 502, 504])
+def test_other_server_errors_are_retried_without_cutting(status):
+    for error in (map_error(_HttpFailure(status), "put s3://b/k"), status_error(status, "", "get s3://b/k")):
+        assert isinstance(error, TransientStoreError) and not isinstance(error, ThrottledError)
+
+
+@pytest.fixture
+def proxied_s3(s3_service):
+    host, port = s3_service.endpoint_url.rsplit("//", 1)[1].split(":")
+    with FaultProxy(host, int(port), seed=3) as proxy:
+        options = copy.deepcopy(s3_service.storage_options())
+        options["client_kwargs"]["endpoint_url"] = proxy.endpoint_url
+        yield proxy, options
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(("fault", "throttled"), [("503", True), ("429", True), ("500", False)])
+def test_obstore_answers_are_told_apart(proxied_s3, s3_service, fault, throttled):
+    """obstore gives no status on its errors; the one we read from its text must keep working."""
+    proxy, options = proxied_s3
+    store = from_url(s3_service.url(f"probe-{uuid.uuid4().hex[:8]}"), **options)
+    _runtime.run_sync(store.put("k", b"z" * 100))
+    proxy.set_faults(1.0, (fault,))
+    with pytest.raises(TransientStoreError) as caught:
+        _runtime.run_sync(store.get_range_buffer("k", start=0, end=10))
+    with pytest.raises(TransientStoreError) as caught_put:
+        _runtime.run_sync(store.put("k2", b"z" * 100))
+    assert isinstance(caught.value, ThrottledError) is throttled
+    assert isinstance(caught_put.value, ThrottledError) is throttled
+    # put, GET, PUT; after a GET's 500 a HEAD asks whether the range began past the end
+    # (a 416, which obstore reports without a status); a 429/503 is no 416: no HEAD.
+    assert proxy.stats.requests == (3 if throttled else 4)
+
+
+# ------------------------------------------------------------------ against an overloaded store
+
+
+def _tree(mib: int) -> dict:
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    sharding = NamedSharding(mesh, P("x", "y"))
+    rows = mib * (1 << 20) // 4 // 1024 // 8
+    rng = np.random.default_rng(11)
+    return {f"w{i}": jax.device_put(rng.standard_normal((rows, 1024), np.float32), sharding) for i in range(8)}
+
+
+def _save_and_restore(proxy, options, s3_service, tree) -> tuple[int, int]:
+    """Refusals the proxy sent during one save and one restore (restored bytes checked)."""
+    opts = objckpt.Options(blob_size=1 << 20, read_chunk=1 << 20)
+    url = s3_service.url(f"throttle/{uuid.uuid4().hex[:8]}")
+    before = proxy.stats.throttled
+    objckpt.save(url, tree, storage_options=options, options=opts)
+    saved = proxy.stats.throttled - before
+    stats = objckpt.TransferStats()
+    restored = objckpt.restore(url, tree, storage_options=options, options=opts, stats=stats)
+    for name, array in tree.items():
+        assert np.array_equal(np.asarray(restored[name]), np.asarray(array)), name
+    assert stats.throttled == proxy.stats.throttled - before - saved  # every refusal was seen and counted
+    return saved, stats.throttled
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_an_overloaded_store_is_met_with_fewer_requests(proxied_s3, s3_service, monkeypatch):
+    """Through a store that serves 3 requests at a time and answers the rest 503 SlowDown,
+    a save and a restore of 128 blobs each get through, and the adaptive window draws far
+    fewer refusals than the same engine at a fixed 32 requests in flight."""
+    proxy, options = proxied_s3
+    tree = _tree(128)
+    proxy.set_capacity(3)
+    adaptive = _save_and_restore(proxy, options, s3_service, tree)
+    release = throttle.AdaptiveLimit.release
+    monkeypatch.setattr(
+        throttle.AdaptiveLimit,
+        "release",
+        lambda self, ticket, outcome: release(self, ticket, "other" if outcome == "throttled" else outcome),
+    )
+    fixed = _save_and_restore(proxy, options, s3_service, tree)
+    assert fixed[0] > 0 and fixed[1] > 0
+    assert adaptive[0] <= fixed[0] / 2 and adaptive[1] <= fixed[1] / 2, (adaptive, fixed)
