@@ -151,13 +151,7 @@ async def _copy(
     await _refuse_committed(dst, manifest, options)
 
     def engine(store: Any, counters: TransferStats) -> TransferEngine:
-        return TransferEngine(
-            store.inner,
-            max_concurrency=options.max_concurrency,
-            request_timeout=options.request_timeout,
-            retry=options.retry,
-            stats=counters,
-        )
+        return TransferEngine.from_options(store.inner, options, counters)
 
     source, target = engine(src, src_stats), engine(dst, dst_stats)
     present = {o.key: o.size for o in await dst.list()}

@@ -52,7 +52,12 @@ class Options:
     Attributes:
         blob_size: target object size; small leaves are packed together, large
             shards split. 32 MiB balances request overhead against parallelism.
-        max_concurrency: requests in flight at once per process.
+        max_concurrency: requests in flight at once per operation, at most.
+        adaptive_concurrency: when the store answers 429 or 503 SlowDown, halve
+            the requests in flight (once per round) and widen them again by one
+            per round of successes (:mod:`objckpt.throttle`); False keeps
+            ``max_concurrency`` in flight whatever the store answers (each
+            refusal is still retried).
         memory_budget: bytes of staged host buffers a save may hold; when the
             model is larger, the blocking phase streams (copy, upload, reuse).
         staging_pool: bytes of staging buffers a synchronous ``save`` keeps and
@@ -93,6 +98,7 @@ class Options:
 
     blob_size: int = 32 * MiB
     max_concurrency: int = 32
+    adaptive_concurrency: bool = True
     memory_budget: int = field(default_factory=_default_memory_budget)
     staging_pool: int = 512 * MiB
     read_window: int = 128 * MiB

@@ -204,13 +204,7 @@ def _plan(manifest: Manifest, jobs: dict[int, LeafJob], options: Options, *, str
 async def _fetch(
     store: Any, requests: list[ReadRequest], jobs: dict[int, LeafJob], options: Options, stats: TransferStats
 ) -> None:
-    engine = TransferEngine(
-        store,
-        max_concurrency=options.max_concurrency,
-        request_timeout=options.request_timeout,
-        retry=options.retry,
-        stats=stats,
-    )
+    engine = TransferEngine.from_options(store, options, stats)
     for job in jobs.values():
         if job.remaining == 0:
             allocate(job)

@@ -200,13 +200,7 @@ async def _exists(store: Store) -> bool:
 
 async def _make_engine(store: Store, options: Options, stats: TransferStats) -> TransferEngine:
     # Built on the I/O loop so its semaphore belongs to that loop.
-    return TransferEngine(
-        store,
-        max_concurrency=options.max_concurrency,
-        request_timeout=options.request_timeout,
-        retry=options.retry,
-        stats=stats,
-    )
+    return TransferEngine.from_options(store, options, stats)
 
 
 class _Commit:

@@ -44,12 +44,14 @@ class Ticket:
 class AdaptiveLimit:
     """An asyncio semaphore whose size follows the store's throttling answers (AIMD)."""
 
-    def __init__(self, maximum: int, *, minimum: int = 1, name: str = "") -> None:
+    def __init__(self, maximum: int, *, minimum: int = 1, name: str = "", adaptive: bool = True) -> None:
+        """``adaptive=False``: a plain semaphore of ``maximum`` slots (throttling is still retried)."""
         if not 1 <= minimum <= maximum:
             raise ValueError(f"bad window bounds: minimum={minimum}, maximum={maximum}")
         self.maximum = maximum
         self.minimum = minimum
         self.name = name
+        self.adaptive = adaptive
         self.window = float(maximum)
         self.lowest = maximum  # the smallest the window has been (a sign of throttling in stats and logs)
         self.cuts = 0
@@ -82,7 +84,7 @@ class AdaptiveLimit:
         """Give the slot back, saying how its request went."""
         if outcome == "ok":
             self.window = min(float(self.maximum), self.window + 1.0 / self.window)
-        elif outcome == "throttled" and ticket.round == self.cuts:
+        elif outcome == "throttled" and ticket.round == self.cuts and self.adaptive:
             before = self.limit
             self.window = max(float(self.minimum), self.window / 2)
             self.cuts += 1

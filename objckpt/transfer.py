@@ -174,12 +174,25 @@ class TransferEngine:
         request_timeout: float,
         retry: RetryConfig,
         stats: TransferStats | None = None,
+        adaptive: bool = True,
     ) -> None:
         self.store = store
         self.request_timeout = request_timeout
         self.retry = retry
         self.stats = stats if stats is not None else TransferStats()
-        self.limit = AdaptiveLimit(max_concurrency, name=store.url)
+        self.limit = AdaptiveLimit(max_concurrency, name=store.url, adaptive=adaptive)
+
+    @classmethod
+    def from_options(cls, store: Store, options: Options, stats: TransferStats | None = None) -> TransferEngine:
+        """An engine with ``options``' concurrency, timeout and retry policy (build it on the loop it runs on)."""
+        return cls(
+            store,
+            max_concurrency=options.max_concurrency,
+            request_timeout=options.request_timeout,
+            retry=options.retry,
+            stats=stats,
+            adaptive=options.adaptive_concurrency,
+        )
 
     async def call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         """Run one request, holding a concurrency slot per attempt, retrying transient failures.

@@ -162,13 +162,7 @@ def verify(
 
 
 async def _verify(store: Any, manifest: Manifest, options: Options, stats: TransferStats) -> list[VerifyProblem]:
-    engine = TransferEngine(
-        store.inner,
-        max_concurrency=options.max_concurrency,
-        request_timeout=options.request_timeout,
-        retry=options.retry,
-        stats=stats,
-    )
+    engine = TransferEngine.from_options(store.inner, options, stats)
     present = {o.key: o.size for o in await store.list()}
     by_blob = pieces_by_blob(manifest)
     chunk = min(READ_CHUNK, options.copied_read_limit(streamed=False))

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from backends.proxy import FaultProxy
-from objckpt import _runtime, throttle
+from objckpt import _runtime
 from objckpt.errors import ThrottledError, TransientStoreError
 from objckpt.storage import from_url
 from objckpt.storage.error_map import map_error
@@ -57,6 +57,16 @@ def test_throttling_halves_once_per_round_and_successes_widen_it_back():
         for _ in range(2000):
             limit.release(await limit.acquire(), "ok")
         assert limit.limit == 32 and limit.lowest == 8
+
+    asyncio.run(run())
+
+
+def test_a_fixed_window_retries_without_cutting():
+    async def run() -> None:
+        limit = AdaptiveLimit(4, adaptive=False)
+        for _ in range(3):
+            limit.release(await limit.acquire(), "throttled")
+        assert limit.limit == 4 and limit.cuts == 0
 
     asyncio.run(run())
 
@@ -151,9 +161,9 @@ def _tree(mib: int) -> dict:
     return {f"w{i}": jax.device_put(rng.standard_normal((rows, 1024), np.float32), sharding) for i in range(8)}
 
 
-def _save_and_restore(proxy, options, s3_service, tree) -> tuple[int, int]:
+def _save_and_restore(proxy, options, s3_service, tree, *, adaptive: bool) -> tuple[int, int]:
     """Refusals the proxy sent during one save and one restore (restored bytes checked)."""
-    opts = objckpt.Options(blob_size=1 << 20, read_chunk=1 << 20)
+    opts = objckpt.Options(blob_size=1 << 20, read_chunk=1 << 20, adaptive_concurrency=adaptive)
     url = s3_service.url(f"throttle/{uuid.uuid4().hex[:8]}")
     before = proxy.stats.throttled
     objckpt.save(url, tree, storage_options=options, options=opts)
@@ -168,20 +178,14 @@ def _save_and_restore(proxy, options, s3_service, tree) -> tuple[int, int]:
 
 @pytest.mark.s3
 @pytest.mark.slow
-def test_an_overloaded_store_is_met_with_fewer_requests(proxied_s3, s3_service, monkeypatch):
+def test_an_overloaded_store_is_met_with_fewer_requests(proxied_s3, s3_service):
     """Through a store that serves 3 requests at a time and answers the rest 503 SlowDown,
     a save and a restore of 128 blobs each get through, and the adaptive window draws far
     fewer refusals than the same engine at a fixed 32 requests in flight."""
     proxy, options = proxied_s3
     tree = _tree(128)
     proxy.set_capacity(3)
-    adaptive = _save_and_restore(proxy, options, s3_service, tree)
-    release = throttle.AdaptiveLimit.release
-    monkeypatch.setattr(
-        throttle.AdaptiveLimit,
-        "release",
-        lambda self, ticket, outcome: release(self, ticket, "other" if outcome == "throttled" else outcome),
-    )
-    fixed = _save_and_restore(proxy, options, s3_service, tree)
+    adaptive = _save_and_restore(proxy, options, s3_service, tree, adaptive=True)
+    fixed = _save_and_restore(proxy, options, s3_service, tree, adaptive=False)
     assert fixed[0] > 0 and fixed[1] > 0
     assert adaptive[0] <= fixed[0] / 2 and adaptive[1] <= fixed[1] / 2, (adaptive, fixed)
