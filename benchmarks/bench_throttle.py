@@ -4,10 +4,15 @@ The latency proxy (``backends/proxy.py``) is put in front of the local S3 server
 with ``set_capacity(N)``: it serves N requests at a time and answers the rest
 503 SlowDown, as S3 does when clients outrun a prefix. The benchmark's medium
 workload (1 GiB, 106 leaves over a (4, 2) mesh) is saved and restored onto the
-same sharding with ``Options(adaptive_concurrency=True)`` (the default) and
-``False`` (``max_concurrency`` requests in flight whatever the store answers;
-every refusal is still retried), interleaved A B B A ..., at each capacity and
-latency. Reported per cell: medians (and min–max) of save and restore seconds,
+same sharding three ways, interleaved, at each capacity and latency:
+
+- ``adaptive``: ``Options(adaptive_concurrency=True)`` (the default), as the
+  first operation on the bucket (the process's window memory cleared first; the
+  restore then starts from what the save learned, as it would in a job);
+- ``remembered``: the same, right after an ``adaptive`` run, starting from what
+  that run learned (a manager's next save);
+- ``fixed``: ``False``, ``max_concurrency`` requests in flight whatever the
+  store answers (every refusal is still retried). Reported per cell: medians (and min–max) of save and restore seconds,
 the refusals the proxy sent, failed runs.
 
     python -m benchmarks.bench_throttle [--capacities 4,8] [--latencies 0,10] [--repeats 3]
@@ -41,8 +46,9 @@ import backends  # noqa: E402
 import objckpt  # noqa: E402
 from backends.proxy import FaultProxy  # noqa: E402
 from benchmarks.peers import workloads  # noqa: E402
+from objckpt import throttle  # noqa: E402
 
-MODES = {"adaptive": True, "fixed": False}
+MODES = {"adaptive": True, "remembered": True, "fixed": False}
 
 
 def one_run(
@@ -132,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                     proxy.set_capacity(capacity)
                     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
                     for i in range(args.repeats):
-                        order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+                        order = list(MODES) if i % 2 == 0 else ["fixed", "adaptive", "remembered"]
                         for mode in order:
+                            if mode == "adaptive":
+                                throttle.MEMORY.clear()
                             url = service.url(f"bench-throttle/{uuid.uuid4().hex[:8]}")
                             out = one_run(proxy, storage_options, url, workload, tree, MODES[mode])
                             runs[mode].append(out)

@@ -19,19 +19,73 @@ Only throttling answers (:class:`~objckpt.errors.ThrottledError`) cut the
 window: a reset or a timeout is as likely one bad connection as an overloaded
 store, and halving a restore's concurrency for each would cost far more than
 the retry.
+
+Each operation has its own window, but what one learned about a bucket is kept
+for the next (:class:`WindowMemory`, for ``REMEMBER_SECONDS``): a manager that
+saves every few minutes to a throttling bucket would otherwise open each save
+with a full window and draw a burst of refusals, each of them a request body
+sent for nothing. The next operation starts at twice the remembered window
+(capped at ``maximum``): one cut brings it back if the bucket still pushes
+back, and it has not lost much if the bucket stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlsplit
 
 log = logging.getLogger("objckpt")
 
 Outcome = Literal["ok", "throttled", "other"]
+
+#: How long what an operation learned about a bucket's throttling is kept for the next one.
+REMEMBER_SECONDS = 600.0
+
+
+class WindowMemory:
+    """The last window each bucket was throttled down to, shared by the operations of a process."""
+
+    def __init__(self, seconds: float = REMEMBER_SECONDS) -> None:
+        self.seconds = seconds
+        self._windows: dict[str, tuple[float, float]] = {}  # bucket -> (window, when)
+        self._lock = threading.Lock()  # operations run on several event loops and threads
+
+    @staticmethod
+    def bucket(name: str) -> str:
+        """``s3://bucket/any/prefix`` -> ``s3://bucket``: throttling is the bucket's, not one checkpoint's."""
+        parts = urlsplit(name)
+        return f"{parts.scheme}://{parts.netloc}" if parts.netloc else name
+
+    def start(self, name: str, maximum: int) -> float:
+        """The window a new operation on ``name`` starts with."""
+        with self._lock:
+            window, when = self._windows.get(self.bucket(name), (float(maximum), 0.0))
+        if time.monotonic() - when > self.seconds:
+            return float(maximum)
+        return min(float(maximum), 2 * window)
+
+    def update(self, name: str, window: float, maximum: int) -> None:
+        """Remember ``window`` (forget the bucket once it is back to ``maximum``)."""
+        key = self.bucket(name)
+        with self._lock:
+            if window >= maximum:
+                self._windows.pop(key, None)
+            else:
+                self._windows[key] = (window, time.monotonic())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._windows.clear()
+
+
+#: The process's memory, used by every :class:`AdaptiveLimit` that has a name.
+MEMORY = WindowMemory()
 
 
 @dataclass(frozen=True)
@@ -44,16 +98,26 @@ class Ticket:
 class AdaptiveLimit:
     """An asyncio semaphore whose size follows the store's throttling answers (AIMD)."""
 
-    def __init__(self, maximum: int, *, minimum: int = 1, name: str = "", adaptive: bool = True) -> None:
-        """``adaptive=False``: a plain semaphore of ``maximum`` slots (throttling is still retried)."""
+    def __init__(
+        self,
+        maximum: int,
+        *,
+        minimum: int = 1,
+        name: str = "",
+        adaptive: bool = True,
+        memory: WindowMemory | None = MEMORY,
+    ) -> None:
+        """``name``: the store's URL, for logs and ``memory`` (no name: nothing remembered).
+        ``adaptive=False``: a plain semaphore of ``maximum`` slots (throttling is still retried)."""
         if not 1 <= minimum <= maximum:
             raise ValueError(f"bad window bounds: minimum={minimum}, maximum={maximum}")
         self.maximum = maximum
         self.minimum = minimum
         self.name = name
         self.adaptive = adaptive
-        self.window = float(maximum)
-        self.lowest = maximum  # the smallest the window has been (a sign of throttling in stats and logs)
+        self._memory = memory if adaptive and name else None
+        self.window = self._memory.start(name, maximum) if self._memory else float(maximum)
+        self.lowest = self.limit  # the smallest the window has been (a sign of throttling in stats and logs)
         self.cuts = 0
         self.in_flight = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -82,13 +146,17 @@ class AdaptiveLimit:
 
     def release(self, ticket: Ticket, outcome: Outcome) -> None:
         """Give the slot back, saying how its request went."""
-        if outcome == "ok":
+        if outcome == "ok" and self.window < self.maximum:
             self.window = min(float(self.maximum), self.window + 1.0 / self.window)
+            if self._memory:
+                self._memory.update(self.name, self.window, self.maximum)
         elif outcome == "throttled" and ticket.round == self.cuts and self.adaptive:
             before = self.limit
             self.window = max(float(self.minimum), self.window / 2)
             self.cuts += 1
             self.lowest = min(self.lowest, self.limit)
+            if self._memory:
+                self._memory.update(self.name, self.window, self.maximum)
             log.info(
                 "objckpt: %s is throttling; requests in flight %d -> %d", self.name or "the store", before, self.limit
             )

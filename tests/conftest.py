@@ -82,6 +82,17 @@ def _unique(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_throttle_memory() -> Iterator[None]:
+    """Every test starts with full windows: what one test's throttled bucket taught the
+    process (objckpt.throttle.MEMORY) must not slow the next test on the same bucket."""
+    from objckpt import throttle
+
+    throttle.MEMORY.clear()
+    yield
+    throttle.MEMORY.clear()
+
+
 @pytest.fixture(scope="session")
 def s3_service() -> Iterator[S3Service]:
     """SeaweedFS with an S3 gateway, for the whole session."""

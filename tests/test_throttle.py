@@ -19,7 +19,7 @@ from objckpt.errors import ThrottledError, TransientStoreError
 from objckpt.storage import from_url
 from objckpt.storage.error_map import map_error
 from objckpt.storage.http_stream import status_error
-from objckpt.throttle import AdaptiveLimit
+from objckpt.throttle import AdaptiveLimit, WindowMemory
 
 # ------------------------------------------------------------------ the window
 
@@ -97,6 +97,38 @@ def test_a_cancelled_waiter_leaks_no_slot():
         assert limit.in_flight == 1
         limit.release(ticket, "ok")
         assert limit.in_flight == 0
+
+    asyncio.run(run())
+
+
+def test_memory_starts_the_next_operation_at_twice_what_the_bucket_allowed():
+    memory = WindowMemory()
+    assert WindowMemory.bucket("s3://b/run/step_10") == "s3://b" and WindowMemory.bucket("/tmp/c") == "/tmp/c"
+    assert memory.start("s3://b/x", 32) == 32  # never throttled: full speed
+    memory.update("s3://b/run/step_10", 5.0, 32)
+    assert memory.start("s3://b/run/step_20", 32) == 10  # same bucket, another checkpoint
+    assert memory.start("s3://other/x", 32) == 32
+    memory.update("s3://b/y", 20.0, 32)
+    assert memory.start("s3://b/x", 32) == 32  # twice 20, capped
+    memory.update("s3://b/y", 3.0, 32)
+    memory.update("s3://b/y", 32.0, 32)  # back to full: forgotten
+    assert memory.start("s3://b/x", 32) == 32
+    stale = WindowMemory(seconds=0.0)
+    stale.update("s3://b/x", 3.0, 32)
+    assert stale.start("s3://b/x", 32) == 32
+
+
+def test_limits_share_what_they_learn_through_the_memory():
+    async def run() -> None:
+        memory = WindowMemory()
+        first = AdaptiveLimit(32, name="s3://b/ckpt-1", memory=memory)
+        for _ in range(2):
+            first.release(await first.acquire(), "throttled")
+        assert first.limit == 8
+        assert AdaptiveLimit(32, name="s3://b/ckpt-2", memory=memory).limit == 16
+        assert AdaptiveLimit(32, name="s3://c/ckpt-2", memory=memory).limit == 32
+        assert AdaptiveLimit(32, name="s3://b/ckpt-2", memory=memory, adaptive=False).limit == 32
+        assert AdaptiveLimit(32, memory=memory).limit == 32  # no name: nothing to look up
 
     asyncio.run(run())
 
@@ -181,11 +213,16 @@ def _save_and_restore(proxy, options, s3_service, tree, *, adaptive: bool) -> tu
 def test_an_overloaded_store_is_met_with_fewer_requests(proxied_s3, s3_service):
     """Through a store that serves 3 requests at a time and answers the rest 503 SlowDown,
     a save and a restore of 128 blobs each get through, and the adaptive window draws far
-    fewer refusals than the same engine at a fixed 32 requests in flight."""
+    fewer refusals than the same engine at a fixed 32 requests in flight; a save after them
+    starts from what they learned."""
     proxy, options = proxied_s3
     tree = _tree(128)
     proxy.set_capacity(3)
     adaptive = _save_and_restore(proxy, options, s3_service, tree, adaptive=True)
     fixed = _save_and_restore(proxy, options, s3_service, tree, adaptive=False)
+    again = _save_and_restore(proxy, options, s3_service, tree, adaptive=True)
     assert fixed[0] > 0 and fixed[1] > 0
     assert adaptive[0] <= fixed[0] / 2 and adaptive[1] <= fixed[1] / 2, (adaptive, fixed)
+    # The next save to the bucket starts from what the first learned: no opening burst
+    # of 29 refusals (measured: 26-30 against 52-54).
+    assert again[0] <= 0.75 * adaptive[0], (adaptive, again)
