@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 import uuid
 
 import jax
@@ -180,6 +181,28 @@ def test_obstore_answers_are_told_apart(proxied_s3, s3_service, fault, throttled
     # put, GET, PUT; after a GET's 500 a HEAD asks whether the range began past the end
     # (a 416, which obstore reports without a status); a 429/503 is no 416: no HEAD.
     assert proxy.stats.requests == (3 if throttled else 4)
+
+
+@pytest.mark.gcs
+def test_gcsfs_makes_one_attempt_per_call_so_the_engine_sees_each_refusal(gcs_service):
+    """gcsfs retries 429/5xx itself, six attempts 1-32 s apart, unseen by the engine's
+    window, counters and per-attempt timeout; objckpt turns that off, as it does obstore's."""
+    host, port = gcs_service.endpoint_url.rsplit("//", 1)[1].split(":")
+    with FaultProxy(host, int(port), seed=5) as proxy:
+        options = {**gcs_service.storage_options(), "endpoint_url": proxy.endpoint_url}
+        store = from_url(gcs_service.url(f"probe-{uuid.uuid4().hex[:8]}"), **options)
+        _runtime.run_sync(store.put("k", b"z" * 100))
+        before = proxy.stats.requests
+        proxy.set_faults(1.0, ("429",))
+        started = time.monotonic()
+        with pytest.raises(ThrottledError):
+            _runtime.run_sync(store.put("k2", b"z" * 100))
+        with pytest.raises(ThrottledError):
+            _runtime.run_sync(store.get_range("k", start=0, end=10))
+        assert proxy.stats.requests - before == 2
+        assert time.monotonic() - started < 5
+        proxy.set_faults(0.0)
+        assert _runtime.run_sync(store.get_range("k", start=0, end=10)) == b"z" * 10
 
 
 # ------------------------------------------------------------------ against an overloaded store

@@ -53,6 +53,7 @@ import importlib.metadata
 import os
 import re
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -364,6 +365,7 @@ def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
     else:
         cls = importlib.import_module("gcsfs").GCSFileSystem
     fs = cls(**options)
+    _one_attempt_per_request(fs)
     path = fs._strip_protocol(url).rstrip("/")
     if not path:
         raise ValueError(f"GCS URL needs a bucket: {_display(url)!r}")
@@ -371,6 +373,21 @@ def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
 
     reader = gcsfs_range_reader(fs, store_kw["request_timeout"])
     return FsspecStore(fs, path, url=url, range_reader=reader, **store_kw)
+
+
+def _one_attempt_per_request(fs: Any) -> None:
+    """Make each of gcsfs's HTTP requests one attempt, as obstore's are (``max_retries=0``).
+
+    gcsfs retries 429 and 5xx itself, six attempts 1–32 s apart, inside what the
+    transfer engine sees as one call: under its per-attempt timeout, unseen by its
+    retry counter and by the window that backs off on 429 (:mod:`objckpt.throttle`).
+    objckpt's engine and ``RetryingStore`` are the one retry layer, so this
+    instance calls gcsfs's request function without its retry decorator (kept as
+    ``__wrapped__``); if a gcsfs release drops that, its own retries stay on.
+    """
+    single = getattr(type(fs)._request, "__wrapped__", None)
+    if single is not None:
+        fs._request = types.MethodType(single, fs)
 
 
 def open_local(url: str, **storage_options: Any) -> Store:
