@@ -47,6 +47,7 @@ def main() -> None:
             arg = system.prepare_restore(ctx, workload, ctx.phase == "restore_resharded")
             call = lambda: system.restore(ctx, workload, arg)  # noqa: E731
         gc.collect()
+        common.recycle_fresh_memory(workload.nbytes * 3 // 2 + (256 << 20))
         rss_before = common.rss()
         peak_reset = common.reset_peak_rss()
         cpu0, t0 = common.cpu_seconds(), time.perf_counter()
