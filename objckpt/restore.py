@@ -113,12 +113,13 @@ def restore(
     seconds = time.perf_counter() - started
     stats.seconds = seconds
     log.info(
-        "objckpt restored %s: %d leaves, %d bytes read in %d requests, %d retries, %.2f s, %.3f GiB/s",
+        "objckpt restored %s: %d leaves, %d bytes read in %d requests, %d retries (%d throttled), %.2f s, %.3f GiB/s",
         store.url,
         len(values),
         stats.bytes_read,
         stats.requests,
         stats.retries,
+        stats.throttled,
         seconds,
         stats.bytes_read / max(seconds, 1e-9) / 2**30,
     )

@@ -256,12 +256,13 @@ class _Commit:
         stats = self.engine.stats
         stats.seconds = seconds
         log.info(
-            "objckpt saved %s: %d bytes in %d objects, %d requests, %d retries, %.2f s, %.3f GiB/s (this process)",
+            "objckpt saved %s: %d bytes in %d objects, %d requests, %d retries (%d throttled), %.2f s, %.3f GiB/s (this process)",
             self.store.url,
             stats.bytes_written,
             stats.objects_written,
             stats.requests,
             stats.retries,
+            stats.throttled,
             seconds,
             stats.bytes_written / max(seconds, 1e-9) / 2**30,
         )

@@ -117,7 +117,7 @@ class AdaptiveLimit:
         self.adaptive = adaptive
         self._memory = memory if adaptive and name else None
         self.window = self._memory.start(name, maximum) if self._memory else float(maximum)
-        self.lowest = self.limit  # the smallest the window has been (a sign of throttling in stats and logs)
+        self.lowest = self.limit  # the smallest the window has been (for tests and diagnostics)
         self.cuts = 0
         self.in_flight = 0
         self._waiters: deque[asyncio.Future[None]] = deque()

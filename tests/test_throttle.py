@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import time
 import uuid
 
@@ -216,15 +217,20 @@ def _tree(mib: int) -> dict:
     return {f"w{i}": jax.device_put(rng.standard_normal((rows, 1024), np.float32), sharding) for i in range(8)}
 
 
-def _save_and_restore(proxy, options, s3_service, tree, *, adaptive: bool) -> tuple[int, int]:
-    """Refusals the proxy sent during one save and one restore (restored bytes checked)."""
+def _save_and_restore(proxy, options, s3_service, tree, caplog, *, adaptive: bool) -> tuple[int, int]:
+    """Refusals the proxy sent during one save and one restore (restored bytes checked,
+    and the restore's log line reporting how many it was refused)."""
     opts = objckpt.Options(blob_size=1 << 20, read_chunk=1 << 20, adaptive_concurrency=adaptive)
     url = s3_service.url(f"throttle/{uuid.uuid4().hex[:8]}")
     before = proxy.stats.throttled
     objckpt.save(url, tree, storage_options=options, options=opts)
     saved = proxy.stats.throttled - before
     stats = objckpt.TransferStats()
-    restored = objckpt.restore(url, tree, storage_options=options, options=opts, stats=stats)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="objckpt"):
+        restored = objckpt.restore(url, tree, storage_options=options, options=opts, stats=stats)
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("objckpt restored")]
+    assert f"({stats.throttled} throttled)" in line, line
     for name, array in tree.items():
         assert np.array_equal(np.asarray(restored[name]), np.asarray(array)), name
     assert stats.throttled == proxy.stats.throttled - before - saved  # every refusal was seen and counted
@@ -233,7 +239,7 @@ def _save_and_restore(proxy, options, s3_service, tree, *, adaptive: bool) -> tu
 
 @pytest.mark.s3
 @pytest.mark.slow
-def test_an_overloaded_store_is_met_with_fewer_requests(proxied_s3, s3_service):
+def test_an_overloaded_store_is_met_with_fewer_requests(proxied_s3, s3_service, caplog):
     """Through a store that serves 3 requests at a time and answers the rest 503 SlowDown,
     a save and a restore of 128 blobs each get through, and the adaptive window draws far
     fewer refusals than the same engine at a fixed 32 requests in flight; a save after them
@@ -241,9 +247,9 @@ def test_an_overloaded_store_is_met_with_fewer_requests(proxied_s3, s3_service):
     proxy, options = proxied_s3
     tree = _tree(128)
     proxy.set_capacity(3)
-    adaptive = _save_and_restore(proxy, options, s3_service, tree, adaptive=True)
-    fixed = _save_and_restore(proxy, options, s3_service, tree, adaptive=False)
-    again = _save_and_restore(proxy, options, s3_service, tree, adaptive=True)
+    adaptive = _save_and_restore(proxy, options, s3_service, tree, caplog, adaptive=True)
+    fixed = _save_and_restore(proxy, options, s3_service, tree, caplog, adaptive=False)
+    again = _save_and_restore(proxy, options, s3_service, tree, caplog, adaptive=True)
     assert fixed[0] > 0 and fixed[1] > 0
     assert adaptive[0] <= fixed[0] / 2 and adaptive[1] <= fixed[1] / 2, (adaptive, fixed)
     # The next save to the bucket starts from what the first learned: no opening burst
