@@ -215,6 +215,17 @@ def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool =
     return []
 
 
+def wait_for_arena(job: LeafJob) -> None:
+    """Wait until a small leaf's prefaulted memory is ready, if it has some.
+
+    Called before taking the allocation lock: :func:`allocate` would otherwise
+    wait there, holding every other thread's allocations (of leaves whose
+    memory is ready) behind this one.
+    """
+    if job.arena is not None:
+        job.arena.buffers(job.arena_key)
+
+
 def fault_in_fresh(buffers: list[np.ndarray]) -> None:
     """Fault in the pages of buffers :func:`allocate` just made, before pieces are copied
     into them (cheaper than a fault per page inside the copies: :func:`objckpt._memory.fault_in`).

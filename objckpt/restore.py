@@ -38,6 +38,7 @@ from objckpt.leaf_jobs import (
     meets_of,
     plan_pieces,
     reserve_assembled,
+    wait_for_arena,
     whole_box,
 )
 from objckpt.manifest_io import read_manifest
@@ -47,7 +48,7 @@ from objckpt.plan import ReadRequest, plan_reads
 from objckpt.progress import progress_bar
 from objckpt.read_once import share
 from objckpt.stream_scatter import stream_read
-from objckpt.transfer import TransferEngine, TransferStats, open_store
+from objckpt.transfer import AsyncByteBudget, TransferEngine, TransferStats, open_store
 from objckpt.tree import build, flatten_target, unflatten_target
 
 log = logging.getLogger("objckpt")
@@ -218,14 +219,17 @@ async def _fetch(
     # arrays (when the client fills its buffer in place), so only reads that are
     # copied count against the window; max_concurrency still bounds the requests
     # in flight. On a store that streams, copied reads are scattered as they
-    # arrive (objckpt.stream_scatter) and hold a few MiB each, not their length;
-    # they still count, because the window then bounds how many threads scatter
-    # at once (measured, medium onto another sharding: up to 32 at once cost
-    # 0.3 CPU-s more than 4, in contention for the GIL).
+    # arrive (objckpt.stream_scatter) and hold a few MiB each, not their length:
+    # a window of their own bounds them (Options.streamed_window; measured, medium
+    # onto another sharding: 32 whole blobs at once cost 0.3 CPU-s more than 4, in
+    # contention for the GIL, while at 40 ms RTT 4 left the link idle as each
+    # waited for its first byte).
     in_place = store.reads_in_place
-    copied = {id(r) for r in requests if not (in_place and _may_adopt(r, jobs))}
-    window = min(options.read_window, options.memory_budget)
     streamed = store.streams_reads
+    copied = {id(r) for r in requests if not (in_place and _may_adopt(r, jobs))}
+    buffered = copied if not streamed else set()  # the reads that hold a buffer of their length
+    window = min(options.read_window, options.memory_budget)
+    streaming = AsyncByteBudget(options.streamed_window)
 
     def check_length(request: ReadRequest, got: int) -> None:
         if got != request.length:
@@ -237,7 +241,11 @@ async def _fetch(
 
     async def one(request: ReadRequest) -> None:
         if streamed and id(request) in copied:
-            got = await stream_read(engine, request, jobs, store.url, lock, options.read_chunk, copy_lock)
+            held = await streaming.acquire(request.length)
+            try:
+                got = await stream_read(engine, request, jobs, store.url, lock, options.read_chunk, copy_lock)
+            finally:
+                await streaming.release(held)
             check_length(request, got)
             await asyncio.to_thread(complete, request, jobs, lock)
             return
@@ -245,7 +253,7 @@ async def _fetch(
         check_length(request, len(data))
         await asyncio.to_thread(_land, request, data, jobs, store.url, lock)
 
-    await engine.for_each(requests, one, window_bytes=window, size=lambda r: r.length if id(r) in copied else 0)
+    await engine.for_each(requests, one, window_bytes=window, size=lambda r: r.length if id(r) in buffered else 0)
 
 
 def _may_adopt(request: ReadRequest, jobs: dict[int, LeafJob]) -> bool:
@@ -280,6 +288,8 @@ def _land(request: ReadRequest, data: memoryview, jobs: dict[int, LeafJob], url:
     them. The counters are shared with other responses' threads, hence ``lock``.
     """
     fresh: list[np.ndarray] = []
+    for part in request.parts:
+        wait_for_arena(jobs[part.leaf])
     with lock:
         adopted = _adoptable(request, data, jobs)
         for k, part in enumerate(request.parts):

@@ -28,7 +28,7 @@ import numpy as np
 from objckpt.arrays import Box, box_to_slices
 from objckpt.checksum import crc32c, crc32c_combine
 from objckpt.errors import IntegrityError
-from objckpt.leaf_jobs import LeafJob, allocate, fault_in_fresh, meets_of
+from objckpt.leaf_jobs import LeafJob, allocate, fault_in_fresh, meets_of, wait_for_arena
 from objckpt.plan import PACKING_SLACK, ReadPart, ReadRequest, intersect
 from objckpt.storage.streaming import STREAM_PIECE
 from objckpt.transfer import TransferEngine, first_error
@@ -245,6 +245,7 @@ class ScatterSink:
         job = self.jobs[part.leaf]
         meets = meets_of(job, part.piece)
         if not all(box in job.buffers for box, _ in meets):
+            wait_for_arena(job)
             with self.lock:
                 fresh = allocate(job, [box for box, _ in meets], for_pieces=True)
             fault_in_fresh(fresh)

@@ -115,6 +115,47 @@ def test_the_arrays_are_not_handed_out_while_pages_go_in_by_writes(monkeypatch):
     assert got and got[0] is not None
 
 
+def test_a_leaf_is_handed_out_once_its_own_mapping_is_in_not_the_whole_arena(monkeypatch):
+    """The first reads need the first leaves: they must not wait for every later mapping's pages."""
+    for thread in threading.enumerate():  # an earlier test's arena would call the patched touch_pages too
+        if thread.name == "objckpt-prefault":
+            thread.join(30)
+    monkeypatch.setattr(prefault, "GROUP_BYTES", 1 << 20)
+    real_touch = prefault.touch_pages
+    touches: list[int] = []  # mappings are touched one after another, on the arena's thread
+    second_started = threading.Event()
+    release = threading.Event()
+
+    def second_waits(buffer):
+        touches.append(buffer.nbytes)
+        if len(touches) == 2:
+            second_started.set()
+            release.wait(30)
+        real_touch(buffer)
+
+    monkeypatch.setattr(prefault, "touch_pages", second_waits)
+    first = (1, _boxes(512, 512, 2, 2), np.dtype(np.float32))  # 1 MiB each: a mapping of its own
+    later = (2, _boxes(512, 512, 2, 2), np.dtype(np.float32))
+    arena = AssemblyArena([first, later])
+    early: list = []
+    late: list = []
+    reader = threading.Thread(target=lambda: early.append(arena.buffers(1)))
+    waiter = threading.Thread(target=lambda: late.append(arena.buffers(2)))
+    try:
+        reader.start()
+        waiter.start()
+        reader.join(10)
+        assert early and early[0] is not None, "the first leaf waited for a later mapping's pages"
+        assert list(early[0]) == first[1]
+        assert second_started.wait(10)
+        waiter.join(0.2)
+        assert not late, "the later leaf was handed out before its pages were in"
+    finally:
+        release.set()
+    waiter.join(30)
+    assert late and late[0] is not None and list(late[0]) == later[1]
+
+
 def _small_tree():
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     tree = {

@@ -281,6 +281,49 @@ def test_restore_onto_another_sharding_copies_and_stays_exact(s3_store, monkeypa
     assert not whole, f"copied reads fetched whole instead of streamed: {whole}"
 
 
+def test_streamed_reads_have_a_window_of_their_own_not_the_buffered_reads_one(s3_store, monkeypatch):
+    """Streamed reads hold a few MiB each, not their length: Options.streamed_window bounds
+    the bytes they ask for at once (never more, and several reads when it holds several),
+    whatever read_window, which bounds reads that hold buffers of their length."""
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    rng = np.random.default_rng(5)
+    values = {f"w{i}": rng.standard_normal((256, 512), dtype=np.float32) for i in range(12)}
+    tree = {k: jax.device_put(v, NamedSharding(mesh, P("x", "y"))) for k, v in values.items()}
+    options = {"storage_options": s3_store.storage_options}
+    objckpt.save(s3_store.url, tree, **options, options=objckpt.Options(blob_size=512 << 10))
+    open_reads: list[int] = []
+    most: list[tuple[int, int]] = []  # (reads, bytes) streamed at once, at each start
+    real = restore_module.stream_read
+
+    async def counting(engine, request, *args, **kwargs):
+        open_reads.append(request.length)
+        most.append((len(open_reads), sum(open_reads)))
+        try:
+            return await real(engine, request, *args, **kwargs)
+        finally:
+            open_reads.remove(request.length)
+
+    monkeypatch.setattr(restore_module, "stream_read", counting)
+    other = jax.make_mesh((2, 4), ("x", "y"))
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P("x", "y"))) for k, v in values.items()
+    }
+    for window in (700 << 10, 3 << 20):
+        most.clear()
+        out = objckpt.restore(
+            s3_store.url, target, **options, options=objckpt.Options(streamed_window=window, read_window=64 << 10)
+        )
+        for k, v in values.items():
+            np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
+        assert len(most) >= 8, most  # a read per blob at least
+        reads, nbytes = max(most)
+        assert max(b for _, b in most) <= window, (window, most)
+        if window > 3 * max(b for r, b in most if r == 1):
+            assert reads >= 3, f"only {reads} reads at once in a window of {window} bytes"
+        else:
+            assert reads == 1, f"{reads} reads at once in a window of {window} bytes"
+
+
 def test_small_whole_boxes_are_streamed_and_copied_exact(s3_store, monkeypatch):
     """Reads too small to adopt hold whole boxes; streamed, each is copied into its box
     slab by slab (a box is placed only once its read has completed)."""
