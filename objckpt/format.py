@@ -152,15 +152,48 @@ def parse_manifest(data: bytes, *, size_limit: int) -> Manifest:
     """
     if len(data) > size_limit:
         raise FormatError(f"manifest is {len(data)} bytes, over the limit of {size_limit}")
+    return _manifest_from_doc(_strict_json(data))
+
+
+def _strict_json(data: bytes) -> Any:
+    """``data`` as JSON under the rules ``json.loads`` leaves loose (RFC 8259 §8.1, §6, §4):
+    UTF-8 with no byte-order mark (``json.loads`` would take UTF-16/32 and a BOM), no
+    ``NaN``/``Infinity`` and no number that overflows to infinity (``1e999``), and no object
+    with the same key twice (where ``json.loads`` silently keeps the last one)."""
+    if data[:3] == b"\xef\xbb\xbf":
+        raise FormatError("manifest is not valid JSON: it starts with a UTF-8 byte-order mark")
     try:
-        doc = json.loads(data, parse_constant=_reject_constant)
+        text = data.decode("utf-8") if isinstance(data, bytes | bytearray | memoryview) else data
+    except UnicodeDecodeError as e:
+        raise FormatError(f"manifest is not UTF-8 (byte {e.start}): {e.reason}") from None
+    try:
+        return json.loads(
+            text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
+        )
     except (ValueError, RecursionError) as e:
+        if isinstance(e, FormatError):
+            raise
         raise FormatError(f"manifest is not valid JSON: {e}") from None
-    return _manifest_from_doc(doc)
 
 
 def _reject_constant(name: str) -> Any:
     raise FormatError(f"manifest contains the non-JSON constant {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise FormatError(f"manifest contains the number {text[:40]}, which overflows a double")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise FormatError(f"manifest has an object with the key {dup[:100]!r} twice")
+    return obj
 
 
 def _need(cond: bool, where: str, what: str) -> None:
@@ -388,5 +421,19 @@ def _check_tree_leaves(tree: dict[str, Any], n_leaves: int) -> None:
         else:
             children = node.get("c")
             _need(isinstance(children, list), "'tree'", f"node {node.get('t')!r} without children")
+            if node.get("t") in ("dict", "node"):
+                _check_node_keys(node.get("k"), len(children))
             stack.extend((c, depth + 1) for c in children)
     _need(len(seen) == n_leaves, "'tree'", f"references {len(seen)} of {n_leaves} leaves")
+
+
+def _check_node_keys(keys: Any, n_children: int) -> None:
+    """A dict or node names each child by its own key: as many keys as children, each a
+    string or integer, none twice (a repeated key would drop the leaves under all but one)."""
+    _need(isinstance(keys, list) and len(keys) == n_children, "'tree'", "a node's keys do not match its children")
+    for k in keys:
+        _need(_is_int(k) or isinstance(k, str), "'tree'", f"bad key {k!r}")
+    if len(set(keys)) != len(keys):
+        seen: set[Any] = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise FormatError(f"manifest field 'tree': key {dup!r} appears twice in one node")

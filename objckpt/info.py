@@ -25,9 +25,22 @@ class LeafInfo:
     sharding: dict[str, Any] | None = None
     value: Any = None  # for inline leaves (int, float, bool, None)
 
+    @property
+    def key_type(self) -> str | None:
+        """For a typed PRNG key array, its JAX key type (``key<threefry2x32>``); the leaf's
+        ``dtype`` and ``shape`` are those of the stored key data (``jax.random.key_data``),
+        whose last dimension holds one key's words."""
+        impl = (self.sharding or {}).get("prng_impl")
+        return f"key<{impl}>" if impl is not None else None
+
     def __str__(self) -> str:
         if self.shape is None:
             return f"{self.path}  {self.kind} = {self.value!r}"
+        if self.key_type is not None:
+            return (
+                f"{self.path}  {self.key_type}{list(self.shape[:-1])} (stored as {self.dtype}{list(self.shape)})"
+                f"  {_human(self.nbytes)}  ({self.kind})"
+            )
         return f"{self.path}  {self.dtype}{list(self.shape)}  {_human(self.nbytes)}  ({self.kind})"
 
 

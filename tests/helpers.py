@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
+import signal
+
 import jax
 import numpy as np
+import pytest
 
 
 def assert_tree_bit_exact(expected, actual) -> None:
@@ -94,3 +98,40 @@ def count_reads(monkeypatch) -> list[CountingStore]:
 
     monkeypatch.setattr(importlib.import_module("objckpt.transfer"), "from_url", wrapped_from_url)
     return counting
+
+
+class ProgressWatchdog:
+    """Fails a long multi-cycle test when it stops making progress, not when it is slow.
+
+    pytest-timeout's one budget per test cannot tell a hang from a loaded machine (a test of
+    twenty save/restore cycles takes 2 minutes idle and over 5 at a load of 12). A test marked
+    ``@pytest.mark.timeout(0)`` (pytest-timeout off: both use SIGALRM) runs inside
+    ``with ProgressWatchdog(stall_seconds) as dog:`` and calls ``dog.tick(what)`` after each
+    cycle; a cycle that takes longer than ``stall_seconds`` fails the test, naming the last
+    progress and printing every thread's stack.
+    """
+
+    def __init__(self, stall_seconds: float) -> None:
+        self.stall_seconds = stall_seconds
+        self.last = "nothing yet"
+        self.ticks = 0
+
+    def tick(self, what: str) -> None:
+        """Record progress and give the next cycle a fresh ``stall_seconds``."""
+        self.last, self.ticks = what, self.ticks + 1
+        signal.setitimer(signal.ITIMER_REAL, self.stall_seconds)
+
+    def _expired(self, signum, frame) -> None:
+        faulthandler.dump_traceback(all_threads=True)
+        pytest.fail(
+            f"no progress for {self.stall_seconds} s after {self.ticks} steps (last: {self.last})", pytrace=False
+        )
+
+    def __enter__(self) -> ProgressWatchdog:
+        self._previous = signal.signal(signal.SIGALRM, self._expired)
+        signal.setitimer(signal.ITIMER_REAL, self.stall_seconds)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self._previous)

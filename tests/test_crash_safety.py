@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ProgressWatchdog
 
 import objckpt
 from objckpt import _runtime
@@ -57,6 +58,7 @@ def _check_listed_steps_are_whole(mgr: objckpt.CheckpointManager) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(0)  # a budget per trial instead (ProgressWatchdog): slow on a loaded machine is no hang
 def test_sigkill_at_random_moments_never_loses_the_latest_step(s3_store):
     sys.path.insert(0, str(CHILD.parent))
     from crash_child import state_for
@@ -66,26 +68,28 @@ def test_sigkill_at_random_moments_never_loses_the_latest_step(s3_store):
     mgr = objckpt.CheckpointManager(s3_store.url, storage_options=so)
     next_step = 0
     killed_after_commits = []
-    for trial in range(TRIALS):
-        proc = _start(s3_store.url, next_step, so)
-        try:
-            _wait_ready(proc)
-            time.sleep(rng.uniform(0.0, 1.2))  # lands in copy, upload, commit or retention delete
-        finally:
-            os.kill(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate(timeout=30)
-        killed_after_commits.append(out.count("committed"))
+    with ProgressWatchdog(stall_seconds=120) as watchdog:
+        for trial in range(TRIALS):
+            proc = _start(s3_store.url, next_step, so)
+            try:
+                _wait_ready(proc)
+                time.sleep(rng.uniform(0.0, 1.2))  # lands in copy, upload, commit or retention delete
+            finally:
+                os.kill(proc.pid, signal.SIGKILL)
+                out, _ = proc.communicate(timeout=30)
+            killed_after_commits.append(out.count("committed"))
 
-        _check_listed_steps_are_whole(mgr)
-        latest = mgr.latest_step()
-        if latest is not None:
-            restored = mgr.restore()
-            expected = state_for(latest)
-            for name, array in expected["params"].items():
-                assert np.asarray(restored["params"][name]).tobytes() == np.asarray(array).tobytes(), f"trial {trial}"
-            assert np.asarray(restored["opt"]["mu"]).tobytes() == np.asarray(expected["opt"]["mu"]).tobytes()
-            assert restored["step"] == latest and restored["iterator"] == expected["iterator"]
-            next_step = latest + 1
+            _check_listed_steps_are_whole(mgr)
+            latest = mgr.latest_step()
+            if latest is not None:
+                restored = mgr.restore()
+                expected = state_for(latest)
+                for name, array in expected["params"].items():
+                    assert np.asarray(restored["params"][name]).tobytes() == np.asarray(array).tobytes(), f"trial {trial}"
+                assert np.asarray(restored["opt"]["mu"]).tobytes() == np.asarray(expected["opt"]["mu"]).tobytes()
+                assert restored["step"] == latest and restored["iterator"] == expected["iterator"]
+                next_step = latest + 1
+            watchdog.tick(f"trial {trial}")
     assert mgr.latest_step() is not None, "no trial ever committed a step"
     assert sum(1 for c in killed_after_commits if c == 0) < TRIALS  # some kills landed after commits
     print(f"commits per trial before SIGKILL: {killed_after_commits}")

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ProgressWatchdog
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -61,27 +62,32 @@ def test_proxy_injects_every_kind(proxied_s3, s3_service):
     assert proxy.stats.faulted >= len(FAULT_KINDS) - 1
 
 
+@pytest.mark.timeout(0)  # a budget per cycle instead (ProgressWatchdog): slow on a loaded machine is no hang
 def test_twenty_cycles_with_five_percent_mixed_faults_are_bit_exact(proxied_s3, s3_service):
     proxy, storage_options = proxied_s3
     options = objckpt.Options(request_timeout=8, blob_size=16 << 20)
     proxy.set_faults(0.05, FAULT_KINDS)
     retries = 0
-    for cycle in range(20):
-        url = s3_service.url(f"faults/{uuid.uuid4().hex[:8]}")
-        tree = _tree(256, cycle)
-        handle = objckpt.save_async(url, tree, storage_options=storage_options, options=options)
-        handle.result()
-        retries += handle.stats.retries
-        stats = objckpt.TransferStats()
-        restored = objckpt.restore(url, tree, storage_options=storage_options, options=options, stats=stats)
-        retries += stats.retries
-        for name, array in tree["params"].items():
-            assert np.asarray(restored["params"][name]).tobytes() == np.asarray(array).tobytes(), (
-                f"cycle {cycle} {name}"
-            )
-        assert restored["step"] == cycle
+    with ProgressWatchdog(stall_seconds=120) as watchdog:
+        for cycle in range(20):
+            retries += _one_faulty_cycle(cycle, storage_options, s3_service, options)
+            watchdog.tick(f"cycle {cycle}")
     assert proxy.stats.faulted > 0
     print(f"requests {proxy.stats.requests}, faults {proxy.stats.faults}, engine retries {retries}")
+
+
+def _one_faulty_cycle(cycle, storage_options, s3_service, options) -> int:
+    """Save and restore one tree through the faulty proxy, bit-exact; the retries it took."""
+    url = s3_service.url(f"faults/{uuid.uuid4().hex[:8]}")
+    tree = _tree(256, cycle)
+    handle = objckpt.save_async(url, tree, storage_options=storage_options, options=options)
+    handle.result()
+    stats = objckpt.TransferStats()
+    restored = objckpt.restore(url, tree, storage_options=storage_options, options=options, stats=stats)
+    for name, array in tree["params"].items():
+        assert np.asarray(restored["params"][name]).tobytes() == np.asarray(array).tobytes(), f"cycle {cycle} {name}"
+    assert restored["step"] == cycle
+    return handle.stats.retries + stats.retries
 
 
 def test_all_requests_failing_gives_up_within_the_deadline_and_commits_nothing(proxied_s3, s3_service):

@@ -153,13 +153,26 @@ def _sharding(leaf: LeafInfo) -> str:
         return "-"
     if "prng_impl" in s:
         return f"PRNG key ({s['prng_impl']})"
-    if s.get("type") == "NamedSharding":
-        mesh = ",".join(f"{k}={v}" for k, v in s.get("mesh", {}).items())
-        spec = ",".join("None" if p is None else ("+".join(p) if isinstance(p, list) else str(p)) for p in s["spec"])
+    if s.get("type") == "NamedSharding" and _is_mesh(s.get("mesh")) and _is_spec(s.get("spec")):
+        mesh = ",".join(f"{k}={v}" for k, v in s["mesh"].items())
+        spec = ",".join("None" if p is None else ("+".join(p) if isinstance(p, list) else p) for p in s["spec"])
         return f"mesh({mesh}) spec({spec})"
-    if "devices" in s:
-        return f"{s.get('type', '?')} on {s['devices']} device(s)"
-    return json.dumps(s)
+    if isinstance(s.get("type"), str) and type(s.get("devices")) is int:
+        return f"{s['type']} on {s['devices']} device(s)"
+    # The description is informational and comes from the manifest as is: anything of
+    # another shape is shown as the JSON it is, never interpreted.
+    return json.dumps(s, sort_keys=True)
+
+
+def _is_mesh(mesh: Any) -> bool:
+    return isinstance(mesh, dict) and all(type(v) is int for v in mesh.values())
+
+
+def _is_spec(spec: Any) -> bool:
+    def axis(p: Any) -> bool:
+        return p is None or isinstance(p, str) or (isinstance(p, list) and all(isinstance(a, str) for a in p))
+
+    return isinstance(spec, list) and all(axis(p) for p in spec)
 
 
 def _value(v: Any) -> Any:
@@ -184,6 +197,7 @@ def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
                 "kind": leaf.kind,
                 "dtype": leaf.dtype,
                 "shape": list(leaf.shape) if leaf.shape is not None else None,
+                "key_type": leaf.key_type,
                 "nbytes": leaf.nbytes,
                 "sharding": leaf.sharding,
                 "value": _value(leaf.value),
@@ -204,7 +218,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             rows.append([leaf.path, leaf.kind, f"= {leaf.value!r}", "-", "-"])
         else:
             dtype = leaf.dtype if leaf.kind in ("array", "ndarray") else leaf.kind
-            rows.append([leaf.path, str(dtype), str(list(leaf.shape)), human_bytes(leaf.nbytes), _sharding(leaf)])
+            shape = list(leaf.shape)
+            if leaf.key_type is not None:  # a typed PRNG key array: its key type and its own shape
+                dtype, shape = leaf.key_type, shape[:-1]
+            rows.append([leaf.path, str(dtype), str(shape), human_bytes(leaf.nbytes), _sharding(leaf)])
     print(f"checkpoint {info.url}")
     print(_table(["LEAF", "DTYPE", "SHAPE", "SIZE", "SAVED SHARDING"], rows, right={3}))
     print(
