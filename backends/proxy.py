@@ -13,6 +13,10 @@ bandwidth. On command it also injects faults, at a chosen rate, per request:
 
 "Midway" is half of the response's first chunk, so even a body-less PUT reply is cut.
 
+``set_corruption(rate)`` flips one bit in the body of that fraction of successful
+GET responses (the stored data stays intact, the length and headers are kept):
+a checksum that fails in flight, not at rest (``stats.corrupted`` counts them).
+
 ``set_capacity(n)`` makes it behave like an overloaded store instead: a request
 that arrives while ``n`` others are being served is answered 503 SlowDown
 (``stats.throttled`` counts them), as S3 does when a client outruns a prefix.
@@ -51,6 +55,7 @@ class ProxyStats:
     requests: int = 0
     faults: dict[str, int] = field(default_factory=dict)
     throttled: int = 0  # requests refused over capacity (``set_capacity``)
+    corrupted: int = 0  # response bodies with a bit flipped (``set_corruption``)
 
     @property
     def faulted(self) -> int:
@@ -78,6 +83,7 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.set_faults(fault_rate, fault_kinds)
+        self.set_corruption(0.0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
@@ -103,6 +109,44 @@ class FaultProxy:
             self.fault_rate = rate
             self.fault_kinds = tuple(kinds)
             self.fault_only = only.encode() if only else None
+
+    def set_corruption(
+        self, rate: float, *, only: str | None = None, limit: int | None = None, position: int | None = None
+    ) -> None:
+        """Flip one bit in the body of ``rate`` (0..1) of the 2xx GET responses from now on.
+
+        ``only``: just the GETs whose request line contains this text (e.g. ``".blob"``);
+        ``limit``: at most this many bodies in all; ``position``: flip the body's byte at
+        this offset (the last byte of a shorter body) rather than one drawn at random.
+        Drawn with the proxy's seeded generator, like the faults.
+        """
+        if not 0.0 <= rate <= 1.0 or (limit is not None and limit < 0) or (position is not None and position < 0):
+            raise ValueError(f"bad corruption settings: rate={rate}, limit={limit}, position={position}")
+        with self._lock:
+            self.corrupt_rate = rate
+            self.corrupt_only = only.encode() if only else None
+            self.corrupt_left = limit
+            self.corrupt_position = position
+
+    def _draw_corruption(self, request_line: bytes) -> bool:
+        with self._lock:
+            if not self.corrupt_rate or not request_line.startswith(b"GET "):
+                return False
+            if self.corrupt_only is not None and self.corrupt_only not in request_line:
+                return False
+            if self.corrupt_left == 0 or self._rng.random() >= self.corrupt_rate:
+                return False
+            if self.corrupt_left is not None:
+                self.corrupt_left -= 1
+            return True
+
+    def _flip_at(self, length: int) -> int:
+        """Which byte of a body of ``length`` bytes to flip (counted as done)."""
+        with self._lock:
+            self.stats.corrupted += 1
+            if self.corrupt_position is not None:
+                return min(self.corrupt_position, length - 1)
+            return self._rng.randrange(length)
 
     def set_capacity(self, capacity: int | None) -> None:
         """Serve at most ``capacity`` requests at once and answer the rest 503 SlowDown (None: no limit)."""
@@ -273,6 +317,7 @@ class _ClientSide(asyncio.Protocol):
         self._to_client: _Delayed | None = None
         self._pending: list[asyncio.Handle | asyncio.Task[None]] = []  # timers and the connect, cancelled on close
         self._serving = False  # counted in the proxy's ``serving``
+        self.flipper: _BodyFlipper | None = None  # set when this response's body gets a bit flipped
 
     # client transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -335,6 +380,8 @@ class _ClientSide(asyncio.Protocol):
         self._to_client = _Delayed(self._loop, delay, self._response_ended)
         if fault is not None:
             self._to_client.on_first_chunk(lambda dest, chunk: self._apply(fault, dest, chunk))
+        elif proxy._draw_corruption(head.split(b"\r\n", 1)[0]):
+            self.flipper = _BodyFlipper(proxy._flip_at)
         self._pending.append(self._loop.create_task(self._connect()))
 
     async def _connect(self) -> None:
@@ -421,11 +468,16 @@ class _UpstreamSide(asyncio.Protocol):
         self._side = client_side
 
     def data_received(self, data: bytes) -> None:
-        if self._side._to_client is not None:
+        if self._side.flipper is not None:
+            data = self._side.flipper.feed(data)
+        if self._side._to_client is not None and data:
             self._side._to_client.feed(data)
 
     def eof_received(self) -> bool:
         if self._side._to_client is not None:
+            held = self._side.flipper.flush() if self._side.flipper is not None else b""
+            if held:
+                self._side._to_client.feed(held)
             self._side._to_client.feed(None)
         return True  # the client side closes both once the response has been written
 
@@ -441,6 +493,61 @@ class _UpstreamSide(asyncio.Protocol):
         client = self._side._client
         if client is not None and not client.is_closing():
             client.resume_reading()
+
+
+class _BodyFlipper:
+    """Flips one bit of a response's body on its way to the client.
+
+    The response head is held back until it is whole (it is small), to read
+    the status and ``Content-Length``; only a 2xx body with bytes gets a flip,
+    at the byte ``choose(length)`` picks. Everything else passes as is.
+    """
+
+    def __init__(self, choose: Callable[[int], int]) -> None:
+        self._choose = choose
+        self._head: bytearray | None = bytearray()  # None once the head has passed
+        self._at = -1  # the body byte to flip; -1: none (left)
+        self._seen = 0  # body bytes passed so far
+
+    def feed(self, data: bytes) -> bytes:
+        """What to forward of ``data`` (the head is held back until it is whole)."""
+        if self._head is None:
+            return self._body(data)
+        self._head += data
+        end = self._head.find(b"\r\n\r\n")
+        if end < 0:
+            return b"" if len(self._head) <= _HEAD_LIMIT else self.flush()
+        head, body = bytes(self._head[: end + 4]), bytes(self._head[end + 4 :])
+        self._head = None
+        status = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
+        length = _content_length(head)
+        if status.startswith(b"2") and length:
+            self._at = self._choose(length)
+        return head + self._body(body)
+
+    def flush(self) -> bytes:
+        """The bytes held back (a head that never ended), passed on as they are."""
+        held, self._head = bytes(self._head or b""), None
+        return held
+
+    def _body(self, data: bytes) -> bytes:
+        at = self._at - self._seen
+        self._seen += len(data)
+        if not 0 <= at < len(data):
+            return data
+        flipped = bytearray(data)
+        flipped[at] ^= 0x01
+        self._at = -1
+        return bytes(flipped)
+
+
+def _content_length(head: bytes) -> int:
+    """The ``Content-Length`` of a response head (0 when it has none)."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            return int(value.strip())
+    return 0
 
 
 def _force_close(head: bytes) -> bytes:

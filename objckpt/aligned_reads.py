@@ -17,7 +17,7 @@ import numpy as np
 
 from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros
 from objckpt.plan import PACKING_SLACK, ReadRequest
-from objckpt.transfer import TransferEngine
+from objckpt.transfer import TransferEngine, run_in_order
 
 
 class ResponseAlignment:
@@ -70,33 +70,51 @@ def address(data: memoryview | np.ndarray) -> int:
 
 
 async def read_aligned(
-    engine: TransferEngine, request: ReadRequest, chunk: int, alignment: ResponseAlignment
+    engine: TransferEngine, request: ReadRequest, chunk: int, alignment: ResponseAlignment, *, parallel: int
 ) -> memoryview:
     """One coalesced read; a large one as parallel sub-range GETs joined into aligned memory.
 
     A read of up to ``chunk`` bytes plus ``PACKING_SLACK`` (a whole packed
     blob) is a single GET, started a few bytes early when that lands the bytes
-    aligned (:class:`ResponseAlignment`). The parts are joined before any checksum is
-    checked, since a piece's crc32c covers the whole piece. Returns the bytes
-    from ``request.start`` on: fewer only if the blob is shorter.
+    aligned (:class:`ResponseAlignment`). A longer one goes out as sub-range
+    GETs of ``chunk`` bytes, at most ``parallel`` at once, each started only
+    when there is room (:func:`objckpt.transfer.run_in_order`): the first that
+    comes back short (the blob is shorter than the read) is the last, so a
+    manifest that declares more bytes than the blob holds costs only the bytes
+    there are. The parts are joined before any checksum is checked, since a
+    piece's crc32c covers the whole piece. Returns the bytes from
+    ``request.start`` on: fewer only if the blob is shorter.
     """
     if request.length <= chunk + PACKING_SLACK:
         pad = alignment.pad(request)
         response = await engine.get_range(request.blob, request.start - pad, request.end)
         alignment.observe(response)
         return memoryview(response)[pad:]
-    starts = range(request.start, request.end, chunk)
-    parts = await asyncio.gather(*(engine.get_range(request.blob, s, min(s + chunk, request.end)) for s in starts))
-    return await asyncio.to_thread(_join, parts, request.length)
+
+    async def part(start: int) -> memoryview:
+        return await engine.get_range(request.blob, start, min(start + chunk, request.end))
+
+    def short(start: int, data: memoryview) -> bool:
+        return len(data) < min(chunk, request.end - start)
+
+    parts = await run_in_order(range(request.start, request.end, chunk), part, parallel=parallel, last=short)
+    return await asyncio.to_thread(_join, parts, request.length, chunk)
 
 
-def _join(parts: list[memoryview], length: int) -> memoryview:
-    """Concatenate sub-range parts (off the loop thread, into aligned memory)."""
-    joined = aligned_zeros((length,), np.dtype(np.uint8))
-    filled = 0
+def _join(parts: list[memoryview], length: int, chunk: int) -> memoryview:
+    """Concatenate sub-range parts up to the first short one (off the loop thread, into
+    aligned memory of the bytes that came, not of the length asked for)."""
+    kept = []
     for part in parts:
-        joined[filled : filled + len(part)] = np.frombuffer(part, dtype=np.uint8)
-        filled += len(part)
-        if filled < length and len(part) == 0:
+        kept.append(part)
+        if len(part) < chunk:
             break
+    filled = min(length, sum(len(part) for part in kept))
+    if filled == 0:
+        return memoryview(b"")
+    joined = aligned_zeros((filled,), np.dtype(np.uint8))
+    at = 0
+    for part in kept:
+        joined[at : at + len(part)] = np.frombuffer(part, dtype=np.uint8)
+        at += len(part)
     return joined.data[:filled]

@@ -157,6 +157,7 @@ async def _copy(
     present = {o.key: o.size for o in await dst.list()}
     by_blob = pieces_by_blob(manifest)
     chunk = min(READ_CHUNK, options.copied_read_limit(streamed=False))
+    reads = options.retry.checksum_reads
 
     async def one(blob: BlobEntry) -> None:
         pieces = by_blob.get(blob.key, [])
@@ -164,18 +165,25 @@ async def _copy(
             if not verify_existing:
                 _count_skipped(stats, blob)
                 return
-            problems = await check_blob(target, blob, pieces, blob.size, chunk=chunk)
+            problems = await check_blob(target, blob, pieces, blob.size, chunk=chunk)  # a miss costs a copy
             if not problems:
                 _count_skipped(stats, blob)
                 return
             log.info("objckpt cp: replacing %s/%s: %s", dst.url, blob.key, problems[0])
-        data = await read_blob(source, blob.key, blob.size, chunk=chunk)
-        if len(data) != blob.size:
-            raise IntegrityError(f"short blob {src.url}/{blob.key}: {len(data)} bytes, the manifest says {blob.size}")
-        problems = await asyncio.to_thread(check_pieces, src.url, blob.key, data, pieces)
-        if problems:
-            more = f" (and {len(problems) - 1} more in this blob)" if len(problems) > 1 else ""
-            raise IntegrityError(f"{problems[0]}{more}; nothing was committed at {dst.url}")
+        for attempt in range(1, reads + 1):  # a mismatch is read again: bits flip in flight too
+            data = await read_blob(source, blob.key, blob.size, chunk=chunk)
+            if len(data) != blob.size:
+                raise IntegrityError(
+                    f"short blob {src.url}/{blob.key}: {len(data)} bytes, the manifest says {blob.size}"
+                )
+            problems = await asyncio.to_thread(check_pieces, src.url, blob.key, data, pieces)
+            if not problems:
+                break
+            if attempt == reads:
+                more = f" (and {len(problems) - 1} more in this blob)" if len(problems) > 1 else ""
+                persisted = f" (persisted over {reads} reads)" if reads > 1 else ""
+                raise IntegrityError(f"{problems[0]}{more}{persisted}; nothing was committed at {dst.url}")
+            src_stats.add(checksum_retries=1)
         await target.put(blob.key, data if isinstance(data, bytes) else memoryview(data))
         stats.blobs_copied += 1
         stats.bytes_copied += blob.size

@@ -21,8 +21,22 @@ class CheckpointExistsError(ObjckptError, FileExistsError):
     """A committed checkpoint already exists at the URL; it was left intact."""
 
 
+class SaveInProgressError(ObjckptError, RuntimeError):
+    """A delete (``rm``, ``CheckpointManager.delete``) found a live save's marker under the
+    checkpoint prefix and left the save's objects alone (:mod:`objckpt.live`)."""
+
+
 class IntegrityError(ObjckptError):
     """Bytes read back do not match what was saved (checksum mismatch, short read)."""
+
+
+class ChecksumMismatchError(IntegrityError):
+    """A piece's bytes do not match its crc32c on every read of it (a mismatch that a
+    re-read cures was a bit flipped in flight, and is retried, not raised)."""
+
+
+class HostMemoryError(ObjckptError, MemoryError):
+    """A restore would need more host memory than the machine has; refused before any read."""
 
 
 class FormatError(ObjckptError, ValueError):
@@ -31,6 +45,10 @@ class FormatError(ObjckptError, ValueError):
 
 class TargetMismatchError(ObjckptError, ValueError):
     """The restore target does not match the checkpoint (leaves, shapes, shardings)."""
+
+
+class DeletedArrayError(ObjckptError, ValueError):
+    """A leaf to save is a ``jax.Array`` that was donated (to a jitted step) or deleted."""
 
 
 class StoreError(ObjckptError, OSError):

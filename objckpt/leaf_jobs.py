@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,12 +24,17 @@ from jax.sharding import NamedSharding
 from objckpt._memory import aligned_arrays, aligned_zeros, fault_in
 from objckpt.arrays import Box, index_to_box, needed_boxes
 from objckpt.dtypes import dtype_from_name
-from objckpt.errors import TargetMismatchError
+from objckpt.errors import FormatError, HostMemoryError, TargetMismatchError
 from objckpt.format import LeafEntry, Piece
 from objckpt.plan import BoxIndex, ReadRequest
 from objckpt.prefault import AssemblyArena
+from objckpt.progress import human_bytes
 from objckpt.read_once import designate
 from objckpt.read_once import supported as read_once_supported
+
+#: What ``restore(..., cast=...)`` accepts: "checked" refuses casts that lose
+#: values (:func:`check_cast`, :func:`cast_checked`); "unsafe" is numpy's astype.
+CASTS = ("checked", "unsafe")
 
 #: A sharded leaf with more bytes than this on this process goes to its devices
 #: box by box as boxes complete; a smaller one in one transfer when it is done.
@@ -60,6 +66,7 @@ class LeafJob:
     assembled: list[Box] = field(default_factory=list)  # boxes no single saved piece equals (never adopted)
     arena: AssemblyArena | None = None  # prefaulted memory for this small leaf's boxes (see reserve_assembled)
     arena_key: int = 0
+    unsafe_cast: bool = False  # cast="unsafe": numpy's astype, values unchecked
 
     @property
     def places_boxes(self) -> bool:
@@ -84,7 +91,13 @@ class LeafJob:
     done: bool = field(default=False)
 
 
-def make_job(entry: LeafEntry, target: Any, *, read_once: bool = False) -> LeafJob:
+def make_job(entry: LeafEntry, target: Any, *, read_once: bool = False, unsafe_cast: bool = False) -> LeafJob:
+    """The job restoring ``entry`` onto ``target`` (see :func:`objckpt.restore` for the target forms).
+
+    Raises:
+        TargetMismatchError: the shape differs, the sharding does not fit, or
+            (unless ``unsafe_cast``) the target dtype is a cast that loses values.
+    """
     dtype = dtype_from_name(entry.dtype or "")
     assert dtype is not None and entry.shape is not None  # validated by the reader
     shape = entry.shape
@@ -105,6 +118,8 @@ def make_job(entry: LeafEntry, target: Any, *, read_once: bool = False) -> LeafJ
             raise TargetMismatchError(f"leaf {entry.path}: saved a {entry.kind}, the target asks for an array")
         sharding = getattr(target, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         out_dtype = np.dtype(target.dtype)
+        if not unsafe_cast:
+            check_cast(entry.path, dtype, out_dtype)
         try:
             devices_by_box = needed_boxes(sharding, shape)
         except Exception as e:
@@ -113,11 +128,148 @@ def make_job(entry: LeafEntry, target: Any, *, read_once: bool = False) -> LeafJ
             ) from None
         if read_once and isinstance(sharding, NamedSharding) and read_once_supported(sharding, out_dtype):
             designated = designate(sharding, shape, dtype.itemsize)
-            return LeafJob(entry, dtype, out_dtype, sharding, devices_by_box, designated=designated)
+            return LeafJob(
+                entry, dtype, out_dtype, sharding, devices_by_box, designated=designated, unsafe_cast=unsafe_cast
+            )
     else:
         full = ((0,) * len(shape), shape)
         devices_by_box = {full: []}
-    return LeafJob(entry, dtype, out_dtype, sharding, devices_by_box)
+    return LeafJob(entry, dtype, out_dtype, sharding, devices_by_box, unsafe_cast=unsafe_cast)
+
+
+def _category(dtype: np.dtype) -> str:
+    """bool, int, uint, float or complex (ml_dtypes' bfloat16, float8 and int4 included)."""
+    for name, kind in (
+        ("bool", jax.numpy.bool_),
+        ("uint", jax.numpy.unsignedinteger),
+        ("int", jax.numpy.signedinteger),
+        ("float", jax.numpy.floating),
+        ("complex", jax.numpy.complexfloating),
+    ):
+        if jax.numpy.issubdtype(dtype, kind):
+            return name
+    return "other"
+
+
+def _range_fits(saved: np.dtype, target: np.dtype) -> bool:
+    """Whether every value of integer (or bool) dtype ``saved`` is a value of integer dtype ``target``."""
+    if _category(saved) == "bool":
+        return True
+    small, large = jax.numpy.iinfo(saved), jax.numpy.iinfo(target)
+    return large.min <= small.min and small.max <= large.max
+
+
+def check_cast(path: str, saved: np.dtype, target: np.dtype) -> None:
+    """Refuse, from the dtypes alone, a cast that can change a value beyond precision.
+
+    Allowed: numpy's safe casts, integer casts whose range holds the saved one,
+    and anything into a float or complex dtype (from bool, int or float; complex
+    only into complex): a float precision downcast, for which
+    :func:`cast_checked` then checks that no finite value overflowed.
+
+    Raises:
+        TargetMismatchError: naming the leaf, both dtypes and ``cast="unsafe"``.
+    """
+    if saved == target or np.can_cast(saved, target, "safe"):
+        return
+    source, dest = _category(saved), _category(target)
+    if dest in ("int", "uint") and source in ("bool", "int", "uint") and _range_fits(saved, target):
+        return
+    if dest == "float" and source in ("bool", "int", "uint", "float"):
+        return
+    if dest == "complex" and source != "other":
+        return
+    raise TargetMismatchError(
+        f"leaf {path}: casting saved dtype {saved.name} to target dtype {target.name} would change values"
+        f" ({source} → {dest}{'' if source != dest else ', narrower range'}); restore into {saved.name}"
+        ' or a wider dtype, or pass cast="unsafe" for numpy\'s cast'
+    )
+
+
+def cast_checked(job: LeafJob, host: np.ndarray) -> np.ndarray:
+    """``host`` cast to the target dtype; a finite value that became inf or NaN fails (unless unsafe).
+
+    numpy's overflow warnings are silenced: the check reports overflow as an
+    error, and ``cast="unsafe"`` asked for numpy's result as is.
+    """
+    assert job.out_dtype is not None
+    with np.errstate(all="ignore"):
+        out = host.astype(job.out_dtype)
+    if job.unsafe_cast or _category(job.out_dtype) not in ("float", "complex"):
+        return out
+    with np.errstate(all="ignore"):
+        overflowed = ~np.isfinite(out) & np.isfinite(host)
+    if overflowed.any():
+        where = np.argwhere(overflowed)[0]
+        value = host[tuple(where)]
+        raise TargetMismatchError(
+            f"leaf {job.entry.path}: saved {job.dtype.name} value {value.item()!r} overflows target dtype"
+            f" {job.out_dtype.name} (becomes {out[tuple(where)].item()!r}); restore into a wider dtype,"
+            ' or pass cast="unsafe" to keep numpy\'s result'
+        )
+    return out
+
+
+def physical_memory() -> int | None:
+    """The machine's physical memory in bytes (``SC_PHYS_PAGES`` × ``SC_PAGE_SIZE``), None where
+    the OS does not say. Not what is free now: a restore larger than the machine cannot succeed,
+    while one larger than what is free may still fit once the page cache gives way."""
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return pages * size if pages > 0 and size > 0 else None
+
+
+def stays_on_host(job: LeafJob) -> bool:
+    """Whether a leaf's restored boxes stay in host memory: a numpy result, or devices that
+    are the host's (the CPU backend, where a device array is host memory)."""
+    if job.sharding is None:
+        return True
+    return all(device.platform == "cpu" for devices in job.devices_by_box.values() for device in devices)
+
+
+def host_bytes(job: LeafJob) -> int:
+    """Host bytes a leaf needs at once on this process: every box it reads when they stay in
+    host memory (:func:`stays_on_host`), else its largest box (boxes go to their devices, and
+    their host buffers are freed, as they complete)."""
+    sizes = [math.prod(b - a for a, b in zip(*box)) * job.dtype.itemsize for box in job.read_boxes]
+    if not sizes:
+        return 0
+    return sum(sizes) if stays_on_host(job) else max(sizes)
+
+
+def check_host_memory(jobs: dict[int, LeafJob], limit: int | None) -> None:
+    """Refuse, before any read, a restore that needs more host memory than ``limit`` bytes.
+
+    Each leaf's :func:`host_bytes` must fit, and so must the leaves that stay in
+    host memory, together. Why before: the sizes come from the manifest, and a
+    hostile (or mistaken) one declares a leaf of petabytes; failing at once, naming
+    the leaf, beats failing an allocation (or the machine) midway.
+
+    Raises:
+        HostMemoryError: naming the leaf (or the largest leaves) and both sizes.
+    """
+    if limit is None:
+        return
+    held: list[tuple[int, str]] = []
+    for job in jobs.values():
+        need = host_bytes(job)
+        if need > limit:
+            raise HostMemoryError(
+                f"leaf {job.entry.path} ({job.entry.dtype}{list(job.entry.shape or ())}): restoring it needs"
+                f" {human_bytes(need)} of host memory on this process, more than this machine's"
+                f" {human_bytes(limit)} of physical memory"
+            )
+        if stays_on_host(job):
+            held.append((need, job.entry.path))
+    total = sum(need for need, _ in held)
+    if total > limit:
+        largest = ", ".join(f"{path} ({human_bytes(need)})" for need, path in sorted(held, reverse=True)[:3])
+        raise HostMemoryError(
+            f"restoring these leaves to host memory needs {human_bytes(total)} together, more than this"
+            f" machine's {human_bytes(limit)} of physical memory; the largest: {largest}"
+        )
 
 
 def whole_box(piece: Piece, job: LeafJob) -> bool:
@@ -250,7 +402,7 @@ def place_boxes(done: list[tuple[LeafJob, Box]]) -> None:
     for job, box in done:
         host = job.buffers.pop(box)
         if job.out_dtype is not None and job.out_dtype != job.dtype:
-            host = host.astype(job.out_dtype)
+            host = cast_checked(job, host)
         for device in job.devices_by_box[box]:
             hosts.append(host)
             devices.append(device)
@@ -298,7 +450,7 @@ def finish(job: LeafJob) -> None:
         allocate(job, [box for box in job.devices_by_box if box not in job.buffers and box not in job.placed_boxes])
     buffers = job.buffers
     if job.out_dtype is not None and job.out_dtype != job.dtype:
-        buffers = {box: b.astype(job.out_dtype) for box, b in buffers.items()}
+        buffers = {box: cast_checked(job, b) for box, b in buffers.items()}
     if job.designated is not None:  # replicas other than the designated one start as zeros
         assert job.sharding is not None
         out_dtype = job.out_dtype if job.out_dtype is not None else job.dtype
@@ -327,10 +479,19 @@ def finish(job: LeafJob) -> None:
             keys = jax.random.wrap_key_data(jax.numpy.asarray(value), impl=entry.prng_impl)
             job.result = jax.device_put(keys, job.key_sharding) if job.key_sharding is not None else keys
         elif entry.kind == "str":
-            job.result = value.tobytes().decode()
+            job.result = _decode_str(entry, value.tobytes())
         elif entry.kind == "bytes":
             job.result = value.tobytes()
         else:
             job.result = value
     job.buffers = {}
     job.done = True
+
+
+def _decode_str(entry: LeafEntry, data: bytes) -> str:
+    """A ``str`` leaf's bytes as text; the format stores them as UTF-8, so anything else
+    is a malformed checkpoint (its crc32c matched: the writer put these bytes there)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"leaf {entry.path}: a str leaf whose bytes are not UTF-8 (at byte {e.start})") from None

@@ -12,6 +12,7 @@ import numpy as np
 
 from objckpt.arrays import describe_sharding, owned_pieces
 from objckpt.dtypes import dtype_name
+from objckpt.errors import DeletedArrayError
 from objckpt.format import LeafEntry
 from objckpt.plan import OwnedPiece
 from objckpt.tree import Leaf
@@ -28,6 +29,11 @@ def classify(index: int, leaf: Leaf, *, is_primary: bool, split_above: int) -> t
         return LeafEntry(leaf.path, "int", value=value), []
     if isinstance(value, float):
         return LeafEntry(leaf.path, "float", value=value), []
+    if isinstance(value, jax.Array) and value.is_deleted():
+        raise DeletedArrayError(
+            f"leaf {leaf.path}: the jax.Array was donated or deleted (its buffer is gone), so it cannot be"
+            " saved; save the arrays a step returns, not the ones it donated (donate_argnums)"
+        )
     if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
         # Typed PRNG keys: store the raw key data and the implementation's name.
         impl = str(jax.random.key_impl(value))

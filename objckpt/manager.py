@@ -5,7 +5,9 @@ so listing order is step order). A step is committed iff its ``manifest.json``
 exists, so listing steps reads no blobs and a crash at any moment never leaves
 a half-written step looking committed. Deleting a step removes its manifest
 first, then its blobs; ``gc`` sweeps blobs that no manifest references once
-they are older than a grace period, so it never races a save in flight.
+they are older than a grace period. Neither touches a step holding a live-save
+marker (:mod:`objckpt.live`), whatever the grace period, so they never race a
+save in flight; the save's commit also checks its blobs are all there.
 
 At most one save is in flight per manager: ``save`` first waits for the
 previous one and re-raises its error, so errors are never lost.
@@ -23,10 +25,12 @@ from collections import defaultdict
 from typing import Any
 
 from objckpt import _runtime
-from objckpt.errors import CheckpointNotFoundError
+from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
 from objckpt.format import MANIFEST_KEY
 from objckpt.info import CheckpointInfo, inspect
+from objckpt.live import describe, live_markers
 from objckpt.manifest_io import read_manifest
+from objckpt.metadata import to_json_value
 from objckpt.multihost import get_coordinator
 from objckpt.options import Options
 from objckpt.restore import restore
@@ -39,6 +43,8 @@ log = logging.getLogger("objckpt")
 
 STEP_DIR = re.compile(r"^step_(\d{10,})$")
 _DELETE_CONCURRENCY = 32
+#: The live-save marker lease deleters assume when not told (``Options.live_marker_lease``).
+LEASE: float = Options.live_marker_lease
 
 
 def step_dir(step: int) -> str:
@@ -119,15 +125,21 @@ class CheckpointManager:
     ) -> SaveHandle:
         """Start saving ``tree`` as ``step``; returns after the device→host copy.
 
+        ``metrics`` and ``metadata`` may hold numpy and jax scalars (a jitted
+        step's ``loss``); they are stored as JSON, NaN and infinities as the
+        strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (so ``keep_best``
+        never ranks a non-finite metric).
+
         Waits for the previous save (and its retention pass) first, re-raising
         its error if it failed. With ``wait=True`` also waits for this one.
         """
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+        metrics = to_json_value(dict(metrics or {}), "metrics")
+        user_metadata = to_json_value(dict(metadata or {}), "metadata")
         with self._lock:
             self._wait_pending()
-            metrics = dict(metrics or {})
-            full_metadata = {"objckpt.manager": {"step": step, "metrics": metrics}, **(metadata or {})}
+            full_metadata = {"objckpt.manager": {"step": step, "metrics": metrics}, **user_metadata}
             handle = save_async(
                 self.step_url(step),
                 tree,
@@ -191,11 +203,19 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ reading
 
-    def restore(self, step: int | None = None, target: Any = None, *, partial: bool = False) -> Any:
-        """Restore ``step`` (the latest committed one by default)."""
+    def restore(
+        self, step: int | None = None, target: Any = None, *, partial: bool = False, cast: str = "checked"
+    ) -> Any:
+        """Restore ``step`` (the latest committed one by default); ``partial`` and ``cast`` as in
+        :func:`objckpt.restore`."""
         step = self._resolve(step)
         return restore(
-            self.step_url(step), target, storage_options=self.storage_options, partial=partial, options=self.options
+            self.step_url(step),
+            target,
+            storage_options=self.storage_options,
+            partial=partial,
+            options=self.options,
+            cast=cast,
         )
 
     def inspect(self, step: int | None = None) -> CheckpointInfo:
@@ -230,31 +250,42 @@ class CheckpointManager:
             metrics = (await asyncio.to_thread(self.metrics, s)) if needs_metrics else self._metrics.get(s, {})
             records.append(StepRecord(s, metrics))
         for step in steps_to_delete(records, self.policies):
-            await self._delete_step(step)
+            try:
+                await self._delete_step(step)
+            except SaveInProgressError as e:  # another writer's save into a committed step: gc's job later
+                log.warning("objckpt retention left step %d: %s", step, e)
+                continue
             log.info("objckpt retention deleted step %d under %s", step, self.store.url)
 
     async def _delete_step(self, step: int) -> None:
         """Manifest first (the step stops existing at once), then its blobs."""
         self._metrics.pop(step, None)
-        await delete_checkpoint(self.store.child(step_dir(step)))
+        await delete_checkpoint(self.store.child(step_dir(step)), lease=self.options.live_marker_lease)
 
     def delete(self, step: int) -> None:
-        """Delete one step (manifest first)."""
+        """Delete one step (manifest first).
+
+        Raises:
+            SaveInProgressError: a save is writing into the step (a live-save
+                marker is there); nothing, or only the manifest, was deleted.
+        """
         self.wait()
         _runtime.run_sync(self._delete_step(step))
 
     def gc(self, grace_seconds: float | None = None) -> list[str]:
         """Delete blobs no committed manifest references, once older than the grace period.
 
-        Returns the keys deleted (relative to the root). Blobs of a save still
-        in flight are younger than the grace period, so they are safe.
+        Returns the keys deleted (relative to the root). Steps holding a live-save
+        marker younger than ``options.live_marker_lease`` are left alone whatever
+        the grace period, so a save in flight is safe even with a grace of 0.
         """
         grace = self.gc_grace_seconds if grace_seconds is None else grace_seconds
         return _runtime.run_sync(self._gc(grace))
 
     async def _gc(self, grace: float) -> list[str]:
         limit = self.options.manifest_size_limit
-        found = await unreferenced_objects(self.store, grace=grace, manifest_size_limit=limit)
+        lease = self.options.live_marker_lease
+        found = await unreferenced_objects(self.store, grace=grace, manifest_size_limit=limit, lease=lease)
         doomed = [o.key for o in found]
         await delete_objects(self.store, doomed)
         if doomed:
@@ -262,20 +293,48 @@ class CheckpointManager:
         return doomed
 
 
-async def delete_checkpoint(store: Store) -> list[str]:
+async def delete_checkpoint(store: Store, *, lease: float = LEASE, force: bool = False) -> list[str]:
     """Delete the checkpoint rooted at ``store``: manifest first (it stops existing at once), then the rest.
 
+    Unless ``force``, a live-save marker younger than ``lease`` stops it: looked
+    for before anything is deleted, and again after the listing, so a save that
+    started meanwhile keeps its blobs (their marker came before them).
+
     Returns the keys deleted after the manifest.
+
+    Raises:
+        SaveInProgressError: a save is writing under ``store``.
     """
+    if not force:
+        await _refuse_if_live(store, lease, "not deleting anything")
     await store.delete(MANIFEST_KEY)
     keys = [o.key for o in await store.list()]
-    await delete_objects(store, keys)
+    if not force:
+        await _refuse_if_live(store, lease, f"deleted its {MANIFEST_KEY} only; gc collects the rest after the save")
+    if MANIFEST_KEY in keys:  # a save committed since: its manifest goes first too
+        await store.delete(MANIFEST_KEY)
+    await delete_objects(store, [k for k in keys if k != MANIFEST_KEY])
     return keys
 
 
-async def unreferenced_objects(store: Store, *, grace: float, manifest_size_limit: int) -> list[ObjectInfo]:
+async def _refuse_if_live(store: Store, lease: float, what: str) -> None:
+    live = await live_markers(store, lease=lease)
+    if live:
+        raise SaveInProgressError(f"a save is writing to {store.url} ({describe(live)}, lease {lease:g} s): {what}")
+
+
+async def unreferenced_objects(
+    store: Store, *, grace: float, manifest_size_limit: int, lease: float = LEASE
+) -> list[ObjectInfo]:
     """Objects under ``step_*/`` of a manager root that no committed manifest references,
-    older than ``grace`` seconds (all of them when ``grace <= 0``). Deletes nothing."""
+    older than ``grace`` seconds (all of them when ``grace <= 0``). Deletes nothing.
+
+    A step holding a live-save marker younger than ``lease`` is skipped whatever
+    the grace period. The order is what makes that safe: list the objects, then
+    look for markers (a blob in the listing was written after its save's marker),
+    then read the manifest again (a save that committed in between references
+    its blobs, and deletes its marker only after that).
+    """
     objects = await store.list("step_")
     by_step: dict[str, list[Any]] = defaultdict(list)
     for obj in objects:
@@ -285,20 +344,37 @@ async def unreferenced_objects(store: Store, *, grace: float, manifest_size_limi
     now = time.time()
     doomed: list[ObjectInfo] = []
     for head, objs in by_step.items():
-        keys = {o.key for o in objs}
-        referenced: set[str] = set()
-        if f"{head}/{MANIFEST_KEY}" in keys:
-            try:
-                manifest = await read_manifest(store.child(head), size_limit=manifest_size_limit)
-            except Exception as e:  # a broken manifest: leave the step alone, say so
-                log.warning("objckpt gc skips %s/%s: %s", store.url, head, e)
-                continue
-            referenced = {f"{head}/{b.key}" for b in manifest.blobs} | {f"{head}/{MANIFEST_KEY}"}
-        for o in objs:
-            old = grace <= 0 or (o.last_modified is not None and now - o.last_modified >= grace)
-            if o.key not in referenced and old:
-                doomed.append(o)
+        listed = f"{head}/{MANIFEST_KEY}" in {o.key for o in objs}
+        referenced = await _referenced(store, head, manifest_size_limit) if listed else set()
+        if referenced is None:
+            continue
+        old = [o for o in objs if grace <= 0 or (o.last_modified is not None and now - o.last_modified >= grace)]
+        # Never the manifest: gc deletes keys from a listing, and a later save may commit that key.
+        candidates = [o for o in old if o.key not in referenced and o.key != f"{head}/{MANIFEST_KEY}"]
+        if not candidates:
+            continue
+        live = await live_markers(store.child(head), lease=lease)
+        if live:
+            log.info("objckpt gc skips %s/%s: a save is writing there (%s)", store.url, head, describe(live))
+            continue
+        referenced = await _referenced(store, head, manifest_size_limit)
+        if referenced is None:
+            continue
+        doomed.extend(o for o in candidates if o.key not in referenced)
     return doomed
+
+
+async def _referenced(store: Store, head: str, manifest_size_limit: int) -> set[str] | None:
+    """Keys (relative to the root) the manifest of step ``head`` references; empty without
+    one; None when it is unreadable (gc then leaves the step alone, and says so)."""
+    try:
+        manifest = await read_manifest(store.child(head), size_limit=manifest_size_limit)
+    except CheckpointNotFoundError:
+        return set()
+    except Exception as e:
+        log.warning("objckpt gc skips %s/%s: %s", store.url, head, e)
+        return None
+    return {f"{head}/{b.key}" for b in manifest.blobs} | {f"{head}/{MANIFEST_KEY}"}
 
 
 async def delete_objects(store: Store, keys: list[str]) -> None:

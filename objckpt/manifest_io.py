@@ -13,13 +13,38 @@ from objckpt.storage import Store
 FIRST_READ = 8 << 20
 
 
-async def read_manifest(store: Store, *, size_limit: int) -> Manifest:
+#: Reads of a manifest that does not parse, the first included, before it is called malformed.
+MANIFEST_READS = 5
+
+
+async def read_manifest(store: Store, *, size_limit: int, reads: int = MANIFEST_READS) -> Manifest:
     """Fetch, size-check and validate ``manifest.json``.
+
+    A body that does not parse is fetched again, up to ``reads`` reads in all,
+    before the manifest is called malformed: a byte flipped in flight spoils
+    one read, not the next, and the first read that parses wins. Each re-read
+    counts in the store's ``stats.checksum_retries`` (a
+    :class:`~objckpt.transfer.RetryingStore`'s).
 
     Raises:
         CheckpointNotFoundError: no manifest (a prefix holding only blobs included).
-        FormatError: the manifest is malformed or too large.
+        FormatError: the manifest is malformed on every read, or too large.
     """
+    for attempt in range(1, reads + 1):
+        data = await _fetch(store, size_limit)
+        try:
+            return parse_manifest(data, size_limit=size_limit)
+        except FormatError as e:
+            if attempt >= reads:
+                raise FormatError(f"{e} (the same over {reads} reads)" if reads > 1 else str(e)) from None
+            stats = getattr(store, "stats", None)
+            if stats is not None:
+                stats.add(checksum_retries=1)
+    raise AssertionError("unreachable")  # reads >= 1
+
+
+async def _fetch(store: Store, size_limit: int) -> bytes:
+    """The manifest's bytes, refused over ``size_limit`` (sized with a HEAD only when long)."""
     first = min(FIRST_READ, size_limit + 1)
     try:
         data = await store.get_range(MANIFEST_KEY, start=0, end=first)
@@ -31,4 +56,4 @@ async def read_manifest(store: Store, *, size_limit: int) -> Manifest:
                 data += await store.get_range(MANIFEST_KEY, start=first, end=info.size)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no committed checkpoint at {store.url} (no {MANIFEST_KEY})") from None
-    return parse_manifest(data, size_limit=size_limit)
+    return data

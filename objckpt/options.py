@@ -33,12 +33,22 @@ class RetryConfig:
         initial_backoff: seconds before the first retry; doubles each time (full jitter).
         max_backoff: cap on one backoff sleep.
         deadline: total seconds one request may take across all its attempts.
+        checksum_reads: reads of the same bytes, the first included, before a
+            checksum mismatch is called corruption at rest (an ``IntegrityError``
+            that says it persisted over that many reads); a mismatch that a
+            re-read cures was a bit flipped in flight. Each re-read counts in
+            ``TransferStats.checksum_retries``.
     """
 
     max_attempts: int = 10
     initial_backoff: float = 0.1
     max_backoff: float = 10.0
     deadline: float = 900.0
+    checksum_reads: int = 5
+
+    def __post_init__(self) -> None:
+        if self.checksum_reads < 1:
+            raise ValueError(f"RetryConfig.checksum_reads must be >= 1, got {self.checksum_reads!r}")
 
 
 #: ``Options.max_read_size`` by default for reads whose buffers are freed after the copy.
@@ -106,6 +116,11 @@ class Options:
         request_timeout: seconds for one store call before it counts as stalled.
         barrier_timeout: seconds a multi-host barrier waits before naming stragglers.
         manifest_size_limit: the reader refuses larger manifests (hostile input).
+        live_marker_lease: seconds a live-save marker protects its checkpoint prefix
+            from ``gc``, ``rm`` and retention after it was last written
+            (:mod:`objckpt.live`); a save rewrites it every tenth of this and fails
+            rather than commit if it could not for nine tenths. Independent of gc's
+            grace period; the orphans of a crashed save wait at most this long.
         retry: retry policy for transient store errors.
     """
 
@@ -123,6 +138,7 @@ class Options:
     request_timeout: float = 120.0
     barrier_timeout: float = 300.0
     manifest_size_limit: int = 256 * MiB
+    live_marker_lease: float = 600.0
     retry: RetryConfig = field(default_factory=RetryConfig)
 
     def __post_init__(self) -> None:
@@ -135,6 +151,7 @@ class Options:
             "streamed_window",
             "max_read_size",
             "read_chunk",
+            "live_marker_lease",
         ):
             value = getattr(self, name)
             if value is not None and value <= 0:  # only max_read_size may be None (pick by store)

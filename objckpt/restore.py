@@ -20,22 +20,32 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.tree_util import keystr
 
 from objckpt import _runtime
 from objckpt._memory import DEVICE_ALIGNMENT
 from objckpt.aligned_reads import ResponseAlignment, address, read_aligned
 from objckpt.arrays import box_to_slices
 from objckpt.checksum import crc32c
-from objckpt.errors import CoordinationError, IntegrityError, TargetMismatchError
+from objckpt.errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CoordinationError,
+    IntegrityError,
+    TargetMismatchError,
+)
 from objckpt.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
 from objckpt.leaf_jobs import (
+    CASTS,
     LeafJob,
     allocate,
+    check_host_memory,
     complete,
     fault_in_fresh,
     finish,
     make_job,
     meets_of,
+    physical_memory,
     plan_pieces,
     reserve_assembled,
     wait_for_arena,
@@ -47,9 +57,10 @@ from objckpt.options import Options
 from objckpt.plan import ReadRequest, plan_reads
 from objckpt.progress import progress_bar
 from objckpt.read_once import share
+from objckpt.save import save_in_flight
 from objckpt.stream_scatter import stream_read
-from objckpt.transfer import AsyncByteBudget, TransferEngine, TransferStats, open_store
-from objckpt.tree import build, flatten_target, unflatten_target
+from objckpt.transfer import AsyncByteBudget, TransferEngine, TransferStats, open_store, reread_on_mismatch
+from objckpt.tree import build, find_subtree, flatten_target, leaf_indices, unflatten_target
 
 log = logging.getLogger("objckpt")
 
@@ -65,6 +76,7 @@ def restore(
     options: Options | None = None,
     stats: TransferStats | None = None,
     progress: bool = False,
+    cast: str = "checked",
 ) -> Any:
     """Restore a checkpoint, onto the target's shardings when it gives them.
 
@@ -72,9 +84,11 @@ def restore(
         url: the checkpoint's URL.
         target: a pytree like the saved one. A leaf that is a
             ``jax.ShapeDtypeStruct`` (with or without sharding) or a
-            ``jax.Array`` is restored onto that sharding and dtype; ``None``
-            restores a host numpy array; any other leaf is a placeholder for
-            the saved value. ``target=None`` restores the whole tree, arrays as numpy.
+            ``jax.Array`` is restored onto that sharding and dtype (see ``cast``);
+            ``None`` restores a host numpy array, or where the checkpoint has a
+            subtree, that subtree (arrays as numpy, containers as plain dicts,
+            lists and tuples); any other leaf is a placeholder for the saved
+            value. ``target=None`` restores the whole tree, arrays as numpy.
         storage_options: passed to the store.
         partial: allow the target to name only some saved leaves; the others
             are not read at all.
@@ -85,22 +99,35 @@ def restore(
         options: tuning (:class:`objckpt.Options`).
         stats: counters to fill (bytes read from the store, requests, retries, seconds).
         progress: draw a progress bar on stderr when it is a terminal.
+        cast: how a target dtype that differs from the saved one is reached.
+            ``"checked"`` (the default) allows casts that keep every value:
+            widening ones (int8 → int32, float16 → float32, int → float) and
+            float precision downcasts (float32 → bfloat16, float16, float8),
+            where a finite value that overflows to inf or NaN fails the restore.
+            Casts that change a value's kind or range (float → int, signed →
+            unsigned, int narrowing, complex → real, to bool) are refused before
+            anything is read. ``"unsafe"`` applies numpy's ``astype`` as is.
+            ``None`` and numpy targets restore the saved dtype (no cast).
 
     Raises:
-        CheckpointNotFoundError, FormatError, IntegrityError, TargetMismatchError.
+        CheckpointNotFoundError, FormatError, IntegrityError, TargetMismatchError
+        (also for a cast refused under ``cast="checked"``: the leaf, both dtypes).
     """
+    if cast not in CASTS:
+        raise ValueError(f"cast must be one of {', '.join(map(repr, CASTS))}, got {cast!r}")
     options = options or Options()
     stats = stats if stats is not None else TransferStats()
     store = open_store(url, storage_options, options, stats)
     started = time.perf_counter()
-    manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
-    selection = _select(manifest, target, partial)
+    manifest = _read_manifest(store, options)
+    selection, subtrees = _select(manifest, target, partial)
     read_once = read_once and jax.process_count() > 1
     jobs = {
-        i: make_job(manifest.leaves[i], t, read_once=read_once)
+        i: make_job(manifest.leaves[i], t, read_once=read_once, unsafe_cast=cast == "unsafe")
         for i, t in selection.items()
         if manifest.leaves[i].kind in ARRAY_KINDS
     }
+    check_host_memory(jobs, physical_memory())  # before any read: sizes come from the manifest
     reserve_assembled(jobs)  # maps memory on a thread while this one plans
     requests = _plan(manifest, jobs, options, streamed=store.inner.streams_reads)
     base = stats.bytes_read
@@ -114,13 +141,15 @@ def restore(
     seconds = time.perf_counter() - started
     stats.seconds = seconds
     log.info(
-        "objckpt restored %s: %d leaves, %d bytes read in %d requests, %d retries (%d throttled), %.2f s, %.3f GiB/s",
+        "objckpt restored %s: %d leaves, %d bytes read in %d requests, %d retries (%d throttled),"
+        " %d checksum re-reads, %.2f s, %.3f GiB/s",
         store.url,
         len(values),
         stats.bytes_read,
         stats.requests,
         stats.retries,
         stats.throttled,
+        stats.checksum_retries,
         seconds,
         stats.bytes_read / max(seconds, 1e-9) / 2**30,
     )
@@ -128,16 +157,36 @@ def restore(
         return build(manifest.tree, lambda i: values[i])
     flat, treedef = flatten_target(target)
     index = {leaf.path: i for i, leaf in enumerate(manifest.leaves)}
-    return unflatten_target(treedef, [values[index[path]] for path, _ in flat])
+    return unflatten_target(
+        treedef,
+        [build(subtrees[path], lambda i: values[i]) if path in subtrees else values[index[path]] for path, _ in flat],
+    )
 
 
-def _select(manifest: Manifest, target: Any, partial: bool) -> dict[int, Any]:
-    """Which saved leaves to restore, each with its target leaf."""
+def _read_manifest(store: Any, options: Options) -> Manifest:
+    """The checkpoint's manifest; when there is none, say so, and whether a save to it is still running here."""
+    try:
+        return _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
+    except CheckpointNotFoundError as e:
+        if not save_in_flight(store.url):
+            raise
+        raise CheckpointNotFoundError(
+            f"{e}; a save_async to this URL is still running in this process:"
+            " call .result() on its handle (CheckpointManager: .wait()) before restoring it"
+        ) from None
+
+
+def _select(manifest: Manifest, target: Any, partial: bool) -> tuple[dict[int, Any], dict[str, dict[str, Any]]]:
+    """Which saved leaves to restore, each with its target leaf; and the saved subtrees
+    that ``None`` target leaves stand for (by target path: their skeleton nodes)."""
     if target is None:
-        return {i: None for i in range(len(manifest.leaves))}
+        return {i: None for i in range(len(manifest.leaves))}, {}
     flat, _ = flatten_target(target)
     index = {leaf.path: i for i, leaf in enumerate(manifest.leaves)}
-    named = {path for path, _ in flat}
+    subtrees = _none_subtrees(manifest, target, index)
+    covered = {i: None for node in subtrees.values() for i in leaf_indices(node)}
+    flat = [(path, value) for path, value in flat if path not in subtrees]
+    named = {path for path, _ in flat} | {manifest.leaves[i].path for i in covered}
     missing = [path for path, _ in flat if path not in index]
     unnamed = [leaf.path for leaf in manifest.leaves if leaf.path not in named]
     if missing or (unnamed and not partial):
@@ -149,7 +198,27 @@ def _select(manifest: Manifest, target: Any, partial: bool) -> dict[int, Any]:
                 f"checkpoint leaves the target does not name: {', '.join(unnamed)} (pass partial=True to skip them)"
             )
         raise TargetMismatchError("target does not match the checkpoint; " + "; ".join(parts))
-    return {index[path]: value for path, value in flat}
+    return {index[path]: value for path, value in flat} | covered, subtrees
+
+
+def _none_subtrees(manifest: Manifest, target: Any, index: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """The ``None`` target leaves that name a saved subtree rather than a leaf, with its skeleton node.
+
+    Such a ``None`` restores the whole subtree as host numpy in plain containers,
+    as ``restore(url)`` does for the whole tree.
+    """
+    found = {}
+    for keypath, value in jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)[0]:
+        path = keystr(keypath)
+        if value is not None or path in index:
+            continue
+        node = find_subtree(manifest.tree, keypath)
+        if node is None or node.get("t") == "leaf":
+            continue
+        leaves = [manifest.leaves[i].path for i in leaf_indices(node)]
+        if leaves and all(p.startswith(path) for p in leaves):
+            found[path] = node
+    return found
 
 
 def _fetch_then_share(
@@ -239,19 +308,32 @@ async def _fetch(
                 f" got {got} (leaves {', '.join(paths)})"
             )
 
+    parallel = options.max_concurrency  # sub-range GETs of one long read at once
+
+    async def read_streamed(request: ReadRequest) -> None:
+        got = await stream_read(
+            engine, request, jobs, store.url, lock, options.read_chunk, copy_lock, parallel=parallel
+        )
+        check_length(request, got)
+
+    async def read_and_land(request: ReadRequest) -> None:
+        data = await read_aligned(engine, request, options.read_chunk, alignment, parallel=parallel)
+        check_length(request, len(data))
+        await asyncio.to_thread(_land, request, data, jobs, store.url, lock)
+
     async def one(request: ReadRequest) -> None:
+        # A checksum mismatch reads the request again (bits flipped in flight); both
+        # ways of landing it rewrite the same bytes and count it done only once checked.
+        reads, counters = options.retry.checksum_reads, engine.stats
         if streamed and id(request) in copied:
             held = await streaming.acquire(request.length)
             try:
-                got = await stream_read(engine, request, jobs, store.url, lock, options.read_chunk, copy_lock)
+                await reread_on_mismatch(lambda: read_streamed(request), reads=reads, stats=counters)
             finally:
                 await streaming.release(held)
-            check_length(request, got)
             await asyncio.to_thread(complete, request, jobs, lock)
             return
-        data = await read_aligned(engine, request, options.read_chunk, alignment)
-        check_length(request, len(data))
-        await asyncio.to_thread(_land, request, data, jobs, store.url, lock)
+        await reread_on_mismatch(lambda: read_and_land(request), reads=reads, stats=counters)
 
     await engine.for_each(requests, one, window_bytes=window, size=lambda r: r.length if id(r) in buffered else 0)
 
@@ -312,14 +394,19 @@ def _scatter(
 
     An adopted part (see :func:`_adoptable`) becomes its box's buffer instead
     of being copied. Pieces never overlap, so threads scattering different
-    responses into the same leaf write disjoint regions.
+    responses into the same leaf write disjoint regions. On a mismatch the
+    parts adopted so far are let go again, so the read can be landed anew.
     """
     for k, part in enumerate(request.parts):
         piece = part.piece
         job = jobs[part.leaf]
         raw = data[part.offset : part.offset + piece.length]
         if crc32c(raw) != piece.crc32c:
-            raise IntegrityError(
+            for j in adopted:
+                if j < k:
+                    taken = request.parts[j]
+                    jobs[taken.leaf].buffers.pop((taken.piece.start, taken.piece.stop), None)
+            raise ChecksumMismatchError(
                 f"checksum mismatch in leaf {job.entry.path}: blob {url}/{piece.blob}"
                 f" bytes [{piece.offset}, {piece.offset + piece.length})"
             )

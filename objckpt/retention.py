@@ -3,6 +3,10 @@
 Each policy is a small object answering one question, "which of these steps do
 you keep?"; the manager keeps the union, plus the latest committed step
 always. With no policy at all nothing is ever deleted.
+
+Only committed steps are ever candidates, so a save in flight (no manifest yet)
+is never picked; the manager's delete also leaves alone a step that holds a
+live-save marker (another writer saving into it, :mod:`objckpt.live`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ Commit: every process publishes its piece index through the coordinator
 writes ``manifest.json`` with create-if-absent, and every process learns the
 outcome before its save returns. No manifest, no checkpoint: a crash at any
 moment leaves at most orphaned blobs, which ``gc`` removes.
+
+Deleters keep off a save in flight: each process writes a live-save marker
+before its first blob and deletes it once the outcome is known
+(:mod:`objckpt.live`), and right before it writes the manifest the primary
+lists the prefix and refuses to commit if any blob the manifest lists is
+missing or of the wrong size (deleted by ``gc``, ``rm`` or retention anyway).
 """
 
 from __future__ import annotations
@@ -21,15 +27,18 @@ import concurrent.futures
 import datetime
 import json
 import logging
+import threading
 import time
 import uuid
 from collections import defaultdict
 from typing import Any
 
 from objckpt import _runtime
-from objckpt.errors import CheckpointExistsError, ObjectExistsError, StoreError
+from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsError, ObjectNotFoundError, StoreError
 from objckpt.format import MANIFEST_KEY, BlobEntry, LeafEntry, Manifest, Piece, parse_manifest
 from objckpt.leaves import classify
+from objckpt.live import LiveMarker, marker_key
+from objckpt.metadata import to_json_value
 from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.plan import blob_key, plan_blobs
@@ -89,7 +98,10 @@ def save(
         storage_options: passed to the store (fsspec-style: ``key``, ``secret``,
             ``endpoint_url``, ``client_kwargs``, ``token``, ...).
         options: tuning (:class:`objckpt.Options`).
-        metadata: JSON-serialisable user metadata stored in the manifest.
+        metadata: user metadata stored in the manifest: JSON values, numpy and jax
+            scalars and 0-d arrays (stored as Python numbers); NaN and infinities
+            are stored as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``
+            (``float()`` reads them back).
         progress: draw a progress bar on stderr when it is a terminal.
 
     Returns:
@@ -144,11 +156,7 @@ def _start(
         )
     coordinator = get_coordinator()
     tag = operation_tag("save", store.url)
-    metadata = dict(metadata or {})
-    try:
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"save metadata must be JSON-serialisable: {e}") from None
+    metadata = to_json_value(dict(metadata or {}), "metadata")
     if _runtime.run_sync(_exists(store)):  # the retrying store bounds it
         raise CheckpointExistsError(f"a committed checkpoint already exists at {store.url}")
 
@@ -167,12 +175,15 @@ def _start(
     )
 
     engine = _runtime.run_sync(_make_engine(store.inner, options, stats))
+    marker = LiveMarker(store, marker_key(save_id, coordinator.process_index), lease=options.live_marker_lease)
+    _runtime.run_sync(marker.begin())  # before the first blob, so deleters see it first
     started = time.perf_counter()
     bar = progress_bar("save", sum(b.size for b in blobs), lambda: stats.bytes_written, enabled=progress)
     try:
         uploads = snapshot_and_upload(blobs, engine, options, hold_uploads=hold_uploads)
     except BaseException:
         bar.close()
+        _runtime.run_sync(marker.end())
         raise
     seconds_blocked = time.perf_counter() - entered
     commit = _Commit(
@@ -185,9 +196,47 @@ def _start(
         entries=entries,
         metadata=metadata,
         options=options,
+        marker=marker,
     )
     future = _runtime.submit(closing(commit.run(uploads, started), bar))
+    _track_in_flight(store.url, future)
     return SaveHandle(future, stats, seconds_blocked, store.url)
+
+
+# Saves of this process whose commit has not ended, by URL (see save_in_flight).
+_in_flight: dict[str, int] = {}
+_in_flight_lock = threading.Lock()
+
+
+def _url_key(url: str) -> str:
+    """One spelling per location: ``file:///a/b/`` and ``/a/b`` are the same checkpoint."""
+    url = url.rstrip("/") or url
+    return url.removeprefix("file://") if url.startswith("file:///") else url
+
+
+def _track_in_flight(url: str, future: concurrent.futures.Future[None]) -> None:
+    """Count a save to ``url`` as running until ``future`` ends (however it ends)."""
+    key = _url_key(url)
+    with _in_flight_lock:
+        _in_flight[key] = _in_flight.get(key, 0) + 1
+
+    def ended(_: concurrent.futures.Future[None]) -> None:
+        with _in_flight_lock:
+            left = _in_flight.pop(key, 1) - 1
+            if left:
+                _in_flight[key] = left
+
+    future.add_done_callback(ended)
+
+
+def save_in_flight(url: str) -> bool:
+    """Whether a save to ``url`` started in this process has not committed (or failed) yet.
+
+    Restore asks when it finds no manifest, so that reading back a
+    ``save_async`` before its ``result()`` says so instead of only "no checkpoint".
+    """
+    with _in_flight_lock:
+        return _url_key(url) in _in_flight
 
 
 async def _exists(store: Store) -> bool:
@@ -218,6 +267,7 @@ class _Commit:
         entries: list[LeafEntry],
         metadata: dict[str, Any],
         options: Options,
+        marker: LiveMarker,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -228,13 +278,23 @@ class _Commit:
         self.entries = entries
         self.metadata = metadata
         self.options = options
+        self.marker = marker
 
     async def run(self, uploads: list[concurrent.futures.Future[list[PieceRecord]]], started: float) -> None:
+        """Wait for the uploads, commit or abort, then delete this process's live-save marker."""
+        try:
+            await self._run(uploads, started)
+        finally:
+            await self.marker.end()
+
+    async def _run(self, uploads: list[concurrent.futures.Future[list[PieceRecord]]], started: float) -> None:
         local_error: BaseException | None = None
         records: list[PieceRecord] = []
         try:
             for result in await asyncio.gather(*(asyncio.wrap_future(f) for f in uploads)):
                 records.extend(result)
+            if self.marker.lapsed():
+                raise StoreError(f"save to {self.store.url} was not committed: {self.marker.lapse_error()}")
         except BaseException as e:  # report to peers before raising, so nobody waits for us
             local_error = e
         index = self._encode_index(records, local_error)
@@ -250,6 +310,10 @@ class _Commit:
         if status["status"] == "exists":
             await self._delete_own_blobs(records)
             raise CheckpointExistsError(f"a committed checkpoint already exists at {self.store.url}")
+        if status["status"] == "missing":
+            raise ObjectNotFoundError(f"save to {self.store.url} was not committed: {status['why']}")
+        if status["status"] == "wrong_size":
+            raise IntegrityError(f"save to {self.store.url} was not committed: {status['why']}")
         if status["status"] != "committed":
             raise StoreError(f"save to {self.store.url} was not committed: {status['why']}")
         seconds = time.perf_counter() - started
@@ -283,6 +347,14 @@ class _Commit:
         if errors:
             return json.dumps({"status": "aborted", "why": "; ".join(errors)}).encode()
         manifest = self._manifest(docs)
+        if self.marker.lapsed():
+            return json.dumps({"status": "aborted", "why": self.marker.lapse_error()}).encode()
+        try:
+            problem = await self._check_blobs(manifest)
+        except BaseException as e:
+            return json.dumps({"status": "aborted", "why": f"listing the blobs before the commit failed: {e}"}).encode()
+        if problem is not None:
+            return json.dumps(problem).encode()
         try:
             await self.engine.put(MANIFEST_KEY, manifest.to_json(), mode="create")
         except ObjectExistsError:
@@ -291,6 +363,26 @@ class _Commit:
         except BaseException as e:
             return json.dumps({"status": "aborted", "why": f"manifest write failed: {e}"}).encode()
         return json.dumps({"status": "committed"}).encode()
+
+    async def _check_blobs(self, manifest: Manifest) -> dict[str, str] | None:
+        """One listing of the prefix: is every blob the manifest lists there, at its size?
+
+        Returns the outcome to broadcast instead of committing, or None when all are.
+        """
+        present = {o.key: o.size for o in await self.store.list()}
+        missing = [b.key for b in manifest.blobs if b.key not in present]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            why = (
+                f"blob {missing[0]}{more} is missing (deleted while the save ran, by gc, rm or"
+                " retention?); no manifest was written"
+            )
+            return {"status": "missing", "why": why}
+        for b in manifest.blobs:
+            if present[b.key] != b.size:
+                why = f"blob {b.key} is {present[b.key]} bytes, {b.size} were written; no manifest was written"
+                return {"status": "wrong_size", "why": why}
+        return None
 
     async def _is_ours(self) -> bool:
         """After "already exists": did our own earlier attempt land (its reply lost)?"""

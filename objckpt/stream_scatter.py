@@ -19,19 +19,19 @@ combined (:func:`objckpt.checksum.crc32c_combine`) once every span is in.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
 from objckpt.arrays import Box, box_to_slices
 from objckpt.checksum import crc32c, crc32c_combine
-from objckpt.errors import IntegrityError
+from objckpt.errors import ChecksumMismatchError, IntegrityError
 from objckpt.leaf_jobs import LeafJob, allocate, fault_in_fresh, meets_of, wait_for_arena
 from objckpt.plan import PACKING_SLACK, ReadPart, ReadRequest, intersect
 from objckpt.storage.streaming import STREAM_PIECE
-from objckpt.transfer import TransferEngine, first_error
+from objckpt.transfer import TransferEngine, run_in_order
 
 Span = tuple[int, int]  # [first, last) bytes of a read's body
 
@@ -44,50 +44,67 @@ async def stream_read(
     lock: threading.Lock,
     chunk: int,
     copy_lock: threading.Lock | None = None,
+    *,
+    parallel: int,
 ) -> int:
     """One copied read, streamed into its boxes; how many bytes arrived.
 
-    A read longer than ``chunk`` plus ``PACKING_SLACK`` goes out as parallel
-    spans of about ``chunk`` bytes. If one fails, the others are cancelled and
-    waited for (a stream stops writing once its call returns). Fewer bytes
-    only if the blob is shorter; then nothing was checked past the shortfall.
-    ``copy_lock``, shared by every read of a restore, takes turns at runs of
-    small pieces (see :class:`ScatterSink`).
+    A read longer than ``chunk`` plus ``PACKING_SLACK`` goes out as spans of
+    about ``chunk`` bytes, at most ``parallel`` at once, cut as they are
+    started (:func:`iter_spans`): a span that comes back short (the blob is
+    shorter than the read) is the last one started. If one fails, the others
+    are cancelled and waited for (a stream stops writing once its call
+    returns). Fewer bytes only if the blob is shorter; then nothing was checked
+    past the shortfall. ``copy_lock``, shared by every read of a restore, takes
+    turns at runs of small pieces (see :class:`ScatterSink`).
     """
     for part in request.parts:
-        if part.piece.length == 0 and part.piece.crc32c != 0:
-            raise _mismatch(part, jobs, url)
-    sinks = [ScatterSink(request, jobs, url, lock, span, copy_lock) for span in split_spans(request, jobs, chunk)]
+        if part.piece.length == 0 and part.piece.crc32c != 0:  # in the manifest, not the blob: no re-read cures it
+            raise IntegrityError(f"{_mismatch(part, jobs, url)} (an empty piece with a non-zero crc32c)")
 
     async def stream(sink: ScatterSink) -> int:
         first, last = sink.span
         return await engine.get_range_streamed(request.blob, request.start + first, request.start + last, sink)
 
-    if len(sinks) == 1:
-        return await stream(sinks[0])
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(stream(sink)) for sink in sinks]
-    except BaseExceptionGroup as errors:
-        raise first_error(errors) from None
+    if request.length <= chunk + PACKING_SLACK:
+        return await stream(ScatterSink(request, jobs, url, lock, None, copy_lock))
+    sinks: list[ScatterSink] = []
+
+    def started() -> Iterator[ScatterSink]:
+        for span in iter_spans(request, jobs, chunk):
+            sinks.append(ScatterSink(request, jobs, url, lock, span, copy_lock))
+            yield sinks[-1]
+
+    def short(sink: ScatterSink, got: int) -> bool:
+        return got < sink.span[1] - sink.span[0]
+
+    results = await run_in_order(started(), stream, parallel=parallel, last=short)
     got = 0
-    for sink, task in zip(sinks, tasks):
-        got += task.result()
-        if task.result() < sink.span[1] - sink.span[0]:
+    for sink, n in zip(sinks, results):
+        got += n
+        if short(sink, n):
             return got  # the blob ended inside this span
     _check_shared_parts(request, sinks, jobs, url)
     return got
 
 
 def split_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> list[Span]:
+    """Every span of a read at once (:func:`iter_spans`), for a read known to be small."""
+    return list(iter_spans(request, jobs, chunk))
+
+
+def iter_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> Iterator[Span]:
     """Cut a read into spans of about ``chunk`` bytes, each cut between rows of a piece.
 
     A cut inside a piece is moved back to a multiple of the step along the
-    piece's slab axis, so every span starts on a slab of its own.
+    piece's slab axis, so every span starts on a slab of its own. The spans are
+    made as they are asked for, never all at once: the read's length comes from
+    the manifest, which may declare far more bytes than the blob holds.
     """
     if request.length <= chunk + PACKING_SLACK:
-        return [(0, request.length)]
-    cuts = [0]
+        yield (0, request.length)
+        return
+    previous = 0
     for target in range(chunk, request.length, chunk):
         cut = target
         for part in request.parts:
@@ -98,10 +115,10 @@ def split_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> l
                 step = _strides(piece.shape, itemsize)[_slab_axis(piece.shape, itemsize, STREAM_PIECE, 0)]
                 cut = part.offset + at // step * step
                 break
-        if cut > cuts[-1]:
-            cuts.append(cut)
-    cuts.append(request.length)
-    return list(zip(cuts, cuts[1:]))
+        if cut > previous:
+            yield (previous, cut)
+            previous = cut
+    yield (previous, request.length)
 
 
 class ScatterSink:
@@ -295,9 +312,9 @@ def _check_shared_parts(request: ReadRequest, sinks: list[ScatterSink], jobs: di
             raise _mismatch(part, jobs, url)
 
 
-def _mismatch(part: ReadPart, jobs: dict[int, LeafJob], url: str) -> IntegrityError:
+def _mismatch(part: ReadPart, jobs: dict[int, LeafJob], url: str) -> ChecksumMismatchError:
     piece = part.piece
-    return IntegrityError(
+    return ChecksumMismatchError(
         f"checksum mismatch in leaf {jobs[part.leaf].entry.path}: blob {url}/{piece.blob}"
         f" bytes [{piece.offset}, {piece.offset + piece.length})"
     )

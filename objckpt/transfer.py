@@ -15,11 +15,18 @@ import asyncio
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from objckpt.errors import ObjectNotFoundError, StoreError, ThrottledError, TransientStoreError
+from objckpt.errors import (
+    ChecksumMismatchError,
+    ObjectNotFoundError,
+    StoreError,
+    ThrottledError,
+    TransientStoreError,
+)
 from objckpt.options import Options, RetryConfig
 from objckpt.storage import from_url
 from objckpt.storage.base import ObjectInfo, PutMode, Store
@@ -37,6 +44,7 @@ class TransferStats:
     requests: int = 0
     retries: int = 0
     throttled: int = 0  # answers asking to slow down (429, 503 SlowDown), each retried
+    checksum_retries: int = 0  # re-reads after a checksum mismatch or a manifest that did not parse
     bytes_written: int = 0
     bytes_read: int = 0
     objects_written: int = 0
@@ -104,6 +112,86 @@ async def call_with_retries(
             await asyncio.sleep(backoff)
 
 
+async def reread_on_mismatch(read: Callable[[], Awaitable[T]], *, reads: int, stats: TransferStats | None = None) -> T:
+    """Run ``read()`` (a read and its checksum checks) again while it raises a
+    :class:`ChecksumMismatchError`, up to ``reads`` times in all.
+
+    A bit flipped in flight fails one read and not the next, so a mismatch is
+    retried like any transient failure (each re-read counted in
+    ``stats.checksum_retries``); one that persists over every read is corruption
+    at rest, raised with how many reads saw it. ``read`` must be safe to run
+    again after a mismatch (its consumers rewrite the same bytes).
+    """
+    for attempt in range(1, reads + 1):
+        try:
+            return await read()
+        except ChecksumMismatchError as e:
+            if attempt >= reads:
+                raise ChecksumMismatchError(f"{e} (persisted over {reads} reads)") from None
+            if stats is not None:
+                stats.add(checksum_retries=1)
+    raise AssertionError("unreachable")  # reads >= 1 (RetryConfig checks it)
+
+
+async def run_in_order(
+    items: Iterable[Item],
+    fn: Callable[[Item], Awaitable[T]],
+    *,
+    parallel: int,
+    last: Callable[[Item, T], bool],
+) -> list[T]:
+    """``fn`` over ``items`` with at most ``parallel`` running at once, started in order
+    and drawn from ``items`` lazily; their results in order.
+
+    Stops drawing once ``last(item, result)`` is true of a finished one (what was
+    already started still runs to its end, and is returned). Why lazily: the
+    sub-ranges of a read are derived from a length the manifest declares, and a
+    hostile one declares petabytes; only the sub-ranges actually read exist
+    (the first one that comes back short, from a blob shorter than declared,
+    ends it). The first error cancels the rest, waits for them, and is raised.
+    """
+    source = iter(items)
+    running: deque[tuple[Item, asyncio.Future[T]]] = deque()
+    results: list[T] = []
+    ended = False
+    try:
+        while True:
+            while not ended and len(running) < parallel:
+                item = next(source, _END)
+                if item is _END:
+                    ended = True
+                    break
+                running.append((item, asyncio.ensure_future(fn(item))))
+            if not running:
+                return results
+            item, future = running[0]
+            await _first_done_or_failed(future, [f for _, f in running])
+            running.popleft()
+            result = future.result()
+            results.append(result)
+            ended = ended or last(item, result)
+    finally:
+        futures = [future for _, future in running]
+        for future in futures:
+            future.cancel()  # nothing for those already done
+        if futures:
+            await asyncio.gather(*futures, return_exceptions=True)
+
+
+async def _first_done_or_failed(head: asyncio.Future[Any], futures: list[asyncio.Future[Any]]) -> None:
+    """Wait until ``head`` is done, raising at once the error of any of ``futures`` that fails first."""
+    while True:
+        for future in futures:
+            if future.done() and not future.cancelled() and (error := future.exception()) is not None:
+                raise error
+        if head.done():
+            return
+        await asyncio.wait([f for f in futures if not f.done()], return_when=asyncio.FIRST_COMPLETED)
+
+
+_END: Any = object()
+
+
 class RetryingStore(Store):
     """A store whose every call has a timeout and retries transient failures.
 
@@ -161,6 +249,11 @@ def open_store(
     """``from_url`` wrapped with the retry policy and timeout of ``options`` (retries counted in ``stats``)."""
     store = from_url(url, **(storage_options or {}))
     return RetryingStore(store, retry=options.retry, request_timeout=options.request_timeout, stats=stats)
+
+
+def missing_bucket(url: str, key: str, error: ObjectNotFoundError) -> ObjectNotFoundError:
+    """The error for a write that found no object to write to: a write can only miss its bucket."""
+    return ObjectNotFoundError(f"cannot write {url}/{key}: the bucket (or container) does not exist ({error})")
 
 
 class TransferEngine:
@@ -241,10 +334,8 @@ class TransferEngine:
 
         try:
             await self.call(f"PUT {self.store.url}/{key}", once)
-        except ObjectNotFoundError as e:  # a write can only miss its bucket
-            raise ObjectNotFoundError(
-                f"cannot write {self.store.url}/{key}: the bucket (or container) does not exist ({e})"
-            ) from e
+        except ObjectNotFoundError as e:
+            raise missing_bucket(self.store.url, key, e) from e
         size = sum(len(p) for p in data) if isinstance(data, list) else len(data)
         self.stats.add(bytes_written=size, objects_written=1)
         return attempts

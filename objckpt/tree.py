@@ -150,3 +150,44 @@ def flatten_target(target: Any) -> tuple[list[tuple[str, Any]], Any]:
 def unflatten_target(treedef: Any, values: list[Any]) -> Any:
     """The inverse of :func:`flatten_target`."""
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def find_subtree(skeleton: dict[str, Any], keypath: tuple[KeyEntry, ...]) -> dict[str, Any] | None:
+    """The skeleton node at ``keypath`` (a JAX key path of a target), or None when there is none.
+
+    Keys are matched as :func:`flatten` records them, so a target's dict key,
+    attribute name or index finds the saved node of any container type; the
+    caller checks the leaf paths below it.
+    """
+    node: Any = skeleton
+    for entry in keypath:
+        children = node.get("c") if isinstance(node, dict) else None
+        if not isinstance(children, list):
+            return None
+        if node.get("t") in ("list", "tuple"):
+            position = entry.idx if isinstance(entry, SequenceKey) else None
+        else:
+            try:
+                key = _key_json(entry, "")
+            except TypeError:
+                return None
+            keys = node.get("k")
+            matches = [n for n, k in enumerate(keys or ()) if k == key and type(k) is type(key)]
+            position = matches[0] if matches else None
+        if position is None or not 0 <= position < len(children):
+            return None
+        node = children[position]
+    return node if isinstance(node, dict) else None
+
+
+def leaf_indices(node: dict[str, Any]) -> list[int]:
+    """The leaf indexes under a skeleton node, in skeleton order."""
+    out: list[int] = []
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current.get("t") == "leaf":
+            out.append(current["i"])
+        else:
+            stack.extend(reversed(current.get("c", [])))
+    return out

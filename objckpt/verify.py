@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from objckpt import _runtime
@@ -28,7 +28,7 @@ from objckpt.format import BlobEntry, Manifest, Piece
 from objckpt.manifest_io import read_manifest
 from objckpt.options import MiB, Options
 from objckpt.progress import human_bytes, progress_bar
-from objckpt.transfer import TransferEngine, TransferStats, open_store
+from objckpt.transfer import TransferEngine, TransferStats, open_store, run_in_order
 
 log = logging.getLogger("objckpt")
 
@@ -74,6 +74,8 @@ class VerifyReport:
         blobs, pieces: how many were checked.
         bytes_read: bytes read from the store.
         requests, retries: store requests issued, and how many were retries.
+        checksum_retries: pieces read again after a checksum mismatch (a mismatch
+            that a re-read cures was a bit flipped in flight, not a problem).
         seconds: wall time.
     """
 
@@ -84,6 +86,7 @@ class VerifyReport:
     bytes_read: int = 0
     requests: int = 0
     retries: int = 0
+    checksum_retries: int = 0
     seconds: float = 0.0
 
     @property
@@ -113,6 +116,7 @@ class VerifyReport:
             "bytes_read": self.bytes_read,
             "requests": self.requests,
             "retries": self.retries,
+            "checksum_retries": self.checksum_retries,
             "seconds": self.seconds,
         }
 
@@ -155,6 +159,7 @@ def verify(
         bytes_read=stats.bytes_read,
         requests=stats.requests,
         retries=stats.retries,
+        checksum_retries=stats.checksum_retries,
         seconds=time.perf_counter() - started,
     )
     log.info("objckpt %s", report.summary())
@@ -168,8 +173,11 @@ async def _verify(store: Any, manifest: Manifest, options: Options, stats: Trans
     chunk = min(READ_CHUNK, options.copied_read_limit(streamed=False))
     problems: list[VerifyProblem] = []
 
+    reads = options.retry.checksum_reads
+
     async def one(blob: BlobEntry) -> None:
-        problems.extend(await check_blob(engine, blob, by_blob.get(blob.key, []), present.get(blob.key), chunk=chunk))
+        listed = present.get(blob.key)
+        problems.extend(await check_blob(engine, blob, by_blob.get(blob.key, []), listed, chunk=chunk, reads=reads))
 
     window = min(options.read_window, options.memory_budget)
     await engine.for_each(manifest.blobs, one, window_bytes=window, size=lambda b: max(b.size, 1))
@@ -186,24 +194,35 @@ def pieces_by_blob(manifest: Manifest) -> dict[str, list[PieceRef]]:
     return out
 
 
+#: Sub-range GETs of one blob in flight at once (``READ_CHUNK`` each).
+READ_PARALLEL = 4
+
+
 async def read_blob(engine: TransferEngine, key: str, size: int, *, chunk: int) -> memoryview | bytearray:
     """The first ``size`` bytes of blob ``key`` by concurrent ranged reads.
 
-    Returns fewer bytes only if the object is shorter. Raises what the store
-    raises (``ObjectNotFoundError`` for a missing blob).
+    Returns fewer bytes only if the object is shorter. The ranges are started
+    a few at a time (:func:`objckpt.transfer.run_in_order`) and the first that
+    comes back short ends the read, so ``size`` (the manifest's word) costs
+    only the bytes the object has. Raises what the store raises
+    (``ObjectNotFoundError`` for a missing blob).
     """
     if size <= chunk:
         return await engine.get_range(key, 0, size)
-    starts = range(0, size, chunk)
-    parts = await asyncio.gather(*(engine.get_range(key, s, min(s + chunk, size)) for s in starts))
-    buffer = bytearray(size)
-    got = 0
-    for s, part in zip(starts, parts):
-        buffer[s : s + len(part)] = part
-        if len(part) < min(chunk, size - s):  # the object ends inside this range
-            return buffer[: s + len(part)]
-        got = s + len(part)
-    return buffer if got == size else buffer[:got]
+
+    async def part(start: int) -> memoryview:
+        return await engine.get_range(key, start, min(start + chunk, size))
+
+    def short(start: int, data: memoryview) -> bool:
+        return len(data) < min(chunk, size - start)
+
+    parts = await run_in_order(range(0, size, chunk), part, parallel=READ_PARALLEL, last=short)
+    buffer = bytearray()
+    for data in parts:
+        buffer += data
+        if len(data) < chunk:  # the object ends inside this range (or this is its last one)
+            break
+    return buffer
 
 
 def check_pieces(
@@ -231,13 +250,25 @@ def check_pieces(
 
 
 async def check_blob(
-    engine: TransferEngine, blob: BlobEntry, pieces: list[PieceRef], listed_size: int | None, *, chunk: int
+    engine: TransferEngine,
+    blob: BlobEntry,
+    pieces: list[PieceRef],
+    listed_size: int | None,
+    *,
+    chunk: int,
+    reads: int = 1,
 ) -> list[VerifyProblem]:
     """Read one blob and return everything wrong with it (nothing: it is intact).
+
+    The manifest's size is checked against the store's before anything is read,
+    and no more than the smaller of the two is read: a blob declared larger than
+    it is costs the bytes it has, not the bytes it claims.
 
     Args:
         listed_size: the size a listing of the store showed, or None when the
             listing did not show the blob (it is then reported missing, unread).
+        reads: reads of a piece whose checksum does not match, the first
+            included, before it is reported (:func:`recheck`).
     """
     url = engine.store.url
     leaves = sorted({path for path, _ in pieces})
@@ -245,7 +276,7 @@ async def check_blob(
     if listed_size is None:
         return [VerifyProblem("missing", blob.key, f"missing blob {url}/{blob.key} ({blob.size} bytes; {what})")]
     try:
-        data = await read_blob(engine, blob.key, blob.size, chunk=chunk)
+        data = await read_blob(engine, blob.key, min(blob.size, listed_size), chunk=chunk)
     except FileNotFoundError:
         return [VerifyProblem("missing", blob.key, f"missing blob {url}/{blob.key} ({blob.size} bytes; {what})")]
     except StoreError as e:
@@ -274,5 +305,42 @@ async def check_blob(
                 end=listed_size,
             )
         )
-    problems.extend(await asyncio.to_thread(check_pieces, url, blob.key, data, pieces))
+    mismatches = await asyncio.to_thread(check_pieces, url, blob.key, data, pieces)
+    del data
+    problems.extend(await recheck(engine, blob.key, mismatches, pieces, reads=reads))
     return problems
+
+
+async def recheck(
+    engine: TransferEngine, key: str, mismatches: list[VerifyProblem], pieces: list[PieceRef], *, reads: int
+) -> list[VerifyProblem]:
+    """The mismatches that persist when their pieces are read again, up to ``reads`` reads in all.
+
+    A bit flipped in flight fails one read, not the next, so only a mismatch
+    every read sees is corruption at rest; its message says over how many
+    reads. Each piece read again counts in ``engine.stats.checksum_retries``.
+    """
+    by_range = {(p.offset, p.offset + p.length): p for _, p in pieces}
+    persisted = []
+    for problem in mismatches:
+        assert problem.start is not None and problem.end is not None
+        if await _cured(engine, key, by_range[(problem.start, problem.end)], reads - 1):
+            continue
+        if reads > 1:
+            problem = replace(problem, message=f"{problem.message} (persisted over {reads} reads)")
+        persisted.append(problem)
+    return persisted
+
+
+async def _cured(engine: TransferEngine, key: str, piece: Piece, rereads: int) -> bool:
+    """Whether one of up to ``rereads`` more reads of a mismatched piece matches its crc32c
+    (a re-read the store refuses leaves the mismatch standing)."""
+    for _ in range(rereads):
+        engine.stats.add(checksum_retries=1)
+        try:
+            data = await engine.get_range(key, piece.offset, piece.offset + piece.length)
+        except StoreError:
+            return False
+        if len(data) == piece.length and await asyncio.to_thread(crc32c, data) == piece.crc32c:
+            return True
+    return False

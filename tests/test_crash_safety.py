@@ -95,7 +95,11 @@ def test_sigkill_at_random_moments_never_loses_the_latest_step(s3_store):
     print(f"commits per trial before SIGKILL: {killed_after_commits}")
 
     committed = mgr.steps()
-    mgr.gc(grace_seconds=0)
+    # SIGKILL ran no cleanup: the killed saves' live markers stay until their lease
+    # ends, and only then do their orphans go (a 1 s lease here, past by now).
+    time.sleep(2.2)
+    sweeper = objckpt.CheckpointManager(s3_store.url, storage_options=so, options=objckpt.Options(live_marker_lease=1))
+    sweeper.gc(grace_seconds=0)
     assert mgr.steps() == committed
     _check_listed_steps_are_whole(mgr)
     referenced = set()

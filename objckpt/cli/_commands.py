@@ -12,9 +12,10 @@ from typing import Any
 from objckpt import _runtime
 from objckpt.cli._stores import UsageError, options_from_args
 from objckpt.copy import copy
-from objckpt.errors import CheckpointNotFoundError
+from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
 from objckpt.format import MANIFEST_KEY
 from objckpt.info import CheckpointInfo, LeafInfo, inspect
+from objckpt.live import describe, is_marker, live_markers
 from objckpt.manager import STEP_DIR, delete_checkpoint, delete_objects, unreferenced_objects
 from objckpt.options import Options
 from objckpt.progress import human_bytes
@@ -74,7 +75,9 @@ class Listed:
 
 def group_checkpoints(objects: list[ObjectInfo]) -> list[Listed]:
     """Checkpoints under a root from one listing: every directory holding a manifest, plus
-    every manager step directory (committed or not). Each object counts toward the deepest one."""
+    every manager step directory (committed or not). Each object counts toward the deepest one;
+    live-save markers (:mod:`objckpt.live`) count toward none."""
+    objects = [o for o in objects if not is_marker(o.key)]
     dirs: set[str] = set()
     for o in objects:
         if o.key == MANIFEST_KEY:
@@ -273,7 +276,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     options = Options()
     store = open_store(args.root, options_from_args(args, args.root), options)
     found = _runtime.run_sync(
-        unreferenced_objects(store, grace=args.grace_seconds, manifest_size_limit=options.manifest_size_limit)
+        unreferenced_objects(
+            store,
+            grace=args.grace_seconds,
+            manifest_size_limit=options.manifest_size_limit,
+            lease=args.lease_seconds,
+        )
     )
     if not args.dry_run:
         _runtime.run_sync(delete_objects(store, [o.key for o in found]))
@@ -303,12 +311,18 @@ def cmd_rm(args: argparse.Namespace) -> int:
         )
     if not objects:
         raise CheckpointNotFoundError(f"nothing to remove at {store.url}")
+    live = [] if args.force else _runtime.run_sync(live_markers(store, lease=args.lease_seconds))
+    if live:
+        raise SaveInProgressError(
+            f"a save is writing to {store.url} ({describe(live)}, lease {args.lease_seconds:g} s); nothing removed."
+            " Pass --force to remove it anyway (the save then fails at its commit)"
+        )
     if MANIFEST_KEY not in keys and not args.force:
         raise CheckpointNotFoundError(
             f"no committed checkpoint at {store.url} ({len(objects)} objects without a manifest);"
             " pass --force to delete them"
         )
-    _runtime.run_sync(delete_checkpoint(store))
+    _runtime.run_sync(delete_checkpoint(store, lease=args.lease_seconds, force=args.force))
     total = sum(o.size for o in objects)
     if args.json:
         _dump({"url": store.url, "committed": MANIFEST_KEY in keys, "objects": len(objects), "bytes": total})

@@ -38,6 +38,20 @@ def _tuning(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _lease(parser: argparse.ArgumentParser) -> None:
+    from objckpt.options import Options
+
+    default = Options.live_marker_lease
+    parser.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=default,
+        metavar="S",
+        help="a save's live marker younger than this keeps its step untouched, whatever the grace"
+        f" period (default {default:g}; the saver's Options.live_marker_lease)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="objckpt",
@@ -93,15 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=3600.0,
         metavar="S",
-        help="leave objects younger than this alone, so saves in flight are safe (default 3600)",
+        help="also leave objects younger than this alone (default 3600)",
     )
+    _lease(p)
     p.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     _common(p)
     add_store_flags(p)
 
     p = command("rm", _commands.cmd_rm, "delete a checkpoint (manifest first, then its blobs)")
     p.add_argument("url", metavar="URL")
-    p.add_argument("--force", action="store_true", help="also delete objects under URL that no manifest commits")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="also delete objects under URL that no manifest commits, even those of a save in flight",
+    )
+    _lease(p)
     _common(p)
     add_store_flags(p)
     return parser

@@ -13,11 +13,13 @@ here, so the transfer engine can decide retries by exception type alone:
 :func:`map_error` covers fsspec filesystems (s3fs/botocore, gcsfs/aiohttp,
 requests, local OS errors); :func:`map_obstore_error` covers obstore, whose
 exception classes already carry the category. Messages are scrubbed of
-URL credentials.
+URL credentials, and a service's error body (S3's XML, GCS's JSON) is shown
+as its code and message only (:func:`service_detail`), never as raw markup.
 """
 
 from __future__ import annotations
 
+import html
 import re
 import sys
 
@@ -120,7 +122,7 @@ def map_error(exc: BaseException, what: str, *, create: bool = False) -> StoreEr
     if isinstance(exc, StoreError):
         return exc
     status = http_status(exc)
-    detail = scrub(f"{type(exc).__name__}: {exc}")
+    detail = scrub(_client_error_detail(exc) or f"{type(exc).__name__}: {service_detail(str(exc))}")
     suffix = f" (HTTP {status})" if status else ""
     message = f"{what} failed{suffix}: {detail}"
     if create and (isinstance(exc, FileExistsError) or status == 412):
@@ -141,10 +143,73 @@ def map_error(exc: BaseException, what: str, *, create: bool = False) -> StoreEr
 # ------------------------------------------------------------------ obstore
 
 
+#: Where a service's error body starts inside a library's message.
+_BODY_START = re.compile(r"<\?xml|<Error\b|\{\s*\"error\"")
+_XML_FIELD = re.compile(r"<(Code|Message)>([^<]{0,500})</(?:Code|Message)>")
+_JSON_MESSAGE = re.compile(r'"message"\s*:\s*"((?:[^"\\]|\\.){0,500})"')
+_JSON_STATUS = re.compile(r'"status"\s*:\s*"([A-Za-z_]{1,64})"')
+_JSON_CODE = re.compile(r'"code"\s*:\s*(\d{3})')
+_DETAIL_LIMIT = 400
+
+
+def _body_fields(text: str) -> list[str]:
+    """The error code and message of an S3 XML or GCS JSON error body inside ``text``."""
+    fields: dict[str, str] = {}
+    for name, value in _XML_FIELD.findall(text):
+        fields.setdefault(name, html.unescape(value).strip())
+    if not fields:
+        status = _JSON_STATUS.search(text) or _JSON_CODE.search(text)
+        message = _JSON_MESSAGE.search(text)
+        if status:
+            fields["Code"] = status.group(1)
+        if message:
+            fields["Message"] = message.group(1).replace('\\"', '"')
+    return [fields[k] for k in ("Code", "Message") if fields.get(k)]
+
+
+def service_detail(text: str) -> str:
+    """A library's error message without the service's raw error body: its first line up
+    to where the body starts, then the body's code and message (S3 ``<Code>``/``<Message>``,
+    GCS JSON ``status``/``message``), e.g. ``"... 403 Forbidden: AccessDenied: Access Denied"``.
+
+    obstore appends the body and a multi-line Rust debug dump (which repeats it) to its
+    first line; only the part before the dump is read.
+    """
+    shown = text.split("\n\nDebug source:", 1)[0].strip()
+    lines = shown.splitlines()
+    head = lines[0] if lines else ""
+    start = _BODY_START.search(head)
+    if start is not None:
+        head = head[: start.start()]
+    head = head.rstrip().rstrip(":").rstrip()
+    body = _BODY_START.search(shown)
+    fields = _body_fields(shown[body.start() :]) if body is not None else []
+    detail = ": ".join([head, *fields]) if head else ": ".join(fields)
+    return detail[:_DETAIL_LIMIT]
+
+
 def _first_line(exc: BaseException) -> str:
-    # obstore appends a multi-line Rust debug dump; the first line says what happened.
-    text = str(exc).strip().splitlines()
-    return text[0] if text else ""
+    # obstore appends the body and a multi-line Rust debug dump; the first line says what happened.
+    return service_detail(str(exc))
+
+
+def _client_error_detail(exc: BaseException) -> str | None:
+    """``"Code: Message"`` of a botocore ``ClientError`` in ``exc``'s cause chain (s3fs raises
+    a plain ``OSError`` carrying only the message), or None; numeric codes (a HEAD's
+    body-less ``"403"``) say nothing the status does not."""
+    cur: BaseException | None = exc
+    for _ in range(8):
+        if cur is None:
+            return None
+        response = getattr(cur, "response", None)
+        error = response.get("Error") if isinstance(response, dict) else None
+        if isinstance(error, dict):
+            code, message = str(error.get("Code") or ""), str(error.get("Message") or "")
+            if code and not code.isdigit():
+                return f"{code}: {message}" if message else code
+            return None
+        cur = cur.__cause__
+    return None
 
 
 _OBSTORE_STATUS = re.compile(r"\bstatus: (\d{3}),")

@@ -16,6 +16,11 @@ adapter adds:
 * **Errors by type and status code**, never by message text (see
   :mod:`objckpt.storage.error_map`). Messages name the object's full URL
   (the root URL, credentials stripped, plus the key).
+* **Local reads stay inside the root**: on a local filesystem every read,
+  ``head``, write and delete goes through :mod:`objckpt.storage.local`, which
+  refuses a key whose path resolves outside the store's root through a
+  symbolic link (:class:`StorePermissionError`) and reads only regular files
+  (a FIFO is a :class:`StoreError` at once, not a read that blocks).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from objckpt.errors import ObjectNotFoundError, StoreError, TransientStoreError
+from objckpt.errors import ObjectNotFoundError, StoreError, StorePermissionError, TransientStoreError
 from objckpt.storage import local as _local
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
 from objckpt.storage.error_map import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
@@ -253,6 +258,17 @@ class FsspecStore(Store):
     async def _in_thread(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         return await self._run(what, lambda: asyncio.to_thread(fn, *args))
 
+    async def _local(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run one of :mod:`objckpt.storage.local`'s functions on this store's root directory;
+        its refusals (a path leading out of the root, a file that is not regular) name the
+        key and the root."""
+        try:
+            return await self._in_thread(what, fn, self._root, *args)
+        except _local.OutsideRootError as exc:
+            raise StorePermissionError(f"{what}: {exc.strerror}") from exc
+        except _local.NotRegularFileError as exc:
+            raise StoreError(f"{what}: {exc.strerror}") from exc
+
     # -------------------------------------------------------------------- reads
 
     async def get_range_streamed(self, key: str, *, start: int, end: int, sink: ReadSink) -> int:
@@ -267,6 +283,9 @@ class FsspecStore(Store):
         _check_relative(key, "key", allow_empty=False, allow_partial=False)
         what = f"head {self._url(key)}"
         try:
+            if self._kind == "local":
+                st = await self._local(what, _local.stat_regular, key)
+                return ObjectInfo(key=key, size=st.st_size, last_modified=st.st_mtime)
             info = await self._fs(what, "info", self._path(key))
         except _PROGRAMMING_ERRORS:
             raise
@@ -284,6 +303,8 @@ class FsspecStore(Store):
         # for the small objects this is used for (the transfer engine splits big ones).
         options: dict[str, Any] = {"max_concurrency": 1} if self._kind == "s3" else {}
         try:
+            if self._kind == "local":
+                return await self._local(what, _local.read_range, key, 0, None)
             data = await self._fs(what, "cat_file", self._path(key), **options)
         except _PROGRAMMING_ERRORS:
             raise
@@ -300,6 +321,8 @@ class FsspecStore(Store):
             return b""
         what = f"get {self._url(key)} bytes [{start}, {end})"
         try:
+            if self._kind == "local":
+                return await self._local(what, _local.read_range, key, start, end)
             # By keyword: s3fs's cat_file takes version_id second.
             data = await self._fs(what, "cat_file", self._path(key), start=start, end=end)
         except _PROGRAMMING_ERRORS:
@@ -356,7 +379,7 @@ class FsspecStore(Store):
         path = self._path(key)
         try:
             if self._kind == "local":
-                await self._in_thread(what, functools.partial(_local.write_atomic, exclusive=create), path, data)
+                await self._local(what, functools.partial(_local.write_inside, exclusive=create), key, data)
             elif self._kind == "memory":
                 await self._in_thread(what, _memory_put, self.fs, path, data, create)
             elif self._kind == "gcs" and not create:  # bulk data: the buffer is the body, no copy
@@ -380,7 +403,10 @@ class FsspecStore(Store):
         _check_relative(key, "key", allow_empty=False, allow_partial=False)
         what = f"delete {self._url(key)}"
         try:
-            await self._fs(what, "rm_file", self._path(key))
+            if self._kind == "local":
+                await self._local(what, _local.remove_inside, key)
+            else:
+                await self._fs(what, "rm_file", self._path(key))
         except _PROGRAMMING_ERRORS:
             raise
         except Exception as exc:

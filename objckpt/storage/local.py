@@ -11,13 +11,36 @@ in the destination directory and one atomic step at the end:
 
 Temporary files are named ``.objckpt-tmp-<random>`` so listings can hide
 them; one left behind by a killed writer is garbage, never an object.
+
+A store rooted at a directory never opens a path outside it. Keys are checked
+lexically (no ``..``) before they get here, but a symbolic link inside the
+directory (``ck/aa -> /elsewhere``) would still lead a hostile checkpoint's
+manifest out of it. So:
+
+* reads (:func:`open_regular`) resolve the key's real path and compare it with
+  the root's real path (the root itself may be a link, e.g. ``/tmp`` on macOS),
+  then open that resolved path one component at a time with ``O_NOFOLLOW``
+  from a descriptor of the root: a link swapped in after the check fails the
+  open rather than being followed, so the check cannot be raced;
+* only regular files are read: the last component is opened ``O_NONBLOCK``
+  (a FIFO would otherwise block ``open`` until a writer came) and ``fstat``-ed;
+  a FIFO, socket or device is :class:`NotRegularFileError`;
+* writes and deletes (:func:`resolve_parent`) resolve the key's parent
+  directory and refuse one outside the root; they then act on the resolved
+  path. Their last component is never followed (``rename``/``link``/``unlink``
+  act on a link itself), so deleting a link inside the root removes the link.
+
+A path that resolves outside is :class:`OutsideRootError` (a
+``PermissionError``); the store reports it as a ``StorePermissionError``.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import uuid
+from typing import BinaryIO
 
 #: Prefix of in-flight temporary files; listings skip names starting with it.
 TMP_PREFIX = ".objckpt-tmp-"
@@ -41,6 +64,147 @@ def is_temp_name(path: str) -> bool:
 class ParentNotDirectoryError(OSError):
     """A parent "directory" of the key exists as a file (object stores allow
     ``a`` and ``a/b`` side by side; a filesystem cannot)."""
+
+
+class OutsideRootError(PermissionError):
+    """A key's path resolves (through a symbolic link) outside the store's root directory."""
+
+    def __init__(self, key: str, root: str, resolved: str) -> None:
+        super().__init__(
+            errno.EACCES,
+            f"key {key!r} resolves to {resolved!r}, outside the store's root {root!r} "
+            "(a symbolic link inside the root leads out of it); refused",
+        )
+        self.key = key
+        self.root = root
+        self.resolved = resolved
+
+
+class NotRegularFileError(OSError):
+    """The object's path is a FIFO, socket or device, not a regular file: never read."""
+
+    def __init__(self, key: str, mode: int) -> None:
+        super().__init__(errno.EINVAL, f"key {key!r} is {_kind_of_mode(mode)}, not a regular file; refused")
+        self.key = key
+
+
+def _kind_of_mode(mode: int) -> str:
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISLNK, "a symbolic link"),
+    )
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+#: Whether a path can be walked component by component (``openat``) without following links.
+_WALKS = bool(_O_NOFOLLOW and _O_DIRECTORY) and os.open in os.supports_dir_fd
+
+
+def _inside(real_root: str, resolved: str) -> bool:
+    return resolved == real_root or resolved.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
+def resolve_inside(root: str, key: str) -> tuple[str, str]:
+    """``(real root, real path)`` of ``key`` under ``root``, refusing a path that leads out.
+
+    Args:
+        root: The store's root directory (it may itself be, or lie under, a link).
+        key: A lexically clean relative ``/`` key.
+
+    Raises:
+        OutsideRootError: the key's real path is not under the root's real path.
+    """
+    real_root = os.path.realpath(root or os.sep)
+    resolved = os.path.realpath(os.path.join(real_root, *key.split("/")))
+    if not _inside(real_root, resolved):
+        raise OutsideRootError(key, root or os.sep, resolved)
+    return real_root, resolved
+
+
+def resolve_parent(root: str, key: str) -> str:
+    """The real path to write or delete ``key`` at: its parent resolved and checked, its name kept.
+
+    Raises:
+        OutsideRootError: the key's parent directory resolves outside the root.
+    """
+    head, _, name = key.rpartition("/")
+    if not head:
+        return os.path.join(os.path.realpath(root or os.sep), name)
+    _, parent = resolve_inside(root, head)
+    return os.path.join(parent, name)
+
+
+def open_regular(root: str, key: str) -> BinaryIO:
+    """Open ``key`` under ``root`` for reading: a regular file inside the root, links never followed.
+
+    Raises:
+        OutsideRootError: the key resolves outside the root (or a link appeared while opening).
+        NotRegularFileError: a FIFO, socket or device (detected without blocking).
+        IsADirectoryError, FileNotFoundError, NotADirectoryError: no such object.
+    """
+    real_root, resolved = resolve_inside(root, key)
+    if resolved == real_root:
+        raise IsADirectoryError(errno.EISDIR, "the store's root is not an object", key)
+    flags = os.O_RDONLY | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC
+    try:
+        fd = _walk_open(real_root, os.path.relpath(resolved, real_root), flags, key)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link swapped in after resolving: refuse, never follow
+            raise OutsideRootError(key, root or os.sep, resolved) from exc
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "a prefix of other objects", key)
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(key, mode)
+        if _O_NONBLOCK:
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _walk_open(real_root: str, rel: str, flags: int, key: str) -> int:
+    """Open ``rel`` under ``real_root`` from a descriptor of the root, one component at a time,
+    following no link; where ``openat`` is missing, open the resolved path with ``O_NOFOLLOW``."""
+    if not _WALKS:
+        return os.open(os.path.join(real_root, rel), flags)
+    *dirs, name = rel.split(os.sep)
+    dir_fd = os.open(real_root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    try:
+        for part in dirs:
+            next_fd = os.open(part, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
+            os.close(dir_fd)
+            dir_fd = next_fd
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+            raise NotRegularFileError(key, mode)  # not even opened: a device open may act
+        return os.open(name, flags, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_range(root: str, key: str, start: int, end: int | None) -> bytes:
+    """Bytes ``[start, end)`` of ``key`` (to its end when ``end`` is None), via :func:`open_regular`."""
+    with open_regular(root, key) as f:
+        if start:
+            f.seek(start)
+        return f.read() if end is None else f.read(end - start)
+
+
+def stat_regular(root: str, key: str) -> os.stat_result:
+    """``fstat`` of ``key`` opened by :func:`open_regular` (the same checks as a read)."""
+    with open_regular(root, key) as f:
+        return os.fstat(f.fileno())
 
 
 def _make_parent(path: str) -> str:
@@ -116,3 +280,22 @@ def _create_exclusive_fallback(path: str, data: bytes | bytearray | memoryview) 
     except BaseException:
         _unlink_quietly(path)
         raise
+
+
+def write_inside(root: str, key: str, data: bytes | bytearray | memoryview, *, exclusive: bool) -> None:
+    """:func:`write_atomic` of ``key`` under ``root``, refusing a parent that resolves outside it.
+
+    Raises:
+        OutsideRootError: a directory on the key's path is a link leading out of the root.
+    """
+    write_atomic(resolve_parent(root, key), data, exclusive=exclusive)
+
+
+def remove_inside(root: str, key: str) -> None:
+    """Remove ``key`` under ``root`` (a link is removed, not its target), refusing a parent outside it.
+
+    Raises:
+        OutsideRootError: a directory on the key's path is a link leading out of the root.
+        FileNotFoundError: no such file.
+    """
+    os.unlink(resolve_parent(root, key))

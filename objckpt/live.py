@@ -1,0 +1,143 @@
+"""Live-save markers: what keeps ``gc``, ``rm`` and retention off a save in flight.
+
+Each process of a save writes ``_live/<save_id>-p<process>`` under the
+checkpoint prefix before its first blob, rewrites it every tenth of the lease
+while the save runs, and deletes it once the commit's outcome is known. Code
+that deletes objects of a checkpoint prefix lists them first and only *then*
+looks for markers (:func:`live_markers`): every blob in its listing was written
+after its save's marker, so a save still running has a marker there, younger
+than the lease. A marker older than the lease belongs to a save that died
+(SIGKILL runs no cleanup) and protects nothing, so a crash delays orphan
+collection by at most the lease. A marker is never listed in a manifest.
+
+A save whose marker went unrefreshed for most of the lease (the store refused
+the rewrites) no longer counts on it: it fails instead of committing
+(:meth:`LiveMarker.lapsed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+
+from objckpt.errors import ObjectNotFoundError
+from objckpt.storage import ObjectInfo, Store
+from objckpt.transfer import missing_bucket
+
+log = logging.getLogger("objckpt")
+
+#: Where markers live, relative to a checkpoint prefix (never a blob key: blob
+#: directories are two hex digits).
+LIVE_DIR = "_live"
+
+#: The marker is rewritten this many times per lease while the save runs.
+REFRESHES_PER_LEASE = 10
+
+_MARKER = re.compile(rf"(^|/){LIVE_DIR}/[0-9a-f]+-p[0-9]+$")
+
+
+def marker_key(save_id: str, process_index: int) -> str:
+    """The marker of one process of one save, relative to the checkpoint prefix."""
+    return f"{LIVE_DIR}/{save_id}-p{process_index}"
+
+
+def is_marker(key: str) -> bool:
+    """True when ``key`` (relative to a checkpoint or to a root above it) is a live-save marker."""
+    return _MARKER.search(key) is not None
+
+
+async def live_markers(store: Store, *, lease: float) -> list[ObjectInfo]:
+    """The markers under the checkpoint prefix ``store`` younger than ``lease`` seconds.
+
+    A marker whose store gives no time counts as live (the safe side). Call it
+    *after* listing the objects it is to protect.
+    """
+    now = time.time()
+    found = await store.list(f"{LIVE_DIR}/")
+    return [m for m in found if m.last_modified is None or now - m.last_modified < lease]
+
+
+def describe(markers: list[ObjectInfo]) -> str:
+    """One phrase naming the first marker and its age, for error messages and logs."""
+    first = markers[0]
+    age = "" if first.last_modified is None else f", written {max(0.0, time.time() - first.last_modified):.0f} s ago"
+    more = f" and {len(markers) - 1} more" if len(markers) > 1 else ""
+    return f"live-save marker {first.key}{age}{more}"
+
+
+class LiveMarker:
+    """One process's marker for one save: written, kept fresh, then deleted.
+
+    Runs on the I/O loop. The refresh finishes a rewrite in flight before it
+    stops, so the delete in :meth:`end` is never overtaken by a late rewrite.
+    """
+
+    def __init__(self, store: Store, key: str, *, lease: float) -> None:
+        self.store = store
+        self.key = key
+        self.lease = lease
+        self.interval = lease / REFRESHES_PER_LEASE
+        self._written_at: float | None = None  # monotonic start of the last successful write
+        self._stop: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def begin(self) -> None:
+        """Write the marker (before any blob) and start refreshing it."""
+        await self._write()
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._refresh())
+
+    async def _write(self) -> None:
+        started = time.monotonic()
+        body = json.dumps({"key": self.key, "lease_seconds": self.lease, "written": time.time()}).encode()
+        try:
+            await self.store.put(self.key, body)
+        except ObjectNotFoundError as e:
+            raise missing_bucket(self.store.url, self.key, e) from e
+        self._written_at = started
+
+    async def _refresh(self) -> None:
+        assert self._stop is not None
+        while True:
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.interval)
+                return
+            except TimeoutError:
+                pass
+            try:
+                await self._write()
+            except Exception as e:  # the next round tries again; lapsed() tells the commit
+                log.warning("objckpt could not refresh %s/%s: %s", self.store.url, self.key, e)
+
+    def lapsed(self) -> bool:
+        """True when the marker may have aged past the lease in a deleter's eyes.
+
+        One refresh interval of margin covers the clock difference between the
+        store, which stamps the marker, and a deleter, which ages it.
+        """
+        if self._written_at is None:
+            return True
+        return time.monotonic() - self._written_at > self.lease - self.interval
+
+    def lapse_error(self) -> str:
+        """Why a lapsed marker stops the save, for the error message."""
+        return (
+            f"live-save marker {self.store.url}/{self.key} was not rewritten for over"
+            f" {self.lease - self.interval:g} s (lease {self.lease:g} s), so gc, rm or retention"
+            " may have deleted blobs of this save"
+        )
+
+    async def end(self) -> None:
+        """Stop refreshing and delete the marker; best effort (a leftover marker expires)."""
+        if self._stop is not None and self._task is not None:
+            self._stop.set()
+            await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            await self.store.delete(self.key)
+        except Exception as e:
+            log.warning(
+                "objckpt could not delete %s/%s (it expires after %g s): %s", self.store.url, self.key, self.lease, e
+            )

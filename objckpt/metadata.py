@@ -1,0 +1,92 @@
+"""User metadata and metrics → plain JSON values for the manifest.
+
+A training loop's metrics are numpy or jax scalars (``loss`` out of a jitted
+step is a 0-d ``jax.Array``), not Python floats, and a diverged loss is NaN,
+which strict JSON cannot hold. Both are stored as plain JSON, so the manifest
+stays readable by any JSON parser; a value that has no JSON form is refused
+with its key path named (``metrics['loss']``), before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+#: How a non-finite float is stored: the strings Python's ``float()`` reads back.
+NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def to_json_value(value: Any, where: str) -> Any:
+    """``value`` as plain JSON types (dict, list, str, int, float, bool, None).
+
+    numpy and jax scalars and 0-d arrays become Python scalars; tuples become
+    lists; NaN and infinities become the strings in :data:`NON_FINITE`.
+    ``where`` names the value in errors (``metrics``, ``metadata``).
+
+    Raises:
+        TypeError: a value with no JSON form, naming its key path.
+    """
+    if value is None or type(value) in (str, bool, int):
+        return value
+    if isinstance(value, (str, bool, int)):
+        return _plain(value)
+    if isinstance(value, float):
+        return _float(float(value))
+    if isinstance(value, Mapping):
+        return {_key(k, where): to_json_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, (np.generic, np.ndarray, jax.Array)):
+        return _array_scalar(value, where)
+    raise TypeError(
+        f"save metadata must be JSON-serialisable: {where} is of type {_type_name(value)}"
+        " (allowed: dict, list, tuple, str, int, float, bool, None, numpy/jax scalars and 0-d arrays)"
+    )
+
+
+def _plain(value: str | bool | int) -> str | bool | int:
+    """A subclass of str/bool/int (``np.str_``, an ``IntEnum``) as the plain built-in."""
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, bool):
+        return bool(value)
+    return int(value)
+
+
+def _float(value: float) -> float | str:
+    return value if math.isfinite(value) else NON_FINITE[repr(value)]
+
+
+def _key(key: Any, where: str) -> str | int:
+    """A dict key JSON can hold (it writes int keys as strings, as ``json.dumps`` does)."""
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise TypeError(f"save metadata must be JSON-serialisable: {where} has a key {key!r} (keys must be str or int)")
+    return str(key) if isinstance(key, str) else int(key)
+
+
+def _array_scalar(value: np.generic | np.ndarray | jax.Array, where: str) -> Any:
+    """A numpy/jax scalar or 0-d array as a Python bool, int or float."""
+    if value.ndim != 0:
+        raise TypeError(
+            f"save metadata must be JSON-serialisable: {where} is an array of shape {tuple(value.shape)}"
+            " (only scalars and 0-d arrays; pass .tolist() to store its values)"
+        )
+    if isinstance(value, jax.Array) and value.is_deleted():
+        raise TypeError(f"save metadata must be JSON-serialisable: {where} is a deleted (donated) jax.Array")
+    item = np.asarray(value).item()
+    if isinstance(item, bool):
+        return item
+    if isinstance(item, int):
+        return item
+    if isinstance(item, float):
+        return _float(item)
+    raise TypeError(f"save metadata must be JSON-serialisable: {where} is a 0-d array of dtype {value.dtype}")
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"

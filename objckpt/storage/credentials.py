@@ -1,0 +1,202 @@
+"""Pre-flight credential checks: "no credentials" said at once, with the sources tried.
+
+Without this, a cloud URL opened with no credentials configured anywhere fails
+late and obscurely: obstore probes the instance metadata service on every
+request (each a retried ``PUT .../latest/api/token``, ~20 s of retries before a
+message about that URL), and gcsfs spends ~20 s probing, then silently goes
+anonymous. So when a store opens with no explicit credentials, the chain is
+resolved once here with short limits:
+
+* ``s3://``: botocore's own resolver (environment, shared credentials/config
+  files and profile, web identity, container, ...) without its instance
+  metadata step, which retries and waits a second per request; then, only
+  if that found nothing, one token request to the instance metadata service
+  under :data:`METADATA_TIMEOUT_S`, no retry (any answer means it is there,
+  and the store's client resolves through it as usual). botocore assumes
+  roles lazily, so nothing else here makes a network call.
+* ``gs://``: the places Google's default credentials come from (the
+  ``GOOGLE_APPLICATION_CREDENTIALS`` file, gcloud's application-default file,
+  gcsfs's token cache), then one ping of the metadata server.
+
+Finding nothing raises :class:`StorePermissionError` naming the URL and every
+source tried. Explicit anonymous access (``anon=True`` for S3,
+``token="anon"`` for GCS, or an emulator) and explicit credentials skip the
+check. Found credentials are not kept: the store's own client resolves them
+again as usual (cheap once they exist). Nothing here logs or returns a secret.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any
+
+from objckpt.errors import StorePermissionError
+from objckpt.storage.urls import redact_url
+
+#: Seconds allowed to each instance-metadata request of the pre-flight check (one attempt).
+METADATA_TIMEOUT_S = 1.0
+
+_S3_EXPLICIT = ("key", "secret", "token", "username", "password", "session")
+_S3_CLIENT_EXPLICIT = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+
+
+def _s3_explicit(options: Mapping[str, Any]) -> bool:
+    """Whether the s3fs options themselves settle how requests are signed (or not signed)."""
+    if options.get("anon") or any(options.get(k) for k in _S3_EXPLICIT):
+        return True
+    client = options.get("client_kwargs") or {}
+    if any(client.get(k) for k in _S3_CLIENT_EXPLICIT):
+        return True
+    config = options.get("config_kwargs") or {}
+    return config.get("signature_version") is not None  # e.g. botocore.UNSIGNED
+
+
+def check_s3_credentials(url: str, options: Mapping[str, Any], environ: Mapping[str, str]) -> None:
+    """Raise at once if no AWS credentials can be found for ``url``.
+
+    Args:
+        url: The ``s3://`` URL being opened (shown without credentials).
+        options: s3fs storage options (``profile`` is honoured).
+        environ: Usually ``os.environ``.
+
+    Raises:
+        StorePermissionError: no source yields credentials (message lists the sources tried),
+            or botocore could not read a configured source (an unknown profile, say).
+    """
+    if _s3_explicit(options):
+        return
+    if environ.get("AWS_ACCESS_KEY_ID") and environ.get("AWS_SECRET_ACCESS_KEY"):
+        return  # the common case, decided without importing botocore
+    try:
+        import botocore.exceptions
+        import botocore.session
+    except ImportError:  # no botocore: obstore alone resolves, as before
+        return
+    session = botocore.session.Session(profile=options.get("profile"))
+    resolver = session.get_component("credential_provider")
+    resolver.remove("iam-role")  # instance metadata: probed below, once, briefly
+    try:
+        credentials = resolver.load_credentials()
+    except botocore.exceptions.BotoCoreError as exc:
+        raise StorePermissionError(f"cannot read AWS credentials for {redact_url(url)}: {exc}") from exc
+    if credentials is not None or _imds_answers(session, environ):
+        return
+    raise StorePermissionError(
+        f"no credentials found for {redact_url(url)}; tried: {_s3_sources(session, environ)}. "
+        "Configure credentials, or pass storage_options={'anon': True} for a public bucket"
+    )
+
+
+def _imds_endpoint(session: Any) -> str:
+    endpoint = session.get_config_variable("ec2_metadata_service_endpoint")
+    if endpoint:
+        return str(endpoint).rstrip("/")
+    mode = str(session.get_config_variable("ec2_metadata_service_endpoint_mode") or "ipv4").lower()
+    return "http://[fd00:ec2::254]" if mode == "ipv6" else "http://169.254.169.254"
+
+
+def _imds_answers(session: Any, environ: Mapping[str, str]) -> bool:
+    """Whether an instance metadata service answers one token request (IMDSv2); False when disabled."""
+    if (environ.get("AWS_EC2_METADATA_DISABLED") or "").lower() == "true":
+        return False
+    return _answers(
+        _imds_endpoint(session), "PUT", "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "21600"}
+    )
+
+
+def _answers(endpoint: str, method: str, path: str, headers: dict[str, str]) -> bool:
+    """Whether ``endpoint`` gives any HTTP answer to one request within
+    :data:`METADATA_TIMEOUT_S` (the client then resolves through it as usual).
+    No proxy, no retry: a metadata service is on the host's own link."""
+    parsed = urllib.parse.urlsplit(endpoint)
+    if not parsed.hostname:
+        return False
+    conn_type = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+    conn = conn_type(parsed.hostname, parsed.port, timeout=METADATA_TIMEOUT_S)
+    try:
+        conn.request(method, path, headers=headers)
+        conn.getresponse().read()
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+    return True
+
+
+def _s3_sources(session: Any, environ: Mapping[str, str]) -> str:
+    """The credential sources botocore tried, as one line for the message."""
+    profile = session.profile or environ.get("AWS_PROFILE") or "default"
+    credentials_file = os.path.expanduser(str(session.get_config_variable("credentials_file")))
+    config_file = os.path.expanduser(str(session.get_config_variable("config_file")))
+    imds = _imds_endpoint(session)
+    if (environ.get("AWS_EC2_METADATA_DISABLED") or "").lower() == "true":
+        metadata = "instance metadata (disabled by AWS_EC2_METADATA_DISABLED)"
+    else:
+        metadata = f"instance metadata at {imds} (no answer within {METADATA_TIMEOUT_S:g} s)"
+    return "; ".join(
+        (
+            "environment variables (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)",
+            f"shared credentials file {credentials_file} and config file {config_file} (profile {profile!r})",
+            "web identity token (AWS_WEB_IDENTITY_TOKEN_FILE)",
+            "container credentials (AWS_CONTAINER_CREDENTIALS_RELATIVE_URI/_FULL_URI)",
+            metadata,
+        )
+    )
+
+
+# ------------------------------------------------------------------------ GCS
+
+
+def _gcs_files(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(description, path) of every file Google's default credentials or gcsfs may read."""
+    home = os.path.expanduser("~")
+    config_dir = environ.get("CLOUDSDK_CONFIG") or (
+        os.path.join(environ["APPDATA"], "gcloud") if os.name == "nt" and environ.get("APPDATA") else None
+    )
+    config_dir = config_dir or os.path.join(home, ".config", "gcloud")
+    files = [
+        ("gcloud application-default credentials", os.path.join(config_dir, "application_default_credentials.json")),
+        ("gcsfs token cache", os.path.join(home, ".gcs_tokens")),
+    ]
+    explicit = environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if explicit:
+        files.insert(0, ("GOOGLE_APPLICATION_CREDENTIALS", explicit))
+    return files
+
+
+def _gce_metadata_answers(environ: Mapping[str, str]) -> bool:
+    """One short request to the GCE metadata server, at ``GCE_METADATA_HOST`` (or
+    ``GCE_METADATA_IP``) when set, as google-auth reads them."""
+    host = environ.get("GCE_METADATA_HOST") or environ.get("GCE_METADATA_IP") or "metadata.google.internal"
+    return _answers(f"http://{host}", "GET", "/computeMetadata/v1/", {"Metadata-Flavor": "Google"})
+
+
+def check_gcs_credentials(url: str, options: Mapping[str, Any], environ: Mapping[str, str]) -> None:
+    """Raise at once if gcsfs would find no Google credentials for ``url`` (it would go anonymous).
+
+    Only for the default ``token=None``: an explicit token (``"anon"``, a file,
+    credentials) and any endpoint (an emulator, ``STORAGE_EMULATOR_HOST``) are
+    taken as they are.
+
+    Raises:
+        StorePermissionError: no credential file exists and the metadata server does not answer.
+    """
+    if options.get("token") is not None or options.get("endpoint_url"):
+        return
+    if environ.get("STORAGE_EMULATOR_HOST", "default") != "default":
+        return  # an emulator: anonymous unless a token is given
+    files = _gcs_files(environ)
+    if any(os.path.exists(path) for _, path in files) or _gce_metadata_answers(environ):
+        return
+    host = environ.get("GCE_METADATA_HOST") or environ.get("GCE_METADATA_IP") or "metadata.google.internal"
+    tried = [f"{what} ({path})" for what, path in files]
+    if "GOOGLE_APPLICATION_CREDENTIALS" not in environ:
+        tried.insert(0, "GOOGLE_APPLICATION_CREDENTIALS (unset)")
+    tried.append(f"GCE metadata server at {host} (no answer within {METADATA_TIMEOUT_S:g} s)")
+    raise StorePermissionError(
+        f"no credentials found for {redact_url(url)}; tried: {'; '.join(tried)}. "
+        "Configure credentials, or pass storage_options={'token': 'anon'} for a public bucket"
+    )
