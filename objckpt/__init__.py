@@ -26,6 +26,7 @@ from objckpt.errors import (
 from objckpt.info import CheckpointInfo, LeafInfo, inspect
 from objckpt.manager import CheckpointManager
 from objckpt.options import Options, RetryConfig
+from objckpt.progress import Progress
 from objckpt.restore import restore
 from objckpt.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
 from objckpt.save import SaveHandle, save, save_async
@@ -52,6 +53,7 @@ __all__ = [
     "LeafInfo",
     "ObjckptError",
     "Options",
+    "Progress",
     "RetentionPolicy",
     "RetryConfig",
     "SaveHandle",

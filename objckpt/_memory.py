@@ -1,12 +1,8 @@
-"""Keep glibc from holding on to freed staging buffers.
+"""Host memory for array bytes: aligned buffers, plain-page mappings, faulting pages in,
+and (when ``Options.tune_malloc`` asks) glibc's mmap threshold.
 
-glibc serves large allocations with mmap, but raises that threshold (up to
-32 MiB) each time such a block is freed; afterwards our 8–32 MiB staging and
-response buffers come from the heap and, once freed, stay in the process's
-RSS. Measured here: a 1 GiB restore peaked 455 MiB above the restored bytes
-with the dynamic threshold and 82 MiB with a fixed 1 MiB one. So the first
-save or restore fixes the threshold at 1 MiB (which also turns the dynamic
-adjustment off). Set ``OBJCKPT_MALLOC_TUNING=0`` to leave malloc alone.
+Nothing here changes process-wide state unless a caller asks: :func:`tune_malloc`
+runs only for an operation whose options set ``tune_malloc``.
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ import ctypes
 import functools
 import math
 import mmap
-import os
 import threading
 from typing import Any
 
@@ -27,34 +22,42 @@ _lock = threading.Lock()
 
 
 def tune_malloc(threshold: int = 1 << 20) -> bool:
-    """Fix glibc's mmap threshold once per process; True if it was set."""
+    """Fix glibc's mmap threshold once per process; True if it was set.
+
+    glibc serves large allocations with mmap but raises that threshold (up to
+    32 MiB) each time such a block is freed; afterwards 8–32 MiB staging and
+    response buffers come from the heap and, once freed, stay in the process's
+    RSS. A fixed threshold (which also turns the dynamic adjustment off) hands
+    them back. Process-wide, so only ``Options.tune_malloc`` calls it.
+    """
     global _done
     with _lock:
         if _done:
             return False
         _done = True
-        if os.environ.get("OBJCKPT_MALLOC_TUNING", "1") == "0":
-            return False
-        try:
-            # The symbols already loaded into this process, libc's among them: asking
-            # ctypes.util.find_library instead runs ldconfig in a subprocess (3 ms).
-            libc = ctypes.CDLL(None)
-            return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
-        except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
-            return False
+        return _mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's ``mallopt(param, value)``; False where there is none (musl, macOS)."""
+    try:
+        # The symbols already loaded into this process, libc's among them: asking
+        # ctypes.util.find_library instead runs ldconfig in a subprocess.
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(param, value))
+    except (OSError, AttributeError):
+        return False
 
 
 # XLA's CPU client adopts a host buffer without copying it when the buffer is
-# aligned to this many bytes (measured: 64-byte aligned arrays are aliased by
-# ``jax.device_put``, 16- and 32-byte aligned ones are copied). On accelerators
-# the transfer is a DMA either way.
+# aligned to this many bytes (less aligned ones are copied). On accelerators the
+# transfer is a DMA either way.
 DEVICE_ALIGNMENT = 64
 
 # Buffers this large get their own anonymous mapping (page-aligned, zero-filled).
 _MAPPED_MIN = 1 << 20
 # Private, not ``mmap``'s default shared: a shared anonymous mapping is backed by
-# shmem, whose page faults and teardown cost more. Measured here, filling 1 GiB
-# of 8 MiB buffers and freeing them: 0.60 + 0.20 CPU-s shared, 0.39 + 0.07 private.
+# shmem, whose page faults and teardown cost more.
 _PRIVATE: dict[str, int] = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
 
 
@@ -63,10 +66,9 @@ def host_buffer(nbytes: int, *, zeroed: bool = True) -> np.ndarray:
     unless ``zeroed`` is False.
 
     Large ones are anonymous mappings of plain pages rather than numpy's own
-    allocation, which asks for transparent huge pages on anything over 4 MiB:
-    the first touch of huge pages cost 0.8–2.2 s per GiB here (memory the VM
-    had not backed yet, or compaction) against a steady 0.4 s with plain pages,
-    and that first touch is exactly what a save or restore does. Freed with the
+    allocation, which asks for transparent huge pages on anything over 4 MiB,
+    whose first touch can stall on compaction; that first touch is exactly what
+    a save or restore does. Freed with the
     last array that views it. A mapping is zero-filled for free; a small buffer
     from the heap is not (``calloc`` clears it, writing every byte once more),
     hence ``zeroed=False`` for a buffer whose every byte is about to be written.
@@ -83,7 +85,7 @@ def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
     Restore fills these and hands them to ``jax.device_put``; on the CPU backend
     an aligned buffer becomes the device array itself, which saves a copy of
-    every restored byte (measured: ~0.5 CPU-seconds per GiB on this machine).
+    every restored byte.
     """
     dtype = np.dtype(dtype)
     return host_buffer(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
@@ -102,8 +104,8 @@ def aligned_arrays(shapes: list[tuple[int, ...]], dtype: np.dtype, *, zeroed: bo
     """Several C-contiguous arrays cut from one buffer, each on a :data:`DEVICE_ALIGNMENT` boundary.
 
     For the boxes of one small leaf: one allocation instead of one per box (a
-    small model restored onto another sharding allocates ~1,300 boxes of
-    ~40 KiB, at ~10 µs each in numpy calls alone). The buffer lives as long as
+    small model restored onto another sharding has thousands of small boxes).
+    The buffer lives as long as
     any of the arrays (or the device arrays that alias them) does.
     """
     dtype = np.dtype(dtype)
@@ -123,8 +125,8 @@ _TOUCH_STEP = 4 << 20
 def mapped_buffer(nbytes: int) -> np.ndarray:
     """A fresh private anonymous mapping (at least one byte), no page of it faulted in yet.
 
-    Not ``MAP_POPULATE``: Python's ``mmap`` holds the GIL through the call
-    (measured: a thread mapping 64 MiB so blocked the main thread for 24 ms).
+    Not ``MAP_POPULATE``: Python's ``mmap`` holds the GIL through the call, so
+    a thread mapping memory that way blocks every other thread meanwhile.
     Pages go in afterwards, by :func:`touch_pages` or :func:`fault_in`.
     """
     return np.frombuffer(mmap.mmap(-1, max(nbytes, 1), **_PRIVATE), dtype=np.uint8)
@@ -138,10 +140,7 @@ def touch_pages(buffer: np.ndarray) -> None:
     for reading while it works, and a thread that maps memory (a new thread's
     stack, a new arena of Python's allocator, a growing heap) waits for that
     lock, whereas a page fault takes only its own mapping's lock (Linux 6.4+).
-    Measured on a small model resharded from S3 in fresh processes, the reads'
-    first ``connect`` took 31 ms beside ``madvise`` instead of 1 ms (details at
-    :mod:`objckpt.prefault`). ``madvise`` costs fewer CPU-s per page (64 MiB:
-    45 ms against 55), so it stays for buffers made mid-restore.
+    ``madvise`` costs fewer CPU-s per page, so it stays for buffers made mid-restore.
     """
     for at in range(0, buffer.nbytes, _TOUCH_STEP):
         buffer[at : at + _TOUCH_STEP : mmap.PAGESIZE] = 0
@@ -153,13 +152,10 @@ def fault_in(buffer: np.ndarray) -> bool:
 
     For the box buffers of large leaves that a restore onto another sharding
     copies into, made on the receiving thread when a box's first piece lands.
-    Their first writes used to take one page fault per 4 KiB inside the scatter
-    copies; ``madvise(MADV_POPULATE_WRITE)`` faults them in a loop in the kernel,
-    with the GIL released. Measured on the large model (4 GiB, 3.7 GiB of it in
-    boxes of 6–27 MiB) resharded from S3 at 0 ms, fresh processes, medians of
-    6: client CPU 6.97 → 5.90 s, 7.86 → 7.13 s (same sharding: 6.92 s). It goes
-    4 MiB per call so that the mmap lock it holds for reading (see
-    :func:`prefaulted_buffer`) keeps no other thread's allocation waiting long.
+    ``madvise(MADV_POPULATE_WRITE)`` faults them in a loop in the kernel, with
+    the GIL released, rather than one page fault per 4 KiB inside the scatter
+    copies. It goes 4 MiB per call so that the mmap lock it holds for reading
+    (see :func:`touch_pages`) keeps no other thread's allocation waiting long.
     A buffer under 1 MiB comes from the heap, mostly faulted in already: left alone.
     """
     if buffer.nbytes < _MAPPED_MIN:
@@ -191,10 +187,9 @@ def _libc_madvise() -> Any:
 
 # Larger than glibc's largest dynamic mmap threshold (32 MiB): a probe this size
 # gets a fresh mapping, where large responses land, and not a chunk that memory
-# freed earlier in the process's life left in the heap (after freeing a 20 and
-# a 16 MiB array, a 1 MiB probe came back 48 bytes past a boundary, a 64 MiB
-# one at 16, like the responses). Neither probe touches its pages: np.empty leaves them
-# alone, and ``bytes`` of a size is a calloc, which takes a mapping's zeros.
+# freed earlier in the process's life left in the heap at another phase. Neither
+# probe touches its pages: np.empty leaves them alone, and ``bytes`` of a size is
+# a calloc, which takes a mapping's zeros.
 _PROBE_BYTES = 64 << 20
 
 

@@ -11,9 +11,9 @@ Native clients (obstore's Rust runtime) complete their futures from their own
 threads, through ``call_soon_threadsafe``, and take the GIL to do it. On Python
 ≤ 3.13 a foreign thread that takes the GIL once the interpreter is finalizing is
 ended with ``pthread_exit``, which aborts a Rust thread (SIGABRT, exit -6): a
-process that printed its result and returned 0 died instead. Measured here: up to 1 in
-~6 CLI runs under load, the Rust thread still inside the wake-up write of the
-call whose result the main thread had already got. So at exit (an ``atexit``
+process that printed its result and returned 0 dies instead, when a Rust thread
+is still inside the wake-up write of a call whose result the main thread
+already got. So at exit (an ``atexit``
 hook runs before finalization) the loop's tasks are cancelled and settled, and
 calls from other threads still inside ``call_soon_threadsafe`` are waited for.
 """
@@ -31,8 +31,6 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
-
-from objckpt._memory import tune_malloc
 
 T = TypeVar("T")
 
@@ -66,7 +64,6 @@ def get_loop() -> asyncio.AbstractEventLoop:
     global _loop, _thread
     with _lock:
         if _loop is None or not _loop.is_running():
-            tune_malloc()
             loop = _IOLoop()
             started = threading.Event()
 
@@ -134,18 +131,20 @@ def run_sync(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
 
 
 @contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-    """Defer Python's cyclic garbage collector while the call runs.
+def collection_paused(enabled: bool = True) -> Iterator[None]:
+    """Defer Python's cyclic garbage collector while the block runs, if ``enabled``
+    (``Options.pause_gc``; a no-op otherwise, since the collector is process-wide).
 
     A restore makes many short-lived objects (boxes, pieces, slabs) that
     reference counting frees on its own, but their number trips full
     collections, and a full collection walks the caller's whole heap (JAX alone
-    is hundreds of thousands of objects): measured 0.14 s for one, a sixth of
-    a small model's restore, landing at random in one run or another. Cycles
-    made meanwhile are collected as usual once the last call inside ends.
-    Calls on several threads share one pause; a collector the caller turned
-    off stays off.
+    is hundreds of thousands of objects). Cycles made meanwhile are collected
+    as usual once the last block inside ends. Blocks on several threads share
+    one pause; a collector the caller turned off stays off.
     """
+    if not enabled:
+        yield
+        return
     global _pauses, _resume
     with _pause_lock:
         if _pauses == 0:

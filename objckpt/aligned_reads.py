@@ -11,13 +11,31 @@ Reads restore copies out of go another way on stores that stream
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros
+from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros, bytes_phase
 from objckpt.plan import PACKING_SLACK, ReadRequest
 from objckpt.transfer import TransferEngine, run_in_order
+
+
+@runtime_checkable
+class AlignedResponses(Protocol):
+    """A store that can say where its large responses land in memory (optional).
+
+    Not part of the :class:`~objckpt.storage.Store` contract: a hint about the
+    store's client's allocator, which only stores with their own response
+    buffers give (:class:`~objckpt.storage.obstore_store.ObstoreStore`).
+    Restore starts large reads early by it so their bytes land aligned, and
+    checks every response. A store without it is taken to return ``bytes``
+    objects, what the default ``Store.get_range_buffer`` wraps.
+    """
+
+    def response_phase(self) -> int | None:
+        """Where a large ``get_range_buffer`` result's bytes start past a 64-byte
+        boundary, when the allocator makes that predictable (else None)."""
+        ...
 
 
 class ResponseAlignment:
@@ -46,8 +64,10 @@ class ResponseAlignment:
 
     @classmethod
     def of(cls, store: Any) -> ResponseAlignment:
-        """The alignment to start with for ``store``: what its kind taught, else its hint."""
-        return cls(store.response_phase(), type(store))
+        """The alignment to start with for ``store``: what its kind taught, else its hint
+        (:class:`AlignedResponses`), else where a large ``bytes`` object's data starts."""
+        phase = store.response_phase() if isinstance(store, AlignedResponses) else bytes_phase()
+        return cls(phase, type(store))
 
     def pad(self, request: ReadRequest) -> int:
         """Bytes to read before the request's start (0 unless it has that much slack)."""

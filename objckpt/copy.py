@@ -26,8 +26,8 @@ from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsEr
 from objckpt.format import MANIFEST_KEY, BlobEntry, Manifest, parse_manifest
 from objckpt.manifest_io import read_manifest
 from objckpt.options import Options
-from objckpt.progress import human_bytes, progress_bar
-from objckpt.transfer import TransferEngine, TransferStats, open_store
+from objckpt.progress import ProgressArg, human_bytes, reporting
+from objckpt.transfer import TransferEngine, TransferStats, opened_store
 from objckpt.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
 
 log = logging.getLogger("objckpt")
@@ -89,7 +89,7 @@ def copy(
     dst_storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     verify_existing: bool = True,
-    progress: bool = False,
+    progress: ProgressArg = False,
 ) -> CopyStats:
     """Copy the committed checkpoint at ``src_url`` to ``dst_url``.
 
@@ -100,7 +100,11 @@ def copy(
             ``memory_budget`` (bytes of blobs held at once), timeouts, retries.
         verify_existing: check blobs already at the destination before keeping
             them (False trusts any blob of the right size).
-        progress: draw a progress bar on stderr when it is a terminal.
+        progress: ``True`` draws a progress bar on stderr when it is a terminal
+            (tqdm); a callable is called with a :class:`objckpt.Progress` at most
+            every 0.1 s and once more at the end, on objckpt's I/O thread: it must
+            be quick, and an exception it raises is logged once, never failing
+            the copy. ``False``/``None``: nothing.
 
     Returns:
         The figures of the copy (:class:`CopyStats`).
@@ -112,8 +116,23 @@ def copy(
     """
     options = options or Options()
     src_stats, dst_stats = TransferStats(), TransferStats()
-    src = open_store(src_url, src_storage_options, options, src_stats)
-    dst = open_store(dst_url, dst_storage_options, options, dst_stats)
+    with (
+        opened_store(src_url, src_storage_options, options, src_stats) as src,
+        opened_store(dst_url, dst_storage_options, options, dst_stats) as dst,
+    ):
+        return _copy_stores(src, dst, options, src_stats, dst_stats, verify_existing, progress)
+
+
+def _copy_stores(
+    src: Any,
+    dst: Any,
+    options: Options,
+    src_stats: TransferStats,
+    dst_stats: TransferStats,
+    verify_existing: bool,
+    progress: ProgressArg,
+) -> CopyStats:
+    """:func:`copy` between open stores (each closed by the caller)."""
     started = time.perf_counter()
     manifest = _runtime.run_sync(read_manifest(src, size_limit=options.manifest_size_limit))
     stats = CopyStats(src.url, dst.url, blobs=len(manifest.blobs), bytes_total=sum(b.size for b in manifest.blobs))
@@ -123,7 +142,7 @@ def copy(
         return min(moved, stats.bytes_total)
 
     try:
-        with progress_bar("cp", stats.bytes_total, done, enabled=progress):
+        with reporting(progress, "cp", dst.url, stats.bytes_total, done, src_stats, dst_stats):
             _runtime.run_sync(_copy(src, dst, manifest, options, stats, src_stats, dst_stats, verify_existing))
     finally:
         stats.bytes_read = src_stats.bytes_read

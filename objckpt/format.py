@@ -165,7 +165,7 @@ def _strict_json(data: bytes) -> Any:
     try:
         text = data.decode("utf-8") if isinstance(data, bytes | bytearray | memoryview) else data
     except UnicodeDecodeError as e:
-        raise FormatError(f"manifest is not UTF-8 (byte {e.start}): {e.reason}") from None
+        raise FormatError(f"manifest is not valid JSON: not UTF-8 at byte {e.start} ({e.reason})") from None
     try:
         return json.loads(
             text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys

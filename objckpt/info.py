@@ -9,7 +9,7 @@ from objckpt import _runtime
 from objckpt.format import LeafEntry, Manifest
 from objckpt.manifest_io import read_manifest
 from objckpt.options import Options
-from objckpt.transfer import open_store
+from objckpt.transfer import opened_store
 from objckpt.tree import build
 
 
@@ -113,6 +113,6 @@ def inspect(
 ) -> CheckpointInfo:
     """Describe a committed checkpoint without reading any array data."""
     options = options or Options()
-    store = open_store(url, storage_options, options)
-    manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
+    with opened_store(url, storage_options, options) as store:
+        manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
     return info_from_manifest(store.url, manifest)

@@ -37,11 +37,9 @@ from objckpt.read_once import supported as read_once_supported
 CASTS = ("checked", "unsafe")
 
 #: A sharded leaf with more bytes than this on this process goes to its devices
-#: box by box as boxes complete; a smaller one in one transfer when it is done.
-#: Measured on a small model (2,352 device arrays from 294 leaves): 0.20 s as
-#: batched per-box ``jax.device_put`` against 0.05 s as one
-#: ``jax.make_array_from_callback`` per leaf. Holding a small leaf's host
-#: buffers until it completes costs nothing on the CPU backend (the buffers
+#: box by box as boxes complete; a smaller one in one transfer when it is done,
+#: since placing arrays one at a time costs per array. Holding a small leaf's
+#: host buffers until it completes costs nothing on the CPU backend (the buffers
 #: become the device arrays) and at most this much per leaf elsewhere.
 WHOLE_LEAF_BYTES = 16 << 20
 
@@ -223,7 +221,13 @@ def physical_memory() -> int | None:
 
 def stays_on_host(job: LeafJob) -> bool:
     """Whether a leaf's restored boxes stay in host memory: a numpy result, or devices that
-    are the host's (the CPU backend, where a device array is host memory)."""
+    are the host's (the CPU backend, where a device array is host memory).
+
+    Only such leaves get restore's host-memory techniques (buffers in aligned private
+    mappings, pages faulted in ahead, :mod:`objckpt.prefault`): their buffers are the
+    result, so how their pages are made and touched is what the restore pays for. A leaf
+    bound for an accelerator gets plain numpy buffers, copied to its devices by DMA.
+    """
     if job.sharding is None:
         return True
     return all(device.platform == "cpu" for devices in job.devices_by_box.values() for device in devices)
@@ -317,11 +321,12 @@ def reserve_assembled(jobs: dict[int, LeafJob]) -> None:
     Called before planning, so the mapping overlaps it (:mod:`objckpt.prefault`
     says why). A small leaf qualifies when some box it reads is not exactly one
     saved piece; all of its boxes get room, since a streamed read copies even
-    the pieces that are whole boxes.
+    the pieces that are whole boxes. Only leaves that stay in host memory
+    (:func:`stays_on_host`) qualify.
     """
     chosen = []
     for key, job in jobs.items():
-        if job.places_early or job.done:
+        if job.places_early or job.done or not stays_on_host(job):
             continue
         boxes = job.read_boxes
         saved = {(piece.start, piece.stop) for piece in job.entry.pieces}
@@ -343,9 +348,11 @@ def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool =
     every piece that meets it has landed, and a failed read fails the restore,
     so every byte is written before it can be read.
 
-    Returns the buffers it made for pieces of a large leaf, fresh memory whose
-    pages none of the copies has faulted in yet: the caller passes them to
-    :func:`fault_in_fresh` once it has let go of the lock it allocates under.
+    Returns the buffers it made for pieces of a large leaf that stays in host
+    memory, fresh memory whose pages none of the copies has faulted in yet: the
+    caller passes them to :func:`fault_in_fresh` once it has let go of the lock
+    it allocates under. A leaf bound for an accelerator gets plain numpy
+    buffers (:func:`stays_on_host` says why).
     """
     if job.done:
         return []
@@ -359,6 +366,10 @@ def allocate(job: LeafJob, boxes: list[Box] | None = None, *, for_pieces: bool =
         job.buffers.update((box, made[box]) for box in missing)
         return []
     shapes = [tuple(b - a for a, b in zip(*box)) for box in missing]
+    if not stays_on_host(job):
+        new = np.empty if for_pieces else np.zeros
+        job.buffers.update((box, new(shape, job.dtype)) for box, shape in zip(missing, shapes))
+        return []
     if job.places_early:  # a buffer per box, each freed once its box is placed
         for box, shape in zip(missing, shapes):
             (job.buffers[box],) = aligned_arrays([shape], job.dtype, zeroed=not for_pieces)
@@ -392,9 +403,8 @@ def fault_in_fresh(buffers: list[np.ndarray]) -> None:
 def place_boxes(done: list[tuple[LeafJob, Box]]) -> None:
     """Put complete boxes on their devices in one batched transfer and free their host buffers.
 
-    One ``jax.device_put`` of many arrays costs about half as much as one call
-    per array (measured: 2,376 boxes of a small model, 0.24 s one by one, 0.11 s
-    batched), and a small model's restore is mostly this placement.
+    One ``jax.device_put`` of many arrays costs less than one call per array,
+    and a small model's restore is mostly this placement.
     """
     hosts: list[np.ndarray] = []
     devices: list[Any] = []

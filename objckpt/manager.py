@@ -37,7 +37,7 @@ from objckpt.restore import restore
 from objckpt.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
 from objckpt.save import SaveHandle, save_async
 from objckpt.storage import ObjectInfo, Store
-from objckpt.transfer import open_store
+from objckpt.transfer import close_store, open_store
 
 log = logging.getLogger("objckpt")
 
@@ -169,11 +169,12 @@ class CheckpointManager:
             pending.result()
 
     def close(self) -> None:
-        """Wait for everything in flight; the manager cannot save afterwards."""
+        """Wait for everything in flight and close the root store; the manager cannot save afterwards."""
         try:
             self.wait()
         finally:
             self._closed = True
+            close_store(self.store)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -73,10 +73,9 @@ class Options:
         staging_pool: bytes of staging buffers a synchronous ``save`` keeps and
             recycles (capped by ``memory_budget``; ``save_async`` stages up to
             the whole budget so it can return early). Reused buffers skip the
-            first-touch cost of fresh pages, which here is 10× the copy itself;
-            512 MiB keeps 16 uploads of 32 MiB blobs in flight. Blobs that a
-            synchronous save sends in place (contiguous host shards, to a store
-            that takes a body of parts, such as obstore's) use no buffer at all.
+            first touch of fresh pages. Blobs that a synchronous save sends in
+            place (contiguous host shards, to a store that takes a body of
+            parts, such as obstore's) use no buffer at all.
         read_window: bytes of copied ranged reads in flight during restore (also
             capped by ``memory_budget``): it bounds restore's host memory above the
             restored arrays. Reads whose buffers become the arrays themselves
@@ -86,25 +85,15 @@ class Options:
         streamed_window: bytes of copied reads streamed at once during a restore
             onto another sharding, on stores that stream them (each read is
             received and scattered by a thread of its own, a few MiB at a time,
-            so this is not memory). Each read waits one round trip for its first
-            byte, so at higher latency more bytes must be asked for to keep them
-            coming, while more threads scattering at once contend for the GIL.
-            Measured, whole 32 MiB blobs, fresh processes, medians: medium (1
-            GiB) onto another sharding at 256 against 128 MiB, 40 ms RTT 1.41 s
-            against 1.53 s (same sharding 1.38 s), 10 ms 1.28 against 1.36 s,
-            0 ms 1.03 against 1.04 s; large (4 GiB) at 40 ms 5.60 against 6.12
-            s, at 0 ms 4.02 against 3.98 s and 0.2 more client CPU-s.
+            so this is not memory). Raise it when the store is far away (each
+            read waits a round trip for its first byte); lower it when scatter
+            threads contend for the CPU.
         max_read_size: largest coalesced ranged read of pieces that are copied
             (a single larger piece is read alone). None (the default) picks by
-            where the bytes land: a whole packed blob (``read_chunk``, plus the
+            where the bytes land: a whole packed blob (``read_chunk`` plus the
             few KiB of spacers a blob may run past it) when the store streams
-            them (S3 with static credentials: restore scatters each few MiB as it
-            arrives, so a read holds no buffer of its length) and fewer, larger
-            GETs cost less (measured, medium onto another sharding: 2.90 → 2.73 s
-            at 0 ms, 4.77 → 4.09 s at 40 ms; stopping at ``read_chunk`` sent a
-            blob's last piece in a GET of its own: 207 GETs instead of 138 for
-            4 GiB); else 8 MiB, because each such response
-            is a new buffer and 32 MiB ones measured 300–400 MiB more peak memory.
+            reads (they hold no buffer of their length), else 8 MiB (each
+            response is a new buffer). Set a number to bound both.
         read_chunk: largest single GET. Reads made only of whole target boxes,
             whose response buffers become the arrays, coalesce up to this size;
             a single read larger than this (a huge piece) is fetched as parallel
@@ -122,6 +111,17 @@ class Options:
             rather than commit if it could not for nine tenths. Independent of gc's
             grace period; the orphans of a crashed save wait at most this long.
         retry: retry policy for transient store errors.
+        tune_malloc: fix glibc's mmap threshold at 1 MiB (``mallopt``) on the
+            first save or restore that asks, so freed 8–32 MiB staging and
+            response buffers go back to the OS instead of staying in the heap.
+            Process-wide and permanent: it also changes how the rest of the
+            program allocates. Off by default; turn it on when a process that
+            saves or restores large checkpoints shows RSS that grows and stays.
+            No effect outside glibc.
+        pause_gc: defer Python's cyclic garbage collector while a restore runs
+            (process-wide, restored when the last restore ends). Off by default;
+            turn it on when a restore that makes many small arrays pays for full
+            collections of a large heap.
     """
 
     blob_size: int = 32 * MiB
@@ -140,6 +140,8 @@ class Options:
     manifest_size_limit: int = 256 * MiB
     live_marker_lease: float = 600.0
     retry: RetryConfig = field(default_factory=RetryConfig)
+    tune_malloc: bool = False
+    pause_gc: bool = False
 
     def __post_init__(self) -> None:
         for name in (

@@ -2,33 +2,27 @@
 
 A restore onto another sharding copies every byte into target boxes that no
 saved piece equals. For a small leaf (one buffer for all its boxes, see
-:mod:`objckpt.leaf_jobs`) that buffer used to be made when the leaf's first
-piece landed, so the first write to each page took a page fault, inside the
-copy, on a thread holding the GIL: measured on a small model (64 MiB, ~300
-leaves) resharded from S3, 16,000 faults and about 30 of the 65 CPU-ms of its
-copies. A restore onto the same sharding pays those faults in the store
-client's own threads (the response buffers become the arrays), off the GIL.
+:mod:`objckpt.leaf_jobs`) a buffer made when the leaf's first piece lands takes
+a page fault on each first write, inside the copy, on a thread holding the GIL.
+A restore onto the same sharding pays those faults in the store client's own
+threads (the response buffers become the arrays), off the GIL.
 
 So, as soon as the leaves are known, :class:`AssemblyArena` maps memory for
 every box of such leaves on a thread of its own, cuts the boxes' arrays from
 it, and faults every page in by writing to it, while the main thread plans
-the reads (~25 ms on that model), the reads start, and the server prepares
-its first bytes; a leaf's arrays are handed out once every page of their
-mapping is in (mappings go in the leaves' order, so the first reads wait for
-the first mappings only).
+the reads, the reads start, and the server prepares its first bytes; a leaf's
+arrays are handed out once every page of their mapping is in (mappings go in
+the leaves' order, so the first reads wait for the first mappings only).
 
 Why writes and not ``madvise(MADV_POPULATE_WRITE)``, which costs fewer CPU-s
 per page: it holds the process's mmap lock, and the restore's other threads
-map memory just then (new threads' stacks, the allocator's first arenas). In
-fresh processes (small model resharded from S3, 12 interleaved runs, medians)
-the restore took 0.148 s all by writes, against 0.164 s by writes while
-planning and ``madvise`` for the rest (the first read's ``connect`` waited
-31 ms for the lock) and 0.165 s with the rest left to the copies' own faults;
-onto the same sharding 0.134 s. Leaves are grouped into mappings of at most
-:data:`GROUP_BYTES`, so freeing some restored leaves can free memory while
-others live on. Leaves whose boxes all equal saved pieces are left out: their
-responses become the arrays. The memory is what those leaves' buffers would
-hold anyway, only taken a little earlier.
+map memory just then (new threads' stacks, the allocator's first arenas).
+Leaves are grouped into mappings of at most :data:`GROUP_BYTES`, so freeing
+some restored leaves can free memory while others live on. Leaves whose boxes
+all equal saved pieces are left out: their responses become the arrays. So
+are leaves bound for an accelerator (:func:`objckpt.leaf_jobs.stays_on_host`).
+The memory is what those leaves' buffers would hold anyway, only taken a
+little earlier.
 """
 
 from __future__ import annotations
@@ -54,8 +48,8 @@ class AssemblyArena:
 
     ``leaves`` gives, per key, its boxes and dtype; the work starts at once,
     and :meth:`buffers` waits for it. The thread also makes the arrays
-    themselves (a few µs each, ~2,400 on a small model), which then cost the
-    threads that copy into them only a dict lookup.
+    themselves (thousands on a small model), which then cost the threads that
+    copy into them only a dict lookup.
     """
 
     def __init__(self, leaves: Iterable[tuple[int, list[Box], np.dtype]]) -> None:
@@ -100,11 +94,8 @@ class AssemblyArena:
     def buffers(self, key: int) -> dict[Box, np.ndarray] | None:
         """A leaf's arrays, box by box, once its mapping is made; None if it could not be.
 
-        Waits for that leaf's mapping only, not the whole arena: a medium model
-        resharded at 40 ms RTT puts 576 MiB of small leaves here, ~320 ms of page
-        writes, and the first reads' threads used to wait all of it out before
-        their first copy (fresh processes, 4 interleaved pairs, medians: 1.61 s
-        against 1.50 s now; onto the same sharding 1.36 s).
+        Waits for that leaf's mapping only, not the whole arena, so the first
+        reads' threads start copying while later mappings are still being written.
         """
         event = self._ready.get(key)
         if event is not None:

@@ -1,26 +1,42 @@
-"""A terminal progress bar (bytes, throughput, ETA) that is silent off a terminal.
+"""Progress of an operation, reported to a callback; what ``progress=`` on save, restore, verify and copy means.
 
-The bar polls a byte counter (a :class:`~objckpt.transfer.TransferStats` field,
-typically) from a daemon thread a few times a second, so the I/O path pays
-nothing for it: no callback per request, no lock beyond the counter's own. It
-draws on stderr only when stderr is a TTY; logs, pipes and CI output never see
-a carriage return. No third-party dependency.
+The transfer engine's byte counters (:class:`~objckpt.transfer.TransferStats`)
+feed a :class:`Reporter` after each request, and the reporter calls the user's
+callback with a :class:`Progress` at most every ``interval`` seconds, then once
+more, ``finished=True``, when the operation ends. Every call runs on objckpt's
+I/O thread (never the caller's), one at a time; the I/O waits for it, so a
+callback must be quick (hand the figures to a UI, do not draw or block). An
+exception it raises is logged once and never fails the operation.
+
+The library draws nothing itself: ``progress=True`` hands the figures to the
+terminal bar of the command line (:class:`objckpt.cli._progress.TerminalBar`,
+drawn by tqdm), only when stderr is a terminal.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+import contextlib
+import logging
+import math
 import sys
 import threading
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import TextIO, TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TextIO, TypeVar
+
+from objckpt import _runtime
+
+if TYPE_CHECKING:
+    from objckpt.transfer import TransferStats
 
 T = TypeVar("T")
+log = logging.getLogger("objckpt")
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+#: Seconds between two calls of a callback, at least (the final call comes whatever the interval).
+INTERVAL = 0.1
 
 
 def human_bytes(n: float) -> str:
@@ -32,158 +48,208 @@ def human_bytes(n: float) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def human_seconds(s: float) -> str:
-    """``75`` → ``"1:15"``, ``3700`` → ``"1:01:40"``."""
-    s = max(0, int(round(s)))
-    hours, rest = divmod(s, 3600)
-    minutes, seconds = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+@dataclass(frozen=True)
+class Progress:
+    """Where one operation stands, as its ``progress`` callback sees it.
+
+    Attributes:
+        operation: ``"save"``, ``"restore"``, ``"verify"`` or ``"cp"``.
+        url: the checkpoint (a copy's destination).
+        done_bytes: bytes moved so far (this process's); never decreases, never
+            exceeds ``total_bytes``, and equals it in the final call of an
+            operation that succeeded.
+        total_bytes: bytes the operation moves in all (this process's share).
+        finished: the last call: the operation ended (its outcome is what it
+            returns or raises).
+    """
+
+    operation: str
+    url: str
+    done_bytes: int
+    total_bytes: int
+    finished: bool = False
 
 
-class ProgressBar:
-    """Draws ``label [#####.....] 12.0 MiB/48.0 MiB  95.3 MiB/s  ETA 0:01``.
+#: A ``progress`` callback: called with each :class:`Progress`; what it returns is ignored.
+ProgressCallback = Callable[[Progress], object]
+#: What ``progress=`` takes: ``False``/``None`` (nothing), ``True`` (a terminal bar on stderr
+#: when it is a terminal) or a :data:`ProgressCallback`.
+ProgressArg = bool | ProgressCallback | None
+
+
+class Reporter:
+    """Calls ``callback`` with the progress of one operation, at most every ``interval`` seconds.
 
     Args:
-        label: what is running (``"save"``, ``"cp"``...).
-        total: bytes expected; the bar is full when ``current()`` reaches it.
-        current: returns the bytes done so far; called from the drawing thread.
-        stream: where to draw (a TTY); ``sys.stderr`` by default.
-        interval: seconds between redraws.
-
-    Use :func:`progress_bar`, which returns a bar that does nothing when the
-    stream is not a terminal.
+        operation, url, total: as in :class:`Progress`.
+        current: the bytes done so far (read from the operation's counters).
+        callback: what to call.
+        watch: the counters that call :meth:`update` when they move, until :meth:`finish`.
+        interval: seconds between two calls, at least (the final one excepted); :data:`INTERVAL` by default.
     """
 
     def __init__(
         self,
-        label: str,
+        operation: str,
+        url: str,
         total: int,
         current: Callable[[], int],
+        callback: ProgressCallback,
         *,
-        stream: TextIO | None = None,
-        interval: float = 0.2,
+        watch: tuple[TransferStats, ...] = (),
+        interval: float | None = None,
     ) -> None:
-        self.label = label
-        self.total = max(0, int(total))
+        self._template = Progress(operation, url, 0, max(0, int(total)))
         self._current = current
-        self._stream = stream if stream is not None else sys.stderr
-        self._interval = interval
-        self._started = time.monotonic()
-        self._samples: deque[tuple[float, int]] = deque(maxlen=int(5 / interval) + 1)  # ~5 s of samples
-        self._stop = threading.Event()
+        self._callback = callback
+        self._interval = INTERVAL if interval is None else interval
         self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"objckpt-progress-{label}", daemon=True)
-        self._thread.start()
+        self._last_call = -math.inf
+        self._done = 0
+        self._finished = False
+        self._failed = False
+        self._watched = watch
+        for stats in watch:
+            stats.watch(self.update)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self._draw(final=False)
+    def update(self) -> None:
+        """A counter moved: call back if ``interval`` has passed since the last call.
+
+        Never waits: a call under way on another thread makes this one a no-op.
+        """
+        now = time.monotonic()
+        if now - self._last_call < self._interval or not self._lock.acquire(blocking=False):
+            return
+        try:
+            before = self._done
+            if not self._finished and self._read() != before:
+                self._last_call = now
+                self._emit(self._done, finished=False)
+        finally:
+            self._lock.release()
+
+    def finish(self, *, complete: bool) -> None:
+        """The final call (idempotent): all of ``total`` when ``complete``, else what the counters say."""
+        for stats in self._watched:
+            stats.unwatch(self.update)
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            done = self._template.total_bytes if complete else self._read()
+            self._emit(done, finished=True)
 
     def _read(self) -> int:
         try:
-            return int(self._current())
-        except Exception:  # a counter that fails must not kill the operation
-            return 0
+            done = int(self._current())
+        except Exception:  # a counter that fails must not fail the operation
+            done = self._done
+        self._done = max(self._done, min(done, self._template.total_bytes))
+        return self._done
 
-    def render(self, done: int, now: float, *, final: bool) -> str:
-        """The bar's text for ``done`` bytes at time ``now`` (no terminal control)."""
-        elapsed = max(now - self._started, 1e-9)
-        self._samples.append((now, done))
-        if final or len(self._samples) < 2:
-            rate = done / elapsed
-        else:  # recent throughput, so the ETA follows the current speed
-            t0, d0 = self._samples[0]
-            rate = (done - d0) / max(now - t0, 1e-9)
-        fraction = min(1.0, done / self.total) if self.total else 1.0
-        width = 24
-        filled = int(fraction * width)
-        bar = "#" * filled + "." * (width - filled)
-        if final:
-            tail = f"in {human_seconds(elapsed)}"
-        elif rate > 0 and self.total > done:
-            tail = f"ETA {human_seconds((self.total - done) / rate)}"
-        else:
-            tail = "ETA --:--"
-        return (
-            f"{self.label} [{bar}] {fraction * 100:5.1f}% {human_bytes(done)}/{human_bytes(self.total)}"
-            f"  {human_bytes(rate)}/s  {tail}"
-        )
-
-    def _draw(self, *, final: bool) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            text = self.render(self._read(), time.monotonic(), final=final)
-            columns = _columns(self._stream)
-            text = text[: max(columns - 1, 10)]
-            try:
-                self._stream.write("\r" + text.ljust(max(columns - 1, 10)) + ("\n" if final else ""))
-                self._stream.flush()
-            except (OSError, ValueError):  # the terminal went away
-                self._closed = True
-            if final:
-                self._closed = True
-
-    def close(self) -> None:
-        """Draw the final state and end the line; idempotent, never blocks on the drawing thread
-        (a draw in progress finishes first; none follows the final one)."""
-        self._stop.set()
-        self._draw(final=True)
-
-    def __enter__(self) -> ProgressBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _emit(self, done: int, *, finished: bool) -> None:
+        try:
+            self._callback(replace(self._template, done_bytes=done, finished=finished))
+        except Exception:  # the operation goes on; one line says why the figures stopped
+            if not self._failed:
+                self._failed = True
+                log.warning(
+                    "objckpt %s %s: the progress callback failed (logged once; the %s goes on)",
+                    self._template.operation,
+                    self._template.url,
+                    self._template.operation,
+                    exc_info=True,
+                )
 
 
-def _columns(stream: TextIO) -> int:
-    """Width of the terminal behind ``stream`` (stderr may be a TTY while stdout is a pipe)."""
+def callback_for(progress: ProgressArg, stream: TextIO | None = None) -> ProgressCallback | None:
+    """The callback ``progress=`` asks for: ``True`` is the CLI's terminal bar, when ``stream``
+    (stderr) is a terminal; ``False``/``None`` is none.
+
+    Raises:
+        TypeError: ``progress`` is none of those.
+    """
+    if progress is None or progress is False:
+        return None
+    if progress is True:
+        stream = stream if stream is not None else sys.stderr
+        if not is_terminal(stream):
+            return None
+        from objckpt.cli._progress import TerminalBar  # the bar and tqdm load only when drawn
+
+        return TerminalBar(stream)
+    if callable(progress):
+        return progress
+    raise TypeError(f"progress must be a bool, None or a callable taking a Progress, got {type(progress).__name__}")
+
+
+def is_terminal(stream: TextIO | None) -> bool:
+    """Whether ``stream`` is a terminal (a closed or odd stream is not)."""
     try:
-        return os.get_terminal_size(stream.fileno()).columns or 100
-    except (AttributeError, OSError, ValueError):
-        return shutil.get_terminal_size((100, 24)).columns
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
-class NullProgress:
-    """The bar off a terminal: does nothing."""
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> NullProgress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-async def closing(run: Awaitable[T], bar: ProgressBar | NullProgress) -> T:
-    """Await ``run``, then close ``bar``: a background operation's future completes only after
-    its bar's last line is drawn, so nothing its caller prints next lands inside the bar."""
-    try:
-        return await run
-    finally:
-        bar.close()
-
-
-def progress_bar(
-    label: str,
+def start(
+    progress: ProgressArg,
+    operation: str,
+    url: str,
     total: int,
     current: Callable[[], int],
-    *,
-    enabled: bool = True,
-    stream: TextIO | None = None,
-) -> ProgressBar | NullProgress:
-    """A :class:`ProgressBar` when ``enabled`` and the stream (stderr) is a TTY, else a no-op."""
-    stream = stream if stream is not None else sys.stderr
-    if not enabled or stream is None:
-        return NullProgress()
+    *watch: TransferStats,
+) -> Reporter | None:
+    """A reporter fed by the counters ``watch`` (None when ``progress`` asks for nothing); end it
+    with :func:`finish` (on the I/O thread), :func:`finish_from_caller` or :func:`closing`."""
+    callback = callback_for(progress)
+    if callback is None:
+        return None
+    return Reporter(operation, url, total, current, callback, watch=watch)
+
+
+def finish(reporter: Reporter | None, *, complete: bool) -> None:
+    """Stop feeding ``reporter`` and make its final call; call it on the I/O thread."""
+    if reporter is not None:
+        reporter.finish(complete=complete)
+
+
+def finish_from_caller(reporter: Reporter | None, *, complete: bool) -> None:
+    """:func:`finish` from a caller's thread: the final call runs on the I/O thread all the same."""
+    if reporter is not None:
+        _runtime.run_sync(_finish(reporter, complete))
+
+
+async def _finish(reporter: Reporter, complete: bool) -> None:
+    finish(reporter, complete=complete)
+
+
+@contextlib.contextmanager
+def reporting(
+    progress: ProgressArg,
+    operation: str,
+    url: str,
+    total: int,
+    current: Callable[[], int],
+    *watch: TransferStats,
+) -> Iterator[None]:
+    """Report the progress of the block's I/O (see :func:`start`); the final call, on the
+    I/O thread like the others, comes before the block's caller goes on."""
+    reporter = start(progress, operation, url, total, current, *watch)
+    complete = False
     try:
-        tty = stream.isatty()
-    except (AttributeError, ValueError, OSError):
-        tty = False
-    if not tty:
-        return NullProgress()
-    return ProgressBar(label, total, current, stream=stream)
+        yield
+        complete = True
+    finally:
+        finish_from_caller(reporter, complete=complete)
+
+
+async def closing(run: Awaitable[T], reporter: Reporter | None) -> T:
+    """Await ``run``, then make ``reporter``'s final call: a background operation's future
+    completes only after it, so nothing its caller prints next lands inside a bar."""
+    complete = False
+    try:
+        result = await run
+        complete = True
+        return result
+    finally:
+        finish(reporter, complete=complete)

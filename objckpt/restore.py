@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.tree_util import keystr
 
 from objckpt import _runtime
-from objckpt._memory import DEVICE_ALIGNMENT
+from objckpt._memory import DEVICE_ALIGNMENT, tune_malloc
 from objckpt.aligned_reads import ResponseAlignment, address, read_aligned
 from objckpt.arrays import box_to_slices
 from objckpt.checksum import crc32c
@@ -48,6 +48,7 @@ from objckpt.leaf_jobs import (
     physical_memory,
     plan_pieces,
     reserve_assembled,
+    stays_on_host,
     wait_for_arena,
     whole_box,
 )
@@ -55,17 +56,23 @@ from objckpt.manifest_io import read_manifest
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.plan import ReadRequest, plan_reads
-from objckpt.progress import progress_bar
+from objckpt.progress import ProgressArg, reporting
 from objckpt.read_once import share
 from objckpt.save import save_in_flight
 from objckpt.stream_scatter import stream_read
-from objckpt.transfer import AsyncByteBudget, TransferEngine, TransferStats, open_store, reread_on_mismatch
+from objckpt.transfer import (
+    AsyncByteBudget,
+    RetryingStore,
+    TransferEngine,
+    TransferStats,
+    opened_store,
+    reread_on_mismatch,
+)
 from objckpt.tree import build, find_subtree, flatten_target, leaf_indices, unflatten_target
 
 log = logging.getLogger("objckpt")
 
 
-@_runtime.collection_paused()
 def restore(
     url: str,
     target: Any = None,
@@ -75,7 +82,7 @@ def restore(
     read_once: bool = False,
     options: Options | None = None,
     stats: TransferStats | None = None,
-    progress: bool = False,
+    progress: ProgressArg = False,
     cast: str = "checked",
 ) -> Any:
     """Restore a checkpoint, onto the target's shardings when it gives them.
@@ -98,7 +105,11 @@ def restore(
             regions, where every byte read costs egress. All processes must pass it.
         options: tuning (:class:`objckpt.Options`).
         stats: counters to fill (bytes read from the store, requests, retries, seconds).
-        progress: draw a progress bar on stderr when it is a terminal.
+        progress: ``True`` draws a progress bar on stderr when it is a terminal
+            (tqdm); a callable is called with a :class:`objckpt.Progress` at most
+            every 0.1 s and once more when the reads end, on objckpt's I/O thread:
+            it must be quick, and an exception it raises is logged once, never
+            failing the restore. ``False``/``None``: nothing.
         cast: how a target dtype that differs from the saved one is reached.
             ``"checked"`` (the default) allows casts that keep every value:
             widening ones (int8 → int32, float16 → float32, int → float) and
@@ -117,7 +128,23 @@ def restore(
         raise ValueError(f"cast must be one of {', '.join(map(repr, CASTS))}, got {cast!r}")
     options = options or Options()
     stats = stats if stats is not None else TransferStats()
-    store = open_store(url, storage_options, options, stats)
+    if options.tune_malloc:
+        tune_malloc()
+    with opened_store(url, storage_options, options, stats) as store, _runtime.collection_paused(options.pause_gc):
+        return _restore(store, target, partial, read_once, options, stats, progress, cast)
+
+
+def _restore(
+    store: RetryingStore,
+    target: Any,
+    partial: bool,
+    read_once: bool,
+    options: Options,
+    stats: TransferStats,
+    progress: ProgressArg,
+    cast: str,
+) -> Any:
+    """:func:`restore` from an open store (the arguments as there, defaults filled in)."""
     started = time.perf_counter()
     manifest = _read_manifest(store, options)
     selection, subtrees = _select(manifest, target, partial)
@@ -132,7 +159,7 @@ def restore(
     requests = _plan(manifest, jobs, options, streamed=store.inner.streams_reads)
     base = stats.bytes_read
     total = sum(r.length for r in requests)
-    with progress_bar("restore", total, lambda: stats.bytes_read - base, enabled=progress):
+    with reporting(progress, "restore", store.url, total, lambda: stats.bytes_read - base, stats):
         if read_once:
             _fetch_then_share(store.inner, requests, jobs, options, stats)
         else:
@@ -281,7 +308,10 @@ async def _fetch(
             allocate(job)
             await asyncio.to_thread(finish, job)
 
-    alignment = ResponseAlignment.of(store)
+    # Reads start early to land aligned only where an aligned piece can become a device
+    # array without a copy: leaves placed on the CPU backend (leaf_jobs.stays_on_host).
+    on_cpu = any(job.places_boxes and stays_on_host(job) for job in jobs.values())
+    alignment = ResponseAlignment.of(store) if on_cpu else ResponseAlignment(None)
     lock = threading.Lock()
     copy_lock = threading.Lock()  # runs of small copies take turns (stream_scatter.ScatterSink says why)
     # A read that will become its boxes' arrays is not memory above the restored
@@ -289,10 +319,9 @@ async def _fetch(
     # copied count against the window; max_concurrency still bounds the requests
     # in flight. On a store that streams, copied reads are scattered as they
     # arrive (objckpt.stream_scatter) and hold a few MiB each, not their length:
-    # a window of their own bounds them (Options.streamed_window; measured, medium
-    # onto another sharding: 32 whole blobs at once cost 0.3 CPU-s more than 4, in
-    # contention for the GIL, while at 40 ms RTT 4 left the link idle as each
-    # waited for its first byte).
+    # a window of their own bounds them (Options.streamed_window: enough bytes to
+    # cover each read's wait for its first byte, few enough threads scattering at
+    # once to keep them from contending for the GIL).
     in_place = store.reads_in_place
     streamed = store.streams_reads
     copied = {id(r) for r in requests if not (in_place and _may_adopt(r, jobs))}

@@ -31,9 +31,11 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from objckpt import _runtime
+from objckpt._memory import tune_malloc
 from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsError, ObjectNotFoundError, StoreError
 from objckpt.format import MANIFEST_KEY, BlobEntry, LeafEntry, Manifest, Piece, parse_manifest
 from objckpt.leaves import classify
@@ -42,12 +44,13 @@ from objckpt.metadata import to_json_value
 from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.plan import blob_key, plan_blobs
-from objckpt.progress import closing, progress_bar
+from objckpt.progress import ProgressArg, closing, finish_from_caller, start
 from objckpt.storage import Store
-from objckpt.transfer import TransferEngine, TransferStats, open_store
+from objckpt.transfer import RetryingStore, TransferEngine, TransferStats, close_store, open_store
 from objckpt.tree import flatten
 from objckpt.upload import PieceRecord, snapshot_and_upload
 
+T = TypeVar("T")
 log = logging.getLogger("objckpt")
 
 
@@ -86,7 +89,7 @@ def save(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     metadata: dict[str, Any] | None = None,
-    progress: bool = False,
+    progress: ProgressArg = False,
 ) -> TransferStats:
     """Save ``tree`` to ``url`` and return once the checkpoint is committed.
 
@@ -102,7 +105,11 @@ def save(
             scalars and 0-d arrays (stored as Python numbers); NaN and infinities
             are stored as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``
             (``float()`` reads them back).
-        progress: draw a progress bar on stderr when it is a terminal.
+        progress: ``True`` draws a progress bar on stderr when it is a terminal
+            (tqdm); a callable is called with a :class:`objckpt.Progress` at most
+            every 0.1 s and once more when the save ends (committed or failed),
+            on objckpt's I/O thread: it must be quick, and an exception it raises
+            is logged once, never failing the save. ``False``/``None``: nothing.
 
     Returns:
         This process's figures (bytes, objects, requests, retries, seconds).
@@ -124,7 +131,7 @@ def save_async(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     metadata: dict[str, Any] | None = None,
-    progress: bool = False,
+    progress: ProgressArg = False,
 ) -> SaveHandle:
     """Copy ``tree`` off the devices, then upload and commit in the background.
 
@@ -140,15 +147,36 @@ def _start(
     storage_options: dict[str, Any] | None,
     options: Options | None,
     metadata: dict[str, Any] | None,
-    progress: bool,
+    progress: ProgressArg,
     *,
     hold_uploads: bool,
 ) -> SaveHandle:
     """Snapshot ``tree`` and start its uploads and commit; ``hold_uploads`` as in :func:`objckpt.upload.snapshot_and_upload`."""
     entered = time.perf_counter()
     options = options or Options()
+    if options.tune_malloc:
+        tune_malloc()
     stats = TransferStats()
     store = open_store(url, storage_options, options, stats)
+    try:
+        return _begin(store, tree, options, stats, metadata, progress, entered, hold_uploads=hold_uploads)
+    except BaseException:
+        close_store(store)
+        raise
+
+
+def _begin(
+    store: RetryingStore,
+    tree: Any,
+    options: Options,
+    stats: TransferStats,
+    metadata: dict[str, Any] | None,
+    progress: ProgressArg,
+    entered: float,
+    *,
+    hold_uploads: bool,
+) -> SaveHandle:
+    """:func:`_start` on an open store, which the commit closes once it ends (``entered``: when the call began)."""
     if not store.supports_create:
         raise StoreError(
             f"{store.url}: this store cannot create objects only-if-absent, so a commit could overwrite"
@@ -178,11 +206,13 @@ def _start(
     marker = LiveMarker(store, marker_key(save_id, coordinator.process_index), lease=options.live_marker_lease)
     _runtime.run_sync(marker.begin())  # before the first blob, so deleters see it first
     started = time.perf_counter()
-    bar = progress_bar("save", sum(b.size for b in blobs), lambda: stats.bytes_written, enabled=progress)
+    reporter = None
     try:
+        total = sum(b.size for b in blobs)
+        reporter = start(progress, "save", store.url, total, lambda: stats.bytes_written, stats)
         uploads = snapshot_and_upload(blobs, engine, options, hold_uploads=hold_uploads)
     except BaseException:
-        bar.close()
+        finish_from_caller(reporter, complete=False)
         _runtime.run_sync(marker.end())
         raise
     seconds_blocked = time.perf_counter() - entered
@@ -198,9 +228,17 @@ def _start(
         options=options,
         marker=marker,
     )
-    future = _runtime.submit(closing(commit.run(uploads, started), bar))
+    future = _runtime.submit(_then_close(closing(commit.run(uploads, started), reporter), store))
     _track_in_flight(store.url, future)
     return SaveHandle(future, stats, seconds_blocked, store.url)
+
+
+async def _then_close(run: Awaitable[T], store: Store) -> T:
+    """Await ``run``, then close ``store``, however ``run`` ends."""
+    try:
+        return await run
+    finally:
+        await store.close()
 
 
 # Saves of this process whose commit has not ended, by URL (see save_in_flight).

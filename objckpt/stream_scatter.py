@@ -88,11 +88,6 @@ async def stream_read(
     return got
 
 
-def split_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> list[Span]:
-    """Every span of a read at once (:func:`iter_spans`), for a read known to be small."""
-    return list(iter_spans(request, jobs, chunk))
-
-
 def iter_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> Iterator[Span]:
     """Cut a read into spans of about ``chunk`` bytes, each cut between rows of a piece.
 

@@ -12,14 +12,16 @@ How many requests are in flight follows the store's throttling answers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from objckpt import _runtime
 from objckpt.errors import (
     ChecksumMismatchError,
     ObjectNotFoundError,
@@ -50,11 +52,26 @@ class TransferStats:
     objects_written: int = 0
     seconds: float = 0.0  # wall time of the whole operation, set when it ends
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
 
     def add(self, **counts: int) -> None:
         with self._lock:
             for name, n in counts.items():
                 setattr(self, name, getattr(self, name) + n)
+            listeners = tuple(self._listeners) if self._listeners else ()
+        for listener in listeners:
+            listener()
+
+    def watch(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after each change of the counters, on the thread that made it and
+        outside their lock: what feeds a progress reporter (:mod:`objckpt.progress`)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def unwatch(self, listener: Callable[[], None]) -> None:
+        """Stop calling ``listener`` (one that is not watching is ignored)."""
+        with self._lock, contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
 
 
 class AsyncByteBudget:
@@ -249,6 +266,23 @@ def open_store(
     """``from_url`` wrapped with the retry policy and timeout of ``options`` (retries counted in ``stats``)."""
     store = from_url(url, **(storage_options or {}))
     return RetryingStore(store, retry=options.retry, request_timeout=options.request_timeout, stats=stats)
+
+
+@contextlib.contextmanager
+def opened_store(
+    url: str, storage_options: dict[str, Any] | None, options: Options, stats: TransferStats | None = None
+) -> Iterator[RetryingStore]:
+    """:func:`open_store` for one operation: the store (and what it opened) is closed when the block ends."""
+    store = open_store(url, storage_options, options, stats)
+    try:
+        yield store
+    finally:
+        close_store(store)
+
+
+def close_store(store: Store) -> None:
+    """Close ``store`` from a caller's thread (its connections, its streamed reader's threads)."""
+    _runtime.run_sync(store.close())
 
 
 def missing_bucket(url: str, key: str, error: ObjectNotFoundError) -> ObjectNotFoundError:

@@ -27,8 +27,8 @@ from objckpt.errors import StoreError
 from objckpt.format import BlobEntry, Manifest, Piece
 from objckpt.manifest_io import read_manifest
 from objckpt.options import MiB, Options
-from objckpt.progress import human_bytes, progress_bar
-from objckpt.transfer import TransferEngine, TransferStats, open_store, run_in_order
+from objckpt.progress import ProgressArg, human_bytes, reporting
+from objckpt.transfer import TransferEngine, TransferStats, opened_store, run_in_order
 
 log = logging.getLogger("objckpt")
 
@@ -126,7 +126,7 @@ def verify(
     *,
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
-    progress: bool = False,
+    progress: ProgressArg = False,
 ) -> VerifyReport:
     """Read every blob of the checkpoint at ``url`` and check every piece's crc32c.
 
@@ -134,7 +134,11 @@ def verify(
         url: the checkpoint.
         storage_options: passed to the store.
         options: tuning (concurrency, byte window, timeouts, retries).
-        progress: draw a progress bar on stderr when it is a terminal.
+        progress: ``True`` draws a progress bar on stderr when it is a terminal
+            (tqdm); a callable is called with a :class:`objckpt.Progress` at most
+            every 0.1 s and once more at the end, on objckpt's I/O thread: it must
+            be quick, and an exception it raises is logged once, never failing
+            the verification. ``False``/``None``: nothing.
 
     Returns:
         A :class:`VerifyReport` listing every problem (``report.ok`` when none).
@@ -145,12 +149,12 @@ def verify(
     """
     options = options or Options()
     stats = TransferStats()
-    store = open_store(url, storage_options, options, stats)
     started = time.perf_counter()
-    manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
-    total = sum(b.size for b in manifest.blobs)
-    with progress_bar("verify", total, lambda: stats.bytes_read, enabled=progress):
-        problems = _runtime.run_sync(_verify(store, manifest, options, stats))
+    with opened_store(url, storage_options, options, stats) as store:
+        manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
+        total, base = sum(b.size for b in manifest.blobs), stats.bytes_read
+        with reporting(progress, "verify", store.url, total, lambda: stats.bytes_read - base, stats):
+            problems = _runtime.run_sync(_verify(store, manifest, options, stats))
     report = VerifyReport(
         url=store.url,
         problems=problems,

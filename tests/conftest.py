@@ -41,6 +41,9 @@ import backends  # noqa: E402  (also sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=fals
 from backends import GCSService, S3Service  # noqa: E402
 
 STORE_KINDS = ("memory", "local", "s3", "gcs")
+# The example plugin is a separate package with its own tests, which need it installed:
+# test_storage_conformance.py runs them in a pytest of their own, as the plugin's repository would.
+collect_ignore = ["plugin_example"]
 
 
 def pytest_configure(config: pytest.Config) -> None:

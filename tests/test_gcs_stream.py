@@ -80,7 +80,7 @@ def test_resharded_restore_from_gcs_streams_bit_exact(gcs_store, monkeypatch):
     assert sum(streamed) >= values.nbytes
 
 
-def test_requester_pays_and_the_switch_keep_gcsfs_reads(monkeypatch):
+def test_requester_pays_keeps_gcsfs_reads():
     class FakeGcsfs:
         _location = "https://storage.googleapis.com"
         credentials = None
@@ -90,8 +90,6 @@ def test_requester_pays_and_the_switch_keep_gcsfs_reads(monkeypatch):
     paying = FakeGcsfs()
     paying.requester_pays = "my-project"
     assert gcsfs_range_reader(paying, 5) is None
-    monkeypatch.setenv("OBJCKPT_STREAM_READS", "0")
-    assert gcsfs_range_reader(FakeGcsfs(), 5) is None
 
 
 def test_gcs_error_reasons_and_request_paths():

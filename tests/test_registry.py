@@ -22,7 +22,8 @@ from objckpt.errors import (
 )
 from objckpt.storage import from_url
 from objckpt.storage.error_map import map_obstore_error
-from objckpt.storage.fsspec_store import FsspecStore
+from objckpt.storage.fsspec_local import LocalFsspecStore
+from objckpt.storage.fsspec_store import FsspecStore, GcsFsspecStore, MemoryFsspecStore, S3FsspecStore
 from objckpt.storage.obstore_config import NotTranslatable, translate_gcs, translate_s3
 from objckpt.storage.obstore_store import ObstoreStore
 from objckpt.storage.registry import BACKEND_ENV
@@ -215,6 +216,25 @@ def test_environment_only_steers_schemes_with_a_native_path(monkeypatch: pytest.
     assert isinstance(from_url(str(tmp_path / "d")), ObstoreStore)
     monkeypatch.delenv(BACKEND_ENV)
     assert isinstance(from_url(str(tmp_path / "d")), FsspecStore)  # local disk: fsspec by default
+
+
+def test_each_filesystem_gets_its_own_fsspec_store_class(tmp_path: Path) -> None:
+    """The class is chosen once, by filesystem, when the store is opened; child stores keep it."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("gcsfs")
+    gcs = {"endpoint_url": "http://127.0.0.1:1", "token": "anon"}
+    opened = {
+        LocalFsspecStore: from_url(str(tmp_path / "d")),
+        MemoryFsspecStore: from_url("memory://classes/x"),
+        S3FsspecStore: from_url("s3://b/x", **S3FS_STYLE, objckpt_backend="fsspec"),
+        GcsFsspecStore: from_url("gs://b/x", **gcs),
+        FsspecStore: from_url("simplecache::memory://classes/y"),  # no class of its own: the generic one
+    }
+    for cls, store in opened.items():
+        assert type(store) is cls
+        assert type(store.child("c")) is cls
+    assert not opened[FsspecStore].supports_create
+    assert all(store.supports_create for cls, store in opened.items() if cls is not FsspecStore)
 
 
 def test_gcs_stays_on_gcsfs_unless_asked() -> None:

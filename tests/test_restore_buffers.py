@@ -150,10 +150,13 @@ def _big_tree():
     return tree, values
 
 
-def _adoption_report(url: str, storage_options: dict, *, hint_off_by: int = 0, restores: int = 1) -> dict:
+def _adoption_report(
+    url: str, storage_options: dict, *, hint_off_by: int = 0, restores: int = 1, tune_malloc: bool = False
+) -> dict:
     """Save ``_big_tree`` to ``url``, restore it onto the same sharding ``restores``
     times, and say how many large boxes each copied rather than adopted (run in a
-    fresh process by the tests below). ``hint_off_by`` skews the store's phase hint."""
+    fresh process by the tests below). ``hint_off_by`` skews the store's phase hint;
+    ``tune_malloc`` is passed on to the restores (``Options.tune_malloc``)."""
     tree, _ = _big_tree()
     objckpt.save(url, tree, storage_options=storage_options)
     allocated: list[str] = []
@@ -170,7 +173,8 @@ def _adoption_report(url: str, storage_options: dict, *, hint_off_by: int = 0, r
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         for _ in range(restores):
             allocated.clear()
-            out = objckpt.restore(url, target, storage_options=storage_options)
+            options = objckpt.Options(tune_malloc=tune_malloc)
+            out = objckpt.restore(url, target, storage_options=storage_options, options=options)
             assert_tree_bit_exact(tree, out)
             copied.append(sum(path in ("['w']", "['v']") for path in allocated))
             misaligned.append(
@@ -217,8 +221,11 @@ def test_restore_from_s3_adopts_large_responses_without_a_copy(s3_store):
 
 def test_a_wrong_phase_hint_costs_one_restore_its_adoption_and_is_learned(s3_store):
     """The store's hint is a guess about its client's allocator; responses correct it,
-    and later restores from that kind of store start from what they taught."""
-    report = _adoption_in_a_fresh_process(s3_store, hint_off_by=16, restores=2)
+    and later restores from that kind of store start from what they taught. That takes
+    responses at a fixed phase, which glibc gives once ``Options.tune_malloc`` fixes its
+    mmap threshold: with its dynamic one, the buffers the first restore frees raise the
+    threshold, and later large responses come from the heap, at any phase."""
+    report = _adoption_in_a_fresh_process(s3_store, hint_off_by=16, restores=2, tune_malloc=True)
     assert report["copied"] == [16, 0], f"large boxes copied per restore: {report['copied']}, expected [16, 0]"
     assert report["misaligned"] == [0, 0]
 
@@ -239,6 +246,22 @@ def test_a_store_kinds_learned_phase_outlives_one_restore(monkeypatch):
         memoryview(host_buffer(ResponseAlignment.LARGE + 64)[48:])
     )  # no kind: kept to itself
     assert ResponseAlignment.of(Store()).phase == 32
+
+
+def test_only_stores_that_give_a_phase_hint_are_asked_for_one(monkeypatch, tmp_path):
+    """The hint is an optional protocol, not part of ``Store``: the obstore store gives its
+    allocator's phase; any other store is taken to return ``bytes``, as ``Store``'s default
+    ``get_range_buffer`` does."""
+    from objckpt._memory import bytes_phase, malloc_phase
+    from objckpt.aligned_reads import AlignedResponses, ResponseAlignment
+
+    monkeypatch.setattr(ResponseAlignment, "learned", {})
+    native = from_url(str(tmp_path / "native"), objckpt_backend="obstore")
+    plain = from_url(str(tmp_path / "plain"))
+    assert isinstance(native, AlignedResponses) and not isinstance(plain, AlignedResponses)
+    assert not hasattr(plain, "response_phase")
+    assert ResponseAlignment.of(native).phase == malloc_phase()
+    assert ResponseAlignment.of(plain).phase == bytes_phase()
 
 
 def _recording_streams(monkeypatch) -> list[tuple[str, int, int]]:
@@ -417,14 +440,17 @@ def test_packed_blobs_are_full_and_each_is_one_get(s3_store, monkeypatch):
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, P("x", "y"))), tree
     )
-    for switch in ("1", "0"):  # 0: obstore reads, copied in reads of up to 8 MiB (more than a blob here)
-        monkeypatch.setenv("OBJCKPT_STREAM_READS", switch)
+    # A requester-pays bucket reads through obstore (no streamed reads), copied in reads of up
+    # to 8 MiB (more than a blob here).
+    for streamed in (True, False):
+        storage_options = s3_store.storage_options if streamed else {**s3_store.storage_options, "requester_pays": True}
         counting = count_reads(monkeypatch)
-        out = objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options, options=options)
+        out = objckpt.restore(s3_store.url, target, storage_options=storage_options, options=options)
         assert_tree_bit_exact(tree, out)
+        assert all(s.inner.streams_reads is streamed for s in counting)
         reads = [r for s in counting for r in s.reads if r[0] in large_blobs]
         assert sorted(r[0] for r in reads) == sorted(large_blobs), (
-            f"streamed={switch}: expected one GET per blob, got {reads}"
+            f"streamed={streamed}: expected one GET per blob, got {reads}"
         )
 
 
@@ -444,13 +470,13 @@ def test_copied_reads_coalesce_up_to_a_blob_only_when_streamed(s3_store, monkeyp
         for k, v in values.items()
     }
     requests = {}
-    for switch in ("1", "0"):  # 0: obstore reads, a new buffer per response
-        monkeypatch.setenv("OBJCKPT_STREAM_READS", switch)
+    for streamed in (True, False):  # requester-pays: obstore reads, a new buffer per response
+        storage_options = s3_store.storage_options if streamed else {**s3_store.storage_options, "requester_pays": True}
         stats = objckpt.TransferStats()
-        out = objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options, stats=stats)
+        out = objckpt.restore(s3_store.url, target, storage_options=storage_options, stats=stats)
         np.testing.assert_array_equal(np.asarray(out["w"]), values["w"])
-        requests[switch] = stats.requests
-    assert requests["1"] < requests["0"], requests
+        requests[streamed] = stats.requests
+    assert requests[True] < requests[False], requests
 
 
 def _many_small_leaves(url: str) -> tuple[dict, dict]:
@@ -516,13 +542,15 @@ def test_large_leaves_go_box_by_box_in_batched_transfers(monkeypatch):
     assert len(calls["device_put"]) <= stats.requests, f"{calls} for {stats.requests} reads"
 
 
-def test_restore_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
-    """Full collections walk the caller's whole heap; a restore defers them, and leaves the
-    collector as it found it, also after an error and when the caller had it off."""
+def test_pause_gc_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
+    """With ``Options(pause_gc=True)`` a restore defers full collections (they walk the
+    caller's whole heap), and leaves the collector as it found it, also after an error and
+    when the caller had it off. By default the collector is left alone."""
     import gc
 
     url = "memory://restore-buffers/gc"
     objckpt.save(url, {"a": np.arange(10, dtype=np.float32)})
+    paused = objckpt.Options(pause_gc=True)
     seen = []
     real = restore_module._plan
 
@@ -533,13 +561,15 @@ def test_restore_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
     monkeypatch.setattr(restore_module, "_plan", spying)
     assert gc.isenabled()
     np.testing.assert_array_equal(objckpt.restore(url)["a"], np.arange(10, dtype=np.float32))
-    assert seen == [False] and gc.isenabled()
+    assert seen == [True] and gc.isenabled()  # the default: nothing process-wide changes
+    np.testing.assert_array_equal(objckpt.restore(url, options=paused)["a"], np.arange(10, dtype=np.float32))
+    assert seen == [True, False] and gc.isenabled()
     with pytest.raises(objckpt.CheckpointNotFoundError):
-        objckpt.restore("memory://restore-buffers/none")
+        objckpt.restore("memory://restore-buffers/none", options=paused)
     assert gc.isenabled()
     gc.disable()
     try:
-        objckpt.restore(url)
+        objckpt.restore(url, options=paused)
         assert not gc.isenabled()
     finally:
         gc.enable()
@@ -547,6 +577,6 @@ def test_restore_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     with _runtime.collection_paused(), ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda _: objckpt.restore(url), range(4)))
+        list(pool.map(lambda _: objckpt.restore(url, options=paused), range(4)))
         assert not gc.isenabled()
     assert gc.isenabled()

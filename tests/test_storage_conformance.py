@@ -1,10 +1,12 @@
 """The storage contract, checked the same way on every store.
 
-:class:`StoreConformance` is the suite (in the spirit of zarr's
-``StoreTests``): a store implementation passes it by providing a ``store``
-fixture (and optionally ``secrets``). :class:`TestStores` runs it on memory,
-local disk, S3 (SeaweedFS), GCS (fake-gcs-server) and the example
-third-party plugin found through the ``objckpt.stores`` entry point.
+The suite is :class:`objckpt.testing.StoreConformance` (in the spirit of
+zarr's ``StoreTests``), shipped in the package so that third-party stores run
+it too. :class:`TestStores` runs it on every store objckpt ships: memory,
+local disk, S3 (SeaweedFS) and GCS (fake-gcs-server), through each adapter
+that serves them. The example third-party plugin runs it from its own tests
+(``tests/plugin_example/tests``), found through the ``objckpt.stores`` entry
+point, in a pytest of its own.
 
 The second half tests ``from_url`` itself: schemes, plugins, credentials from
 the environment, and the errors for what cannot be opened.
@@ -12,63 +14,60 @@ the environment, and the errors for what cannot be opened.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import importlib
 import importlib.metadata
 import itertools
+import os
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from objckpt.errors import (
-    ObjckptError,
     ObjectExistsError,
     ObjectNotFoundError,
     StoreError,
     StoreNotAvailableError,
     TransientStoreError,
 )
-from objckpt.storage import ByteRange, ObjectInfo, Store, from_url, register_store
+from objckpt.storage import Store, from_url, register_store
 from objckpt.storage import registry as _registry
 from objckpt.storage.error_map import map_error
-from objckpt.storage.fsspec_store import FsspecStore
+from objckpt.storage.fsspec_store import FsspecStore, S3FsspecStore
 from objckpt.storage.obstore_store import ObstoreStore
 from objckpt.storage.registry import BACKEND_ENV, BACKEND_OPTION
+from objckpt.testing import StoreConformance
+from objckpt.testing.store import payload, run
 
-T = TypeVar("T")
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugin_example"
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
-
-
-def payload(n: int, seed: int = 0) -> bytes:
-    """``n`` bytes covering every byte value (no text-only transports here)."""
-    return bytes((i * 131 + seed * 7 + (i >> 8)) % 256 for i in range(n))
 
 
 # --------------------------------------------------------------------- plugin
 
 
-@pytest.fixture(scope="session")
-def dictstore_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Install tests/plugin_example the way pip would, as far as discovery goes.
+def _fake_install(site: Path) -> list[str]:
+    """Install tests/plugin_example the way pip would, as far as discovery goes: the
+    ``sys.path`` entries that make it importable and its entry point visible.
 
     A ``.dist-info`` with ``entry_points.txt`` in a directory on ``sys.path``
     is exactly what ``importlib.metadata`` reads for an installed package.
     """
-    site = tmp_path_factory.mktemp("site")
     dist = site / "objckpt_dictstore-0.1.0.dist-info"
-    dist.mkdir()
+    dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: objckpt-dictstore\nVersion: 0.1.0\n")
     (dist / "entry_points.txt").write_text("[objckpt.stores]\ndictstore = objckpt_dictstore:open_dictstore\n")
-    added = [str(site), str(PLUGIN_DIR)]
+    return [str(site), str(PLUGIN_DIR)]
+
+
+@pytest.fixture(scope="session")
+def dictstore_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The example plugin, installed into this process (:func:`_fake_install`)."""
+    added = _fake_install(tmp_path_factory.mktemp("site"))
     sys.path[:0] = added
     importlib.invalidate_caches()  # also clears importlib.metadata's path cache
     try:
@@ -81,251 +80,7 @@ def dictstore_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
         sys.modules.pop("objckpt_dictstore", None)
 
 
-# ---------------------------------------------------------------- the suite
-
-
-class StoreConformance:
-    """What every :class:`Store` must do. Subclasses provide ``store``."""
-
-    @pytest.fixture
-    def secrets(self) -> tuple[str, ...]:
-        """Strings that must never show in URLs, reprs or error messages."""
-        return ()
-
-    # -- round trips -----------------------------------------------------------
-
-    def test_put_get_round_trip(self, store: Store) -> None:
-        data = payload(70_000)
-
-        async def go() -> None:
-            await store.put("a/blob", data)
-            assert await store.get("a/blob") == data
-            await store.put("mv", memoryview(data)[10:20])
-            assert await store.get("mv") == data[10:20]
-            await store.put("ba", bytearray(b"xyz"))
-            assert await store.get("ba") == b"xyz"
-
-        run(go())
-
-    def test_put_parts_writes_them_in_order(self, store: Store) -> None:
-        data = payload(70_000)
-        parts = [memoryview(data)[:100], memoryview(b""), memoryview(data)[100:69_000], memoryview(data)[69_000:]]
-
-        async def go() -> None:
-            await store.put_parts("parts", parts)
-            assert await store.get("parts") == data
-            await store.put_parts("one", [memoryview(data)[:7]])
-            assert await store.get("one") == data[:7]
-            await store.put_parts("new", parts, mode="create")
-            with pytest.raises(ObjectExistsError):
-                await store.put_parts("new", parts, mode="create")
-
-        run(go())
-
-    def test_put_owns_its_bytes(self, store: Store) -> None:
-        buf = bytearray(b"original")
-
-        async def go() -> None:
-            await store.put("k", memoryview(buf))
-            buf[:] = b"changed!"
-            assert await store.get("k") == b"original"
-
-        run(go())
-
-    def test_get_range(self, store: Store) -> None:
-        data = payload(1000)
-
-        async def go() -> None:
-            await store.put("r", data)
-            assert await store.get_range("r", start=0, end=10) == data[:10]
-            assert await store.get_range("r", start=10, end=11) == data[10:11]  # end exclusive
-            assert await store.get_range("r", start=500, end=1000) == data[500:]
-            assert await store.get_range("r", start=990, end=5000) == data[990:]  # short at the end
-            assert await store.get_range("r", start=1000, end=1010) == b""
-            assert await store.get_range("r", start=3000, end=3010) == b""
-            assert await store.get_range("r", start=7, end=7) == b""
-            with pytest.raises(ValueError):
-                await store.get_range("r", start=5, end=4)
-
-        run(go())
-
-    def test_empty_object(self, store: Store) -> None:
-        async def go() -> None:
-            await store.put("empty", b"")
-            assert await store.get("empty") == b""
-            assert await store.get_range("empty", start=0, end=10) == b""  # a 416 on S3
-            assert await store.get_range("empty", start=0, end=0) == b""
-            assert (await store.head("empty")).size == 0
-            assert [o.key for o in await store.list()] == ["empty"]
-
-        run(go())
-
-    def test_get_ranges_keeps_order(self, store: Store) -> None:
-        data = payload(4096, seed=3)
-        ranges = [ByteRange(3000, 4096), ByteRange(0, 1), ByteRange(100, 2000), ByteRange(50, 150), ByteRange(9, 9)]
-
-        async def go() -> None:
-            await store.put("g", data)
-            got = await store.get_ranges("g", ranges)
-            assert got == [data[r.start : r.end] for r in ranges]
-
-        run(go())
-
-    # -- create / overwrite / delete ---------------------------------------------
-
-    def test_create_if_absent(self, store: Store) -> None:
-        assert store.supports_create
-
-        async def go() -> None:
-            await store.put("m/manifest.json", b"first", mode="create")
-            with pytest.raises(ObjectExistsError) as info:
-                await store.put("m/manifest.json", b"second", mode="create")
-            assert isinstance(info.value, FileExistsError)
-            assert isinstance(info.value, ObjckptError)
-            assert await store.get("m/manifest.json") == b"first"
-
-        run(go())
-
-    def test_concurrent_creates_exactly_one_wins(self, store: Store) -> None:
-        contenders = 8
-
-        async def go() -> None:
-            results = await asyncio.gather(
-                *(store.put("race", b"writer-%d" % i, mode="create") for i in range(contenders)),
-                return_exceptions=True,
-            )
-            winners = [i for i, r in enumerate(results) if r is None]
-            losers = [r for r in results if r is not None]
-            assert len(winners) == 1, results
-            assert all(isinstance(r, ObjectExistsError) for r in losers), losers
-            assert await store.get("race") == b"writer-%d" % winners[0]
-
-        run(go())
-
-    def test_overwrite(self, store: Store) -> None:
-        async def go() -> None:
-            await store.put("o", b"one")
-            await store.put("o", b"two, longer")
-            assert await store.get("o") == b"two, longer"
-            await store.put("o", b"3", mode="overwrite")
-            assert await store.get("o") == b"3"
-            await store.put("c", b"created", mode="create")
-            await store.put("c", b"replaced")  # overwrite ignores create's guard
-            assert await store.get("c") == b"replaced"
-
-        run(go())
-
-    def test_delete(self, store: Store) -> None:
-        async def go() -> None:
-            await store.put("d/x", b"1")
-            await store.put("d/y", b"2")
-            await store.delete("d/x")
-            with pytest.raises(ObjectNotFoundError):
-                await store.get("d/x")
-            assert [o.key for o in await store.list()] == ["d/y"]
-            await store.delete("d/x")  # missing: fine
-            await store.delete("never/was")
-            await store.put("d/x", b"again", mode="create")  # a deleted key can be created
-            assert await store.get("d/x") == b"again"
-
-        run(go())
-
-    # -- list / head -----------------------------------------------------------
-
-    def test_list(self, store: Store) -> None:
-        keys = ["a", "b/c", "b/d/e", "bc", "x/y/z"]
-
-        async def go() -> None:
-            before = time.time()
-            for i, key in enumerate(keys):
-                await store.put(key, b"." * (i + 1))
-            everything = await store.list()
-            assert [o.key for o in everything] == keys
-            assert [o.size for o in everything] == [1, 2, 3, 4, 5]
-            for info in everything:
-                assert isinstance(info, ObjectInfo)
-                if info.last_modified is not None:
-                    assert before - 120 < info.last_modified < time.time() + 120
-            assert [o.key for o in await store.list("b")] == ["b/c", "b/d/e", "bc"]
-            assert [o.key for o in await store.list("b/")] == ["b/c", "b/d/e"]
-            assert [o.key for o in await store.list("b/d")] == ["b/d/e"]
-            assert [o.key for o in await store.list("x/y/z")] == ["x/y/z"]
-            assert await store.list("nothing") == []
-            assert await store.list("nothing/") == []
-
-        run(go())
-
-    def test_list_empty_root(self, store: Store) -> None:
-        assert run(store.list()) == []
-        assert run(store.child("not/there").list()) == []
-
-    def test_head(self, store: Store) -> None:
-        async def go() -> None:
-            await store.put("h/obj", payload(1234))
-            info = await store.head("h/obj")
-            assert info.key == "h/obj" and info.size == 1234
-            assert info.last_modified is None or abs(info.last_modified - time.time()) < 120
-            with pytest.raises(ObjectNotFoundError):
-                await store.head("h")  # a prefix is not an object
-
-        run(go())
-
-    def test_missing_key(self, store: Store) -> None:
-        async def go() -> None:
-            for call in (
-                store.get("missing/k"),
-                store.get_range("missing/k", start=0, end=10),
-                store.get_range("missing/k", start=0, end=0),
-                store.head("missing/k"),
-            ):
-                with pytest.raises(ObjectNotFoundError) as info:
-                    await call
-                assert isinstance(info.value, FileNotFoundError)
-                assert "missing/k" in str(info.value)
-
-        run(go())
-
-    # -- structure ---------------------------------------------------------------
-
-    def test_child(self, store: Store) -> None:
-        async def go() -> None:
-            child = store.child("step_1")
-            assert child.url == store.url.rstrip("/") + "/step_1"
-            await child.put("blobs/0", b"zero")
-            await child.put("manifest.json", b"{}", mode="create")
-            assert await store.get("step_1/blobs/0") == b"zero"
-            assert [o.key for o in await child.list()] == ["blobs/0", "manifest.json"]
-            assert [o.key for o in await store.list()] == ["step_1/blobs/0", "step_1/manifest.json"]
-            grandchild = child.child("blobs/")
-            assert await grandchild.get("0") == b"zero"
-            assert [o.key for o in await grandchild.list()] == ["0"]
-            with pytest.raises(ObjectExistsError):
-                await child.put("manifest.json", b"{}", mode="create")
-            await grandchild.delete("0")
-            assert [o.key for o in await store.list()] == ["step_1/manifest.json"]
-
-        run(go())
-
-    def test_url_and_repr_hide_secrets(self, store: Store, secrets: tuple[str, ...]) -> None:
-        text = [store.url, repr(store), str(store), repr(store.child("c"))]
-        try:
-            run(store.get("no/such/key"))
-        except ObjectNotFoundError as exc:
-            text.append(str(exc))
-            assert store.url in str(exc)
-        assert "storage_options" not in repr(store)
-        for secret in secrets:
-            assert not any(secret in t for t in text), "a credential leaked"
-
-    def test_invalid_keys(self, store: Store) -> None:
-        async def go() -> None:
-            for bad in ("", "/abs", "../up", "a/../../b", "a//b", "a/./b", "trailing/"):
-                with pytest.raises(ValueError):
-                    await store.put(bad, b"x")
-                with pytest.raises(ValueError):
-                    await store.get(bad)
-
-        run(go())
+# ------------------------------------------------------------ our stores
 
 
 #: Conformance targets: a conftest store kind, optionally with the adapter forced.
@@ -336,7 +91,6 @@ _TARGETS: dict[str, tuple[str, str | None]] = {
     "s3-obstore": ("s3", "obstore"),
     "s3-fsspec": ("s3", "fsspec"),
     "gcs": ("gcs", None),
-    "dictstore": ("dictstore", None),
 }
 
 
@@ -345,28 +99,12 @@ def _target_params() -> list[Any]:
     return [pytest.param(name, id=name, marks=marks.get(kind, [])) for name, (kind, _) in _TARGETS.items()]
 
 
-class _PluginTarget:
-    """Like conftest's StoreTarget, for the example plugin's scheme."""
-
-    secrets: tuple[str, ...] = ()
-    storage_options: dict[str, Any] = {}
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def open(self, **extra: Any) -> Store:
-        return from_url(self.url, **extra)
-
-
 class TestStores(StoreConformance):
-    """The suite on every store objckpt ships, plus the example plugin."""
+    """The suite on every store objckpt ships, through each adapter that serves it."""
 
     @pytest.fixture(params=_target_params())
     def target(self, request: pytest.FixtureRequest, store_target_factory: Callable[[str], Any]) -> Any:
         kind, backend = _TARGETS[request.param]
-        if kind == "dictstore":
-            request.getfixturevalue("dictstore_plugin")
-            return _PluginTarget(f"dictstore://tests/{time.time_ns()}")
         target = store_target_factory(kind)
         if backend is None:
             return target
@@ -396,6 +134,25 @@ def test_plugin_found_through_entry_point(dictstore_plugin: None) -> None:
     assert type(store).__module__ == "objckpt_dictstore"
     eps = importlib.metadata.entry_points(group="objckpt.stores", name="dictstore")
     assert [ep.value for ep in eps] == ["objckpt_dictstore:open_dictstore"]
+
+
+def test_plugin_runs_the_conformance_suite_from_its_own_tests(tmp_path: Path) -> None:
+    """The example plugin's three-line test module runs the whole suite on its scheme, in a
+    pytest of its own (its own root and configuration, none of objckpt's test fixtures),
+    as the plugin's repository would once it is installed."""
+    paths = [*_fake_install(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", "pyproject.toml", "--rootdir", "."],
+        cwd=PLUGIN_DIR,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    suite = [name for name in dir(StoreConformance) if name.startswith("test_")]
+    assert len(suite) >= 15
+    assert f"{len(suite)} passed" in result.stdout, result.stdout[-2000:]
 
 
 def test_unknown_scheme_is_not_available() -> None:
@@ -522,7 +279,7 @@ def test_s3_credentials_from_environment(
         monkeypatch.setenv(name, value)
     monkeypatch.setenv(BACKEND_ENV, backend)
     store = from_url(target.url)  # no storage options at all
-    assert type(store) is {"obstore": ObstoreStore, "fsspec": FsspecStore}[backend]
+    assert type(store) is {"obstore": ObstoreStore, "fsspec": S3FsspecStore}[backend]
     run(store.put("env", b"from env"))
     assert run(target.open().get("env")) == b"from env"
     assert s3_service.secret_key not in repr(store)

@@ -205,7 +205,7 @@ def test_spans_are_cut_between_rows_of_a_piece(memory_store):
     request = ReadRequest(piece.blob, piece.offset, piece.offset + piece.length, (ReadPart(0, piece, 0),))
     target = {"w": jax.ShapeDtypeStruct((100, 300), np.float32, sharding=tree["w"].sharding)}
     jobs = {0: make_job(manifest.leaves[0], target["w"])}
-    spans = stream_scatter.split_spans(request, jobs, 10_000)
+    spans = list(stream_scatter.iter_spans(request, jobs, 10_000))
     assert spans[0][0] == 0 and spans[-1][1] == piece.length
     assert all(a == b for (_, a), (b, _) in zip(spans, spans[1:]))  # contiguous
     assert all(first % 1200 == 0 for first, _ in spans)  # each starts on a row

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from objckpt._memory import bytes_phase
 from objckpt.errors import ObjectExistsError, ObjectNotFoundError  # noqa: F401  (re-exported)
 from objckpt.storage.streaming import STREAM_PIECE, ReadSink, feed
 
@@ -55,11 +54,16 @@ class ObjectInfo:
 
 
 class Store(abc.ABC):
-    """An object store rooted at one URL.
+    """An object store rooted at one URL: verbs, and the capabilities a caller may rely on.
 
-    Subclasses implement the abstract verbs; ``get_ranges`` has a default that
-    issues the ranges concurrently. ``url`` must never contain credentials: it
-    appears in error messages and logs.
+    Subclasses implement the abstract verbs; the others have defaults built on
+    them (``get_ranges`` issues the ranges concurrently). The class attributes
+    below say what a store can do; each is a fact about the store, which
+    callers branch on, never a tuning value. ``url`` must never contain
+    credentials: it appears in error messages and logs. Hints that only some
+    stores give (where their responses land in memory:
+    :class:`objckpt.aligned_reads.AlignedResponses`) are optional protocols of
+    their own, not part of this contract.
     """
 
     url: str
@@ -105,16 +109,6 @@ class Store(abc.ABC):
         """
         data = await self.get_range_buffer(key, start=start, end=end)
         return feed(sink, data, length=end - start, limit=STREAM_PIECE)
-
-    def response_phase(self) -> int | None:
-        """Where a large :meth:`get_range_buffer` result's bytes start past a 64-byte
-        boundary, when the client's allocator makes that predictable (else None).
-
-        A hint: restore starts large reads that many bytes early so they land
-        aligned and can become arrays without a copy, and checks every response.
-        The default matches the default ``get_range_buffer``, a Python ``bytes``.
-        """
-        return bytes_phase()
 
     async def get(self, key: str) -> bytes:
         """The whole object."""

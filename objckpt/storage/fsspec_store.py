@@ -21,13 +21,19 @@ adapter adds:
   refuses a key whose path resolves outside the store's root through a
   symbolic link (:class:`StorePermissionError`) and reads only regular files
   (a FIFO is a :class:`StoreError` at once, not a read that blocks).
+
+:class:`FsspecStore` holds what every filesystem shares (validation, timeouts,
+error mapping, the generic fsspec calls); one subclass per filesystem objckpt
+knows overrides only the steps that differ: :class:`S3FsspecStore`,
+:class:`GcsFsspecStore`, :class:`MemoryFsspecStore` here and
+:class:`~objckpt.storage.fsspec_local.LocalFsspecStore`. :func:`for_filesystem`
+picks the class for a filesystem, once, when the store is opened.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import functools
 import inspect
 import sys
 import threading
@@ -40,8 +46,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from objckpt.errors import ObjectNotFoundError, StoreError, StorePermissionError, TransientStoreError
-from objckpt.storage import local as _local
+from objckpt.errors import ObjectNotFoundError, StoreError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
 from objckpt.storage.error_map import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
 from objckpt.storage.error_map import http_status as _http_status
@@ -116,21 +121,6 @@ def _overrides_create(fs: AbstractFileSystem) -> bool:
         return False
 
 
-def _kind_of(fs: AbstractFileSystem) -> str:
-    """Which put strategy ``fs`` needs: s3, gcs, local, memory, native or none."""
-    s3fs = sys.modules.get("s3fs")
-    if s3fs is not None and isinstance(fs, s3fs.S3FileSystem):
-        return "s3"
-    gcsfs_core = sys.modules.get("gcsfs.core")
-    if gcsfs_core is not None and isinstance(fs, gcsfs_core.GCSFileSystem):
-        return "gcs"
-    if isinstance(fs, LocalFileSystem):
-        return "local"
-    if isinstance(fs, MemoryFileSystem):
-        return "memory"
-    return "native" if _overrides_create(fs) else "none"
-
-
 def _epoch(info: dict[str, Any]) -> float | None:
     """Modification time in seconds since the epoch from an fsspec info dict."""
     for field in ("mtime", "LastModified", "last_modified", "updated", "created"):
@@ -160,6 +150,9 @@ def _epoch(info: dict[str, Any]) -> float | None:
 class FsspecStore(Store):
     """A :class:`Store` rooted at ``path`` on the fsspec filesystem ``fs``.
 
+    This class is the generic strategy, for filesystems objckpt has no
+    subclass for; :func:`for_filesystem` builds the right class for ``fs``.
+
     Args:
         fs: Any fsspec filesystem instance; shared by :meth:`child` stores.
         path: The root as ``fs`` spells paths (``fs._strip_protocol(url)``),
@@ -169,9 +162,8 @@ class FsspecStore(Store):
         request_timeout: Seconds allowed per call; exceeding it raises
             :class:`TransientStoreError`.
         atomic_create: Overrule the detection of whether ``fs`` can
-            create-if-absent atomically (only for filesystems this module
-            has no dedicated strategy for: they then use
-            ``pipe_file(mode="create")``).
+            create-if-absent atomically (only for the generic strategy, which
+            then uses ``pipe_file(mode="create")``; the subclasses always can).
         range_reader: Streams ranged reads (:meth:`get_range_streamed`) over
             plain HTTP, for a filesystem whose paths it knows (gcsfs's:
             :func:`objckpt.storage.gcs_stream.gcsfs_range_reader`); shared by
@@ -196,10 +188,7 @@ class FsspecStore(Store):
         self.url = redact_url(raw_url)
         self.request_timeout = float(request_timeout)
         self._async = _uses_async(fs)
-        self._kind = _kind_of(fs)
-        if atomic_create is not None and self._kind in ("native", "none"):
-            self._kind = "native" if atomic_create else "none"
-        self.supports_create = self._kind != "none"
+        self.supports_create = self._atomic_create(atomic_create)
         self._range_reader = range_reader
         self.streams_reads = range_reader is not None
 
@@ -258,16 +247,44 @@ class FsspecStore(Store):
     async def _in_thread(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         return await self._run(what, lambda: asyncio.to_thread(fn, *args))
 
-    async def _local(self, what: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run one of :mod:`objckpt.storage.local`'s functions on this store's root directory;
-        its refusals (a path leading out of the root, a file that is not regular) name the
-        key and the root."""
-        try:
-            return await self._in_thread(what, fn, self._root, *args)
-        except _local.OutsideRootError as exc:
-            raise StorePermissionError(f"{what}: {exc.strerror}") from exc
-        except _local.NotRegularFileError as exc:
-            raise StoreError(f"{what}: {exc.strerror}") from exc
+    # --------------------------------------------- steps a filesystem's subclass overrides
+
+    def _atomic_create(self, requested: bool | None) -> bool:
+        """Whether ``put(mode="create")`` is atomic here: ``requested`` when given,
+        else whether the filesystem's own ``pipe_file`` takes ``mode``."""
+        return requested if requested is not None else _overrides_create(self.fs)
+
+    #: Whether ``find`` filters by a name prefix server-side (``prefix=``).
+    _lists_by_prefix = False
+
+    def _hidden(self, rel: str) -> bool:
+        """Whether a listed name is the filesystem's own bookkeeping, never an object."""
+        return False
+
+    async def _stat(self, what: str, key: str) -> ObjectInfo | None:
+        """Size and time of ``key``; None when it names a directory (a prefix of objects)."""
+        info = await self._fs(what, "info", self._path(key))
+        if info.get("type") == "directory":
+            return None
+        return ObjectInfo(key=key, size=int(info.get("size") or 0), last_modified=_epoch(info))
+
+    async def _read_whole(self, what: str, key: str) -> bytes:
+        return bytes(await self._fs(what, "cat_file", self._path(key)))
+
+    async def _read_range(self, what: str, key: str, start: int, end: int) -> bytes:
+        # By keyword: s3fs's cat_file takes version_id second.
+        return bytes(await self._fs(what, "cat_file", self._path(key), start=start, end=end))
+
+    async def _write(self, what: str, key: str, data: bytes | memoryview, create: bool) -> None:
+        """Write one whole object; ``create``: atomically, only if absent."""
+        body = bytes(data) if isinstance(data, memoryview) else data  # botocore and most clients want bytes
+        if create:
+            await self._fs(what, "pipe_file", self._path(key), body, mode="create")
+        else:
+            await self._fs(what, "pipe_file", self._path(key), body)
+
+    async def _remove(self, what: str, key: str) -> None:
+        await self._fs(what, "rm_file", self._path(key))
 
     # -------------------------------------------------------------------- reads
 
@@ -283,34 +300,25 @@ class FsspecStore(Store):
         _check_relative(key, "key", allow_empty=False, allow_partial=False)
         what = f"head {self._url(key)}"
         try:
-            if self._kind == "local":
-                st = await self._local(what, _local.stat_regular, key)
-                return ObjectInfo(key=key, size=st.st_size, last_modified=st.st_mtime)
-            info = await self._fs(what, "info", self._path(key))
+            info = await self._stat(what, key)
         except _PROGRAMMING_ERRORS:
             raise
         except Exception as exc:
             raise map_error(exc, what) from exc
-        if info.get("type") == "directory":
+        if info is None:
             raise ObjectNotFoundError(f"{what}: no such object (a prefix of other objects)")
-        return ObjectInfo(key=key, size=int(info.get("size") or 0), last_modified=_epoch(info))
+        return info
 
     async def get(self, key: str) -> bytes:
         """The whole object in one request (no ``head`` first)."""
         _check_relative(key, "key", allow_empty=False, allow_partial=False)
         what = f"get {self._url(key)}"
-        # s3fs would HEAD first to decide on a chunked download; one GET is faster
-        # for the small objects this is used for (the transfer engine splits big ones).
-        options: dict[str, Any] = {"max_concurrency": 1} if self._kind == "s3" else {}
         try:
-            if self._kind == "local":
-                return await self._local(what, _local.read_range, key, 0, None)
-            data = await self._fs(what, "cat_file", self._path(key), **options)
+            return await self._read_whole(what, key)
         except _PROGRAMMING_ERRORS:
             raise
         except Exception as exc:
             raise map_error(exc, what) from exc
-        return bytes(data)
 
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:
         _check_relative(key, "key", allow_empty=False, allow_partial=False)
@@ -321,17 +329,13 @@ class FsspecStore(Store):
             return b""
         what = f"get {self._url(key)} bytes [{start}, {end})"
         try:
-            if self._kind == "local":
-                return await self._local(what, _local.read_range, key, start, end)
-            # By keyword: s3fs's cat_file takes version_id second.
-            data = await self._fs(what, "cat_file", self._path(key), start=start, end=end)
+            return await self._read_range(what, key, start, end)
         except _PROGRAMMING_ERRORS:
             raise
         except Exception as exc:
             if _http_status(exc) == 416:
                 return b""  # the range starts at or past the end (e.g. an empty object)
             raise map_error(exc, what) from exc
-        return bytes(data)
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         _check_relative(prefix, "prefix", allow_empty=True, allow_partial=True)
@@ -339,7 +343,7 @@ class FsspecStore(Store):
         base = self._path(directory) if directory else (self._root or "/")
         what = f"list {self._url(prefix)}"
         kwargs: dict[str, Any] = {"detail": True}
-        if self._kind in ("s3", "gcs") and stem:
+        if self._lists_by_prefix and stem:
             kwargs["prefix"] = stem  # filtered server-side
         try:
             entries = await self._fs(what, "find", base, **kwargs)
@@ -360,7 +364,7 @@ class FsspecStore(Store):
             rel = name[len(root_slash) :]
             if not rel or not rel.startswith(prefix) or rel.endswith("/"):
                 continue
-            if self._kind == "local" and _local.is_temp_name(rel):
+            if self._hidden(rel):
                 continue
             out.append(ObjectInfo(key=rel, size=int(info.get("size") or 0), last_modified=_epoch(info)))
         out.sort(key=lambda o: o.key)
@@ -376,24 +380,8 @@ class FsspecStore(Store):
         what = f"put {self._url(key)}" + (" (create-if-absent)" if create else "")
         if create and not self.supports_create:
             raise StoreError(f"{what}: {type(self.fs).__name__} cannot create-if-absent atomically")
-        path = self._path(key)
         try:
-            if self._kind == "local":
-                await self._local(what, functools.partial(_local.write_inside, exclusive=create), key, data)
-            elif self._kind == "memory":
-                await self._in_thread(what, _memory_put, self.fs, path, data, create)
-            elif self._kind == "gcs" and not create:  # bulk data: the buffer is the body, no copy
-                await self._run(what, lambda: self._on_fs_loop(media_upload(self.fs, path, data)))
-            elif self._kind == "gcs":  # small (a manifest): the emulator checks the precondition only here
-                await self._fs(what, "pipe_file", path, data, mode=mode)
-            else:  # botocore (and unknown filesystems) want bytes
-                body = bytes(data) if isinstance(data, memoryview) else data
-                if create:
-                    await self._fs(what, "pipe_file", path, body, mode="create")
-                else:
-                    await self._fs(what, "pipe_file", path, body)
-        except _local.ParentNotDirectoryError as exc:
-            raise StoreError(f"{what} failed: a parent of the key exists as an object") from exc
+            await self._write(what, key, data, create)
         except _PROGRAMMING_ERRORS:
             raise
         except Exception as exc:
@@ -403,10 +391,7 @@ class FsspecStore(Store):
         _check_relative(key, "key", allow_empty=False, allow_partial=False)
         what = f"delete {self._url(key)}"
         try:
-            if self._kind == "local":
-                await self._local(what, _local.remove_inside, key)
-            else:
-                await self._fs(what, "rm_file", self._path(key))
+            await self._remove(what, key)
         except _PROGRAMMING_ERRORS:
             raise
         except Exception as exc:
@@ -427,8 +412,56 @@ class FsspecStore(Store):
         return clone
 
     async def close(self) -> None:
-        """Nothing to do: the filesystem's connection pool is shared with
-        :meth:`child` stores and released when the filesystem is collected."""
+        """Close the range reader's connections and let its threads go. The
+        filesystem's connection pool is released when the filesystem is collected.
+        A store (or a :meth:`child`, which shares the reader) used after this opens new ones."""
+        if self._range_reader is not None:
+            self._range_reader.close()
+
+
+# ------------------------------------------------------------ per filesystem
+
+
+class S3FsspecStore(FsspecStore):
+    """s3fs: create-if-absent is its ``If-None-Match: *`` PUT; listings filter server-side."""
+
+    _lists_by_prefix = True
+
+    def _atomic_create(self, requested: bool | None) -> bool:
+        return True
+
+    async def _read_whole(self, what: str, key: str) -> bytes:
+        # s3fs would HEAD first to decide on a chunked download; one GET is faster
+        # for the small objects this is used for (the transfer engine splits big ones).
+        return bytes(await self._fs(what, "cat_file", self._path(key), max_concurrency=1))
+
+
+class GcsFsspecStore(FsspecStore):
+    """gcsfs: create-if-absent is ``ifGenerationMatch=0``; bulk writes send the buffer as
+    the body (:func:`~objckpt.storage.gcs_upload.media_upload`); listings filter server-side."""
+
+    _lists_by_prefix = True
+
+    def _atomic_create(self, requested: bool | None) -> bool:
+        return True
+
+    async def _write(self, what: str, key: str, data: bytes | memoryview, create: bool) -> None:
+        path = self._path(key)
+        if create:  # small (a manifest): the emulator checks the precondition only here
+            await self._fs(what, "pipe_file", path, data, mode="create")
+        else:  # bulk data: the buffer is the body, no copy
+            await self._run(what, lambda: self._on_fs_loop(media_upload(self.fs, path, data)))
+
+
+class MemoryFsspecStore(FsspecStore):
+    """fsspec's in-process memory filesystem: create-if-absent is check-then-write
+    under one process-wide lock, which every writer through objckpt takes."""
+
+    def _atomic_create(self, requested: bool | None) -> bool:
+        return True
+
+    async def _write(self, what: str, key: str, data: bytes | memoryview, create: bool) -> None:
+        await self._in_thread(what, _memory_put, self.fs, self._path(key), data, create)
 
 
 def _memory_put(fs: AbstractFileSystem, path: str, data: bytes | memoryview, create: bool) -> None:
@@ -436,3 +469,26 @@ def _memory_put(fs: AbstractFileSystem, path: str, data: bytes | memoryview, cre
         if create and fs.exists(path):
             raise FileExistsError(path)
         fs.pipe_file(path, bytes(data))
+
+
+def store_class(fs: AbstractFileSystem) -> type[FsspecStore]:
+    """The :class:`FsspecStore` class that serves ``fs``: its own, else the generic one."""
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is not None and isinstance(fs, s3fs.S3FileSystem):
+        return S3FsspecStore
+    gcsfs_core = sys.modules.get("gcsfs.core")
+    if gcsfs_core is not None and isinstance(fs, gcsfs_core.GCSFileSystem):
+        return GcsFsspecStore
+    if isinstance(fs, LocalFileSystem):
+        from objckpt.storage.fsspec_local import LocalFsspecStore  # it builds on this module
+
+        return LocalFsspecStore
+    if isinstance(fs, MemoryFileSystem):
+        return MemoryFsspecStore
+    return FsspecStore
+
+
+def for_filesystem(fs: AbstractFileSystem, path: str, **kwargs: Any) -> FsspecStore:
+    """A store rooted at ``path`` on ``fs``, of the class that serves ``fs``
+    (:func:`store_class`); ``kwargs`` as for :class:`FsspecStore`."""
+    return store_class(fs)(fs, path, **kwargs)

@@ -12,7 +12,6 @@ the store's client.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -82,10 +81,9 @@ def gcsfs_range_reader(fs: Any, timeout: float) -> GCSRangeReader | None:
     """A reader for a gcsfs filesystem (its endpoint and credentials), or None.
 
     None for requester-pays buckets (the billed project rides on every request,
-    which this reader does not send), for a filesystem that is not gcsfs's, and
-    when ``OBJCKPT_STREAM_READS=0`` (an A/B switch).
+    which this reader does not send) and for a filesystem that is not gcsfs's.
     """
-    if os.environ.get("OBJCKPT_STREAM_READS", "1") == "0" or getattr(fs, "requester_pays", False):
+    if getattr(fs, "requester_pays", False):
         return None
     location = getattr(fs, "_location", None)
     if not isinstance(location, str) or "://" not in location or not hasattr(fs, "credentials"):

@@ -5,11 +5,9 @@ each response whole, in a buffer they allocate. That is right when the
 buffer becomes the restored array, but a restore onto another sharding
 copies every byte it reads into target boxes, in runs as short as 1 KiB.
 Out of a whole response those copies read cold memory, and every response
-faults in fresh pages first (perf, 1 GiB resharded restore on this project's
-VM: as much page clearing in the response buffers as in the targets). Here
-each thread receives a few MiB into one buffer it reuses and hands them to
-restore's sink at once, while they are in cache (:mod:`objckpt.storage.streaming`
-has the numbers).
+faults in fresh pages first. Here each thread receives a few MiB into one
+buffer it reuses and hands them to restore's sink at once, while they are in
+cache (docs/PERFORMANCE.md has the measurements).
 
 How: ``http.client`` over one keep-alive connection per worker thread, the
 body received with ``recv_into`` (no copy in user space). Subclasses say how
@@ -95,6 +93,7 @@ class HttpRangeReader:
         self._local = threading.local()
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        self._connections: set[http.client.HTTPConnection] = set()  # every open one, for close()
 
     # ------------------------------------------------------------ for subclasses
 
@@ -141,11 +140,18 @@ class HttpRangeReader:
             return self._executor
 
     def close(self) -> None:
-        """Let the worker threads (and their connections) go once idle."""
+        """Close every connection and let the worker threads go once idle.
+
+        A read still in flight fails (its socket is closed). The reader stays
+        usable: a later read starts new threads and connections.
+        """
         with self._executor_lock:
             executor, self._executor = self._executor, None
+            connections, self._connections = self._connections, set()
         if executor is not None:
             executor.shutdown(wait=False)
+        for conn in connections:
+            conn.close()
 
     # ---------------------------------------------------------- worker threads
 
@@ -159,12 +165,16 @@ class HttpRangeReader:
             else:
                 conn = http.client.HTTPConnection(self._connect_host, self._port, timeout=self.timeout)
             self._local.conn = conn
+        with self._executor_lock:
+            self._connections.add(conn)  # again after close(), which leaves the thread's conn closed
         return conn
 
     def _drop_connection(self) -> None:
         conn = getattr(self._local, "conn", None)
         self._local.conn = None
         if conn is not None:
+            with self._executor_lock:
+                self._connections.discard(conn)
             conn.close()
 
     def _read(self, path: str, start: int, length: int, sink: ReadSink, what: str, attempt: _Attempt) -> int:

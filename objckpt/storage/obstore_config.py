@@ -130,10 +130,6 @@ def _first(*values: Any) -> Any:
     return None
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _aws_files_in_use(environ: Mapping[str, str]) -> bool:
     """Whether botocore would take credentials or settings from profile files."""
     if environ.get("AWS_PROFILE") or environ.get("AWS_DEFAULT_PROFILE"):

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -212,7 +211,10 @@ class ObstoreStore(Store):
         return await stream_range(reader, self, key, start=start, end=end, sink=sink)
 
     def response_phase(self) -> int | None:
-        return malloc_phase()  # obstore's buffers come from the Rust (system) allocator
+        """Where large responses start past a 64-byte boundary
+        (:class:`objckpt.aligned_reads.AlignedResponses`): obstore's buffers come
+        from the Rust (system) allocator, not from Python's ``bytes``."""
+        return malloc_phase()
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_relative(prefix, "prefix", allow_empty=True, allow_partial=True)
@@ -296,8 +298,11 @@ class ObstoreStore(Store):
         return clone
 
     async def close(self) -> None:
-        """Nothing to do: connections belong to the obstore store (and the range
-        reader), shared with :meth:`child` stores and released when collected."""
+        """Close the range reader's connections and let its threads go. obstore's own
+        connections are released when its store is collected. A store (or a
+        :meth:`child`, which shares the reader) used after this opens new ones."""
+        if self._range_reader is not None:
+            self._range_reader.close()
 
 
 # ------------------------------------------------------------------ factories
@@ -347,12 +352,11 @@ def range_reader(spec: NativeSpec, request_timeout: float) -> HttpRangeReader | 
 
     Credentials that obstore finds on its own (instance metadata, web identity,
     container roles) are not known here, and requester-pays buckets need a
-    header it does not send: those stores read through obstore only. So does
-    any store when ``OBJCKPT_STREAM_READS=0`` (an A/B switch). (``gs://`` opens
-    with gcsfs by default, which streams through :mod:`objckpt.storage.gcs_stream`.)
+    header it does not send: those stores read through obstore only. (``gs://``
+    opens with gcsfs by default, which streams through :mod:`objckpt.storage.gcs_stream`.)
     """
     config = spec.config
-    if spec.kind != "s3" or config.get("request_payer") or os.environ.get("OBJCKPT_STREAM_READS", "1") == "0":
+    if spec.kind != "s3" or config.get("request_payer"):
         return None
     if config.get("skip_signature"):
         credentials = None

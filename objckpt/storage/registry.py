@@ -304,7 +304,7 @@ def open_s3(url: str, **storage_options: Any) -> Store:
 
 def open_s3_fsspec(url: str, **storage_options: Any) -> Store:
     """``s3://`` / ``s3a://`` through s3fs."""
-    from objckpt.storage.fsspec_store import FsspecStore
+    from objckpt.storage.fsspec_store import for_filesystem
 
     s3fs = _require("s3fs", scheme_of(url) or "s3")
     options = dict(storage_options)
@@ -330,7 +330,7 @@ def open_s3_fsspec(url: str, **storage_options: Any) -> Store:
     path = fs._strip_protocol(url).rstrip("/")
     if not path:
         raise ValueError(f"S3 URL needs a bucket: {_display(url)!r}")
-    return FsspecStore(fs, path, url=url, **store_kw)
+    return for_filesystem(fs, path, url=url, **store_kw)
 
 
 def open_gcs(url: str, **storage_options: Any) -> Store:
@@ -350,7 +350,7 @@ def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
     ``gcsfs.core.GCSFileSystem`` is used rather than gcsfs's experimental
     zonal-bucket subclass, whose bucket probe hangs 60 s against emulators.
     """
-    from objckpt.storage.fsspec_store import FsspecStore
+    from objckpt.storage.fsspec_store import for_filesystem
 
     _require("gcsfs", scheme_of(url) or "gs")
     gcsfs_core = importlib.import_module("gcsfs.core")
@@ -378,7 +378,7 @@ def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
     from objckpt.storage.gcs_stream import gcsfs_range_reader
 
     reader = gcsfs_range_reader(fs, store_kw["request_timeout"])
-    return FsspecStore(fs, path, url=url, range_reader=reader, **store_kw)
+    return for_filesystem(fs, path, url=url, range_reader=reader, **store_kw)
 
 
 def _preflight(check: str, url: str, options: dict[str, Any]) -> None:
@@ -409,7 +409,7 @@ def open_local(url: str, **storage_options: Any) -> Store:
     """``file:///abs/path``, ``local:///abs/path`` or a plain absolute path."""
     from fsspec.implementations.local import LocalFileSystem
 
-    from objckpt.storage.fsspec_store import FsspecStore
+    from objckpt.storage.fsspec_store import for_filesystem
 
     options = dict(storage_options)
     backend = _pop_backend(options, native=True)
@@ -431,27 +431,27 @@ def open_local(url: str, **storage_options: Any) -> Store:
     options.setdefault("skip_instance_cache", True)
     fs = LocalFileSystem(**options)
     path = fs._strip_protocol(raw)
-    return FsspecStore(fs, path, url=url, **store_kw)
+    return for_filesystem(fs, path, url=url, **store_kw)
 
 
 def open_memory(url: str, **storage_options: Any) -> Store:
     """``memory://name``: fsspec's process-wide in-memory filesystem."""
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from objckpt.storage.fsspec_store import FsspecStore
+    from objckpt.storage.fsspec_store import for_filesystem
 
     options = dict(storage_options)
     _pop_backend(options, native=False)
     store_kw = _pop_timeout(options)
     fs = MemoryFileSystem(**options)
-    return FsspecStore(fs, fs._strip_protocol(url), url=url, **store_kw)
+    return for_filesystem(fs, fs._strip_protocol(url), url=url, **store_kw)
 
 
 def open_fsspec(url: str, **storage_options: Any) -> Store:
     """Any other fsspec URL (``hdfs://``, ``az://``, ``sftp://``, chained URLs, ...)."""
     import fsspec.core
 
-    from objckpt.storage.fsspec_store import FsspecStore, map_error
+    from objckpt.storage.fsspec_store import for_filesystem, map_error
 
     options = dict(storage_options)
     _pop_backend(options, native=False)
@@ -463,4 +463,4 @@ def open_fsspec(url: str, **storage_options: Any) -> Store:
         raise StoreNotAvailableError(f"{scheme_of(url) or url!r} URLs need an extra package: {exc}") from exc
     except (OSError, ConnectionError, TimeoutError) as exc:  # filesystems that connect eagerly
         raise map_error(exc, f"open {_display(url)}") from exc
-    return FsspecStore(fs, path, url=url, **store_kw)
+    return for_filesystem(fs, path, url=url, **store_kw)

@@ -4,7 +4,8 @@ It exists to prove the plugin path end to end: objckpt never imports this
 package; ``from_url("dictstore://...")`` finds it through the
 ``objckpt.stores`` entry point declared in ``pyproject.toml`` (the tests fake
 the installation with a ``.dist-info`` directory on ``sys.path``), and it
-passes the same conformance suite as the built-in stores.
+passes the same conformance suite as the built-in stores
+(``tests/test_dictstore.py``: :class:`objckpt.testing.StoreConformance`).
 
 Objects live in process-wide dicts, one per ``<space>``; a lock makes
 create-if-absent atomic across threads and event loops.
