@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     from backends.launcher import start_s3
-    from objckpt import _runtime
+    from objckpt.transfer import runtime
 
     tree = make_tree(args.gib)
     total = sum(x.nbytes for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "nbytes"))
@@ -90,7 +90,7 @@ def main() -> None:
             [total % options.blob_size] if total % options.blob_size else []
         )
         for rep in range(args.repeats):
-            t_put, t_get = _runtime.run_sync(raw_ceiling(raw_store, sizes, options.max_concurrency))
+            t_put, t_get = runtime.run_sync(raw_ceiling(raw_store, sizes, options.max_concurrency))
             url = s3.url(f"bench/ckpt-{uuid.uuid4().hex[:8]}")
             t0 = time.perf_counter()
             objckpt.save(url, tree, storage_options=so)

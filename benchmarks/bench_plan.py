@@ -13,8 +13,8 @@ import math
 import time
 from pathlib import Path
 
-from objckpt.format import BlobEntry, LeafEntry, Manifest, Piece, parse_manifest
-from objckpt.plan import blob_key, pieces_needed, plan_reads
+from objckpt.core.format import BlobEntry, LeafEntry, Manifest, Piece, parse_manifest
+from objckpt.core.plan import blob_key, pieces_needed, plan_reads
 
 RESULTS = Path(__file__).parent / "results"
 

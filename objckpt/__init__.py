@@ -7,7 +7,6 @@ restore them onto any sharding::
     state = objckpt.restore("s3://bucket/run/step_100", abstract_state)
 """
 
-from objckpt.copy import CopyStats, copy
 from objckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -23,15 +22,16 @@ from objckpt.errors import (
     StoreNotAvailableError,
     TargetMismatchError,
 )
-from objckpt.info import CheckpointInfo, LeafInfo, inspect
-from objckpt.manager import CheckpointManager
+from objckpt.manager.checkpoint_manager import CheckpointManager
+from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
 from objckpt.options import Options, RetryConfig
 from objckpt.progress import Progress
-from objckpt.restore import restore
-from objckpt.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
-from objckpt.save import SaveHandle, save, save_async
-from objckpt.transfer import TransferStats
-from objckpt.verify import VerifyProblem, VerifyReport, verify
+from objckpt.restoring.api import restore
+from objckpt.saving.api import SaveHandle, save, save_async
+from objckpt.tools.copy import CopyStats, copy
+from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
+from objckpt.tools.verify import VerifyProblem, VerifyReport, verify
+from objckpt.transfer.engine import TransferStats
 
 __version__ = "0.1.0"
 

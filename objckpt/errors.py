@@ -23,7 +23,7 @@ class CheckpointExistsError(ObjckptError, FileExistsError):
 
 class SaveInProgressError(ObjckptError, RuntimeError):
     """A delete (``rm``, ``CheckpointManager.delete``) found a live save's marker under the
-    checkpoint prefix and left the save's objects alone (:mod:`objckpt.live`)."""
+    checkpoint prefix and left the save's objects alone (:mod:`objckpt.saving.live_markers`)."""
 
 
 class IntegrityError(ObjckptError):
@@ -61,7 +61,7 @@ class TransientStoreError(StoreError):
 
 class ThrottledError(TransientStoreError):
     """The store asked the client to slow down (HTTP 429, 503 SlowDown): retried, and the
-    transfer engine lowers how many requests it keeps in flight (:mod:`objckpt.throttle`)."""
+    transfer engine lowers how many requests it keeps in flight (:mod:`objckpt.transfer.throttle`)."""
 
 
 class StoreNotAvailableError(ObjckptError, ImportError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from objckpt.plan import PACKING_SLACK
+from objckpt.core.plan import PACKING_SLACK
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -65,7 +65,7 @@ class Options:
         max_concurrency: requests in flight at once per operation, at most.
         adaptive_concurrency: when the store answers 429 or 503 SlowDown, halve
             the requests in flight (once per round) and widen them again by one
-            per round of successes (:mod:`objckpt.throttle`); False keeps
+            per round of successes (:mod:`objckpt.transfer.throttle`); False keeps
             ``max_concurrency`` in flight whatever the store answers (each
             refusal is still retried).
         memory_budget: bytes of staged host buffers a save may hold; when the
@@ -107,7 +107,7 @@ class Options:
         manifest_size_limit: the reader refuses larger manifests (hostile input).
         live_marker_lease: seconds a live-save marker protects its checkpoint prefix
             from ``gc``, ``rm`` and retention after it was last written
-            (:mod:`objckpt.live`); a save rewrites it every tenth of this and fails
+            (:mod:`objckpt.saving.live_markers`); a save rewrites it every tenth of this and fails
             rather than commit if it could not for nine tenths. Independent of gc's
             grace period; the orphans of a crashed save wait at most this long.
         retry: retry policy for transient store errors.

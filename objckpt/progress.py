@@ -1,6 +1,6 @@
 """Progress of an operation, reported to a callback; what ``progress=`` on save, restore, verify and copy means.
 
-The transfer engine's byte counters (:class:`~objckpt.transfer.TransferStats`)
+The transfer engine's byte counters (:class:`~objckpt.transfer.engine.TransferStats`)
 feed a :class:`Reporter` after each request, and the reporter calls the user's
 callback with a :class:`Progress` at most every ``interval`` seconds, then once
 more, ``finished=True``, when the operation ends. Every call runs on objckpt's
@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO, TypeVar
 
-from objckpt import _runtime
+from objckpt.transfer import runtime
 
 if TYPE_CHECKING:
-    from objckpt.transfer import TransferStats
+    from objckpt.transfer.engine import TransferStats
 
 T = TypeVar("T")
 log = logging.getLogger("objckpt")
@@ -216,7 +216,7 @@ def finish(reporter: Reporter | None, *, complete: bool) -> None:
 def finish_from_caller(reporter: Reporter | None, *, complete: bool) -> None:
     """:func:`finish` from a caller's thread: the final call runs on the I/O thread all the same."""
     if reporter is not None:
-        _runtime.run_sync(_finish(reporter, complete))
+        runtime.run_sync(_finish(reporter, complete))
 
 
 async def _finish(reporter: Reporter, complete: bool) -> None:

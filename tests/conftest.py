@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @dataclass(frozen=True)
 class StoreTarget:
-    """A fresh store root: what to pass to ``from_url`` / ``objckpt.save``.
+    """A fresh store root: what to pass to ``from_url`` / ``objckpt.saving.api``.
 
     ``secrets`` lists credential strings that must never appear in a URL,
     ``repr`` or error message.
@@ -88,8 +88,8 @@ def _unique(prefix: str = "t") -> str:
 @pytest.fixture(autouse=True)
 def _fresh_throttle_memory() -> Iterator[None]:
     """Every test starts with full windows: what one test's throttled bucket taught the
-    process (objckpt.throttle.MEMORY) must not slow the next test on the same bucket."""
-    from objckpt import throttle
+    process (objckpt.transfer.throttle.MEMORY) must not slow the next test on the same bucket."""
+    from objckpt.transfer import throttle
 
     throttle.MEMORY.clear()
     yield

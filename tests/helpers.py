@@ -96,7 +96,7 @@ def count_reads(monkeypatch) -> list[CountingStore]:
         counting.append(store)
         return store
 
-    monkeypatch.setattr(importlib.import_module("objckpt.transfer"), "from_url", wrapped_from_url)
+    monkeypatch.setattr(importlib.import_module("objckpt.transfer.engine"), "from_url", wrapped_from_url)
     return counting
 
 

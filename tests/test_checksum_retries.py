@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from backends.proxy import FaultProxy
-from objckpt import _runtime
-from objckpt.format import MANIFEST_KEY
+from objckpt.core.format import MANIFEST_KEY
 from objckpt.storage import from_url
+from objckpt.transfer import runtime
 
 pytestmark = pytest.mark.s3
 
@@ -44,21 +44,21 @@ def _tree(seed: int) -> dict:
 
 def _blob_keys(url: str, storage_options: dict) -> list[str]:
     store = from_url(url, **storage_options)
-    return sorted(o.key for o in _runtime.run_sync(store.list()) if o.key.endswith(".blob"))
+    return sorted(o.key for o in runtime.run_sync(store.list()) if o.key.endswith(".blob"))
 
 
 def test_the_proxy_flips_one_bit_of_a_get_body_and_nothing_else(proxied_s3, s3_service):
     proxy, options = proxied_s3
     store = from_url(s3_service.url(f"flip-{uuid.uuid4().hex[:8]}"), **options)
     payload = bytes(range(256)) * 4096  # 1 MiB
-    _runtime.run_sync(store.put("probe.blob", payload))
+    runtime.run_sync(store.put("probe.blob", payload))
     proxy.set_corruption(1.0, only=".blob", limit=1)
-    got = _runtime.run_sync(store.get_range("probe.blob", start=0, end=len(payload)))
+    got = runtime.run_sync(store.get_range("probe.blob", start=0, end=len(payload)))
     assert len(got) == len(payload)
     differ = [i for i in range(len(payload)) if got[i] != payload[i]]
     assert len(differ) == 1 and got[differ[0]] ^ payload[differ[0]] == 1
-    assert _runtime.run_sync(store.head("probe.blob")).size == len(payload)  # not a GET: untouched
-    assert _runtime.run_sync(store.get_range("probe.blob", start=0, end=len(payload))) == payload  # limit reached
+    assert runtime.run_sync(store.head("probe.blob")).size == len(payload)  # not a GET: untouched
+    assert runtime.run_sync(store.get_range("probe.blob", start=0, end=len(payload))) == payload  # limit reached
     assert proxy.stats.corrupted == 1
 
 
@@ -90,9 +90,9 @@ def test_a_blob_corrupted_at_rest_still_fails_saying_it_persisted(adopted, s3_st
     objckpt.save(s3_store.url, tree, storage_options=so)
     (key,) = _blob_keys(s3_store.url, so)
     store = s3_store.open()
-    data = bytearray(_runtime.run_sync(store.get(key)))
+    data = bytearray(runtime.run_sync(store.get(key)))
     data[len(data) // 2] ^= 0x10
-    _runtime.run_sync(store.put(key, bytes(data)))
+    runtime.run_sync(store.put(key, bytes(data)))
     stats = objckpt.TransferStats()
     with pytest.raises(objckpt.IntegrityError) as info:
         objckpt.restore(s3_store.url, tree if adopted else None, storage_options=so, stats=stats)
@@ -116,7 +116,7 @@ def test_a_manifest_flipped_in_flight_once_is_read_again(proxied_s3, s3_service)
 
 def test_a_manifest_malformed_at_rest_is_still_a_format_error(s3_store):
     store = s3_store.open()
-    _runtime.run_sync(store.put(MANIFEST_KEY, b"z not json"))
+    runtime.run_sync(store.put(MANIFEST_KEY, b"z not json"))
     with pytest.raises(objckpt.FormatError, match="over 5 reads"):
         objckpt.restore(s3_store.url, storage_options=s3_store.storage_options)
 

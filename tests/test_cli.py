@@ -27,9 +27,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt import _runtime
-from objckpt.format import parse_manifest
+from objckpt.core.format import parse_manifest
 from objckpt.storage import from_url
+from objckpt.transfer import runtime
 
 pytestmark = [pytest.mark.s3, pytest.mark.gcs]
 
@@ -100,7 +100,7 @@ def _store(url, s3, gcs):
 
 
 def _blobs(url, s3, gcs) -> dict[str, int]:
-    data = _runtime.run_sync(_store(url, s3, gcs).get("manifest.json"))
+    data = runtime.run_sync(_store(url, s3, gcs).get("manifest.json"))
     return {b.key: b.size for b in parse_manifest(data, size_limit=1 << 30).blobs}
 
 
@@ -129,9 +129,9 @@ def test_ls_gc_rm_on_a_manager_root(env, s3_service):
         for step in (1, 2, 3):
             manager.save(step, _tree(step))
     store = from_url(root, **so)
-    _runtime.run_sync(store.delete("step_0000000003/manifest.json"))  # step 3 never committed
-    _runtime.run_sync(store.put("step_0000000002/ff/orphan.blob", b"x" * 100))  # a failed save's leftover
-    listing = _runtime.run_sync(store.list())
+    runtime.run_sync(store.delete("step_0000000003/manifest.json"))  # step 3 never committed
+    runtime.run_sync(store.put("step_0000000002/ff/orphan.blob", b"x" * 100))  # a failed save's leftover
+    listing = runtime.run_sync(store.list())
 
     run = cli(env, "ls", root)
     assert run.rc == 0, run
@@ -153,7 +153,7 @@ def test_ls_gc_rm_on_a_manager_root(env, s3_service):
     doomed = [line.split()[-1] for line in run.out.splitlines() if line.startswith("would delete ")]
     assert run.rc == 0 and f"{root}/step_0000000002/ff/orphan.blob" in doomed and len(doomed) >= 2
     assert all("step_0000000003/" in d or d.endswith("orphan.blob") for d in doomed)
-    assert len(_runtime.run_sync(store.list())) == len(listing)
+    assert len(runtime.run_sync(store.list())) == len(listing)
     report = json.loads(cli(env, "gc", root, "--grace-seconds", "0", "--json").out)
     assert sorted(f"{root}/{k}" for k in report["keys"]) == sorted(doomed) and not report["dry_run"]
     assert [r["step"] for r in json.loads(cli(env, "ls", root, "--json").out)] == [1, 2]
@@ -165,7 +165,7 @@ def test_ls_gc_rm_on_a_manager_root(env, s3_service):
     assert [r["step"] for r in json.loads(cli(env, "ls", root, "--json").out)] == [2]
     assert "holds other checkpoints" in _one_line_error(cli(env, "rm", root), rc=2)
     assert "nothing to remove" in _one_line_error(cli(env, "rm", f"{root}/step_0000000001"))
-    _runtime.run_sync(store.put("step_0000000009/aa/x.blob", b"123"))
+    runtime.run_sync(store.put("step_0000000009/aa/x.blob", b"123"))
     assert "pass --force" in _one_line_error(cli(env, "rm", f"{root}/step_0000000009"))
     run = cli(env, "rm", f"{root}/step_0000000009", "--force")
     assert run.rc == 0 and "uncommitted objects" in run.out
@@ -223,13 +223,13 @@ def test_verify_ok_then_every_problem_named(env, saved, s3_service, gcs_service)
     sizes = _blobs(copy_url, s3_service, gcs_service)
     flipped, short, gone = sorted(sizes, key=lambda k: (-sizes[k], k))[:3]  # big blobs: one leaf's pieces each
     store = _store(copy_url, s3_service, gcs_service)
-    data = bytearray(_runtime.run_sync(store.get(flipped)))
-    manifest = parse_manifest(_runtime.run_sync(store.get("manifest.json")), size_limit=1 << 30)
+    data = bytearray(runtime.run_sync(store.get(flipped)))
+    manifest = parse_manifest(runtime.run_sync(store.get("manifest.json")), size_limit=1 << 30)
     piece = min((p for leaf in manifest.leaves for p in leaf.pieces if p.blob == flipped), key=lambda p: p.offset)
     data[piece.offset + piece.length // 2] ^= 0xFF  # inside the blob's first piece
-    _runtime.run_sync(store.put(flipped, bytes(data)))
-    _runtime.run_sync(store.put(short, _runtime.run_sync(store.get(short))[:5]))
-    _runtime.run_sync(store.delete(gone))
+    runtime.run_sync(store.put(flipped, bytes(data)))
+    runtime.run_sync(store.put(short, runtime.run_sync(store.get(short))[:5]))
+    runtime.run_sync(store.delete(gone))
 
     run = cli(env, "verify", copy_url)
     assert run.rc == 1, run
@@ -260,10 +260,10 @@ def test_cp_s3_to_gcs_restores_bit_exact_and_refuses_a_committed_destination(env
     assert_tree_bit_exact(tree, restored)
     assert restored["params"]["w"].sharding == tree["params"]["w"].sharding
 
-    before = _runtime.run_sync(_store(dst, s3_service, gcs_service).get("manifest.json"))
+    before = runtime.run_sync(_store(dst, s3_service, gcs_service).get("manifest.json"))
     err = _one_line_error(cli(env, "cp", url, dst))
     assert f"a committed checkpoint already exists at {dst}" in err
-    assert _runtime.run_sync(_store(dst, s3_service, gcs_service).get("manifest.json")) == before
+    assert runtime.run_sync(_store(dst, s3_service, gcs_service).get("manifest.json")) == before
     err = _one_line_error(cli(env, "cp", url + "-missing", dst + "-2"))
     assert "no committed checkpoint" in err
 
@@ -286,7 +286,7 @@ def test_cp_killed_midway_then_rerun_copies_only_what_was_missing(env, s3_servic
     )
     try:
         deadline = time.monotonic() + 60
-        while len(_runtime.run_sync(store.list())) < 4:
+        while len(runtime.run_sync(store.list())) < 4:
             assert child.poll() is None, "the copy finished before it could be killed"
             assert time.monotonic() < deadline
             time.sleep(0.02)
@@ -295,13 +295,13 @@ def test_cp_killed_midway_then_rerun_copies_only_what_was_missing(env, s3_servic
         child.kill()
         child.wait(30)
     time.sleep(0.3)  # let a PUT whose body was already sent land
-    present = {o.key: o.size for o in _runtime.run_sync(store.list())}
+    present = {o.key: o.size for o in runtime.run_sync(store.list())}
     assert "manifest.json" not in present
     assert 4 <= len(present) < len(blobs)
     assert "no committed checkpoint" in _one_line_error(cli(env, "inspect", dst))
     # one blob that did land is damaged (right size, wrong bytes): the rerun must notice
     damaged = sorted(present)[0]
-    _runtime.run_sync(store.put(damaged, b"\0" * present[damaged]))
+    runtime.run_sync(store.put(damaged, b"\0" * present[damaged]))
 
     run = cli(env, "cp", src, dst, "--json")
     assert run.rc == 0, run

@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt import _runtime
 from objckpt.storage import from_url
+from objckpt.transfer import runtime
 
 
 def _store(handle):
@@ -32,8 +32,8 @@ def _tree(seed=0):
 def test_blobs_without_manifest_are_not_a_checkpoint(any_store):
     objckpt.save(any_store.url, _tree(), storage_options=any_store.storage_options)
     store = _store(any_store)
-    _runtime.run_sync(store.delete("manifest.json"))
-    assert _runtime.run_sync(store.list())  # blobs are still there
+    runtime.run_sync(store.delete("manifest.json"))
+    assert runtime.run_sync(store.list())  # blobs are still there
     with pytest.raises(objckpt.CheckpointNotFoundError) as info:
         objckpt.restore(any_store.url, storage_options=any_store.storage_options)
     assert isinstance(info.value, FileNotFoundError)
@@ -51,11 +51,11 @@ def test_flipped_byte_raises_integrity_error_naming_leaf_and_blob(any_store):
     store = _store(any_store)
     info = objckpt.inspect(any_store.url, storage_options=any_store.storage_options)
     assert info.num_blobs >= 1
-    blobs = [o.key for o in _runtime.run_sync(store.list()) if o.key.endswith(".blob")]
+    blobs = [o.key for o in runtime.run_sync(store.list()) if o.key.endswith(".blob")]
     key = sorted(blobs)[0]
-    data = bytearray(_runtime.run_sync(store.get(key)))
+    data = bytearray(runtime.run_sync(store.get(key)))
     data[len(data) // 2] ^= 0x01
-    _runtime.run_sync(store.put(key, bytes(data)))
+    runtime.run_sync(store.put(key, bytes(data)))
     with pytest.raises(objckpt.IntegrityError) as err:
         objckpt.restore(any_store.url, storage_options=any_store.storage_options)
     message = str(err.value)
@@ -66,9 +66,9 @@ def test_flipped_byte_raises_integrity_error_naming_leaf_and_blob(any_store):
 def test_truncated_blob_raises_integrity_error(memory_store):
     objckpt.save(memory_store.url, _tree(), storage_options=memory_store.storage_options)
     store = _store(memory_store)
-    key = sorted(o.key for o in _runtime.run_sync(store.list()) if o.key.endswith(".blob"))[0]
-    data = _runtime.run_sync(store.get(key))
-    _runtime.run_sync(store.put(key, data[: len(data) // 3]))
+    key = sorted(o.key for o in runtime.run_sync(store.list()) if o.key.endswith(".blob"))[0]
+    data = runtime.run_sync(store.get(key))
+    runtime.run_sync(store.put(key, data[: len(data) // 3]))
     with pytest.raises(objckpt.IntegrityError, match=key.replace(".", r"\.")):
         objckpt.restore(memory_store.url, storage_options=memory_store.storage_options)
 
@@ -91,7 +91,7 @@ def test_racing_saves_commit_exactly_one(any_store, monkeypatch):
     async def never_exists(store):
         return False
 
-    monkeypatch.setattr(importlib.import_module("objckpt.save"), "_exists", never_exists)
+    monkeypatch.setattr(importlib.import_module("objckpt.saving.api"), "_exists", never_exists)
     first = objckpt.save_async(any_store.url, _tree(1), storage_options=so)
     second = objckpt.save_async(any_store.url, _tree(2), storage_options=so)
     outcomes = []
@@ -123,9 +123,9 @@ def test_partial_restore_reads_none_of_the_skipped_bytes(s3_store, monkeypatch):
 
     manifest = {leaf.path: leaf for leaf in objckpt.inspect(s3_store.url, storage_options=so).leaves.values()}
     assert manifest  # sanity
-    from objckpt.format import MANIFEST_KEY, parse_manifest
+    from objckpt.core.format import MANIFEST_KEY, parse_manifest
 
-    raw = _runtime.run_sync(_store(s3_store).get(MANIFEST_KEY))
+    raw = runtime.run_sync(_store(s3_store).get(MANIFEST_KEY))
     leaves = {leaf.path: leaf for leaf in parse_manifest(raw, size_limit=1 << 30).leaves}
     skipped = [
         (p.blob, p.offset, p.offset + p.length)
@@ -152,8 +152,8 @@ def test_large_reads_split_into_sub_ranges_are_exact_and_checked(kind, store_tar
     assert np.asarray(out["params"]["w"]).tobytes() == np.asarray(tree["params"]["w"]).tobytes()
     assert stats.requests > 16  # 64 KiB of w alone needs many sub-range GETs
     store = _store(target)
-    key = sorted(o.key for o in _runtime.run_sync(store.list()) if o.key.endswith(".blob"))[0]
-    data = _runtime.run_sync(store.get(key))
-    _runtime.run_sync(store.put(key, data[: len(data) - 5000]))
+    key = sorted(o.key for o in runtime.run_sync(store.list()) if o.key.endswith(".blob"))[0]
+    data = runtime.run_sync(store.get(key))
+    runtime.run_sync(store.put(key, data[: len(data) - 5000]))
     with pytest.raises(objckpt.IntegrityError, match="truncated"):
         objckpt.restore(target.url, storage_options=so, options=chunked)

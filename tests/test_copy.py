@@ -18,9 +18,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt import _runtime
-from objckpt.format import parse_manifest
-from objckpt.plan import SPACER
+from objckpt.core.format import parse_manifest
+from objckpt.core.plan import SPACER
+from objckpt.transfer import runtime
 
 SMALL_BLOBS = objckpt.Options(blob_size=64 * 1024)
 
@@ -40,7 +40,7 @@ def _tree(seed=0):
 
 
 def _manifest_bytes(target):
-    return _runtime.run_sync(target.open().get("manifest.json"))
+    return runtime.run_sync(target.open().get("manifest.json"))
 
 
 def _blobs(target):
@@ -71,12 +71,12 @@ def test_rerun_copies_only_what_is_missing_or_damaged(memory_store, local_store)
     blobs = _blobs(memory_store)
     dst = local_store.open()
     # an interrupted copy: no manifest, some blobs never arrived, one arrived damaged
-    _runtime.run_sync(dst.delete("manifest.json"))
+    runtime.run_sync(dst.delete("manifest.json"))
     missing = sorted(blobs)[:3]
     damaged = sorted(blobs)[3]
     for key in missing:
-        _runtime.run_sync(dst.delete(key))
-    _runtime.run_sync(dst.put(damaged, b"\0" * blobs[damaged]))  # right size, wrong bytes
+        runtime.run_sync(dst.delete(key))
+    runtime.run_sync(dst.put(damaged, b"\0" * blobs[damaged]))  # right size, wrong bytes
 
     stats = objckpt.copy(memory_store.url, local_store.url)
     redone = [*missing, damaged]
@@ -91,9 +91,9 @@ def test_trust_existing_skips_the_read_back(memory_store, local_store):
     objckpt.save(memory_store.url, _tree(), options=SMALL_BLOBS)
     objckpt.copy(memory_store.url, local_store.url)
     dst = local_store.open()
-    _runtime.run_sync(dst.delete("manifest.json"))
+    runtime.run_sync(dst.delete("manifest.json"))
     gone = sorted(_blobs(memory_store))[0]
-    _runtime.run_sync(dst.delete(gone))
+    runtime.run_sync(dst.delete(gone))
     stats = objckpt.copy(memory_store.url, local_store.url, verify_existing=False)
     assert stats.blobs_copied == 1 and stats.bytes_read_dst == 0
 
@@ -116,9 +116,9 @@ def test_damaged_source_commits_nothing(memory_store, local_store):
     objckpt.save(memory_store.url, _tree(), options=SMALL_BLOBS)
     src = memory_store.open()
     key = sorted(_blobs(memory_store))[2]
-    data = bytearray(_runtime.run_sync(src.get(key)))
+    data = bytearray(runtime.run_sync(src.get(key)))
     data[SPACER] ^= 0x10  # the blob's first piece starts after its leading spacer
-    _runtime.run_sync(src.put(key, bytes(data)))
+    runtime.run_sync(src.put(key, bytes(data)))
     with pytest.raises(objckpt.IntegrityError, match=rf"checksum mismatch in leaf \['.*blob .*bytes \[{SPACER}, "):
         objckpt.copy(memory_store.url, local_store.url)
     with pytest.raises(objckpt.CheckpointNotFoundError):

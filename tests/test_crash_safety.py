@@ -16,9 +16,9 @@ import pytest
 from helpers import ProgressWatchdog
 
 import objckpt
-from objckpt import _runtime
-from objckpt.format import MANIFEST_KEY
-from objckpt.manifest_io import read_manifest
+from objckpt.core.format import MANIFEST_KEY
+from objckpt.transfer import runtime
+from objckpt.transfer.manifest_io import read_manifest
 
 CHILD = Path(__file__).with_name("crash_child.py")
 TRIALS = int(os.environ.get("OBJCKPT_CRASH_TRIALS", "30"))
@@ -50,8 +50,8 @@ def _wait_ready(proc: subprocess.Popen, timeout: float = 60) -> None:
 def _check_listed_steps_are_whole(mgr: objckpt.CheckpointManager) -> None:
     for step in mgr.steps():
         store = mgr.store.child(f"step_{step:010d}")
-        manifest = _runtime.run_sync(read_manifest(store, size_limit=1 << 30))
-        present = {o.key: o.size for o in _runtime.run_sync(store.list())}
+        manifest = runtime.run_sync(read_manifest(store, size_limit=1 << 30))
+        present = {o.key: o.size for o in runtime.run_sync(store.list())}
         assert MANIFEST_KEY in present
         for blob in manifest.blobs:
             assert present.get(blob.key) == blob.size, f"step {step} listed but blob {blob.key} is missing or short"
@@ -104,9 +104,9 @@ def test_sigkill_at_random_moments_never_loses_the_latest_step(s3_store):
     _check_listed_steps_are_whole(mgr)
     referenced = set()
     for step in committed:
-        manifest = _runtime.run_sync(read_manifest(mgr.store.child(f"step_{step:010d}"), size_limit=1 << 30))
+        manifest = runtime.run_sync(read_manifest(mgr.store.child(f"step_{step:010d}"), size_limit=1 << 30))
         referenced |= {f"step_{step:010d}/{b.key}" for b in manifest.blobs} | {f"step_{step:010d}/{MANIFEST_KEY}"}
-    leftovers = {o.key for o in _runtime.run_sync(mgr.store.list())}
+    leftovers = {o.key for o in runtime.run_sync(mgr.store.list())}
     assert leftovers == referenced, f"orphans survived gc: {sorted(leftovers - referenced)[:5]}"
     for step in committed:
         assert mgr.restore(step)["step"] == step

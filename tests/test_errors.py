@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt import _runtime
 from objckpt.storage import from_url, register_store
+from objckpt.transfer import runtime
 
 FAST = objckpt.Options(request_timeout=5, retry=objckpt.RetryConfig(deadline=4, max_backoff=0.5))
 TREE = {"params": {"w": jnp.ones((8, 4)), "b": jnp.zeros(4)}, "step": 1, "name": "run"}
@@ -101,7 +101,7 @@ def test_store_without_create_if_absent_is_refused():
     register_store("nocreate", factory)
     with pytest.raises(objckpt.StoreError, match="objckpt-tests/nocreate.*only-if-absent"):
         objckpt.save("nocreate://objckpt-tests/nocreate", TREE)
-    assert _runtime.run_sync(from_url("memory://objckpt-tests/nocreate").list()) == []  # nothing written
+    assert runtime.run_sync(from_url("memory://objckpt-tests/nocreate").list()) == []  # nothing written
 
 
 def test_unsupported_leaf_names_its_path(memory_store):
@@ -124,8 +124,8 @@ def test_credentials_never_appear_in_manifests_logs_errors_or_reprs(s3_service, 
     objckpt.restore(url, storage_options=options)
     texts = [caplog.text, repr(from_url(url, **options)), str(from_url(url, **options).url)]
     store = from_url(url, **options)
-    for obj in _runtime.run_sync(store.list()):
-        texts.append(_runtime.run_sync(store.get(obj.key)).decode("latin-1"))
+    for obj in runtime.run_sync(store.list()):
+        texts.append(runtime.run_sync(store.get(obj.key)).decode("latin-1"))
     texts.append(str(objckpt.inspect(url, storage_options=options)))
     for failing in (
         lambda: objckpt.save(url, TREE, storage_options=options),

@@ -7,7 +7,7 @@ import os
 import gcsfs.core
 import pytest
 
-from objckpt import _runtime
+from objckpt.transfer import runtime
 
 
 def test_gcs_overwrites_send_the_buffer_as_the_body(gcs_store, monkeypatch):
@@ -19,10 +19,10 @@ def test_gcs_overwrites_send_the_buffer_as_the_body(gcs_store, monkeypatch):
     monkeypatch.setattr(gcsfs.core, "simple_upload", refuse)
     store = gcs_store.open()
     data = os.urandom((3 << 20) + 5)
-    _runtime.run_sync(store.put("0a/blob", memoryview(data)))
-    assert _runtime.run_sync(store.get("0a/blob")) == data
+    runtime.run_sync(store.put("0a/blob", memoryview(data)))
+    assert runtime.run_sync(store.get("0a/blob")) == data
     with pytest.raises(AssertionError, match="simple_upload"):  # create-if-absent stays on pipe_file
-        _runtime.run_sync(store.put("manifest.json", b"{}", mode="create"))
+        runtime.run_sync(store.put("manifest.json", b"{}", mode="create"))
 
 
 def test_gcs_uploads_write_the_body_in_slices(gcs_store, monkeypatch):
@@ -41,6 +41,6 @@ def test_gcs_uploads_write_the_body_in_slices(gcs_store, monkeypatch):
     monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "write", recording_write)
     store = gcs_store.open()
     data = os.urandom(3 * SLICE + 5)
-    _runtime.run_sync(store.put("0b/blob", memoryview(data)))
+    runtime.run_sync(store.put("0b/blob", memoryview(data)))
     assert max(written) <= SLICE and sum(written) >= len(data)
-    assert _runtime.run_sync(store.get("0b/blob")) == data
+    assert runtime.run_sync(store.get("0b/blob")) == data

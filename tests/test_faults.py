@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from backends.proxy import FAULT_KINDS, FaultProxy
-from objckpt import _runtime
 from objckpt.storage import from_url
+from objckpt.transfer import runtime
 
 pytestmark = pytest.mark.slow
 
@@ -50,15 +50,15 @@ def test_proxy_injects_every_kind(proxied_s3, s3_service):
     proxy, options = proxied_s3
     store = from_url(s3_service.url(f"probe-{uuid.uuid4().hex[:8]}"), **options)
     payload = bytes(range(256)) * 4096  # 1 MiB
-    _runtime.run_sync(store.put("probe", payload))
+    runtime.run_sync(store.put("probe", payload))
     for kind in FAULT_KINDS:
         if kind == "stall":
             continue  # covered with a short timeout below
         proxy.set_faults(1.0, (kind,))
         with pytest.raises(OSError):
-            _runtime.run_sync(store.get_range("probe", start=0, end=len(payload)))
+            runtime.run_sync(store.get_range("probe", start=0, end=len(payload)))
     proxy.set_faults(0.0)
-    assert _runtime.run_sync(store.get_range("probe", start=0, end=len(payload))) == payload
+    assert runtime.run_sync(store.get_range("probe", start=0, end=len(payload))) == payload
     assert proxy.stats.faulted >= len(FAULT_KINDS) - 1
 
 
@@ -140,7 +140,7 @@ def test_a_failed_multipart_upload_is_aborted_and_leaves_nothing(proxied_s3, s3_
         pytest.skip("this store does not use multipart uploads for 80 MiB")
     proxy.set_faults(1.0, ("503", "reset"), only="partNumber=")
     with pytest.raises(objckpt.StoreError):
-        _runtime.run_sync(store.put("big.blob", big))
+        runtime.run_sync(store.put("big.blob", big))
     proxy.set_faults(0.0)
     client = botocore.session.get_session().create_client(
         "s3",
@@ -151,4 +151,4 @@ def test_a_failed_multipart_upload_is_aborted_and_leaves_nothing(proxied_s3, s3_
     )
     uploads = client.list_multipart_uploads(Bucket=s3_service.bucket).get("Uploads", [])
     assert [u["Key"] for u in uploads if "multipart-" in u["Key"]] == []
-    assert _runtime.run_sync(store.list()) == []
+    assert runtime.run_sync(store.list()) == []

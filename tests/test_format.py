@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from objckpt.core.format import BlobEntry, LeafEntry, Manifest, Piece, check_blob_key, parse_manifest
 from objckpt.errors import FormatError
-from objckpt.format import BlobEntry, LeafEntry, Manifest, Piece, check_blob_key, parse_manifest
 
 LIMIT = 1 << 20
 
@@ -108,7 +108,7 @@ _PIECE_MUTATIONS = [
 def test_the_fast_piece_check_refuses_whatever_the_full_one_refuses(field, value):
     """Pieces are parsed by a fast check that formats no messages, falling back to the
     full one, which names the field: both must refuse the same pieces."""
-    from objckpt.format import _fast_piece, _piece_from_json
+    from objckpt.core.format import _fast_piece, _piece_from_json
 
     piece = {"start": [0, 0], "stop": [2, 4], "blob": "ab/b", "offset": 64, "length": 32, "crc32c": 5}
     blobs = {"ab/b": 96}

@@ -2,7 +2,7 @@
 
 A slow save (latency on every request, one request at a time) runs in a
 thread while ``gc`` with a grace period of 0 runs in a loop beside it: the
-save's live-save marker (objckpt/live.py) keeps gc off its step, and the commit
+save's live-save marker (objckpt/saving/live_markers.py) keeps gc off its step, and the commit
 itself refuses to write a manifest that lists a blob no longer there.
 """
 
@@ -22,14 +22,14 @@ import pytest
 
 import objckpt
 from backends.proxy import FaultProxy
-from objckpt import _runtime
 from objckpt.cli._commands import group_checkpoints
 from objckpt.cli._main import main as cli_main
+from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import IntegrityError, ObjectNotFoundError, SaveInProgressError, StoreError
-from objckpt.format import MANIFEST_KEY
-from objckpt.save import _Commit
+from objckpt.saving.api import _Commit
 from objckpt.storage import ObjectInfo
 from objckpt.storage.fsspec_store import FsspecStore
+from objckpt.transfer import runtime
 
 # One request at a time, and several small blobs, so the save takes a few seconds.
 SLOW = objckpt.Options(max_concurrency=1, adaptive_concurrency=False, blob_size=64 << 10)
@@ -93,7 +93,7 @@ def test_gc_with_no_grace_beside_a_slow_save_never_breaks_its_commit(kind, reque
         deleted: list[str] = []
         passes = saw_blobs = 0
         while thread.is_alive():
-            listed = [o.key for o in _runtime.run_sync(store.list())]
+            listed = [o.key for o in runtime.run_sync(store.list())]
             saw_blobs += any(k.endswith(".blob") for k in listed) and MANIFEST_KEY not in listed
             deleted += sweeper.gc(grace_seconds=0)
             passes += 1
@@ -104,7 +104,7 @@ def test_gc_with_no_grace_beside_a_slow_save_never_breaks_its_commit(kind, reque
     assert not [k for k in deleted if k.endswith(".blob")], f"gc deleted blobs of a save in flight: {deleted}"
     report = objckpt.verify(f"{target.url}/{STEP}", storage_options=target.storage_options)
     assert report.ok and report.blobs == 6, str(report)
-    assert not _runtime.run_sync(store.list("_live/")), "the marker outlived the save"
+    assert not runtime.run_sync(store.list("_live/")), "the marker outlived the save"
     assert sweeper.gc(grace_seconds=0) == [] and sweeper.steps() == [1]
 
 
@@ -132,7 +132,7 @@ def test_commit_refuses_when_a_blob_vanished_after_its_upload(any_store, monkeyp
         objckpt.save(any_store.url, _tree(), storage_options=any_store.storage_options, options=SLOW)
     assert victims and victims[0] in str(caught.value) and "not committed" in str(caught.value)
     store = any_store.open()
-    keys = [o.key for o in _runtime.run_sync(store.list())]
+    keys = [o.key for o in runtime.run_sync(store.list())]
     assert MANIFEST_KEY not in keys and not [k for k in keys if k.startswith("_live/")], keys
     with pytest.raises(objckpt.CheckpointNotFoundError):
         objckpt.restore(any_store.url, storage_options=any_store.storage_options)
@@ -145,14 +145,14 @@ def test_commit_refuses_when_a_blob_shrank_after_its_upload(kind, store_target_f
     with pytest.raises(IntegrityError) as caught:
         objckpt.save(target.url, _tree(), storage_options=target.storage_options, options=SLOW)
     assert victims and victims[0] in str(caught.value) and "5 bytes" in str(caught.value)
-    assert MANIFEST_KEY not in {o.key for o in _runtime.run_sync(target.open().list())}
+    assert MANIFEST_KEY not in {o.key for o in runtime.run_sync(target.open().list())}
 
 
 def _crashed_save(mgr: objckpt.CheckpointManager, step: str = "step_0000000003") -> None:
     """What a save killed mid-way leaves: its marker, then a blob."""
     store = mgr.store.child(step)
-    _runtime.run_sync(store.put("_live/deadbeef-p0", b"{}"))
-    _runtime.run_sync(store.put("ab/deadbeef-p0-000000.blob", b"x" * 100))
+    runtime.run_sync(store.put("_live/deadbeef-p0", b"{}"))
+    runtime.run_sync(store.put("ab/deadbeef-p0-000000.blob", b"x" * 100))
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def test_a_live_marker_keeps_gc_off_its_step_whatever_the_grace(kind, store_targ
     mgr.save(1, {"x": np.arange(10)}, wait=True)
     _crashed_save(mgr)
     assert mgr.gc(grace_seconds=0) == []
-    assert len(_runtime.run_sync(mgr.store.list("step_0000000003/"))) == 2
+    assert len(runtime.run_sync(mgr.store.list("step_0000000003/"))) == 2
 
 
 @pytest.mark.parametrize(
@@ -187,7 +187,7 @@ def test_a_marker_older_than_the_lease_protects_nothing(kind, store_target_facto
 def test_retention_and_delete_leave_a_step_a_save_is_writing_into(local_store):
     mgr = objckpt.CheckpointManager(local_store.url, keep_last=1)
     mgr.save(1, {"x": np.arange(10)}, wait=True)
-    _runtime.run_sync(mgr.store.child(STEP).put("_live/0123abcd-p0", b"{}"))  # another writer's save, in flight
+    runtime.run_sync(mgr.store.child(STEP).put("_live/0123abcd-p0", b"{}"))  # another writer's save, in flight
     mgr.save(2, {"x": np.arange(10) + 2}, wait=True)
     assert mgr.steps() == [1, 2], "retention deleted a step a save was writing into"
     with pytest.raises(SaveInProgressError, match="_live/0123abcd-p0"):
@@ -198,24 +198,24 @@ def test_retention_and_delete_leave_a_step_a_save_is_writing_into(local_store):
 def test_rm_refuses_a_prefix_a_save_is_writing_to_unless_forced(local_store, capsys):
     objckpt.save(local_store.url, {"x": np.arange(10)})
     store = local_store.open()
-    _runtime.run_sync(store.put("_live/0123abcd-p0", b"{}"))
+    runtime.run_sync(store.put("_live/0123abcd-p0", b"{}"))
     assert cli_main(["rm", local_store.url]) == 1
     err = capsys.readouterr().err
     assert "a save is writing to" in err and "_live/0123abcd-p0" in err and "--force" in err, err
-    assert MANIFEST_KEY in {o.key for o in _runtime.run_sync(store.list())}
+    assert MANIFEST_KEY in {o.key for o in runtime.run_sync(store.list())}
     assert cli_main(["rm", local_store.url, "--force"]) == 0
-    assert _runtime.run_sync(store.list()) == []
+    assert runtime.run_sync(store.list()) == []
 
 
 def test_readers_ignore_a_leftover_marker(local_store, memory_store):
     tree = {"x": np.arange(1000, dtype=np.int64)}
     objckpt.save(local_store.url, tree)
-    _runtime.run_sync(local_store.open().put("_live/4567cdef-p0", b"{}"))
+    runtime.run_sync(local_store.open().put("_live/4567cdef-p0", b"{}"))
     assert objckpt.verify(local_store.url).ok
     assert objckpt.inspect(local_store.url).num_blobs == 1
     assert objckpt.restore(local_store.url)["x"].tolist() == tree["x"].tolist()
     objckpt.copy(local_store.url, memory_store.url)
-    assert not [o.key for o in _runtime.run_sync(memory_store.open().list()) if "_live" in o.key]
+    assert not [o.key for o in runtime.run_sync(memory_store.open().list()) if "_live" in o.key]
     listed = [
         ObjectInfo("step_0000000001/manifest.json", 10, 1.0),
         ObjectInfo("step_0000000001/ab/x.blob", 5, 1.0),
@@ -242,4 +242,4 @@ def test_a_save_whose_marker_could_not_be_kept_fresh_does_not_commit(local_store
     options = objckpt.Options(max_concurrency=1, blob_size=64 << 10, live_marker_lease=1.0)
     with pytest.raises(StoreError, match="was not rewritten"):
         objckpt.save(local_store.url, _tree(), options=options)
-    assert MANIFEST_KEY not in {o.key for o in _runtime.run_sync(local_store.open().list())}
+    assert MANIFEST_KEY not in {o.key for o in runtime.run_sync(local_store.open().list())}

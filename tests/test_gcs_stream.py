@@ -16,11 +16,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt import _runtime
 from objckpt.errors import ObjectNotFoundError
 from objckpt.storage import from_url
 from objckpt.storage.fsspec_store import FsspecStore
 from objckpt.storage.gcs_stream import GCSRangeReader, gcsfs_range_reader
+from objckpt.transfer import runtime
 
 PAYLOAD = bytes(np.random.default_rng(6).integers(0, 256, 3 << 20, dtype=np.uint8))
 
@@ -47,16 +47,16 @@ def test_gcs_stores_stream_ranges_and_name_missing_objects(gcs_service):
     store = from_url(gcs_service.url(f"stream-{uuid.uuid4().hex[:8]}"), **gcs_service.storage_options())
     assert store.streams_reads, "the GCS store should stream ranged reads"
     key = "dir/with space/blob+1"  # quoted in the request path
-    _runtime.run_sync(store.put(key, PAYLOAD))
+    runtime.run_sync(store.put(key, PAYLOAD))
     sink = Collect(300_001)
-    n = _runtime.run_sync(store.get_range_streamed(key, start=777, end=777 + (2 << 20), sink=sink))
+    n = runtime.run_sync(store.get_range_streamed(key, start=777, end=777 + (2 << 20), sink=sink))
     assert n == 2 << 20 and bytes(sink.data) == PAYLOAD[777 : 777 + (2 << 20)]
     tail = len(PAYLOAD) - 10
     sink = Collect(5)
-    assert _runtime.run_sync(store.get_range_streamed(key, start=tail, end=tail + 100, sink=sink)) == 10
+    assert runtime.run_sync(store.get_range_streamed(key, start=tail, end=tail + 100, sink=sink)) == 10
     assert bytes(sink.data) == PAYLOAD[tail:]
     with pytest.raises(ObjectNotFoundError, match="nothing-here"):
-        _runtime.run_sync(store.get_range_streamed("nothing-here", start=0, end=10, sink=Collect(10)))
+        runtime.run_sync(store.get_range_streamed("nothing-here", start=0, end=10, sink=Collect(10)))
 
 
 def test_resharded_restore_from_gcs_streams_bit_exact(gcs_store, monkeypatch):

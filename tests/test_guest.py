@@ -28,10 +28,10 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 
-memory = importlib.import_module("objckpt._memory")
-leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
-prefault = importlib.import_module("objckpt.prefault")
-restore_module = importlib.import_module("objckpt.restore")
+memory = importlib.import_module("objckpt.transfer.buffers")
+leaf_jobs = importlib.import_module("objckpt.restoring.jobs")
+prefault = importlib.import_module("objckpt.restoring.arena")
+restore_module = importlib.import_module("objckpt.restoring.api")
 
 
 def _tree() -> dict[str, jax.Array]:
@@ -199,7 +199,7 @@ def test_a_restore_closes_the_streamed_readers_connections(s3_store, monkeypatch
     kept alive here, so nothing but that close can free their sockets."""
     if not Path("/proc/self/net/tcp").exists():
         pytest.skip("needs /proc (Linux)")
-    transfer = importlib.import_module("objckpt.transfer")
+    transfer = importlib.import_module("objckpt.transfer.engine")
     real_from_url = transfer.from_url
     opened = []
 
@@ -228,12 +228,12 @@ def test_closing_a_store_closes_its_streamed_reads_connections(s3_store):
     it is closed; closed, it holds none, and it still reads (on new connections)."""
     if not Path("/proc/self/net/tcp").exists():
         pytest.skip("needs /proc (Linux)")
-    from objckpt import _runtime
+    from objckpt.transfer import runtime
 
     store = s3_store.open()
     assert store.streams_reads
     data = os.urandom(4 << 20)
-    _runtime.run_sync(store.put("blob", data))
+    runtime.run_sync(store.put("blob", data))
     port = _server_port(s3_store.storage_options)
     before = _sockets_to(port)
 
@@ -258,9 +258,9 @@ def test_closing_a_store_closes_its_streamed_reads_connections(s3_store):
         await asyncio.gather(*reads)
         return [sink.got for sink in sinks]
 
-    assert _runtime.run_sync(read_in_parallel(4)) == [1 << 20] * 4
+    assert runtime.run_sync(read_in_parallel(4)) == [1 << 20] * 4
     assert _sockets_to(port) > before
-    _runtime.run_sync(store.close())
+    runtime.run_sync(store.close())
     assert _sockets_to(port) <= before + 1  # obstore's pooled connection from the PUT may stay
-    assert _runtime.run_sync(read_in_parallel(2)) == [1 << 20] * 2
-    _runtime.run_sync(store.close())
+    assert runtime.run_sync(read_in_parallel(2)) == [1 << 20] * 2
+    runtime.run_sync(store.close())

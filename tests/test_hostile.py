@@ -9,8 +9,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from objckpt.core.format import BlobEntry, LeafEntry, Manifest, Piece, check_blob_key, parse_manifest
 from objckpt.errors import FormatError
-from objckpt.format import BlobEntry, LeafEntry, Manifest, Piece, check_blob_key, parse_manifest
 
 LIMIT = 1 << 20
 PACKAGE = Path(__file__).resolve().parents[1] / "objckpt"

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import objckpt
-from objckpt import _runtime
 from objckpt.cli import main as cli_main
+from objckpt.core.format import parse_manifest
 from objckpt.errors import FormatError
-from objckpt.format import parse_manifest
+from objckpt.transfer import runtime
 
 LIMIT = 1 << 20
 
@@ -22,12 +22,12 @@ LIMIT = 1 << 20
 def _rewrite_manifest(target, edit) -> None:
     """Replace the committed manifest with ``edit(doc)`` (a dict) or raw bytes ``edit(data)``."""
     store = target.open()
-    data = _runtime.run_sync(store.get("manifest.json"))
+    data = runtime.run_sync(store.get("manifest.json"))
     new = edit(data)
     if isinstance(new, dict):
         new = json.dumps(new).encode()
-    _runtime.run_sync(store.delete("manifest.json"))
-    _runtime.run_sync(store.put("manifest.json", new, mode="create"))
+    runtime.run_sync(store.delete("manifest.json"))
+    runtime.run_sync(store.put("manifest.json", new, mode="create"))
 
 
 def _saved(target, tree, **kw):

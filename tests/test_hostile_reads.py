@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 import objckpt
-from objckpt import _runtime
-from objckpt.format import MANIFEST_KEY, BlobEntry, LeafEntry, Manifest, Piece
+from objckpt.core.format import MANIFEST_KEY, BlobEntry, LeafEntry, Manifest, Piece
+from objckpt.transfer import runtime
 
 BLOB = "0a/s-p0-000000.blob"
 REAL = 320  # bytes the blob really holds
@@ -47,8 +47,8 @@ def _write_hostile(target: Any, elements: int) -> None:
         blobs=(BlobEntry(BLOB, length + 64),),
     )
     store = target.open()
-    _runtime.run_sync(store.put(BLOB, bytes(range(256)) + bytes(REAL - 256)))
-    _runtime.run_sync(store.put(MANIFEST_KEY, manifest.to_json()))
+    runtime.run_sync(store.put(BLOB, bytes(range(256)) + bytes(REAL - 256)))
+    runtime.run_sync(store.put(MANIFEST_KEY, manifest.to_json()))
 
 
 def _resident() -> int:

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 import objckpt
-from objckpt import _runtime
 from objckpt.errors import StoreError, StorePermissionError
 from objckpt.storage import from_url
+from objckpt.transfer import runtime
 
 SECRET_KEY = "aa/secret.blob"
 
@@ -101,9 +101,9 @@ def test_a_linked_blob_file_leading_out_is_refused(tmp_path):
     assert key in str(err.value)
     store = from_url(str(ck))
     with pytest.raises(StorePermissionError):
-        _runtime.run_sync(store.head(key))
+        runtime.run_sync(store.head(key))
     with pytest.raises(StorePermissionError):
-        _runtime.run_sync(store.get(key))
+        runtime.run_sync(store.get(key))
 
 
 def test_writes_and_deletes_through_a_link_leading_out_are_refused(tmp_path):
@@ -114,11 +114,11 @@ def test_writes_and_deletes_through_a_link_leading_out_are_refused(tmp_path):
     os.symlink(outside, ck / "aa")
     store = from_url(str(ck))
     with pytest.raises(StorePermissionError, match="outside"):
-        _runtime.run_sync(store.delete(SECRET_KEY))
+        runtime.run_sync(store.delete(SECRET_KEY))
     with pytest.raises(StorePermissionError, match="outside"):
-        _runtime.run_sync(store.put("aa/new.blob", b"x"))
+        runtime.run_sync(store.put("aa/new.blob", b"x"))
     with pytest.raises(StorePermissionError, match="outside"):
-        _runtime.run_sync(store.put("aa/sub/new.blob", b"x", mode="create"))
+        runtime.run_sync(store.put("aa/sub/new.blob", b"x", mode="create"))
     assert sorted(p.name for p in outside.iterdir()) == ["secret.blob"]
     assert (outside / "secret.blob").read_bytes() == b"keep me"
 
@@ -132,8 +132,8 @@ def test_links_that_stay_inside_and_a_linked_root_still_work(tmp_path):
     np.testing.assert_array_equal(np.asarray(objckpt.restore(str(linked_root / "ck"))["w"]), value)
     store = from_url(str(linked_root / "ck"))
     os.symlink(real / "ck" / key, real / "ck" / "alias.blob")  # a link to an object inside the root
-    assert _runtime.run_sync(store.get("alias.blob")) == (real / "ck" / key).read_bytes()
-    _runtime.run_sync(store.delete("alias.blob"))  # removes the link, not its target
+    assert runtime.run_sync(store.get("alias.blob")) == (real / "ck" / key).read_bytes()
+    runtime.run_sync(store.delete("alias.blob"))  # removes the link, not its target
     assert (real / "ck" / key).exists() and not (real / "ck" / "alias.blob").exists()
 
 
@@ -156,7 +156,7 @@ def test_a_fifo_as_a_blob_fails_restore_at_once_naming_the_blob(tmp_path):
     assert seconds < 20
     store = from_url(str(ck))
     with pytest.raises(StoreError, match="FIFO"):
-        _runtime.run_sync(store.head(key))
+        runtime.run_sync(store.head(key))
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import objckpt
-from objckpt import _runtime
+from objckpt.transfer import runtime
 
 
 def _state(step):
@@ -33,7 +33,7 @@ def test_steps_latest_restore_inspect(any_store):
         assert latest["step"] == 10 and latest["data"] == {"epoch": 3, "pos": 70} and latest["cfg"] == {"name": "run"}
         np.testing.assert_array_equal(latest["params"]["w"], np.full((32, 16), 10, np.float32))
         assert mgr.restore(2, {"params": {"w": None}}, partial=True)["params"]["w"][0, 0] == 2
-        assert mgr.inspect(1).metadata["objckpt.manager"]["metrics"] == {"loss": 1.0}
+        assert mgr.inspect(1).metadata["objckpt.manager.checkpoint_manager"]["metrics"] == {"loss": 1.0}
         with pytest.raises(objckpt.CheckpointExistsError):
             mgr.save(10, _state(10), wait=True)
 
@@ -68,7 +68,7 @@ def test_retention_policies_combine(memory_store):
     # last two (8, 9), multiples of 4 (4, 8), best acc (2)
     assert mgr.steps() == [2, 4, 8, 9]
     # deleted steps leave nothing behind (manifest and blobs both gone)
-    keys = {o.key.split("/")[0] for o in _runtime.run_sync(mgr.store.list())}
+    keys = {o.key.split("/")[0] for o in runtime.run_sync(mgr.store.list())}
     assert keys == {"step_0000000002", "step_0000000004", "step_0000000008", "step_0000000009"}
 
 
@@ -83,7 +83,7 @@ def test_keep_best_reads_metrics_of_earlier_runs(memory_store):
 
 
 def test_error_of_a_background_save_is_raised_by_the_next_call(memory_store, monkeypatch):
-    upload_module = importlib.import_module("objckpt.upload")
+    upload_module = importlib.import_module("objckpt.saving.upload")
 
     async def broken_upload(blob, buffer, pool, engine, gate):
         raise OSError("disk on fire")
@@ -106,8 +106,8 @@ def test_gc_removes_orphans_but_nothing_committed(any_store):
     mgr.save(2, _state(2), wait=True)
     # a crashed save: blobs of step 3 without a manifest, and a stray blob in step 1
     step3 = mgr.store.child("step_0000000003")
-    _runtime.run_sync(step3.put("ab/crashed-p0-000000.blob", b"x" * 100))
-    _runtime.run_sync(mgr.store.child("step_0000000001").put("cd/loser-p0-000000.blob", b"y" * 10))
+    runtime.run_sync(step3.put("ab/crashed-p0-000000.blob", b"x" * 100))
+    runtime.run_sync(mgr.store.child("step_0000000001").put("cd/loser-p0-000000.blob", b"y" * 10))
     assert mgr.gc() == []  # too young for the default grace period
     deleted = sorted(mgr.gc(grace_seconds=0))
     assert deleted == ["step_0000000001/cd/loser-p0-000000.blob", "step_0000000003/ab/crashed-p0-000000.blob"]

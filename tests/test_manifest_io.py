@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import objckpt
-from objckpt import _runtime, manifest_io
+from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import CheckpointNotFoundError, FormatError
-from objckpt.format import MANIFEST_KEY
-from objckpt.manifest_io import read_manifest
+from objckpt.transfer import manifest_io, runtime
+from objckpt.transfer.manifest_io import read_manifest
 
 
 class _Counting:
@@ -37,13 +37,13 @@ def _saved(target: Any) -> tuple[_Counting, int]:
     tree = {f"layer{i}": {"w": np.full((4, 3), i, np.float32), "b": np.arange(i, dtype=np.int32)} for i in range(60)}
     objckpt.save(target.url, tree, storage_options=target.storage_options)
     store = target.open()
-    size = _runtime.run_sync(store.head(MANIFEST_KEY)).size
+    size = runtime.run_sync(store.head(MANIFEST_KEY)).size
     return _Counting(store), size
 
 
 def test_a_usual_manifest_takes_one_get(any_store):
     store, size = _saved(any_store)
-    manifest = _runtime.run_sync(read_manifest(store, size_limit=1 << 30))
+    manifest = runtime.run_sync(read_manifest(store, size_limit=1 << 30))
     assert store.calls == [("get", MANIFEST_KEY, 0, manifest_io.FIRST_READ, size)]
     assert len(manifest.leaves) == 120
     assert objckpt.restore(any_store.url, storage_options=any_store.storage_options)["layer7"]["b"].tolist() == list(
@@ -53,10 +53,10 @@ def test_a_usual_manifest_takes_one_get(any_store):
 
 def test_a_manifest_longer_than_the_first_read_is_sized_then_read_whole(any_store, monkeypatch):
     store, size = _saved(any_store)
-    whole = _runtime.run_sync(read_manifest(store, size_limit=1 << 30))
+    whole = runtime.run_sync(read_manifest(store, size_limit=1 << 30))
     monkeypatch.setattr(manifest_io, "FIRST_READ", 100)
     store.calls.clear()
-    assert _runtime.run_sync(read_manifest(store, size_limit=1 << 30)) == whole
+    assert runtime.run_sync(read_manifest(store, size_limit=1 << 30)) == whole
     assert store.calls == [
         ("get", MANIFEST_KEY, 0, 100, 100),
         ("head", MANIFEST_KEY),
@@ -70,7 +70,7 @@ def test_an_oversized_manifest_is_refused_before_it_is_read(memory_store, monkey
     monkeypatch.setattr(manifest_io, "FIRST_READ", first_read)
     limit = size // 2
     with pytest.raises(FormatError, match=f"{size} bytes, over the limit of {limit}") as info:
-        _runtime.run_sync(read_manifest(store, size_limit=limit))
+        runtime.run_sync(read_manifest(store, size_limit=limit))
     assert store.url in str(info.value)
     assert sum(call[-1] for call in store.calls if call[0] == "get") <= min(first_read, limit + 1)
     with pytest.raises(FormatError, match="over the limit"):
@@ -84,5 +84,5 @@ def test_an_oversized_manifest_is_refused_before_it_is_read(memory_store, monkey
 def test_no_manifest_is_no_checkpoint(any_store):
     store = _Counting(any_store.open())
     with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint") as info:
-        _runtime.run_sync(read_manifest(store, size_limit=1 << 30))
+        runtime.run_sync(read_manifest(store, size_limit=1 << 30))
     assert store.url in str(info.value)

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.retention import KeepBest, StepRecord
+from objckpt.manager.retention import KeepBest, StepRecord
 from objckpt.storage import from_url, register_store
 
 LOSSY = np.array([1e6, -3.7, 300.5, 3e38], np.float32)

@@ -7,9 +7,9 @@ import math
 
 import numpy as np
 
-from objckpt import plan as plan_module
-from objckpt.format import Piece
-from objckpt.plan import (
+from objckpt.core import plan as plan_module
+from objckpt.core.format import Piece
+from objckpt.core.plan import (
     ALIGN,
     PACKING_SLACK,
     SPACED_MIN,

@@ -1,4 +1,4 @@
-"""Prefaulted memory for the small leaves a restore assembles (``objckpt.prefault``).
+"""Prefaulted memory for the small leaves a restore assembles (``objckpt.restoring.arena``).
 
 Their boxes are cut from mappings made on a thread while restore plans, so the
 copies into them take no page faults; leaves whose responses become the arrays
@@ -19,10 +19,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt._memory import DEVICE_ALIGNMENT
-from objckpt.prefault import AssemblyArena
+from objckpt.restoring.arena import AssemblyArena
+from objckpt.transfer.buffers import DEVICE_ALIGNMENT
 
-prefault = importlib.import_module("objckpt.prefault")
+prefault = importlib.import_module("objckpt.restoring.arena")
 
 
 def _boxes(rows: int, cols: int, cut_rows: int, cut_cols: int):
@@ -45,7 +45,7 @@ def _recording(monkeypatch) -> list[int]:
 def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypatch):
     monkeypatch.setattr(prefault, "GROUP_BYTES", 1 << 20)
     sizes = _recording(monkeypatch)
-    memory = importlib.import_module("objckpt._memory")
+    memory = importlib.import_module("objckpt.transfer.buffers")
     populated: list[int] = []
     monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or True)
     leaves = [(k, _boxes(256, 96 + 8 * k, 2, 4), np.dtype(np.float32)) for k in range(6)]  # ~100 KiB each... ×4
@@ -77,7 +77,7 @@ def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypat
 def test_pages_go_in_by_writes_not_madvise(monkeypatch):
     """Every page of a fresh mapping is in (and zero) after ``touch_pages``, without
     ``madvise``, whose hold on the mmap lock stalls threads that are starting up."""
-    memory = importlib.import_module("objckpt._memory")
+    memory = importlib.import_module("objckpt.transfer.buffers")
     populated: list[int] = []
     monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or True)
     nbytes = (10 << 20) + 12345
@@ -214,7 +214,7 @@ def test_a_failed_mapping_leaves_the_leaves_buffers_of_their_own(memory_store, m
 
 
 def test_fault_in_takes_a_fresh_mapping_4_mib_at_a_time_and_leaves_heap_buffers(monkeypatch):
-    memory = importlib.import_module("objckpt._memory")
+    memory = importlib.import_module("objckpt.transfer.buffers")
     populated: list[int] = []
     real_populate = memory._populate
     monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or real_populate(b))
@@ -235,7 +235,7 @@ def test_fault_in_takes_a_fresh_mapping_4_mib_at_a_time_and_leaves_heap_buffers(
 def test_large_leaf_boxes_are_faulted_in_before_pieces_are_copied_into_them(where, s3_store, monkeypatch):
     """Onto another sharding, every box buffer of a leaf placed box by box is faulted in once,
     whether the read is streamed (S3) or lands whole (memory), and becomes the device array."""
-    leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
+    leaf_jobs = importlib.import_module("objckpt.restoring.jobs")
     monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 1 << 20)  # so a 4 MiB leaf goes box by box
     faulted: list[tuple[int, int]] = []
     real_fault_in = leaf_jobs.fault_in

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import objckpt
-from objckpt import _runtime, progress
+from objckpt import progress
 from objckpt.cli._progress import TerminalBar
-from objckpt.format import parse_manifest
+from objckpt.core.format import parse_manifest
 from objckpt.progress import Progress, Reporter, human_bytes
+from objckpt.transfer import runtime
 
 SMALL_BLOBS = objckpt.Options(blob_size=64 * 1024)
 
@@ -29,7 +30,7 @@ def _tree():
 
 
 def _blob_bytes(target) -> int:
-    raw = _runtime.run_sync(target.open().get("manifest.json"))
+    raw = runtime.run_sync(target.open().get("manifest.json"))
     return sum(b.size for b in parse_manifest(raw, size_limit=1 << 30).blobs)
 
 
@@ -96,8 +97,8 @@ def test_callback_follows_verify_copy_and_save_async(memory_store, local_store, 
 def test_a_failed_restore_ends_with_a_final_call_short_of_the_total(memory_store):
     objckpt.save(memory_store.url, _tree(), options=SMALL_BLOBS)
     store = memory_store.open()
-    manifest = parse_manifest(_runtime.run_sync(store.get("manifest.json")), size_limit=1 << 30)
-    _runtime.run_sync(store.delete(manifest.blobs[-1].key))
+    manifest = parse_manifest(runtime.run_sync(store.get("manifest.json")), size_limit=1 << 30)
+    runtime.run_sync(store.delete(manifest.blobs[-1].key))
     recorder = _Recorder()
     with pytest.raises(objckpt.StoreError, match="no such object"):
         objckpt.restore(memory_store.url, _tree(), progress=recorder)
@@ -128,7 +129,7 @@ def test_failing_callback_is_logged_once_and_the_save_commits(memory_store, monk
 def test_a_progress_that_is_no_callback_is_refused_before_anything_is_written(memory_store):
     with pytest.raises(TypeError, match="progress must be"):
         objckpt.save(memory_store.url, _tree(), options=SMALL_BLOBS, progress="yes")  # type: ignore[arg-type]
-    assert _runtime.run_sync(memory_store.open().list()) == []
+    assert runtime.run_sync(memory_store.open().list()) == []
 
 
 def test_calls_are_rate_limited():

@@ -23,14 +23,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt import _runtime
-from objckpt._memory import DEVICE_ALIGNMENT, aligned_arrays, aligned_zeros, host_buffer
-from objckpt.format import MANIFEST_KEY, parse_manifest
-from objckpt.plan import ALIGN, PACKING_SLACK, SPACER
+from objckpt.core.format import MANIFEST_KEY, parse_manifest
+from objckpt.core.plan import ALIGN, PACKING_SLACK, SPACER
 from objckpt.storage import from_url
 from objckpt.storage.obstore_store import ObstoreStore
+from objckpt.transfer import runtime
+from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_arrays, aligned_zeros, host_buffer
 
-restore_module = importlib.import_module("objckpt.restore")
+restore_module = importlib.import_module("objckpt.restoring.api")
 
 
 def test_host_buffers_are_zeroed_and_aligned():
@@ -60,8 +60,8 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
     """Buffers that saved pieces fill are not cleared first: poison them and check that
     a restore onto another sharding (small leaves in one buffer each, large ones box
     by box; streamed from S3, buffered from memory) overwrites every byte."""
-    leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
-    prefault = importlib.import_module("objckpt.prefault")
+    leaf_jobs = importlib.import_module("objckpt.restoring.jobs")
+    prefault = importlib.import_module("objckpt.restoring.arena")
     real = leaf_jobs.aligned_arrays
     real_touch = prefault.touch_pages
     uncleared = []
@@ -108,7 +108,7 @@ def test_malloc_tuning_reaches_glibc():
     on glibc the call must succeed, or freed response buffers stay in RSS."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
-    code = "from objckpt._memory import tune_malloc; print(tune_malloc(), tune_malloc())"
+    code = "from objckpt.transfer.buffers import tune_malloc; print(tune_malloc(), tune_malloc())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "False"]  # set once per process
 
@@ -231,7 +231,7 @@ def test_a_wrong_phase_hint_costs_one_restore_its_adoption_and_is_learned(s3_sto
 
 
 def test_a_store_kinds_learned_phase_outlives_one_restore(monkeypatch):
-    from objckpt.aligned_reads import ResponseAlignment
+    from objckpt.restoring.aligned_reads import ResponseAlignment
 
     class Store:
         def response_phase(self):
@@ -252,8 +252,8 @@ def test_only_stores_that_give_a_phase_hint_are_asked_for_one(monkeypatch, tmp_p
     """The hint is an optional protocol, not part of ``Store``: the obstore store gives its
     allocator's phase; any other store is taken to return ``bytes``, as ``Store``'s default
     ``get_range_buffer`` does."""
-    from objckpt._memory import bytes_phase, malloc_phase
-    from objckpt.aligned_reads import AlignedResponses, ResponseAlignment
+    from objckpt.restoring.aligned_reads import AlignedResponses, ResponseAlignment
+    from objckpt.transfer.buffers import bytes_phase, malloc_phase
 
     monkeypatch.setattr(ResponseAlignment, "learned", {})
     native = from_url(str(tmp_path / "native"), objckpt_backend="obstore")
@@ -378,7 +378,7 @@ def test_early_starts_read_only_free_bytes_and_skip_other_leaves(s3_store, monke
     counting = count_reads(monkeypatch)
     out = objckpt.restore(s3_store.url, {"w": None}, storage_options=s3_store.storage_options, partial=True)
     np.testing.assert_array_equal(out["w"], values["w"])
-    raw = _runtime.run_sync(from_url(s3_store.url, **s3_store.storage_options).get(MANIFEST_KEY))
+    raw = runtime.run_sync(from_url(s3_store.url, **s3_store.storage_options).get(MANIFEST_KEY))
     leaves = {leaf.path: leaf for leaf in parse_manifest(raw, size_limit=1 << 30).leaves}
     others = [(p.blob, p.offset, p.offset + p.length) for path in ("['v']", "['small']") for p in leaves[path].pieces]
     reads = [r for s in counting for r in s.reads if r[0] != MANIFEST_KEY]
@@ -394,8 +394,8 @@ def test_early_starts_read_only_free_bytes_and_skip_other_leaves(s3_store, monke
 
 
 def test_reads_start_early_only_into_free_bytes_and_learn_the_phase():
-    from objckpt.aligned_reads import ResponseAlignment
-    from objckpt.plan import ReadRequest
+    from objckpt.core.plan import ReadRequest
+    from objckpt.restoring.aligned_reads import ResponseAlignment
 
     def request(length, slack):
         return ReadRequest("b", 1000, 1000 + length, (), slack)
@@ -422,7 +422,7 @@ def test_packed_blobs_are_full_and_each_is_one_get(s3_store, monkeypatch):
     del tree["small"]  # packed first, it would shift every box by a blob
     options = objckpt.Options(blob_size=4 << 20, read_chunk=4 << 20)
     objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options, options=options)
-    raw = _runtime.run_sync(from_url(s3_store.url, **s3_store.storage_options).get(MANIFEST_KEY))
+    raw = runtime.run_sync(from_url(s3_store.url, **s3_store.storage_options).get(MANIFEST_KEY))
     manifest = parse_manifest(raw, size_limit=1 << 30)
     large_blobs = {p.blob for leaf in manifest.leaves if leaf.path in ("['w']", "['v']") for p in leaf.pieces}
     assert len(large_blobs) == 4, f"16 boxes of 1 MiB went into {len(large_blobs)} blobs of 4 MiB, expected 4"
@@ -493,7 +493,7 @@ def _many_small_leaves(url: str) -> tuple[dict, dict]:
 def _count_placements(monkeypatch) -> dict[str, list[int]]:
     """Record restore's transfers to devices: per-box ``device_put`` calls (arrays in each)
     and whole-leaf ``make_array_from_callback`` calls."""
-    leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
+    leaf_jobs = importlib.import_module("objckpt.restoring.jobs")
     calls: dict[str, list[int]] = {"device_put": [], "whole_leaf": []}
     real_put, real_whole = leaf_jobs.jax.device_put, leaf_jobs.jax.make_array_from_callback
 
@@ -527,7 +527,7 @@ def test_small_leaves_go_to_their_devices_in_one_transfer_each(monkeypatch):
 def test_large_leaves_go_box_by_box_in_batched_transfers(monkeypatch):
     """Leaves over ``WHOLE_LEAF_BYTES`` are placed as their boxes complete: one
     batched ``device_put`` per read at most, never one per box, and exact."""
-    leaf_jobs = importlib.import_module("objckpt.leaf_jobs")
+    leaf_jobs = importlib.import_module("objckpt.restoring.jobs")
     monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 0)  # every leaf here is "large"
     values, shardings = _many_small_leaves("memory://restore-buffers/batched")
     calls = _count_placements(monkeypatch)
@@ -576,7 +576,7 @@ def test_pause_gc_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
     # overlapping restores on two threads share one pause: the collector comes back after the last
     from concurrent.futures import ThreadPoolExecutor
 
-    with _runtime.collection_paused(), ThreadPoolExecutor(2) as pool:
+    with runtime.collection_paused(), ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda _: objckpt.restore(url, options=paused), range(4)))
         assert not gc.isenabled()
     assert gc.isenabled()

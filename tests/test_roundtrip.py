@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.dtypes import DTYPES
+from objckpt.core.dtypes import DTYPES
 from tests.helpers import assert_tree_bit_exact, random_array
 
 

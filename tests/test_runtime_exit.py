@@ -27,15 +27,15 @@ _CHILD = textwrap.dedent(
     import atexit, sys, threading, time, types
     import obstore as obs
     from obstore.store import MemoryStore
-    from objckpt import _runtime
+    from objckpt.transfer import runtime
 
-    loop = _runtime.get_loop()
+    loop = runtime.get_loop()
     original = loop._write_to_self
     slowed = []
 
     def slow_on_foreign_threads():
         original()
-        if threading.current_thread() not in (threading.main_thread(), _runtime._thread):
+        if threading.current_thread() not in (threading.main_thread(), runtime._thread):
             slowed.append(1)
             # the Rust thread is descheduled after waking the loop, for longer than the main
             # thread takes to reach finalization (JAX's atexit work included) on a loaded machine
@@ -60,14 +60,14 @@ _CHILD = textwrap.dedent(
 
     loop._write_to_self = slow_on_foreign_threads
     if sys.argv[1] == "without-hook":
-        atexit.unregister(_runtime._settle_at_exit)
+        atexit.unregister(runtime._settle_at_exit)
     store = MemoryStore()
 
     async def round_trip():
         await obs.put_async(store, "k", b"x")
         return bytes(await (await obs.get_async(store, "k")).bytes_async())
 
-    assert _runtime.run_sync(round_trip()) == b"x"
+    assert runtime.run_sync(round_trip()) == b"x"
     assert slowed, "the native client did not complete through call_soon_threadsafe"
     print("done", flush=True)
     sys.exit(3)  # a status of the program's own, which must survive exit

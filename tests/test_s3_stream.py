@@ -23,10 +23,10 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from backends.proxy import FaultProxy
-from objckpt import _runtime
 from objckpt.errors import ObjectNotFoundError, StorePermissionError, TransientStoreError
 from objckpt.storage import from_url
 from objckpt.storage.s3_stream import S3Credentials, S3RangeReader, SigV4Signer
+from objckpt.transfer import runtime
 
 PAYLOAD = bytes(np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8))
 
@@ -93,16 +93,16 @@ class Collect:
 
 def _stream(store, key, start, end, size=1000):
     sink = Collect(size)
-    n = _runtime.run_sync(store.get_range_streamed(key, start=start, end=end, sink=sink))
+    n = runtime.run_sync(store.get_range_streamed(key, start=start, end=end, sink=sink))
     assert n == len(sink.data)
     return bytes(sink.data)
 
 
 def test_streams_ranges_in_the_pieces_the_sink_asks_for(s3_service):
     store = _store(s3_service)
-    _runtime.run_sync(store.put("blob", PAYLOAD))
+    runtime.run_sync(store.put("blob", PAYLOAD))
     sink = Collect(333_333)  # odd: pieces end mid-packet
-    n = _runtime.run_sync(store.get_range_streamed("blob", start=12345, end=12345 + (1 << 20), sink=sink))
+    n = runtime.run_sync(store.get_range_streamed("blob", start=12345, end=12345 + (1 << 20), sink=sink))
     assert n == 1 << 20 and bytes(sink.data) == PAYLOAD[12345 : 12345 + (1 << 20)]
     assert len(sink.calls) == 4 and sink.begins == 1
     # the object ends first: only the whole pieces that arrived are handed over
@@ -120,13 +120,13 @@ def test_streams_ranges_in_the_pieces_the_sink_asks_for(s3_service):
         )
         return sinks
 
-    for s, k in zip(starts, _runtime.run_sync(all_reads())):
+    for s, k in zip(starts, runtime.run_sync(all_reads())):
         assert bytes(k.data) == PAYLOAD[s : s + 4096]
 
 
 def test_a_sink_that_raises_stops_the_read_with_its_error(s3_service):
     store = _store(s3_service)
-    _runtime.run_sync(store.put("blob", PAYLOAD))
+    runtime.run_sync(store.put("blob", PAYLOAD))
 
     class Refuses(Collect):
         def receive(self, offset, data):
@@ -136,7 +136,7 @@ def test_a_sink_that_raises_stops_the_read_with_its_error(s3_service):
 
     sink = Refuses(1000)
     with pytest.raises(objckpt.IntegrityError, match="leaf w"):
-        _runtime.run_sync(store.get_range_streamed("blob", start=0, end=1 << 20, sink=sink))
+        runtime.run_sync(store.get_range_streamed("blob", start=0, end=1 << 20, sink=sink))
     assert len(sink.data) == 2000
     assert _stream(store, "blob", 0, 3000) == PAYLOAD[:3000]  # the thread's next read is clean
 
@@ -145,7 +145,7 @@ def test_missing_objects_and_bad_credentials_are_named(s3_service):
     store = _store(s3_service)
     with pytest.raises(ObjectNotFoundError, match="nothing-here"):
         _stream(store, "nothing-here", 0, 16)
-    _runtime.run_sync(store.put("blob", PAYLOAD))
+    runtime.run_sync(store.put("blob", PAYLOAD))
     wrong = _store(s3_service, secret="not-the-secret-key")
     with pytest.raises(StorePermissionError) as info:
         _stream(wrong, "blob", 0, 16)
@@ -168,7 +168,7 @@ def _proxied(s3_service, proxy, **options):
 
 def test_throttling_is_transient_and_named(s3_service, proxy):
     store = _proxied(s3_service, proxy)
-    _runtime.run_sync(store.put("blob", PAYLOAD))
+    runtime.run_sync(store.put("blob", PAYLOAD))
     proxy.set_faults(1.0, ("503",))
     with pytest.raises(TransientStoreError, match="SlowDown") as info:
         _stream(store, "blob", 0, 100)
@@ -184,7 +184,7 @@ def test_a_read_given_up_hands_nothing_over_after_it_returns(s3_service, proxy):
     """The answer arrives after the caller gave up (its socket timeout is longer):
     the socket is shut down and the sink is never called."""
     prefix = f"stream-{uuid.uuid4().hex[:8]}"
-    _runtime.run_sync(from_url(s3_service.url(prefix), **s3_service.storage_options()).put("blob", PAYLOAD))
+    runtime.run_sync(from_url(s3_service.url(prefix), **s3_service.storage_options()).put("blob", PAYLOAD))
     reader = S3RangeReader(
         endpoint=proxy.endpoint_url,
         bucket=s3_service.bucket,
@@ -196,12 +196,12 @@ def test_a_read_given_up_hands_nothing_over_after_it_returns(s3_service, proxy):
     sink = Collect(1 << 16)
     started = time.monotonic()
     with pytest.raises(TimeoutError):
-        _runtime.run_sync(asyncio.wait_for(reader.read_streamed(f"{prefix}/blob", 0, 1 << 20, sink, "get blob"), 0.5))
+        runtime.run_sync(asyncio.wait_for(reader.read_streamed(f"{prefix}/blob", 0, 1 << 20, sink, "get blob"), 0.5))
     assert time.monotonic() - started < 1.5
     time.sleep(2.5)
     assert not sink.calls, "a read went on handing bytes over after it returned"
     proxy.latency_ms = 0
-    assert _runtime.run_sync(reader.read_streamed(f"{prefix}/blob", 0, 1 << 20, sink, "get blob")) == 1 << 20
+    assert runtime.run_sync(reader.read_streamed(f"{prefix}/blob", 0, 1 << 20, sink, "get blob")) == 1 << 20
     assert bytes(sink.data) == PAYLOAD[: 1 << 20]
     reader.close()
 
@@ -274,7 +274,7 @@ def test_a_kept_connection_the_server_closed_is_replaced_without_an_error():
         reader._executor = ThreadPoolExecutor(1)  # one worker: one kept connection
         for start in (0, 100, 200):
             sink = Collect(20)
-            assert _runtime.run_sync(reader.read_streamed("k", start, 50, sink, "get k")) == 50
+            assert runtime.run_sync(reader.read_streamed("k", start, 50, sink, "get k")) == 50
             assert bytes(sink.data) == body[start : start + 50] and len(sink.calls) == 3  # 20 + 20 + 10
             time.sleep(0.1)  # let the server's close arrive first
         assert len(connections) == 3

@@ -18,17 +18,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt import _runtime
-from objckpt.aligned_reads import address
+from objckpt.core.format import MANIFEST_KEY, parse_manifest
 from objckpt.errors import TransientStoreError
-from objckpt.format import MANIFEST_KEY, parse_manifest
 from objckpt.options import RetryConfig
-from objckpt.staging import StagingPool
+from objckpt.restoring.aligned_reads import address
+from objckpt.saving.staging import StagingPool
 from objckpt.storage import from_url
 from objckpt.storage.obstore_store import ObstoreStore
-from objckpt.transfer import TransferEngine
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import TransferEngine
 
-upload_module = importlib.import_module("objckpt.upload")
+upload_module = importlib.import_module("objckpt.saving.upload")
 
 
 def test_pool_recycles_and_bounds_buffers():
@@ -94,7 +94,7 @@ def _assert_restores_exactly(target, tree):
 def _assert_gaps_zero(target):
     """Every blob byte outside a piece is zero (never stale bytes of another blob)."""
     store = target.open()
-    manifest = parse_manifest(_runtime.run_sync(store.get(MANIFEST_KEY)), size_limit=1 << 30)
+    manifest = parse_manifest(runtime.run_sync(store.get(MANIFEST_KEY)), size_limit=1 << 30)
     covered: dict[str, np.ndarray] = {}
     for blob in manifest.blobs:
         covered[blob.key] = np.zeros(blob.size, dtype=bool)
@@ -102,7 +102,7 @@ def _assert_gaps_zero(target):
         for piece in leaf.pieces:
             covered[piece.blob][piece.offset : piece.offset + piece.length] = True
     for key, mask in covered.items():
-        data = np.frombuffer(_runtime.run_sync(store.get(key)), dtype=np.uint8)
+        data = np.frombuffer(runtime.run_sync(store.get(key)), dtype=np.uint8)
         assert len(data) == len(mask)
         assert not data[~mask].any(), f"blob {key} sends stale bytes outside its pieces"
 
@@ -182,11 +182,11 @@ def test_engine_put_reports_its_attempts(memory_store):
         engine = TransferEngine(store, max_concurrency=2, request_timeout=5, retry=RetryConfig(initial_backoff=0.001))
         return await engine.put("a.blob", b"x"), await engine.put("b.json", b"y")
 
-    assert _runtime.run_sync(run()) == (2, 1)
+    assert runtime.run_sync(run()) == (2, 1)
 
 
 def test_a_buffer_sent_twice_is_never_reused(memory_store, monkeypatch):
-    transfer = importlib.import_module("objckpt.transfer")
+    transfer = importlib.import_module("objckpt.transfer.engine")
     monkeypatch.setattr(transfer, "from_url", lambda url, **kw: _FailsFirstPut(from_url(url, **kw)))
     given: list[bool] = []
     original_give = StagingPool.give

@@ -1,4 +1,4 @@
-"""Streamed reads scattered into target boxes slab by slab (``objckpt.stream_scatter``).
+"""Streamed reads scattered into target boxes slab by slab (``objckpt.restoring.scatter``).
 
 The memory store is made to stream (its default ``get_range_streamed`` hands a
 whole body over in the sink's pieces), with pieces far smaller than the
@@ -19,16 +19,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
+import objckpt.restoring.scatter as stream_scatter
 import objckpt.storage.base as store_base
-import objckpt.stream_scatter as stream_scatter
-from objckpt import _runtime
-from objckpt.checksum import crc32c, crc32c_combine
+from objckpt.core.checksum import crc32c, crc32c_combine
+from objckpt.core.format import MANIFEST_KEY, parse_manifest
+from objckpt.core.plan import ReadPart, ReadRequest
 from objckpt.errors import TransientStoreError
-from objckpt.format import MANIFEST_KEY, parse_manifest
-from objckpt.leaf_jobs import make_job
-from objckpt.plan import ReadPart, ReadRequest
+from objckpt.restoring.jobs import make_job
 from objckpt.storage import from_url
 from objckpt.storage.fsspec_store import FsspecStore
+from objckpt.transfer import runtime
 
 
 def streamed_stores(monkeypatch):
@@ -95,7 +95,7 @@ def test_streamed_reads_land_bit_exact_on_another_sharding(memory_store, streami
         assert out[k].sharding == target[k].sharding
     assert streaming, "no read was streamed"
     if read_chunk == 3000:
-        manifest = parse_manifest(_runtime.run_sync(from_url(memory_store.url).get(MANIFEST_KEY)), size_limit=1 << 30)
+        manifest = parse_manifest(runtime.run_sync(from_url(memory_store.url).get(MANIFEST_KEY)), size_limit=1 << 30)
         pieces = {(p.blob, p.offset): p.length for leaf in manifest.leaves for p in leaf.pieces}
         cut = [(k, s, e) for k, s, e in streaming if (k, s) not in pieces or pieces[(k, s)] != e - s]
         assert cut, "no piece was read as several spans"
@@ -104,12 +104,12 @@ def test_streamed_reads_land_bit_exact_on_another_sharding(memory_store, streami
 def _corrupt(url, path, k, at):
     """Flip a bit of the ``k``-th saved piece of leaf ``path``, ``at(piece)`` bytes into it; the piece."""
     store = from_url(url)
-    manifest = parse_manifest(_runtime.run_sync(store.get(MANIFEST_KEY)), size_limit=1 << 30)
+    manifest = parse_manifest(runtime.run_sync(store.get(MANIFEST_KEY)), size_limit=1 << 30)
     (entry,) = [leaf for leaf in manifest.leaves if leaf.path == path]
     piece = entry.pieces[k]
-    data = bytearray(_runtime.run_sync(store.get(piece.blob)))
+    data = bytearray(runtime.run_sync(store.get(piece.blob)))
     data[piece.offset + at(piece)] ^= 0x10
-    _runtime.run_sync(store.put(piece.blob, bytes(data)))
+    runtime.run_sync(store.put(piece.blob, bytes(data)))
     return piece
 
 
@@ -180,7 +180,7 @@ def test_small_pieces_are_received_many_at_a_time(memory_store, monkeypatch):
     monkeypatch.setattr(stream_scatter.ScatterSink, "receive", recording)
     tree = _small_leaves()
     objckpt.save(memory_store.url, tree)
-    manifest = parse_manifest(_runtime.run_sync(from_url(memory_store.url).get(MANIFEST_KEY)), size_limit=1 << 30)
+    manifest = parse_manifest(runtime.run_sync(from_url(memory_store.url).get(MANIFEST_KEY)), size_limit=1 << 30)
     pieces = [p for leaf in manifest.leaves for p in leaf.pieces]
     out = objckpt.restore(memory_store.url, _small_target(tree))
     assert_tree_bit_exact(tree, out)
@@ -200,7 +200,7 @@ def test_a_corrupt_byte_among_many_pieces_received_at_once_is_named(memory_store
 def test_spans_are_cut_between_rows_of_a_piece(memory_store):
     tree = {"w": jax.device_put(random_array((100, 300), np.float32, 9))}  # rows of 1200 bytes
     objckpt.save(memory_store.url, tree)
-    manifest = parse_manifest(_runtime.run_sync(from_url(memory_store.url).get(MANIFEST_KEY)), size_limit=1 << 30)
+    manifest = parse_manifest(runtime.run_sync(from_url(memory_store.url).get(MANIFEST_KEY)), size_limit=1 << 30)
     (piece,) = manifest.leaves[0].pieces
     request = ReadRequest(piece.blob, piece.offset, piece.offset + piece.length, (ReadPart(0, piece, 0),))
     target = {"w": jax.ShapeDtypeStruct((100, 300), np.float32, sharding=tree["w"].sharding)}

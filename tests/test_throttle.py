@@ -1,4 +1,4 @@
-"""The transfer engine backs off when the store says "slow down" (objckpt/throttle.py)."""
+"""The transfer engine backs off when the store says "slow down" (objckpt/transfer/throttle.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from backends.proxy import FaultProxy
-from objckpt import _runtime
 from objckpt.errors import ThrottledError, TransientStoreError
 from objckpt.storage import from_url
 from objckpt.storage.error_map import map_error
 from objckpt.storage.http_stream import status_error
-from objckpt.throttle import AdaptiveLimit, WindowMemory
+from objckpt.transfer import runtime
+from objckpt.transfer.throttle import AdaptiveLimit, WindowMemory
 
 # ------------------------------------------------------------------ the window
 
@@ -171,12 +171,12 @@ def test_obstore_answers_are_told_apart(proxied_s3, s3_service, fault, throttled
     """obstore gives no status on its errors; the one we read from its text must keep working."""
     proxy, options = proxied_s3
     store = from_url(s3_service.url(f"probe-{uuid.uuid4().hex[:8]}"), **options)
-    _runtime.run_sync(store.put("k", b"z" * 100))
+    runtime.run_sync(store.put("k", b"z" * 100))
     proxy.set_faults(1.0, (fault,))
     with pytest.raises(TransientStoreError) as caught:
-        _runtime.run_sync(store.get_range_buffer("k", start=0, end=10))
+        runtime.run_sync(store.get_range_buffer("k", start=0, end=10))
     with pytest.raises(TransientStoreError) as caught_put:
-        _runtime.run_sync(store.put("k2", b"z" * 100))
+        runtime.run_sync(store.put("k2", b"z" * 100))
     assert isinstance(caught.value, ThrottledError) is throttled
     assert isinstance(caught_put.value, ThrottledError) is throttled
     # put, GET, PUT; after a GET's 500 a HEAD asks whether the range began past the end
@@ -192,18 +192,18 @@ def test_gcsfs_makes_one_attempt_per_call_so_the_engine_sees_each_refusal(gcs_se
     with FaultProxy(host, int(port), seed=5) as proxy:
         options = {**gcs_service.storage_options(), "endpoint_url": proxy.endpoint_url}
         store = from_url(gcs_service.url(f"probe-{uuid.uuid4().hex[:8]}"), **options)
-        _runtime.run_sync(store.put("k", b"z" * 100))
+        runtime.run_sync(store.put("k", b"z" * 100))
         before = proxy.stats.requests
         proxy.set_faults(1.0, ("429",))
         started = time.monotonic()
         with pytest.raises(ThrottledError):
-            _runtime.run_sync(store.put("k2", b"z" * 100))
+            runtime.run_sync(store.put("k2", b"z" * 100))
         with pytest.raises(ThrottledError):
-            _runtime.run_sync(store.get_range("k", start=0, end=10))
+            runtime.run_sync(store.get_range("k", start=0, end=10))
         assert proxy.stats.requests - before == 2
         assert time.monotonic() - started < 5
         proxy.set_faults(0.0)
-        assert _runtime.run_sync(store.get_range("k", start=0, end=10)) == b"z" * 10
+        assert runtime.run_sync(store.get_range("k", start=0, end=10)) == b"z" * 10
 
 
 # ------------------------------------------------------------------ against an overloaded store

@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import pytest
 
+from objckpt.core.tree import build, flatten
 from objckpt.errors import FormatError
-from objckpt.tree import build, flatten
 
 
 class Pair(NamedTuple):

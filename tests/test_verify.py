@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt import _runtime
-from objckpt.format import parse_manifest
+from objckpt.core.format import parse_manifest
+from objckpt.transfer import runtime
 
 SMALL_BLOBS = objckpt.Options(blob_size=64 * 1024)
 
@@ -31,7 +31,7 @@ def _tree():
 
 def _manifest(target):
     store = target.open()
-    return parse_manifest(_runtime.run_sync(store.get("manifest.json")), size_limit=1 << 30), store
+    return parse_manifest(runtime.run_sync(store.get("manifest.json")), size_limit=1 << 30), store
 
 
 def test_verify_intact_checkpoint(any_store):
@@ -59,13 +59,13 @@ def test_verify_reports_every_problem(kind, store_target_factory):
             by_blob.setdefault(piece.blob, []).append((leaf.path, piece))
     flipped, short, gone, longer = sorted(sizes, key=lambda k: (-sizes[k], k))[:4]  # the big blobs
 
-    data = bytearray(_runtime.run_sync(store.get(flipped)))
+    data = bytearray(runtime.run_sync(store.get(flipped)))
     leaf_path, piece = by_blob[flipped][-1]
     data[piece.offset + piece.length - 1] ^= 0xFF  # last byte of the blob's last piece
-    _runtime.run_sync(store.put(flipped, bytes(data)))
-    _runtime.run_sync(store.put(short, _runtime.run_sync(store.get(short))[:100]))
-    _runtime.run_sync(store.delete(gone))
-    _runtime.run_sync(store.put(longer, _runtime.run_sync(store.get(longer)) + b"extra"))
+    runtime.run_sync(store.put(flipped, bytes(data)))
+    runtime.run_sync(store.put(short, runtime.run_sync(store.get(short))[:100]))
+    runtime.run_sync(store.delete(gone))
+    runtime.run_sync(store.put(longer, runtime.run_sync(store.get(longer)) + b"extra"))
 
     report = objckpt.verify(target.url, storage_options=target.storage_options)
     assert not report.ok
@@ -92,10 +92,10 @@ def test_verify_checks_pieces_in_a_short_blob(memory_store):
                  storage_options=memory_store.storage_options)  # fmt: skip
     manifest, store = _manifest(memory_store)
     (blob,) = manifest.blobs
-    data = bytearray(_runtime.run_sync(store.get(blob.key)))
+    data = bytearray(runtime.run_sync(store.get(blob.key)))
     first = min(p.offset for leaf in manifest.leaves for p in leaf.pieces)
     data[first] ^= 1  # inside the first piece (leaf a)
-    _runtime.run_sync(store.put(blob.key, bytes(data[: blob.size - 5])))
+    runtime.run_sync(store.put(blob.key, bytes(data[: blob.size - 5])))
     report = objckpt.verify(memory_store.url)
     assert sorted(p.kind for p in report.problems) == ["checksum", "short"]
     assert next(p for p in report.problems if p.kind == "checksum").leaf == "['a']"

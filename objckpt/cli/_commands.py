@@ -9,19 +9,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from objckpt import _runtime
 from objckpt.cli._stores import UsageError, options_from_args
-from objckpt.copy import copy
+from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
-from objckpt.format import MANIFEST_KEY
-from objckpt.info import CheckpointInfo, LeafInfo, inspect
-from objckpt.live import describe, is_marker, live_markers
-from objckpt.manager import STEP_DIR, delete_checkpoint, delete_objects, unreferenced_objects
+from objckpt.manager.checkpoint_manager import STEP_DIR, delete_checkpoint, delete_objects, unreferenced_objects
 from objckpt.options import Options
 from objckpt.progress import human_bytes
+from objckpt.saving.live_markers import describe, is_marker, live_markers
 from objckpt.storage import ObjectInfo
-from objckpt.transfer import open_store
-from objckpt.verify import verify
+from objckpt.tools.copy import copy
+from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
+from objckpt.tools.verify import verify
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import open_store
 
 
 def _options(args: argparse.Namespace) -> Options:
@@ -76,7 +76,7 @@ class Listed:
 def group_checkpoints(objects: list[ObjectInfo]) -> list[Listed]:
     """Checkpoints under a root from one listing: every directory holding a manifest, plus
     every manager step directory (committed or not). Each object counts toward the deepest one;
-    live-save markers (:mod:`objckpt.live`) count toward none."""
+    live-save markers (:mod:`objckpt.saving.live_markers`) count toward none."""
     objects = [o for o in objects if not is_marker(o.key)]
     dirs: set[str] = set()
     for o in objects:
@@ -108,7 +108,7 @@ def group_checkpoints(objects: list[ObjectInfo]) -> list[Listed]:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     store = open_store(args.root, options_from_args(args, args.root), Options())
-    entries = group_checkpoints(_runtime.run_sync(store.list()))
+    entries = group_checkpoints(runtime.run_sync(store.list()))
     base = store.url.rstrip("/")
     if args.json:
         _dump(
@@ -275,7 +275,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     options = Options()
     store = open_store(args.root, options_from_args(args, args.root), options)
-    found = _runtime.run_sync(
+    found = runtime.run_sync(
         unreferenced_objects(
             store,
             grace=args.grace_seconds,
@@ -284,7 +284,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         )
     )
     if not args.dry_run:
-        _runtime.run_sync(delete_objects(store, [o.key for o in found]))
+        runtime.run_sync(delete_objects(store, [o.key for o in found]))
     total = sum(o.size for o in found)
     verb = "would delete" if args.dry_run else "deleted"
     if args.json:
@@ -301,7 +301,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     store = open_store(args.url, options_from_args(args, args.url), Options())
-    objects = _runtime.run_sync(store.list())
+    objects = runtime.run_sync(store.list())
     keys = {o.key for o in objects}
     nested = sorted(k for k in keys if k.endswith("/" + MANIFEST_KEY))
     if nested:
@@ -311,7 +311,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         )
     if not objects:
         raise CheckpointNotFoundError(f"nothing to remove at {store.url}")
-    live = [] if args.force else _runtime.run_sync(live_markers(store, lease=args.lease_seconds))
+    live = [] if args.force else runtime.run_sync(live_markers(store, lease=args.lease_seconds))
     if live:
         raise SaveInProgressError(
             f"a save is writing to {store.url} ({describe(live)}, lease {args.lease_seconds:g} s); nothing removed."
@@ -322,7 +322,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
             f"no committed checkpoint at {store.url} ({len(objects)} objects without a manifest);"
             " pass --force to delete them"
         )
-    _runtime.run_sync(delete_checkpoint(store, lease=args.lease_seconds, force=args.force))
+    runtime.run_sync(delete_checkpoint(store, lease=args.lease_seconds, force=args.force))
     total = sum(o.size for o in objects)
     if args.json:
         _dump({"url": store.url, "committed": MANIFEST_KEY in keys, "objects": len(objects), "bytes": total})

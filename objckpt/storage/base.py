@@ -62,7 +62,7 @@ class Store(abc.ABC):
     callers branch on, never a tuning value. ``url`` must never contain
     credentials: it appears in error messages and logs. Hints that only some
     stores give (where their responses land in memory:
-    :class:`objckpt.aligned_reads.AlignedResponses`) are optional protocols of
+    :class:`objckpt.restoring.aligned_reads.AlignedResponses`) are optional protocols of
     their own, not part of this contract.
     """
 

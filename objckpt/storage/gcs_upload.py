@@ -2,22 +2,20 @@
 
 gcsfs's ``pipe_file`` sends objects under 50 MiB as a ``multipart/related``
 body that it builds by concatenating the metadata and the payload: a fresh
-copy of every byte saved. Measured on the GCS emulator (1 GiB, one run each):
-save went from 0.195 to 0.277 GiB/s and from 3.9 to 2.7 client CPU-seconds. The JSON
+copy of every byte saved. The JSON
 API's ``uploadType=media`` takes the payload as the body itself, so the
 staging buffer goes to the socket as is. Same endpoint, same auth, same
 errors. Only for overwrites: create-if-absent (the manifest, small) stays on
 ``pipe_file``, because fake-gcs-server ignores ``ifGenerationMatch=0`` on
-media uploads (measured: a second create succeeded) though GCS honours it.
+media uploads (a second create succeeds there) though GCS honours it.
 
 The body goes to aiohttp as :class:`SlicedBody`, not as one buffer: on Python
 before 3.12.9 aiohttp joins the headers and the whole body into a new
 ``bytes`` before writing (a copy of every byte), and the socket transport then
 copies what the kernel did not take at once into its own growing buffer (a
 second). Written in 1 MiB slices, each awaited until the socket drains, both
-copies shrink to a slice that stays in warm memory. Measured on the GCS
-emulator, 1 GiB save, two runs each: client CPU went from 2.7–3.0 to
-0.9–1.3 s/GiB and throughput from 0.167–0.177 to 0.183–0.196 GiB/s.
+copies shrink to a slice that stays in warm memory (the figures for both
+choices are in docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

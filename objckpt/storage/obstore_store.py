@@ -2,8 +2,8 @@
 
 obstore's async functions run on its own Tokio runtime, so requests need
 neither a Python thread each nor fsspec's event-loop thread; the caller's
-loop only awaits them. Measured against SeaweedFS by
-``benchmarks/bench_stores.py``.
+loop only awaits them (``benchmarks/bench_stores.py`` compares it with the
+fsspec stores).
 
 Choices, and why:
 
@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import obstore as obs
 
-from objckpt._memory import malloc_phase
 from objckpt.errors import ObjectNotFoundError, ThrottledError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
 from objckpt.storage.error_map import PROGRAMMING_ERRORS, map_obstore_error
@@ -52,6 +51,7 @@ from objckpt.storage.obstore_config import NativeSpec
 from objckpt.storage.s3_stream import S3Credentials, S3RangeReader
 from objckpt.storage.streaming import ReadSink
 from objckpt.storage.urls import check_relative, redact_url
+from objckpt.transfer.buffers import malloc_phase
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, GCSConfig, RetryConfig, S3Config
@@ -212,7 +212,7 @@ class ObstoreStore(Store):
 
     def response_phase(self) -> int | None:
         """Where large responses start past a 64-byte boundary
-        (:class:`objckpt.aligned_reads.AlignedResponses`): obstore's buffers come
+        (:class:`objckpt.restoring.aligned_reads.AlignedResponses`): obstore's buffers come
         from the Rust (system) allocator, not from Python's ``bytes``."""
         return malloc_phase()
 

@@ -395,7 +395,7 @@ def _one_attempt_per_request(fs: Any) -> None:
 
     gcsfs retries 429 and 5xx itself, six attempts 1–32 s apart, inside what the
     transfer engine sees as one call: under its per-attempt timeout, unseen by its
-    retry counter and by the window that backs off on 429 (:mod:`objckpt.throttle`).
+    retry counter and by the window that backs off on 429 (:mod:`objckpt.transfer.throttle`).
     objckpt's engine and ``RetryingStore`` are the one retry layer, so this
     instance calls gcsfs's request function without its retry decorator (kept as
     ``__wrapped__``); if a gcsfs release drops that, its own retries stay on.

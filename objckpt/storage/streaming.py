@@ -3,10 +3,8 @@
 Why streaming: a restore onto another sharding copies every byte it reads
 into target boxes made of short runs (a row cut in two is 1–4 KiB). Copying
 them out of a whole response buffer reads that buffer back from DRAM; copying
-each few MiB right after it arrives reads it from cache. Measured on this
-project's VM, scattering 1 KiB runs into target arrays: 0.28 CPU-s per GiB
-out of a cold buffer, 0.15 out of a 1–4 MiB one just written. Nor does the
-read need a buffer the size of its body.
+each few MiB right after it arrives reads it from cache, at about half the
+CPU (docs/PERFORMANCE.md). Nor does the read need a buffer the size of its body.
 
 The sink sizes each piece (:meth:`ReadSink.next_size`) so that its pieces
 end where its own units do (whole rows of a box); the store receives exactly
@@ -19,8 +17,7 @@ from typing import Protocol
 
 #: Bytes a streaming store receives at a time (at most): small enough to stay
 #: in cache between arriving and being consumed, large enough that the Python
-#: work per piece stays small next to moving its bytes (1 and 2 MiB measured
-#: the same; 256 KiB cost 1.3 CPU-s more per GiB).
+#: work per piece stays small next to moving its bytes.
 STREAM_PIECE = 2 << 20
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from objckpt.core.format import MANIFEST_KEY, Manifest, parse_manifest
 from objckpt.errors import CheckpointNotFoundError, FormatError
-from objckpt.format import MANIFEST_KEY, Manifest, parse_manifest
 from objckpt.storage import Store
 
 # The first GET asks for this much. A shorter answer is the whole manifest, so
-# a restore starts after one round trip instead of a HEAD and a GET (40 ms of
-# every restore from another region). A longer manifest is sized with a HEAD,
+# a restore starts after one round trip instead of a HEAD and a GET (one RTT
+# saved on every restore, which counts from another region). A longer manifest is sized with a HEAD,
 # and refused if over the limit, before more than this is read.
 FIRST_READ = 8 << 20
 
@@ -24,7 +24,7 @@ async def read_manifest(store: Store, *, size_limit: int, reads: int = MANIFEST_
     before the manifest is called malformed: a byte flipped in flight spoils
     one read, not the next, and the first read that parses wins. Each re-read
     counts in the store's ``stats.checksum_retries`` (a
-    :class:`~objckpt.transfer.RetryingStore`'s).
+    :class:`~objckpt.transfer.engine.RetryingStore`'s).
 
     Raises:
         CheckpointNotFoundError: no manifest (a prefix holding only blobs included).

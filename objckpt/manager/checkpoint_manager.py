@@ -6,7 +6,7 @@ exists, so listing steps reads no blobs and a crash at any moment never leaves
 a half-written step looking committed. Deleting a step removes its manifest
 first, then its blobs; ``gc`` sweeps blobs that no manifest references once
 they are older than a grace period. Neither touches a step holding a live-save
-marker (:mod:`objckpt.live`), whatever the grace period, so they never race a
+marker (:mod:`objckpt.saving.live_markers`), whatever the grace period, so they never race a
 save in flight; the save's commit also checks its blobs are all there.
 
 At most one save is in flight per manager: ``save`` first waits for the
@@ -24,20 +24,20 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from objckpt import _runtime
+from objckpt.core.format import MANIFEST_KEY
+from objckpt.core.metadata import to_json_value
 from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
-from objckpt.format import MANIFEST_KEY
-from objckpt.info import CheckpointInfo, inspect
-from objckpt.live import describe, live_markers
-from objckpt.manifest_io import read_manifest
-from objckpt.metadata import to_json_value
+from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
 from objckpt.multihost import get_coordinator
 from objckpt.options import Options
-from objckpt.restore import restore
-from objckpt.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
-from objckpt.save import SaveHandle, save_async
+from objckpt.restoring.api import restore
+from objckpt.saving.api import SaveHandle, save_async
+from objckpt.saving.live_markers import describe, live_markers
 from objckpt.storage import ObjectInfo, Store
-from objckpt.transfer import close_store, open_store
+from objckpt.tools.inspect import CheckpointInfo, inspect
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import close_store, open_store
+from objckpt.transfer.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 
@@ -139,7 +139,7 @@ class CheckpointManager:
         user_metadata = to_json_value(dict(metadata or {}), "metadata")
         with self._lock:
             self._wait_pending()
-            full_metadata = {"objckpt.manager": {"step": step, "metrics": metrics}, **user_metadata}
+            full_metadata = {"objckpt.manager.checkpoint_manager": {"step": step, "metrics": metrics}, **user_metadata}
             handle = save_async(
                 self.step_url(step),
                 tree,
@@ -147,7 +147,7 @@ class CheckpointManager:
                 options=self.options,
                 metadata=full_metadata,
             )
-            self._pending = _runtime.submit(self._after_save(handle, step, metrics))
+            self._pending = runtime.submit(self._after_save(handle, step, metrics))
         if wait:
             self.wait()
         return handle
@@ -186,7 +186,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending. Reads only the listing, never a blob."""
-        return _runtime.run_sync(self._committed_steps())
+        return runtime.run_sync(self._committed_steps())
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -208,7 +208,7 @@ class CheckpointManager:
         self, step: int | None = None, target: Any = None, *, partial: bool = False, cast: str = "checked"
     ) -> Any:
         """Restore ``step`` (the latest committed one by default); ``partial`` and ``cast`` as in
-        :func:`objckpt.restore`."""
+        :func:`objckpt.restoring.api`."""
         step = self._resolve(step)
         return restore(
             self.step_url(step),
@@ -226,10 +226,10 @@ class CheckpointManager:
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics ``step`` was saved with (read from its manifest if not seen here)."""
         if step not in self._metrics:
-            manifest = _runtime.run_sync(
+            manifest = runtime.run_sync(
                 read_manifest(self.store.child(step_dir(step)), size_limit=self.options.manifest_size_limit)
             )
-            info = manifest.metadata.get("objckpt.manager", {})
+            info = manifest.metadata.get("objckpt.manager.checkpoint_manager", {})
             self._metrics[step] = dict(info.get("metrics", {})) if isinstance(info, dict) else {}
         return self._metrics[step]
 
@@ -271,7 +271,7 @@ class CheckpointManager:
                 marker is there); nothing, or only the manifest, was deleted.
         """
         self.wait()
-        _runtime.run_sync(self._delete_step(step))
+        runtime.run_sync(self._delete_step(step))
 
     def gc(self, grace_seconds: float | None = None) -> list[str]:
         """Delete blobs no committed manifest references, once older than the grace period.
@@ -281,7 +281,7 @@ class CheckpointManager:
         the grace period, so a save in flight is safe even with a grace of 0.
         """
         grace = self.gc_grace_seconds if grace_seconds is None else grace_seconds
-        return _runtime.run_sync(self._gc(grace))
+        return runtime.run_sync(self._gc(grace))
 
     async def _gc(self, grace: float) -> list[str]:
         limit = self.options.manifest_size_limit

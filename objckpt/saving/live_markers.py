@@ -25,7 +25,7 @@ import time
 
 from objckpt.errors import ObjectNotFoundError
 from objckpt.storage import ObjectInfo, Store
-from objckpt.transfer import missing_bucket
+from objckpt.transfer.engine import missing_bucket
 
 log = logging.getLogger("objckpt")
 

@@ -21,14 +21,14 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from objckpt import _runtime
+from objckpt.core.format import MANIFEST_KEY, BlobEntry, Manifest, parse_manifest
 from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsError, StoreError
-from objckpt.format import MANIFEST_KEY, BlobEntry, Manifest, parse_manifest
-from objckpt.manifest_io import read_manifest
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, human_bytes, reporting
-from objckpt.transfer import TransferEngine, TransferStats, opened_store
-from objckpt.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
+from objckpt.tools.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store
+from objckpt.transfer.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 
@@ -134,7 +134,7 @@ def _copy_stores(
 ) -> CopyStats:
     """:func:`copy` between open stores (each closed by the caller)."""
     started = time.perf_counter()
-    manifest = _runtime.run_sync(read_manifest(src, size_limit=options.manifest_size_limit))
+    manifest = runtime.run_sync(read_manifest(src, size_limit=options.manifest_size_limit))
     stats = CopyStats(src.url, dst.url, blobs=len(manifest.blobs), bytes_total=sum(b.size for b in manifest.blobs))
 
     def done() -> int:  # half for the read, half for the write; checked blobs count whole
@@ -143,7 +143,7 @@ def _copy_stores(
 
     try:
         with reporting(progress, "cp", dst.url, stats.bytes_total, done, src_stats, dst_stats):
-            _runtime.run_sync(_copy(src, dst, manifest, options, stats, src_stats, dst_stats, verify_existing))
+            runtime.run_sync(_copy(src, dst, manifest, options, stats, src_stats, dst_stats, verify_existing))
     finally:
         stats.bytes_read = src_stats.bytes_read
         stats.bytes_written = dst_stats.bytes_written

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from objckpt import _runtime
-from objckpt.format import LeafEntry, Manifest
-from objckpt.manifest_io import read_manifest
+from objckpt.core.format import LeafEntry, Manifest
+from objckpt.core.tree import build
 from objckpt.options import Options
-from objckpt.transfer import opened_store
-from objckpt.tree import build
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import opened_store
+from objckpt.transfer.manifest_io import read_manifest
 
 
 @dataclass(frozen=True)
@@ -114,5 +114,5 @@ def inspect(
     """Describe a committed checkpoint without reading any array data."""
     options = options or Options()
     with opened_store(url, storage_options, options) as store:
-        manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
+        manifest = runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
     return info_from_manifest(store.url, manifest)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from objckpt.format import Piece
+from objckpt.core.format import Piece
 
 Index = tuple[int, ...]
 ALIGN = 64  # piece offsets inside a blob are aligned for fast copies
@@ -195,8 +195,8 @@ class BoxIndex:
     """The boxes of one leaf, indexed to find those a given box meets without testing every one.
 
     Why: restore meets every saved piece of a leaf with the boxes the target
-    sharding gives this process. A small model has ~1,300 of each, and testing
-    every pair cost 80 ms of a 0.4 s restore. A sharding's boxes form a grid
+    sharding gives this process; a small model has over a thousand of each, so
+    testing every pair is quadratic. A sharding's boxes form a grid
     (each axis cut into disjoint intervals, every combination present), so a
     bisect per axis finds the intervals a box spans and only those boxes are
     looked at. Boxes that are not a grid (a read-once subset, say) are tested

@@ -6,7 +6,7 @@ counters live in one place. Retries are decided by exception *type* (the
 stores map vendor errors to :class:`TransientStoreError` at their boundary),
 with exponential backoff and full jitter, bounded by a per-request deadline.
 How many requests are in flight follows the store's throttling answers
-(:mod:`objckpt.throttle`), up to ``Options.max_concurrency``.
+(:mod:`objckpt.transfer.throttle`), up to ``Options.max_concurrency``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from objckpt import _runtime
 from objckpt.errors import (
     ChecksumMismatchError,
     ObjectNotFoundError,
@@ -33,7 +32,8 @@ from objckpt.options import Options, RetryConfig
 from objckpt.storage import from_url
 from objckpt.storage.base import ObjectInfo, PutMode, Store
 from objckpt.storage.streaming import ReadSink
-from objckpt.throttle import AdaptiveLimit, Outcome
+from objckpt.transfer import runtime
+from objckpt.transfer.throttle import AdaptiveLimit, Outcome
 
 T = TypeVar("T")
 Item = TypeVar("Item")
@@ -282,7 +282,7 @@ def opened_store(
 
 def close_store(store: Store) -> None:
     """Close ``store`` from a caller's thread (its connections, its streamed reader's threads)."""
-    _runtime.run_sync(store.close())
+    runtime.run_sync(store.close())
 
 
 def missing_bucket(url: str, key: str, error: ObjectNotFoundError) -> ObjectNotFoundError:
@@ -324,7 +324,7 @@ class TransferEngine:
     async def call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         """Run one request, holding a concurrency slot per attempt, retrying transient failures.
 
-        Each attempt's outcome paces the next ones (:class:`~objckpt.throttle.AdaptiveLimit`).
+        Each attempt's outcome paces the next ones (:class:`~objckpt.transfer.throttle.AdaptiveLimit`).
 
         Args:
             what: names the request in errors (e.g. ``GET s3://b/k [0, 10)``).

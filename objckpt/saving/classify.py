@@ -10,12 +10,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from objckpt.arrays import describe_sharding, owned_pieces
-from objckpt.dtypes import dtype_name
+from objckpt.core.boxes import describe_sharding, owned_pieces
+from objckpt.core.dtypes import dtype_name
+from objckpt.core.format import LeafEntry
+from objckpt.core.plan import OwnedPiece
+from objckpt.core.tree import Leaf
 from objckpt.errors import DeletedArrayError
-from objckpt.format import LeafEntry
-from objckpt.plan import OwnedPiece
-from objckpt.tree import Leaf
 
 
 def classify(index: int, leaf: Leaf, *, is_primary: bool, split_above: int) -> tuple[LeafEntry, list[OwnedPiece]]:

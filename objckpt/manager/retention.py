@@ -6,7 +6,7 @@ always. With no policy at all nothing is ever deleted.
 
 Only committed steps are ever candidates, so a save in flight (no manifest yet)
 is never picked; the manager's delete also leaves alone a step that holds a
-live-save marker (another writer saving into it, :mod:`objckpt.live`).
+live-save marker (another writer saving into it, :mod:`objckpt.saving.live_markers`).
 """
 
 from __future__ import annotations

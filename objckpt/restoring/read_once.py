@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from objckpt.arrays import Box, index_to_box
+from objckpt.core.boxes import Box, index_to_box
 
 _UINT_FOR_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 

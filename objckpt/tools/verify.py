@@ -21,14 +21,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from objckpt import _runtime
-from objckpt.checksum import crc32c
+from objckpt.core.checksum import crc32c
+from objckpt.core.format import BlobEntry, Manifest, Piece
 from objckpt.errors import StoreError
-from objckpt.format import BlobEntry, Manifest, Piece
-from objckpt.manifest_io import read_manifest
 from objckpt.options import MiB, Options
 from objckpt.progress import ProgressArg, human_bytes, reporting
-from objckpt.transfer import TransferEngine, TransferStats, opened_store, run_in_order
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store, run_in_order
+from objckpt.transfer.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 
@@ -151,10 +151,10 @@ def verify(
     stats = TransferStats()
     started = time.perf_counter()
     with opened_store(url, storage_options, options, stats) as store:
-        manifest = _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
+        manifest = runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
         total, base = sum(b.size for b in manifest.blobs), stats.bytes_read
         with reporting(progress, "verify", store.url, total, lambda: stats.bytes_read - base, stats):
-            problems = _runtime.run_sync(_verify(store, manifest, options, stats))
+            problems = runtime.run_sync(_verify(store, manifest, options, stats))
     report = VerifyReport(
         url=store.url,
         problems=problems,
@@ -206,7 +206,7 @@ async def read_blob(engine: TransferEngine, key: str, size: int, *, chunk: int) 
     """The first ``size`` bytes of blob ``key`` by concurrent ranged reads.
 
     Returns fewer bytes only if the object is shorter. The ranges are started
-    a few at a time (:func:`objckpt.transfer.run_in_order`) and the first that
+    a few at a time (:func:`objckpt.transfer.engine.run_in_order`) and the first that
     comes back short ends the read, so ``size`` (the manifest's word) costs
     only the bytes the object has. Raises what the store raises
     (``ObjectNotFoundError`` for a missing blob).

@@ -2,9 +2,9 @@
 
 A synchronous save to a store that sends a body of parts (``Store.put_parts``)
 uploads contiguous host shards where they lie; everything else is copied off the
-devices into staging buffers (:mod:`objckpt.staging`) first. Each upload
+devices into staging buffers (:mod:`objckpt.saving.staging`) first. Each upload
 checksums its pieces off the loop thread and PUTs with the transfer engine's
-retries; the commit (:mod:`objckpt.save`) waits for their piece records.
+retries; the commit (:mod:`objckpt.saving.api`) waits for their piece records.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from objckpt import _runtime
-from objckpt.arrays import copy_piece_into, piece_bytes_in_place
-from objckpt.checksum import crc32c
-from objckpt.format import Piece
+from objckpt.core.boxes import copy_piece_into, piece_bytes_in_place
+from objckpt.core.checksum import crc32c
+from objckpt.core.format import Piece
+from objckpt.core.plan import BlobPlan
 from objckpt.options import Options
-from objckpt.plan import BlobPlan
-from objckpt.staging import StagingPool
-from objckpt.transfer import TransferEngine
+from objckpt.saving.staging import StagingPool
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import TransferEngine
 
 PieceRecord = tuple[int, Piece]  # (leaf index, stored piece)
 
@@ -39,7 +39,7 @@ def snapshot_and_upload(
     waits for), or until the budget runs out, when the model is bigger than the
     budget and the phase has to stream. A synchronous save streams through a
     small pool of recycled buffers (``Options.staging_pool``; see
-    :mod:`objckpt.staging` for why), except for blobs it sends in place.
+    :mod:`objckpt.saving.staging` for why), except for blobs it sends in place.
     Stops early if an upload has already failed.
     """
     limit = options.memory_budget if hold_uploads else min(options.memory_budget, options.staging_pool)
@@ -84,7 +84,7 @@ def _fill_blobs(
         if parts is not None:
             if not _take_slot(slots, failed):
                 break
-            future = _runtime.submit(_upload_in_place(blob, parts, engine, slots))
+            future = runtime.submit(_upload_in_place(blob, parts, engine, slots))
         else:
             buffer = pool.take(failed, open_gate)
             if buffer is None or failed.is_set():
@@ -96,7 +96,7 @@ def _fill_blobs(
                 dtype = placed.piece.source[0].dtype
                 view = staged[placed.offset : placed.offset + piece.nbytes].view(dtype).reshape(piece.shape)
                 copy_piece_into(piece, view)
-            future = _runtime.submit(_upload(blob, buffer, pool, engine, gate))
+            future = runtime.submit(_upload(blob, buffer, pool, engine, gate))
 
         def _done(f: concurrent.futures.Future[Any]) -> None:
             if f.cancelled() or f.exception() is not None:
@@ -112,7 +112,7 @@ _ZEROS = memoryview(bytes(4096))  # the bytes of a blob outside its pieces, sent
 def _parts_in_place(blob: BlobPlan) -> list[memoryview] | None:
     """The blob's body as parts: zeros for its gaps, each piece's bytes where they lie.
 
-    None if any piece would need a copy (see :func:`objckpt.arrays.piece_bytes_in_place`).
+    None if any piece would need a copy (see :func:`objckpt.core.boxes.piece_bytes_in_place`).
     """
     parts: list[memoryview] = []
     end = 0

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from objckpt.plan import Index, OwnedPiece
+from objckpt.core.plan import Index, OwnedPiece
 
 Box = tuple[Index, Index]
 

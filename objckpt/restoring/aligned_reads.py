@@ -5,7 +5,7 @@ box's host array without a copy (and on the CPU backend the device array
 itself). :func:`read_aligned` predicts where responses land and starts reads
 early to match, and joins the sub-ranges of a huge read into aligned memory.
 Reads restore copies out of go another way on stores that stream
-(:mod:`objckpt.stream_scatter`).
+(:mod:`objckpt.restoring.scatter`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from objckpt._memory import DEVICE_ALIGNMENT, aligned_zeros, bytes_phase
-from objckpt.plan import PACKING_SLACK, ReadRequest
-from objckpt.transfer import TransferEngine, run_in_order
+from objckpt.core.plan import PACKING_SLACK, ReadRequest
+from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_zeros, bytes_phase
+from objckpt.transfer.engine import TransferEngine, run_in_order
 
 
 @runtime_checkable
@@ -43,7 +43,7 @@ class ResponseAlignment:
 
     A piece whose bytes sit on a 64-byte boundary in the response buffer can
     become its box's host array as is, and on the CPU backend the device array
-    itself (:func:`objckpt._memory.aligned_zeros` says why): no copy at all.
+    itself (:func:`objckpt.transfer.buffers.aligned_zeros` says why): no copy at all.
     Large responses start at a fixed phase past a page boundary (16 bytes for a
     glibc ``malloc``, 48 for a ``bytes`` object on top of it), so starting the
     read that many bytes short of 64 early (blobs keep free bytes before large
@@ -98,7 +98,7 @@ async def read_aligned(
     blob) is a single GET, started a few bytes early when that lands the bytes
     aligned (:class:`ResponseAlignment`). A longer one goes out as sub-range
     GETs of ``chunk`` bytes, at most ``parallel`` at once, each started only
-    when there is room (:func:`objckpt.transfer.run_in_order`): the first that
+    when there is room (:func:`objckpt.transfer.engine.run_in_order`): the first that
     comes back short (the blob is shorter than the read) is the last, so a
     manifest that declares more bytes than the blob holds costs only the bytes
     there are. The parts are joined before any checksum is checked, since a

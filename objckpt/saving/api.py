@@ -1,6 +1,6 @@
 """save and save_async: snapshot → plan → upload → commit.
 
-The caller's thread does only the blocking phase (:mod:`objckpt.upload`): it
+The caller's thread does only the blocking phase (:mod:`objckpt.saving.upload`): it
 copies every owned piece off the devices into staging buffers that objckpt
 owns, blob by blob, under a byte budget (when the model is larger than the
 budget it streams: a buffer is reused once its blob is uploaded); a synchronous
@@ -15,7 +15,7 @@ moment leaves at most orphaned blobs, which ``gc`` removes.
 
 Deleters keep off a save in flight: each process writes a live-save marker
 before its first blob and deletes it once the outcome is known
-(:mod:`objckpt.live`), and right before it writes the manifest the primary
+(:mod:`objckpt.saving.live_markers`), and right before it writes the manifest the primary
 lists the prefix and refuses to commit if any blob the manifest lists is
 missing or of the wrong size (deleted by ``gc``, ``rm`` or retention anyway).
 """
@@ -34,21 +34,21 @@ from collections import defaultdict
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from objckpt import _runtime
-from objckpt._memory import tune_malloc
+from objckpt.core.format import MANIFEST_KEY, BlobEntry, LeafEntry, Manifest, Piece, parse_manifest
+from objckpt.core.metadata import to_json_value
+from objckpt.core.plan import blob_key, plan_blobs
+from objckpt.core.tree import flatten
 from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsError, ObjectNotFoundError, StoreError
-from objckpt.format import MANIFEST_KEY, BlobEntry, LeafEntry, Manifest, Piece, parse_manifest
-from objckpt.leaves import classify
-from objckpt.live import LiveMarker, marker_key
-from objckpt.metadata import to_json_value
 from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
-from objckpt.plan import blob_key, plan_blobs
 from objckpt.progress import ProgressArg, closing, finish_from_caller, start
+from objckpt.saving.classify import classify
+from objckpt.saving.live_markers import LiveMarker, marker_key
+from objckpt.saving.upload import PieceRecord, snapshot_and_upload
 from objckpt.storage import Store
-from objckpt.transfer import RetryingStore, TransferEngine, TransferStats, close_store, open_store
-from objckpt.tree import flatten
-from objckpt.upload import PieceRecord, snapshot_and_upload
+from objckpt.transfer import runtime
+from objckpt.transfer.buffers import tune_malloc
+from objckpt.transfer.engine import RetryingStore, TransferEngine, TransferStats, close_store, open_store
 
 T = TypeVar("T")
 log = logging.getLogger("objckpt")
@@ -151,7 +151,7 @@ def _start(
     *,
     hold_uploads: bool,
 ) -> SaveHandle:
-    """Snapshot ``tree`` and start its uploads and commit; ``hold_uploads`` as in :func:`objckpt.upload.snapshot_and_upload`."""
+    """Snapshot ``tree`` and start its uploads and commit; ``hold_uploads`` as in :func:`objckpt.saving.upload.snapshot_and_upload`."""
     entered = time.perf_counter()
     options = options or Options()
     if options.tune_malloc:
@@ -185,7 +185,7 @@ def _begin(
     coordinator = get_coordinator()
     tag = operation_tag("save", store.url)
     metadata = to_json_value(dict(metadata or {}), "metadata")
-    if _runtime.run_sync(_exists(store)):  # the retrying store bounds it
+    if runtime.run_sync(_exists(store)):  # the retrying store bounds it
         raise CheckpointExistsError(f"a committed checkpoint already exists at {store.url}")
 
     leaves, skeleton = flatten(tree)
@@ -202,9 +202,9 @@ def _begin(
         key=lambda seq: blob_key(save_id, coordinator.process_index, seq),
     )
 
-    engine = _runtime.run_sync(_make_engine(store.inner, options, stats))
+    engine = runtime.run_sync(_make_engine(store.inner, options, stats))
     marker = LiveMarker(store, marker_key(save_id, coordinator.process_index), lease=options.live_marker_lease)
-    _runtime.run_sync(marker.begin())  # before the first blob, so deleters see it first
+    runtime.run_sync(marker.begin())  # before the first blob, so deleters see it first
     started = time.perf_counter()
     reporter = None
     try:
@@ -213,7 +213,7 @@ def _begin(
         uploads = snapshot_and_upload(blobs, engine, options, hold_uploads=hold_uploads)
     except BaseException:
         finish_from_caller(reporter, complete=False)
-        _runtime.run_sync(marker.end())
+        runtime.run_sync(marker.end())
         raise
     seconds_blocked = time.perf_counter() - entered
     commit = _Commit(
@@ -228,7 +228,7 @@ def _begin(
         options=options,
         marker=marker,
     )
-    future = _runtime.submit(_then_close(closing(commit.run(uploads, started), reporter), store))
+    future = runtime.submit(_then_close(closing(commit.run(uploads, started), reporter), store))
     _track_in_flight(store.url, future)
     return SaveHandle(future, stats, seconds_blocked, store.url)
 

@@ -22,11 +22,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.tree_util import keystr
 
-from objckpt import _runtime
-from objckpt._memory import DEVICE_ALIGNMENT, tune_malloc
-from objckpt.aligned_reads import ResponseAlignment, address, read_aligned
-from objckpt.arrays import box_to_slices
-from objckpt.checksum import crc32c
+from objckpt.core.boxes import box_to_slices
+from objckpt.core.checksum import crc32c
+from objckpt.core.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
+from objckpt.core.plan import ReadRequest, plan_reads
+from objckpt.core.tree import build, find_subtree, flatten_target, leaf_indices, unflatten_target
 from objckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -34,9 +34,12 @@ from objckpt.errors import (
     IntegrityError,
     TargetMismatchError,
 )
-from objckpt.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
-from objckpt.leaf_jobs import (
-    CASTS,
+from objckpt.multihost import get_coordinator, operation_tag
+from objckpt.options import Options
+from objckpt.progress import ProgressArg, reporting
+from objckpt.restoring.aligned_reads import ResponseAlignment, address, read_aligned
+from objckpt.restoring.casts import CASTS
+from objckpt.restoring.jobs import (
     LeafJob,
     allocate,
     check_host_memory,
@@ -52,15 +55,12 @@ from objckpt.leaf_jobs import (
     wait_for_arena,
     whole_box,
 )
-from objckpt.manifest_io import read_manifest
-from objckpt.multihost import get_coordinator, operation_tag
-from objckpt.options import Options
-from objckpt.plan import ReadRequest, plan_reads
-from objckpt.progress import ProgressArg, reporting
-from objckpt.read_once import share
-from objckpt.save import save_in_flight
-from objckpt.stream_scatter import stream_read
-from objckpt.transfer import (
+from objckpt.restoring.read_once import share
+from objckpt.restoring.scatter import stream_read
+from objckpt.saving.api import save_in_flight
+from objckpt.transfer import runtime
+from objckpt.transfer.buffers import DEVICE_ALIGNMENT, tune_malloc
+from objckpt.transfer.engine import (
     AsyncByteBudget,
     RetryingStore,
     TransferEngine,
@@ -68,7 +68,7 @@ from objckpt.transfer import (
     opened_store,
     reread_on_mismatch,
 )
-from objckpt.tree import build, find_subtree, flatten_target, leaf_indices, unflatten_target
+from objckpt.transfer.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 
@@ -130,7 +130,7 @@ def restore(
     stats = stats if stats is not None else TransferStats()
     if options.tune_malloc:
         tune_malloc()
-    with opened_store(url, storage_options, options, stats) as store, _runtime.collection_paused(options.pause_gc):
+    with opened_store(url, storage_options, options, stats) as store, runtime.collection_paused(options.pause_gc):
         return _restore(store, target, partial, read_once, options, stats, progress, cast)
 
 
@@ -163,7 +163,7 @@ def _restore(
         if read_once:
             _fetch_then_share(store.inner, requests, jobs, options, stats)
         else:
-            _runtime.run_sync(_fetch(store.inner, requests, jobs, options, stats))
+            runtime.run_sync(_fetch(store.inner, requests, jobs, options, stats))
     values = {i: (jobs[i].result if i in jobs else _inline(manifest.leaves[i], t)) for i, t in selection.items()}
     seconds = time.perf_counter() - started
     stats.seconds = seconds
@@ -193,7 +193,7 @@ def _restore(
 def _read_manifest(store: Any, options: Options) -> Manifest:
     """The checkpoint's manifest; when there is none, say so, and whether a save to it is still running here."""
     try:
-        return _runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
+        return runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
     except CheckpointNotFoundError as e:
         if not save_in_flight(store.url):
             raise
@@ -260,7 +260,7 @@ def _fetch_then_share(
     tag = operation_tag("restore", store.url)
     error: BaseException | None = None
     try:
-        _runtime.run_sync(_fetch(store, requests, jobs, options, stats))
+        runtime.run_sync(_fetch(store, requests, jobs, options, stats))
     except BaseException as e:
         error = e
     status = f"error: {type(error).__name__}: {error}" if error is not None else "ok"
@@ -309,16 +309,16 @@ async def _fetch(
             await asyncio.to_thread(finish, job)
 
     # Reads start early to land aligned only where an aligned piece can become a device
-    # array without a copy: leaves placed on the CPU backend (leaf_jobs.stays_on_host).
+    # array without a copy: leaves placed on the CPU backend (restoring.jobs.stays_on_host).
     on_cpu = any(job.places_boxes and stays_on_host(job) for job in jobs.values())
     alignment = ResponseAlignment.of(store) if on_cpu else ResponseAlignment(None)
     lock = threading.Lock()
-    copy_lock = threading.Lock()  # runs of small copies take turns (stream_scatter.ScatterSink says why)
+    copy_lock = threading.Lock()  # runs of small copies take turns (restoring.scatter.ScatterSink says why)
     # A read that will become its boxes' arrays is not memory above the restored
     # arrays (when the client fills its buffer in place), so only reads that are
     # copied count against the window; max_concurrency still bounds the requests
     # in flight. On a store that streams, copied reads are scattered as they
-    # arrive (objckpt.stream_scatter) and hold a few MiB each, not their length:
+    # arrive (objckpt.restoring.scatter) and hold a few MiB each, not their length:
     # a window of their own bounds them (Options.streamed_window: enough bytes to
     # cover each read's wait for its first byte, few enough threads scattering at
     # once to keep them from contending for the GIL).
@@ -395,7 +395,7 @@ def _land(request: ReadRequest, data: memoryview, jobs: dict[int, LeafJob], url:
     """All one response does, in one trip off the loop thread (a trip costs more than placing a box).
 
     Allocate the boxes it copies into, check and scatter its pieces (or adopt
-    them, see :func:`_adoptable`), then :func:`~objckpt.leaf_jobs.complete`
+    them, see :func:`_adoptable`), then :func:`~objckpt.restoring.jobs.complete`
     them. The counters are shared with other responses' threads, hence ``lock``.
     """
     fresh: list[np.ndarray] = []

@@ -14,7 +14,7 @@ never handed out), and a retried read writes the same bytes again.
 
 A long read goes out as parallel sub-range streams (*spans*) cut between
 rows; the parts of a piece that spans share are checksummed apart and
-combined (:func:`objckpt.checksum.crc32c_combine`) once every span is in.
+combined (:func:`objckpt.core.checksum.crc32c_combine`) once every span is in.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from objckpt.arrays import Box, box_to_slices
-from objckpt.checksum import crc32c, crc32c_combine
+from objckpt.core.boxes import Box, box_to_slices
+from objckpt.core.checksum import crc32c, crc32c_combine
+from objckpt.core.plan import PACKING_SLACK, ReadPart, ReadRequest, intersect
 from objckpt.errors import ChecksumMismatchError, IntegrityError
-from objckpt.leaf_jobs import LeafJob, allocate, fault_in_fresh, meets_of, wait_for_arena
-from objckpt.plan import PACKING_SLACK, ReadPart, ReadRequest, intersect
+from objckpt.restoring.jobs import LeafJob, allocate, fault_in_fresh, meets_of, wait_for_arena
 from objckpt.storage.streaming import STREAM_PIECE
-from objckpt.transfer import TransferEngine, run_in_order
+from objckpt.transfer.engine import TransferEngine, run_in_order
 
 Span = tuple[int, int]  # [first, last) bytes of a read's body
 
@@ -121,18 +121,15 @@ class ScatterSink:
 
     Runs on the store's receiving thread; ``lock`` guards the leaves' buffer
     maps, which other reads' threads share. Completion (placing boxes,
-    finishing leaves) is left to :func:`objckpt.leaf_jobs.complete` once the
+    finishing leaves) is left to :func:`objckpt.restoring.jobs.complete` once the
     whole read has arrived. A piece wholly inside the span is checked here;
     the checksums of a piece cut by the span's ends are kept in ``shared``.
 
     A receive of whole small pieces holds ``copy_lock`` (shared by all the
     restore's sinks) while it copies them. Why: numpy lets go of the GIL for
     every strided copy of more than 500 elements, so two threads that each
-    copy a few KiB at a time hand the GIL back and forth on every copy.
-    Measured, 20,000 copies of 40×120 floats with a little Python between
-    them: 62 CPU-ms on one thread, 199 on two, 63 on two taking turns per
-    batch of 50; a small model's resharded restore makes ~2,600 such copies.
-    Slabs of large pieces copy MiBs at a time and go without it, so their
+    copy a few KiB at a time hand the GIL back and forth on every copy
+    (three times the CPU of one thread: docs/PERFORMANCE.md). Slabs of large pieces copy MiBs at a time and go without it, so their
     copies run in parallel on machines with the cores for it.
     """
 

@@ -1,12 +1,7 @@
 """Staging buffers for a save: a bounded pool, recycled from one blob to the next.
 
-Why recycle: the first write to fresh pages is what a staging copy costs, not
-the copy. Measured on this project's 2-core VM, copying 64 MiB of a device
-array into a fresh anonymous mapping took 37 ms (0.57 s/GiB, the kernel
-zeroing and mapping pages), into the same mapping a second time 3.5 ms; in a
-4 GiB save that staged everything, the copy took 2.4–2.7 CPU-s/GiB, and with
-this pool the whole save took 1.1–1.4 (from 3.5).
-A save that keeps only a few blobs' worth of buffers and reuses them pays the
+Why recycle: the first write to fresh pages (the kernel zeroing and mapping
+them) costs about ten times the copy into them (docs/PERFORMANCE.md). A save that keeps only a few blobs' worth of buffers and reuses them pays the
 first touch once per buffer instead of once per byte of the model, and holds
 that much memory instead of a copy of the model.
 
@@ -23,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from objckpt._memory import host_buffer
+from objckpt.transfer.buffers import host_buffer
 
 
 class StagingPool:

@@ -21,20 +21,17 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from objckpt._memory import aligned_arrays, aligned_zeros, fault_in
-from objckpt.arrays import Box, index_to_box, needed_boxes
-from objckpt.dtypes import dtype_from_name
+from objckpt.core.boxes import Box, index_to_box, needed_boxes
+from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.format import LeafEntry, Piece
+from objckpt.core.plan import BoxIndex, ReadRequest
 from objckpt.errors import FormatError, HostMemoryError, TargetMismatchError
-from objckpt.format import LeafEntry, Piece
-from objckpt.plan import BoxIndex, ReadRequest
-from objckpt.prefault import AssemblyArena
 from objckpt.progress import human_bytes
-from objckpt.read_once import designate
-from objckpt.read_once import supported as read_once_supported
-
-#: What ``restore(..., cast=...)`` accepts: "checked" refuses casts that lose
-#: values (:func:`check_cast`, :func:`cast_checked`); "unsafe" is numpy's astype.
-CASTS = ("checked", "unsafe")
+from objckpt.restoring.arena import AssemblyArena
+from objckpt.restoring.casts import cast_values, check_cast
+from objckpt.restoring.read_once import designate
+from objckpt.restoring.read_once import supported as read_once_supported
+from objckpt.transfer.buffers import aligned_arrays, aligned_zeros, fault_in
 
 #: A sharded leaf with more bytes than this on this process goes to its devices
 #: box by box as boxes complete; a smaller one in one transfer when it is done,
@@ -90,7 +87,7 @@ class LeafJob:
 
 
 def make_job(entry: LeafEntry, target: Any, *, read_once: bool = False, unsafe_cast: bool = False) -> LeafJob:
-    """The job restoring ``entry`` onto ``target`` (see :func:`objckpt.restore` for the target forms).
+    """The job restoring ``entry`` onto ``target`` (see :func:`objckpt.restoring.api` for the target forms).
 
     Raises:
         TargetMismatchError: the shape differs, the sharding does not fit, or
@@ -135,79 +132,6 @@ def make_job(entry: LeafEntry, target: Any, *, read_once: bool = False, unsafe_c
     return LeafJob(entry, dtype, out_dtype, sharding, devices_by_box, unsafe_cast=unsafe_cast)
 
 
-def _category(dtype: np.dtype) -> str:
-    """bool, int, uint, float or complex (ml_dtypes' bfloat16, float8 and int4 included)."""
-    for name, kind in (
-        ("bool", jax.numpy.bool_),
-        ("uint", jax.numpy.unsignedinteger),
-        ("int", jax.numpy.signedinteger),
-        ("float", jax.numpy.floating),
-        ("complex", jax.numpy.complexfloating),
-    ):
-        if jax.numpy.issubdtype(dtype, kind):
-            return name
-    return "other"
-
-
-def _range_fits(saved: np.dtype, target: np.dtype) -> bool:
-    """Whether every value of integer (or bool) dtype ``saved`` is a value of integer dtype ``target``."""
-    if _category(saved) == "bool":
-        return True
-    small, large = jax.numpy.iinfo(saved), jax.numpy.iinfo(target)
-    return large.min <= small.min and small.max <= large.max
-
-
-def check_cast(path: str, saved: np.dtype, target: np.dtype) -> None:
-    """Refuse, from the dtypes alone, a cast that can change a value beyond precision.
-
-    Allowed: numpy's safe casts, integer casts whose range holds the saved one,
-    and anything into a float or complex dtype (from bool, int or float; complex
-    only into complex): a float precision downcast, for which
-    :func:`cast_checked` then checks that no finite value overflowed.
-
-    Raises:
-        TargetMismatchError: naming the leaf, both dtypes and ``cast="unsafe"``.
-    """
-    if saved == target or np.can_cast(saved, target, "safe"):
-        return
-    source, dest = _category(saved), _category(target)
-    if dest in ("int", "uint") and source in ("bool", "int", "uint") and _range_fits(saved, target):
-        return
-    if dest == "float" and source in ("bool", "int", "uint", "float"):
-        return
-    if dest == "complex" and source != "other":
-        return
-    raise TargetMismatchError(
-        f"leaf {path}: casting saved dtype {saved.name} to target dtype {target.name} would change values"
-        f" ({source} → {dest}{'' if source != dest else ', narrower range'}); restore into {saved.name}"
-        ' or a wider dtype, or pass cast="unsafe" for numpy\'s cast'
-    )
-
-
-def cast_checked(job: LeafJob, host: np.ndarray) -> np.ndarray:
-    """``host`` cast to the target dtype; a finite value that became inf or NaN fails (unless unsafe).
-
-    numpy's overflow warnings are silenced: the check reports overflow as an
-    error, and ``cast="unsafe"`` asked for numpy's result as is.
-    """
-    assert job.out_dtype is not None
-    with np.errstate(all="ignore"):
-        out = host.astype(job.out_dtype)
-    if job.unsafe_cast or _category(job.out_dtype) not in ("float", "complex"):
-        return out
-    with np.errstate(all="ignore"):
-        overflowed = ~np.isfinite(out) & np.isfinite(host)
-    if overflowed.any():
-        where = np.argwhere(overflowed)[0]
-        value = host[tuple(where)]
-        raise TargetMismatchError(
-            f"leaf {job.entry.path}: saved {job.dtype.name} value {value.item()!r} overflows target dtype"
-            f" {job.out_dtype.name} (becomes {out[tuple(where)].item()!r}); restore into a wider dtype,"
-            ' or pass cast="unsafe" to keep numpy\'s result'
-        )
-    return out
-
-
 def physical_memory() -> int | None:
     """The machine's physical memory in bytes (``SC_PHYS_PAGES`` × ``SC_PAGE_SIZE``), None where
     the OS does not say. Not what is free now: a restore larger than the machine cannot succeed,
@@ -224,7 +148,7 @@ def stays_on_host(job: LeafJob) -> bool:
     are the host's (the CPU backend, where a device array is host memory).
 
     Only such leaves get restore's host-memory techniques (buffers in aligned private
-    mappings, pages faulted in ahead, :mod:`objckpt.prefault`): their buffers are the
+    mappings, pages faulted in ahead, :mod:`objckpt.restoring.arena`): their buffers are the
     result, so how their pages are made and touched is what the restore pays for. A leaf
     bound for an accelerator gets plain numpy buffers, copied to its devices by DMA.
     """
@@ -318,7 +242,7 @@ def meets_of(job: LeafJob, piece: Piece) -> list[tuple[Box, Box]]:
 def reserve_assembled(jobs: dict[int, LeafJob]) -> None:
     """Start mapping prefaulted memory for every small leaf that will be assembled from parts.
 
-    Called before planning, so the mapping overlaps it (:mod:`objckpt.prefault`
+    Called before planning, so the mapping overlaps it (:mod:`objckpt.restoring.arena`
     says why). A small leaf qualifies when some box it reads is not exactly one
     saved piece; all of its boxes get room, since a streamed read copies even
     the pieces that are whole boxes. Only leaves that stay in host memory
@@ -391,7 +315,7 @@ def wait_for_arena(job: LeafJob) -> None:
 
 def fault_in_fresh(buffers: list[np.ndarray]) -> None:
     """Fault in the pages of buffers :func:`allocate` just made, before pieces are copied
-    into them (cheaper than a fault per page inside the copies: :func:`objckpt._memory.fault_in`).
+    into them (cheaper than a fault per page inside the copies: :func:`objckpt.transfer.buffers.fault_in`).
 
     Called without the allocation lock held: other threads may already be
     copying into the same buffers, which is harmless (a page already in is left as is).
@@ -412,7 +336,7 @@ def place_boxes(done: list[tuple[LeafJob, Box]]) -> None:
     for job, box in done:
         host = job.buffers.pop(box)
         if job.out_dtype is not None and job.out_dtype != job.dtype:
-            host = cast_checked(job, host)
+            host = cast_values(job.entry.path, host, job.out_dtype, unsafe=job.unsafe_cast)
         for device in job.devices_by_box[box]:
             hosts.append(host)
             devices.append(device)
@@ -460,7 +384,7 @@ def finish(job: LeafJob) -> None:
         allocate(job, [box for box in job.devices_by_box if box not in job.buffers and box not in job.placed_boxes])
     buffers = job.buffers
     if job.out_dtype is not None and job.out_dtype != job.dtype:
-        buffers = {box: cast_checked(job, b) for box, b in buffers.items()}
+        buffers = {box: cast_values(entry.path, b, job.out_dtype, unsafe=job.unsafe_cast) for box, b in buffers.items()}
     if job.designated is not None:  # replicas other than the designated one start as zeros
         assert job.sharding is not None
         out_dtype = job.out_dtype if job.out_dtype is not None else job.dtype

@@ -2,7 +2,7 @@
 
 A restore onto another sharding copies every byte into target boxes that no
 saved piece equals. For a small leaf (one buffer for all its boxes, see
-:mod:`objckpt.leaf_jobs`) a buffer made when the leaf's first piece lands takes
+:mod:`objckpt.restoring.jobs`) a buffer made when the leaf's first piece lands takes
 a page fault on each first write, inside the copy, on a thread holding the GIL.
 A restore onto the same sharding pays those faults in the store client's own
 threads (the response buffers become the arrays), off the GIL.
@@ -20,7 +20,7 @@ map memory just then (new threads' stacks, the allocator's first arenas).
 Leaves are grouped into mappings of at most :data:`GROUP_BYTES`, so freeing
 some restored leaves can free memory while others live on. Leaves whose boxes
 all equal saved pieces are left out: their responses become the arrays. So
-are leaves bound for an accelerator (:func:`objckpt.leaf_jobs.stays_on_host`).
+are leaves bound for an accelerator (:func:`objckpt.restoring.jobs.stays_on_host`).
 The memory is what those leaves' buffers would hold anyway, only taken a
 little earlier.
 """
@@ -34,8 +34,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from objckpt._memory import aligned_layout, mapped_buffer, touch_pages
-from objckpt.arrays import Box
+from objckpt.core.boxes import Box
+from objckpt.transfer.buffers import aligned_layout, mapped_buffer, touch_pages
 
 log = logging.getLogger("objckpt")
 

@@ -1,0 +1,1 @@
+"""CheckpointManager: numbered steps, async saves, retention, gc."""

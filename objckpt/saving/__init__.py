@@ -1,0 +1,1 @@
+"""Save: classify leaves, plan blobs, stage and upload them, commit the manifest."""

@@ -1,0 +1,1 @@
+"""Operations on committed checkpoints: inspect, verify, copy."""
