@@ -85,9 +85,9 @@ class CountingStore:
 
 def count_reads(monkeypatch) -> list[CountingStore]:
     """Make every store objckpt opens count its reads; returns the list the stores land in."""
-    import importlib
 
     from objckpt.storage import from_url
+    from objckpt.transfer import engine
 
     counting: list[CountingStore] = []
 
@@ -96,7 +96,7 @@ def count_reads(monkeypatch) -> list[CountingStore]:
         counting.append(store)
         return store
 
-    monkeypatch.setattr(importlib.import_module("objckpt.transfer.engine"), "from_url", wrapped_from_url)
+    monkeypatch.setattr(engine, "from_url", wrapped_from_url)
     return counting
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
+from objckpt.saving import api as saving_api
 from objckpt.storage import from_url
 from objckpt.transfer import runtime
 
@@ -91,7 +90,7 @@ def test_racing_saves_commit_exactly_one(any_store, monkeypatch):
     async def never_exists(store):
         return False
 
-    monkeypatch.setattr(importlib.import_module("objckpt.saving.api"), "_exists", never_exists)
+    monkeypatch.setattr(saving_api, "_exists", never_exists)
     first = objckpt.save_async(any_store.url, _tree(1), storage_options=so)
     second = objckpt.save_async(any_store.url, _tree(2), storage_options=so)
     outcomes = []

@@ -10,7 +10,6 @@ only for leaves that stay in host memory; and a store closes what it opened
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 import re
 import threading
@@ -27,11 +26,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-
-memory = importlib.import_module("objckpt.transfer.buffers")
-leaf_jobs = importlib.import_module("objckpt.restoring.jobs")
-prefault = importlib.import_module("objckpt.restoring.arena")
-restore_module = importlib.import_module("objckpt.restoring.api")
+from objckpt.restoring import api as restore_module
+from objckpt.restoring import arena as prefault
+from objckpt.restoring import jobs as leaf_jobs
+from objckpt.transfer import buffers as memory
 
 
 def _tree() -> dict[str, jax.Array]:
@@ -199,7 +197,7 @@ def test_a_restore_closes_the_streamed_readers_connections(s3_store, monkeypatch
     kept alive here, so nothing but that close can free their sockets."""
     if not Path("/proc/self/net/tcp").exists():
         pytest.skip("needs /proc (Linux)")
-    transfer = importlib.import_module("objckpt.transfer.engine")
+    from objckpt.transfer import engine as transfer
     real_from_url = transfer.from_url
     opened = []
 

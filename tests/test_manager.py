@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,7 +81,7 @@ def test_keep_best_reads_metrics_of_earlier_runs(memory_store):
 
 
 def test_error_of_a_background_save_is_raised_by_the_next_call(memory_store, monkeypatch):
-    upload_module = importlib.import_module("objckpt.saving.upload")
+    from objckpt.saving import upload as upload_module
 
     async def broken_upload(blob, buffer, pool, engine, gate):
         raise OSError("disk on fire")

@@ -7,7 +7,6 @@ get none, and a mapping that fails leaves the leaves to buffers of their own.
 
 from __future__ import annotations
 
-import importlib
 import resource
 import threading
 
@@ -19,10 +18,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
+from objckpt.restoring import arena as prefault
 from objckpt.restoring.arena import AssemblyArena
 from objckpt.transfer.buffers import DEVICE_ALIGNMENT
-
-prefault = importlib.import_module("objckpt.restoring.arena")
 
 
 def _boxes(rows: int, cols: int, cut_rows: int, cut_cols: int):
@@ -45,7 +43,7 @@ def _recording(monkeypatch) -> list[int]:
 def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypatch):
     monkeypatch.setattr(prefault, "GROUP_BYTES", 1 << 20)
     sizes = _recording(monkeypatch)
-    memory = importlib.import_module("objckpt.transfer.buffers")
+    from objckpt.transfer import buffers as memory
     populated: list[int] = []
     monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or True)
     leaves = [(k, _boxes(256, 96 + 8 * k, 2, 4), np.dtype(np.float32)) for k in range(6)]  # ~100 KiB each... ×4
@@ -77,7 +75,7 @@ def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypat
 def test_pages_go_in_by_writes_not_madvise(monkeypatch):
     """Every page of a fresh mapping is in (and zero) after ``touch_pages``, without
     ``madvise``, whose hold on the mmap lock stalls threads that are starting up."""
-    memory = importlib.import_module("objckpt.transfer.buffers")
+    from objckpt.transfer import buffers as memory
     populated: list[int] = []
     monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or True)
     nbytes = (10 << 20) + 12345
@@ -214,7 +212,7 @@ def test_a_failed_mapping_leaves_the_leaves_buffers_of_their_own(memory_store, m
 
 
 def test_fault_in_takes_a_fresh_mapping_4_mib_at_a_time_and_leaves_heap_buffers(monkeypatch):
-    memory = importlib.import_module("objckpt.transfer.buffers")
+    from objckpt.transfer import buffers as memory
     populated: list[int] = []
     real_populate = memory._populate
     monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or real_populate(b))
@@ -235,7 +233,7 @@ def test_fault_in_takes_a_fresh_mapping_4_mib_at_a_time_and_leaves_heap_buffers(
 def test_large_leaf_boxes_are_faulted_in_before_pieces_are_copied_into_them(where, s3_store, monkeypatch):
     """Onto another sharding, every box buffer of a leaf placed box by box is faulted in once,
     whether the read is streamed (S3) or lands whole (memory), and becomes the device array."""
-    leaf_jobs = importlib.import_module("objckpt.restoring.jobs")
+    from objckpt.restoring import jobs as leaf_jobs
     monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 1 << 20)  # so a 4 MiB leaf goes box by box
     faulted: list[tuple[int, int]] = []
     real_fault_in = leaf_jobs.fault_in

@@ -8,7 +8,6 @@ check that it never reads a byte of a piece it was not asked for.
 
 from __future__ import annotations
 
-import importlib
 import json
 import platform
 import subprocess
@@ -25,12 +24,11 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from objckpt.core.format import MANIFEST_KEY, parse_manifest
 from objckpt.core.plan import ALIGN, PACKING_SLACK, SPACER
+from objckpt.restoring import api as restore_module
 from objckpt.storage import from_url
 from objckpt.storage.obstore_store import ObstoreStore
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_arrays, aligned_zeros, host_buffer
-
-restore_module = importlib.import_module("objckpt.restoring.api")
 
 
 def test_host_buffers_are_zeroed_and_aligned():
@@ -60,8 +58,8 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
     """Buffers that saved pieces fill are not cleared first: poison them and check that
     a restore onto another sharding (small leaves in one buffer each, large ones box
     by box; streamed from S3, buffered from memory) overwrites every byte."""
-    leaf_jobs = importlib.import_module("objckpt.restoring.jobs")
-    prefault = importlib.import_module("objckpt.restoring.arena")
+    from objckpt.restoring import arena as prefault
+    from objckpt.restoring import jobs as leaf_jobs
     real = leaf_jobs.aligned_arrays
     real_touch = prefault.touch_pages
     uncleared = []
@@ -493,7 +491,7 @@ def _many_small_leaves(url: str) -> tuple[dict, dict]:
 def _count_placements(monkeypatch) -> dict[str, list[int]]:
     """Record restore's transfers to devices: per-box ``device_put`` calls (arrays in each)
     and whole-leaf ``make_array_from_callback`` calls."""
-    leaf_jobs = importlib.import_module("objckpt.restoring.jobs")
+    from objckpt.restoring import jobs as leaf_jobs
     calls: dict[str, list[int]] = {"device_put": [], "whole_leaf": []}
     real_put, real_whole = leaf_jobs.jax.device_put, leaf_jobs.jax.make_array_from_callback
 
@@ -527,7 +525,7 @@ def test_small_leaves_go_to_their_devices_in_one_transfer_each(monkeypatch):
 def test_large_leaves_go_box_by_box_in_batched_transfers(monkeypatch):
     """Leaves over ``WHOLE_LEAF_BYTES`` are placed as their boxes complete: one
     batched ``device_put`` per read at most, never one per box, and exact."""
-    leaf_jobs = importlib.import_module("objckpt.restoring.jobs")
+    from objckpt.restoring import jobs as leaf_jobs
     monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 0)  # every leaf here is "large"
     values, shardings = _many_small_leaves("memory://restore-buffers/batched")
     calls = _count_placements(monkeypatch)

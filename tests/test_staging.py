@@ -7,7 +7,6 @@ more than one attempt is never reused (an abandoned attempt may still read it).
 
 from __future__ import annotations
 
-import importlib
 import threading
 
 import jax
@@ -22,13 +21,12 @@ from objckpt.core.format import MANIFEST_KEY, parse_manifest
 from objckpt.errors import TransientStoreError
 from objckpt.options import RetryConfig
 from objckpt.restoring.aligned_reads import address
+from objckpt.saving import upload as upload_module
 from objckpt.saving.staging import StagingPool
 from objckpt.storage import from_url
 from objckpt.storage.obstore_store import ObstoreStore
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine
-
-upload_module = importlib.import_module("objckpt.saving.upload")
 
 
 def test_pool_recycles_and_bounds_buffers():
@@ -186,7 +184,7 @@ def test_engine_put_reports_its_attempts(memory_store):
 
 
 def test_a_buffer_sent_twice_is_never_reused(memory_store, monkeypatch):
-    transfer = importlib.import_module("objckpt.transfer.engine")
+    from objckpt.transfer import engine as transfer
     monkeypatch.setattr(transfer, "from_url", lambda url, **kw: _FailsFirstPut(from_url(url, **kw)))
     given: list[bool] = []
     original_give = StagingPool.give
