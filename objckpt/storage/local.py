@@ -45,11 +45,25 @@ from typing import BinaryIO
 #: Prefix of in-flight temporary files; listings skip names starting with it.
 TMP_PREFIX = ".objckpt-tmp-"
 
-# Read once at import (os.umask can only be read by setting it, which is not
-# thread-safe later): temp files are created 0600 and get the mode a plain
+def _current_umask() -> int:
+    """The process's umask, read without changing it where the OS allows
+    (``/proc/self/status`` on Linux); elsewhere ``os.umask`` can only be read by
+    setting it, so it is set back at once."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# Read once at import: temp files are created 0600 and get the mode a plain
 # ``open(path, "wb")`` would have given them.
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
+_UMASK = _current_umask()
 _FILE_MODE = 0o666 & ~_UMASK
 
 # Errors from os.link meaning "this filesystem has no hard links".
