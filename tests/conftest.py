@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @dataclass(frozen=True)
 class StoreTarget:
-    """A fresh store root: what to pass to ``from_url`` / ``objckpt.saving.api``.
+    """A fresh store root: what to pass to ``from_url`` / ``objckpt.save``.
 
     ``secrets`` lists credential strings that must never appear in a URL,
     ``repr`` or error message.

@@ -31,7 +31,7 @@ def test_steps_latest_restore_inspect(any_store):
         assert latest["step"] == 10 and latest["data"] == {"epoch": 3, "pos": 70} and latest["cfg"] == {"name": "run"}
         np.testing.assert_array_equal(latest["params"]["w"], np.full((32, 16), 10, np.float32))
         assert mgr.restore(2, {"params": {"w": None}}, partial=True)["params"]["w"][0, 0] == 2
-        assert mgr.inspect(1).metadata["objckpt.manager.checkpoint_manager"]["metrics"] == {"loss": 1.0}
+        assert mgr.inspect(1).metadata["objckpt.manager"]["metrics"] == {"loss": 1.0}
         with pytest.raises(objckpt.CheckpointExistsError):
             mgr.save(10, _state(10), wait=True)
 

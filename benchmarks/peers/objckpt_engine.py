@@ -1,4 +1,4 @@
-"""objckpt with default options: ``objckpt.saving.api`` / ``objckpt.restoring.api`` of the sharded tree.
+"""objckpt with default options: ``objckpt.save`` / ``objckpt.restore`` of the sharded tree.
 
 Through its default adapter for each scheme (obstore for ``s3://``, gcsfs for ``gs://``).
 ``restore_resharded`` restores onto a (2, 4) mesh whose boxes have other shapes than the

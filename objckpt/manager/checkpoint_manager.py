@@ -139,7 +139,7 @@ class CheckpointManager:
         user_metadata = to_json_value(dict(metadata or {}), "metadata")
         with self._lock:
             self._wait_pending()
-            full_metadata = {"objckpt.manager.checkpoint_manager": {"step": step, "metrics": metrics}, **user_metadata}
+            full_metadata = {"objckpt.manager": {"step": step, "metrics": metrics}, **user_metadata}
             handle = save_async(
                 self.step_url(step),
                 tree,
@@ -208,7 +208,7 @@ class CheckpointManager:
         self, step: int | None = None, target: Any = None, *, partial: bool = False, cast: str = "checked"
     ) -> Any:
         """Restore ``step`` (the latest committed one by default); ``partial`` and ``cast`` as in
-        :func:`objckpt.restoring.api`."""
+        :func:`objckpt.restore`."""
         step = self._resolve(step)
         return restore(
             self.step_url(step),
@@ -229,7 +229,7 @@ class CheckpointManager:
             manifest = runtime.run_sync(
                 read_manifest(self.store.child(step_dir(step)), size_limit=self.options.manifest_size_limit)
             )
-            info = manifest.metadata.get("objckpt.manager.checkpoint_manager", {})
+            info = manifest.metadata.get("objckpt.manager", {})
             self._metrics[step] = dict(info.get("metrics", {})) if isinstance(info, dict) else {}
         return self._metrics[step]
 

@@ -87,7 +87,7 @@ class LeafJob:
 
 
 def make_job(entry: LeafEntry, target: Any, *, read_once: bool = False, unsafe_cast: bool = False) -> LeafJob:
-    """The job restoring ``entry`` onto ``target`` (see :func:`objckpt.restoring.api` for the target forms).
+    """The job restoring ``entry`` onto ``target`` (see :func:`objckpt.restore` for the target forms).
 
     Raises:
         TargetMismatchError: the shape differs, the sharding does not fit, or
