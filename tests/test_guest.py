@@ -71,13 +71,13 @@ def _where(kind: str, s3_store, local_store) -> tuple[str, dict | None]:
     return target.url, target.storage_options
 
 
-@pytest.mark.parametrize("kind", ["s3", "local"])
-def test_by_default_the_collector_and_malloc_are_left_alone(kind, s3_store, local_store, monkeypatch):
-    """A default save and restore (same sharding and another) never turn the GC off and
-    never call ``mallopt``: checked from a sampling thread and from inside the restore."""
+@pytest.fixture
+def spies(monkeypatch):
+    """``(mallopt_calls, inside)``: every ``mallopt`` objckpt makes (none reach libc; the
+    process counts as fresh), and whether the GC was on each time a restore planned."""
     mallopt_calls: list[tuple[int, int]] = []
     monkeypatch.setattr(memory, "_mallopt", lambda param, value: mallopt_calls.append((param, value)) or True)
-    monkeypatch.setattr(memory, "_done", False)  # as in a fresh process
+    monkeypatch.setattr(memory, "_done", False)
     inside: list[bool] = []
     real_plan = restore_module._plan
 
@@ -86,6 +86,14 @@ def test_by_default_the_collector_and_malloc_are_left_alone(kind, s3_store, loca
         return real_plan(*args, **kwargs)
 
     monkeypatch.setattr(restore_module, "_plan", spying)
+    return mallopt_calls, inside
+
+
+@pytest.mark.parametrize("kind", ["s3", "local"])
+def test_by_default_the_collector_and_malloc_are_left_alone(kind, s3_store, local_store, spies):
+    """A default save and restore (same sharding and another) never turn the GC off and
+    never call ``mallopt``: checked from a sampling thread and from inside the restore."""
+    mallopt_calls, inside = spies
     url, storage_options = _where(kind, s3_store, local_store)
     tree = _tree()
     with _gc_sampled() as samples:
@@ -98,20 +106,10 @@ def test_by_default_the_collector_and_malloc_are_left_alone(kind, s3_store, loca
     assert mallopt_calls == []
 
 
-def test_the_options_turn_the_techniques_on(s3_store, monkeypatch):
+def test_the_options_turn_the_techniques_on(s3_store, spies):
     """``pause_gc`` defers the collector for the restore only; ``tune_malloc`` fixes glibc's
     mmap threshold once per process, from a save or a restore that asks."""
-    mallopt_calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(memory, "_mallopt", lambda param, value: mallopt_calls.append((param, value)) or True)
-    monkeypatch.setattr(memory, "_done", False)
-    inside: list[bool] = []
-    real_plan = restore_module._plan
-
-    def spying(*args, **kwargs):
-        inside.append(gc.isenabled())
-        return real_plan(*args, **kwargs)
-
-    monkeypatch.setattr(restore_module, "_plan", spying)
+    mallopt_calls, inside = spies
     tree = _tree()
     tuned = objckpt.Options(tune_malloc=True, pause_gc=True)
     objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options, options=tuned)

@@ -140,12 +140,18 @@ def test_links_that_stay_inside_and_a_linked_root_still_work(tmp_path):
 # ----------------------------------------------------------------- non-regular files
 
 
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
-def test_a_fifo_as_a_blob_fails_restore_at_once_naming_the_blob(tmp_path):
-    ck = tmp_path / "ck"
+def _blob_replaced_by_a_fifo(ck: Path) -> str:
+    """Save a one-blob checkpoint at ``ck``, then put a FIFO where its blob was; the blob's key."""
     key, _ = _save_one_blob(ck)
     os.unlink(ck / key)
     os.mkfifo(ck / key)
+    return key
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_fifo_as_a_blob_fails_restore_at_once_naming_the_blob(tmp_path):
+    ck = tmp_path / "ck"
+    key = _blob_replaced_by_a_fifo(ck)
     try:
         error, seconds, finished = _in_thread(lambda: objckpt.restore(str(ck)), wait_s=30)
     finally:
@@ -162,9 +168,7 @@ def test_a_fifo_as_a_blob_fails_restore_at_once_naming_the_blob(tmp_path):
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
 def test_verify_and_the_cli_do_not_hang_on_a_fifo(tmp_path):
     ck = tmp_path / "ck"
-    key, _ = _save_one_blob(ck)
-    os.unlink(ck / key)
-    os.mkfifo(ck / key)
+    key = _blob_replaced_by_a_fifo(ck)
     try:
         report, _, finished = _in_thread(lambda: objckpt.verify(str(ck)), wait_s=30)
         assert finished, "verify blocked on the FIFO"

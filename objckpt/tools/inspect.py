@@ -8,6 +8,7 @@ from typing import Any
 from objckpt.core.format import LeafEntry, Manifest
 from objckpt.core.tree import build
 from objckpt.options import Options
+from objckpt.progress import human_bytes
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import opened_store
 from objckpt.transfer.manifest_io import read_manifest
@@ -39,9 +40,9 @@ class LeafInfo:
         if self.key_type is not None:
             return (
                 f"{self.path}  {self.key_type}{list(self.shape[:-1])} (stored as {self.dtype}{list(self.shape)})"
-                f"  {_human(self.nbytes)}  ({self.kind})"
+                f"  {human_bytes(self.nbytes)}  ({self.kind})"
             )
-        return f"{self.path}  {self.dtype}{list(self.shape)}  {_human(self.nbytes)}  ({self.kind})"
+        return f"{self.path}  {self.dtype}{list(self.shape)}  {human_bytes(self.nbytes)}  ({self.kind})"
 
 
 @dataclass(frozen=True)
@@ -72,20 +73,12 @@ class CheckpointInfo:
         lines = [
             f"checkpoint {self.url}",
             f"  format v{self.format_version}, created {self.created}, {self.num_processes} process(es),"
-            f" {len(self.leaves)} leaves, {_human(self.total_bytes)} in {self.num_blobs} blobs",
+            f" {len(self.leaves)} leaves, {human_bytes(self.total_bytes)} in {self.num_blobs} blobs",
         ]
         if self.metadata:
             lines.append(f"  metadata: {self.metadata}")
         lines.extend(f"  {leaf}" for leaf in self.leaves.values())
         return "\n".join(lines)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
 
 
 def leaf_info(entry: LeafEntry) -> LeafInfo:
