@@ -106,3 +106,44 @@ def test_gcs_anonymous_emulator_access_needs_no_credentials(gcs_service, tmp_pat
     assert emulator["error"] is None, emulator
     # obstore's GCS writes are refused by the emulator for another reason (see registry's doc).
     assert "no credentials found" not in (native["message"] or ""), native
+
+
+def test_a_metadata_service_that_answered_is_asked_once_per_process(monkeypatch, tmp_path):
+    """Credentials from instance metadata: the first store opened asks the service once
+    (one short request), every later one asks it nothing."""
+    import http.server
+    import threading
+
+    from objckpt.storage import credentials
+
+    requests: list[str] = []
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            requests.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(credentials, "_ANSWERED", set())
+    monkeypatch.setenv("HOME", str(tmp_path))  # no gcloud or gcsfs credential files
+    host = f"127.0.0.1:{server.server_address[1]}"
+    environ = {"GCE_METADATA_HOST": host, "CLOUDSDK_CONFIG": str(tmp_path)}
+    try:
+        for _ in range(3):
+            credentials.check_gcs_credentials("gs://bucket/x", {}, environ)
+    finally:
+        server.shutdown()
+    assert requests == ["/computeMetadata/v1/"]
+    closed = {"GCE_METADATA_HOST": CLOSED, "CLOUDSDK_CONFIG": str(tmp_path)}
+    try:
+        credentials.check_gcs_credentials("gs://bucket/x", {}, closed)
+    except PermissionError as e:
+        assert "no credentials found" in str(e)
+    else:
+        raise AssertionError("a closed metadata port must not count as an answer")

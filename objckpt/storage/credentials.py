@@ -107,10 +107,18 @@ def _imds_answers(session: Any, environ: Mapping[str, str]) -> bool:
     )
 
 
+#: Metadata endpoints that answered once in this process: a host's metadata service
+#: does not go away, so every store opened after the first asks it nothing.
+_ANSWERED: set[str] = set()
+
+
 def _answers(endpoint: str, method: str, path: str, headers: dict[str, str]) -> bool:
     """Whether ``endpoint`` gives any HTTP answer to one request within
     :data:`METADATA_TIMEOUT_S` (the client then resolves through it as usual).
-    No proxy, no retry: a metadata service is on the host's own link."""
+    No proxy, no retry: a metadata service is on the host's own link. Only a
+    yes is remembered (:data:`_ANSWERED`)."""
+    if endpoint in _ANSWERED:
+        return True
     parsed = urllib.parse.urlsplit(endpoint)
     if not parsed.hostname:
         return False
@@ -123,6 +131,7 @@ def _answers(endpoint: str, method: str, path: str, headers: dict[str, str]) -> 
         return False
     finally:
         conn.close()
+    _ANSWERED.add(endpoint)
     return True
 
 
@@ -167,11 +176,14 @@ def _gcs_files(environ: Mapping[str, str]) -> list[tuple[str, str]]:
     return files
 
 
+def _gce_metadata_host(environ: Mapping[str, str]) -> str:
+    """The GCE metadata server: ``GCE_METADATA_HOST`` (or ``GCE_METADATA_IP``) when set, as google-auth reads them."""
+    return environ.get("GCE_METADATA_HOST") or environ.get("GCE_METADATA_IP") or "metadata.google.internal"
+
+
 def _gce_metadata_answers(environ: Mapping[str, str]) -> bool:
-    """One short request to the GCE metadata server, at ``GCE_METADATA_HOST`` (or
-    ``GCE_METADATA_IP``) when set, as google-auth reads them."""
-    host = environ.get("GCE_METADATA_HOST") or environ.get("GCE_METADATA_IP") or "metadata.google.internal"
-    return _answers(f"http://{host}", "GET", "/computeMetadata/v1/", {"Metadata-Flavor": "Google"})
+    """One short request to the GCE metadata server."""
+    return _answers(f"http://{_gce_metadata_host(environ)}", "GET", "/computeMetadata/v1/", {"Metadata-Flavor": "Google"})
 
 
 def check_gcs_credentials(url: str, options: Mapping[str, Any], environ: Mapping[str, str]) -> None:
@@ -191,7 +203,7 @@ def check_gcs_credentials(url: str, options: Mapping[str, Any], environ: Mapping
     files = _gcs_files(environ)
     if any(os.path.exists(path) for _, path in files) or _gce_metadata_answers(environ):
         return
-    host = environ.get("GCE_METADATA_HOST") or environ.get("GCE_METADATA_IP") or "metadata.google.internal"
+    host = _gce_metadata_host(environ)
     tried = [f"{what} ({path})" for what, path in files]
     if "GOOGLE_APPLICATION_CREDENTIALS" not in environ:
         tried.insert(0, "GOOGLE_APPLICATION_CREDENTIALS (unset)")
