@@ -7,11 +7,18 @@ processes that never arrived (each process marks its arrival in the key-value
 store first). Device collectives such as ``sync_global_devices`` are never
 used for coordination: they cannot time out.
 
+Everything a save or restore sets in the key-value store lives under one
+operation tag and is deleted once every process is done with it
+(:meth:`Coordinator.release`), so the coordinator does not grow with each save.
+Values are small (a few hundred bytes per process): indexes go to the object
+store, never through the coordinator.
+
 With a single process every call returns at once.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import zlib
 from collections import defaultdict
@@ -22,10 +29,13 @@ from objckpt.errors import CoordinationError
 
 
 class Coordinator:
-    """Barriers and small-value exchange between the processes of a job."""
+    """Barriers and small-value exchange between the processes of a job (one process: no-ops)."""
 
     process_index: int = 0
     process_count: int = 1
+
+    def __init__(self) -> None:
+        self._values: dict[str, bytes] = {}
 
     @property
     def is_primary(self) -> bool:
@@ -34,18 +44,32 @@ class Coordinator:
     def barrier(self, name: str, *, timeout: float) -> None:
         """Wait until every process reaches ``name``; CoordinationError names stragglers."""
 
-    def all_gather(self, name: str, value: bytes, *, timeout: float) -> list[bytes]:
-        """Every process's ``value``, by process index."""
-        return [value]
+    def publish(self, name: str, value: bytes) -> None:
+        """Set this process's ``value`` under ``name`` (see :meth:`collect`)."""
+        self._values[f"{name}/{self.process_index}"] = value
+
+    def collect(self, name: str) -> dict[int, bytes]:
+        """The values published under ``name`` so far, by process (call after a barrier)."""
+        prefix = f"{name}/"
+        return {int(k[len(prefix) :]): v for k, v in self._values.items() if k.startswith(prefix)}
 
     def broadcast(self, name: str, value: bytes | None, *, timeout: float) -> bytes:
         """The primary's ``value``, on every process."""
         assert value is not None
         return value
 
+    def release(self, tag: str) -> None:
+        """This process is done with every key under ``tag``; the last one to say so deletes them."""
+        self._values = {k: v for k, v in self._values.items() if not k.startswith(f"{tag}/")}
+
+    def forget(self, tag: str) -> None:
+        """Delete every key under ``tag`` now (after a failure, when some process may never release)."""
+        self.release(tag)
+
 
 class _JaxCoordinator(Coordinator):
     def __init__(self, client: object, process_index: int, process_count: int) -> None:
+        super().__init__()
         self._client = client
         self.process_index = process_index
         self.process_count = process_count
@@ -56,8 +80,8 @@ class _JaxCoordinator(Coordinator):
         try:
             client.wait_at_barrier(name, int(timeout * 1000))  # type: ignore[attr-defined]
         except Exception as e:  # the service raises XlaRuntimeError(DEADLINE_EXCEEDED, ...)
-            missing = self._missing(f"{name}/arrived/")
-            who = ", ".join(str(p) for p in missing) if missing else "unknown"
+            missing = self._missing(f"{name}/arrived/") or _named_in(str(e), self.process_count)
+            who = ", ".join(str(p) for p in missing) if missing else "none named by the coordination service"
             raise CoordinationError(
                 f"barrier {name!r} timed out after {timeout:g} s; processes that did not arrive: {who} ({e})"
             ) from None
@@ -70,14 +94,26 @@ class _JaxCoordinator(Coordinator):
         arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in entries}
         return [p for p in range(self.process_count) if p not in arrived]
 
-    def all_gather(self, name: str, value: bytes, *, timeout: float) -> list[bytes]:
-        client = self._client
-        client.key_value_set_bytes(f"{name}/{self.process_index}", value)  # type: ignore[attr-defined]
-        self.barrier(f"{name}/barrier", timeout=timeout)
-        return [
-            client.blocking_key_value_get_bytes(f"{name}/{p}", int(timeout * 1000))  # type: ignore[attr-defined]
-            for p in range(self.process_count)
-        ]
+    def publish(self, name: str, value: bytes) -> None:
+        self._client.key_value_set_bytes(f"{name}/{self.process_index}", value)  # type: ignore[attr-defined]
+
+    def collect(self, name: str) -> dict[int, bytes]:
+        entries = self._client.key_value_dir_get_bytes(f"{name}/")  # type: ignore[attr-defined]
+        return {int(k.rsplit("/", 1)[-1]): v for k, v in entries}
+
+    def release(self, tag: str) -> None:
+        try:
+            count = self._client.key_value_increment(f"{tag}/released", 1)  # type: ignore[attr-defined]
+            if count >= self.process_count:
+                self._client.key_value_delete(tag)  # type: ignore[attr-defined]  # the key and all under it
+        except Exception:  # the service is gone or failing: nothing left to clean
+            pass
+
+    def forget(self, tag: str) -> None:
+        try:
+            self._client.key_value_delete(tag)  # type: ignore[attr-defined]
+        except Exception:
+            pass
 
     def broadcast(self, name: str, value: bytes | None, *, timeout: float) -> bytes:
         client = self._client
@@ -91,6 +127,21 @@ class _JaxCoordinator(Coordinator):
             raise CoordinationError(
                 f"no word from the primary process on {name!r} within {timeout:g} s ({e})"
             ) from None
+
+
+def _named_in(message: str, count: int) -> list[int]:
+    """The processes a coordination-service error names as missing, when the arrival keys
+    cannot be read (the service may refuse every call once it has declared a task dead).
+
+    The service's barrier error lists them after "timed out task names:", one per line,
+    or as ``/task:N``.
+    """
+    found: set[int] = set()
+    listed = re.search(r"timed out task names:\s*((?:\d+\s*)+)", message)
+    if listed:
+        found.update(int(n) for n in listed.group(1).split())
+    found.update(int(n) for n in re.findall(r"/task:(\d+)", message))
+    return sorted(p for p in found if 0 <= p < count)
 
 
 def get_coordinator() -> Coordinator:

@@ -1,11 +1,13 @@
 """JAX arrays ↔ boxes of host bytes.
 
-Save side: decide which process writes which box of each ``jax.Array``. A
-shard replicated on R devices is cut into R slices, one per replica (sorted by
-device id), so under data parallelism every host uploads a fair share and no
-byte is written twice across the job. Restore side: the boxes a target sharding
-needs on this process's devices, and building the ``jax.Array`` from filled
-host buffers.
+Save side: decide which process writes which box of each ``jax.Array``. For a
+``NamedSharding`` that cuts the array into equal cells (nearly always) the rule
+is :mod:`objckpt.core.layout`'s, applied to this process's own shards only: a
+replicated cell is cut into slabs along its leading axis, one per replica down
+to a minimum slab size, so under data parallelism every host uploads a share and
+no byte is written twice across the job. Any other sharding falls back to
+scanning every device's index (the same rule, computed globally). Restore
+side: the boxes a target sharding needs on this process's devices.
 """
 
 from __future__ import annotations
@@ -18,9 +20,66 @@ from typing import Any
 import jax
 import numpy as np
 
+from objckpt.core.layout import Grid, Mesh, Spec, grid_fits
 from objckpt.core.plan import Index, OwnedPiece
 
 Box = tuple[Index, Index]
+
+
+class MeshTable:
+    """The meshes a save's leaves are sharded on, numbered in the order first met.
+
+    Every process meets the leaves in the same order, so it numbers the meshes
+    alike with no messaging. Each saved :class:`~objckpt.core.layout.Mesh` is
+    built once (its device ids and their processes: O(devices)) and shared by
+    the leaves on it, with its cache of cell replicas.
+    """
+
+    def __init__(self) -> None:
+        self._index: dict[Any, int] = {}
+        self.meshes: list[Mesh] = []
+
+    def number(self, mesh: jax.sharding.Mesh) -> int:
+        found = self._index.get(mesh)
+        if found is None:
+            devices = list(mesh.devices.flat)
+            saved = Mesh(
+                tuple((str(a), int(n)) for a, n in mesh.shape.items()),
+                tuple(int(d.id) for d in devices),
+                tuple(int(d.process_index) for d in devices),
+            )
+            found = self._index[mesh] = len(self.meshes)
+            self.meshes.append(saved)
+        return found
+
+
+def named_spec(sharding: jax.sharding.NamedSharding, rank: int) -> Spec:
+    """A NamedSharding's spec as per-dimension tuples of axis names, padded to ``rank``."""
+    out: list[tuple[str, ...]] = []
+    for entry in tuple(sharding.spec) + (None,) * (rank - len(sharding.spec)):
+        if entry is None:
+            out.append(())
+        elif isinstance(entry, tuple):
+            out.append(tuple(str(a) for a in entry))
+        else:
+            out.append((str(entry),))
+    return tuple(out)
+
+
+def grid_of(leaf: int, array: jax.Array, meshes: MeshTable, *, slab_bytes: int) -> tuple[Grid, dict[str, Any]] | None:
+    """The saved grid of ``array`` and its layout for the manifest, or None when its sharding is not one."""
+    sharding = array.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding) or len(sharding.spec) > array.ndim:
+        return None
+    if any(entry is not None and not isinstance(entry, (str, tuple)) for entry in sharding.spec):
+        return None  # UNCONSTRAINED and the like
+    spec = named_spec(sharding, array.ndim)
+    number = meshes.number(sharding.mesh)
+    mesh = meshes.meshes[number]
+    if not grid_fits(array.shape, spec, mesh):
+        return None
+    grid = Grid(mesh, spec, tuple(array.shape), np.dtype(array.dtype).itemsize, leaf, slab_bytes)
+    return grid, {"mesh": number, "spec": [list(axes) for axes in spec]}
 
 
 def index_to_box(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> Box:
@@ -62,21 +121,46 @@ def _replica_slices(box: Box, replicas: int) -> list[Box]:
     return out
 
 
-def owned_pieces(leaf: int, array: jax.Array, *, split_above: int) -> list[OwnedPiece]:
-    """The boxes of ``array`` that this process writes, each tied to a local shard.
+def grid_pieces(leaf: int, array: jax.Array, grid: Grid) -> list[OwnedPiece]:
+    """The boxes of ``array`` that this process's own shards write under ``grid``'s rule.
+
+    Looks at the addressable shards only: the cost follows this host's share,
+    not the number of devices in the job.
+    """
+    if math.prod(array.shape) == 0:
+        return []
+    out = []
+    cell_shape = grid.cell_shape
+    itemsize = grid.itemsize
+    for shard in array.addressable_shards:
+        start, _ = index_to_box(shard.index, grid.shape)
+        cell = tuple(a // s if s else 0 for a, s in zip(start, cell_shape))
+        origin = grid.cell_box(cell)[0]
+        device_id = shard.device.id
+        for (a, b), device, _ in grid.writers(cell):
+            if device == device_id:
+                out.append(OwnedPiece(leaf, a, b, itemsize, source=(shard.data, origin), device=device_id))
+    return out
+
+
+def owned_pieces(leaf: int, array: jax.Array, *, split_above: int) -> tuple[list[OwnedPiece], list[int]]:
+    """The boxes of ``array`` that this process writes, each tied to a local shard, and
+    the processes that write any box of it, for a sharding that is not a grid.
 
     Every process computes the same global assignment from the sharding alone
-    (no messaging) and keeps the boxes owned by its addressable devices.
+    (no messaging, but a scan of every device's index) and keeps the boxes owned
+    by its addressable devices.
     """
     shape = tuple(array.shape)
     if math.prod(shape) == 0:
-        return []
+        return [], []
     itemsize = np.dtype(array.dtype).itemsize
     replicas: dict[Box, list[Any]] = defaultdict(list)
     for device, index in array.sharding.devices_indices_map(shape).items():
         replicas[index_to_box(index, shape)].append(device)
     local = {shard.device: shard for shard in array.addressable_shards}
     out = []
+    writers: set[int] = set()
     for box, devices in replicas.items():
         devices.sort(key=lambda d: d.id)
         nbytes = math.prod(b - a for a, b in zip(*box)) * itemsize
@@ -85,10 +169,11 @@ def owned_pieces(leaf: int, array: jax.Array, *, split_above: int) -> list[Owned
         else:  # too small to split: rotate the owner by leaf so small leaves spread out
             assignment = [(box, devices[(leaf + sum(box[0])) % len(devices)])]
         for (start, stop), device in assignment:
+            writers.add(device.process_index)
             shard = local.get(device)
             if shard is not None:
-                out.append(OwnedPiece(leaf, start, stop, itemsize, source=(shard.data, box[0])))
-    return out
+                out.append(OwnedPiece(leaf, start, stop, itemsize, source=(shard.data, box[0]), device=device.id))
+    return out, sorted(writers)
 
 
 def copy_piece_into(piece: OwnedPiece, dest: np.ndarray) -> None:

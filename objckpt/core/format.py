@@ -18,37 +18,26 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.layout import Mesh
+from objckpt.core.pieces import Piece, _fast_piece, _piece_from_json, check_tiling
+from objckpt.core.strict import fields, is_int, need, strict_json
 from objckpt.errors import FormatError
 
 FORMAT_NAME = "objckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what saves write
+READ_VERSIONS = (1, 2)  # what readers take
 MANIFEST_KEY = "manifest.json"
 
 ARRAY_KINDS = ("array", "ndarray", "str", "bytes")  # leaves whose data lives in blobs
 INLINE_KINDS = ("int", "float", "bool", "none")  # leaves stored in the manifest itself
 _BLOB_KEY = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*(/[A-Za-z0-9_\-][A-Za-z0-9_.\-]*)*$")
 _MAX_RANK = 64
+Index = tuple[int, ...]
 PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")  # typed PRNG keys, stored as their uint32 key data
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A box ``[start, stop)`` of one leaf, stored C-ordered at ``blob[offset:offset+length]``."""
-
-    start: tuple[int, ...]
-    stop: tuple[int, ...]
-    blob: str
-    offset: int
-    length: int
-    crc32c: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.start, self.stop))
 
 
 @dataclass(frozen=True)
@@ -66,6 +55,7 @@ class LeafEntry:
     pieces: tuple[Piece, ...] = ()
     value: Any = None
     sharding: dict[str, Any] | None = None
+    layout: dict[str, Any] | None = None  # version 2: who wrote it ({"mesh", "spec"} or {"processes"}); None: any process
 
     @property
     def prng_impl(self) -> str | None:
@@ -87,6 +77,17 @@ class BlobEntry:
 
 
 @dataclass(frozen=True)
+class IndexRef:
+    """Version 2: one process's index object, as the root manifest lists it."""
+
+    key: str
+    size: int
+    crc32c: int
+    blobs: int = 0  # how many blobs the process wrote
+    blob_bytes: int = 0  # and their bytes
+
+
+@dataclass(frozen=True)
 class Manifest:
     save_id: str
     created: str
@@ -95,13 +96,49 @@ class Manifest:
     blobs: tuple[BlobEntry, ...]
     num_processes: int = 1
     metadata: dict[str, Any] = field(default_factory=dict)
-    version: int = FORMAT_VERSION
+    version: int = 1
+    # Version 2 (see objckpt.core.format_v2): the meshes leaves were saved on, each
+    # process's index object (by process), the replica slab size the writers used,
+    # and which processes' index objects have been read into ``leaves``/``blobs``.
+    meshes: tuple[Mesh, ...] = ()
+    indexes: tuple[IndexRef, ...] = ()
+    slab_bytes: int = 0
+    loaded: frozenset[int] = frozenset()
 
     @property
     def total_bytes(self) -> int:
         return sum(leaf.nbytes for leaf in self.leaves)
 
+    @property
+    def num_blobs(self) -> int:
+        """Blobs in the checkpoint (from the root alone in version 2)."""
+        return sum(r.blobs for r in self.indexes) if self.version == 2 else len(self.blobs)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every piece and blob is known (version 1, or version 2 with every index read)."""
+        return self.version == 1 or len(self.loaded) == len(self.indexes)
+
+    def with_pieces(self, pieces: dict[int, list[Piece]], blobs: dict[str, int], processes: set[int]) -> Manifest:
+        """This manifest with more pieces (by leaf) and blobs, read from the index objects of ``processes``."""
+        leaves = tuple(
+            replace(leaf, pieces=tuple(sorted(leaf.pieces + tuple(pieces[i]), key=_piece_order))) if i in pieces else leaf
+            for i, leaf in enumerate(self.leaves)
+        )
+        known = {b.key: b.size for b in self.blobs}
+        known.update(blobs)
+        return replace(
+            self,
+            leaves=leaves,
+            blobs=tuple(BlobEntry(k, s) for k, s in known.items()),
+            loaded=self.loaded | frozenset(processes),
+        )
+
     def to_json(self) -> bytes:
+        if self.version == 2:
+            from objckpt.core.format_v2 import root_to_json
+
+            return root_to_json(self)
         doc = {
             "format": FORMAT_NAME,
             "version": self.version,
@@ -114,6 +151,10 @@ class Manifest:
             "leaves": [_leaf_to_json(leaf) for leaf in self.leaves],
         }
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _piece_order(piece: Piece) -> tuple[Index, str, int]:
+    return piece.start, piece.blob, piece.offset
 
 
 def _leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:
@@ -152,103 +193,50 @@ def parse_manifest(data: bytes, *, size_limit: int) -> Manifest:
     """
     if len(data) > size_limit:
         raise FormatError(f"manifest is {len(data)} bytes, over the limit of {size_limit}")
-    return _manifest_from_doc(_strict_json(data))
-
-
-def _strict_json(data: bytes) -> Any:
-    """``data`` as JSON under the rules ``json.loads`` leaves loose (RFC 8259 §8.1, §6, §4):
-    UTF-8 with no byte-order mark (``json.loads`` would take UTF-16/32 and a BOM), no
-    ``NaN``/``Infinity`` and no number that overflows to infinity (``1e999``), and no object
-    with the same key twice (where ``json.loads`` silently keeps the last one)."""
-    if data[:3] == b"\xef\xbb\xbf":
-        raise FormatError("manifest is not valid JSON: it starts with a UTF-8 byte-order mark")
-    try:
-        text = data.decode("utf-8") if isinstance(data, bytes | bytearray | memoryview) else data
-    except UnicodeDecodeError as e:
-        raise FormatError(f"manifest is not valid JSON: not UTF-8 at byte {e.start} ({e.reason})") from None
-    try:
-        return json.loads(
-            text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
-        )
-    except (ValueError, RecursionError) as e:
-        if isinstance(e, FormatError):
-            raise
-        raise FormatError(f"manifest is not valid JSON: {e}") from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise FormatError(f"manifest contains the non-JSON constant {name}")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise FormatError(f"manifest contains the number {text[:40]}, which overflows a double")
-    return value
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise FormatError(f"manifest has an object with the key {dup[:100]!r} twice")
-    return obj
+    return _manifest_from_doc(strict_json(data))
 
 
 def _need(cond: bool, where: str, what: str) -> None:
-    if not cond:
-        raise FormatError(f"manifest field {where}: {what}")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    need(cond, where, what)
 
 
 def _fields(obj: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> None:  # type: ignore[assignment]
-    _need(isinstance(obj, dict), where, "must be an object")
-    keys = set(obj)
-    _need(required <= keys, where, f"missing {sorted(required - keys)}")
-    _need(keys <= required | optional, where, f"unknown {sorted(keys - required - optional)}")
+    fields(obj, where, required, optional)
 
 
 def _manifest_from_doc(doc: Any) -> Manifest:
+    _need(isinstance(doc, dict), "(top level)", "must be an object")
+    _need(doc.get("format") == FORMAT_NAME, "'format'", f"must be {FORMAT_NAME!r}")
+    version = doc.get("version")
+    _need(is_int(version), "'version'", "must be an integer")
+    if version not in READ_VERSIONS:
+        raise FormatError(
+            f"manifest field 'version': {version} is not supported (this objckpt reads"
+            f" {', '.join(map(str, READ_VERSIONS))})"
+        )
+    if version == 2:
+        from objckpt.core.format_v2 import root_from_doc
+
+        return root_from_doc(doc)
     _fields(
         doc,
         "(top level)",
         {"format", "version", "save_id", "created", "num_processes", "metadata", "tree", "blobs", "leaves"},
     )
-    _need(doc["format"] == FORMAT_NAME, "'format'", f"must be {FORMAT_NAME!r}")
-    _need(_is_int(doc["version"]), "'version'", "must be an integer")
-    if doc["version"] != FORMAT_VERSION:
-        raise FormatError(
-            f"manifest field 'version': {doc['version']} is not supported (this objckpt reads {FORMAT_VERSION})"
-        )
-    _need(isinstance(doc["save_id"], str) and 0 < len(doc["save_id"]) <= 128, "'save_id'", "must be a short string")
-    _need(isinstance(doc["created"], str) and len(doc["created"]) <= 64, "'created'", "must be a short string")
-    _need(_is_int(doc["num_processes"]) and doc["num_processes"] >= 1, "'num_processes'", "must be a positive integer")
-    _need(isinstance(doc["metadata"], dict), "'metadata'", "must be an object")
-    _need(isinstance(doc["tree"], dict), "'tree'", "must be an object")
+    check_header(doc)
     _need(isinstance(doc["blobs"], list), "'blobs'", "must be a list")
-    _need(isinstance(doc["leaves"], list), "'leaves'", "must be a list")
 
     blobs: dict[str, int] = {}
     for i, b in enumerate(doc["blobs"]):
         where = f"'blobs[{i}]'"
         _fields(b, where, {"key", "size"})
         _need(isinstance(b["key"], str) and check_blob_key(b["key"]), f"{where}.key", f"unsafe blob key {b['key']!r}")
-        _need(_is_int(b["size"]) and b["size"] >= 0, f"{where}.size", "must be a non-negative integer")
+        _need(is_int(b["size"]) and b["size"] >= 0, f"{where}.size", "must be a non-negative integer")
         _need(b["key"] not in blobs, f"{where}.key", f"duplicate blob {b['key']!r}")
         blobs[b["key"]] = b["size"]
 
-    leaves = []
-    seen_paths: set[str] = set()
-    for i, raw in enumerate(doc["leaves"]):
-        leaf = _leaf_from_json(raw, f"'leaves[{i}]'", blobs)
-        _need(leaf.path not in seen_paths, f"'leaves[{i}]'.path", f"duplicate leaf path {leaf.path!r}")
-        seen_paths.add(leaf.path)
-        leaves.append(leaf)
-    _check_tree_leaves(doc["tree"], len(leaves))
+    leaves = parse_leaves(doc["leaves"], blobs)
+    check_tree_leaves(doc["tree"], len(leaves))
     return Manifest(
         save_id=doc["save_id"],
         created=doc["created"],
@@ -261,6 +249,28 @@ def _manifest_from_doc(doc: Any) -> Manifest:
     )
 
 
+def check_header(doc: dict[str, Any]) -> None:
+    """The fields every version shares (``format`` and ``version`` already checked)."""
+    _need(isinstance(doc["save_id"], str) and 0 < len(doc["save_id"]) <= 128, "'save_id'", "must be a short string")
+    _need(isinstance(doc["created"], str) and len(doc["created"]) <= 64, "'created'", "must be a short string")
+    _need(is_int(doc["num_processes"]) and doc["num_processes"] >= 1, "'num_processes'", "must be a positive integer")
+    _need(isinstance(doc["metadata"], dict), "'metadata'", "must be an object")
+    _need(isinstance(doc["tree"], dict), "'tree'", "must be an object")
+    _need(isinstance(doc["leaves"], list), "'leaves'", "must be a list")
+
+
+def parse_leaves(raw_leaves: list[Any], blobs: dict[str, int] | None) -> list[LeafEntry]:
+    """The leaf table, paths unique, checked against the tree; ``blobs`` None: version 2 (no pieces)."""
+    leaves = []
+    seen_paths: set[str] = set()
+    for i, raw in enumerate(raw_leaves):
+        leaf = _leaf_from_json(raw, f"'leaves[{i}]'", blobs)
+        _need(leaf.path not in seen_paths, f"'leaves[{i}]'.path", f"duplicate leaf path {leaf.path!r}")
+        seen_paths.add(leaf.path)
+        leaves.append(leaf)
+    return leaves
+
+
 def check_blob_key(key: str) -> bool:
     """True when ``key`` is a relative key that stays inside the checkpoint prefix."""
     if not key or len(key) > 1024 or not _BLOB_KEY.match(key):
@@ -268,11 +278,15 @@ def check_blob_key(key: str) -> bool:
     return all(part not in (".", "..") for part in key.split("/"))
 
 
-def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int]) -> LeafEntry:
+def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int] | None) -> LeafEntry:
+    """One leaf; version 1 (``blobs`` given) lists its pieces, version 2 may give its ``layout``
+    (checked by :mod:`objckpt.core.format_v2`, which knows the meshes)."""
     _need(isinstance(raw, dict), where, "must be an object")
     kind = raw.get("kind")
     _need(kind in ARRAY_KINDS + INLINE_KINDS, f"{where}.kind", f"unknown kind {kind!r}")
-    if kind in ARRAY_KINDS:
+    if kind in ARRAY_KINDS and blobs is None:
+        _fields(raw, where, {"path", "kind", "dtype", "shape"}, {"sharding", "layout"})
+    elif kind in ARRAY_KINDS:
         _fields(raw, where, {"path", "kind", "dtype", "shape", "pieces"}, {"sharding"})
     elif kind == "none":
         _fields(raw, where, {"path", "kind"})
@@ -283,7 +297,7 @@ def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int]) -> LeafEntry:
     if kind == "none":
         return LeafEntry(path, kind)
     if kind == "int":
-        _need(_is_int(raw["value"]), f"{where}.value", "must be an integer")
+        _need(is_int(raw["value"]), f"{where}.value", "must be an integer")
         return LeafEntry(path, kind, value=raw["value"])
     if kind == "bool":
         _need(isinstance(raw["value"], bool), f"{where}.value", "must be a boolean")
@@ -302,7 +316,7 @@ def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int]) -> LeafEntry:
         _need(raw["dtype"] == "uint8", f"{where}.dtype", "str and bytes leaves are uint8")
     shape = raw["shape"]
     _need(
-        isinstance(shape, list) and len(shape) <= _MAX_RANK and all(_is_int(d) and d >= 0 for d in shape),
+        isinstance(shape, list) and len(shape) <= _MAX_RANK and all(is_int(d) and d >= 0 for d in shape),
         f"{where}.shape",
         "must be a list of non-negative integers",
     )
@@ -312,101 +326,21 @@ def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int]) -> LeafEntry:
     _need(sharding is None or isinstance(sharding, dict), f"{where}.sharding", "must be an object")
     if sharding is not None and "prng_impl" in sharding:
         _need(sharding["prng_impl"] in PRNG_IMPLS, f"{where}.sharding.prng_impl", f"unknown {sharding['prng_impl']!r}")
+    if blobs is None:
+        layout = raw.get("layout")
+        _need(layout is None or isinstance(layout, dict), f"{where}.layout", "must be an object")
+        return LeafEntry(path, kind, raw["dtype"], tuple(shape), sharding=sharding, layout=layout)
     _need(isinstance(raw["pieces"], list), f"{where}.pieces", "must be a list")
     pieces = tuple(
         _fast_piece(p, shape, dtype.itemsize, blobs)
         or _piece_from_json(p, f"{where}.pieces[{j}]", shape, dtype.itemsize, blobs)
         for j, p in enumerate(raw["pieces"])
     )
-    _check_tiling(pieces, tuple(shape), f"{where}.pieces")
+    check_tiling(pieces, tuple(shape), f"{where}.pieces")
     return LeafEntry(path, kind, raw["dtype"], tuple(shape), pieces, sharding=sharding)
 
 
-_PIECE_KEYS = frozenset({"start", "stop", "blob", "offset", "length", "crc32c"})
-
-
-def _fast_piece(raw: Any, shape: list[int], itemsize: int, blobs: dict[str, int]) -> Piece | None:
-    """The piece if it passes every check of :func:`_piece_from_json`, else None (which
-    then names what is wrong).
-
-    Why twice: building each check's message and field name up front costs more
-    than the checks themselves, once per piece; this tests the same conditions
-    and formats nothing. ``type(x) is int`` excludes booleans, as
-    :func:`_is_int` does.
-    """
-    if type(raw) is not dict or raw.keys() != _PIECE_KEYS:
-        return None
-    start, stop, blob, offset, length, crc = (
-        raw["start"],
-        raw["stop"],
-        raw["blob"],
-        raw["offset"],
-        raw["length"],
-        raw["crc32c"],
-    )
-    if type(start) is not list or type(stop) is not list or len(start) != len(shape) or len(stop) != len(shape):
-        return None
-    expected = itemsize
-    for a, b, n in zip(start, stop, shape):
-        if type(a) is not int or type(b) is not int or not 0 <= a < b <= n:
-            return None
-        expected *= b - a
-    size = blobs.get(blob) if type(blob) is str else None
-    if (
-        size is None
-        or type(offset) is not int
-        or type(length) is not int
-        or type(crc) is not int
-        or offset < 0
-        or length != expected
-        or offset + length > size
-        or not 0 <= crc < 2**32
-    ):
-        return None
-    return Piece(tuple(start), tuple(stop), blob, offset, length, crc)
-
-
-def _piece_from_json(raw: Any, where: str, shape: list[int], itemsize: int, blobs: dict[str, int]) -> Piece:
-    _fields(raw, where, {"start", "stop", "blob", "offset", "length", "crc32c"})
-    start, stop = raw["start"], raw["stop"]
-    for name, box in (("start", start), ("stop", stop)):
-        _need(
-            isinstance(box, list) and len(box) == len(shape) and all(_is_int(v) for v in box),
-            f"{where}.{name}",
-            f"must be {len(shape)} integers",
-        )
-    for d, (a, b, n) in enumerate(zip(start, stop, shape)):
-        _need(0 <= a < b <= n, f"{where}", f"box [{a}, {b}) outside dimension {d} of size {n}")
-    blob = raw["blob"]
-    _need(isinstance(blob, str) and blob in blobs, f"{where}.blob", f"names no blob in 'blobs': {blob!r}")
-    offset, length = raw["offset"], raw["length"]
-    _need(_is_int(offset) and offset >= 0, f"{where}.offset", "must be a non-negative integer")
-    expected = math.prod(b - a for a, b in zip(start, stop)) * itemsize
-    _need(_is_int(length) and length == expected, f"{where}.length", f"must be {expected} (dtype × box)")
-    _need(offset + length <= blobs[blob], f"{where}", f"bytes [{offset}, {offset + length}) exceed blob {blob!r}")
-    _need(_is_int(raw["crc32c"]) and 0 <= raw["crc32c"] < 2**32, f"{where}.crc32c", "must be a 32-bit integer")
-    return Piece(tuple(start), tuple(stop), blob, offset, length, raw["crc32c"])
-
-
-def _check_tiling(pieces: tuple[Piece, ...], shape: tuple[int, ...], where: str) -> None:
-    """Pieces must cover the leaf exactly: volumes add up and no two overlap."""
-    total = math.prod(shape)
-    covered = sum(math.prod(p.shape) for p in pieces)
-    if total == 0:
-        _need(not pieces, where, "an empty leaf has no pieces")
-        return
-    _need(covered == total, where, f"pieces cover {covered} elements of {total} (holes or overlaps)")
-    # Sweep on dimension 0 (or the single point of a scalar) to find overlaps.
-    order = sorted(pieces, key=lambda p: p.start)
-    for i, p in enumerate(order):
-        for q in order[i + 1 :]:
-            if shape and q.start[0] >= p.stop[0]:
-                break
-            if all(qa < pb and pa < qb for pa, pb, qa, qb in zip(p.start, p.stop, q.start, q.stop)):
-                raise FormatError(f"manifest field {where}: boxes {p.start}-{p.stop} and {q.start}-{q.stop} overlap")
-
-
-def _check_tree_leaves(tree: dict[str, Any], n_leaves: int) -> None:
+def check_tree_leaves(tree: dict[str, Any], n_leaves: int) -> None:
     """Every leaf index in the tree exists and appears exactly once."""
     seen: set[int] = set()
     stack: list[tuple[Any, int]] = [(tree, 0)]
@@ -415,7 +349,7 @@ def _check_tree_leaves(tree: dict[str, Any], n_leaves: int) -> None:
         _need(depth <= 256 and isinstance(node, dict), "'tree'", "malformed or too deep")
         if node.get("t") == "leaf":
             i = node.get("i")
-            _need(_is_int(i) and 0 <= i < n_leaves, "'tree'", f"leaf index {i!r} out of range")
+            _need(is_int(i) and 0 <= i < n_leaves, "'tree'", f"leaf index {i!r} out of range")
             _need(i not in seen, "'tree'", f"leaf index {i} appears twice")
             seen.add(i)
         else:
@@ -432,8 +366,9 @@ def _check_node_keys(keys: Any, n_children: int) -> None:
     string or integer, none twice (a repeated key would drop the leaves under all but one)."""
     _need(isinstance(keys, list) and len(keys) == n_children, "'tree'", "a node's keys do not match its children")
     for k in keys:
-        _need(_is_int(k) or isinstance(k, str), "'tree'", f"bad key {k!r}")
+        _need(is_int(k) or isinstance(k, str), "'tree'", f"bad key {k!r}")
     if len(set(keys)) != len(keys):
         seen: set[Any] = set()
         dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
         raise FormatError(f"manifest field 'tree': key {dup!r} appears twice in one node")
+

@@ -50,6 +50,7 @@ class OwnedPiece:
     stop: Index
     itemsize: int
     source: Any = None
+    device: int = -1  # the device whose shard it comes from (-1: host data); saves pack a device's pieces together
 
     @property
     def shape(self) -> Index:
@@ -153,7 +154,7 @@ def plan_blobs(
     open_blobs: list[_OpenBlob] = []
     for piece in pieces:
         for start, stop in split_box(piece.start, piece.stop, piece.itemsize, max_bytes=blob_size):
-            part = OwnedPiece(piece.leaf, start, stop, piece.itemsize, piece.source)
+            part = OwnedPiece(piece.leaf, start, stop, piece.itemsize, piece.source, piece.device)
             for blob in open_blobs:
                 offset = blob.offset_for(part, blob_size)
                 if offset is not None:

@@ -37,7 +37,7 @@ from objckpt.storage import ObjectInfo, Store
 from objckpt.tools.inspect import CheckpointInfo, inspect
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import close_store, open_store
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.transfer.manifest_io import read_checkpoint, read_manifest
 
 log = logging.getLogger("objckpt")
 
@@ -369,13 +369,14 @@ async def _referenced(store: Store, head: str, manifest_size_limit: int) -> set[
     """Keys (relative to the root) the manifest of step ``head`` references; empty without
     one; None when it is unreadable (gc then leaves the step alone, and says so)."""
     try:
-        manifest = await read_manifest(store.child(head), size_limit=manifest_size_limit)
+        manifest = await read_checkpoint(store.child(head), size_limit=manifest_size_limit)
     except CheckpointNotFoundError:
         return set()
     except Exception as e:
         log.warning("objckpt gc skips %s/%s: %s", store.url, head, e)
         return None
-    return {f"{head}/{b.key}" for b in manifest.blobs} | {f"{head}/{MANIFEST_KEY}"}
+    keys = [b.key for b in manifest.blobs] + [r.key for r in manifest.indexes] + [MANIFEST_KEY]
+    return {f"{head}/{key}" for key in keys}
 
 
 async def delete_objects(store: Store, keys: list[str]) -> None:

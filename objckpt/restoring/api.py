@@ -25,12 +25,14 @@ from jax.tree_util import keystr
 from objckpt.core.boxes import box_to_slices
 from objckpt.core.checksum import crc32c
 from objckpt.core.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
+from objckpt.core.format_v2 import writers_of
 from objckpt.core.plan import ReadRequest, plan_reads
 from objckpt.core.tree import build, find_subtree, flatten_target, leaf_indices, unflatten_target
 from objckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CoordinationError,
+    FormatError,
     IntegrityError,
     TargetMismatchError,
 )
@@ -52,6 +54,7 @@ from objckpt.restoring.jobs import (
     plan_pieces,
     reserve_assembled,
     stays_on_host,
+    uncovered,
     wait_for_arena,
     whole_box,
 )
@@ -68,7 +71,7 @@ from objckpt.transfer.engine import (
     opened_store,
     reread_on_mismatch,
 )
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.transfer.manifest_io import read_indexes, read_manifest
 
 log = logging.getLogger("objckpt")
 
@@ -155,8 +158,12 @@ def _restore(
         if manifest.leaves[i].kind in ARRAY_KINDS
     }
     check_host_memory(jobs, physical_memory())  # before any read: sizes come from the manifest
+    if manifest.version != 1:
+        manifest = _read_needed_indexes(store, manifest, jobs, options)
     reserve_assembled(jobs)  # maps memory on a thread while this one plans
     requests = _plan(manifest, jobs, options, streamed=store.inner.streams_reads)
+    if manifest.version != 1:
+        requests = _check_coverage(store, manifest, jobs, requests, options)
     base = stats.bytes_read
     total = sum(r.length for r in requests)
     with reporting(progress, "restore", store.url, total, lambda: stats.bytes_read - base, stats):
@@ -201,6 +208,54 @@ def _read_manifest(store: Any, options: Options) -> Manifest:
             f"{e}; a save_async to this URL is still running in this process:"
             " call .result() on its handle (CheckpointManager: .wait()) before restoring it"
         ) from None
+
+
+def _read_needed_indexes(store: Any, manifest: Manifest, jobs: dict[int, LeafJob], options: Options) -> Manifest:
+    """Read the index objects of the processes that wrote the boxes ``jobs`` read, and
+    give each job its leaf's pieces from them (format version 2)."""
+    processes: set[int] = set()
+    for i, job in jobs.items():
+        processes |= writers_of(manifest, i, job.read_boxes)
+    manifest = runtime.run_sync(read_indexes(store, manifest, processes, size_limit=options.manifest_size_limit))
+    for i, job in jobs.items():
+        job.entry = manifest.leaves[i]
+    return manifest
+
+
+def _check_coverage(
+    store: Any, manifest: Manifest, jobs: dict[int, LeafJob], requests: list[ReadRequest], options: Options
+) -> list[ReadRequest]:
+    """Every box a job fills is covered exactly by the pieces read for it, or the restore stops.
+
+    The index objects read were chosen by the layout's arithmetic; a box they do
+    not cover (a layout the writer described differently, or a reader bug) reads
+    every other index object and plans again before calling the checkpoint
+    malformed, so the choice costs speed, never data.
+    """
+    gaps = {i: box for i, job in jobs.items() if (box := uncovered(job)) is not None}
+    if gaps and not manifest.complete:
+        i, box = next(iter(gaps.items()))
+        log.warning(
+            "objckpt: the index objects chosen for %s do not cover leaf %s box %s; reading all %d",
+            store.url,
+            manifest.leaves[i].path,
+            box,
+            len(manifest.indexes),
+        )
+        manifest = runtime.run_sync(
+            read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=options.manifest_size_limit)
+        )
+        for i, job in jobs.items():
+            job.entry = manifest.leaves[i]
+        requests = _plan(manifest, jobs, options, streamed=store.inner.streams_reads)
+        gaps = {i: box for i, job in jobs.items() if (box := uncovered(job)) is not None}
+    if gaps:
+        i, (start, stop) = next(iter(gaps.items()))
+        raise FormatError(
+            f"checkpoint {store.url} is malformed: the pieces of leaf {manifest.leaves[i].path} do not tile"
+            f" its box {list(start)}-{list(stop)} exactly (holes or overlaps)"
+        )
+    return requests
 
 
 def _select(manifest: Manifest, target: Any, partial: bool) -> tuple[dict[int, Any], dict[str, dict[str, Any]]]:
@@ -263,11 +318,18 @@ def _fetch_then_share(
         runtime.run_sync(_fetch(store, requests, jobs, options, stats))
     except BaseException as e:
         error = e
-    status = f"error: {type(error).__name__}: {error}" if error is not None else "ok"
-    statuses = coordinator.all_gather(f"{tag}/status", status.encode(), timeout=options.barrier_timeout)
+    try:
+        if error is not None:  # only failures are sent: nothing per process when all went well
+            coordinator.publish(f"{tag}/failed", f"{type(error).__name__}: {error}"[:2000].encode())
+        coordinator.barrier(f"{tag}/fetched", timeout=options.barrier_timeout)
+        statuses = coordinator.collect(f"{tag}/failed")
+    except CoordinationError:
+        coordinator.forget(tag)
+        raise
+    coordinator.release(tag)
     if error is not None:
         raise error
-    failed = [f"process {p}: {s.decode()}" for p, s in enumerate(statuses) if s != b"ok"]
+    failed = [f"process {p}: {s.decode()}" for p, s in sorted(statuses.items())]
     if failed:
         raise CoordinationError(f"restore of {store.url} failed elsewhere: {'; '.join(failed)}")
     for i in sorted(jobs):  # same order on every process: the collectives must line up

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from objckpt.core.boxes import Box, index_to_box, needed_boxes
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format import LeafEntry, Piece
+from objckpt.core.pieces import find_overlap
 from objckpt.core.plan import BoxIndex, ReadRequest
 from objckpt.errors import FormatError, HostMemoryError, TargetMismatchError
 from objckpt.progress import human_bytes
@@ -232,6 +233,33 @@ def plan_pieces(job: LeafJob) -> list[Piece]:
     exact = {(piece.start, piece.stop) for piece in needed}
     job.assembled = [box for box in boxes if box not in exact and job.box_remaining[box]]
     return needed
+
+
+def uncovered(job: LeafJob) -> Box | None:
+    """A box of ``job`` that its planned pieces do not cover exactly (holes or overlaps), or None.
+
+    Run after :func:`plan_pieces`. A box is covered when the parts of the pieces
+    that meet it add up to its volume and no two overlap: the exact-coverage
+    check that stands in, per box read, for a check of the whole tiling (which
+    would need every process's index object).
+    """
+    parts: dict[Box, list[_Part]] = {box: [] for box in job.box_remaining}
+    for meets in job.meets.values():
+        for box, (start, stop) in meets:
+            parts[box].append(_Part(start, stop))
+    for box, found in parts.items():
+        volume = math.prod(b - a for a, b in zip(*box))
+        if sum(math.prod(b - a for a, b in zip(p.start, p.stop)) for p in found) != volume:
+            return box
+        if find_overlap(found) is not None:
+            return box
+    return None
+
+
+@dataclass(frozen=True)
+class _Part:
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
 
 
 def meets_of(job: LeafJob, piece: Piece) -> list[tuple[Box, Box]]:

@@ -7,17 +7,21 @@ budget it streams: a buffer is reused once its blob is uploaded); a synchronous
 save to a store that takes a body of parts sends contiguous host shards in place
 instead. Uploads and the commit run on the I/O loop.
 
-Commit: every process publishes its piece index through the coordinator
-(JAX's key-value store, never a bucket listing), the primary merges them and
-writes ``manifest.json`` with create-if-absent, and every process learns the
-outcome before its save returns. No manifest, no checkpoint: a crash at any
-moment leaves at most orphaned blobs, which ``gc`` removes.
+Commit (format version 2): every process checks that its blobs are there at
+their sizes, writes its own index object (its pieces) to the store, and sends
+the coordinator one small message (the index object's key, size and crc32c, or
+its error). After a barrier the primary reads those messages, writes the root
+``manifest.json`` with create-if-absent, and publishes the outcome; each
+process releases the save's coordinator keys once it has read it, the last one
+deleting them. Nothing a process sends or reads grows with the size of the job
+but the primary's O(processes) list. No manifest, no checkpoint: a crash at any
+moment leaves at most orphaned blobs and index objects, which ``gc`` removes.
 
 Deleters keep off a save in flight: each process writes a live-save marker
 before its first blob and deletes it once the outcome is known
-(:mod:`objckpt.saving.live_markers`), and right before it writes the manifest the primary
-lists the prefix and refuses to commit if any blob the manifest lists is
-missing or of the wrong size (deleted by ``gc``, ``rm`` or retention anyway).
+(:mod:`objckpt.saving.live_markers`), and before it writes its index object each
+process checks its blobs (deleted by ``gc``, ``rm`` or retention anyway?) and
+reports a missing or resized one instead, so no manifest is written.
 """
 
 from __future__ import annotations
@@ -30,15 +34,25 @@ import logging
 import threading
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from objckpt.core.format import MANIFEST_KEY, BlobEntry, LeafEntry, Manifest, Piece, parse_manifest
+from objckpt.core.boxes import MeshTable
+from objckpt.core.checksum import crc32c
+from objckpt.core.format import FORMAT_VERSION, MANIFEST_KEY, IndexRef, LeafEntry, Manifest, parse_manifest
+from objckpt.core.format_v2 import index_key, index_to_json
+from objckpt.core.layout import Mesh
 from objckpt.core.metadata import to_json_value
 from objckpt.core.plan import blob_key, plan_blobs
 from objckpt.core.tree import flatten
-from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsError, ObjectNotFoundError, StoreError
+from objckpt.errors import (
+    CheckpointExistsError,
+    CoordinationError,
+    IntegrityError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+)
 from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, finish_from_caller, start
@@ -191,10 +205,16 @@ def _begin(
     leaves, skeleton = flatten(tree)
     entries: list[LeafEntry] = []
     owned = []
+    meshes = MeshTable()
     for i, leaf in enumerate(leaves):
-        entry, pieces = classify(i, leaf, is_primary=coordinator.is_primary, split_above=options.split_replicas_above)
+        entry, pieces = classify(
+            i, leaf, is_primary=coordinator.is_primary, split_above=options.split_replicas_above, meshes=meshes
+        )
         entries.append(entry)
         owned.extend(pieces)
+    # A device's pieces lie together, leaf after leaf: a restore onto the same mesh, or
+    # any mesh whose boxes gather whole saved shards, reads long runs of a blob.
+    owned.sort(key=lambda piece: piece.device)
     save_id = uuid.uuid4().hex
     blobs = plan_blobs(
         owned,
@@ -224,6 +244,7 @@ def _begin(
         save_id=save_id,
         skeleton=skeleton,
         entries=entries,
+        meshes=tuple(meshes.meshes),
         metadata=metadata,
         options=options,
         marker=marker,
@@ -291,7 +312,7 @@ async def _make_engine(store: Store, options: Options, stats: TransferStats) -> 
 
 
 class _Commit:
-    """The background half of a save: wait for uploads, exchange indexes, commit."""
+    """The background half of a save: wait for uploads, write this process's index, commit."""
 
     def __init__(
         self,
@@ -303,6 +324,7 @@ class _Commit:
         save_id: str,
         skeleton: dict[str, Any],
         entries: list[LeafEntry],
+        meshes: tuple[Mesh, ...],
         metadata: dict[str, Any],
         options: Options,
         marker: LiveMarker,
@@ -314,9 +336,11 @@ class _Commit:
         self.save_id = save_id
         self.skeleton = skeleton
         self.entries = entries
+        self.meshes = meshes
         self.metadata = metadata
         self.options = options
         self.marker = marker
+        self.index_key = index_key(save_id, coordinator.process_index)
 
     async def run(self, uploads: list[concurrent.futures.Future[list[PieceRecord]]], started: float) -> None:
         """Wait for the uploads, commit or abort, then delete this process's live-save marker."""
@@ -333,25 +357,19 @@ class _Commit:
                 records.extend(result)
             if self.marker.lapsed():
                 raise StoreError(f"save to {self.store.url} was not committed: {self.marker.lapse_error()}")
+            blobs = _blob_sizes(records)
+            await self._check_own_blobs(blobs)
+            report = await self._write_index(records, blobs)
         except BaseException as e:  # report to peers before raising, so nobody waits for us
             local_error = e
-        index = self._encode_index(records, local_error)
-        timeout = self.options.barrier_timeout
-        gathered = await asyncio.to_thread(self.coordinator.all_gather, f"{self.tag}/index", index, timeout=timeout)
-        outcome: bytes | None = None
-        if self.coordinator.is_primary:
-            outcome = await self._commit_or_abort(gathered)
-        outcome = await asyncio.to_thread(self.coordinator.broadcast, f"{self.tag}/outcome", outcome, timeout=timeout)
+            report = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        outcome = await self._agree(json.dumps(report).encode())
         if local_error is not None:
             raise local_error
         status = json.loads(outcome)
         if status["status"] == "exists":
-            await self._delete_own_blobs(records)
+            await self._delete_own_objects(records)
             raise CheckpointExistsError(f"a committed checkpoint already exists at {self.store.url}")
-        if status["status"] == "missing":
-            raise ObjectNotFoundError(f"save to {self.store.url} was not committed: {status['why']}")
-        if status["status"] == "wrong_size":
-            raise IntegrityError(f"save to {self.store.url} was not committed: {status['why']}")
         if status["status"] != "committed":
             raise StoreError(f"save to {self.store.url} was not committed: {status['why']}")
         seconds = time.perf_counter() - started
@@ -369,30 +387,86 @@ class _Commit:
             stats.bytes_written / max(seconds, 1e-9) / 2**30,
         )
 
-    def _encode_index(self, records: list[PieceRecord], error: BaseException | None) -> bytes:
-        if error is not None:
-            return json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
-        pieces: dict[str, list[Any]] = defaultdict(list)
-        blobs: dict[str, int] = {}
-        for leaf, p in records:
-            pieces[str(leaf)].append([list(p.start), list(p.stop), p.blob, p.offset, p.length, p.crc32c])
-            blobs[p.blob] = max(blobs.get(p.blob, 0), p.offset + p.length)
-        return json.dumps({"pieces": pieces, "blobs": blobs}).encode()
+    async def _agree(self, report: bytes) -> bytes:
+        """Send this process's report, wait for all, commit on the primary; the outcome, as JSON.
 
-    async def _commit_or_abort(self, gathered: list[bytes]) -> bytes:
-        docs = [json.loads(g) for g in gathered]
-        errors = [f"process {i}: {d['error']}" for i, d in enumerate(docs) if "error" in d]
+        The coordinator carries one report of a few hundred bytes per process and
+        the outcome; this process releases them once it has read the outcome (the
+        last to do so deletes them), or, on a coordination failure, deletes them.
+        """
+        coordinator, tag, timeout = self.coordinator, self.tag, self.options.barrier_timeout
+        try:
+            await asyncio.to_thread(coordinator.publish, f"{tag}/report", report)
+            await asyncio.to_thread(coordinator.barrier, f"{tag}/reported", timeout=timeout)
+            outcome: bytes | None = None
+            if coordinator.is_primary:
+                reports = await asyncio.to_thread(coordinator.collect, f"{tag}/report")
+                outcome = await self._commit_or_abort(reports)
+            outcome = await asyncio.to_thread(coordinator.broadcast, f"{tag}/outcome", outcome, timeout=timeout)
+        except CoordinationError:
+            await asyncio.to_thread(coordinator.forget, tag)
+            raise
+        await asyncio.to_thread(coordinator.release, tag)
+        return outcome
+
+    async def _check_own_blobs(self, blobs: dict[str, int]) -> None:
+        """Is every blob this process wrote still there, at its size? (A HEAD each, in parallel.)
+
+        Raises:
+            ObjectNotFoundError: a blob is missing (deleted while the save ran); no manifest is written.
+            IntegrityError: a blob has another size than was written.
+        """
+        limit = asyncio.Semaphore(self.options.max_concurrency)
+
+        async def size(key: str) -> int | None:
+            async with limit:
+                try:
+                    return (await self.store.head(key)).size
+                except FileNotFoundError:
+                    return None
+
+        sizes = await asyncio.gather(*(size(k) for k in blobs))
+        missing = [k for k, got in zip(blobs, sizes) if got is None]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ObjectNotFoundError(
+                f"save to {self.store.url} was not committed: blob {missing[0]}{more} is missing (deleted while"
+                " the save ran, by gc, rm or retention?); no manifest was written"
+            )
+        for (key, want), got in zip(blobs.items(), sizes):
+            if got != want:
+                raise IntegrityError(
+                    f"save to {self.store.url} was not committed: blob {key} is {got} bytes, {want} were"
+                    " written; no manifest was written"
+                )
+
+    async def _write_index(self, records: list[PieceRecord], blobs: dict[str, int]) -> dict[str, Any]:
+        """Write this process's index object; its key, size and crc32c, to report."""
+        data = index_to_json(self.save_id, self.coordinator.process_index, records, blobs)
+        await self.engine.put(self.index_key, data)
+        return {
+            "key": self.index_key,
+            "size": len(data),
+            "crc32c": crc32c(data),
+            "blobs": len(blobs),
+            "blob_bytes": sum(blobs.values()),
+        }
+
+    async def _commit_or_abort(self, reports: dict[int, bytes]) -> bytes:
+        count = self.coordinator.process_count
+        silent = [p for p in range(count) if p not in reports]
+        if silent:
+            why = f"processes {', '.join(map(str, silent))} sent no report"
+            return json.dumps({"status": "aborted", "why": why}).encode()
+        docs = {p: json.loads(reports[p]) for p in range(count)}
+        errors = [f"process {p}: {d['error']}" for p, d in docs.items() if "error" in d]
         if errors:
             return json.dumps({"status": "aborted", "why": "; ".join(errors)}).encode()
-        manifest = self._manifest(docs)
         if self.marker.lapsed():
             return json.dumps({"status": "aborted", "why": self.marker.lapse_error()}).encode()
-        try:
-            problem = await self._check_blobs(manifest)
-        except BaseException as e:
-            return json.dumps({"status": "aborted", "why": f"listing the blobs before the commit failed: {e}"}).encode()
-        if problem is not None:
-            return json.dumps(problem).encode()
+        manifest = self._manifest(
+            [IndexRef(d["key"], d["size"], d["crc32c"], d["blobs"], d["blob_bytes"]) for _, d in sorted(docs.items())]
+        )
         try:
             await self.engine.put(MANIFEST_KEY, manifest.to_json(), mode="create")
         except ObjectExistsError:
@@ -402,26 +476,6 @@ class _Commit:
             return json.dumps({"status": "aborted", "why": f"manifest write failed: {e}"}).encode()
         return json.dumps({"status": "committed"}).encode()
 
-    async def _check_blobs(self, manifest: Manifest) -> dict[str, str] | None:
-        """One listing of the prefix: is every blob the manifest lists there, at its size?
-
-        Returns the outcome to broadcast instead of committing, or None when all are.
-        """
-        present = {o.key: o.size for o in await self.store.list()}
-        missing = [b.key for b in manifest.blobs if b.key not in present]
-        if missing:
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            why = (
-                f"blob {missing[0]}{more} is missing (deleted while the save ran, by gc, rm or"
-                " retention?); no manifest was written"
-            )
-            return {"status": "missing", "why": why}
-        for b in manifest.blobs:
-            if present[b.key] != b.size:
-                why = f"blob {b.key} is {present[b.key]} bytes, {b.size} were written; no manifest was written"
-                return {"status": "wrong_size", "why": why}
-        return None
-
     async def _is_ours(self) -> bool:
         """After "already exists": did our own earlier attempt land (its reply lost)?"""
         try:
@@ -430,39 +484,33 @@ class _Commit:
         except Exception:
             return False
 
-    def _manifest(self, docs: list[dict[str, Any]]) -> Manifest:
-        pieces: dict[int, list[Piece]] = defaultdict(list)
-        blobs: dict[str, int] = {}
-        for doc in docs:
-            blobs.update(doc["blobs"])
-            for leaf, rows in doc["pieces"].items():
-                pieces[int(leaf)].extend(Piece(tuple(a), tuple(b), k, o, n, c) for a, b, k, o, n, c in rows)
-        leaves = tuple(
-            LeafEntry(
-                e.path,
-                e.kind,
-                e.dtype,
-                e.shape,
-                tuple(sorted(pieces.get(i, ()), key=lambda p: p.start)),
-                e.value,
-                e.sharding,
-            )
-            for i, e in enumerate(self.entries)
-        )
+    def _manifest(self, indexes: list[IndexRef]) -> Manifest:
         return Manifest(
             save_id=self.save_id,
             created=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
             tree=self.skeleton,
-            leaves=leaves,
-            blobs=tuple(BlobEntry(k, s) for k, s in sorted(blobs.items())),
+            leaves=tuple(self.entries),
+            blobs=(),
             num_processes=self.coordinator.process_count,
             metadata=self.metadata,
+            version=FORMAT_VERSION,
+            meshes=self.meshes,
+            indexes=tuple(indexes),
+            slab_bytes=self.options.split_replicas_above,
         )
 
-    async def _delete_own_blobs(self, records: list[PieceRecord]) -> None:
-        """Best effort: blobs of a save that lost the commit race are never referenced."""
-        for key in {p.blob for _, p in records}:
+    async def _delete_own_objects(self, records: list[PieceRecord]) -> None:
+        """Best effort: the blobs and index of a save that lost the commit race are never referenced."""
+        for key in [*{p.blob for _, p in records}, self.index_key]:
             try:
                 await self.store.delete(key)
             except Exception:  # gc removes whatever remains
                 pass
+
+
+def _blob_sizes(records: list[PieceRecord]) -> dict[str, int]:
+    """Each blob's size, from where its last piece ends."""
+    blobs: dict[str, int] = {}
+    for _, p in records:
+        blobs[p.blob] = max(blobs.get(p.blob, 0), p.offset + p.length)
+    return blobs

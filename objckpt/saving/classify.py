@@ -7,10 +7,12 @@ typed data; ``int``/``float``/``bool``/``None`` live inline in the manifest.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import numpy as np
 
-from objckpt.core.boxes import describe_sharding, owned_pieces
+from objckpt.core.boxes import MeshTable, describe_sharding, grid_of, grid_pieces, owned_pieces
 from objckpt.core.dtypes import dtype_name
 from objckpt.core.format import LeafEntry
 from objckpt.core.plan import OwnedPiece
@@ -18,8 +20,14 @@ from objckpt.core.tree import Leaf
 from objckpt.errors import DeletedArrayError
 
 
-def classify(index: int, leaf: Leaf, *, is_primary: bool, split_above: int) -> tuple[LeafEntry, list[OwnedPiece]]:
-    """The manifest entry (without pieces) for one leaf, and the pieces this process writes."""
+def classify(
+    index: int, leaf: Leaf, *, is_primary: bool, split_above: int, meshes: MeshTable
+) -> tuple[LeafEntry, list[OwnedPiece]]:
+    """The manifest entry (without pieces, with its layout) for one leaf, and the pieces this process writes.
+
+    ``meshes`` numbers the meshes of the leaves met so far (every process alike);
+    ``split_above`` is the smallest slab a replicated box is cut into.
+    """
     value = leaf.value
     if value is None:
         return LeafEntry(leaf.path, "none"), []
@@ -41,30 +49,46 @@ def classify(index: int, leaf: Leaf, *, is_primary: bool, split_above: int) -> t
         entry = LeafEntry(
             leaf.path, "array", dtype_name(key_data.dtype), tuple(key_data.shape), sharding={"prng_impl": impl}
         )
-        return entry, owned_pieces(index, key_data, split_above=split_above)
+        return _array_pieces(index, key_data, entry, meshes, split_above)
     if isinstance(value, jax.Array):
         try:
             name = dtype_name(value.dtype)
         except TypeError as e:
             raise TypeError(f"leaf {leaf.path}: {e}") from None
         entry = LeafEntry(leaf.path, "array", name, tuple(value.shape), sharding=describe_sharding(value.sharding))
-        return entry, owned_pieces(index, value, split_above=split_above)
+        return _array_pieces(index, value, entry, meshes, split_above)
     if isinstance(value, (str, bytes)):
         kind = "str" if isinstance(value, str) else "bytes"
         data = np.frombuffer(value.encode() if isinstance(value, str) else value, dtype=np.uint8)
-        return LeafEntry(leaf.path, kind, "uint8", data.shape), _host_pieces(index, data, is_primary)
+        return LeafEntry(leaf.path, kind, "uint8", data.shape, layout=_PRIMARY), _host_pieces(index, data, is_primary)
     if isinstance(value, (np.ndarray, np.generic)):
         data = np.asarray(value)
         try:
             name = dtype_name(data.dtype)
         except TypeError as e:
             raise TypeError(f"leaf {leaf.path}: {e}") from None
-        return LeafEntry(leaf.path, "ndarray", name, data.shape), _host_pieces(index, data, is_primary)
+        return LeafEntry(leaf.path, "ndarray", name, data.shape, layout=_PRIMARY), _host_pieces(index, data, is_primary)
     raise TypeError(
         f"leaf {leaf.path}: cannot checkpoint a {type(value).__module__}.{type(value).__qualname__}"
         " (leaves may be jax.Array, numpy arrays, int, float, bool, str, bytes or None;"
         " register custom containers as pytree nodes)"
     )
+
+
+_PRIMARY = {"processes": [0]}  # host data is written by the primary
+
+
+def _array_pieces(
+    index: int, array: jax.Array, entry: LeafEntry, meshes: MeshTable, split_above: int
+) -> tuple[LeafEntry, list[OwnedPiece]]:
+    """``entry`` with its layout, and this process's pieces of ``array``: by the grid rule
+    when its sharding is a grid, else by scanning every device (and naming the writers)."""
+    found = grid_of(index, array, meshes, slab_bytes=split_above)
+    if found is not None:
+        grid, layout = found
+        return replace(entry, layout=layout), grid_pieces(index, array, grid)
+    pieces, writers = owned_pieces(index, array, split_above=split_above)
+    return replace(entry, layout={"processes": writers}), pieces
 
 
 def _host_pieces(index: int, data: np.ndarray, is_primary: bool) -> list[OwnedPiece]:

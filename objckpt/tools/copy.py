@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from objckpt.core.checksum import crc32c
 from objckpt.core.format import MANIFEST_KEY, BlobEntry, Manifest, parse_manifest
 from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsError, StoreError
 from objckpt.options import Options
@@ -28,7 +29,7 @@ from objckpt.progress import ProgressArg, human_bytes, reporting
 from objckpt.tools.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.transfer.manifest_io import read_checkpoint
 
 log = logging.getLogger("objckpt")
 
@@ -134,7 +135,7 @@ def _copy_stores(
 ) -> CopyStats:
     """:func:`copy` between open stores (each closed by the caller)."""
     started = time.perf_counter()
-    manifest = runtime.run_sync(read_manifest(src, size_limit=options.manifest_size_limit))
+    manifest = runtime.run_sync(read_checkpoint(src, size_limit=options.manifest_size_limit))
     stats = CopyStats(src.url, dst.url, blobs=len(manifest.blobs), bytes_total=sum(b.size for b in manifest.blobs))
 
     def done() -> int:  # half for the read, half for the write; checked blobs count whole
@@ -208,7 +209,17 @@ async def _copy(
         stats.bytes_copied += blob.size
 
     await source.for_each(manifest.blobs, one, window_bytes=options.memory_budget, size=lambda b: max(b.size, 1))
+    await _copy_indexes(source, target, src, manifest)
     await _commit(target, dst, manifest, options)
+
+
+async def _copy_indexes(source: TransferEngine, target: TransferEngine, src: Any, manifest: Manifest) -> None:
+    """Format version 2: copy each process's index object as is (the root holds its crc32c)."""
+    for ref in manifest.indexes:
+        data = await source.get(ref.key)
+        if len(data) != ref.size or crc32c(data) != ref.crc32c:
+            raise IntegrityError(f"index object {src.url}/{ref.key} does not match the manifest; nothing was committed")
+        await target.put(ref.key, data)
 
 
 def _count_skipped(stats: CopyStats, blob: BlobEntry) -> None:

@@ -92,7 +92,7 @@ def info_from_manifest(url: str, manifest: Manifest) -> CheckpointInfo:
         tree=build(manifest.tree, lambda i: infos[i]),
         leaves={i.path: i for i in infos},
         total_bytes=manifest.total_bytes,
-        num_blobs=len(manifest.blobs),
+        num_blobs=manifest.num_blobs,
         format_version=manifest.version,
         created=manifest.created,
         save_id=manifest.save_id,

@@ -1,10 +1,23 @@
-"""Reading a checkpoint's manifest from a store (the one I/O step before any plan)."""
+"""Reading a checkpoint's manifest, and (format version 2) the index objects it lists, from a store.
+
+The I/O steps before any plan. A restore reads the root and the index objects
+of the processes that wrote what it needs (:func:`read_indexes`); tools that
+look at a whole checkpoint (``verify``, ``cp``, ``gc``, ``inspect``) read them
+all (:func:`read_checkpoint`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
+
 from objckpt.core.format import MANIFEST_KEY, Manifest, parse_manifest
+from objckpt.core.format_v2 import IndexDoc, merge_indexes, parse_index
 from objckpt.errors import CheckpointNotFoundError, FormatError
 from objckpt.storage import Store
+
+#: Index objects read at once.
+INDEX_READS_AT_ONCE = 16
 
 # The first GET asks for this much. A shorter answer is the whole manifest, so
 # a restore starts after one round trip instead of a HEAD and a GET (one RTT
@@ -57,3 +70,45 @@ async def _fetch(store: Store, size_limit: int) -> bytes:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no committed checkpoint at {store.url} (no {MANIFEST_KEY})") from None
     return data
+
+
+async def read_indexes(store: Store, manifest: Manifest, processes: Iterable[int], *, size_limit: int) -> Manifest:
+    """``manifest`` with the pieces of the index objects of ``processes`` (those not read yet).
+
+    Each is checked against the root's size and crc32c and parsed strictly; one
+    that fails is read again (as :func:`read_manifest` does) before it is a
+    :class:`FormatError` naming it.
+    """
+    wanted = sorted(set(processes) - manifest.loaded)
+    if manifest.version == 1 or not wanted:
+        return manifest
+    limit = asyncio.Semaphore(INDEX_READS_AT_ONCE)
+
+    async def one(process: int) -> IndexDoc:
+        ref = manifest.indexes[process]
+        async with limit:
+            for attempt in range(1, MANIFEST_READS + 1):
+                try:
+                    data = await store.get(ref.key)
+                except FileNotFoundError:
+                    raise FormatError(
+                        f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
+                    ) from None
+                try:
+                    return parse_index(data, manifest, process, size_limit=size_limit)
+                except FormatError as e:
+                    if attempt >= MANIFEST_READS:
+                        raise FormatError(f"{e} (the same over {MANIFEST_READS} reads)") from None
+                    stats = getattr(store, "stats", None)
+                    if stats is not None:
+                        stats.add(checksum_retries=1)
+        raise AssertionError("unreachable")
+
+    docs = await asyncio.gather(*(one(p) for p in wanted))
+    return merge_indexes(manifest, docs)
+
+
+async def read_checkpoint(store: Store, *, size_limit: int) -> Manifest:
+    """The manifest with every piece and blob: the root and, for version 2, every index object."""
+    manifest = await read_manifest(store, size_limit=size_limit)
+    return await read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=size_limit)

@@ -1,0 +1,415 @@
+"""Format version 2: a root manifest of O(leaves + processes) and one index object per process.
+
+The root (``manifest.json``, still the commit marker, written last with
+create-if-absent) holds the tree, the leaf table, the meshes the leaves were
+saved on (device ids and their processes, once per mesh), each leaf's layout
+(its mesh and partition spec when it is a regular grid, else the processes
+that wrote it) and the key, size and crc32c of every process's index object.
+An index object holds the pieces its process wrote and the blobs it put them
+in; it is written by that process before the commit.
+
+A reader computes from a leaf's layout which processes wrote the boxes it needs
+(:mod:`objckpt.core.layout`), reads those index objects only, and checks each
+one's size and crc32c against the root before parsing it as strictly as the
+root. See ``docs/FORMAT.md``. No I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from objckpt.core.checksum import crc32c
+from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.format import (
+    ARRAY_KINDS,
+    FORMAT_NAME,
+    IndexRef,
+    Manifest,
+    _leaf_to_json,
+    check_blob_key,
+    check_header,
+    check_tree_leaves,
+    parse_leaves,
+)
+from objckpt.core.layout import Box, Grid, Mesh, grid_fits
+from objckpt.core.pieces import Piece
+from objckpt.core.strict import fields, is_int, need, strict_json
+from objckpt.errors import FormatError
+
+INDEX_FORMAT = "objckpt-index"
+_AXIS_NAME_MAX = 256
+
+
+def index_key(save_id: str, process: int) -> str:
+    """An index object's key: hashed 2-hex-digit prefix, like blobs, to spread store partitions."""
+    name = f"{save_id}-p{process}.index"
+    return f"{zlib.crc32(name.encode()) & 0xFF:02x}/{name}"
+
+
+# ----------------------------------------------------------------------------- root
+
+
+def root_to_json(manifest: Manifest) -> bytes:
+    leaves = []
+    for leaf in manifest.leaves:
+        doc = _leaf_to_json(leaf)
+        doc.pop("pieces", None)
+        if leaf.layout is not None:
+            doc["layout"] = leaf.layout
+        leaves.append(doc)
+    doc = {
+        "format": FORMAT_NAME,
+        "version": 2,
+        "save_id": manifest.save_id,
+        "created": manifest.created,
+        "num_processes": manifest.num_processes,
+        "metadata": manifest.metadata,
+        "tree": manifest.tree,
+        "slab_bytes": manifest.slab_bytes,
+        "meshes": [m.to_json() for m in manifest.meshes],
+        "indexes": [
+            {"key": r.key, "size": r.size, "crc32c": r.crc32c, "blobs": r.blobs, "blob_bytes": r.blob_bytes}
+            for r in manifest.indexes
+        ],
+        "leaves": leaves,
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def root_from_doc(doc: dict[str, Any]) -> Manifest:
+    """A version 2 root manifest (``format`` and ``version`` already checked)."""
+    fields(
+        doc,
+        "(top level)",
+        {
+            "format",
+            "version",
+            "save_id",
+            "created",
+            "num_processes",
+            "metadata",
+            "tree",
+            "slab_bytes",
+            "meshes",
+            "indexes",
+            "leaves",
+        },
+    )
+    check_header(doc)
+    processes = doc["num_processes"]
+    need(is_int(doc["slab_bytes"]) and doc["slab_bytes"] >= 0, "'slab_bytes'", "must be a non-negative integer")
+    need(isinstance(doc["meshes"], list), "'meshes'", "must be a list")
+    meshes = tuple(_mesh_from_json(m, f"'meshes[{i}]'", processes) for i, m in enumerate(doc["meshes"]))
+    need(
+        isinstance(doc["indexes"], list) and len(doc["indexes"]) == processes,
+        "'indexes'",
+        f"must list one index object per process ({processes})",
+    )
+    indexes = []
+    seen: set[str] = set()
+    for p, raw in enumerate(doc["indexes"]):
+        where = f"'indexes[{p}]'"
+        fields(raw, where, {"key", "size", "crc32c", "blobs", "blob_bytes"})
+        key = raw["key"]
+        need(isinstance(key, str) and check_blob_key(key), f"{where}.key", f"unsafe key {key!r}")
+        need(key not in seen, f"{where}.key", f"index object {key!r} listed twice")
+        seen.add(key)
+        need(is_int(raw["size"]) and raw["size"] >= 0, f"{where}.size", "must be a non-negative integer")
+        need(is_int(raw["crc32c"]) and 0 <= raw["crc32c"] < 2**32, f"{where}.crc32c", "must be a 32-bit integer")
+        for name in ("blobs", "blob_bytes"):
+            need(is_int(raw[name]) and raw[name] >= 0, f"{where}.{name}", "must be a non-negative integer")
+        indexes.append(IndexRef(key, raw["size"], raw["crc32c"], raw["blobs"], raw["blob_bytes"]))
+    leaves = parse_leaves(doc["leaves"], None)
+    for i, leaf in enumerate(leaves):
+        if leaf.layout is not None:
+            _check_layout(leaf.layout, f"'leaves[{i}]'.layout", leaf.shape or (), meshes, processes)
+    check_tree_leaves(doc["tree"], len(leaves))
+    return Manifest(
+        save_id=doc["save_id"],
+        created=doc["created"],
+        tree=doc["tree"],
+        leaves=tuple(leaves),
+        blobs=(),
+        num_processes=processes,
+        metadata=doc["metadata"],
+        version=2,
+        meshes=meshes,
+        indexes=tuple(indexes),
+        slab_bytes=doc["slab_bytes"],
+    )
+
+
+def _mesh_from_json(raw: Any, where: str, processes: int) -> Mesh:
+    fields(raw, where, {"axes", "devices", "processes"})
+    axes = raw["axes"]
+    need(
+        isinstance(axes, list)
+        and all(
+            isinstance(a, list)
+            and len(a) == 2
+            and isinstance(a[0], str)
+            and 0 < len(a[0]) <= _AXIS_NAME_MAX
+            and is_int(a[1])
+            and a[1] >= 1
+            for a in axes
+        ),
+        f"{where}.axes",
+        "must be a list of [name, size] pairs",
+    )
+    need(len({a[0] for a in axes}) == len(axes), f"{where}.axes", "axis names must be unique")
+    count = math.prod(a[1] for a in axes)
+    devices, owners = raw["devices"], raw["processes"]
+    need(
+        isinstance(devices, list) and len(devices) == count and all(is_int(d) and d >= 0 for d in devices),
+        f"{where}.devices",
+        f"must be {count} device ids",
+    )
+    need(len(set(devices)) == count, f"{where}.devices", "device ids must be unique")
+    need(
+        isinstance(owners, list) and len(owners) == count and all(is_int(p) and 0 <= p < processes for p in owners),
+        f"{where}.processes",
+        f"must be {count} process indexes below {processes}",
+    )
+    return Mesh(tuple((a[0], a[1]) for a in axes), tuple(devices), tuple(owners))
+
+
+def _check_layout(layout: dict[str, Any], where: str, shape: tuple[int, ...], meshes: tuple[Mesh, ...], n: int) -> None:
+    if "processes" in layout:
+        fields(layout, where, {"processes"})
+        owners = layout["processes"]
+        need(
+            isinstance(owners, list) and all(is_int(p) and 0 <= p < n for p in owners),
+            f"{where}.processes",
+            f"must be process indexes below {n}",
+        )
+        return
+    fields(layout, where, {"mesh", "spec"})
+    m, spec = layout["mesh"], layout["spec"]
+    need(is_int(m) and 0 <= m < len(meshes), f"{where}.mesh", "names no mesh in 'meshes'")
+    need(
+        isinstance(spec, list) and all(isinstance(e, list) and all(isinstance(a, str) for a in e) for e in spec),
+        f"{where}.spec",
+        "must be a list of lists of axis names",
+    )
+    need(
+        grid_fits(shape, _spec(spec), meshes[m]),
+        f"{where}.spec",
+        f"{spec} does not cut shape {list(shape)} into equal cells on mesh {m}",
+    )
+
+
+def _spec(raw: list[list[str]]) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(e) for e in raw)
+
+
+def leaf_grid(manifest: Manifest, leaf: int) -> Grid | None:
+    """The grid a version 2 leaf was saved as, or None when its layout is not one."""
+    entry = manifest.leaves[leaf]
+    layout = entry.layout
+    if layout is None or "mesh" not in layout or entry.dtype is None:
+        return None
+    dtype = dtype_from_name(entry.dtype)
+    assert dtype is not None
+    return Grid(
+        manifest.meshes[layout["mesh"]],
+        _spec(layout["spec"]),
+        entry.shape or (),
+        dtype.itemsize,
+        leaf,
+        manifest.slab_bytes,
+    )
+
+
+def writers_of(manifest: Manifest, leaf: int, boxes: Iterable[Box]) -> set[int]:
+    """The processes whose index objects hold the pieces of ``leaf`` that meet ``boxes``.
+
+    All processes when the layout does not say (a reader then reads every index).
+    """
+    entry = manifest.leaves[leaf]
+    if entry.kind not in ARRAY_KINDS or not math.prod(entry.shape or ()):
+        return set()
+    layout = entry.layout
+    if layout is None:
+        return set(range(manifest.num_processes))
+    if "processes" in layout:
+        return set(layout["processes"])
+    grid = leaf_grid(manifest, leaf)
+    assert grid is not None
+    out: set[int] = set()
+    for start, stop in boxes:
+        out |= grid.processes_for(start, stop)
+    return out
+
+
+# ----------------------------------------------------------------------------- index objects
+
+
+@dataclass(frozen=True)
+class IndexDoc:
+    """One process's index object, read: its blobs and, by leaf, its pieces."""
+
+    process: int
+    blobs: dict[str, int]
+    pieces: dict[int, list[Piece]]
+
+
+def index_to_json(save_id: str, process: int, records: Iterable[tuple[int, Piece]], blobs: dict[str, int]) -> bytes:
+    """An index object: ``records`` are (leaf, piece); ``blobs`` each blob's key and size."""
+    keys = sorted(blobs)
+    position = {k: n for n, k in enumerate(keys)}
+    rows = [[leaf, position[p.blob], p.offset, p.crc32c, *p.start, *p.stop] for leaf, p in records]
+    doc = {
+        "format": INDEX_FORMAT,
+        "version": 2,
+        "save_id": save_id,
+        "process": process,
+        "blobs": [[k, blobs[k]] for k in keys],
+        "pieces": rows,
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def parse_index(data: bytes, manifest: Manifest, process: int, *, size_limit: int) -> IndexDoc:
+    """Check an index object against the root's record of it, then read it strictly.
+
+    Raises:
+        FormatError: naming the index object and the field (size, checksum, a
+            piece outside its leaf or blob, an unsafe blob key, ...).
+    """
+    ref = manifest.indexes[process]
+    doc_name = f"index object {ref.key}"
+    if len(data) != ref.size:
+        raise FormatError(f"{doc_name} is {len(data)} bytes, the manifest says {ref.size}")
+    if len(data) > size_limit:
+        raise FormatError(f"{doc_name} is {len(data)} bytes, over the limit of {size_limit}")
+    if crc32c(data) != ref.crc32c:
+        raise FormatError(f"{doc_name} does not match its crc32c in the manifest")
+    doc = strict_json(data, doc_name)
+    fields(doc, "(top level)", {"format", "version", "save_id", "process", "blobs", "pieces"}, doc=doc_name)
+    need(doc["format"] == INDEX_FORMAT, "'format'", f"must be {INDEX_FORMAT!r}", doc_name)
+    need(doc["version"] == 2 and is_int(doc["version"]), "'version'", "must be 2", doc_name)
+    need(doc["save_id"] == manifest.save_id, "'save_id'", "is not the manifest's", doc_name)
+    need(doc["process"] == process and is_int(doc["process"]), "'process'", f"must be {process}", doc_name)
+    need(isinstance(doc["blobs"], list), "'blobs'", "must be a list", doc_name)
+    keys: list[str] = []
+    blobs: dict[str, int] = {}
+    for n, b in enumerate(doc["blobs"]):
+        where = f"'blobs[{n}]'"
+        need(isinstance(b, list) and len(b) == 2, where, "must be [key, size]", doc_name)
+        key, size = b
+        need(isinstance(key, str) and check_blob_key(key), where, f"unsafe blob key {key!r}", doc_name)
+        need(is_int(size) and size >= 0, where, "size must be a non-negative integer", doc_name)
+        need(key not in blobs, where, f"duplicate blob {key!r}", doc_name)
+        keys.append(key)
+        blobs[key] = size
+    need(
+        len(blobs) == ref.blobs and sum(blobs.values()) == ref.blob_bytes,
+        "'blobs'",
+        f"{len(blobs)} blobs of {sum(blobs.values())} bytes, the manifest says {ref.blobs} of {ref.blob_bytes}",
+        doc_name,
+    )
+    need(isinstance(doc["pieces"], list), "'pieces'", "must be a list", doc_name)
+    shapes = _leaf_shapes(manifest)
+    pieces: dict[int, list[Piece]] = {}
+    sizes = [blobs[k] for k in keys]
+    for n, row in enumerate(doc["pieces"]):
+        leaf, piece = _fast_row(row, shapes, keys, sizes) or _row(row, f"'pieces[{n}]'", shapes, keys, sizes, doc_name)
+        pieces.setdefault(leaf, []).append(piece)
+    return IndexDoc(process, blobs, pieces)
+
+
+def _leaf_shapes(manifest: Manifest) -> list[tuple[tuple[int, ...], int] | None]:
+    """Per leaf: (shape, itemsize) for array leaves, else None."""
+    out: list[tuple[tuple[int, ...], int] | None] = []
+    for leaf in manifest.leaves:
+        if leaf.kind in ARRAY_KINDS and leaf.dtype is not None:
+            dtype = dtype_from_name(leaf.dtype)
+            assert dtype is not None
+            out.append((leaf.shape or (), dtype.itemsize))
+        else:
+            out.append(None)
+    return out
+
+
+def _fast_row(
+    row: Any, shapes: list[tuple[tuple[int, ...], int] | None], keys: list[str], sizes: list[int]
+) -> tuple[int, Piece] | None:
+    """The row if it passes every check of :func:`_row`, else None (which names what is wrong).
+
+    Why twice: formatting each check's message up front costs more than the
+    checks, once per piece. ``type(x) is int`` excludes booleans.
+    """
+    if type(row) is not list or len(row) < 4:
+        return None
+    leaf, blob, offset, crc = row[0], row[1], row[2], row[3]
+    if type(leaf) is not int or not 0 <= leaf < len(shapes) or type(blob) is not int or not 0 <= blob < len(keys):
+        return None
+    found = shapes[leaf]
+    if found is None:
+        return None
+    shape, itemsize = found
+    rank = len(shape)
+    if len(row) != 4 + 2 * rank:
+        return None
+    start, stop = row[4 : 4 + rank], row[4 + rank :]
+    length = itemsize
+    for a, b, n in zip(start, stop, shape):
+        if type(a) is not int or type(b) is not int or not 0 <= a < b <= n:
+            return None
+        length *= b - a
+    if type(offset) is not int or type(crc) is not int or offset < 0 or offset + length > sizes[blob]:
+        return None
+    if not 0 <= crc < 2**32:
+        return None
+    return leaf, Piece(tuple(start), tuple(stop), keys[blob], offset, length, crc)
+
+
+def _row(
+    row: Any,
+    where: str,
+    shapes: list[tuple[tuple[int, ...], int] | None],
+    keys: list[str],
+    sizes: list[int],
+    doc: str,
+) -> tuple[int, Piece]:
+    need(isinstance(row, list) and len(row) >= 4, where, "must be [leaf, blob, offset, crc32c, *start, *stop]", doc)
+    leaf, blob, offset, crc = row[:4]
+    need(is_int(leaf) and 0 <= leaf < len(shapes), where, f"leaf {leaf!r} is not in the manifest", doc)
+    found = shapes[leaf]
+    need(found is not None, where, f"leaf {leaf} has no stored data", doc)
+    assert found is not None
+    shape, itemsize = found
+    need(len(row) == 4 + 2 * len(shape), where, f"a box of leaf {leaf} needs {2 * len(shape)} integers", doc)
+    start, stop = row[4 : 4 + len(shape)], row[4 + len(shape) :]
+    need(all(is_int(v) for v in start + stop), where, "box bounds must be integers", doc)
+    for d, (a, b, n) in enumerate(zip(start, stop, shape)):
+        need(0 <= a < b <= n, where, f"box [{a}, {b}) outside dimension {d} of size {n}", doc)
+    need(is_int(blob) and 0 <= blob < len(keys), where, f"blob {blob!r} is not in 'blobs'", doc)
+    length = math.prod(b - a for a, b in zip(start, stop)) * itemsize
+    need(is_int(offset) and offset >= 0, where, "offset must be a non-negative integer", doc)
+    need(
+        offset + length <= sizes[blob],
+        where,
+        f"bytes [{offset}, {offset + length}) exceed blob {keys[blob]!r}",
+        doc,
+    )
+    need(is_int(crc) and 0 <= crc < 2**32, where, "crc32c must be a 32-bit integer", doc)
+    raise FormatError(f"{doc} field {where}: malformed")  # pragma: no cover (the fast path takes every valid row)
+
+
+def merge_indexes(manifest: Manifest, docs: Iterable[IndexDoc]) -> Manifest:
+    """``manifest`` with the pieces and blobs of the index objects ``docs``."""
+    pieces: dict[int, list[Piece]] = {}
+    blobs: dict[str, int] = {}
+    processes: set[int] = set()
+    for doc in docs:
+        processes.add(doc.process)
+        blobs.update(doc.blobs)
+        for leaf, found in doc.pieces.items():
+            pieces.setdefault(leaf, []).extend(found)
+    return manifest.with_pieces(pieces, blobs, processes)
