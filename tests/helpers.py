@@ -135,3 +135,29 @@ class ProgressWatchdog:
     def __exit__(self, *exc) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, self._previous)
+
+
+def full_manifest(store, *, size_limit: int = 1 << 30):
+    """A checkpoint's manifest with every piece and blob (format v2: the root plus every index object).
+
+    ``store``: an open store (``objckpt.storage.from_url``) at the checkpoint's prefix.
+    """
+    from objckpt.transfer import runtime
+    from objckpt.transfer.manifest_io import read_checkpoint
+
+    return runtime.run_sync(read_checkpoint(store, size_limit=size_limit))
+
+
+def rewrite_as_v1(store, *, size_limit: int = 1 << 30) -> None:
+    """Turn a committed format v2 checkpoint into the format v1 one with the same blobs:
+    the manifest lists every piece, and the index objects are deleted (v1 has none)."""
+    import dataclasses
+
+    from objckpt.core.format import MANIFEST_KEY
+    from objckpt.transfer import runtime
+
+    manifest = full_manifest(store, size_limit=size_limit)
+    v1 = dataclasses.replace(manifest, version=1, meshes=(), indexes=(), slab_bytes=0, loaded=frozenset())
+    runtime.run_sync(store.put(MANIFEST_KEY, v1.to_json()))
+    for ref in manifest.indexes:
+        runtime.run_sync(store.delete(ref.key))

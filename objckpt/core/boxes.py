@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,18 +36,21 @@ class MeshTable:
     the leaves on it, with its cache of cell replicas.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, process_of: Callable[[Any], int] | None = None) -> None:
         self._index: dict[Any, int] = {}
         self.meshes: list[Mesh] = []
+        # A device's process: its own process_index (planning benchmarks stand in for pods with another rule).
+        self._process_of = process_of or (lambda device: int(device.process_index))
 
-    def number(self, mesh: jax.sharding.Mesh) -> int:
+    def number(self, mesh: Any) -> int:
+        """The number of ``mesh`` (a ``jax.sharding.Mesh``) in this save, adding it when new."""
         found = self._index.get(mesh)
         if found is None:
             devices = list(mesh.devices.flat)
             saved = Mesh(
                 tuple((str(a), int(n)) for a, n in mesh.shape.items()),
                 tuple(int(d.id) for d in devices),
-                tuple(int(d.process_index) for d in devices),
+                tuple(self._process_of(d) for d in devices),
             )
             found = self._index[mesh] = len(self.meshes)
             self.meshes.append(saved)
@@ -66,14 +70,16 @@ def named_spec(sharding: jax.sharding.NamedSharding, rank: int) -> Spec:
     return tuple(out)
 
 
-def grid_of(leaf: int, array: jax.Array, meshes: MeshTable, *, slab_bytes: int) -> tuple[Grid, dict[str, Any]] | None:
-    """The saved grid of ``array`` and its layout for the manifest, or None when its sharding is not one."""
+def grid_of(leaf: int, array: Any, meshes: MeshTable, *, slab_bytes: int) -> tuple[Grid, dict[str, Any]] | None:
+    """The saved grid of ``array`` (a jax.Array, or anything with its shape, dtype and
+    sharding) and its layout for the manifest, or None when its sharding is not one."""
     sharding = array.sharding
-    if not isinstance(sharding, jax.sharding.NamedSharding) or len(sharding.spec) > array.ndim:
+    rank = len(array.shape)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or len(sharding.spec) > rank:
         return None
     if any(entry is not None and not isinstance(entry, (str, tuple)) for entry in sharding.spec):
         return None  # UNCONSTRAINED and the like
-    spec = named_spec(sharding, array.ndim)
+    spec = named_spec(sharding, rank)
     number = meshes.number(sharding.mesh)
     mesh = meshes.meshes[number]
     if not grid_fits(array.shape, spec, mesh):
@@ -121,25 +127,29 @@ def _replica_slices(box: Box, replicas: int) -> list[Box]:
     return out
 
 
-def grid_pieces(leaf: int, array: jax.Array, grid: Grid) -> list[OwnedPiece]:
-    """The boxes of ``array`` that this process's own shards write under ``grid``'s rule.
+def local_shards(array: jax.Array) -> list[tuple[int, tuple[slice, ...], Any]]:
+    """(device id, index, data) of each of ``array``'s shards on this process's devices."""
+    return [(shard.device.id, shard.index, shard.data) for shard in array.addressable_shards]
 
-    Looks at the addressable shards only: the cost follows this host's share,
-    not the number of devices in the job.
+
+def grid_pieces(leaf: int, grid: Grid, shards: list[tuple[int, tuple[slice, ...], Any]]) -> list[OwnedPiece]:
+    """The boxes that this process's own ``shards`` (see :func:`local_shards`) write under ``grid``'s rule.
+
+    Looks at this host's shards only: the cost follows its share, not the
+    number of devices in the job.
     """
-    if math.prod(array.shape) == 0:
+    if math.prod(grid.shape) == 0:
         return []
     out = []
     cell_shape = grid.cell_shape
     itemsize = grid.itemsize
-    for shard in array.addressable_shards:
-        start, _ = index_to_box(shard.index, grid.shape)
+    for device_id, index, data in shards:
+        start, _ = index_to_box(index, grid.shape)
         cell = tuple(a // s if s else 0 for a, s in zip(start, cell_shape))
         origin = grid.cell_box(cell)[0]
-        device_id = shard.device.id
         for (a, b), device, _ in grid.writers(cell):
             if device == device_id:
-                out.append(OwnedPiece(leaf, a, b, itemsize, source=(shard.data, origin), device=device_id))
+                out.append(OwnedPiece(leaf, a, b, itemsize, source=(data, origin), device=device_id))
     return out
 
 
@@ -208,10 +218,17 @@ def piece_bytes_in_place(piece: OwnedPiece) -> memoryview | None:
     return host.reshape(-1).view(np.uint8).data
 
 
-def needed_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Box, list[Any]]:
-    """Unique boxes this process needs for ``sharding``, each with its local devices."""
+def needed_boxes(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...], devices: frozenset[Any] | None = None
+) -> dict[Box, list[Any]]:
+    """Unique boxes this process needs for ``sharding``, each with its local devices
+    (``devices``: those devices instead of this process's; planning benchmarks stand in for one host of a pod)."""
     boxes: dict[Box, list[Any]] = defaultdict(list)
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
+    if devices is None:
+        found = sharding.addressable_devices_indices_map(shape)
+    else:
+        found = {d: index for d, index in sharding.devices_indices_map(shape).items() if d in devices}
+    for device, index in found.items():
         boxes[index_to_box(index, shape)].append(device)
     return boxes
 

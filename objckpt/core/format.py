@@ -55,7 +55,9 @@ class LeafEntry:
     pieces: tuple[Piece, ...] = ()
     value: Any = None
     sharding: dict[str, Any] | None = None
-    layout: dict[str, Any] | None = None  # version 2: who wrote it ({"mesh", "spec"} or {"processes"}); None: any process
+    layout: dict[str, Any] | None = (
+        None  # version 2: who wrote it ({"mesh", "spec"} or {"processes"}); None: any process
+    )
 
     @property
     def prng_impl(self) -> str | None:
@@ -122,7 +124,9 @@ class Manifest:
     def with_pieces(self, pieces: dict[int, list[Piece]], blobs: dict[str, int], processes: set[int]) -> Manifest:
         """This manifest with more pieces (by leaf) and blobs, read from the index objects of ``processes``."""
         leaves = tuple(
-            replace(leaf, pieces=tuple(sorted(leaf.pieces + tuple(pieces[i]), key=_piece_order))) if i in pieces else leaf
+            replace(leaf, pieces=tuple(sorted(leaf.pieces + tuple(pieces[i]), key=_piece_order)))
+            if i in pieces
+            else leaf
             for i, leaf in enumerate(self.leaves)
         )
         known = {b.key: b.size for b in self.blobs}
@@ -371,4 +375,3 @@ def _check_node_keys(keys: Any, n_children: int) -> None:
         seen: set[Any] = set()
         dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
         raise FormatError(f"manifest field 'tree': key {dup!r} appears twice in one node")
-

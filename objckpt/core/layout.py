@@ -92,7 +92,11 @@ class Mesh:
         return out
 
     def to_json(self) -> dict[str, object]:
-        return {"axes": [[a, n] for a, n in self.axes], "devices": list(self.devices), "processes": list(self.processes)}
+        return {
+            "axes": [[a, n] for a, n in self.axes],
+            "devices": list(self.devices),
+            "processes": list(self.processes),
+        }
 
 
 Spec = tuple[tuple[str, ...], ...]  # per dimension, the mesh axes that split it (major first); () = whole
@@ -245,4 +249,3 @@ def _product(ranges: Sequence[range]) -> Iterable[tuple[int, ...]]:
     for r in ranges:
         combos = [c + (v,) for c in combos for v in r]
     return combos
-

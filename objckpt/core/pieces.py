@@ -106,7 +106,9 @@ def _piece_from_json(raw: Any, where: str, shape: list[int], itemsize: int, blob
     return Piece(tuple(start), tuple(stop), blob, offset, length, raw["crc32c"])
 
 
-def check_tiling(pieces: tuple[Piece, ...] | list[Piece], shape: tuple[int, ...], where: str, doc: str = "manifest") -> None:
+def check_tiling(
+    pieces: tuple[Piece, ...] | list[Piece], shape: tuple[int, ...], where: str, doc: str = "manifest"
+) -> None:
     """Pieces must cover ``[0, shape)`` exactly: volumes add up and no two overlap.
 
     Near-linear for the layouts saves make: a grid (every combination of disjoint

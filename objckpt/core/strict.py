@@ -63,7 +63,11 @@ def is_int(x: Any) -> bool:
 
 
 def fields(
-    obj: Any, where: str, required: set[str], optional: set[str] = frozenset(), doc: str = "manifest"  # type: ignore[assignment]
+    obj: Any,
+    where: str,
+    required: set[str],
+    optional: frozenset[str] | set[str] = frozenset(),
+    doc: str = "manifest",
 ) -> None:
     """``obj`` is an object with every ``required`` key and no key outside ``required | optional``."""
     need(isinstance(obj, dict), where, "must be an object", doc)

@@ -58,7 +58,7 @@ from objckpt.restoring.jobs import (
     wait_for_arena,
     whole_box,
 )
-from objckpt.restoring.read_once import share
+from objckpt.restoring.read_once import Designator, share
 from objckpt.restoring.scatter import stream_read
 from objckpt.saving.api import save_in_flight
 from objckpt.transfer import runtime
@@ -152,9 +152,10 @@ def _restore(
     manifest = _read_manifest(store, options)
     selection, subtrees = _select(manifest, target, partial)
     read_once = read_once and jax.process_count() > 1
+    designator = Designator(options.split_replicas_above)
     jobs = {
-        i: make_job(manifest.leaves[i], t, read_once=read_once, unsafe_cast=cast == "unsafe")
-        for i, t in selection.items()
+        i: make_job(manifest.leaves[i], t, read_once=read_once, unsafe_cast=cast == "unsafe", designator=designator)
+        for i, t in sorted(selection.items())
         if manifest.leaves[i].kind in ARRAY_KINDS
     }
     check_host_memory(jobs, physical_memory())  # before any read: sizes come from the manifest

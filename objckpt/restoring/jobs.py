@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from objckpt.core.boxes import Box, index_to_box, needed_boxes
+from objckpt.core.boxes import Box, box_to_slices, index_to_box, needed_boxes
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format import LeafEntry, Piece
 from objckpt.core.pieces import find_overlap
@@ -30,7 +30,7 @@ from objckpt.errors import FormatError, HostMemoryError, TargetMismatchError
 from objckpt.progress import human_bytes
 from objckpt.restoring.arena import AssemblyArena
 from objckpt.restoring.casts import cast_values, check_cast
-from objckpt.restoring.read_once import designate
+from objckpt.restoring.read_once import Designator
 from objckpt.restoring.read_once import supported as read_once_supported
 from objckpt.transfer.buffers import aligned_arrays, aligned_zeros, fault_in
 
@@ -54,7 +54,9 @@ class LeafJob:
     buffers: dict[Box, np.ndarray] = field(default_factory=dict)  # allocated when the first piece lands
     remaining: int = 0
     key_sharding: Any = None  # typed PRNG keys: where to put the wrapped keys
-    designated: dict[Box, Any] | None = None  # read-once: the device that reads each box
+    designated: dict[Box, list[tuple[Box, Any]]] | None = (
+        None  # read-once: each box's slabs and the device reading each
+    )
     box_remaining: dict[Box, int] = field(default_factory=dict)  # pieces still to land, per box
     meets: dict[Box, list[tuple[Box, Box]]] = field(default_factory=dict)  # piece → (box, piece ∩ box) per box it meets
     placed: list[jax.Array] = field(default_factory=list)  # single-device arrays of finished boxes
@@ -78,17 +80,34 @@ class LeafJob:
 
     @property
     def read_boxes(self) -> list[Box]:
-        """Boxes this process fetches: all it needs, or with read-once only its designated ones."""
+        """Boxes this process fetches: all it needs, or with read-once only the slabs designated to its devices."""
         if self.designated is None:
             return list(self.devices_by_box)
-        return [box for box, devices in self.devices_by_box.items() if self.designated[box] in devices]
+        return [
+            slab
+            for box, devices in self.devices_by_box.items()
+            for slab, device in self.designated[box]
+            if device in devices
+        ]
 
     result: Any = None
     done: bool = field(default=False)
 
 
-def make_job(entry: LeafEntry, target: Any, *, read_once: bool = False, unsafe_cast: bool = False) -> LeafJob:
+def make_job(
+    entry: LeafEntry,
+    target: Any,
+    *,
+    read_once: bool = False,
+    unsafe_cast: bool = False,
+    devices: frozenset[Any] | None = None,
+    designator: Designator | None = None,
+) -> LeafJob:
     """The job restoring ``entry`` onto ``target`` (see :func:`objckpt.restore` for the target forms).
+
+    ``devices``: plan for these devices instead of this process's (planning benchmarks
+    stand in for one host of a pod). ``designator``: with ``read_once``, the restore's
+    (one for all its leaves, so the bytes each process reads balance across leaves).
 
     Raises:
         TargetMismatchError: the shape differs, the sharding does not fit, or
@@ -117,13 +136,13 @@ def make_job(entry: LeafEntry, target: Any, *, read_once: bool = False, unsafe_c
         if not unsafe_cast:
             check_cast(entry.path, dtype, out_dtype)
         try:
-            devices_by_box = needed_boxes(sharding, shape)
+            devices_by_box = needed_boxes(sharding, shape, devices)
         except Exception as e:
             raise TargetMismatchError(
                 f"leaf {entry.path}: sharding {sharding} does not fit shape {shape}: {e}"
             ) from None
         if read_once and isinstance(sharding, NamedSharding) and read_once_supported(sharding, out_dtype):
-            designated = designate(sharding, shape, dtype.itemsize)
+            designated = (designator or Designator(1 << 20)).designate(sharding, shape, dtype.itemsize)
             return LeafJob(
                 entry, dtype, out_dtype, sharding, devices_by_box, designated=designated, unsafe_cast=unsafe_cast
             )
@@ -419,10 +438,13 @@ def finish(job: LeafJob) -> None:
         singles = []
         for box, devices in job.devices_by_box.items():
             for device in devices:
-                if job.designated[box] == device:
+                mine = [slab for slab, reader in job.designated[box] if reader == device]
+                if mine == [box]:
                     host = buffers[box]
-                else:
+                else:  # zeros but for the slabs this device read
                     host = aligned_zeros(tuple(b - a for a, b in zip(*box)), out_dtype)
+                    for slab in mine:
+                        host[box_to_slices(*slab, origin=box[0])] = buffers[slab]
                 singles.append(jax.device_put(host, device))
         job.result = jax.make_array_from_single_device_arrays(entry.shape or (), job.sharding, singles)
     elif job.places_early:

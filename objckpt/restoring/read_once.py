@@ -1,14 +1,19 @@
 """Read-once restore: each unique byte leaves the store once, replicas get it over the devices.
 
 When a target sharding replicates a box on devices of several processes (data
-parallelism), a plain restore makes every process read it. Read-once picks one
-*designated* device per unique box (spreading bytes evenly over processes);
-only that device's process reads the box, the other replicas start as zeros,
-and one jitted ``psum`` over the replica mesh axes (on the bits, as unsigned
-integers, so the sum of data and zeros is exact for every value, -0.0 and NaN
-payloads included) gives every replica the bytes.
+parallelism), a plain restore makes every process read it. Read-once cuts each
+unique box into slabs along its leading axis (one per replica, each at least a
+minimum size, as saves do) and *designates* one replica device per slab; only
+that device's process reads the slab, every replica starts as zeros but for the
+slabs it read, and one jitted ``psum`` over the replica mesh axes (on the bits,
+as unsigned integers, so the sum of data and zeros is exact for every value,
+-0.0 and NaN payloads included) gives every replica the whole box.
 
-Every process computes the same designation from the sharding alone.
+Every process computes the same designation from the shardings and the leaf
+table alone (no messaging): slabs of a large box go round its replicas, and a
+box too small to cut goes to the replica whose process has been given the
+fewest bytes so far in this restore, so the bytes each process reads stay even
+across leaves.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from objckpt.core.boxes import Box, index_to_box
+from objckpt.core.layout import leading_slabs, slab_count
 
 _UINT_FOR_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -49,20 +55,38 @@ def supported(sharding: Any, dtype: np.dtype) -> bool:
     return not (dtype.itemsize == 1 and dtype.name in ("int4", "uint4", "int2", "uint2", "float4_e2m1fn"))
 
 
-def designate(sharding: NamedSharding, shape: tuple[int, ...], itemsize: int) -> dict[Box, Any]:
-    """For each unique box, the one device whose process reads it; bytes balanced over processes."""
-    replicas: dict[Box, list[Any]] = defaultdict(list)
-    for device, index in sharding.devices_indices_map(shape).items():
-        replicas[index_to_box(index, shape)].append(device)
-    load: dict[int, int] = defaultdict(int)
-    chosen: dict[Box, Any] = {}
-    ordered = sorted(replicas, key=lambda box: (-_volume(box), box))
-    for box in ordered:
-        devices = sorted(replicas[box], key=lambda d: d.id)
-        device = min(devices, key=lambda d: (load[d.process_index], d.id))
-        chosen[box] = device
-        load[device.process_index] += _volume(box) * itemsize
-    return chosen
+class Designator:
+    """Designates, for one restore, which replica device reads each slab of each replicated box."""
+
+    def __init__(self, min_slab: int) -> None:
+        self.min_slab = min_slab
+        self.load: dict[int, int] = defaultdict(int)  # bytes designated per process so far
+
+    def designate(
+        self, sharding: NamedSharding, shape: tuple[int, ...], itemsize: int
+    ) -> dict[Box, list[tuple[Box, Any]]]:
+        """For each unique box of ``sharding``: its slabs, each with the device that reads it.
+
+        Call for the leaves of a restore in the same order on every process.
+        """
+        replicas: dict[Box, list[Any]] = defaultdict(list)
+        for device, index in sharding.devices_indices_map(shape).items():
+            replicas[index_to_box(index, shape)].append(device)
+        chosen: dict[Box, list[tuple[Box, Any]]] = {}
+        for box in sorted(replicas, key=lambda box: (-_volume(box), box)):
+            devices = sorted(replicas[box], key=lambda d: d.id)
+            parts = slab_count(box, itemsize, len(devices), self.min_slab)
+            if parts == 1:
+                device = min(devices, key=lambda d: (self.load[d.process_index], d.id))
+                chosen[box] = [(box, device)]
+            else:
+                turn = sum(box[0]) + len(chosen)
+                chosen[box] = [
+                    (slab, devices[(turn + k) % len(devices)]) for k, slab in enumerate(leading_slabs(box, parts))
+                ]
+            for slab, device in chosen[box]:
+                self.load[device.process_index] += _volume(slab) * itemsize
+        return chosen
 
 
 def _volume(box: Box) -> int:

@@ -12,7 +12,7 @@ from dataclasses import replace
 import jax
 import numpy as np
 
-from objckpt.core.boxes import MeshTable, describe_sharding, grid_of, grid_pieces, owned_pieces
+from objckpt.core.boxes import MeshTable, describe_sharding, grid_of, grid_pieces, local_shards, owned_pieces
 from objckpt.core.dtypes import dtype_name
 from objckpt.core.format import LeafEntry
 from objckpt.core.plan import OwnedPiece
@@ -86,7 +86,7 @@ def _array_pieces(
     found = grid_of(index, array, meshes, slab_bytes=split_above)
     if found is not None:
         grid, layout = found
-        return replace(entry, layout=layout), grid_pieces(index, array, grid)
+        return replace(entry, layout=layout), grid_pieces(index, grid, local_shards(array))
     pieces, writers = owned_pieces(index, array, split_above=split_above)
     return replace(entry, layout={"processes": writers}), pieces
 

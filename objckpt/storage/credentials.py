@@ -183,7 +183,9 @@ def _gce_metadata_host(environ: Mapping[str, str]) -> str:
 
 def _gce_metadata_answers(environ: Mapping[str, str]) -> bool:
     """One short request to the GCE metadata server."""
-    return _answers(f"http://{_gce_metadata_host(environ)}", "GET", "/computeMetadata/v1/", {"Metadata-Flavor": "Google"})
+    return _answers(
+        f"http://{_gce_metadata_host(environ)}", "GET", "/computeMetadata/v1/", {"Metadata-Flavor": "Google"}
+    )
 
 
 def check_gcs_credentials(url: str, options: Mapping[str, Any], environ: Mapping[str, str]) -> None:

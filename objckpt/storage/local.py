@@ -45,6 +45,7 @@ from typing import BinaryIO
 #: Prefix of in-flight temporary files; listings skip names starting with it.
 TMP_PREFIX = ".objckpt-tmp-"
 
+
 def _current_umask() -> int:
     """The process's umask, read without changing it where the OS allows
     (``/proc/self/status`` on Linux); elsewhere ``os.umask`` can only be read by

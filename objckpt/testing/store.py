@@ -313,4 +313,3 @@ class StoreConformance:
                     await store.get(bad)
 
         run(go())
-
