@@ -293,7 +293,12 @@ def parse_index(data: bytes, manifest: Manifest, process: int, *, size_limit: in
     fields(doc, "(top level)", {"format", "version", "save_id", "process", "blobs", "pieces"}, doc=doc_name)
     need(doc["format"] == INDEX_FORMAT, "'format'", f"must be {INDEX_FORMAT!r}", doc_name)
     need(doc["version"] == 2 and is_int(doc["version"]), "'version'", "must be 2", doc_name)
-    need(doc["save_id"] == manifest.save_id, "'save_id'", "is not the manifest's", doc_name)
+    need(
+        isinstance(doc["save_id"], str) and index_key(doc["save_id"], process) == ref.key,
+        "'save_id'",
+        "does not name this index object (each process's save id is in its key)",
+        doc_name,
+    )
     need(doc["process"] == process and is_int(doc["process"]), "'process'", f"must be {process}", doc_name)
     need(isinstance(doc["blobs"], list), "'blobs'", "must be a list", doc_name)
     keys: list[str] = []
