@@ -147,9 +147,11 @@ def grid_pieces(leaf: int, grid: Grid, shards: list[tuple[int, tuple[slice, ...]
         start, _ = index_to_box(index, grid.shape)
         cell = tuple(a // s if s else 0 for a, s in zip(start, cell_shape))
         origin = grid.cell_box(cell)[0]
-        for (a, b), device, _ in grid.writers(cell):
+        writers = grid.writers(cell)
+        shared = len(grid.replicas(cell)) > 1
+        for (a, b), device, _ in writers:
             if device == device_id:
-                out.append(OwnedPiece(leaf, a, b, itemsize, source=(data, origin), device=device_id))
+                out.append(OwnedPiece(leaf, a, b, itemsize, source=(data, origin), device=device_id, shared=shared))
     return out
 
 

@@ -246,6 +246,15 @@ def writers_of(manifest: Manifest, leaf: int, boxes: Iterable[Box]) -> set[int]:
     return out
 
 
+def leaves_by_writer(manifest: Manifest, boxes: dict[int, Iterable[Box]]) -> dict[int, set[int]]:
+    """For the boxes a reader needs (by leaf), which leaves it needs from each process's index object."""
+    out: dict[int, set[int]] = {}
+    for leaf, wanted in boxes.items():
+        for process in writers_of(manifest, leaf, wanted):
+            out.setdefault(process, set()).add(leaf)
+    return out
+
+
 # ----------------------------------------------------------------------------- index objects
 
 
@@ -274,8 +283,14 @@ def index_to_json(save_id: str, process: int, records: Iterable[tuple[int, Piece
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
-def parse_index(data: bytes, manifest: Manifest, process: int, *, size_limit: int) -> IndexDoc:
+def parse_index(
+    data: bytes, manifest: Manifest, process: int, *, size_limit: int, leaves: set[int] | None = None
+) -> IndexDoc:
     """Check an index object against the root's record of it, then read it strictly.
+
+    ``leaves``: keep only the pieces of these leaves (a restore reads a process's
+    index for some leaves only, such as the small replicated ones it wrote); every
+    other row must still be a list that names a leaf by an integer, and is skipped.
 
     Raises:
         FormatError: naming the index object and the field (size, checksum, a
@@ -323,6 +338,10 @@ def parse_index(data: bytes, manifest: Manifest, process: int, *, size_limit: in
     pieces: dict[int, list[Piece]] = {}
     sizes = [blobs[k] for k in keys]
     for n, row in enumerate(doc["pieces"]):
+        if leaves is not None:
+            need(type(row) is list and len(row) > 0 and is_int(row[0]), f"'pieces[{n}]'", "must start with a leaf", doc_name)
+            if row[0] not in leaves:
+                continue
         leaf, piece = _fast_row(row, shapes, keys, sizes) or _row(row, f"'pieces[{n}]'", shapes, keys, sizes, doc_name)
         pieces.setdefault(leaf, []).append(piece)
     return IndexDoc(process, blobs, pieces)

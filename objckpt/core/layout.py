@@ -25,6 +25,7 @@ the pieces a target box needs. Pure: no JAX, no I/O.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -124,8 +125,9 @@ class Grid:
         return tuple(n // k for n, k in zip(self.shape, self.splits))
 
     def cell_box(self, cell: Index) -> Box:
-        start = tuple(c * s for c, s in zip(cell, self.cell_shape))
-        return start, tuple(a + s for a, s in zip(start, self.cell_shape))
+        shape = self.cell_shape
+        start = tuple(map(operator.mul, cell, shape))
+        return start, tuple(map(operator.add, start, shape))
 
     def cell_of_position(self, position: Index) -> Index:
         """The cell held by the device at mesh ``position``."""

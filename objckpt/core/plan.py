@@ -13,7 +13,9 @@ pod scale with no data.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
+import operator
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -51,14 +53,23 @@ class OwnedPiece:
     itemsize: int
     source: Any = None
     device: int = -1  # the device whose shard it comes from (-1: host data); saves pack a device's pieces together
+    shared: bool = False  # part of a box every replica needs (a replicated cell): saves pack these first
 
     @property
     def shape(self) -> Index:
-        return tuple(b - a for a, b in zip(self.start, self.stop))
+        return tuple(map(operator.sub, self.stop, self.start))
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
+        """Bytes of the box (cached: packing asks for it once per open blob it tries)."""
+        return math.prod(map(operator.sub, self.stop, self.start)) * self.itemsize
+
+
+def packing_order(piece: OwnedPiece) -> tuple[bool, int]:
+    """The order a save packs its pieces in: pieces of replicated boxes (norms, biases: every
+    host reads them) together first, then each device's pieces, leaf after leaf, so a restore
+    onto the same mesh, or any mesh whose boxes gather whole saved shards, reads long runs."""
+    return not piece.shared, piece.device
 
 
 @dataclass(frozen=True)
@@ -154,7 +165,7 @@ def plan_blobs(
     open_blobs: list[_OpenBlob] = []
     for piece in pieces:
         for start, stop in split_box(piece.start, piece.stop, piece.itemsize, max_bytes=blob_size):
-            part = OwnedPiece(piece.leaf, start, stop, piece.itemsize, piece.source, piece.device)
+            part = OwnedPiece(piece.leaf, start, stop, piece.itemsize, piece.source, piece.device, piece.shared)
             for blob in open_blobs:
                 offset = blob.offset_for(part, blob_size)
                 if offset is not None:

@@ -12,6 +12,7 @@ holds little more than the leaves in flight.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from jax.tree_util import keystr
 from objckpt.core.boxes import box_to_slices
 from objckpt.core.checksum import crc32c
 from objckpt.core.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
-from objckpt.core.format_v2 import writers_of
+from objckpt.core.format_v2 import leaves_by_writer
 from objckpt.core.plan import ReadRequest, plan_reads
 from objckpt.core.tree import build, find_subtree, flatten_target, leaf_indices, unflatten_target
 from objckpt.errors import (
@@ -214,10 +215,10 @@ def _read_manifest(store: Any, options: Options) -> Manifest:
 def _read_needed_indexes(store: Any, manifest: Manifest, jobs: dict[int, LeafJob], options: Options) -> Manifest:
     """Read the index objects of the processes that wrote the boxes ``jobs`` read, and
     give each job its leaf's pieces from them (format version 2)."""
-    processes: set[int] = set()
-    for i, job in jobs.items():
-        processes |= writers_of(manifest, i, job.read_boxes)
-    manifest = runtime.run_sync(read_indexes(store, manifest, processes, size_limit=options.manifest_size_limit))
+    leaves = leaves_by_writer(manifest, {i: job.read_boxes for i, job in jobs.items()})
+    manifest = runtime.run_sync(
+        read_indexes(store, manifest, leaves, size_limit=options.manifest_size_limit, leaves=leaves)
+    )
     for i, job in jobs.items():
         job.entry = manifest.leaves[i]
     return manifest
@@ -234,7 +235,7 @@ def _check_coverage(
     malformed, so the choice costs speed, never data.
     """
     gaps = {i: box for i, job in jobs.items() if (box := uncovered(job)) is not None}
-    if gaps and not manifest.complete:
+    if gaps:
         i, box = next(iter(gaps.items()))
         log.warning(
             "objckpt: the index objects chosen for %s do not cover leaf %s box %s; reading all %d",
@@ -243,8 +244,9 @@ def _check_coverage(
             box,
             len(manifest.indexes),
         )
+        root = dataclasses.replace(manifest, leaves=_without_pieces(manifest.leaves), blobs=(), loaded=frozenset())
         manifest = runtime.run_sync(
-            read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=options.manifest_size_limit)
+            read_indexes(store, root, range(len(manifest.indexes)), size_limit=options.manifest_size_limit)
         )
         for i, job in jobs.items():
             job.entry = manifest.leaves[i]
@@ -257,6 +259,10 @@ def _check_coverage(
             f" its box {list(start)}-{list(stop)} exactly (holes or overlaps)"
         )
     return requests
+
+
+def _without_pieces(leaves: tuple[LeafEntry, ...]) -> tuple[LeafEntry, ...]:
+    return tuple(dataclasses.replace(leaf, pieces=()) for leaf in leaves)
 
 
 def _select(manifest: Manifest, target: Any, partial: bool) -> tuple[dict[int, Any], dict[str, dict[str, Any]]]:

@@ -43,7 +43,7 @@ from objckpt.core.format import FORMAT_VERSION, MANIFEST_KEY, IndexRef, LeafEntr
 from objckpt.core.format_v2 import index_key, index_to_json
 from objckpt.core.layout import Mesh
 from objckpt.core.metadata import to_json_value
-from objckpt.core.plan import blob_key, plan_blobs
+from objckpt.core.plan import blob_key, packing_order, plan_blobs
 from objckpt.core.tree import flatten
 from objckpt.errors import (
     CheckpointExistsError,
@@ -212,9 +212,7 @@ def _begin(
         )
         entries.append(entry)
         owned.extend(pieces)
-    # A device's pieces lie together, leaf after leaf: a restore onto the same mesh, or
-    # any mesh whose boxes gather whole saved shards, reads long runs of a blob.
-    owned.sort(key=lambda piece: piece.device)
+    owned.sort(key=packing_order)
     save_id = uuid.uuid4().hex
     blobs = plan_blobs(
         owned,

@@ -72,8 +72,19 @@ async def _fetch(store: Store, size_limit: int) -> bytes:
     return data
 
 
-async def read_indexes(store: Store, manifest: Manifest, processes: Iterable[int], *, size_limit: int) -> Manifest:
+async def read_indexes(
+    store: Store,
+    manifest: Manifest,
+    processes: Iterable[int],
+    *,
+    size_limit: int,
+    leaves: dict[int, set[int]] | None = None,
+) -> Manifest:
     """``manifest`` with the pieces of the index objects of ``processes`` (those not read yet).
+
+    ``leaves``: per process, keep only the pieces of these leaves (a restore needs
+    a few leaves from most of the processes it reads: see
+    :func:`objckpt.core.format_v2.parse_index`); None keeps every piece.
 
     Each is checked against the root's size and crc32c and parsed strictly; one
     that fails is read again (as :func:`read_manifest` does) before it is a
@@ -95,7 +106,8 @@ async def read_indexes(store: Store, manifest: Manifest, processes: Iterable[int
                         f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
                     ) from None
                 try:
-                    return parse_index(data, manifest, process, size_limit=size_limit)
+                    kept = None if leaves is None else leaves.get(process, set())
+                    return parse_index(data, manifest, process, size_limit=size_limit, leaves=kept)
                 except FormatError as e:
                     if attempt >= MANIFEST_READS:
                         raise FormatError(f"{e} (the same over {MANIFEST_READS} reads)") from None
