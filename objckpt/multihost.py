@@ -80,18 +80,25 @@ class _JaxCoordinator(Coordinator):
         try:
             client.wait_at_barrier(name, int(timeout * 1000))  # type: ignore[attr-defined]
         except Exception as e:  # the service raises XlaRuntimeError(DEADLINE_EXCEEDED, ...)
-            missing = self._missing(f"{name}/arrived/") or _named_in(str(e), self.process_count)
+            missing = self._missing(f"{name}/arrived/")
+            if missing is None:
+                missing = [p for p in _named_in(str(e), self.process_count) if p != self.process_index]
             who = ", ".join(str(p) for p in missing) if missing else "none named by the coordination service"
             raise CoordinationError(
                 f"barrier {name!r} timed out after {timeout:g} s; processes that did not arrive: {who} ({e})"
             ) from None
 
-    def _missing(self, prefix: str) -> list[int]:
+    def _missing(self, prefix: str) -> list[int] | None:
+        """The processes with no arrival key under ``prefix``; None when the keys cannot tell:
+        the service refused the call, or this process's own key is gone (a peer that gave up
+        first has already deleted the operation's keys, see :meth:`forget`)."""
         try:
             entries = self._client.key_value_dir_get(prefix)  # type: ignore[attr-defined]
         except Exception:
-            return []
+            return None
         arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in entries}
+        if self.process_index not in arrived:
+            return None
         return [p for p in range(self.process_count) if p not in arrived]
 
     def publish(self, name: str, value: bytes) -> None:

@@ -26,7 +26,9 @@ PROCESS = int(os.environ.get("OBJCKPT_MP_PROCESS", "0"))
 COUNT = int(os.environ.get("OBJCKPT_MP_COUNT", "1"))
 JOB: dict[str, Any] = json.loads(os.environ.get("OBJCKPT_MP_JOB", "{}"))
 
-# name: (shape, dtype, spec as a list per dimension: axis name, list of names, or None)
+# name: (shape, dtype, spec as a list per dimension: axis name, list of names, or None).
+# A job may bring its own as ``leaves`` (the same, as JSON); ``extras: false`` leaves
+# out the non-array leaves (and the host numpy array, which process 0 writes).
 LEAVES = {
     "w": ((256, 512), "float32", [None, "model"]),
     "emb": ((512, 128), "bfloat16", ["model", None]),
@@ -34,6 +36,9 @@ LEAVES = {
     "bias": ((1024,), "float32", [None]),
     "scale": ((64, 64), "int8", [None, None]),
 }
+if "leaves" in JOB:
+    LEAVES = {name: (tuple(shape), dtype, spec) for name, (shape, dtype, spec) in JOB["leaves"].items()}
+EXTRAS = bool(JOB.get("extras", True))
 
 
 def shape_of(name: str) -> tuple[int, ...]:
@@ -72,6 +77,8 @@ def make_tree(job: dict[str, Any]) -> dict[str, Any]:
         host = global_value(name)
         sharding = NamedSharding(mesh, spec_for(name, mesh, remap))
         params[name] = jax.make_array_from_callback(host.shape, sharding, lambda idx, host=host: host[idx])
+    if not EXTRAS:
+        return {"params": params}
     return {"params": params, "step": 42, "host": np.arange(10, dtype=np.int32), "note": "multi-host"}
 
 
@@ -84,6 +91,8 @@ def target_tree(job: dict[str, Any]) -> dict[str, Any]:
         )
         for name, (_, dtype, _) in LEAVES.items()
     }
+    if not EXTRAS:
+        return {"params": params}
     return {"params": params, "step": 0, "host": None, "note": ""}
 
 
@@ -98,6 +107,8 @@ def check(restored: dict[str, Any], target: dict[str, Any]) -> list[str]:
         for shard in array.addressable_shards:
             if np.asarray(shard.data).tobytes() != expected[shard.index].tobytes():
                 bad.append(f"{name}: shard {shard.index} on {shard.device}")
+    if not EXTRAS:
+        return bad
     if restored["step"] != 42 or restored["note"] != "multi-host" or not (restored["host"] == np.arange(10)).all():
         bad.append("non-array leaves")
     return bad
@@ -107,34 +118,147 @@ def options(job: dict[str, Any]) -> objckpt.Options:
     return objckpt.Options(**job.get("options", {}))
 
 
+class CountingClient:
+    """Wraps JAX's coordination client and counts the bytes objckpt sends it and gets back."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.sent = 0
+        self.received = 0
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.sent += sum(_size(a) for a in (*args, *kwargs.values()))
+            out = attr(*args, **kwargs)
+            self.received += _size(out)
+            return out
+
+        return call
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"sent": self.sent, "received": self.received, "calls": dict(self.calls)}
+
+
+def _size(value: Any) -> int:
+    """Bytes of a key, a value, or a directory listing ((key, value) pairs); 0 for numbers."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(_size(v) for v in value)
+    return 0
+
+
+def count_coordination() -> CountingClient:
+    """Route every coordinator objckpt makes through one counting client (call after initialize)."""
+    from jax._src import distributed
+
+    from objckpt import multihost
+
+    counting = CountingClient(distributed.global_state.client)
+    original = multihost._JaxCoordinator.__init__
+
+    def init(self: Any, client: Any, process_index: int, process_count: int) -> None:
+        original(self, counting, process_index, process_count)
+
+    multihost._JaxCoordinator.__init__ = init  # type: ignore[method-assign]
+    return counting
+
+
+def count_index_reads() -> list[int]:
+    """The processes whose index objects this process fetches and parses, in order."""
+    from objckpt.transfer import manifest_io
+
+    read: list[int] = []
+    original = manifest_io.parse_index
+
+    def parse(data: bytes, manifest: Any, process: int, **kwargs: Any) -> Any:
+        read.append(process)
+        return original(data, manifest, process, **kwargs)
+
+    manifest_io.parse_index = parse  # type: ignore[assignment]
+    return read
+
+
+def leftover_keys(label: str) -> list[str]:
+    """objckpt's keys in the coordination service once every process has reached ``label``."""
+    if COUNT == 1:
+        return []
+    from jax._src import distributed
+
+    from objckpt.multihost import get_coordinator
+
+    coordinator = get_coordinator()
+    coordinator.barrier(f"mp_probe/{label}", timeout=60)  # outside objckpt/: its keys are not counted
+    keys = sorted(k for k, _ in distributed.global_state.client.key_value_dir_get("objckpt/"))
+    coordinator.barrier(f"mp_probe/{label}/read", timeout=60)  # nobody starts the next operation before
+    return keys
+
+
+def save(counting: CountingClient | None) -> dict[str, Any]:
+    tree = jax.block_until_ready(make_tree(JOB))
+    before = counting.snapshot() if counting else None
+    started = time.perf_counter()
+    handle = objckpt.save_async(
+        JOB["url"], tree, storage_options=JOB.get("storage_options") or {}, options=options(JOB)
+    )
+    handle.result()
+    seconds = time.perf_counter() - started
+    result: dict[str, Any] = {
+        "bytes_written": handle.stats.bytes_written,
+        "objects": handle.stats.objects_written,
+        "seconds": seconds,
+    }
+    if counting and before:
+        after = counting.snapshot()
+        result["coordination"] = {
+            "sent": after["sent"] - before["sent"],
+            "received": after["received"] - before["received"],
+            "calls": {k: n - before["calls"].get(k, 0) for k, n in after["calls"].items()},
+        }
+    if JOB.get("probe_keys"):
+        result["leftover_keys"] = leftover_keys("saved")
+    return result
+
+
+def restore() -> dict[str, Any]:
+    indexes = count_index_reads() if JOB.get("count_indexes") else None
+    stats = objckpt.TransferStats()
+    target = target_tree(JOB)
+    started = time.perf_counter()
+    restored = objckpt.restore(
+        JOB["url"],
+        target,
+        storage_options=JOB.get("storage_options") or {},
+        read_once=JOB.get("read_once", False),
+        options=options(JOB),
+        stats=stats,
+    )
+    seconds = time.perf_counter() - started
+    result: dict[str, Any] = {"bytes_read": stats.bytes_read, "mismatches": check(restored, target), "seconds": seconds}
+    if indexes is not None:
+        result["indexes_read"] = indexes
+    if JOB.get("probe_keys"):
+        result["leftover_keys"] = leftover_keys("restored")
+    return result
+
+
 def run() -> dict[str, Any]:
     kind = JOB["kind"]
     so = JOB.get("storage_options") or {}
+    counting = count_coordination() if JOB.get("count_coordination") and COUNT > 1 else None
     if kind == "save":
-        tree = jax.block_until_ready(make_tree(JOB))
-        started = time.perf_counter()
-        handle = objckpt.save_async(JOB["url"], tree, storage_options=so, options=options(JOB))
-        handle.result()
-        seconds = time.perf_counter() - started
-        return {
-            "bytes_written": handle.stats.bytes_written,
-            "objects": handle.stats.objects_written,
-            "seconds": seconds,
-        }
+        result = save(counting)
+        if JOB.get("restore_after"):  # the same processes read it back (keys: a second operation tag)
+            result["restore"] = restore()
+        return result
     if kind == "restore":
-        stats = objckpt.TransferStats()
-        target = target_tree(JOB)
-        started = time.perf_counter()
-        restored = objckpt.restore(
-            JOB["url"],
-            target,
-            storage_options=so,
-            read_once=JOB.get("read_once", False),
-            options=options(JOB),
-            stats=stats,
-        )
-        seconds = time.perf_counter() - started
-        return {"bytes_read": stats.bytes_read, "mismatches": check(restored, target), "seconds": seconds}
+        return restore()
     if kind == "save_with_victim":
         mgr = objckpt.CheckpointManager(JOB["url"], storage_options=so, options=options(JOB))
         mgr.save(1, make_tree(JOB), wait=True)
@@ -148,6 +272,25 @@ def run() -> dict[str, Any]:
             return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - started}
         return {"error": None, "seconds": time.monotonic() - started}
     raise ValueError(f"unknown job kind {kind!r}")
+
+
+def wait_for_survivors(timeout: float = 30) -> None:
+    """After a peer died: process 0 hosts the coordination service, so it stays until every
+    other survivor has printed its result (each says so in the key-value store), or ``timeout``."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    try:
+        if PROCESS != 0:
+            client.key_value_set(f"mp_worker/done/{PROCESS}", "1")
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(client.key_value_dir_get("mp_worker/done/")) >= COUNT - 2:  # all but this one and the victim
+                return
+            time.sleep(0.1)
+    except Exception:  # the service is failing: nothing to wait for
+        pass
 
 
 def main() -> None:
@@ -168,7 +311,9 @@ def main() -> None:
         os._exit(1)
     print("RESULT " + json.dumps(result), flush=True)
     sys.stderr.flush()
-    if COUNT > 1 and JOB["kind"] != "save_with_victim":
+    if COUNT > 1 and JOB["kind"] == "save_with_victim":
+        wait_for_survivors()
+    elif COUNT > 1:
         # Process 0 hosts the coordination service: leaving before the others are done kills them.
         from objckpt.multihost import get_coordinator
 

@@ -27,9 +27,17 @@ def free_port() -> int:
 
 
 def run_processes(
-    n: int, job: dict[str, Any], *, timeout: float = 180, devices_per_process: int = 4
+    n: int,
+    job: dict[str, Any],
+    *,
+    timeout: float = 180,
+    devices_per_process: int = 4,
+    stderr: list[str] | None = None,
 ) -> list[dict[str, Any] | None]:
-    """Run ``job`` in ``n`` processes; each one's parsed RESULT line (None if it printed none)."""
+    """Run ``job`` in ``n`` processes; each one's parsed RESULT line (None if it printed none).
+
+    ``stderr``: a list to fill with each process's standard error, in process order.
+    """
     port = free_port()
     procs = []
     for pid in range(n):
@@ -65,6 +73,8 @@ def run_processes(
     finally:
         _kill_all(procs)
     results: list[dict[str, Any] | None] = []
+    if stderr is not None:
+        stderr.extend(err for _, err in outputs)
     for out, err in outputs:
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
         results.append(json.loads(lines[-1][len("RESULT ") :]) if lines else None)

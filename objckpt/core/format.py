@@ -124,9 +124,7 @@ class Manifest:
     def with_pieces(self, pieces: dict[int, list[Piece]], blobs: dict[str, int], processes: set[int]) -> Manifest:
         """This manifest with more pieces (by leaf) and blobs, read from the index objects of ``processes``."""
         leaves = tuple(
-            replace(leaf, pieces=tuple(sorted(leaf.pieces + tuple(pieces[i]), key=_piece_order)))
-            if i in pieces
-            else leaf
+            replace(leaf, pieces=leaf.pieces + tuple(pieces[i])) if i in pieces else leaf
             for i, leaf in enumerate(self.leaves)
         )
         known = {b.key: b.size for b in self.blobs}
@@ -155,10 +153,6 @@ class Manifest:
             "leaves": [_leaf_to_json(leaf) for leaf in self.leaves],
         }
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _piece_order(piece: Piece) -> tuple[Index, str, int]:
-    return piece.start, piece.blob, piece.offset
 
 
 def _leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:

@@ -125,9 +125,13 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
             need(is_int(raw[name]) and raw[name] >= 0, f"{where}.{name}", "must be a non-negative integer")
         indexes.append(IndexRef(key, raw["size"], raw["crc32c"], raw["blobs"], raw["blob_bytes"]))
     leaves = parse_leaves(doc["leaves"], None)
+    checked: set[str] = set()  # layouts (with their shape) already found good: most leaves share a few
     for i, leaf in enumerate(leaves):
         if leaf.layout is not None:
-            _check_layout(leaf.layout, f"'leaves[{i}]'.layout", leaf.shape or (), meshes, processes)
+            key = json.dumps([leaf.layout, leaf.shape])
+            if key not in checked:
+                _check_layout(leaf.layout, f"'leaves[{i}]'.layout", leaf.shape or (), meshes, processes)
+                checked.add(key)
     check_tree_leaves(doc["tree"], len(leaves))
     return Manifest(
         save_id=doc["save_id"],
@@ -339,7 +343,8 @@ def parse_index(
     sizes = [blobs[k] for k in keys]
     for n, row in enumerate(doc["pieces"]):
         if leaves is not None:
-            need(type(row) is list and len(row) > 0 and is_int(row[0]), f"'pieces[{n}]'", "must start with a leaf", doc_name)
+            if not (type(row) is list and row and type(row[0]) is int):  # a bool is not a leaf either
+                raise FormatError(f"{doc_name} field 'pieces[{n}]': must start with a leaf")
             if row[0] not in leaves:
                 continue
         leaf, piece = _fast_row(row, shapes, keys, sizes) or _row(row, f"'pieces[{n}]'", shapes, keys, sizes, doc_name)

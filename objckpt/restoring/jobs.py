@@ -267,6 +267,8 @@ def uncovered(job: LeafJob) -> Box | None:
         for box, (start, stop) in meets:
             parts[box].append(_Part(start, stop))
     for box, found in parts.items():
+        if len(found) == 1 and (found[0].start, found[0].stop) == box:
+            continue  # one piece, exactly the box
         volume = math.prod(b - a for a, b in zip(*box))
         if sum(math.prod(b - a for a, b in zip(p.start, p.stop)) for p in found) != volume:
             return box
