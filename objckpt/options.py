@@ -100,8 +100,10 @@ class Options:
             sub-range GETs and joined before its checksum is checked.
         coalesce_gap: ranges of one blob closer than this are merged into one GET.
             0 by default so a partial restore never reads bytes it skips.
-        split_replicas_above: a replicated shard at least this big is split into
-            one slice per replica, so every replica owner uploads a share.
+        split_replicas_above: the smallest slab a replicated shard is cut into,
+            along its leading axis, one slab per replica at most, so the replicas'
+            owners share its upload (and a read-once restore, its reads) without
+            cutting it into reads too small to be worth a request.
         request_timeout: seconds for one store call before it counts as stalled.
         barrier_timeout: seconds a multi-host barrier waits before naming stragglers.
         manifest_size_limit: the reader refuses larger manifests (hostile input).

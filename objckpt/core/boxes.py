@@ -229,7 +229,8 @@ def needed_boxes(
     if devices is None:
         found = sharding.addressable_devices_indices_map(shape)
     else:
-        found = {d: index for d, index in sharding.devices_indices_map(shape).items() if d in devices}
+        every = sharding.devices_indices_map(shape)
+        found = {d: every[d] for d in sorted(devices, key=lambda d: d.id) if d in every}
     for device, index in found.items():
         boxes[index_to_box(index, shape)].append(device)
     return boxes
