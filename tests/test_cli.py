@@ -22,12 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_bit_exact
+from helpers import assert_tree_bit_exact, full_manifest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.core.format import parse_manifest
 from objckpt.storage import from_url
 from objckpt.transfer import runtime
 
@@ -100,8 +99,12 @@ def _store(url, s3, gcs):
 
 
 def _blobs(url, s3, gcs) -> dict[str, int]:
-    data = runtime.run_sync(_store(url, s3, gcs).get("manifest.json"))
-    return {b.key: b.size for b in parse_manifest(data, size_limit=1 << 30).blobs}
+    return {b.key: b.size for b in full_manifest(_store(url, s3, gcs)).blobs}
+
+
+def _index_bytes(url, s3, gcs) -> int:
+    """Bytes of the checkpoint's index objects (format v2: one per process)."""
+    return sum(ref.size for ref in full_manifest(_store(url, s3, gcs)).indexes)
 
 
 # ------------------------------------------------------------------------------------ basics
@@ -224,7 +227,7 @@ def test_verify_ok_then_every_problem_named(env, saved, s3_service, gcs_service)
     flipped, short, gone = sorted(sizes, key=lambda k: (-sizes[k], k))[:3]  # big blobs: one leaf's pieces each
     store = _store(copy_url, s3_service, gcs_service)
     data = bytearray(runtime.run_sync(store.get(flipped)))
-    manifest = parse_manifest(runtime.run_sync(store.get("manifest.json")), size_limit=1 << 30)
+    manifest = full_manifest(store)
     piece = min((p for leaf in manifest.leaves for p in leaf.pieces if p.blob == flipped), key=lambda p: p.offset)
     data[piece.offset + piece.length // 2] ^= 0xFF  # inside the blob's first piece
     runtime.run_sync(store.put(flipped, bytes(data)))
@@ -255,7 +258,8 @@ def test_cp_s3_to_gcs_restores_bit_exact_and_refuses_a_committed_destination(env
     stats = json.loads(run.out)
     blobs = _blobs(url, s3_service, gcs_service)
     assert stats["blobs_copied"] == len(blobs) and stats["bytes_copied"] == sum(blobs.values())
-    assert stats["bytes_read"] == stats["bytes_copied"] and stats["blobs_skipped"] == 0
+    assert stats["bytes_read"] == stats["bytes_copied"] + _index_bytes(url, s3_service, gcs_service)
+    assert stats["blobs_skipped"] == 0
     restored = objckpt.restore(dst, tree, storage_options=gcs_service.storage_options())
     assert_tree_bit_exact(tree, restored)
     assert restored["params"]["w"].sharding == tree["params"]["w"].sharding
@@ -308,7 +312,7 @@ def test_cp_killed_midway_then_rerun_copies_only_what_was_missing(env, s3_servic
     stats = json.loads(run.out)
     missing = sum(size for key, size in blobs.items() if key not in present)
     assert stats["bytes_copied"] == missing + present[damaged]
-    assert stats["bytes_read"] == stats["bytes_copied"]
+    assert stats["bytes_read"] == stats["bytes_copied"] + _index_bytes(src, s3_service, gcs_service)
     assert stats["blobs_skipped"] == len(present) - 1 and stats["blobs_copied"] == len(blobs) - len(present) + 1
     assert cli(env, "verify", dst).rc == 0
     assert_tree_bit_exact(tree, objckpt.restore(dst, tree, storage_options=gcs_service.storage_options()))

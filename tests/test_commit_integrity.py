@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_reads
+from helpers import count_reads, full_manifest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -122,17 +122,20 @@ def test_partial_restore_reads_none_of_the_skipped_bytes(s3_store, monkeypatch):
 
     manifest = {leaf.path: leaf for leaf in objckpt.inspect(s3_store.url, storage_options=so).leaves.values()}
     assert manifest  # sanity
-    from objckpt.core.format import MANIFEST_KEY, parse_manifest
+    from objckpt.core.format import MANIFEST_KEY
 
-    raw = runtime.run_sync(_store(s3_store).get(MANIFEST_KEY))
-    leaves = {leaf.path: leaf for leaf in parse_manifest(raw, size_limit=1 << 30).leaves}
+    full = full_manifest(_store(s3_store))
+    leaves = {leaf.path: leaf for leaf in full.leaves}
+    indexes = {ref.key: ref.size for ref in full.indexes}  # format v2: read once each, they hold the pieces
     skipped = [
         (p.blob, p.offset, p.offset + p.length)
         for path in ("['opt_state']['mu']", "['opt_state']['nu']")
         for p in leaves[path].pieces
     ]
     wanted = sum(p.length for path in ("['params']['w']", "['params']['b']") for p in leaves[path].pieces)
-    reads = [r for store in counting for r in store.reads if r[0] != MANIFEST_KEY]
+    index_reads = [r for store in counting for r in store.reads if r[0] in indexes]
+    assert sorted(index_reads) == sorted((key, 0, size) for key, size in indexes.items())
+    reads = [r for store in counting for r in store.reads if r[0] != MANIFEST_KEY and r[0] not in indexes]
     assert sum(end - start for _, start, end in reads) == wanted
     for key, start, end in reads:
         for blob, s_start, s_end in skipped:

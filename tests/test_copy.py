@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_bit_exact
+from helpers import assert_tree_bit_exact, full_manifest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.core.format import parse_manifest
 from objckpt.core.plan import SPACER
 from objckpt.transfer import runtime
 
@@ -44,7 +43,12 @@ def _manifest_bytes(target):
 
 
 def _blobs(target):
-    return {b.key: b.size for b in parse_manifest(_manifest_bytes(target), size_limit=1 << 30).blobs}
+    return {b.key: b.size for b in full_manifest(target.open()).blobs}
+
+
+def _index_bytes(target):
+    """Bytes of the index objects (format v2: one per process) the root manifest lists."""
+    return sum(ref.size for ref in full_manifest(target.open()).indexes)
 
 
 @pytest.mark.parametrize(("src_kind", "dst_kind"), [("memory", "local"), ("local", "gcs"), ("s3", "local")])
@@ -55,11 +59,15 @@ def test_copy_between_stores_bit_exact(src_kind, dst_kind, store_target_factory)
     stats = objckpt.copy(
         src.url, dst.url, src_storage_options=src.storage_options, dst_storage_options=dst.storage_options
     )
-    blobs = _blobs(src)
+    blobs, indexes = _blobs(src), _index_bytes(src)
+    assert indexes > 0
     assert stats.blobs == stats.blobs_copied == len(blobs) and stats.blobs_skipped == 0
-    assert stats.bytes_copied == stats.bytes_read == stats.bytes_total == sum(blobs.values())
-    assert stats.bytes_written == stats.bytes_copied + len(_manifest_bytes(dst))
+    assert stats.bytes_copied == stats.bytes_total == sum(blobs.values())
+    assert stats.bytes_read == stats.bytes_copied + indexes  # the index objects cross the link too
+    assert stats.bytes_written == stats.bytes_copied + indexes + len(_manifest_bytes(dst))
     assert _manifest_bytes(dst) == _manifest_bytes(src)
+    for ref in full_manifest(src.open()).indexes:  # copied as they are (the root holds their crc32c)
+        assert runtime.run_sync(dst.open().get(ref.key)) == runtime.run_sync(src.open().get(ref.key))
     assert objckpt.verify(dst.url, storage_options=dst.storage_options).ok
     assert_tree_bit_exact(tree, objckpt.restore(dst.url, tree, storage_options=dst.storage_options))
     assert all(secret not in stats.summary() for secret in src.secrets + dst.secrets)
@@ -81,7 +89,7 @@ def test_rerun_copies_only_what_is_missing_or_damaged(memory_store, local_store)
     stats = objckpt.copy(memory_store.url, local_store.url)
     redone = [*missing, damaged]
     assert stats.blobs_copied == 4 and stats.bytes_copied == sum(blobs[k] for k in redone)
-    assert stats.bytes_read == stats.bytes_copied  # only those crossed from the source
+    assert stats.bytes_read == stats.bytes_copied + _index_bytes(memory_store)  # only those crossed from the source
     assert stats.blobs_skipped == len(blobs) - 4
     assert stats.bytes_skipped == stats.bytes_read_dst - blobs[damaged] == sum(blobs.values()) - stats.bytes_copied
     assert objckpt.verify(local_store.url).ok
@@ -174,8 +182,8 @@ def test_save_and_restore_return_their_figures(memory_store, caplog):
         counters = objckpt.TransferStats()
         objckpt.restore(memory_store.url, tree, stats=counters)
     blobs = _blobs(memory_store)
-    manifest = len(_manifest_bytes(memory_store))
-    assert saved.bytes_written == sum(blobs.values()) + manifest and saved.objects_written == len(blobs) + 1
+    manifest = len(_manifest_bytes(memory_store)) + _index_bytes(memory_store)  # the root and its one index object
+    assert saved.bytes_written == sum(blobs.values()) + manifest and saved.objects_written == len(blobs) + 2
     assert saved.seconds > 0 and saved.requests >= len(blobs)
     assert counters.bytes_read > 0 and counters.seconds > 0 and counters.requests > 0
     messages = [r.getMessage() for r in caplog.records]

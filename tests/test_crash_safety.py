@@ -18,7 +18,7 @@ from helpers import ProgressWatchdog
 import objckpt
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.transfer import runtime
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.transfer.manifest_io import read_checkpoint, read_manifest
 
 CHILD = Path(__file__).with_name("crash_child.py")
 TRIALS = int(os.environ.get("OBJCKPT_CRASH_TRIALS", "30"))
@@ -50,9 +50,13 @@ def _wait_ready(proc: subprocess.Popen, timeout: float = 60) -> None:
 def _check_listed_steps_are_whole(mgr: objckpt.CheckpointManager) -> None:
     for step in mgr.steps():
         store = mgr.store.child(f"step_{step:010d}")
-        manifest = runtime.run_sync(read_manifest(store, size_limit=1 << 30))
+        root = runtime.run_sync(read_manifest(store, size_limit=1 << 30))
         present = {o.key: o.size for o in runtime.run_sync(store.list())}
         assert MANIFEST_KEY in present
+        for ref in root.indexes:  # format v2: each process's index object, then the blobs they list
+            assert present.get(ref.key) == ref.size, f"step {step} listed but index {ref.key} is missing or short"
+        manifest = runtime.run_sync(read_checkpoint(store, size_limit=1 << 30))
+        assert manifest.blobs, f"step {step} lists no blob"
         for blob in manifest.blobs:
             assert present.get(blob.key) == blob.size, f"step {step} listed but blob {blob.key} is missing or short"
 
@@ -85,7 +89,9 @@ def test_sigkill_at_random_moments_never_loses_the_latest_step(s3_store):
                 restored = mgr.restore()
                 expected = state_for(latest)
                 for name, array in expected["params"].items():
-                    assert np.asarray(restored["params"][name]).tobytes() == np.asarray(array).tobytes(), f"trial {trial}"
+                    assert np.asarray(restored["params"][name]).tobytes() == np.asarray(array).tobytes(), (
+                        f"trial {trial}"
+                    )
                 assert np.asarray(restored["opt"]["mu"]).tobytes() == np.asarray(expected["opt"]["mu"]).tobytes()
                 assert restored["step"] == latest and restored["iterator"] == expected["iterator"]
                 next_step = latest + 1
@@ -104,8 +110,9 @@ def test_sigkill_at_random_moments_never_loses_the_latest_step(s3_store):
     _check_listed_steps_are_whole(mgr)
     referenced = set()
     for step in committed:
-        manifest = runtime.run_sync(read_manifest(mgr.store.child(f"step_{step:010d}"), size_limit=1 << 30))
-        referenced |= {f"step_{step:010d}/{b.key}" for b in manifest.blobs} | {f"step_{step:010d}/{MANIFEST_KEY}"}
+        manifest = runtime.run_sync(read_checkpoint(mgr.store.child(f"step_{step:010d}"), size_limit=1 << 30))
+        keys = [b.key for b in manifest.blobs] + [r.key for r in manifest.indexes] + [MANIFEST_KEY]
+        referenced |= {f"step_{step:010d}/{key}" for key in keys}
     leftovers = {o.key for o in runtime.run_sync(mgr.store.list())}
     assert leftovers == referenced, f"orphans survived gc: {sorted(leftovers - referenced)[:5]}"
     for step in committed:

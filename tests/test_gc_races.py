@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -109,21 +108,30 @@ def test_gc_with_no_grace_beside_a_slow_save_never_breaks_its_commit(kind, reque
 
 
 def _delete_a_blob_before_the_commit(monkeypatch: pytest.MonkeyPatch, *, truncate: bool = False) -> list[str]:
-    """Make one blob vanish (or shrink) after every upload finished, right before the commit."""
-    victims: list[str] = []
-    original = _Commit._commit_or_abort
+    """Make one blob vanish (or shrink) after every upload finished, right before the commit check.
 
-    async def tampered(self: _Commit, gathered: list[bytes]) -> bytes:
-        key = sorted(json.loads(gathered[0])["blobs"])[1]
+    Format v2: each process HEADs its own blobs (``_Commit._check_own_blobs``) right
+    before it writes its index object; the tampering lands just before those HEADs.
+    """
+    victims: list[str] = []
+    original = _Commit._check_own_blobs
+
+    async def tampered(self: _Commit, blobs: dict[str, int]) -> None:
+        key = sorted(blobs)[1]
         victims.append(key)
         if truncate:
             await self.store.put(key, b"short")
         else:
             await self.store.delete(key)
-        return await original(self, gathered)
+        await original(self, blobs)
 
-    monkeypatch.setattr(_Commit, "_commit_or_abort", tampered)
+    monkeypatch.setattr(_Commit, "_check_own_blobs", tampered)
     return victims
+
+
+def _assert_nothing_committed(keys: list[str]) -> None:
+    """No manifest, and no index object either (the check runs before this process writes its index)."""
+    assert MANIFEST_KEY not in keys and not [k for k in keys if k.endswith(".index")], keys
 
 
 def test_commit_refuses_when_a_blob_vanished_after_its_upload(any_store, monkeypatch):
@@ -131,9 +139,11 @@ def test_commit_refuses_when_a_blob_vanished_after_its_upload(any_store, monkeyp
     with pytest.raises(ObjectNotFoundError) as caught:
         objckpt.save(any_store.url, _tree(), storage_options=any_store.storage_options, options=SLOW)
     assert victims and victims[0] in str(caught.value) and "not committed" in str(caught.value)
+    assert "no manifest was written" in str(caught.value)
     store = any_store.open()
     keys = [o.key for o in runtime.run_sync(store.list())]
-    assert MANIFEST_KEY not in keys and not [k for k in keys if k.startswith("_live/")], keys
+    _assert_nothing_committed(keys)
+    assert not [k for k in keys if k.startswith("_live/")], keys
     with pytest.raises(objckpt.CheckpointNotFoundError):
         objckpt.restore(any_store.url, storage_options=any_store.storage_options)
 
@@ -145,7 +155,8 @@ def test_commit_refuses_when_a_blob_shrank_after_its_upload(kind, store_target_f
     with pytest.raises(IntegrityError) as caught:
         objckpt.save(target.url, _tree(), storage_options=target.storage_options, options=SLOW)
     assert victims and victims[0] in str(caught.value) and "5 bytes" in str(caught.value)
-    assert MANIFEST_KEY not in {o.key for o in runtime.run_sync(target.open().list())}
+    assert "no manifest was written" in str(caught.value)
+    _assert_nothing_committed([o.key for o in runtime.run_sync(target.open().list())])
 
 
 def _crashed_save(mgr: objckpt.CheckpointManager, step: str = "step_0000000003") -> None:

@@ -196,6 +196,7 @@ def test_a_restore_closes_the_streamed_readers_connections(s3_store, monkeypatch
     if not Path("/proc/self/net/tcp").exists():
         pytest.skip("needs /proc (Linux)")
     from objckpt.transfer import engine as transfer
+
     real_from_url = transfer.from_url
     opened = []
 
@@ -250,7 +251,9 @@ def test_closing_a_store_closes_its_streamed_reads_connections(s3_store):
         import asyncio
 
         sinks = [Sink() for _ in range(n)]
-        reads = (store.get_range_streamed("blob", start=k << 20, end=(k + 1) << 20, sink=s) for k, s in enumerate(sinks))
+        reads = (
+            store.get_range_streamed("blob", start=k << 20, end=(k + 1) << 20, sink=s) for k, s in enumerate(sinks)
+        )
         await asyncio.gather(*reads)
         return [sink.got for sink in sinks]
 

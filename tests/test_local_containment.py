@@ -1,7 +1,7 @@
 """A local checkpoint never reads, writes or deletes outside its directory, and reads only regular files.
 
-A symbolic link inside a checkpoint directory (``ck/aa -> /elsewhere``) must not let a
-manifest that names ``aa/secret.blob`` read an outside file, even one whose crc32c is
+A symbolic link inside a checkpoint directory (``ck/zz -> /elsewhere``) must not let a
+manifest that names ``zz/secret.blob`` read an outside file, even one whose crc32c is
 right; a FIFO where a blob should be must fail the read at once, not block ``open()``.
 """
 
@@ -20,27 +20,37 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import full_manifest
 
 import objckpt
+from objckpt.core.checksum import crc32c
 from objckpt.errors import StoreError, StorePermissionError
 from objckpt.storage import from_url
 from objckpt.transfer import runtime
 
-SECRET_KEY = "aa/secret.blob"
+SECRET_KEY = "zz/secret.blob"  # not a hex prefix: never the folder of a saved blob or index object
 
 
 def _save_one_blob(root: Path) -> tuple[str, np.ndarray]:
     """Save a one-leaf checkpoint at ``root``; its one blob's key."""
     value = np.arange(1024, dtype=np.float32)
     objckpt.save(str(root), {"w": value})
-    manifest = json.loads((root / "manifest.json").read_text())
-    (blob,) = manifest["blobs"]
-    return blob["key"], value
+    (blob,) = full_manifest(from_url(str(root))).blobs
+    return blob.key, value
 
 
 def _rename_blob_in_manifest(root: Path, old: str, new: str) -> None:
+    """Rename a blob where the checkpoint lists it: in format v2, its process's index object,
+    whose new size and crc32c go into the root manifest (as a forger would do)."""
     path = root / "manifest.json"
-    path.write_text(path.read_text().replace(json.dumps(old), json.dumps(new)))
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 2
+    for ref in doc["indexes"]:
+        index = root / ref["key"]
+        data = index.read_bytes().replace(json.dumps(old).encode(), json.dumps(new).encode())
+        index.write_bytes(data)
+        ref["size"], ref["crc32c"] = len(data), crc32c(data)
+    path.write_text(json.dumps(doc))
 
 
 def _in_thread(call: Callable[[], Any], wait_s: float) -> tuple[Any, float, bool]:
@@ -81,13 +91,29 @@ def test_a_linked_directory_leading_out_is_refused_naming_key_and_root(tmp_path)
     outside.mkdir()
     # The outside file holds the real blob's bytes: its crc32c is right, only its place is wrong.
     os.replace(ck / key, outside / "secret.blob")
-    os.symlink(outside, ck / "aa")
+    os.symlink(outside, ck / "zz")
     _rename_blob_in_manifest(ck, key, SECRET_KEY)
     with pytest.raises(StorePermissionError) as err:
         objckpt.restore(str(ck))
     message = str(err.value)
     assert isinstance(err.value, PermissionError)
     assert SECRET_KEY in message and str(ck) in message and "outside" in message
+
+
+def test_an_index_object_behind_a_link_leading_out_is_refused(tmp_path):
+    """Format v2: the index objects are read through the same containment as the blobs."""
+    ck, outside = tmp_path / "ck", tmp_path / "elsewhere"
+    _save_one_blob(ck)
+    (ref,) = json.loads((ck / "manifest.json").read_text())["indexes"]
+    folder, name = ref["key"].split("/")
+    os.replace(ck / folder, outside)  # the real bytes, so size and crc32c match: only the place is wrong
+    os.symlink(outside, ck / folder)
+    assert (ck / ref["key"]).read_bytes()  # the link itself works
+    with pytest.raises(StorePermissionError) as err:
+        objckpt.restore(str(ck))
+    assert ref["key"] in str(err.value) and "outside" in str(err.value)
+    with pytest.raises(StorePermissionError):
+        objckpt.verify(str(ck))
 
 
 def test_a_linked_blob_file_leading_out_is_refused(tmp_path):
@@ -111,14 +137,14 @@ def test_writes_and_deletes_through_a_link_leading_out_are_refused(tmp_path):
     ck.mkdir()
     outside.mkdir()
     (outside / "secret.blob").write_bytes(b"keep me")
-    os.symlink(outside, ck / "aa")
+    os.symlink(outside, ck / "zz")
     store = from_url(str(ck))
     with pytest.raises(StorePermissionError, match="outside"):
         runtime.run_sync(store.delete(SECRET_KEY))
     with pytest.raises(StorePermissionError, match="outside"):
-        runtime.run_sync(store.put("aa/new.blob", b"x"))
+        runtime.run_sync(store.put("zz/new.blob", b"x"))
     with pytest.raises(StorePermissionError, match="outside"):
-        runtime.run_sync(store.put("aa/sub/new.blob", b"x", mode="create"))
+        runtime.run_sync(store.put("zz/sub/new.blob", b"x", mode="create"))
     assert sorted(p.name for p in outside.iterdir()) == ["secret.blob"]
     assert (outside / "secret.blob").read_bytes() == b"keep me"
 

@@ -44,6 +44,7 @@ def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypat
     monkeypatch.setattr(prefault, "GROUP_BYTES", 1 << 20)
     sizes = _recording(monkeypatch)
     from objckpt.transfer import buffers as memory
+
     populated: list[int] = []
     monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or True)
     leaves = [(k, _boxes(256, 96 + 8 * k, 2, 4), np.dtype(np.float32)) for k in range(6)]  # ~100 KiB each... ×4
@@ -76,6 +77,7 @@ def test_pages_go_in_by_writes_not_madvise(monkeypatch):
     """Every page of a fresh mapping is in (and zero) after ``touch_pages``, without
     ``madvise``, whose hold on the mmap lock stalls threads that are starting up."""
     from objckpt.transfer import buffers as memory
+
     populated: list[int] = []
     monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or True)
     nbytes = (10 << 20) + 12345
@@ -213,6 +215,7 @@ def test_a_failed_mapping_leaves_the_leaves_buffers_of_their_own(memory_store, m
 
 def test_fault_in_takes_a_fresh_mapping_4_mib_at_a_time_and_leaves_heap_buffers(monkeypatch):
     from objckpt.transfer import buffers as memory
+
     populated: list[int] = []
     real_populate = memory._populate
     monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or real_populate(b))
@@ -234,6 +237,7 @@ def test_large_leaf_boxes_are_faulted_in_before_pieces_are_copied_into_them(wher
     """Onto another sharding, every box buffer of a leaf placed box by box is faulted in once,
     whether the read is streamed (S3) or lands whole (memory), and becomes the device array."""
     from objckpt.restoring import jobs as leaf_jobs
+
     monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 1 << 20)  # so a 4 MiB leaf goes box by box
     faulted: list[tuple[int, int]] = []
     real_fault_in = leaf_jobs.fault_in

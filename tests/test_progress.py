@@ -14,11 +14,11 @@ import time
 
 import numpy as np
 import pytest
+from helpers import full_manifest
 
 import objckpt
 from objckpt import progress
 from objckpt.cli._progress import TerminalBar
-from objckpt.core.format import parse_manifest
 from objckpt.progress import Progress, Reporter, human_bytes
 from objckpt.transfer import runtime
 
@@ -30,8 +30,7 @@ def _tree():
 
 
 def _blob_bytes(target) -> int:
-    raw = runtime.run_sync(target.open().get("manifest.json"))
-    return sum(b.size for b in parse_manifest(raw, size_limit=1 << 30).blobs)
+    return sum(b.size for b in full_manifest(target.open()).blobs)
 
 
 class _Recorder:
@@ -97,7 +96,7 @@ def test_callback_follows_verify_copy_and_save_async(memory_store, local_store, 
 def test_a_failed_restore_ends_with_a_final_call_short_of_the_total(memory_store):
     objckpt.save(memory_store.url, _tree(), options=SMALL_BLOBS)
     store = memory_store.open()
-    manifest = parse_manifest(runtime.run_sync(store.get("manifest.json")), size_limit=1 << 30)
+    manifest = full_manifest(store)
     runtime.run_sync(store.delete(manifest.blobs[-1].key))
     recorder = _Recorder()
     with pytest.raises(objckpt.StoreError, match="no such object"):

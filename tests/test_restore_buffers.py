@@ -17,12 +17,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import assert_tree_bit_exact, count_reads
+from helpers import assert_tree_bit_exact, count_reads, full_manifest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.core.format import MANIFEST_KEY, parse_manifest
+from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.plan import ALIGN, PACKING_SLACK, SPACER
 from objckpt.restoring import api as restore_module
 from objckpt.storage import from_url
@@ -60,6 +60,7 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
     by box; streamed from S3, buffered from memory) overwrites every byte."""
     from objckpt.restoring import arena as prefault
     from objckpt.restoring import jobs as leaf_jobs
+
     real = leaf_jobs.aligned_arrays
     real_touch = prefault.touch_pages
     uncleared = []
@@ -376,10 +377,13 @@ def test_early_starts_read_only_free_bytes_and_skip_other_leaves(s3_store, monke
     counting = count_reads(monkeypatch)
     out = objckpt.restore(s3_store.url, {"w": None}, storage_options=s3_store.storage_options, partial=True)
     np.testing.assert_array_equal(out["w"], values["w"])
-    raw = runtime.run_sync(from_url(s3_store.url, **s3_store.storage_options).get(MANIFEST_KEY))
-    leaves = {leaf.path: leaf for leaf in parse_manifest(raw, size_limit=1 << 30).leaves}
+    full = full_manifest(from_url(s3_store.url, **s3_store.storage_options))
+    leaves = {leaf.path: leaf for leaf in full.leaves}
     others = [(p.blob, p.offset, p.offset + p.length) for path in ("['v']", "['small']") for p in leaves[path].pieces]
+    blobs = {b.key for b in full.blobs}
     reads = [r for s in counting for r in s.reads if r[0] != MANIFEST_KEY]
+    assert {key for key, _, _ in reads} - blobs == {ref.key for ref in full.indexes}  # format v2: and the index
+    reads = [r for r in reads if r[0] in blobs]
     for key, start, end in reads:
         for blob, o_start, o_end in others:
             assert key != blob or end <= o_start or start >= o_end, (
@@ -420,8 +424,7 @@ def test_packed_blobs_are_full_and_each_is_one_get(s3_store, monkeypatch):
     del tree["small"]  # packed first, it would shift every box by a blob
     options = objckpt.Options(blob_size=4 << 20, read_chunk=4 << 20)
     objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options, options=options)
-    raw = runtime.run_sync(from_url(s3_store.url, **s3_store.storage_options).get(MANIFEST_KEY))
-    manifest = parse_manifest(raw, size_limit=1 << 30)
+    manifest = full_manifest(from_url(s3_store.url, **s3_store.storage_options))
     large_blobs = {p.blob for leaf in manifest.leaves if leaf.path in ("['w']", "['v']") for p in leaf.pieces}
     assert len(large_blobs) == 4, f"16 boxes of 1 MiB went into {len(large_blobs)} blobs of 4 MiB, expected 4"
     assert all(b.size > 4 << 20 for b in manifest.blobs if b.key in large_blobs)
@@ -492,6 +495,7 @@ def _count_placements(monkeypatch) -> dict[str, list[int]]:
     """Record restore's transfers to devices: per-box ``device_put`` calls (arrays in each)
     and whole-leaf ``make_array_from_callback`` calls."""
     from objckpt.restoring import jobs as leaf_jobs
+
     calls: dict[str, list[int]] = {"device_put": [], "whole_leaf": []}
     real_put, real_whole = leaf_jobs.jax.device_put, leaf_jobs.jax.make_array_from_callback
 
@@ -526,6 +530,7 @@ def test_large_leaves_go_box_by_box_in_batched_transfers(monkeypatch):
     """Leaves over ``WHOLE_LEAF_BYTES`` are placed as their boxes complete: one
     batched ``device_put`` per read at most, never one per box, and exact."""
     from objckpt.restoring import jobs as leaf_jobs
+
     monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 0)  # every leaf here is "large"
     values, shardings = _many_small_leaves("memory://restore-buffers/batched")
     calls = _count_placements(monkeypatch)

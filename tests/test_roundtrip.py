@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt.core.dtypes import DTYPES
-from tests.helpers import assert_tree_bit_exact, random_array
+from objckpt.transfer import runtime
+from tests.helpers import assert_tree_bit_exact, count_reads, full_manifest, random_array
 
 
 class AdamState(NamedTuple):
@@ -82,13 +83,17 @@ def test_round_trip_every_dtype_and_sharding(any_store):
     np.testing.assert_array_equal(plain["opt"]["mu"]["w"], np.asarray(tree["opt"].mu["w"]))
 
 
-def test_inspect_lists_every_leaf_without_reading_data(any_store):
+def test_inspect_lists_every_leaf_without_reading_data(any_store, monkeypatch):
     tree = {"params": {"w": jnp.ones((128, 64), jnp.bfloat16), "b": np.zeros(3, np.float32)}, "step": 3, "tag": "run-1"}
     objckpt.save(any_store.url, tree, storage_options=any_store.storage_options, metadata={"lr": 0.1})
+    counting = count_reads(monkeypatch)
     info = objckpt.inspect(any_store.url, storage_options=any_store.storage_options)
+    assert [key for store in counting for key, _, _ in store.reads] == ["manifest.json"]  # the root alone
     assert info.total_bytes == 128 * 64 * 2 + 12 + len("run-1")
     assert info.metadata == {"lr": 0.1}
-    assert info.format_version == 1 and info.created
+    assert info.format_version == 2 and info.created
+    blobs = [o.key for o in runtime.run_sync(any_store.open().list()) if o.key.endswith(".blob")]
+    assert info.num_blobs == len(blobs) == len(full_manifest(any_store.open()).blobs) >= 1  # from the root alone
     assert info.tree["params"]["w"].shape == (128, 64)
     assert info.leaves["['params']['w']"].dtype == "bfloat16"
     text = str(info)

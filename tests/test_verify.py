@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_manifest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.core.format import parse_manifest
 from objckpt.transfer import runtime
 
 SMALL_BLOBS = objckpt.Options(blob_size=64 * 1024)
@@ -30,8 +30,9 @@ def _tree():
 
 
 def _manifest(target):
+    """The saved checkpoint's manifest with every piece and blob (the root and its index objects)."""
     store = target.open()
-    return parse_manifest(runtime.run_sync(store.get("manifest.json")), size_limit=1 << 30), store
+    return full_manifest(store), store
 
 
 def test_verify_intact_checkpoint(any_store):

@@ -410,18 +410,22 @@ class _Commit:
     async def _check_own_blobs(self, blobs: dict[str, int]) -> None:
         """Is every blob this process wrote still there, at its size? (A HEAD each, in parallel.)
 
+        The HEADs go through the engine, so they share the uploads' adaptive window
+        (a throttling store is met at the pace it allowed them, not with a burst of
+        ``max_concurrency`` HEADs) and count in this process's figures.
+
         Raises:
             ObjectNotFoundError: a blob is missing (deleted while the save ran); no manifest is written.
             IntegrityError: a blob has another size than was written.
         """
-        limit = asyncio.Semaphore(self.options.max_concurrency)
+        inner = self.engine.store
 
         async def size(key: str) -> int | None:
-            async with limit:
-                try:
-                    return (await self.store.head(key)).size
-                except FileNotFoundError:
-                    return None
+            try:
+                info = await self.engine.call(f"HEAD {inner.url}/{key}", lambda: inner.head(key))
+            except FileNotFoundError:
+                return None
+            return info.size
 
         sizes = await asyncio.gather(*(size(k) for k in blobs))
         missing = [k for k, got in zip(blobs, sizes) if got is None]

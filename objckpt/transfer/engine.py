@@ -228,7 +228,17 @@ class RetryingStore(Store):
         self._timeout = request_timeout
 
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        return await call_with_retries(what, fn, retry=self._retry, request_timeout=self._timeout, stats=self.stats)
+        async def attempt() -> T:
+            try:
+                return await fn()
+            except ThrottledError:  # counted as the engine counts its own (TransferStats.throttled)
+                if self.stats is not None:
+                    self.stats.add(throttled=1)
+                raise
+
+        return await call_with_retries(
+            what, attempt, retry=self._retry, request_timeout=self._timeout, stats=self.stats
+        )
 
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:
         return await self._call(f"GET {self.url}/{key}", lambda: self.inner.get_range(key, start=start, end=end))
