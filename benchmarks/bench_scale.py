@@ -11,7 +11,7 @@ Save side (host 1; host 0, the primary, separately): plan CPU seconds, pieces,
 blobs and bytes per PUT, its index object, the report it sends the primary, and
 the primary's commit (decode every report, build and encode the root manifest).
 Restore side, for one host of each target mesh: strict parse of the root, the
-jobs, the index objects the layouts name (``restoring.api._read_needed_indexes``
+jobs, the index objects the layouts name (``restoring.indexes.read_needed_indexes``
 on an in-memory store of the index objects), the read plan (``_plan``), the
 exact-coverage check; CPU seconds, metadata bytes read, extra peak memory
 (tracemalloc, a second run), GETs per 16 MiB and read amplification. The jobs
@@ -315,12 +315,13 @@ class IndexStore:
 
 def restore_plan(root: bytes, targets: list[Any], devices: frozenset[Any], store: IndexStore) -> dict[str, Any]:
     """One host's restore up to its reads, with ``objckpt.restoring.api``'s own steps: parse the
-    root, make the jobs, read the index objects the layouts name (``_read_needed_indexes``: only
+    root, make the jobs, read the index objects the layouts name (``read_needed_indexes``: only
     the leaves it needs from each), plan the reads (``_plan``), check coverage; the CPU seconds
     of each (of every thread: the index reads run on objckpt's I/O thread)."""
     from objckpt.core.format import parse_manifest
     from objckpt.options import Options
-    from objckpt.restoring.api import _plan, _read_needed_indexes
+    from objckpt.restoring.api import _plan
+    from objckpt.restoring.indexes import read_needed_indexes
     from objckpt.restoring.jobs import make_job, uncovered
 
     options = Options()
@@ -335,7 +336,7 @@ def restore_plan(root: bytes, targets: list[Any], devices: frozenset[Any], store
     lap("parse_root")
     jobs = {i: make_job(manifest.leaves[i], t, devices=devices) for i, t in enumerate(targets)}
     lap("make_jobs")
-    manifest = _read_needed_indexes(store, manifest, jobs, options)
+    manifest = read_needed_indexes(store, manifest, jobs, options)
     lap("indexes")
     requests = _plan(manifest, jobs, options, streamed=True)
     lap("plan")

@@ -12,7 +12,6 @@ holds little more than the leaves in flight.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -26,14 +25,12 @@ from jax.tree_util import keystr
 from objckpt.core.boxes import box_to_slices
 from objckpt.core.checksum import crc32c
 from objckpt.core.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
-from objckpt.core.format_v2 import leaves_by_writer
 from objckpt.core.plan import ReadRequest, plan_reads
 from objckpt.core.tree import build, find_subtree, flatten_target, leaf_indices, unflatten_target
 from objckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CoordinationError,
-    FormatError,
     IntegrityError,
     TargetMismatchError,
 )
@@ -42,6 +39,7 @@ from objckpt.options import Options
 from objckpt.progress import ProgressArg, reporting
 from objckpt.restoring.aligned_reads import ResponseAlignment, address, read_aligned
 from objckpt.restoring.casts import CASTS
+from objckpt.restoring.indexes import check_coverage, read_needed_indexes
 from objckpt.restoring.jobs import (
     LeafJob,
     allocate,
@@ -55,7 +53,6 @@ from objckpt.restoring.jobs import (
     plan_pieces,
     reserve_assembled,
     stays_on_host,
-    uncovered,
     wait_for_arena,
     whole_box,
 )
@@ -72,7 +69,7 @@ from objckpt.transfer.engine import (
     opened_store,
     reread_on_mismatch,
 )
-from objckpt.transfer.manifest_io import read_indexes, read_manifest
+from objckpt.transfer.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 
@@ -161,11 +158,18 @@ def _restore(
     }
     check_host_memory(jobs, physical_memory())  # before any read: sizes come from the manifest
     if manifest.version != 1:
-        manifest = _read_needed_indexes(store, manifest, jobs, options)
+        manifest = read_needed_indexes(store, manifest, jobs, options)
     reserve_assembled(jobs)  # maps memory on a thread while this one plans
     requests = _plan(manifest, jobs, options, streamed=store.inner.streams_reads)
     if manifest.version != 1:
-        requests = _check_coverage(store, manifest, jobs, requests, options)
+        requests = check_coverage(
+            store,
+            manifest,
+            jobs,
+            requests,
+            options,
+            lambda m, j: _plan(m, j, options, streamed=store.inner.streams_reads),
+        )
     base = stats.bytes_read
     total = sum(r.length for r in requests)
     with reporting(progress, "restore", store.url, total, lambda: stats.bytes_read - base, stats):
@@ -210,59 +214,6 @@ def _read_manifest(store: Any, options: Options) -> Manifest:
             f"{e}; a save_async to this URL is still running in this process:"
             " call .result() on its handle (CheckpointManager: .wait()) before restoring it"
         ) from None
-
-
-def _read_needed_indexes(store: Any, manifest: Manifest, jobs: dict[int, LeafJob], options: Options) -> Manifest:
-    """Read the index objects of the processes that wrote the boxes ``jobs`` read, and
-    give each job its leaf's pieces from them (format version 2)."""
-    leaves = leaves_by_writer(manifest, {i: job.read_boxes for i, job in jobs.items()})
-    manifest = runtime.run_sync(
-        read_indexes(store, manifest, leaves, size_limit=options.manifest_size_limit, leaves=leaves)
-    )
-    for i, job in jobs.items():
-        job.entry = manifest.leaves[i]
-    return manifest
-
-
-def _check_coverage(
-    store: Any, manifest: Manifest, jobs: dict[int, LeafJob], requests: list[ReadRequest], options: Options
-) -> list[ReadRequest]:
-    """Every box a job fills is covered exactly by the pieces read for it, or the restore stops.
-
-    The index objects read were chosen by the layout's arithmetic; a box they do
-    not cover (a layout the writer described differently, or a reader bug) reads
-    every other index object and plans again before calling the checkpoint
-    malformed, so the choice costs speed, never data.
-    """
-    gaps = {i: box for i, job in jobs.items() if (box := uncovered(job)) is not None}
-    if gaps:
-        i, box = next(iter(gaps.items()))
-        log.warning(
-            "objckpt: the index objects chosen for %s do not cover leaf %s box %s; reading all %d",
-            store.url,
-            manifest.leaves[i].path,
-            box,
-            len(manifest.indexes),
-        )
-        root = dataclasses.replace(manifest, leaves=_without_pieces(manifest.leaves), blobs=(), loaded=frozenset())
-        manifest = runtime.run_sync(
-            read_indexes(store, root, range(len(manifest.indexes)), size_limit=options.manifest_size_limit)
-        )
-        for i, job in jobs.items():
-            job.entry = manifest.leaves[i]
-        requests = _plan(manifest, jobs, options, streamed=store.inner.streams_reads)
-        gaps = {i: box for i, job in jobs.items() if (box := uncovered(job)) is not None}
-    if gaps:
-        i, (start, stop) = next(iter(gaps.items()))
-        raise FormatError(
-            f"checkpoint {store.url} is malformed: the pieces of leaf {manifest.leaves[i].path} do not tile"
-            f" its box {list(start)}-{list(stop)} exactly (holes or overlaps)"
-        )
-    return requests
-
-
-def _without_pieces(leaves: tuple[LeafEntry, ...]) -> tuple[LeafEntry, ...]:
-    return tuple(dataclasses.replace(leaf, pieces=()) for leaf in leaves)
 
 
 def _select(manifest: Manifest, target: Any, partial: bool) -> tuple[dict[int, Any], dict[str, dict[str, Any]]]:

@@ -7,7 +7,7 @@ budget it streams: a buffer is reused once its blob is uploaded); a synchronous
 save to a store that takes a body of parts sends contiguous host shards in place
 instead. Uploads and the commit run on the I/O loop.
 
-Commit (format version 2): every process checks that its blobs are there at
+Commit (format version 2, :mod:`objckpt.saving.commit`): every process checks that its blobs are there at
 their sizes, writes its own index object (its pieces) to the store, and sends
 the coordinator one small message (the index object's key, size and crc32c, or
 its error). After a barrier the primary reads those messages, writes the root
@@ -26,10 +26,7 @@ reports a missing or resized one instead, so no manifest is written.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import datetime
-import json
 import logging
 import threading
 import time
@@ -38,27 +35,21 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from objckpt.core.boxes import MeshTable
-from objckpt.core.checksum import crc32c
-from objckpt.core.format import FORMAT_VERSION, MANIFEST_KEY, IndexRef, LeafEntry, Manifest, parse_manifest
-from objckpt.core.format_v2 import index_key, index_to_json
-from objckpt.core.layout import Mesh
+from objckpt.core.format import MANIFEST_KEY, LeafEntry
 from objckpt.core.metadata import to_json_value
 from objckpt.core.plan import blob_key, packing_order, plan_blobs
 from objckpt.core.tree import flatten
 from objckpt.errors import (
     CheckpointExistsError,
-    CoordinationError,
-    IntegrityError,
-    ObjectExistsError,
-    ObjectNotFoundError,
     StoreError,
 )
-from objckpt.multihost import Coordinator, get_coordinator, operation_tag
+from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, finish_from_caller, start
 from objckpt.saving.classify import classify
+from objckpt.saving.commit import _Commit
 from objckpt.saving.live_markers import LiveMarker, marker_key
-from objckpt.saving.upload import PieceRecord, snapshot_and_upload
+from objckpt.saving.upload import snapshot_and_upload
 from objckpt.storage import Store
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import tune_malloc
@@ -307,212 +298,3 @@ async def _exists(store: Store) -> bool:
 async def _make_engine(store: Store, options: Options, stats: TransferStats) -> TransferEngine:
     # Built on the I/O loop so its semaphore belongs to that loop.
     return TransferEngine.from_options(store, options, stats)
-
-
-class _Commit:
-    """The background half of a save: wait for uploads, write this process's index, commit."""
-
-    def __init__(
-        self,
-        *,
-        store: Store,
-        engine: TransferEngine,
-        coordinator: Coordinator,
-        tag: str,
-        save_id: str,
-        skeleton: dict[str, Any],
-        entries: list[LeafEntry],
-        meshes: tuple[Mesh, ...],
-        metadata: dict[str, Any],
-        options: Options,
-        marker: LiveMarker,
-    ) -> None:
-        self.store = store
-        self.engine = engine
-        self.coordinator = coordinator
-        self.tag = tag
-        self.save_id = save_id
-        self.skeleton = skeleton
-        self.entries = entries
-        self.meshes = meshes
-        self.metadata = metadata
-        self.options = options
-        self.marker = marker
-        self.index_key = index_key(save_id, coordinator.process_index)
-
-    async def run(self, uploads: list[concurrent.futures.Future[list[PieceRecord]]], started: float) -> None:
-        """Wait for the uploads, commit or abort, then delete this process's live-save marker."""
-        try:
-            await self._run(uploads, started)
-        finally:
-            await self.marker.end()
-
-    async def _run(self, uploads: list[concurrent.futures.Future[list[PieceRecord]]], started: float) -> None:
-        local_error: BaseException | None = None
-        records: list[PieceRecord] = []
-        try:
-            for result in await asyncio.gather(*(asyncio.wrap_future(f) for f in uploads)):
-                records.extend(result)
-            if self.marker.lapsed():
-                raise StoreError(f"save to {self.store.url} was not committed: {self.marker.lapse_error()}")
-            blobs = _blob_sizes(records)
-            await self._check_own_blobs(blobs)
-            report = await self._write_index(records, blobs)
-        except BaseException as e:  # report to peers before raising, so nobody waits for us
-            local_error = e
-            report = {"error": f"{type(e).__name__}: {e}"[:2000]}
-        outcome = await self._agree(json.dumps(report).encode())
-        if local_error is not None:
-            raise local_error
-        status = json.loads(outcome)
-        if status["status"] == "exists":
-            await self._delete_own_objects(records)
-            raise CheckpointExistsError(f"a committed checkpoint already exists at {self.store.url}")
-        if status["status"] != "committed":
-            raise StoreError(f"save to {self.store.url} was not committed: {status['why']}")
-        seconds = time.perf_counter() - started
-        stats = self.engine.stats
-        stats.seconds = seconds
-        log.info(
-            "objckpt saved %s: %d bytes in %d objects, %d requests, %d retries (%d throttled), %.2f s, %.3f GiB/s (this process)",
-            self.store.url,
-            stats.bytes_written,
-            stats.objects_written,
-            stats.requests,
-            stats.retries,
-            stats.throttled,
-            seconds,
-            stats.bytes_written / max(seconds, 1e-9) / 2**30,
-        )
-
-    async def _agree(self, report: bytes) -> bytes:
-        """Send this process's report, wait for all, commit on the primary; the outcome, as JSON.
-
-        The coordinator carries one report of a few hundred bytes per process and
-        the outcome; this process releases them once it has read the outcome (the
-        last to do so deletes them), or, on a coordination failure, deletes them.
-        """
-        coordinator, tag, timeout = self.coordinator, self.tag, self.options.barrier_timeout
-        try:
-            await asyncio.to_thread(coordinator.publish, f"{tag}/report", report)
-            await asyncio.to_thread(coordinator.barrier, f"{tag}/reported", timeout=timeout)
-            outcome: bytes | None = None
-            if coordinator.is_primary:
-                reports = await asyncio.to_thread(coordinator.collect, f"{tag}/report")
-                outcome = await self._commit_or_abort(reports)
-            outcome = await asyncio.to_thread(coordinator.broadcast, f"{tag}/outcome", outcome, timeout=timeout)
-        except CoordinationError:
-            await asyncio.to_thread(coordinator.forget, tag)
-            raise
-        await asyncio.to_thread(coordinator.release, tag)
-        return outcome
-
-    async def _check_own_blobs(self, blobs: dict[str, int]) -> None:
-        """Is every blob this process wrote still there, at its size? (A HEAD each, in parallel.)
-
-        The HEADs go through the engine, so they share the uploads' adaptive window
-        (a throttling store is met at the pace it allowed them, not with a burst of
-        ``max_concurrency`` HEADs) and count in this process's figures.
-
-        Raises:
-            ObjectNotFoundError: a blob is missing (deleted while the save ran); no manifest is written.
-            IntegrityError: a blob has another size than was written.
-        """
-        inner = self.engine.store
-
-        async def size(key: str) -> int | None:
-            try:
-                info = await self.engine.call(f"HEAD {inner.url}/{key}", lambda: inner.head(key))
-            except FileNotFoundError:
-                return None
-            return info.size
-
-        sizes = await asyncio.gather(*(size(k) for k in blobs))
-        missing = [k for k, got in zip(blobs, sizes) if got is None]
-        if missing:
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise ObjectNotFoundError(
-                f"save to {self.store.url} was not committed: blob {missing[0]}{more} is missing (deleted while"
-                " the save ran, by gc, rm or retention?); no manifest was written"
-            )
-        for (key, want), got in zip(blobs.items(), sizes):
-            if got != want:
-                raise IntegrityError(
-                    f"save to {self.store.url} was not committed: blob {key} is {got} bytes, {want} were"
-                    " written; no manifest was written"
-                )
-
-    async def _write_index(self, records: list[PieceRecord], blobs: dict[str, int]) -> dict[str, Any]:
-        """Write this process's index object; its key, size and crc32c, to report."""
-        data = index_to_json(self.save_id, self.coordinator.process_index, records, blobs)
-        await self.engine.put(self.index_key, data)
-        return {
-            "key": self.index_key,
-            "size": len(data),
-            "crc32c": crc32c(data),
-            "blobs": len(blobs),
-            "blob_bytes": sum(blobs.values()),
-        }
-
-    async def _commit_or_abort(self, reports: dict[int, bytes]) -> bytes:
-        count = self.coordinator.process_count
-        silent = [p for p in range(count) if p not in reports]
-        if silent:
-            why = f"processes {', '.join(map(str, silent))} sent no report"
-            return json.dumps({"status": "aborted", "why": why}).encode()
-        docs = {p: json.loads(reports[p]) for p in range(count)}
-        errors = [f"process {p}: {d['error']}" for p, d in docs.items() if "error" in d]
-        if errors:
-            return json.dumps({"status": "aborted", "why": "; ".join(errors)}).encode()
-        if self.marker.lapsed():
-            return json.dumps({"status": "aborted", "why": self.marker.lapse_error()}).encode()
-        manifest = self._manifest(
-            [IndexRef(d["key"], d["size"], d["crc32c"], d["blobs"], d["blob_bytes"]) for _, d in sorted(docs.items())]
-        )
-        try:
-            await self.engine.put(MANIFEST_KEY, manifest.to_json(), mode="create")
-        except ObjectExistsError:
-            if not await self._is_ours():
-                return json.dumps({"status": "exists"}).encode()
-        except BaseException as e:
-            return json.dumps({"status": "aborted", "why": f"manifest write failed: {e}"}).encode()
-        return json.dumps({"status": "committed"}).encode()
-
-    async def _is_ours(self) -> bool:
-        """After "already exists": did our own earlier attempt land (its reply lost)?"""
-        try:
-            data = await self.engine.get(MANIFEST_KEY)
-            return parse_manifest(data, size_limit=self.options.manifest_size_limit).save_id == self.save_id
-        except Exception:
-            return False
-
-    def _manifest(self, indexes: list[IndexRef]) -> Manifest:
-        return Manifest(
-            save_id=self.save_id,
-            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
-            tree=self.skeleton,
-            leaves=tuple(self.entries),
-            blobs=(),
-            num_processes=self.coordinator.process_count,
-            metadata=self.metadata,
-            version=FORMAT_VERSION,
-            meshes=self.meshes,
-            indexes=tuple(indexes),
-            slab_bytes=self.options.split_replicas_above,
-        )
-
-    async def _delete_own_objects(self, records: list[PieceRecord]) -> None:
-        """Best effort: the blobs and index of a save that lost the commit race are never referenced."""
-        for key in [*{p.blob for _, p in records}, self.index_key]:
-            try:
-                await self.store.delete(key)
-            except Exception:  # gc removes whatever remains
-                pass
-
-
-def _blob_sizes(records: list[PieceRecord]) -> dict[str, int]:
-    """Each blob's size, from where its last piece ends."""
-    blobs: dict[str, int] = {}
-    for _, p in records:
-        blobs[p.blob] = max(blobs.get(p.blob, 0), p.offset + p.length)
-    return blobs
