@@ -116,11 +116,6 @@ class Manifest:
         """Blobs in the checkpoint (from the root alone in version 2)."""
         return sum(r.blobs for r in self.indexes) if self.version == 2 else len(self.blobs)
 
-    @property
-    def complete(self) -> bool:
-        """Whether every piece and blob is known (version 1, or version 2 with every index read)."""
-        return self.version == 1 or len(self.loaded) == len(self.indexes)
-
     def with_pieces(self, pieces: dict[int, list[Piece]], blobs: dict[str, int], processes: set[int]) -> Manifest:
         """This manifest with more pieces (by leaf) and blobs, read from the index objects of ``processes``."""
         leaves = tuple(

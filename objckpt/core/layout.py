@@ -129,19 +129,6 @@ class Grid:
         start = tuple(map(operator.mul, cell, shape))
         return start, tuple(map(operator.add, start, shape))
 
-    def cell_of_position(self, position: Index) -> Index:
-        """The cell held by the device at mesh ``position``."""
-        index = self.mesh.axis_index
-        sizes = self.mesh.shape
-        cell = []
-        for axes in self.spec:
-            c = 0
-            for a in axes:
-                k = index[a]
-                c = c * sizes[k] + position[k]
-            cell.append(c)
-        return tuple(cell)
-
     def replicas(self, cell: Index) -> list[tuple[int, int]]:
         """(device id, process) of every device holding ``cell``, sorted by device id."""
         return self.mesh.replicas(self.spec, cell)
