@@ -5,6 +5,10 @@ process id and the environment variables a client needs, then keeps the
 servers running until SIGINT/SIGTERM, when it stops them and exits 0. The
 credentials printed are random and belong to a loopback-only test server.
 
+``--tls`` puts an HTTPS front (:class:`backends.tls.TlsFront`) before each
+server and adds its ``tls_endpoint_url``, plus the test CA's ``ca_file`` and
+``ca_env`` (what makes clients trust it).
+
 Example::
 
     python -m backends.launcher --data-dir /tmp/stores > endpoints.json &
@@ -25,6 +29,7 @@ from typing import Any
 import backends  # noqa: F401  (sets the gcsfs environment default)
 from backends.gcs import GCSService, start_gcs
 from backends.s3 import S3Service, start_s3
+from backends.tls import TestCA, TlsFront
 
 
 def describe_s3(service: S3Service) -> dict[str, Any]:
@@ -58,6 +63,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-gcs", dest="gcs", action="store_false", help="do not start fake-gcs-server")
     parser.add_argument("--data-dir", type=Path, help="keep server data here (default: temp dirs, removed on exit)")
     parser.add_argument("--bucket", default="objckpt-test", help="bucket to create on each server")
+    parser.add_argument("--tls", action="store_true", help="serve each server over HTTPS too, with a test CA")
     return parser.parse_args(argv)
 
 
@@ -71,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     services: list[S3Service | GCSService] = []
+    fronts: list[TlsFront] = []
     try:
         out: dict[str, Any] = {}
         if args.s3:
@@ -83,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
             gcs = start_gcs(gcs_dir, bucket=args.bucket)
             services.append(gcs)
             out["gcs"] = describe_gcs(gcs)
+        if args.tls:
+            ca = TestCA.create(args.data_dir / "tls" if args.data_dir else None)
+            out["ca_file"], out["ca_env"] = str(ca.ca_file), ca.env()
+            for service in services:
+                host, port = service.endpoint_url.rsplit("/", 1)[1].rsplit(":", 1)
+                fronts.append(TlsFront(host, int(port), ca).start())
+                out["s3" if isinstance(service, S3Service) else "gcs"]["tls_endpoint_url"] = fronts[-1].endpoint_url
         out["launcher_pid"] = os.getpid()
         sys.stdout.write(json.dumps(out) + "\n")
         sys.stdout.flush()
@@ -94,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
         return 0
     finally:
+        for front in fronts:
+            front.stop()
         for service in reversed(services):
             service.stop()
 

@@ -24,6 +24,19 @@ that arrives while ``n`` others are being served is answered 503 SlowDown
 Each request gets its own upstream connection (the proxy rewrites requests to
 ``Connection: close``), so a fault never leaks into the next request.
 
+It also checks who is asking, per request head, as a cloud store would:
+``stats.access_keys`` counts the AWS access key of each signed request (SigV4
+or SigV2, header or presigned URL) and ``stats.session_tokens`` those with a session
+token; ``revoke_access_key(key)`` answers that key's requests 403
+InvalidAccessKeyId (an expired or rotated key); ``require_bearer(check)``
+answers 401 to a request whose ``Authorization: Bearer`` token ``check`` does
+not accept (fake-gcs-server itself accepts anything). Refusals are counted in
+``stats.refused`` and never reach the server.
+
+``tls=TestCA`` (:mod:`backends.tls`) serves HTTPS instead of HTTP; the faults
+behave the same, except that a ``"reset"`` under TLS may reach the client as a
+plain close.
+
     proxy = FaultProxy("127.0.0.1", 9000, latency_ms=10)
     proxy.start(); proxy.endpoint_url  # http://127.0.0.1:PORT
     proxy.set_faults(0.05, ("503", "reset", "stall"))
@@ -36,18 +49,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import random
 import socket
 import struct
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, urlsplit
+
+if TYPE_CHECKING:
+    from backends.tls import TestCA
 
 FAULT_KINDS = ("503", "429", "500", "reset", "truncate", "stall")
 _STATUS_TEXT = {"503": "Slow Down", "429": "Too Many Requests", "500": "Internal Server Error"}
 _ERROR_CODE = {"503": "SlowDown", "429": "TooManyRequests", "500": "InternalError"}
+_REVOKED_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidAccessKeyId</Code>'
+    b"<Message>The AWS Access Key Id you provided does not exist in our records.</Message></Error>"
+)
+_UNAUTHENTICATED_BODY = (
+    b'{"error": {"code": 401, "message": "Request is missing a valid OAuth 2 access token.", '
+    b'"errors": [{"message": "Invalid Credentials", "domain": "global", "reason": "authError"}]}}'
+)
+_REFUSAL = {  # status: (reason phrase, content type)
+    "403": ("Forbidden", "application/xml"),
+    "401": ("Unauthorized", "application/json; charset=UTF-8"),
+}
 
 
 @dataclass
@@ -56,6 +87,10 @@ class ProxyStats:
     faults: dict[str, int] = field(default_factory=dict)
     throttled: int = 0  # requests refused over capacity (``set_capacity``)
     corrupted: int = 0  # response bodies with a bit flipped (``set_corruption``)
+    access_keys: Counter[str] = field(default_factory=Counter)  # signed requests by access key id
+    session_tokens: int = 0  # requests carrying X-Amz-Security-Token (header or query)
+    bearer_tokens: Counter[str] = field(default_factory=Counter)  # accepted bearer tokens, by sha256[:12]
+    refused: int = 0  # answered 403/401 by the identity checks, not forwarded
 
     @property
     def faulted(self) -> int:
@@ -75,8 +110,12 @@ class FaultProxy:
         fault_kinds: Sequence[str] = FAULT_KINDS,
         stall_seconds: float = 30.0,
         seed: int | None = None,
+        tls: TestCA | None = None,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
+        self.tls = tls
+        self._revoked: set[str] = set()
+        self._bearer_check: Callable[[str], bool] | None = None
         self.latency_ms = latency_ms
         self.stall_seconds = stall_seconds
         self.stats = ProxyStats()
@@ -94,7 +133,42 @@ class FaultProxy:
 
     @property
     def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://127.0.0.1:{self.port}"
+
+    def revoke_access_key(self, key: str) -> None:
+        """Answer requests signed with ``key`` 403 InvalidAccessKeyId from now on, without forwarding them."""
+        with self._lock:
+            self._revoked.add(key)
+
+    def require_bearer(self, check: Callable[[str], bool] | None) -> None:
+        """Answer 401 to requests without an ``Authorization: Bearer`` token that ``check`` accepts.
+
+        ``check`` runs on the proxy's loop thread, so it must be quick; None lifts the requirement.
+        """
+        with self._lock:
+            self._bearer_check = check
+
+    def _identity_refusal(self, head: bytes) -> tuple[str, bytes] | None:
+        """Count who signed the request in ``head``; the status and body to answer it with if refused."""
+        request = _RequestIdentity.parse(head)
+        with self._lock:
+            check = self._bearer_check
+            if request.session_token:
+                self.stats.session_tokens += 1
+            if request.access_key is not None:
+                self.stats.access_keys[request.access_key] += 1
+                if request.access_key in self._revoked:
+                    self.stats.refused += 1
+                    return "403", _REVOKED_BODY
+        if check is None:
+            return None
+        if request.bearer is not None and check(request.bearer):
+            with self._lock:
+                self.stats.bearer_tokens[hashlib.sha256(request.bearer.encode()).hexdigest()[:12]] += 1
+            return None
+        with self._lock:
+            self.stats.refused += 1
+        return "401", _UNAUTHENTICATED_BODY
 
     def set_faults(self, rate: float, kinds: Sequence[str] = FAULT_KINDS, *, only: str | None = None) -> None:
         """Fault ``rate`` (0..1) of the requests from now on, drawing kinds uniformly.
@@ -174,7 +248,8 @@ class FaultProxy:
             loop = asyncio.new_event_loop()
             self._loop = loop
             asyncio.set_event_loop(loop)
-            self._server = loop.run_until_complete(loop.create_server(self._connection, "127.0.0.1", 0))
+            context = self.tls.server_context() if self.tls is not None else None
+            self._server = loop.run_until_complete(loop.create_server(self._connection, "127.0.0.1", 0, ssl=context))
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
             loop.run_forever()
@@ -346,7 +421,8 @@ class _ClientSide(asyncio.Protocol):
     def eof_received(self) -> bool:
         if self._to_upstream is not None:
             self._to_upstream.feed(None)
-        return self._head is None  # after the head, half-closed: the answer may still flow back
+        # After the head, half-closed: the answer may still flow back (not under TLS, which ends on EOF).
+        return self._head is None and self._client is not None and self._client.can_write_eof()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.close()
@@ -362,8 +438,14 @@ class _ClientSide(asyncio.Protocol):
     # the request
     def _begin(self, head: bytes, rest: bytes) -> None:
         proxy = self._proxy
-        fault = proxy._draw(head.split(b"\r\n", 1)[0])
         delay = proxy.latency_ms / 2000
+        refusal = proxy._identity_refusal(head)
+        if refusal is not None:
+            with proxy._lock:
+                proxy.stats.requests += 1
+            self._pending.append(self._loop.call_later(delay, self._answer, *refusal))
+            return
+        fault = proxy._draw(head.split(b"\r\n", 1)[0])
         if fault is None and proxy.capacity is not None and proxy.serving >= proxy.capacity:
             with proxy._lock:
                 proxy.stats.throttled += 1
@@ -416,9 +498,17 @@ class _ClientSide(asyncio.Protocol):
             f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{_ERROR_CODE[status]}</Code>'
             f"<Message>injected by the fault proxy</Message></Error>"
         ).encode()
+        self._reply(status, _STATUS_TEXT[status], "application/xml", body)
+
+    def _answer(self, status: str, body: bytes) -> None:
+        """Refuse the request (identity checks) with ``body``."""
+        reason, content_type = _REFUSAL[status]
+        self._reply(status, reason, content_type, body)
+
+    def _reply(self, status: str, reason: str, content_type: str, body: bytes) -> None:
         if self._client is not None and not self._client.is_closing():
             self._client.write(
-                f"HTTP/1.1 {status} {_STATUS_TEXT[status]}\r\nContent-Type: application/xml\r\n"
+                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                 + body
             )
@@ -539,6 +629,39 @@ class _BodyFlipper:
         flipped[at] ^= 0x01
         self._at = -1
         return bytes(flipped)
+
+
+@dataclass(frozen=True)
+class _RequestIdentity:
+    """Who a request says it is: its AWS access key, whether it has a session token, its bearer token."""
+
+    access_key: str | None = None
+    session_token: bool = False
+    bearer: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def parse(cls, head: bytes) -> _RequestIdentity:
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        query = dict(parse_qsl(urlsplit(parts[1]).query)) if len(parts) == 3 else {}
+        # parse_qsl has decoded %2F; AWSAccessKeyId: a SigV2 presigned URL (botocore's default for path style)
+        access_key = query.get("X-Amz-Credential", "").split("/", 1)[0] or query.get("AWSAccessKeyId") or None
+        session_token = "X-Amz-Security-Token" in query
+        bearer = None
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            name, value = name.strip().lower(), value.strip()
+            if name == "authorization":
+                scheme, _, rest = value.partition(" ")
+                if scheme == "AWS4-HMAC-SHA256" and "Credential=" in rest:
+                    access_key = rest.split("Credential=", 1)[1].split("/", 1)[0].strip()
+                elif scheme == "AWS" and ":" in rest:  # SigV2
+                    access_key = rest.rsplit(":", 1)[0].strip()
+                elif scheme.lower() == "bearer":
+                    bearer = rest.strip()
+            elif name == "x-amz-security-token":
+                session_token = True
+        return cls(access_key, session_token, bearer)
 
 
 def _content_length(head: bytes) -> int:

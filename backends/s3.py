@@ -16,6 +16,9 @@ GETs like S3 does, which is what objckpt's tests need. Flags and traps
 * It ignores SIGTERM for a long time; ``stop`` kills it after a short grace.
 * gRPC unix sockets always go to ``/tmp/seaweedfs-<role>-grpc-<port>.sock``
   whatever the flags say; ``stop`` removes ours.
+* It reads its identities file only at start: every key a test will use
+  (``start_s3(extra_credentials=...)``, e.g. the keys that
+  :class:`backends.identity.CredentialServer` rotates through) must be known then.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,12 +205,12 @@ def _answers_http(url: str) -> bool:
         return False
 
 
-def _write_identities(path: Path, access_key: str, secret_key: str) -> None:
+def _write_identities(path: Path, keys: Sequence[tuple[str, str]]) -> None:
     identities = {
         "identities": [
             {
                 "name": "objckpt",
-                "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+                "credentials": [{"accessKey": key, "secretKey": secret} for key, secret in keys],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
             }
         ]
@@ -255,6 +259,7 @@ def start_s3(
     bucket: str = "objckpt-test",
     *,
     timeout_s: float = _START_TIMEOUT_S,
+    extra_credentials: Sequence[tuple[str, str]] = (),
 ) -> S3Service:
     """Start SeaweedFS with a fresh random identity and create ``bucket``.
 
@@ -263,6 +268,9 @@ def start_s3(
             ``stop``) when omitted.
         bucket: Created once the gateway answers.
         timeout_s: Total time allowed for the server to come up.
+        extra_credentials: More (access key, secret key) pairs of the same
+            identity, all valid from the start (SeaweedFS reads its identities
+            only at start, so keys cannot be added to a running server).
 
     Returns:
         A running service; it is stopped at interpreter exit if not before.
@@ -281,7 +289,7 @@ def start_s3(
     access_key = "OBJCKPT" + secrets.token_hex(8).upper()
     secret_key = secrets.token_urlsafe(30)
     identities = root / "identities.json"
-    _write_identities(identities, access_key, secret_key)
+    _write_identities(identities, [(access_key, secret_key), *extra_credentials])
 
     deadline = time.monotonic() + timeout_s
     last_error: ServerStartError | None = None

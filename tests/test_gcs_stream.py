@@ -1,13 +1,16 @@
 """Ranged GCS GETs streamed to a sink (``objckpt.storage.gcs_stream``), on the GCS emulator.
 
 ``gs://`` opens with gcsfs by default; its stores stream copied reads with
-gcsfs's endpoint and credentials.
+the endpoint and the credential the store resolved when it opened, touching
+no gcsfs internals.
 """
 
 from __future__ import annotations
 
+import sys
 import uuid
 
+import gcsfs.core
 import jax
 import numpy as np
 import pytest
@@ -19,7 +22,8 @@ import objckpt
 from objckpt.errors import ObjectNotFoundError
 from objckpt.storage import from_url
 from objckpt.storage.fsspec_store import FsspecStore
-from objckpt.storage.gcs_stream import GCSRangeReader, gcsfs_range_reader
+from objckpt.storage.gcs_stream import GCSRangeReader
+from objckpt.storage.gcs_upload import MediaUploader
 from objckpt.transfer import runtime
 
 PAYLOAD = bytes(np.random.default_rng(6).integers(0, 256, 3 << 20, dtype=np.uint8))
@@ -80,16 +84,54 @@ def test_resharded_restore_from_gcs_streams_bit_exact(gcs_store, monkeypatch):
     assert sum(streamed) >= values.nbytes
 
 
-def test_requester_pays_keeps_gcsfs_reads():
-    class FakeGcsfs:
-        _location = "https://storage.googleapis.com"
-        credentials = None
-        requester_pays = False
+def test_requester_pays_keeps_gcsfs_reads_and_writes(gcs_service):
+    url = gcs_service.url(f"pays-{uuid.uuid4().hex[:8]}")
+    assert from_url(url, **gcs_service.storage_options()).streams_reads
+    paying = from_url(url, **gcs_service.storage_options(), requester_pays="my-project")
+    assert not paying.streams_reads and paying._uploader is None  # the billed project rides on gcsfs's requests
 
-    assert isinstance(gcsfs_range_reader(FakeGcsfs(), 5), GCSRangeReader)
-    paying = FakeGcsfs()
-    paying.requester_pays = "my-project"
-    assert gcsfs_range_reader(paying, 5) is None
+
+#: gcsfs internals the fast paths once read: objckpt code must not touch them.
+_GCSFS_INTERNALS = frozenset({"_call", "_location", "credentials", "_get_headers", "session", "_session", "_parent"})
+
+
+class _SealedGCSFileSystem(gcsfs.core.GCSFileSystem):
+    """gcsfs whose internals raise AttributeError when objckpt's code reads them (gcsfs's own code still can)."""
+
+    def __getattribute__(self, name: str):
+        if name in _GCSFS_INTERNALS and sys._getframe(1).f_globals.get("__name__", "").startswith("objckpt"):
+            raise AttributeError(f"objckpt read gcsfs's internal {name!r}")
+        return super().__getattribute__(name)
+
+
+def test_fast_paths_use_no_gcsfs_internals(gcs_store, monkeypatch):
+    """A save and a resharded restore through gcsfs that hides its internals from objckpt:
+    every blob is a media upload and every copied read streams."""
+    monkeypatch.setattr(gcsfs.core, "GCSFileSystem", _SealedGCSFileSystem)
+    uploads: list[int] = []
+    streamed: list[int] = []
+    real_upload, real_read = MediaUploader.upload, GCSRangeReader.read_streamed
+
+    async def upload(self, bucket, name, data, what):
+        uploads.append(memoryview(data).nbytes)
+        await real_upload(self, bucket, name, data, what)
+
+    async def read_streamed(self, path, start, length, sink, what):
+        streamed.append(n := await real_read(self, path, start, length, sink, what))
+        return n
+
+    monkeypatch.setattr(MediaUploader, "upload", upload)
+    monkeypatch.setattr(GCSRangeReader, "read_streamed", read_streamed)
+    assert isinstance(gcs_store.open().fs, _SealedGCSFileSystem)
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    values = random_array((512, 512), np.float32, 8)
+    so = gcs_store.storage_options
+    objckpt.save(gcs_store.url, {"w": jax.device_put(values, NamedSharding(mesh, P("x", "y")))}, storage_options=so)
+    other = NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b"))
+    target = {"w": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=other)}
+    out = objckpt.restore(gcs_store.url, target, storage_options=so)
+    assert np.asarray(out["w"]).tobytes() == values.tobytes()
+    assert sum(uploads) >= values.nbytes and sum(streamed) >= values.nbytes
 
 
 def test_gcs_error_reasons_and_request_paths():
@@ -98,14 +140,15 @@ def test_gcs_error_reasons_and_request_paths():
     assert reader._error_code(body) == "rateLimitExceeded"
     assert reader._error_code(b"<html>oops</html>") == ""
     assert reader._request_path("bkt/a b/c?d") == "/download/storage/v1/b/bkt/o/a%20b/c%3Fd?alt=media"
-    applied: list[dict[str, str]] = []
+    asked: list[int] = []
 
     class Token:
-        def apply(self, out):
-            out["authorization"] = "Bearer not-a-real-token"
-            applied.append(out)
+        def headers(self) -> dict[str, str]:
+            asked.append(1)
+            return {"authorization": "Bearer not-a-real-token"}
 
     signed = GCSRangeReader(endpoint="https://storage.googleapis.com", bucket="b", credentials=Token())
     headers = signed._authorize("/download/storage/v1/b/b/o/x?alt=media", {"range": "bytes=0-9"})
-    assert headers["authorization"].startswith("Bearer ") and headers["host"] == "storage.googleapis.com"
+    assert headers["authorization"] == "Bearer not-a-real-token" and headers["host"] == "storage.googleapis.com"
+    assert headers["range"] == "bytes=0-9" and asked == [1]  # asked on every request: it refreshes when due
     assert "not-a-real-token" not in repr(signed)

@@ -6,6 +6,7 @@ anything, except on local disk.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,6 @@ def test_translate_s3_anonymous() -> None:
         ({"s3_additional_kwargs": {"ACL": "private"}}, {"AWS_REGION": "us-east-1"}, "s3_additional_kwargs"),
         ({"profile": "dev"}, {"AWS_REGION": "us-east-1"}, "profile"),
         ({"version_aware": True}, {"AWS_REGION": "us-east-1"}, "version_aware"),
-        ({"client_kwargs": {"verify": False}}, {"AWS_REGION": "us-east-1"}, "verify"),
         ({"config_kwargs": {"signature_version": "s3"}}, {"AWS_REGION": "us-east-1"}, "signature_version"),
         ({"key": "only-a-key"}, {"AWS_REGION": "us-east-1"}, "secret"),
         ({}, {}, "region"),  # AWS proper with no region: s3fs finds the bucket's region
@@ -145,6 +145,46 @@ def test_translate_s3_shared_credentials_file_means_fsspec(tmp_path: Path) -> No
         translate_s3("s3://b", {}, env)
     # Web-identity credentials come before the shared files, and obstore reads them.
     translate_s3("s3://b", {}, {**env, "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/token"})
+
+
+def test_profile_files_are_read_through_botocore_for_obstore(tmp_path: Path) -> None:
+    """A shared credentials file (any botocore source obstore cannot read) reaches obstore
+    as a credential provider; the environment's web identity goes to obstore natively."""
+    from objckpt.storage.credentials import BotocoreCredentials, resolve_s3_source
+
+    credentials = tmp_path / "credentials"
+    credentials.write_text("[dev]\naws_access_key_id = filekey\naws_secret_access_key = filesecret\n")
+    config = tmp_path / "config"
+    config.write_text("[profile dev]\nregion = eu-north-1\n")
+    env = {"AWS_SHARED_CREDENTIALS_FILE": str(credentials), "AWS_CONFIG_FILE": str(config), "AWS_PROFILE": "dev"}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [k for k in os.environ if k.startswith("AWS_")]:
+            mp.delenv(name)
+        for name, value in env.items():
+            mp.setenv(name, value)
+        source = resolve_s3_source("s3://b", {}, os.environ)
+        spec = translate_s3("s3://b", {}, os.environ, source)
+    assert source.method == "shared-credentials-file"
+    assert isinstance(spec.credential_provider, BotocoreCredentials)
+    assert spec.credential_provider()["access_key_id"] == "filekey"
+    assert spec.credential_provider()["expires_at"] is None  # static keys never lapse
+    assert spec.config["region"] == "eu-north-1" and "access_key_id" not in spec.config
+    assert "filesecret" not in repr(spec) + repr(source) + repr(spec.credential_provider)
+
+
+def test_translate_s3_trust_settings(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    env = {"AWS_REGION": "us-east-1"}
+    assert translate_s3("s3://b", {"client_kwargs": {"verify": str(ca)}}, env).client == {
+        "root_certificate": ca.read_bytes()
+    }
+    assert translate_s3("s3://b", {}, {**env, "AWS_CA_BUNDLE": str(ca)}).client["root_certificate"] == ca.read_bytes()
+    assert translate_s3("s3://b", {"client_kwargs": {"verify": False}}, env).client == {
+        "allow_invalid_certificates": True
+    }
+    with pytest.raises(ValueError, match="missing.pem"):
+        translate_s3("s3://b", {}, {**env, "AWS_CA_BUNDLE": str(tmp_path / "missing.pem")})
 
 
 def test_translate_s3_payload_signing_override() -> None:

@@ -208,6 +208,42 @@ def test_gcsfs_makes_one_attempt_per_call_so_the_engine_sees_each_refusal(gcs_se
         assert runtime.run_sync(store.get_range("k", start=0, end=10)) == b"z" * 10
 
 
+@pytest.mark.gcs
+def test_gcsfs_keeps_its_own_retries_outside_the_versions_checked(gcs_service, monkeypatch):
+    """The single-attempt switch relies on gcsfs internals, so only on the releases it was
+    checked against; on any other, gcsfs's own retries stay on (its public behaviour)."""
+
+    from objckpt.storage import registry
+
+    version = registry._gcsfs_version()
+    first, end = registry.GCSFS_SINGLE_ATTEMPT_VERSIONS
+    assert version is not None and first <= version < end, "the installed gcsfs must be in the checked range"
+    monkeypatch.setattr(registry, "_gcsfs_version", lambda: end)
+    host, port = gcs_service.endpoint_url.rsplit("//", 1)[1].split(":")
+    with FaultProxy(host, int(port), seed=5) as proxy:
+        options = {**gcs_service.storage_options(), "endpoint_url": proxy.endpoint_url, "request_timeout": 3}
+        store = from_url(gcs_service.url(f"probe-{uuid.uuid4().hex[:8]}"), **options)
+        assert "_request" not in store.fs.__dict__  # gcsfs's decorated method, as released
+        proxy.set_faults(1.0, ("429",))
+        with pytest.raises(TransientStoreError):  # gcsfs sleeps 1-2 s and retries: our timeout ends it
+            runtime.run_sync(store.get_range("k", start=0, end=10))
+        assert proxy.stats.requests >= 2  # gcsfs retried a refusal the engine never saw
+
+
+def test_gcsfs_without_the_undecorated_request_keeps_its_retries(monkeypatch):
+    import gcsfs.core
+
+    from objckpt.storage import registry
+
+    async def plain(self, *args, **kwargs):  # a release whose _request has no __wrapped__
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(gcsfs.core.GCSFileSystem, "_request", plain)
+    fs = gcsfs.core.GCSFileSystem(token="anon", endpoint_url="http://127.0.0.1:9", skip_instance_cache=True)
+    assert registry._one_attempt_per_request(fs) is False
+    assert "_request" not in fs.__dict__
+
+
 # ------------------------------------------------------------------ against an overloaded store
 
 

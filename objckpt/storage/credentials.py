@@ -1,19 +1,20 @@
-"""Pre-flight credential checks: "no credentials" said at once, with the sources tried.
+"""Where a cloud store's credentials come from, decided once when it opens, with short limits.
 
-Without this, a cloud URL opened with no credentials configured anywhere fails
-late and obscurely: obstore probes the instance metadata service on every
-request (each a retried ``PUT .../latest/api/token``, ~20 s of retries before a
-message about that URL), and gcsfs spends ~20 s probing, then silently goes
-anonymous. So when a store opens with no explicit credentials, the chain is
-resolved once here with short limits:
+Two jobs. First, "no credentials" is said at once, with the sources tried:
+without this, a cloud URL opened with no credentials configured anywhere fails
+late and obscurely (obstore probes the instance metadata service on every
+request, ~20 s of retries; gcsfs spends ~20 s probing, then silently goes
+anonymous). Second, for ``s3://`` the source found is handed to obstore
+(:class:`S3Source`), so the native store, its streamed reads and the s3fs
+fallback all use the source botocore's precedence picks:
 
 * ``s3://``: botocore's own resolver (environment, shared credentials/config
-  files and profile, web identity, container, ...) without its instance
-  metadata step, which retries and waits a second per request; then, only
-  if that found nothing, one token request to the instance metadata service
-  under :data:`METADATA_TIMEOUT_S`, no retry (any answer means it is there,
-  and the store's client resolves through it as usual). botocore assumes
-  roles lazily, so nothing else here makes a network call.
+  files and profile, assume-role, web identity, container, SSO, process...)
+  without its instance metadata step, which retries and waits a second per
+  request; then, only if that found nothing, one token request to the
+  instance metadata service under :data:`METADATA_TIMEOUT_S`, no retry (any
+  answer means it is there). botocore assumes roles lazily; container
+  credentials are fetched once here.
 * ``gs://``: the places Google's default credentials come from (the
   ``GOOGLE_APPLICATION_CREDENTIALS`` file, gcloud's application-default file,
   gcsfs's token cache), then one ping of the metadata server.
@@ -21,16 +22,18 @@ resolved once here with short limits:
 Finding nothing raises :class:`StorePermissionError` naming the URL and every
 source tried. Explicit anonymous access (``anon=True`` for S3,
 ``token="anon"`` for GCS, or an emulator) and explicit credentials skip the
-check. Found credentials are not kept: the store's own client resolves them
-again as usual (cheap once they exist). Nothing here logs or returns a secret.
+check. Nothing here logs or shows a secret; refreshing is the clients' job
+(obstore's, botocore's, google-auth's), never objckpt's.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import http.client
 import os
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from objckpt.errors import StorePermissionError
@@ -43,7 +46,7 @@ _S3_EXPLICIT = ("key", "secret", "token", "username", "password", "session")
 _S3_CLIENT_EXPLICIT = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 
 
-def _s3_explicit(options: Mapping[str, Any]) -> bool:
+def s3_options_explicit(options: Mapping[str, Any]) -> bool:
     """Whether the s3fs options themselves settle how requests are signed (or not signed)."""
     if options.get("anon") or any(options.get(k) for k in _S3_EXPLICIT):
         return True
@@ -54,8 +57,41 @@ def _s3_explicit(options: Mapping[str, Any]) -> bool:
     return config.get("signature_version") is not None  # e.g. botocore.UNSIGNED
 
 
+@dataclass(frozen=True)
+class S3Source:
+    """Where the S3 credentials of a store come from, as obstore ``S3Config`` entries.
+
+    ``method`` is botocore's name for the source (``"env"``, ``"assume-role"``,
+    ``"shared-credentials-file"``, ``"assume-role-with-web-identity"``,
+    ``"container-role"``, ``"iam-role"``, ...), or ``"explicit"`` for storage
+    options. ``config`` and ``provider`` hold or reach secrets: never shown.
+    """
+
+    method: str
+    config: dict[str, Any] = field(default_factory=dict, repr=False)
+    provider: Callable[[], Any] | None = field(default=None, repr=False)
+    region: str | None = None
+
+
 def check_s3_credentials(url: str, options: Mapping[str, Any], environ: Mapping[str, str]) -> None:
-    """Raise at once if no AWS credentials can be found for ``url``.
+    """Raise at once if no AWS credentials can be found for ``url`` (see :func:`resolve_s3_source`)."""
+    if not s3_options_explicit(options):
+        resolve_s3_source(url, options, environ)
+
+
+def resolve_s3_source(url: str, options: Mapping[str, Any], environ: Mapping[str, str]) -> S3Source:
+    """Decide, with botocore's own resolver and precedence, where ``url``'s credentials come from.
+
+    The sources obstore resolves and refreshes natively are handed to it as
+    configuration, with the AWS SDKs' standard variables translated to its
+    names: web identity (``AWS_WEB_IDENTITY_TOKEN_FILE``, ``AWS_ROLE_ARN``,
+    ``AWS_ROLE_SESSION_NAME``, ``AWS_ENDPOINT_URL_STS``), container credentials
+    (``AWS_CONTAINER_CREDENTIALS_FULL_URI``/``_RELATIVE_URI``,
+    ``AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE``) and instance metadata
+    (``AWS_EC2_METADATA_SERVICE_ENDPOINT``, or the config file's endpoint).
+    Every other source botocore finds (profiles, shared credentials and config
+    files, assume-role, SSO, ``credential_process``) is read through botocore
+    itself: :class:`BotocoreCredentials` hands its (refreshed) credentials to obstore.
 
     Args:
         url: The ``s3://`` URL being opened (shown without credentials).
@@ -63,31 +99,120 @@ def check_s3_credentials(url: str, options: Mapping[str, Any], environ: Mapping[
         environ: Usually ``os.environ``.
 
     Raises:
-        StorePermissionError: no source yields credentials (message lists the sources tried),
-            or botocore could not read a configured source (an unknown profile, say).
+        StorePermissionError: no source yields credentials (the message lists the sources
+            tried), or botocore could not read a configured source (an unknown profile, say).
     """
-    if _s3_explicit(options):
-        return
-    if environ.get("AWS_ACCESS_KEY_ID") and environ.get("AWS_SECRET_ACCESS_KEY"):
-        return  # the common case, decided without importing botocore
+    profile = options.get("profile")
+    if not profile and environ.get("AWS_ACCESS_KEY_ID") and environ.get("AWS_SECRET_ACCESS_KEY"):
+        return S3Source("env", _static(environ["AWS_ACCESS_KEY_ID"], environ["AWS_SECRET_ACCESS_KEY"], _token(environ)))
     try:
         import botocore.exceptions
         import botocore.session
-    except ImportError:  # no botocore: obstore alone resolves, as before
-        return
-    session = botocore.session.Session(profile=options.get("profile"))
+    except ImportError:  # no botocore: obstore alone resolves, from the environment
+        return S3Source("obstore")
+    session = botocore.session.Session(profile=profile)
     resolver = session.get_component("credential_provider")
     resolver.remove("iam-role")  # instance metadata: probed below, once, briefly
     try:
         credentials = resolver.load_credentials()
     except botocore.exceptions.BotoCoreError as exc:
         raise StorePermissionError(f"cannot read AWS credentials for {redact_url(url)}: {exc}") from exc
-    if credentials is not None or _imds_answers(session, environ):
-        return
-    raise StorePermissionError(
-        f"no credentials found for {redact_url(url)}; tried: {_s3_sources(session, environ)}. "
-        "Configure credentials, or pass storage_options={'anon': True} for a public bucket"
-    )
+    region = session.get_config_variable("region")
+    if credentials is None:
+        if _imds_answers(session, environ):
+            return S3Source("iam-role", {"metadata_endpoint": _imds_endpoint(session)}, region=region)
+        raise StorePermissionError(
+            f"no credentials found for {redact_url(url)}; tried: {_s3_sources(session, environ)}. "
+            "Configure credentials, or pass storage_options={'anon': True} for a public bucket"
+        )
+    method = str(getattr(credentials, "method", ""))
+    native = _native_config(method, environ)
+    if native is not None:
+        return S3Source(method, native, region=region)
+    return S3Source(method, provider=BotocoreCredentials(credentials), region=region)
+
+
+def _static(key: str, secret: str, token: str | None) -> dict[str, Any]:
+    config = {"access_key_id": key, "secret_access_key": secret}
+    if token:
+        config["session_token"] = token
+    return config
+
+
+def _token(environ: Mapping[str, str]) -> str | None:
+    return environ.get("AWS_SESSION_TOKEN") or environ.get("AWS_SECURITY_TOKEN") or None
+
+
+def _native_config(method: str, environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """obstore's configuration for a source it resolves itself from these variables, else None."""
+    if method == "assume-role-with-web-identity":
+        token_file, role = environ.get("AWS_WEB_IDENTITY_TOKEN_FILE"), environ.get("AWS_ROLE_ARN")
+        if not (token_file and role):
+            return None  # configured in a profile: botocore reads it
+        config = {"web_identity_token_file": token_file, "role_arn": role}
+        if environ.get("AWS_ROLE_SESSION_NAME"):
+            config["role_session_name"] = environ["AWS_ROLE_SESSION_NAME"]
+        sts = environ.get("AWS_ENDPOINT_URL_STS")
+        if sts:
+            config["sts_endpoint"] = sts
+        return config
+    if method == "container-role":
+        if environ.get("AWS_CONTAINER_AUTHORIZATION_TOKEN"):
+            return None  # a token in the variable itself: obstore reads only a token file
+        full, relative = (
+            environ.get("AWS_CONTAINER_CREDENTIALS_FULL_URI"),
+            environ.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"),
+        )
+        if relative:
+            config = {"container_credentials_relative_uri": relative}
+        elif full:
+            config = {"container_credentials_full_uri": full}
+        else:
+            return None
+        if environ.get("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"):
+            config["container_authorization_token_file"] = environ["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"]
+        return config
+    return None
+
+
+class BotocoreCredentials:
+    """An obstore ``credential_provider`` over botocore credentials (a profile, assume-role, SSO...).
+
+    botocore refreshes temporary credentials well before they expire (its
+    advisory and mandatory windows, 15 and 10 minutes); obstore asks again
+    once the ``expires_at`` given here passes. That time comes from botocore's
+    public ``refresh_needed(seconds)``: the longest of a few horizons the
+    credentials outlive, so credentials of any lifetime (even seconds, in
+    tests) are asked for again before they lapse.
+    """
+
+    #: Seconds ahead that obstore may keep a set of credentials, longest first.
+    HORIZONS = (300.0, 60.0, 15.0, 5.0, 1.0)
+
+    def __init__(self, credentials: Any) -> None:
+        self._credentials = credentials
+
+    def __repr__(self) -> str:
+        return f"BotocoreCredentials(method={getattr(self._credentials, 'method', None)!r})"
+
+    def __call__(self) -> dict[str, Any]:
+        frozen = self._credentials.get_frozen_credentials()
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token or None,
+            "expires_at": self._expires_at(),
+        }
+
+    def _expires_at(self) -> _dt.datetime | None:
+        refresh_needed = getattr(self._credentials, "refresh_needed", None)
+        if refresh_needed is None:
+            return None  # static credentials never expire
+        now = _dt.datetime.now(_dt.UTC)
+        for horizon in self.HORIZONS:
+            if not refresh_needed(horizon):
+                return now + _dt.timedelta(seconds=horizon)
+        return now  # lapsing now: ask again at the next request
 
 
 def _imds_endpoint(session: Any) -> str:

@@ -51,7 +51,7 @@ from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode,
 from objckpt.storage.error_map import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
 from objckpt.storage.error_map import http_status as _http_status
 from objckpt.storage.error_map import map_error
-from objckpt.storage.gcs_upload import media_upload
+from objckpt.storage.gcs_upload import MediaUploader
 from objckpt.storage.http_stream import HttpRangeReader, stream_range
 from objckpt.storage.streaming import ReadSink
 from objckpt.storage.urls import check_relative as _check_relative
@@ -166,7 +166,7 @@ class FsspecStore(Store):
             then uses ``pipe_file(mode="create")``; the subclasses always can).
         range_reader: Streams ranged reads (:meth:`get_range_streamed`) over
             plain HTTP, for a filesystem whose paths it knows (gcsfs's:
-            :func:`objckpt.storage.gcs_stream.gcsfs_range_reader`); shared by
+            :class:`objckpt.storage.gcs_stream.GCSRangeReader`); shared by
             :meth:`child` stores.
     """
 
@@ -437,20 +437,45 @@ class S3FsspecStore(FsspecStore):
 
 
 class GcsFsspecStore(FsspecStore):
-    """gcsfs: create-if-absent is ``ifGenerationMatch=0``; bulk writes send the buffer as
-    the body (:func:`~objckpt.storage.gcs_upload.media_upload`); listings filter server-side."""
+    """gcsfs: create-if-absent is ``ifGenerationMatch=0``; with an ``uploader``, bulk writes
+    send the buffer as the body (:class:`~objckpt.storage.gcs_upload.MediaUploader`), else
+    they go through gcsfs's ``pipe_file``; listings filter server-side.
+
+    Args:
+        uploader: Media uploads with the store's credential, shared by :meth:`child` stores
+            and closed with the store; None when gcsfs alone serves the store.
+        **kwargs: As for :class:`FsspecStore`.
+    """
 
     _lists_by_prefix = True
+
+    def __init__(
+        self, fs: AbstractFileSystem, path: str, *, uploader: MediaUploader | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(fs, path, **kwargs)
+        self._uploader = uploader
 
     def _atomic_create(self, requested: bool | None) -> bool:
         return True
 
     async def _write(self, what: str, key: str, data: bytes | memoryview, create: bool) -> None:
         path = self._path(key)
+        uploader = self._uploader
         if create:  # small (a manifest): the emulator checks the precondition only here
             await self._fs(what, "pipe_file", path, data, mode="create")
-        else:  # bulk data: the buffer is the body, no copy
-            await self._run(what, lambda: self._on_fs_loop(media_upload(self.fs, path, data)))
+            return
+        if uploader is None:
+            await super()._write(what, key, data, create)
+            return
+        bucket, _, name = path.partition("/")  # bulk data: the buffer is the body, no copy
+        await self._run(what, lambda: self._on_fs_loop(uploader.upload(bucket, name, data, what)))
+        self.fs.invalidate_cache(path)
+
+    async def close(self) -> None:
+        """Close the range reader's and the uploader's connections (see :meth:`FsspecStore.close`)."""
+        await super().close()
+        if self._uploader is not None:
+            await self._uploader.close()
 
 
 class MemoryFsspecStore(FsspecStore):

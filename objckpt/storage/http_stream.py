@@ -11,8 +11,14 @@ cache (docs/PERFORMANCE.md has the measurements).
 
 How: ``http.client`` over one keep-alive connection per worker thread, the
 body received with ``recv_into`` (no copy in user space). Subclasses say how
-an object's path becomes a request and how it is authorized (S3: SigV4,
-:mod:`objckpt.storage.s3_stream`; GCS: a bearer token, :mod:`objckpt.storage.gcs_stream`).
+an object's path becomes a request and how it is authorized (S3: a URL
+presigned by obstore, :mod:`objckpt.storage.s3_stream`; GCS: a bearer token
+from google-auth, :mod:`objckpt.storage.gcs_stream`); nothing here signs.
+
+TLS and proxies are the standard library's: an ``https://`` endpoint is
+verified against the context given (a custom CA bundle) or the system roots,
+and a proxy named by ``HTTPS_PROXY``/``HTTP_PROXY`` (unless ``NO_PROXY``
+matches) is used as a ``CONNECT`` tunnel (:mod:`objckpt.storage.network`).
 
 Timeouts and cancellation: the socket has the request timeout (a stalled
 server fails the read), and a caller that gives up (its own deadline, or a
@@ -35,6 +41,7 @@ from urllib.parse import urlsplit
 
 from objckpt.errors import ObjectNotFoundError, StoreError, StorePermissionError, TransientStoreError
 from objckpt.storage.error_map import TRANSIENT_STATUS, transient_error
+from objckpt.storage.network import proxy_for
 from objckpt.storage.streaming import STREAM_PIECE, ReadSink, piece_size
 from objckpt.storage.urls import check_relative
 
@@ -76,20 +83,31 @@ class HttpRangeReader:
         service: What the endpoint is, for messages (``S3``, ``GCS``).
         host: Connect to this host instead of the endpoint's (S3 virtual-hosted buckets).
         timeout: Socket timeout, seconds (connect and each receive).
+        ssl_context: Verifies an ``https://`` endpoint (a custom CA bundle's,
+            :func:`objckpt.storage.network.ssl_context`); the system roots by default.
     """
 
-    def __init__(self, *, endpoint: str, service: str, host: str | None = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        service: str,
+        host: str | None = None,
+        timeout: float = 60.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         parts = urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{service} endpoint must be http(s)://host[:port], got {parts.scheme}://{parts.hostname}")
         self._https = parts.scheme == "https"
-        self._port = parts.port
+        self._port = parts.port or (443 if self._https else 80)
         self._connect_host = host or parts.hostname
         default_port = 443 if self._https else 80
         self._host_header = self._connect_host + (f":{parts.port}" if parts.port not in (None, default_port) else "")
         self._endpoint_path = parts.path.rstrip("/")
         self.timeout = float(timeout)
-        self._ssl = ssl.create_default_context() if self._https else None
+        self._ssl = (ssl_context or ssl.create_default_context()) if self._https else None
+        self._proxy = proxy_for(f"{parts.scheme}://{self._host_header}/")
         self._local = threading.local()
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
@@ -158,12 +176,15 @@ class HttpRangeReader:
     def _connection(self) -> http.client.HTTPConnection:
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is None:
+            proxy = self._proxy
+            host, port = (proxy.host, proxy.port) if proxy is not None else (self._connect_host, self._port)
             if self._https:
-                conn = http.client.HTTPSConnection(
-                    self._connect_host, self._port, timeout=self.timeout, context=self._ssl
-                )
+                conn = http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._ssl)
             else:
-                conn = http.client.HTTPConnection(self._connect_host, self._port, timeout=self.timeout)
+                conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
+            if proxy is not None:  # TLS (if any) runs end to end inside the tunnel
+                auth = {"Proxy-Authorization": proxy.authorization} if proxy.authorization else None
+                conn.set_tunnel(self._connect_host, self._port, headers=auth)
             self._local.conn = conn
         with self._executor_lock:
             self._connections.add(conn)  # again after close(), which leaves the thread's conn closed

@@ -1,4 +1,4 @@
-"""fsspec-style storage options → obstore store configuration (pure, no I/O).
+"""fsspec-style storage options → obstore store configuration (no network I/O).
 
 objckpt's public options are the ones s3fs and gcsfs take, so a URL opens the
 same way whichever adapter serves it. This module translates them for
@@ -19,16 +19,24 @@ Translated for ``s3://`` (s3fs names):
   "payload_signing_enabled": bool}}`` (default as botocore: sign the payload's
   SHA-256 only over plain HTTP);
 * ``anon`` (unsigned requests), ``requester_pays``;
+* ``client_kwargs["verify"]`` (a CA bundle path, or False) and ``AWS_CA_BUNDLE``
+  → obstore's ``root_certificate`` (``SSL_CERT_FILE`` and ``HTTPS_PROXY``/``NO_PROXY``
+  obstore reads itself);
 * environment: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
   ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``,
-  ``AWS_REGION``/``AWS_DEFAULT_REGION``. Web-identity, container and
-  instance-metadata credentials are found by obstore itself.
+  ``AWS_REGION``/``AWS_DEFAULT_REGION``;
+* every other credential source through ``source``, which the registry
+  resolves with botocore's precedence before translating
+  (:func:`objckpt.storage.credentials.resolve_s3_source`): web identity,
+  container and instance-metadata credentials as obstore configuration (obstore
+  fetches and refreshes them), profiles and shared files (static keys,
+  assume-role, SSO, ``credential_process``) as a credential provider over botocore.
 
-Not translatable (the fsspec adapter is used): AWS profiles and shared
-config/credential files (obstore does not read them), AWS without a known
-region (s3fs discovers a bucket's region; obstore would sign for us-east-1),
-virtual-host addressing on a custom endpoint, and any other s3fs option that
-changes behaviour (``s3_additional_kwargs``, ``session``, ``version_aware``...).
+Not translatable (the fsspec adapter is used): a ``profile`` option without a
+resolved source, AWS without a known region (s3fs discovers a bucket's region;
+obstore would sign for us-east-1), virtual-host addressing on a custom
+endpoint, and any other s3fs option that changes behaviour
+(``s3_additional_kwargs``, ``session``, ``version_aware``...).
 
 Translated for ``gs://`` (gcsfs names): ``endpoint_url`` or
 ``STORAGE_EMULATOR_HOST``, ``token`` (``"anon"``, a service-account JSON path,
@@ -76,10 +84,19 @@ _S3_TRANSLATED = frozenset(
         "requester_pays",
         "version_aware",
         "cache_regions",
+        "profile",
     }
 )
 _S3_CLIENT_KWARGS = frozenset(
-    {"endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "use_ssl"}
+    {
+        "endpoint_url",
+        "region_name",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "use_ssl",
+        "verify",
+    }
 )
 #: botocore Config fields that objckpt overrides anyway (timeouts, retries, pool size).
 _S3_CONFIG_IGNORED = frozenset({"connect_timeout", "read_timeout", "retries", "max_pool_connections"})
@@ -106,6 +123,10 @@ class NativeSpec:
     prefix: str
     endpoint: str | None
     config: dict[str, Any] = field(repr=False)
+    #: obstore ``credential_provider`` (credentials botocore reads for obstore), or None.
+    credential_provider: Any = field(default=None, repr=False)
+    #: obstore ``ClientConfig`` entries beyond timeouts: trusted CA, certificate checks.
+    client: dict[str, Any] = field(default_factory=dict)
 
 
 def split_bucket_url(url: str) -> tuple[str, str]:
@@ -146,13 +167,16 @@ def _aws_files_in_use(environ: Mapping[str, str]) -> bool:
     return any(os.path.isfile(p) for p in paths)
 
 
-def translate_s3(url: str, options: Mapping[str, Any], environ: Mapping[str, str]) -> NativeSpec:
+def translate_s3(url: str, options: Mapping[str, Any], environ: Mapping[str, str], source: Any = None) -> NativeSpec:
     """s3fs options + ``AWS_*`` environment → an ``S3Store`` configuration.
 
     Args:
         url: ``s3://bucket/prefix`` (or ``s3a://``).
         options: s3fs storage options, without objckpt's own (``request_timeout``...).
         environ: Usually ``os.environ``.
+        source: Where the credentials come from when the options name none
+            (:class:`objckpt.storage.credentials.S3Source`); without it, only
+            the environment's static keys are translated and profile files are not.
 
     Raises:
         NotTranslatable: something only s3fs/botocore can honour (see module doc).
@@ -179,6 +203,7 @@ def translate_s3(url: str, options: Mapping[str, Any], environ: Mapping[str, str
         raise NotTranslatable(f"config_kwargs {', '.join(unknown)}")
 
     config: dict[str, Any] = {}
+    provider = None
     key = _first(options.get("key"), options.get("username"), client.get("aws_access_key_id"))
     secret = _first(options.get("secret"), options.get("password"), client.get("aws_secret_access_key"))
     token = _first(options.get("token"), client.get("aws_session_token"))
@@ -192,6 +217,11 @@ def translate_s3(url: str, options: Mapping[str, Any], environ: Mapping[str, str
         config["secret_access_key"] = secret
         if token:
             config["session_token"] = token
+    elif source is not None:
+        config.update(source.config)
+        provider = source.provider
+    elif options.get("profile"):
+        raise NotTranslatable("a profile option (read through botocore when the source is resolved)")
     elif environ.get("AWS_ACCESS_KEY_ID") and environ.get("AWS_SECRET_ACCESS_KEY"):
         config["access_key_id"] = environ["AWS_ACCESS_KEY_ID"]
         config["secret_access_key"] = environ["AWS_SECRET_ACCESS_KEY"]
@@ -221,6 +251,7 @@ def translate_s3(url: str, options: Mapping[str, Any], environ: Mapping[str, str
         config_kwargs.get("region_name"),
         environ.get("AWS_REGION"),
         environ.get("AWS_DEFAULT_REGION"),
+        getattr(source, "region", None),
     )
     if region is None and not endpoint:
         raise NotTranslatable("no region configured (s3fs discovers the bucket's region; set AWS_REGION)")
@@ -241,7 +272,25 @@ def translate_s3(url: str, options: Mapping[str, Any], environ: Mapping[str, str
         # (and crc32c guards it end to end); hashing costs ~0.6 CPU-s per GiB.
         payload_signing = bool(endpoint and endpoint.startswith("http://"))
     config["unsigned_payload"] = not payload_signing
-    return NativeSpec("s3", bucket, prefix, endpoint, config)
+    client_config = _trust(client.get("verify", True), environ.get("AWS_CA_BUNDLE"))
+    return NativeSpec("s3", bucket, prefix, endpoint, config, provider, client_config)
+
+
+def _trust(verify: Any, ca_bundle: str | None) -> dict[str, Any]:
+    """obstore ``ClientConfig`` entries for whom TLS trusts: botocore's ``verify`` (a CA
+    bundle path, or False) or the SDK's ``AWS_CA_BUNDLE``; else nothing, and obstore
+    trusts the system roots, which ``SSL_CERT_FILE`` replaces. obstore adds a CA to its
+    roots rather than replacing them."""
+    if verify is False:
+        return {"allow_invalid_certificates": True}
+    path = verify if isinstance(verify, (str, os.PathLike)) else ca_bundle
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            return {"root_certificate": f.read()}
+    except OSError as exc:
+        raise ValueError(f"cannot read the CA bundle {os.fspath(path)!r}: {exc.strerror}") from exc
 
 
 def translate_gcs(url: str, options: Mapping[str, Any], environ: Mapping[str, str]) -> NativeSpec:

@@ -20,8 +20,8 @@ Choices, and why:
   here); ``get_range_buffer`` returns a view of that buffer instead.
   ``put_parts`` hands obstore a list of buffers, which it sends as one body
   without joining them: a save uploads array bytes where they lie.
-* **Streamed ranged reads** (``get_range_streamed``, S3 with static
-  credentials): sent by :mod:`objckpt.storage.s3_stream`, not obstore, so
+* **Streamed ranged reads** (``get_range_streamed``, S3): URLs presigned by
+  obstore and sent by :mod:`objckpt.storage.s3_stream`, so
   restore can scatter each few MiB of a read it copies out of while they
   are in cache (:mod:`objckpt.storage.streaming` says why).
 * **Multipart only for large puts** (> 64 MiB by default, 16 MiB parts):
@@ -47,8 +47,9 @@ from objckpt.errors import ObjectNotFoundError, ThrottledError, TransientStoreEr
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
 from objckpt.storage.error_map import PROGRAMMING_ERRORS, map_obstore_error
 from objckpt.storage.http_stream import HttpRangeReader, stream_range
+from objckpt.storage.network import ssl_context
 from objckpt.storage.obstore_config import NativeSpec
-from objckpt.storage.s3_stream import S3Credentials, S3RangeReader
+from objckpt.storage.s3_stream import S3RangeReader
 from objckpt.storage.streaming import ReadSink
 from objckpt.storage.urls import check_relative, redact_url
 from objckpt.transfer.buffers import malloc_phase
@@ -308,13 +309,16 @@ class ObstoreStore(Store):
 # ------------------------------------------------------------------ factories
 
 
-def client_options(*, request_timeout: float, allow_http: bool) -> ClientConfig:
-    """obstore ``ClientConfig``: the per-request timeout, plain HTTP only when asked."""
-    return {
+def client_options(*, request_timeout: float, allow_http: bool, extra: dict[str, Any] | None = None) -> ClientConfig:
+    """obstore ``ClientConfig``: the per-request timeout, plain HTTP only when asked, plus
+    ``extra`` (a trusted CA, from :class:`NativeSpec`)."""
+    options: dict[str, Any] = {
         "timeout": _dt.timedelta(seconds=request_timeout),
         "connect_timeout": _dt.timedelta(seconds=min(10.0, request_timeout)),
         "allow_http": allow_http,
+        **(extra or {}),
     }
+    return cast("ClientConfig", options)
 
 
 #: obstore's own retries are off: the transfer engine owns the retry policy.
@@ -326,15 +330,23 @@ def open_spec(spec: NativeSpec, url: str, *, request_timeout: float = DEFAULT_RE
     from obstore.store import GCSStore, S3Store
 
     http = bool(spec.endpoint and spec.endpoint.startswith("http://"))
-    options = client_options(request_timeout=request_timeout, allow_http=http)
+    options = client_options(request_timeout=request_timeout, allow_http=http, extra=spec.client)
     store: Any
     if spec.kind == "s3":
         store = S3Store(
-            spec.bucket, config=cast("S3Config", spec.config), client_options=options, retry_config=RETRY_CONFIG
+            spec.bucket,
+            config=cast("S3Config", spec.config),
+            client_options=options,
+            retry_config=RETRY_CONFIG,
+            credential_provider=spec.credential_provider,
         )
     elif spec.kind == "gcs":
         store = GCSStore(
-            spec.bucket, config=cast("GCSConfig", spec.config), client_options=options, retry_config=RETRY_CONFIG
+            spec.bucket,
+            config=cast("GCSConfig", spec.config),
+            client_options=options,
+            retry_config=RETRY_CONFIG,
+            credential_provider=spec.credential_provider,
         )
     else:
         raise ValueError(f"unknown native store kind {spec.kind!r}")
@@ -343,34 +355,32 @@ def open_spec(spec: NativeSpec, url: str, *, request_timeout: float = DEFAULT_RE
         url=url,
         prefix=spec.prefix,
         request_timeout=request_timeout,
-        range_reader=range_reader(spec, request_timeout),
+        range_reader=range_reader(spec, store, request_timeout),
     )
 
 
-def range_reader(spec: NativeSpec, request_timeout: float) -> HttpRangeReader | None:
-    """A reader that streams ranged GETs for an S3 ``spec`` whose credentials are static or absent.
+def range_reader(spec: NativeSpec, store: Any, request_timeout: float) -> HttpRangeReader | None:
+    """A reader that streams ranged GETs of an S3 ``spec``'s bucket, each presigned by ``store``
+    with whatever credentials it resolved (:mod:`objckpt.storage.s3_stream`).
 
-    Credentials that obstore finds on its own (instance metadata, web identity,
-    container roles) are not known here, and requester-pays buckets need a
-    header it does not send: those stores read through obstore only. (``gs://``
-    opens with gcsfs by default, which streams through :mod:`objckpt.storage.gcs_stream`.)
+    None for requester-pays buckets (a presigned URL carries no
+    ``x-amz-request-payer``) and for other kinds. (``gs://`` opens with gcsfs by
+    default, which streams through :mod:`objckpt.storage.gcs_stream`.)
     """
     config = spec.config
     if spec.kind != "s3" or config.get("request_payer"):
         return None
-    if config.get("skip_signature"):
-        credentials = None
-    elif config.get("access_key_id") and config.get("secret_access_key"):
-        credentials = S3Credentials(config["access_key_id"], config["secret_access_key"], config.get("session_token"))
-    else:
-        return None
+    client = spec.client
     return S3RangeReader(
         endpoint=spec.endpoint,
         bucket=spec.bucket,
         region=config["region"],
-        credentials=credentials,
+        signer=None if config.get("skip_signature") else store,
         virtual_hosted=bool(config.get("virtual_hosted_style_request")),
         timeout=request_timeout,
+        ssl_context=ssl_context(
+            extra_ca=client.get("root_certificate"), verify=not client.get("allow_invalid_certificates")
+        ),
     )
 
 

@@ -19,7 +19,7 @@ Two adapters serve the cloud schemes: the native :class:`ObstoreStore`
 (obstore, Rust) and :class:`FsspecStore` (s3fs, gcsfs). Which one:
 
 * ``s3://``: obstore when it is installed and the options translate (see
-  :mod:`objckpt.storage.obstore_config`), else s3fs. Against SeaweedFS
+  :mod:`objckpt.storage.obstore_config`; every credential source does), else s3fs. Against SeaweedFS
   (``benchmarks/bench_stores.py``) its PUTs are ~1.3-1.7x faster at a
   quarter of the client CPU; its reads are faster through
   ``get_range_buffer`` (no copy) but ~15% slower through ``get_range``,
@@ -37,16 +37,23 @@ option wins. Asking for ``"obstore"`` where it cannot serve the URL (not
 installed, untranslatable options) is an error rather than a silent
 fallback; the environment variable only steers schemes with a native path.
 
-Credentials: with no options, s3fs/botocore read the usual ``AWS_*``
-environment and config files; ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``
-are also passed on explicitly (and switch on path-style addressing, which
-every S3-compatible server supports). The native path reads the same
-variables, but not AWS profile/config files (those URLs go to s3fs).
-``gs://`` honours ``STORAGE_EMULATOR_HOST`` the way Google's clients do: it
-becomes the endpoint, with anonymous access unless a token is given.
-With no credentials configured at all (and no explicit ``anon``), opening an
-``s3://`` or ``gs://`` store raises :class:`StorePermissionError` at once,
-listing the sources tried (:mod:`objckpt.storage.credentials`).
+Credentials: with none in the options, an ``s3://`` store resolves them once
+with botocore's precedence (environment, profiles and shared files,
+assume-role, web identity, container, instance metadata: see
+:mod:`objckpt.storage.credentials`) and hands the source to obstore, which
+refreshes expiring credentials mid-operation; the s3fs fallback reads the same
+chain through botocore. ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` are
+passed on explicitly (and switch on path-style addressing, which every
+S3-compatible server supports). ``gs://`` takes Google's default credentials
+through google-auth (:mod:`objckpt.storage.gcs_auth`) and honours
+``STORAGE_EMULATOR_HOST`` the way Google's clients do: it becomes the
+endpoint, with anonymous access unless a token is given. With no credentials
+configured at all (and no explicit ``anon``), opening an ``s3://`` or ``gs://``
+store raises :class:`StorePermissionError` at once, listing the sources tried.
+TLS trust and proxies come from the standard variables (``AWS_CA_BUNDLE``,
+``REQUESTS_CA_BUNDLE``, ``SSL_CERT_FILE``, ``HTTPS_PROXY``, ``NO_PROXY``) or
+the options (``client_kwargs={"verify": ca_file}`` for S3; see
+docs/CREDENTIALS.md).
 """
 
 from __future__ import annotations
@@ -280,13 +287,26 @@ def _open_native(url: str, options: dict[str, Any], backend: str, translate: str
     rest = dict(options)
     store_kw = _pop_timeout(rest)
     try:
-        spec = getattr(obstore_config, translate)(url, rest, os.environ)
+        if translate == "translate_s3":
+            spec = obstore_config.translate_s3(url, rest, os.environ, _s3_source(url, rest))
+        else:
+            spec = getattr(obstore_config, translate)(url, rest, os.environ)
+            _preflight(f"check_{spec.kind}_credentials", url, rest)
     except obstore_config.NotTranslatable as exc:
         if forced:
             raise ValueError(f"{_display(url)} cannot use the obstore store: {exc}") from exc
         return None
-    _preflight(f"check_{spec.kind}_credentials", url, rest)
     return obstore_store.open_spec(spec, url, **store_kw)
+
+
+def _s3_source(url: str, options: dict[str, Any]) -> Any:
+    """Where an ``s3://`` store's credentials come from (None when the options say),
+    resolved once with botocore's precedence (:func:`objckpt.storage.credentials.resolve_s3_source`)."""
+    from objckpt.storage import credentials
+
+    if credentials.s3_options_explicit(options):
+        return None
+    return credentials.resolve_s3_source(url, options, os.environ)
 
 
 # ------------------------------------------------------------------ factories
@@ -346,16 +366,35 @@ def open_gcs(url: str, **storage_options: Any) -> Store:
 def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
     """``gs://`` / ``gcs://`` through gcsfs (``STORAGE_EMULATOR_HOST`` aware).
 
+    gcsfs and objckpt's fast paths (streamed reads, media uploads) share one
+    refreshable Google credential built from the ``token`` option
+    (:mod:`objckpt.storage.gcs_auth`); a ``token`` it cannot load, and
+    requester-pays buckets, leave the store to gcsfs alone. The fast paths go
+    to the endpoint resolved here: ``endpoint_url``, else
+    ``STORAGE_EMULATOR_HOST``, else ``https://storage.googleapis.com`` (or its
+    ``GOOGLE_CLOUD_UNIVERSE_DOMAIN``); not where gcsfs presents a client
+    certificate (mutual TLS), which they do not. gcsfs's aiohttp session
+    honours ``HTTPS_PROXY``/``NO_PROXY`` (``trust_env``, unless
+    ``session_kwargs`` says otherwise).
+
+    Storage options beyond gcsfs's: ``request_timeout``, and ``ca_bundle``: a
+    CA bundle (PEM path) the fast paths and token refreshes trust instead of
+    the system roots (default ``REQUESTS_CA_BUNDLE``, as Google's clients
+    read it). gcsfs's own requests keep aiohttp's trust (the system roots,
+    which ``SSL_CERT_FILE`` replaces).
+
     With an explicit endpoint (option or emulator variable) the core
     ``gcsfs.core.GCSFileSystem`` is used rather than gcsfs's experimental
     zonal-bucket subclass, whose bucket probe hangs 60 s against emulators.
     """
+    from objckpt.storage import gcs_auth
     from objckpt.storage.fsspec_store import for_filesystem
 
     _require("gcsfs", scheme_of(url) or "gs")
     gcsfs_core = importlib.import_module("gcsfs.core")
     options = dict(storage_options)
     store_kw = _pop_timeout(options)
+    ca_file = options.pop("ca_bundle", None) or os.environ.get("REQUESTS_CA_BUNDLE") or None
     endpoint = options.get("endpoint_url")
     emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
     if not endpoint and emulator and emulator != "default":
@@ -364,6 +403,18 @@ def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
         options["endpoint_url"] = endpoint = emulator
         options.setdefault("token", "anon")
     _preflight("check_gcs_credentials", url, options)
+    token = gcs_auth.load_token(
+        options.get("token"),
+        url=url,
+        timeout=store_kw["request_timeout"],
+        access=options.get("access", "full_control"),
+        ca_file=ca_file,
+    )
+    if token is not None and not token.anonymous:
+        options["token"] = token.credentials  # the one credential gcsfs and the fast paths refresh
+        if token.project and not options.get("project"):
+            options["project"] = token.project  # as gcsfs's own google_default sets it
+    options["session_kwargs"] = {"trust_env": True, **(options.get("session_kwargs") or {})}
     options.setdefault("skip_instance_cache", True)
     options.setdefault("use_listings_cache", False)
     if endpoint:
@@ -375,10 +426,34 @@ def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
     path = fs._strip_protocol(url).rstrip("/")
     if not path:
         raise ValueError(f"GCS URL needs a bucket: {_display(url)!r}")
-    from objckpt.storage.gcs_stream import gcsfs_range_reader
+    if token is None or options.get("requester_pays") or (not endpoint and _gcs_client_cert()):
+        return for_filesystem(fs, path, url=url, **store_kw)
+    return for_filesystem(fs, path, url=url, **store_kw, **_gcs_fast_paths(endpoint, token, ca_file, store_kw))
 
-    reader = gcsfs_range_reader(fs, store_kw["request_timeout"])
-    return for_filesystem(fs, path, url=url, range_reader=reader, **store_kw)
+
+def _gcs_fast_paths(endpoint: str | None, token: Any, ca_file: str | None, store_kw: dict[str, Any]) -> dict[str, Any]:
+    """The streamed range reader and the media uploader of a gcsfs store, sharing ``token``."""
+    from objckpt.storage import network
+    from objckpt.storage.gcs_stream import GCSRangeReader
+    from objckpt.storage.gcs_upload import MediaUploader
+
+    universe = os.environ.get("GOOGLE_CLOUD_UNIVERSE_DOMAIN") or "googleapis.com"
+    base = str(endpoint or f"https://storage.{universe}").rstrip("/")
+    context = network.ssl_context(ca_file)
+    timeout = store_kw["request_timeout"]
+    bearer = None if token.anonymous else token
+    reader = GCSRangeReader(endpoint=base, credentials=bearer, timeout=timeout, ssl_context=context)
+    uploader = MediaUploader(endpoint=base, token=token, timeout=timeout, ssl_context=context)
+    return {"range_reader": reader, "uploader": uploader}
+
+
+def _gcs_client_cert() -> bool:
+    """Whether google-auth is set up to present a client certificate (gcsfs then uses
+    the mutual-TLS endpoint with it, which the fast paths do not)."""
+    from google.auth.transport import mtls
+
+    should_use = getattr(mtls, "should_use_client_cert", None)
+    return bool(should_use is not None and should_use() and mtls.has_default_client_cert_source())
 
 
 def _preflight(check: str, url: str, options: dict[str, Any]) -> None:
@@ -390,19 +465,69 @@ def _preflight(check: str, url: str, options: dict[str, Any]) -> None:
     getattr(credentials, check)(url, options, os.environ)
 
 
-def _one_attempt_per_request(fs: Any) -> None:
+#: gcsfs releases, [first, end) as (year, month), whose ``GCSFileSystem._request`` is
+#: wrapped by ``retry_request`` (made with the ``decorator`` package, which keeps the
+#: undecorated function as ``__wrapped__``): read in 2024.6.0 and 2026.10.1, the release
+#: the tests run on. Widen the end only after reading a newer ``gcsfs/core.py`` and
+#: ``gcsfs/retry.py`` and running tests/test_throttle.py's gcsfs tests on it.
+GCSFS_SINGLE_ATTEMPT_VERSIONS = ((2024, 6), (2026, 11))
+
+
+def _one_attempt_per_request(fs: Any) -> bool:
     """Make each of gcsfs's HTTP requests one attempt, as obstore's are (``max_retries=0``).
 
     gcsfs retries 429 and 5xx itself, six attempts 1–32 s apart, inside what the
     transfer engine sees as one call: under its per-attempt timeout, unseen by its
     retry counter and by the window that backs off on 429 (:mod:`objckpt.transfer.throttle`).
     objckpt's engine and ``RetryingStore`` are the one retry layer, so this
-    instance calls gcsfs's request function without its retry decorator (kept as
-    ``__wrapped__``); if a gcsfs release drops that, its own retries stay on.
+    instance calls gcsfs's request function without its retry decorator.
+
+    gcsfs has no public switch for this: the undecorated function is its
+    ``__wrapped__``, which is used only on the releases in
+    :data:`GCSFS_SINGLE_ATTEMPT_VERSIONS`. On any other release, or if
+    ``__wrapped__`` is missing, gcsfs's own retries stay on (logged once).
+
+    Returns:
+        Whether requests now make one attempt each.
     """
+    version = _gcsfs_version()
+    first, end = GCSFS_SINGLE_ATTEMPT_VERSIONS
     single = getattr(type(fs)._request, "__wrapped__", None)
-    if single is not None:
-        fs._request = types.MethodType(single, fs)
+    if version is None or not first <= version < end or not callable(single):
+        _log_gcsfs_retries_on(version)
+        return False
+    fs._request = types.MethodType(single, fs)
+    return True
+
+
+def _gcsfs_version() -> tuple[int, int] | None:
+    """gcsfs's (year, month) release, or None if it cannot be read."""
+    try:
+        parts = importlib.metadata.version("gcsfs").split(".")
+        return int(parts[0]), int(parts[1])
+    except (importlib.metadata.PackageNotFoundError, ValueError, IndexError):
+        return None
+
+
+_gcsfs_retries_logged: set[tuple[int, int] | None] = set()
+
+
+def _log_gcsfs_retries_on(version: tuple[int, int] | None) -> None:
+    """Say once per gcsfs version that its retries stay on."""
+    import logging
+
+    if version in _gcsfs_retries_logged:
+        return
+    _gcsfs_retries_logged.add(version)
+    (first_y, first_m), (end_y, end_m) = GCSFS_SINGLE_ATTEMPT_VERSIONS
+    logging.getLogger(__name__).info(
+        "gcsfs %s: its own request retries stay on (objckpt turns them off on gcsfs %d.%d up to %d.%d)",
+        ".".join(map(str, version)) if version else "(version unknown)",
+        first_y,
+        first_m,
+        end_y,
+        end_m,
+    )
 
 
 def open_local(url: str, **storage_options: Any) -> Store:
