@@ -8,6 +8,13 @@ unique ``.url`` and the ``.storage_options`` to pass along with it.
 
 The servers start once per session, only when a test first needs them.
 Select kinds with markers: ``-m "not s3 and not gcs"`` runs without servers.
+
+The real cloud path has kinds of its own: ``s3-https`` and ``gcs-https``
+(the same servers behind a TLS front whose test CA the options trust),
+``s3-imds`` (no keys anywhere: credentials from an emulated EC2 instance
+metadata service) and ``gcs-metadata`` (tokens from an emulated GCE metadata
+server, checked by a proxy that refuses any other bearer). ``cloud_env``
+gives a test the bare environment of a fresh cloud VM.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ if str(REPO_ROOT) not in sys.path:  # `backends` lives at the repo root, not in 
     sys.path.insert(0, str(REPO_ROOT))
 
 import backends  # noqa: E402  (also sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before gcsfs loads)
-from backends import GCSService, S3Service  # noqa: E402
+from backends import CredentialServer, GCSService, S3Service, TestCA, TlsFront  # noqa: E402
+from backends.proxy import FaultProxy  # noqa: E402
 
 STORE_KINDS = ("memory", "local", "s3", "gcs")
 # The example plugin is a separate package with its own tests, which need it installed:
@@ -55,9 +63,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark tests by the servers they need, however they reach them."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
-        if names & {"s3_service", "s3_store"}:
+        if names & {"s3_service", "s3_store", "s3_tls", "aws_metadata"}:
             item.add_marker(pytest.mark.s3)
-        if names & {"gcs_service", "gcs_store"}:
+        if names & {"gcs_service", "gcs_store", "gcs_tls", "gcs_bearer_proxy"}:
             item.add_marker(pytest.mark.gcs)
 
 
@@ -116,6 +124,103 @@ def gcs_service() -> Iterator[GCSService]:
         service.stop()
 
 
+# ------------------------------------------------------------------ the real cloud path
+
+
+@pytest.fixture(scope="session")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
+    """A test certificate authority; its ``ca_file`` is what clients are told to trust."""
+    return TestCA.create(tmp_path_factory.mktemp("ca"))
+
+
+def _host_port(endpoint_url: str) -> tuple[str, int]:
+    host, port = endpoint_url.rsplit("/", 1)[1].rsplit(":", 1)
+    return host, int(port)
+
+
+@pytest.fixture(scope="session")
+def s3_tls(s3_service: S3Service, test_ca: TestCA) -> Iterator[TlsFront]:
+    """HTTPS in front of the S3 server, with a certificate from ``test_ca``."""
+    with TlsFront(*_host_port(s3_service.endpoint_url), test_ca) as front:
+        yield front
+
+
+@pytest.fixture(scope="session")
+def gcs_tls(gcs_service: GCSService, test_ca: TestCA) -> Iterator[TlsFront]:
+    """HTTPS in front of the GCS emulator, with a certificate from ``test_ca``."""
+    with TlsFront(*_host_port(gcs_service.endpoint_url), test_ca) as front:
+        yield front
+
+
+@pytest.fixture(scope="session")
+def aws_metadata(s3_service: S3Service) -> Iterator[CredentialServer]:
+    """Emulated AWS credential services (IMDSv2, container, STS) serving the S3 server's keys."""
+    with CredentialServer(aws_keys=[(s3_service.access_key, s3_service.secret_key)]) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gce_metadata() -> Iterator[CredentialServer]:
+    """An emulated GCE metadata server (and OAuth/STS endpoints) issuing Google access tokens."""
+    with CredentialServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gcs_bearer_proxy(gcs_service: GCSService, gce_metadata: CredentialServer) -> Iterator[FaultProxy]:
+    """The GCS emulator behind a proxy that refuses (401) every bearer ``gce_metadata`` did not issue."""
+    with FaultProxy(*_host_port(gcs_service.endpoint_url)) as proxy:
+        proxy.require_bearer(gce_metadata.valid_bearer)
+        yield proxy
+
+
+_CLOUD_PREFIXES = ("AWS_", "GOOGLE_", "GCE_", "CLOUDSDK_", "STORAGE_EMULATOR_HOST", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
+
+
+@pytest.fixture
+def cloud_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[..., dict[str, str]]:
+    """``apply(**env)``: the environment of a fresh cloud VM, plus ``env``.
+
+    No ``AWS_*``/Google/CA variables and an empty ``HOME`` (so no shared
+    credential files), metadata services pointed at a closed port unless
+    ``env`` names one. Returns the whole environment, for subprocesses.
+    """
+    for name in list(os.environ):
+        if name.startswith(_CLOUD_PREFIXES):
+            monkeypatch.delenv(name)
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    monkeypatch.setenv("HOME", str(home))
+    closed = {
+        "AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9",
+        "GCE_METADATA_HOST": "127.0.0.1:9",
+        "GCE_METADATA_IP": "127.0.0.1:9",
+    }
+
+    def apply(**env: str) -> dict[str, str]:
+        for name, value in {**closed, **env}.items():
+            monkeypatch.setenv(name, value)
+        _point_google_auth_at(os.environ["GCE_METADATA_HOST"], monkeypatch)
+        return dict(os.environ)
+
+    return apply
+
+
+def _point_google_auth_at(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """google-auth reads ``GCE_METADATA_HOST`` once, when its metadata module is imported."""
+    from google.auth.compute_engine import _metadata
+
+    monkeypatch.setattr(_metadata, "_GCE_METADATA_HOST", host)
+
+
+def _s3_endpoint_options(s3: S3Service, endpoint_url: str) -> dict[str, Any]:
+    """s3fs options that reach ``endpoint_url`` with no credentials in them."""
+    return {
+        "client_kwargs": {"endpoint_url": endpoint_url, "region_name": s3.region},
+        "config_kwargs": {"s3": {"addressing_style": "path"}},
+    }
+
+
 @pytest.fixture
 def store_target_factory(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -134,6 +239,31 @@ def store_target_factory(
         if kind == "gcs":
             gcs: GCSService = request.getfixturevalue("gcs_service")
             return StoreTarget("gcs", gcs.url(name), gcs.storage_options())
+        if kind == "s3-https":
+            s3 = request.getfixturevalue("s3_service")
+            front: TlsFront = request.getfixturevalue("s3_tls")
+            ca: TestCA = request.getfixturevalue("test_ca")
+            options = s3.storage_options()
+            options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": front.endpoint_url}
+            options["client_kwargs"]["verify"] = str(ca.ca_file)
+            return StoreTarget(kind, s3.url(name), options, secrets=(s3.secret_key,))
+        if kind == "gcs-https":
+            gcs = request.getfixturevalue("gcs_service")
+            front = request.getfixturevalue("gcs_tls")
+            ca = request.getfixturevalue("test_ca")
+            options = {**gcs.storage_options(), "endpoint_url": front.endpoint_url, "ca_bundle": str(ca.ca_file)}
+            return StoreTarget(kind, gcs.url(name), options)
+        if kind == "s3-imds":
+            s3 = request.getfixturevalue("s3_service")
+            imds: CredentialServer = request.getfixturevalue("aws_metadata")
+            request.getfixturevalue("cloud_env")(**imds.imds_env())
+            return StoreTarget(kind, s3.url(name), _s3_endpoint_options(s3, s3.endpoint_url), (s3.secret_key,))
+        if kind == "gcs-metadata":
+            gcs = request.getfixturevalue("gcs_service")
+            gce: CredentialServer = request.getfixturevalue("gce_metadata")
+            proxy: FaultProxy = request.getfixturevalue("gcs_bearer_proxy")
+            request.getfixturevalue("cloud_env")(**gce.gce_env())
+            return StoreTarget(kind, gcs.url(name), {"endpoint_url": proxy.endpoint_url, "token": "cloud"})
         raise ValueError(f"unknown store kind {kind!r}")
 
     return make

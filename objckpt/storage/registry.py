@@ -378,10 +378,12 @@ def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
     ``session_kwargs`` says otherwise).
 
     Storage options beyond gcsfs's: ``request_timeout``, and ``ca_bundle``: a
-    CA bundle (PEM path) the fast paths and token refreshes trust instead of
-    the system roots (default ``REQUESTS_CA_BUNDLE``, as Google's clients
-    read it). gcsfs's own requests keep aiohttp's trust (the system roots,
-    which ``SSL_CERT_FILE`` replaces).
+    CA bundle (PEM path) that every request of the store trusts instead of
+    the system roots: the fast paths', the token refreshes' and gcsfs's own
+    (through an aiohttp connector made on gcsfs's loop; default
+    ``REQUESTS_CA_BUNDLE``, as Google's clients read it). Without one,
+    gcsfs keeps aiohttp's trust: the system roots, which ``SSL_CERT_FILE``
+    replaces if set before aiohttp is imported.
 
     With an explicit endpoint (option or emulator variable) the core
     ``gcsfs.core.GCSFileSystem`` is used rather than gcsfs's experimental
@@ -415,6 +417,9 @@ def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
         if token.project and not options.get("project"):
             options["project"] = token.project  # as gcsfs's own google_default sets it
     options["session_kwargs"] = {"trust_env": True, **(options.get("session_kwargs") or {})}
+    on_fsspec_loop = not options.get("asynchronous") and options.get("loop") is None
+    if ca_file and on_fsspec_loop and "connector" not in options["session_kwargs"]:
+        options["session_kwargs"]["connector"] = _trusting_connector(ca_file)
     options.setdefault("skip_instance_cache", True)
     options.setdefault("use_listings_cache", False)
     if endpoint:
@@ -429,6 +434,22 @@ def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
     if token is None or options.get("requester_pays") or (not endpoint and _gcs_client_cert()):
         return for_filesystem(fs, path, url=url, **store_kw)
     return for_filesystem(fs, path, url=url, **store_kw, **_gcs_fast_paths(endpoint, token, ca_file, store_kw))
+
+
+def _trusting_connector(ca_file: str) -> Any:
+    """An aiohttp connector, made on fsspec's IO loop (where gcsfs runs its session),
+    whose TLS trusts ``ca_file``: aiohttp makes connectors only inside a running loop."""
+    import aiohttp
+    import fsspec.asyn
+
+    from objckpt.storage import network
+
+    context = network.ssl_context(ca_file)
+
+    async def make() -> Any:
+        return aiohttp.TCPConnector(ssl=context)
+
+    return fsspec.asyn.sync(fsspec.asyn.get_loop(), make)
 
 
 def _gcs_fast_paths(endpoint: str | None, token: Any, ca_file: str | None, store_kw: dict[str, Any]) -> dict[str, Any]:
