@@ -97,6 +97,13 @@ class CredentialServer:
         role_arn: The role that is assumed (its last part is the IMDS role name).
         container_auth_token: When set, the ECS endpoint requires this
             ``Authorization`` header (``AWS_CONTAINER_AUTHORIZATION_TOKEN``).
+        aws_expiry_padding_s: Added to the ``Expiration`` the AWS services
+            report. Real AWS credentials live 15 minutes at least, and botocore
+            refuses fresh ones that lapse within 10 (its mandatory refresh
+            window); a test that rotates keys every few seconds reports them
+            ~10.5 minutes longer-lived, which keeps botocore in its advisory
+            window (it refreshes on every use), and revokes each key at its
+            real rotation.
     """
 
     def __init__(
@@ -108,6 +115,7 @@ class CredentialServer:
         web_identity_token: str = "test-web-identity-token",
         role_arn: str = f"arn:aws:iam::{_ACCOUNT_ID}:role/objckpt-test",
         container_auth_token: str | None = None,
+        aws_expiry_padding_s: float = 0.0,
     ) -> None:
         if lifetime_s <= 0:
             raise ValueError(f"bad lifetime_s: {lifetime_s}")
@@ -118,6 +126,7 @@ class CredentialServer:
         self.role_arn = role_arn
         self.role_name = role_arn.rsplit("/", 1)[-1]
         self._container_auth_token = container_auth_token
+        self.aws_expiry_padding_s = aws_expiry_padding_s
         self.issued: list[tuple[str, str]] = []  # (kind, access key id or sha256(token)[:12])
         self.fetches: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -197,11 +206,12 @@ class CredentialServer:
         past = {self._aws_keys[g % len(self._aws_keys)][0] for g in range(min(now, len(self._aws_keys)))}
         return sorted(past - {current})
 
-    def valid_bearer(self, token: str) -> bool:
-        """True if this server issued the Google access ``token`` and it has not expired."""
+    def valid_bearer(self, token: str, *, grace_s: float = 0.0) -> bool:
+        """True if this server issued the Google access ``token`` and it has not expired
+        (``grace_s`` ago: a request sent just before expiry may arrive just after)."""
         with self._lock:
             expiry = self._bearer_expiry.get(token)
-        return expiry is not None and expiry > time.time()
+        return expiry is not None and expiry + grace_s > time.time()
 
     def _aws_credentials(self, kind: str) -> dict[str, str] | None:
         """This generation's AWS credentials (recorded as issued to ``kind``); None without keys."""
@@ -220,7 +230,7 @@ class CredentialServer:
             "AccessKeyId": key,
             "SecretAccessKey": secret,
             "Token": token,
-            "Expiration": _iso(self._generation_end(generation)),
+            "Expiration": _iso(self._generation_end(generation) + self.aws_expiry_padding_s),
         }
 
     def _google_token(self, kind: str) -> dict[str, Any]:

@@ -26,8 +26,9 @@ Each request gets its own upstream connection (the proxy rewrites requests to
 
 It also checks who is asking, per request head, as a cloud store would:
 ``stats.access_keys`` counts the AWS access key of each signed request (SigV4
-or SigV2, header or presigned URL) and ``stats.session_tokens`` those with a session
-token; ``revoke_access_key(key)`` answers that key's requests 403
+or SigV2, header or presigned URL), ``stats.session_tokens`` those with a session
+token and ``stats.payload_hashes`` how SigV4 requests sign their bodies (what
+``X-Amz-Content-Sha256`` says: ``UNSIGNED-PAYLOAD`` or a digest); ``revoke_access_key(key)`` answers that key's requests 403
 InvalidAccessKeyId (an expired or rotated key); ``require_bearer(check)``
 answers 401 to a request whose ``Authorization: Bearer`` token ``check`` does
 not accept (fake-gcs-server itself accepts anything). Refusals are counted in
@@ -91,6 +92,8 @@ class ProxyStats:
     session_tokens: int = 0  # requests carrying X-Amz-Security-Token (header or query)
     bearer_tokens: Counter[str] = field(default_factory=Counter)  # accepted bearer tokens, by sha256[:12]
     refused: int = 0  # answered 403/401 by the identity checks, not forwarded
+    # SigV4 requests by (method, X-Amz-Content-Sha256 kind): "UNSIGNED-PAYLOAD", "STREAMING-...", "sha256"
+    payload_hashes: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     @property
     def faulted(self) -> int:
@@ -155,6 +158,8 @@ class FaultProxy:
             check = self._bearer_check
             if request.session_token:
                 self.stats.session_tokens += 1
+            if request.payload_hash is not None:
+                self.stats.payload_hashes[(request.method, request.payload_hash)] += 1
             if request.access_key is not None:
                 self.stats.access_keys[request.access_key] += 1
                 if request.access_key in self._revoked:
@@ -638,6 +643,8 @@ class _RequestIdentity:
     access_key: str | None = None
     session_token: bool = False
     bearer: str | None = field(default=None, repr=False)
+    method: str = ""
+    payload_hash: str | None = None  # the kind of X-Amz-Content-Sha256: a digest is "sha256"
 
     @classmethod
     def parse(cls, head: bytes) -> _RequestIdentity:
@@ -648,6 +655,7 @@ class _RequestIdentity:
         access_key = query.get("X-Amz-Credential", "").split("/", 1)[0] or query.get("AWSAccessKeyId") or None
         session_token = "X-Amz-Security-Token" in query
         bearer = None
+        payload_hash = None
         for line in lines[1:]:
             name, _, value = line.partition(":")
             name, value = name.strip().lower(), value.strip()
@@ -661,7 +669,9 @@ class _RequestIdentity:
                     bearer = rest.strip()
             elif name == "x-amz-security-token":
                 session_token = True
-        return cls(access_key, session_token, bearer)
+            elif name == "x-amz-content-sha256":
+                payload_hash = "sha256" if len(value) == 64 and "-" not in value else value
+        return cls(access_key, session_token, bearer, parts[0], payload_hash)
 
 
 def _content_length(head: bytes) -> int:

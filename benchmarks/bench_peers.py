@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_peers            # the default run (~50 min on 2 cores)
     python -m benchmarks.bench_peers --quick    # medium on S3 at 0 and 10 ms, 3 repeats (~17 min)
+    python -m benchmarks.bench_peers --quick --https   # the same, each cell over HTTP and over HTTPS
     python -m benchmarks.bench_peers --workloads medium --stores s3 --profiles 0,10,40 --repeats 3
     python -m benchmarks.bench_peers --url gs://bucket/scratch --workloads medium,large   # real buckets
 
@@ -24,11 +25,22 @@ which builds the tree deterministically, times only the call, and reports its CP
 seconds and peak RSS; restores are checked against crc32 fingerprints of the saved
 values. Objects are listed (counted) and deleted after each system's turn.
 
+With ``--https`` every (store, RTT) cell is measured twice, over HTTP and over HTTPS, the
+two side by side in the tables (each row has a ``transport``): a test CA
+(``backends.tls.TestCA``) signs the certificates, a ``backends.tls.TlsFront`` serves
+HTTPS in front of each server at 0 ms and the latency proxies serve it themselves
+(``FaultProxy(tls=ca)``) at 10/40 ms, and every worker trusts the CA through its
+environment (``AWS_CA_BUNDLE``, ``SSL_CERT_FILE``, ``REQUESTS_CA_BUNDLE``, ...) and its
+store options (``client_kwargs={"verify": ca_file}`` on S3). A peer that cannot reach
+the store over HTTPS reports its HTTPS rows as skipped, with the reason.
+
 With ``--url`` (``benchmarks/peers/endpoints.py``) the same run goes to real buckets
-instead: nothing is started, no latency is added, credentials come from the environment.
+instead: nothing is started, no latency is added, credentials come from the environment
+(rows carry the transport of the bucket's own endpoint, HTTPS unless told otherwise).
 
 Writes ``<out>/<name>.json`` (every sample, medians, ratios, target checks),
-``<name>.md`` (the tables) and ``<name>.png`` (``benchmarks/plot.py``).
+``<name>.md`` (the tables) and ``<name>.png`` (``benchmarks/plot.py``; with ``--https``
+also ``<name>-https.png``).
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ import backends  # noqa: E402, F401  (sets the gcsfs environment default)
 from benchmarks.peers import SYSTEMS, workloads  # noqa: E402
 from benchmarks.peers.common import Context  # noqa: E402
 from benchmarks.peers.endpoints import Buckets, LocalServers  # noqa: E402
-from benchmarks.peers.report import markdown, summarize  # noqa: E402
+from benchmarks.peers.report import TRANSPORTS, markdown, summarize  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 GiB = 1 << 30
@@ -119,8 +131,11 @@ def measure(
     rep: int,
     args: argparse.Namespace,
     run_id: str,
+    transport: str | None = None,
 ) -> list[dict[str, Any]]:
-    prefix = f"bench-peers/{run_id}/{store}-{ms}ms/{workload}/{system}/r{rep}"
+    # ``transport``: one of ``eps.transports_for(store)``; None (the warm-up): the endpoint's default.
+    by_transport = {"transport": transport} if transport else {}
+    prefix = f"bench-peers/{run_id}/{store}-{ms}ms{'-' + transport if transport else ''}/{workload}/{system}/r{rep}"
     phases = ["save", "restore"]
     if system == "objckpt":
         # The two restores alternate places from one repeat to the next, so that neither is
@@ -136,6 +151,7 @@ def measure(
         ctx = eps.context(
             store,
             ms,
+            **by_transport,
             system=system,
             prefix=prefix,
             workload=workload,
@@ -143,10 +159,11 @@ def measure(
             profile_dir=str(args.profile_dir) if args.profile and system == "objckpt" else "",
         )
         settle()
-        before = eps.proxy_requests(store, ms)
+        before = eps.proxy_requests(store, ms, **by_transport)
         row = run_phase(ctx, args.timeout, args.log_dir)
-        after = eps.proxy_requests(store, ms)
-        row.update(rep=rep, store=store, profile_ms=ms, workload=workload, system=system, phase=phase)
+        after = eps.proxy_requests(store, ms, **by_transport)
+        row.update(rep=rep, store=store, profile_ms=ms, transport=getattr(ctx, "transport", transport or "http"))
+        row.update(workload=workload, system=system, phase=phase)
         if before is not None and after is not None:
             row["proxy_requests"] = after - before
         if "fingerprint" in row:
@@ -216,9 +233,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--name", default=None, help="result file stem (default: peers, or peers-quick)")
+    p.add_argument(
+        "--name", default=None, help="result file stem (default: peers, or peers-quick; -https appended with --https)"
+    )
     p.add_argument("--timeout", type=float, default=WORKER_TIMEOUT_S, help="seconds per phase before it is killed")
     p.add_argument("--profile", action="store_true", help="cProfile objckpt's timed calls into <out>/profiles/")
+    p.add_argument(
+        "--https",
+        action="store_true",
+        help="measure every (store, RTT) cell over HTTPS as well as HTTP (a test CA, TLS in front of the"
+        " servers and in the latency proxies), the two side by side",
+    )
     p.add_argument(
         "--url",
         action="append",
@@ -229,8 +254,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.buckets = None
     if args.url:
-        if args.quick or args.full or args.stores or args.profiles not in (None, "0"):
-            p.error("--url measures the buckets it names as they are: no --quick, --full, --stores or --profiles")
+        if args.quick or args.full or args.stores or args.profiles not in (None, "0") or args.https:
+            p.error(
+                "--url measures the buckets it names as they are: no --quick, --full, --stores, --profiles or --https"
+            )
         try:
             args.buckets = Buckets([u for arg in args.url for u in arg.split(",") if u])
         except ValueError as e:
@@ -258,7 +285,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown or args.repeats < 1:
         p.error(f"unknown systems {unknown}" if unknown else "--repeats must be ≥ 1")
-    args.name = args.name or ("peers-quick" if args.quick else "peers")
+    args.name = args.name or ("peers-quick" if args.quick else "peers") + ("-https" if args.https else "")
     args.log_dir = args.out / f"{args.name}-logs"
     args.profile_dir = args.out / "profiles"
     return args
@@ -281,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "systems": args.systems,
         "raw_client": "obstore" if args.buckets else "obstore on S3, gcsfs on GCS",
         "real_buckets": bool(args.buckets),
+        "https": bool(args.https),
         "command": " ".join(["python -m benchmarks.bench_peers", *(argv if argv is not None else sys.argv[1:])]),
         "versions": _versions(),
         "objckpt_source": objckpt_source_hash(),
@@ -288,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
-    eps = args.buckets or LocalServers(args.stores, all_profiles, log=log)
+    eps = args.buckets or LocalServers(args.stores, all_profiles, log=log, https=args.https)
     try:
         for name in args.plan:
             expected_fingerprint(name)
@@ -300,25 +328,31 @@ def main(argv: list[str] | None = None) -> None:
         for rep in range(args.repeats):
             order = args.systems[rep % len(args.systems) :] + args.systems[: rep % len(args.systems)]
             for store in args.stores:
+                # HTTP and HTTPS of one cell run back to back, the first of the two alternating by repeat.
+                transports = list(eps.transports_for(store))
+                transports = transports[rep % len(transports) :] + transports[: rep % len(transports)]
                 for ms in all_profiles:
                     for workload in args.plan:
                         if ms not in args.plan[workload].get(store, ()):
                             continue
-                        for system in order:
-                            source = objckpt_source_hash()
-                            if source != meta["objckpt_source"]:
-                                log(
-                                    f"WARNING: objckpt sources changed during the run ({meta['objckpt_source']} -> {source})"
-                                )
-                                meta.setdefault("objckpt_source_changes", []).append(source)
-                                meta["objckpt_source"] = source
-                            for row in measure(eps, store, ms, workload, system, rep, args, run_id):
-                                row["objckpt_source"] = source
-                                rows.append(row)
-                                log(
-                                    f"rep {rep} {store:3} {ms:2} ms {workload:6} {system:7} {row['phase']:17} {describe(row)}"
-                                )
-                            _write(args, rows, meta, started, final=False)
+                        for transport in transports:
+                            for system in order:
+                                source = objckpt_source_hash()
+                                if source != meta["objckpt_source"]:
+                                    log(
+                                        "WARNING: objckpt sources changed during the run"
+                                        f" ({meta['objckpt_source']} -> {source})"
+                                    )
+                                    meta.setdefault("objckpt_source_changes", []).append(source)
+                                    meta["objckpt_source"] = source
+                                for row in measure(eps, store, ms, workload, system, rep, args, run_id, transport):
+                                    row["objckpt_source"] = source
+                                    rows.append(row)
+                                    log(
+                                        f"rep {rep} {store:3} {ms:2} ms {row['transport']:5} {workload:6} {system:7}"
+                                        f" {row['phase']:17} {describe(row)}"
+                                    )
+                                _write(args, rows, meta, started, final=False)
     finally:
         eps.close()
         _write(args, rows, meta, started, final=True)
@@ -371,7 +405,12 @@ def _write(args: argparse.Namespace, rows: list[dict], meta: dict, started: floa
     try:
         from benchmarks.plot import plot
 
-        plot(summary, args.out / f"{args.name}.png", title=f"objckpt vs peers ({meta['started']})")
+        # One figure per transport (the plot knows no transport): <name>.png, and <name>-https.png with --https.
+        for transport in sorted({c.get("transport", "http") for c in summary["cells"]}, key=TRANSPORTS.index):
+            cells = [c for c in summary["cells"] if c.get("transport", "http") == transport]
+            suffix = "" if transport == "http" else f"-{transport}"
+            title = f"objckpt vs peers ({meta['started']})" + (f", {transport.upper()}" if suffix else "")
+            plot({**summary, "cells": cells}, args.out / f"{args.name}{suffix}.png", title=title)
     except ImportError as exc:
         log(f"no plot: {exc} (pip install -e '.[bench]')")
     print(md_text)

@@ -3,6 +3,8 @@
 # servers at 0, 10 and 40 ms RTT. One command; results in benchmarks/results/peers.{md,json,png}.
 #   ./benchmarks/run_peers.sh            # the default plan (45–94 min on 2 cores)
 #   ./benchmarks/run_peers.sh --quick    # medium on S3 at 0 and 10 ms, 3 repeats (10–17 min)
+#   ./benchmarks/run_peers.sh --quick --https   # the same, every cell over HTTP and over HTTPS side by side
+#                                              # (test CA, TLS front / TLS latency proxy; about twice as long)
 #   ./benchmarks/run_peers.sh --url gs://bucket/prefix   # against a real bucket (credentials from the environment)
 # Any other flag goes to `python -m benchmarks.bench_peers` (see --help).
 set -euo pipefail

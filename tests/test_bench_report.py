@@ -9,12 +9,19 @@ _META = {"started": "today", "machine": "2 cores", "repeats": 3, "raw_client": "
 
 
 def _rows(
-    system: str, phase: str, seconds: list[float], *, workload: str = "medium", peak_above: int = 0
+    system: str,
+    phase: str,
+    seconds: list[float],
+    *,
+    workload: str = "medium",
+    peak_above: int = 0,
+    transport: str | None = None,
 ) -> list[dict]:
     return [
         {
             "store": "s3",
             "profile_ms": 0,
+            **({"transport": transport} if transport else {}),  # None: a sample from before the field
             "workload": workload,
             "system": system,
             "phase": phase,
@@ -99,5 +106,67 @@ def test_the_ceiling_is_the_raw_gets_that_drop_their_bytes():
         }
     ]
     table = markdown(summary, _META)
-    assert "| 0 ms | raw (the same GETs, every response kept) | | | 2.00 |" in table
+    assert "| 0 ms | http | raw (the same GETs, every response kept) | | | 2.00 |" in table
     assert "| restore / raw GETs that keep every response | s3 0 ms medium | 0.952 |" in table
+
+
+def test_http_and_https_rows_are_kept_apart():
+    """--https measures each cell over both transports: the medians, the targets, the
+    reference ratios and the tables compare HTTPS with HTTPS and HTTP with HTTP, never
+    across, and samples without a transport (older results) count as HTTP."""
+    rows = (
+        _rows("raw", "save", [8.0] * 3)  # no transport field: HTTP
+        + _rows("raw", "restore", [2.0] * 3, transport="http")
+        + _rows("raw", "restore_kept", [2.0] * 3)
+        + _rows("objckpt", "save", [8.0] * 3, transport="http")
+        + _rows("objckpt", "restore", [2.0] * 3)
+        + _rows("raw", "save", [10.0] * 3, transport="https")
+        + _rows("raw", "restore", [4.0] * 3, transport="https")
+        + _rows("raw", "restore_kept", [5.0] * 3, transport="https")
+        + _rows("objckpt", "save", [20.0] * 3, transport="https")
+        + _rows("objckpt", "restore", [4.0] * 3, transport="https")
+        + [{**_rows("orbax", "save", [1.0], transport="https")[0], "skipped": "no HTTPS here"}]
+    )
+    summary = summarize(rows)
+    cells = {(c["transport"], c["system"], c["phase"]): c for c in summary["cells"] if "gib_s_median" in c}
+    assert {t for t, _, _ in cells} == {"http", "https"}
+    assert cells[("http", "objckpt", "save")]["n"] == 3 and cells[("https", "objckpt", "save")]["n"] == 3
+    assert cells[("http", "objckpt", "save")]["seconds_median"] == 8.0
+    assert cells[("https", "objckpt", "save")]["seconds_median"] == 20.0
+    assert cells[("http", "raw", "save")]["seconds_median"] == 8.0  # the field-less rows are HTTP
+
+    checks = {(c["target"], c["where"]): c for c in summary["checks"]}
+    assert checks[("save ≥ 0.9× raw PUT", "s3 0 ms medium")]["value"] == 1.0  # 8 s vs 8 s
+    assert checks[("save ≥ 0.9× raw PUT", "s3 0 ms medium over https")]["value"] == 0.5  # 10 s vs 20 s
+    assert checks[("restore ≥ 0.9× raw GET", "s3 0 ms medium over https")]["value"] == 1.0  # 4 s vs 4 s
+    assert summary["references"] == [
+        {"ratio": "restore / raw GETs that keep every response", "where": "s3 0 ms medium", "value": 1.0},
+        {
+            "ratio": "restore / raw GETs that keep every response",
+            "where": "s3 0 ms medium over https",
+            "value": 1.25,
+        },
+    ]
+    (skipped,) = [c for c in summary["cells"] if "skipped" in c]
+    assert (skipped["transport"], skipped["system"]) == ("https", "orbax")
+
+    table = markdown(summary, {**_META, "https": True})
+    assert "| RTT | transport | system |" in table
+    assert "| 0 ms | http | objckpt | 8.00 |" in table
+    assert "| 0 ms | https | objckpt | 20.00 |" in table
+    assert table.index("| 0 ms | http | objckpt |") < table.index("| 0 ms | https | objckpt |")
+    assert "| 0 ms | https | orbax (s3fs-fuse) | — | skipped: no HTTPS here |" in table
+    assert "| 0 ms | http | orbax" not in table  # the HTTPS skip does not leak into the HTTP rows
+    assert "HTTPS" in table  # the header says how HTTPS was served
+
+
+def test_https_flag_is_parsed_and_excluded_with_url():
+    import pytest
+
+    from benchmarks import bench_peers
+
+    args = bench_peers.parse(["--quick", "--https", "--systems", "raw,objckpt"])
+    assert args.https is True and args.name == "peers-quick-https"
+    assert bench_peers.parse(["--quick"]).https is False
+    with pytest.raises(SystemExit):
+        bench_peers.parse(["--url", "s3://bucket/x", "--https"])

@@ -28,6 +28,8 @@ class Context:
     secret_key: str = field(default="", repr=False)
     region: str = "us-east-1"
     profile_dir: str = ""  # when set, cProfile the timed call into this folder
+    transport: str = "http"  # "http" | "https": how the local endpoint is reached (real buckets: their own)
+    ca_file: str = ""  # HTTPS to a local endpoint: the test CA every client of this phase must trust
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -42,17 +44,34 @@ class Context:
         return not self.endpoint
 
     def fsspec_options(self) -> dict[str, Any]:
-        """s3fs / gcsfs options for this endpoint (what objckpt, DCP and naive take)."""
+        """s3fs / gcsfs options for this endpoint (what objckpt, DCP and naive take).
+
+        Over HTTPS, s3fs is told the CA as botocore's ``verify`` (objckpt reads the same
+        option); gcsfs has no option for it and trusts ``SSL_CERT_FILE`` (:meth:`base_env`).
+        """
         if self.real:
             return {}
         if self.store == "s3":
+            client: dict[str, Any] = {"endpoint_url": self.endpoint, "region_name": self.region}
+            if self.ca_file:
+                client["verify"] = self.ca_file
             return {
                 "key": self.access_key,
                 "secret": self.secret_key,
-                "client_kwargs": {"endpoint_url": self.endpoint, "region_name": self.region},
+                "client_kwargs": client,
                 "config_kwargs": {"s3": {"addressing_style": "path"}},
             }
         return {"endpoint_url": self.endpoint, "token": "anon", "project": "test"}
+
+    def ca_env(self) -> dict[str, str]:
+        """The variables that make every client here trust the test CA: botocore
+        (``AWS_CA_BUNDLE``), requests/google-auth (``REQUESTS_CA_BUNDLE``), OpenSSL's
+        defaults as aiohttp and obstore's native roots read them (``SSL_CERT_FILE``),
+        TensorStore's libcurl (``TENSORSTORE_CA_BUNDLE``) and s3fs-fuse (``CURL_CA_BUNDLE``)."""
+        if not self.ca_file:
+            return {}
+        names = ("AWS_CA_BUNDLE", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "TENSORSTORE_CA_BUNDLE", "CURL_CA_BUNDLE")
+        return dict.fromkeys(names, self.ca_file)
 
     def base_env(self) -> dict[str, str]:
         if self.real:  # the driver's environment, inherited as is
@@ -64,8 +83,13 @@ class Context:
                 "AWS_ENDPOINT_URL": self.endpoint,
                 "AWS_DEFAULT_REGION": self.region,
                 "AWS_REGION": self.region,
+                **self.ca_env(),
             }
-        return {"STORAGE_EMULATOR_HOST": self.endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+        return {
+            "STORAGE_EMULATOR_HOST": self.endpoint,
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            **self.ca_env(),
+        }
 
 
 def _status(field_name: str) -> int:

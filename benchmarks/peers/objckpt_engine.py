@@ -34,6 +34,15 @@ def supports(ctx: Context) -> str | None:
     return None
 
 
+def _options(ctx: Context) -> dict[str, Any]:
+    """The store's options; over HTTPS on GCS also objckpt's ``ca_bundle`` (on S3 the CA
+    is already botocore's ``client_kwargs["verify"]``, which objckpt reads too)."""
+    options = ctx.fsspec_options()
+    if ctx.ca_file and ctx.store == "gcs":
+        options["ca_bundle"] = ctx.ca_file
+    return options
+
+
 def prepare_save(ctx: Context, workload: workloads.Workload) -> Any:
     return workloads.jax_tree(workload)
 
@@ -45,7 +54,7 @@ def prepare_restore(ctx: Context, workload: workloads.Workload, resharded: bool)
 def save(ctx: Context, workload: workloads.Workload, state: Any) -> dict:
     import objckpt
 
-    stats = objckpt.save(ctx.url, state, storage_options=ctx.fsspec_options())
+    stats = objckpt.save(ctx.url, state, storage_options=_options(ctx))
     return {"requests": stats.requests, "objects": stats.objects_written, "retries": stats.retries}
 
 
@@ -55,7 +64,7 @@ def restore(ctx: Context, workload: workloads.Workload, target: Any) -> tuple[li
     import objckpt
 
     stats = objckpt.TransferStats()
-    tree = objckpt.restore(ctx.url, target, storage_options=ctx.fsspec_options(), stats=stats)
+    tree = objckpt.restore(ctx.url, target, storage_options=_options(ctx), stats=stats)
     jax.block_until_ready(tree)
     if tree["step"] != workload.step:
         raise RuntimeError(f"step restored as {tree['step']!r}")

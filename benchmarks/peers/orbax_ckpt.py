@@ -14,6 +14,10 @@ restore of the sharded tree onto the same abstract tree (ShapeDtypeStruct + shar
   and Orbax saves to the mounted local path, as users without GCS do. The FUSE
   daemon's CPU time is added to Orbax's. Skipped, with the reason, where
   ``s3fs`` or ``/dev/fuse`` is missing.
+- HTTPS (``--https``): TensorStore's libcurl trusts the test CA through
+  ``TENSORSTORE_CA_BUNDLE``, gcsfs through ``SSL_CERT_FILE``, and s3fs-fuse through
+  ``CURL_CA_BUNDLE`` (all set by ``Context.base_env``); s3fs-fuse gets the ``https://``
+  endpoint as its ``url``.
 - Real buckets (``--url``): GCS natively, with the environment's credentials; S3 is
   skipped (the s3fs-fuse route is set up for the local server's static keys only).
 """

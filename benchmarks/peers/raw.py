@@ -9,6 +9,9 @@ checkpoint logic at all (no planning, no checksums, no manifest, no arrays).
   a token (measured: ``Error performing token request``), and it speaks the XML
   API for writes, which the emulator does not take.
 - Real buckets (``--url``): obstore for both, configured from the environment.
+- HTTPS (``--https``): obstore trusts the test CA as its ``root_certificate`` and, as
+  botocore and objckpt do over HTTPS, sends unsigned payloads (no SHA-256 of the body);
+  gcsfs trusts it through ``SSL_CERT_FILE``.
 
 Its restore drops each response as it lands: the store's limit, which the targets are
 measured against. The ``restore_kept`` phase makes the same requests and keeps every
@@ -84,6 +87,11 @@ def _client(ctx: Context) -> Any:
     if ctx.store == "s3":
         from obstore.store import S3Store
 
+        https = ctx.endpoint.startswith("https://")
+        options: Any = {"allow_http": not https, "timeout": "600s"}
+        if ctx.ca_file:
+            with open(ctx.ca_file, "rb") as f:
+                options["root_certificate"] = f.read()
         return S3Store(
             ctx.bucket,
             endpoint=ctx.endpoint,
@@ -91,7 +99,9 @@ def _client(ctx: Context) -> Any:
             secret_access_key=ctx.secret_key,
             region=ctx.region,
             virtual_hosted_style_request=False,
-            client_options={"allow_http": True, "timeout": "600s"},
+            # botocore's rule, which objckpt follows: no payload hash over HTTPS (TLS guards the body)
+            unsigned_payload=https,
+            client_options=options,
         )
     import gcsfs
 

@@ -15,16 +15,29 @@ from benchmarks.peers.common import BLOB_SIZE, CONCURRENCY
 
 GiB = 1 << 30
 MiB = 1 << 20
-KEY_FIELDS = ("store", "profile_ms", "workload", "system", "phase")  # what one cell is the median of
+# What one cell is the median of. ``transport`` ("http" | "https") keeps a run's HTTP and HTTPS
+# rows apart; samples from before it existed were all plain HTTP.
+KEY_FIELDS = ("store", "profile_ms", "transport", "workload", "system", "phase")
+TRANSPORTS = ("http", "https")
+
+
+def field_of(row: dict[str, Any], name: str) -> Any:
+    """``row[name]``, with the default for a sample or cell written before the field existed."""
+    return row.get("transport", "http") if name == "transport" else row[name]
+
+
+def _where(store: str, ms: int, transport: str, workload: str) -> str:
+    """A cell's place in the targets: "s3 10 ms medium", and "... over https" for HTTPS."""
+    return f"{store} {ms} ms {workload}" + (f" over {transport}" if transport != "http" else "")
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians and min–max per (store, profile, workload, system, phase), ratios, target checks."""
+    """Medians and min–max per (store, profile, transport, workload, system, phase), ratios, target checks."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     skipped: dict[tuple, str] = {}
     errors: dict[tuple, list[str]] = {}
     for row in rows:
-        key = tuple(row[field] for field in KEY_FIELDS)
+        key = tuple(field_of(row, field) for field in KEY_FIELDS)
         if "skipped" in row:
             skipped[key] = row["skipped"]
         elif "error" in row:
@@ -33,7 +46,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             groups.setdefault(key, []).append(row)
     cells = []
     for key, samples in sorted(groups.items()):
-        store, ms, workload, system, phase = key
+        store, ms, transport, workload, system, phase = key
         secs = [s["seconds"] for s in samples]
         nbytes = samples[0]["bytes"]
         med = statistics.median(secs)
@@ -73,7 +86,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _cell(cells: list[dict], **key: Any) -> dict | None:
     for c in cells:
-        if all(c.get(k) == v for k, v in key.items()) and "gib_s_median" in c:
+        if all(field_of(c, k) == v for k, v in key.items()) and "gib_s_median" in c:
             return c
     return None
 
@@ -85,13 +98,13 @@ def reference_ratios(cells: list[dict]) -> list[dict[str, Any]]:
     for kept in cells:
         if kept.get("system") != "raw" or kept.get("phase") != "restore_kept" or "gib_s_median" not in kept:
             continue
-        key = {field: kept[field] for field in ("store", "profile_ms", "workload")}
+        key = {field: field_of(kept, field) for field in ("store", "profile_ms", "transport", "workload")}
         ours = _cell(cells, system="objckpt", phase="restore", **key)
         if ours:
             ratios.append(
                 {
                     "ratio": "restore / raw GETs that keep every response",
-                    "where": f"{key['store']} {key['profile_ms']} ms {key['workload']}",
+                    "where": _where(key["store"], key["profile_ms"], key["transport"], key["workload"]),
                     "value": round(ours["gib_s_median"] / kept["gib_s_median"], 3),
                 }
             )
@@ -105,10 +118,10 @@ def check_targets(cells: list[dict]) -> list[dict[str, Any]]:
     def add(what: str, where: str, value: float, limit: float, ok: bool) -> None:
         checks.append({"target": what, "where": where, "value": round(value, 3), "limit": round(limit, 3), "pass": ok})
 
-    combos = sorted({(c["store"], c["profile_ms"], c["workload"]) for c in cells})
-    for store, ms, workload in combos:
-        where = f"{store} {ms} ms {workload}"
-        key = {"store": store, "profile_ms": ms, "workload": workload}
+    combos = sorted({(c["store"], c["profile_ms"], field_of(c, "transport"), c["workload"]) for c in cells})
+    for store, ms, transport, workload in combos:
+        where = _where(store, ms, transport, workload)
+        key = {"store": store, "profile_ms": ms, "transport": transport, "workload": workload}
         ours_save = _cell(cells, system="objckpt", phase="save", **key)
         ours_restore = _cell(cells, system="objckpt", phase="restore", **key)
         if ours_save is None or ours_restore is None:
@@ -169,6 +182,12 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
             if meta.get("real_buckets")
             else "Latency: a user-space TCP proxy adding the RTT (backends/proxy.py). "
         )
+        + (
+            "Transport: each cell over HTTP and over HTTPS (test CA; TLS ends in a TLS front before the "
+            "server at 0 ms, in the latency proxy at 10/40 ms, so handshakes pay no added RTT). "
+            if meta.get("https")
+            else ""
+        )
         + "CPU = client CPU seconds per GiB (all threads; the s3fs-fuse daemon added for Orbax on S3). "
         "Peak = VmHWM during the phase, and in brackets above the RSS at its start "
         "(save: live arrays already built; restore: after imports and target set-up).",
@@ -180,11 +199,15 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         lines += [
             f"## {workload} ({wl.nbytes / MiB:.0f} MiB, {wl.n_leaves} leaves) on {store}",
             "",
-            "| RTT | system | save s | save GiB/s [min–max] | restore s | restore GiB/s [min–max] | save CPU/GiB | restore CPU/GiB | save peak MiB | restore peak MiB | requests save/restore | objects |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| RTT | transport | system | save s | save GiB/s [min–max] | restore s | restore GiB/s [min–max] | save CPU/GiB | restore CPU/GiB | save peak MiB | restore peak MiB | requests save/restore | objects |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for ms in sorted({c["profile_ms"] for c in cells if c["workload"] == workload and c["store"] == store}):
-            key = {"store": store, "profile_ms": ms, "workload": workload}
+        here = [c for c in cells if c["workload"] == workload and c["store"] == store]
+        places = sorted({(c["profile_ms"], TRANSPORTS.index(field_of(c, "transport"))) for c in here})
+        for ms, t in places:
+            transport = TRANSPORTS[t]
+            key = {"store": store, "profile_ms": ms, "transport": transport, "workload": workload}
+            at = f"{ms} ms | {transport}"
             for system in SYSTEMS:
                 s = _cell(cells, system=system, phase="save", **key)
                 r = _cell(cells, system=system, phase="restore", **key)
@@ -192,7 +215,9 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                     (
                         c
                         for c in cells
-                        if c.get("system") == system and "skipped" in c and all(c[k] == v for k, v in key.items())
+                        if c.get("system") == system
+                        and "skipped" in c
+                        and all(field_of(c, k) == v for k, v in key.items())
                     ),
                     None,
                 )
@@ -203,16 +228,16 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                         if c.get("system") == system
                         and c.get("errors")
                         and "gib_s_median" not in c
-                        and all(c[k] == v for k, v in key.items())
+                        and all(field_of(c, k) == v for k, v in key.items())
                     ),
                     None,
                 )
                 label = "orbax (s3fs-fuse)" if system == "orbax" and store == "s3" else system
                 if skip:
-                    lines.append(f"| {ms} ms | {label} | — | skipped: {skip['skipped']} | | | | | | | | |")
+                    lines.append(f"| {at} | {label} | — | skipped: {skip['skipped']} | | | | | | | | |")
                     continue
                 if s is None and err:
-                    lines.append(f"| {ms} ms | {label} | — | error: {err['errors'][0][:120]} | | | | | | | | |")
+                    lines.append(f"| {at} | {label} | — | error: {err['errors'][0][:120]} | | | | | | | | |")
                     continue
                 if s is None:
                     continue
@@ -240,7 +265,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                 reqs = f"{req_s:.0f}/{req_r:.0f}" if req_s is not None and req_r is not None else "—"
                 objs = f"{s['objects']:.0f}" if s.get("objects") is not None else "—"
                 lines.append(
-                    f"| {ms} ms | {label} | {fmt(s, 's')} | {fmt(s, 'gib')} | {fmt(r, 's')} | {fmt(r, 'gib')} | "
+                    f"| {at} | {label} | {fmt(s, 's')} | {fmt(s, 'gib')} | {fmt(r, 's')} | {fmt(r, 'gib')} | "
                     f"{fmt(s, 'cpu')} | {fmt(r, 'cpu')} | {fmt(s, 'peak')} | {fmt(r, 'peak')} | {reqs} | {objs} |"
                 )
                 for phase, what in (
@@ -251,7 +276,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                     if rr:
                         req = f"/{rr['requests']:.0f}" if rr.get("requests") is not None else "—"
                         lines.append(
-                            f"| {ms} ms | {system} ({what}) | | | {fmt(rr, 's')} | {fmt(rr, 'gib')} | | "
+                            f"| {at} | {system} ({what}) | | | {fmt(rr, 's')} | {fmt(rr, 'gib')} | | "
                             f"{fmt(rr, 'cpu')} | | {fmt(rr, 'peak')} | {req} | |"
                         )
         lines.append("")

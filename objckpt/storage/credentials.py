@@ -82,16 +82,18 @@ def check_s3_credentials(url: str, options: Mapping[str, Any], environ: Mapping[
 def resolve_s3_source(url: str, options: Mapping[str, Any], environ: Mapping[str, str]) -> S3Source:
     """Decide, with botocore's own resolver and precedence, where ``url``'s credentials come from.
 
-    The sources obstore resolves and refreshes natively are handed to it as
-    configuration, with the AWS SDKs' standard variables translated to its
-    names: web identity (``AWS_WEB_IDENTITY_TOKEN_FILE``, ``AWS_ROLE_ARN``,
-    ``AWS_ROLE_SESSION_NAME``, ``AWS_ENDPOINT_URL_STS``), container credentials
-    (``AWS_CONTAINER_CREDENTIALS_FULL_URI``/``_RELATIVE_URI``,
-    ``AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE``) and instance metadata
-    (``AWS_EC2_METADATA_SERVICE_ENDPOINT``, or the config file's endpoint).
-    Every other source botocore finds (profiles, shared credentials and config
-    files, assume-role, SSO, ``credential_process``) is read through botocore
-    itself: :class:`BotocoreCredentials` hands its (refreshed) credentials to obstore.
+    Instance metadata is handed to obstore as configuration (its endpoint from
+    ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` or the config file), which fetches
+    and refreshes it natively: botocore would stretch a short metadata expiry
+    by minutes. Every other source botocore finds (profiles, shared
+    credentials and config files, assume-role, web identity, container
+    credentials, SSO, ``credential_process``) is read through botocore itself:
+    :class:`BotocoreCredentials` hands its (refreshed) credentials to obstore.
+    obstore 0.12 resolves web identity and container credentials too, but
+    cannot be pointed at another STS endpoint (``AWS_ENDPOINT_URL_STS``:
+    regional, VPC or FIPS endpoints) nor reliably at a full container URI
+    (``AWS_CONTAINER_CREDENTIALS_FULL_URI``, as EKS Pod Identity sets), so
+    botocore, which reads every AWS SDK variable, is the one resolver.
 
     Args:
         url: The ``s3://`` URL being opened (shown without credentials).
@@ -126,9 +128,6 @@ def resolve_s3_source(url: str, options: Mapping[str, Any], environ: Mapping[str
             "Configure credentials, or pass storage_options={'anon': True} for a public bucket"
         )
     method = str(getattr(credentials, "method", ""))
-    native = _native_config(method, environ)
-    if native is not None:
-        return S3Source(method, native, region=region)
     return S3Source(method, provider=BotocoreCredentials(credentials), region=region)
 
 
@@ -141,38 +140,6 @@ def _static(key: str, secret: str, token: str | None) -> dict[str, Any]:
 
 def _token(environ: Mapping[str, str]) -> str | None:
     return environ.get("AWS_SESSION_TOKEN") or environ.get("AWS_SECURITY_TOKEN") or None
-
-
-def _native_config(method: str, environ: Mapping[str, str]) -> dict[str, Any] | None:
-    """obstore's configuration for a source it resolves itself from these variables, else None."""
-    if method == "assume-role-with-web-identity":
-        token_file, role = environ.get("AWS_WEB_IDENTITY_TOKEN_FILE"), environ.get("AWS_ROLE_ARN")
-        if not (token_file and role):
-            return None  # configured in a profile: botocore reads it
-        config = {"web_identity_token_file": token_file, "role_arn": role}
-        if environ.get("AWS_ROLE_SESSION_NAME"):
-            config["role_session_name"] = environ["AWS_ROLE_SESSION_NAME"]
-        sts = environ.get("AWS_ENDPOINT_URL_STS")
-        if sts:
-            config["sts_endpoint"] = sts
-        return config
-    if method == "container-role":
-        if environ.get("AWS_CONTAINER_AUTHORIZATION_TOKEN"):
-            return None  # a token in the variable itself: obstore reads only a token file
-        full, relative = (
-            environ.get("AWS_CONTAINER_CREDENTIALS_FULL_URI"),
-            environ.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"),
-        )
-        if relative:
-            config = {"container_credentials_relative_uri": relative}
-        elif full:
-            config = {"container_credentials_full_uri": full}
-        else:
-            return None
-        if environ.get("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"):
-            config["container_authorization_token_file"] = environ["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"]
-        return config
-    return None
 
 
 class BotocoreCredentials:

@@ -19,10 +19,10 @@ objckpt's errors. What the ``token`` option means:
   application-default file, then the GCE metadata server (which google-auth
   finds through ``GCE_METADATA_HOST``/``GCE_METADATA_IP``);
 * ``"cloud"``: the GCE metadata server;
-* a path to a ``service_account`` or ``authorized_user`` JSON file, or its
-  content as a ``dict`` (the kinds gcsfs takes), each loaded with its
-  type's own google-auth loader (google-auth deprecates its generic ones);
-  other kinds (workload identity federation, impersonation) are read through
+* a path to a ``service_account``, ``authorized_user`` or ``external_account``
+  (workload identity federation) JSON file, or its content as a ``dict``,
+  each loaded with its type's own google-auth loader (google-auth deprecates
+  its generic ones); other kinds (impersonation) are read through
   ``GOOGLE_APPLICATION_CREDENTIALS`` by the default chain;
 * a ``google.auth.credentials.Credentials`` instance, used as it is;
 * ``"anon"``: anonymous requests (public buckets, emulators).
@@ -201,7 +201,17 @@ def load_token(
 
 
 def _default(token: str | None, scopes: list[str], url: str, make: Callable[..., GoogleToken]) -> GoogleToken | None:
-    """Google's application default credentials, with the project they name (as gcsfs takes it)."""
+    """Google's application default credentials, with the project they name (as gcsfs takes it).
+
+    A workload identity federation file in ``GOOGLE_APPLICATION_CREDENTIALS``
+    is loaded directly (:func:`_external_account`): ``google.auth.default``
+    would also look its project up at the Cloud Resource Manager, a request
+    with no timeout whose failure fails the load, for a project objckpt does
+    not use.
+    """
+    info = _info(os.environ.get("GOOGLE_APPLICATION_CREDENTIALS") or "")
+    if info is not None and info.get("type") == "external_account":
+        return make(_load(info, scopes, url))
     try:
         credentials, project = google.auth.default(scopes=scopes)
     except google.auth.exceptions.DefaultCredentialsError as exc:
@@ -220,10 +230,25 @@ def _authorized_user(info: dict[str, Any], scopes: list[str]) -> Credentials:
     return google.oauth2.credentials.Credentials.from_authorized_user_info(info)
 
 
-#: The credential files and dicts gcsfs takes as ``token``, by ``type``, loaded with their own google-auth loader.
+def _external_account(info: dict[str, Any], scopes: list[str]) -> Credentials:
+    """Workload identity federation credentials, of the kind their ``credential_source`` names
+    (the choice ``google.auth.default`` makes), without the project lookup."""
+    from google.auth import aws, identity_pool, pluggable
+
+    source = info.get("credential_source") or {}
+    kind: Any = identity_pool
+    if str(source.get("environment_id", "")).startswith("aws"):
+        kind = aws
+    elif "executable" in source:
+        kind = pluggable
+    return kind.Credentials.from_info(info, scopes=scopes)  # type: ignore[no-any-return]
+
+
+#: The credential files and dicts taken as ``token``, by ``type``, loaded with their own google-auth loader.
 _LOADERS: dict[str, Callable[[dict[str, Any], list[str]], Credentials]] = {
     "service_account": _service_account,
     "authorized_user": _authorized_user,
+    "external_account": _external_account,
 }
 
 
