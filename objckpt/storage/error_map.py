@@ -110,6 +110,30 @@ def _permission_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+_CERTIFICATE = re.compile(
+    r"InvalidCertificate\(\s*(\w+)|CERTIFICATE_VERIFY_FAILED\]? ?certificate verify failed: ([^()'\"]{1,80})"
+)
+
+
+def untrusted_certificate(exc: BaseException, what: str) -> StoreError | None:
+    """A permanent error saying how to trust the server, if ``exc`` is a failed TLS
+    certificate check (retrying cannot help); else None."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:  # the cause chain: requests/aiohttp wrap ssl's error
+        seen.add(id(current))
+        match = _CERTIFICATE.search(str(current))
+        if match:
+            reason = match.group(1) or match.group(2).strip()
+            return StoreError(
+                f"{what} failed: the server's TLS certificate is not trusted ({reason}). Trust its CA with "
+                "AWS_CA_BUNDLE or SSL_CERT_FILE (S3), REQUESTS_CA_BUNDLE (GCS), or the storage options "
+                "(client_kwargs={'verify': CA_FILE} for S3, ca_bundle=CA_FILE for GCS)"
+            )
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def map_error(exc: BaseException, what: str, *, create: bool = False) -> StoreError:
     """Translate a filesystem/HTTP error into objckpt's store errors.
 
@@ -121,6 +145,9 @@ def map_error(exc: BaseException, what: str, *, create: bool = False) -> StoreEr
     """
     if isinstance(exc, StoreError):
         return exc
+    untrusted = untrusted_certificate(exc, what)
+    if untrusted is not None:
+        return untrusted
     status = http_status(exc)
     detail = scrub(_client_error_detail(exc) or f"{type(exc).__name__}: {service_detail(str(exc))}")
     suffix = f" (HTTP {status})" if status else ""
@@ -246,6 +273,9 @@ def map_obstore_error(exc: BaseException, what: str, *, create: bool = False) ->
     """
     if isinstance(exc, StoreError):
         return exc
+    untrusted = untrusted_certificate(exc, what)
+    if untrusted is not None:
+        return untrusted
     message = f"{what} failed: {scrub(f'{type(exc).__name__}: {_first_line(exc)}')}"
     oe = sys.modules.get("obstore.exceptions")
     if oe is not None and isinstance(exc, oe.BaseError):
