@@ -213,12 +213,12 @@ def test_gcsfs_keeps_its_own_retries_outside_the_versions_checked(gcs_service, m
     """The single-attempt switch relies on gcsfs internals, so only on the releases it was
     checked against; on any other, gcsfs's own retries stay on (its public behaviour)."""
 
-    from objckpt.storage import registry
+    from objckpt.storage import gcs_open
 
-    version = registry._gcsfs_version()
-    first, end = registry.GCSFS_SINGLE_ATTEMPT_VERSIONS
+    version = gcs_open._gcsfs_version()
+    first, end = gcs_open.GCSFS_SINGLE_ATTEMPT_VERSIONS
     assert version is not None and first <= version < end, "the installed gcsfs must be in the checked range"
-    monkeypatch.setattr(registry, "_gcsfs_version", lambda: end)
+    monkeypatch.setattr(gcs_open, "_gcsfs_version", lambda: end)
     host, port = gcs_service.endpoint_url.rsplit("//", 1)[1].split(":")
     with FaultProxy(host, int(port), seed=5) as proxy:
         options = {**gcs_service.storage_options(), "endpoint_url": proxy.endpoint_url, "request_timeout": 3}
@@ -233,14 +233,14 @@ def test_gcsfs_keeps_its_own_retries_outside_the_versions_checked(gcs_service, m
 def test_gcsfs_without_the_undecorated_request_keeps_its_retries(monkeypatch):
     import gcsfs.core
 
-    from objckpt.storage import registry
+    from objckpt.storage import gcs_open
 
     async def plain(self, *args, **kwargs):  # a release whose _request has no __wrapped__
         raise AssertionError("not called")
 
     monkeypatch.setattr(gcsfs.core.GCSFileSystem, "_request", plain)
     fs = gcsfs.core.GCSFileSystem(token="anon", endpoint_url="http://127.0.0.1:9", skip_instance_cache=True)
-    assert registry._one_attempt_per_request(fs) is False
+    assert gcs_open._one_attempt_per_request(fs) is False
     assert "_request" not in fs.__dict__
 
 

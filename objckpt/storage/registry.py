@@ -63,7 +63,6 @@ import importlib.metadata
 import os
 import re
 import threading
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -364,117 +363,10 @@ def open_gcs(url: str, **storage_options: Any) -> Store:
 
 
 def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
-    """``gs://`` / ``gcs://`` through gcsfs (``STORAGE_EMULATOR_HOST`` aware).
+    """``gs://`` / ``gcs://`` through gcsfs (see :func:`objckpt.storage.gcs_open.open_gcsfs`)."""
+    from objckpt.storage.gcs_open import open_gcsfs
 
-    gcsfs and objckpt's fast paths (streamed reads, media uploads) share one
-    refreshable Google credential built from the ``token`` option
-    (:mod:`objckpt.storage.gcs_auth`); a ``token`` it cannot load, and
-    requester-pays buckets, leave the store to gcsfs alone. The fast paths go
-    to the endpoint resolved here: ``endpoint_url``, else
-    ``STORAGE_EMULATOR_HOST``, else ``https://storage.googleapis.com`` (or its
-    ``GOOGLE_CLOUD_UNIVERSE_DOMAIN``); not where gcsfs presents a client
-    certificate (mutual TLS), which they do not. gcsfs's aiohttp session
-    honours ``HTTPS_PROXY``/``NO_PROXY`` (``trust_env``, unless
-    ``session_kwargs`` says otherwise).
-
-    Storage options beyond gcsfs's: ``request_timeout``, and ``ca_bundle``: a
-    CA bundle (PEM path) that every request of the store trusts instead of
-    the system roots: the fast paths', the token refreshes' and gcsfs's own
-    (through an aiohttp connector made on gcsfs's loop; default
-    ``REQUESTS_CA_BUNDLE``, as Google's clients read it). Without one,
-    gcsfs keeps aiohttp's trust: the system roots, which ``SSL_CERT_FILE``
-    replaces if set before aiohttp is imported.
-
-    With an explicit endpoint (option or emulator variable) the core
-    ``gcsfs.core.GCSFileSystem`` is used rather than gcsfs's experimental
-    zonal-bucket subclass, whose bucket probe hangs 60 s against emulators.
-    """
-    from objckpt.storage import gcs_auth
-    from objckpt.storage.fsspec_store import for_filesystem
-
-    _require("gcsfs", scheme_of(url) or "gs")
-    gcsfs_core = importlib.import_module("gcsfs.core")
-    options = dict(storage_options)
-    store_kw = _pop_timeout(options)
-    ca_file = options.pop("ca_bundle", None) or os.environ.get("REQUESTS_CA_BUNDLE") or None
-    endpoint = options.get("endpoint_url")
-    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
-    if not endpoint and emulator and emulator != "default":
-        if "://" not in emulator:
-            emulator = f"http://{emulator}"
-        options["endpoint_url"] = endpoint = emulator
-        options.setdefault("token", "anon")
-    _preflight("check_gcs_credentials", url, options)
-    token = gcs_auth.load_token(
-        options.get("token"),
-        url=url,
-        timeout=store_kw["request_timeout"],
-        access=options.get("access", "full_control"),
-        ca_file=ca_file,
-    )
-    if token is not None and not token.anonymous:
-        options["token"] = token.credentials  # the one credential gcsfs and the fast paths refresh
-        if token.project and not options.get("project"):
-            options["project"] = token.project  # as gcsfs's own google_default sets it
-    options["session_kwargs"] = {"trust_env": True, **(options.get("session_kwargs") or {})}
-    on_fsspec_loop = not options.get("asynchronous") and options.get("loop") is None
-    if ca_file and on_fsspec_loop and "connector" not in options["session_kwargs"]:
-        options["session_kwargs"]["connector"] = _trusting_connector(ca_file)
-    options.setdefault("skip_instance_cache", True)
-    options.setdefault("use_listings_cache", False)
-    if endpoint:
-        cls = gcsfs_core.GCSFileSystem
-    else:
-        cls = importlib.import_module("gcsfs").GCSFileSystem
-    fs = cls(**options)
-    _one_attempt_per_request(fs)
-    path = fs._strip_protocol(url).rstrip("/")
-    if not path:
-        raise ValueError(f"GCS URL needs a bucket: {_display(url)!r}")
-    if token is None or options.get("requester_pays") or (not endpoint and _gcs_client_cert()):
-        return for_filesystem(fs, path, url=url, **store_kw)
-    return for_filesystem(fs, path, url=url, **store_kw, **_gcs_fast_paths(endpoint, token, ca_file, store_kw))
-
-
-def _trusting_connector(ca_file: str) -> Any:
-    """An aiohttp connector, made on fsspec's IO loop (where gcsfs runs its session),
-    whose TLS trusts ``ca_file``: aiohttp makes connectors only inside a running loop."""
-    import aiohttp
-    import fsspec.asyn
-
-    from objckpt.storage import network
-
-    context = network.ssl_context(ca_file)
-
-    async def make() -> Any:
-        return aiohttp.TCPConnector(ssl=context)
-
-    return fsspec.asyn.sync(fsspec.asyn.get_loop(), make)
-
-
-def _gcs_fast_paths(endpoint: str | None, token: Any, ca_file: str | None, store_kw: dict[str, Any]) -> dict[str, Any]:
-    """The streamed range reader and the media uploader of a gcsfs store, sharing ``token``."""
-    from objckpt.storage import network
-    from objckpt.storage.gcs_stream import GCSRangeReader
-    from objckpt.storage.gcs_upload import MediaUploader
-
-    universe = os.environ.get("GOOGLE_CLOUD_UNIVERSE_DOMAIN") or "googleapis.com"
-    base = str(endpoint or f"https://storage.{universe}").rstrip("/")
-    context = network.ssl_context(ca_file)
-    timeout = store_kw["request_timeout"]
-    bearer = None if token.anonymous else token
-    reader = GCSRangeReader(endpoint=base, credentials=bearer, timeout=timeout, ssl_context=context)
-    uploader = MediaUploader(endpoint=base, token=token, timeout=timeout, ssl_context=context)
-    return {"range_reader": reader, "uploader": uploader}
-
-
-def _gcs_client_cert() -> bool:
-    """Whether google-auth is set up to present a client certificate (gcsfs then uses
-    the mutual-TLS endpoint with it, which the fast paths do not)."""
-    from google.auth.transport import mtls
-
-    should_use = getattr(mtls, "should_use_client_cert", None)
-    return bool(should_use is not None and should_use() and mtls.has_default_client_cert_source())
+    return open_gcsfs(url, **storage_options)
 
 
 def _preflight(check: str, url: str, options: dict[str, Any]) -> None:
@@ -484,71 +376,6 @@ def _preflight(check: str, url: str, options: dict[str, Any]) -> None:
 
     options = {k: v for k, v in options.items() if k != "request_timeout"}
     getattr(credentials, check)(url, options, os.environ)
-
-
-#: gcsfs releases, [first, end) as (year, month), whose ``GCSFileSystem._request`` is
-#: wrapped by ``retry_request`` (made with the ``decorator`` package, which keeps the
-#: undecorated function as ``__wrapped__``): read in 2024.6.0 and 2026.10.1, the release
-#: the tests run on. Widen the end only after reading a newer ``gcsfs/core.py`` and
-#: ``gcsfs/retry.py`` and running tests/test_throttle.py's gcsfs tests on it.
-GCSFS_SINGLE_ATTEMPT_VERSIONS = ((2024, 6), (2026, 11))
-
-
-def _one_attempt_per_request(fs: Any) -> bool:
-    """Make each of gcsfs's HTTP requests one attempt, as obstore's are (``max_retries=0``).
-
-    gcsfs retries 429 and 5xx itself, six attempts 1–32 s apart, inside what the
-    transfer engine sees as one call: under its per-attempt timeout, unseen by its
-    retry counter and by the window that backs off on 429 (:mod:`objckpt.transfer.throttle`).
-    objckpt's engine and ``RetryingStore`` are the one retry layer, so this
-    instance calls gcsfs's request function without its retry decorator.
-
-    gcsfs has no public switch for this: the undecorated function is its
-    ``__wrapped__``, which is used only on the releases in
-    :data:`GCSFS_SINGLE_ATTEMPT_VERSIONS`. On any other release, or if
-    ``__wrapped__`` is missing, gcsfs's own retries stay on (logged once).
-
-    Returns:
-        Whether requests now make one attempt each.
-    """
-    version = _gcsfs_version()
-    first, end = GCSFS_SINGLE_ATTEMPT_VERSIONS
-    single = getattr(type(fs)._request, "__wrapped__", None)
-    if version is None or not first <= version < end or not callable(single):
-        _log_gcsfs_retries_on(version)
-        return False
-    fs._request = types.MethodType(single, fs)
-    return True
-
-
-def _gcsfs_version() -> tuple[int, int] | None:
-    """gcsfs's (year, month) release, or None if it cannot be read."""
-    try:
-        parts = importlib.metadata.version("gcsfs").split(".")
-        return int(parts[0]), int(parts[1])
-    except (importlib.metadata.PackageNotFoundError, ValueError, IndexError):
-        return None
-
-
-_gcsfs_retries_logged: set[tuple[int, int] | None] = set()
-
-
-def _log_gcsfs_retries_on(version: tuple[int, int] | None) -> None:
-    """Say once per gcsfs version that its retries stay on."""
-    import logging
-
-    if version in _gcsfs_retries_logged:
-        return
-    _gcsfs_retries_logged.add(version)
-    (first_y, first_m), (end_y, end_m) = GCSFS_SINGLE_ATTEMPT_VERSIONS
-    logging.getLogger(__name__).info(
-        "gcsfs %s: its own request retries stay on (objckpt turns them off on gcsfs %d.%d up to %d.%d)",
-        ".".join(map(str, version)) if version else "(version unknown)",
-        first_y,
-        first_m,
-        end_y,
-        end_m,
-    )
 
 
 def open_local(url: str, **storage_options: Any) -> Store:
