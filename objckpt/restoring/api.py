@@ -121,6 +121,10 @@ def restore(
             anything is read. ``"unsafe"`` applies numpy's ``astype`` as is.
             ``None`` and numpy targets restore the saved dtype (no cast).
 
+    An Orbax checkpoint (an item directory, or a ``CheckpointManager`` step with
+    one item or a ``default`` one) restores the same way, read through
+    tensorstore (``pip install 'objckpt[orbax]'``): see :mod:`objckpt.orbax`.
+
     Raises:
         CheckpointNotFoundError, FormatError, IntegrityError, TargetMismatchError
         (also for a cast refused under ``cast="checked"``: the leaf, both dtypes).
@@ -132,11 +136,24 @@ def restore(
     if options.tune_malloc:
         tune_malloc()
     with opened_store(url, storage_options, options, stats) as store, runtime.collection_paused(options.pause_gc):
-        return _restore(store, target, partial, read_once, options, stats, progress, cast)
+        try:
+            manifest = _read_manifest(store, options)
+        except CheckpointNotFoundError:
+            from objckpt.orbax import orbax_item_at
+            from objckpt.orbax.restore import restore_orbax
+
+            item = orbax_item_at(store)
+            if item is None:
+                raise
+            return restore_orbax(
+                item, target, storage_options=storage_options, partial=partial, options=options, stats=stats, cast=cast
+            )
+        return _restore(store, manifest, target, partial, read_once, options, stats, progress, cast)
 
 
 def _restore(
     store: RetryingStore,
+    manifest: Manifest,
     target: Any,
     partial: bool,
     read_once: bool,
@@ -147,7 +164,6 @@ def _restore(
 ) -> Any:
     """:func:`restore` from an open store (the arguments as there, defaults filled in)."""
     started = time.perf_counter()
-    manifest = _read_manifest(store, options)
     selection, subtrees = _select(manifest, target, partial)
     read_once = read_once and jax.process_count() > 1
     designator = Designator(options.split_replicas_above)
