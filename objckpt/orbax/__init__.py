@@ -19,13 +19,14 @@ from objckpt.transfer import runtime
 __all__ = ["OrbaxItem", "OrbaxLeaf", "describe_sharding", "orbax_item_at"]
 
 
-def orbax_item_at(store: Any) -> OrbaxItem | None:
+def orbax_item_at(store: Any, parent: Any = None) -> OrbaxItem | None:
     """The Orbax item at ``store`` (an objckpt store, or one wrapping it as ``.inner``),
-    or None when nothing Orbax wrote is there."""
+    or None when nothing Orbax wrote is there; ``parent``, the store one level up,
+    lets an item that is no pytree be named as such (see :func:`~objckpt.orbax.layout.read_item`)."""
     from objckpt.orbax.layout import read_item
 
     inner = getattr(store, "inner", store)
     try:
-        return runtime.run_sync(read_item(inner, inner.url))
+        return runtime.run_sync(read_item(inner, inner.url, parent))
     except CheckpointNotFoundError:
         return None

@@ -112,12 +112,10 @@ def parse_item(url: str, files: dict[str, bytes | None]) -> OrbaxItem:
     ``_sharding``, ``_strings.json``: content, or None where absent)."""
     checkpoint_meta = files.get("_CHECKPOINT_METADATA")
     if checkpoint_meta is not None:
-        handler = _json(checkpoint_meta, f"{url}/_CHECKPOINT_METADATA").get("item_handlers")
-        if isinstance(handler, str) and not handler.endswith(PYTREE_HANDLERS):
-            raise FormatError(
-                f"Orbax item {url} was written by {handler}: objckpt reads the items of "
-                f"{' and '.join(PYTREE_HANDLERS)} (a pytree of arrays, scalars and strings)"
-            )
+        handler = _json(checkpoint_meta, f"{url}/_CHECKPOINT_METADATA")
+        handler = handler.get("item_handlers") if isinstance(handler, dict) else None
+        if isinstance(handler, str):  # a single-item checkpoint names its one handler
+            _check_handler(url, handler)
     raw = files.get("_METADATA")
     if raw is None:
         raise FormatError(f"Orbax item {url} has no _METADATA (written by an Orbax older than 0.5?)")
@@ -215,25 +213,56 @@ def numpy_dtype(dtype: Any) -> np.dtype:
     return np.dtype(dtype.numpy_dtype)
 
 
-async def read_item(store: Any, url: str) -> OrbaxItem:
-    """The Orbax item at ``store`` (an objckpt store at ``url``); a step directory of a
-    ``CheckpointManager`` with a single item (or a ``default`` one) is read as that item.
+async def read_item(store: Any, url: str, parent: Any = None) -> OrbaxItem:
+    """The Orbax item at ``store`` (an objckpt store at ``url``). A step directory of a
+    ``CheckpointManager`` is read as its item when it has one, or one named ``default``;
+    ``parent`` (the store one level up, if known) names the handler of an item
+    directory that holds no pytree.
 
     Raises:
         CheckpointNotFoundError: nothing Orbax wrote is there.
-        FormatError: the item cannot be read, or a step holds several items and none is ``default``.
+        FormatError: the item cannot be read (naming it and why), or a step holds
+            several items and none is ``default``.
     """
     files = await _metadata_files(store)
     if files.get("_METADATA") is not None:
         return parse_item(url, files)
-    items = await item_names(store)
-    if not items:
-        raise CheckpointNotFoundError(f"no objckpt or Orbax checkpoint at {url}")
-    name = "default" if "default" in items else items[0] if len(items) == 1 else None
-    if name is None:
-        raise FormatError(f"{url} is an Orbax step with items {', '.join(items)}: restore one of them ({url}/<item>)")
-    child = store.child(name)
-    return parse_item(f"{url}/{name}", await _metadata_files(child))
+    handlers = _item_handlers(url, files.get("_CHECKPOINT_METADATA"))
+    if handlers:  # a step directory: {item: handler}
+        items = sorted(handlers)
+        name = "default" if "default" in handlers else items[0] if len(items) == 1 else None
+        if name is None:
+            raise FormatError(
+                f"{url} is an Orbax step with items {', '.join(items)}: restore one of them ({url}/<item>)"
+            )
+        _check_handler(f"{url}/{name}", handlers[name])
+        child = store.child(name)
+        return parse_item(f"{url}/{name}", await _metadata_files(child))
+    if parent is not None:
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        handler = _item_handlers(url, (await _metadata_files(parent)).get("_CHECKPOINT_METADATA")).get(name)
+        if handler is not None:
+            _check_handler(url, handler)
+    raise CheckpointNotFoundError(f"no objckpt or Orbax checkpoint at {url}")
+
+
+def _item_handlers(url: str, raw: bytes | None) -> dict[str, str]:
+    """A step's ``_CHECKPOINT_METADATA``: its items and the handler that wrote each (empty for an item's own)."""
+    if raw is None:
+        return {}
+    handlers = _json(raw, f"{url}/_CHECKPOINT_METADATA")
+    handlers = handlers.get("item_handlers") if isinstance(handlers, dict) else None
+    if not isinstance(handlers, dict):
+        return {}
+    return {str(k): str(v) for k, v in handlers.items()}
+
+
+def _check_handler(url: str, handler: str) -> None:
+    if not handler.endswith(PYTREE_HANDLERS):
+        raise FormatError(
+            f"Orbax item {url} was written by {handler}: objckpt reads the items of "
+            f"{' and '.join(PYTREE_HANDLERS)} (a pytree of arrays, scalars and strings)"
+        )
 
 
 async def _metadata_files(store: Any) -> dict[str, bytes | None]:
@@ -244,17 +273,6 @@ async def _metadata_files(store: Any) -> dict[str, bytes | None]:
         except (ObjectNotFoundError, FileNotFoundError):
             out[name] = None
     return out
-
-
-async def item_names(store: Any) -> list[str]:
-    """The Orbax items directly under ``store`` (directories holding ``_METADATA`` or
-    ``_CHECKPOINT_METADATA``), sorted."""
-    found = set()
-    for info in await store.list(""):
-        parts = info.key.split("/")
-        if len(parts) == 2 and parts[1] in MARKERS:
-            found.add(parts[0])
-    return sorted(found)
 
 
 def is_orbax_listing(keys: list[str]) -> bool:

@@ -87,8 +87,9 @@ def kvstore_for(url: str, options: dict[str, Any] | None) -> Iterator[tuple[dict
             yield spec, {"aws_credentials": {"type": "anonymous"}}
             return
         if key and secret:
-            with _credentials_file(key, secret, options.get("token") or client.get("aws_session_token")) as path_:
-                yield spec, {"aws_credentials": {"type": "profile", "profile": "objckpt", "credentials_file": path_}}
+            with _credentials_file(key, secret, options.get("token") or client.get("aws_session_token")) as files:
+                credentials = {"type": "profile", "profile": "objckpt", **files}
+                yield spec, {"aws_credentials": credentials}
             return
         yield spec, {"aws_credentials": {"type": "default"}}
         return
@@ -96,22 +97,28 @@ def kvstore_for(url: str, options: dict[str, Any] | None) -> Iterator[tuple[dict
 
 
 @contextmanager
-def _credentials_file(key: str, secret: str, token: str | None) -> Iterator[str]:
-    """A shared-credentials file only this user can read, removed when the block ends."""
-    directory = tempfile.mkdtemp(prefix="objckpt-ts-")
-    path = os.path.join(directory, "credentials")
+def _credentials_file(key: str, secret: str, token: str | None) -> Iterator[dict[str, str]]:
+    """Shared credentials and (empty) config files only this user can read, in a private
+    directory removed when the block ends: their paths as tensorstore's profile options."""
+    directory = tempfile.mkdtemp(prefix="objckpt-ts-")  # mode 0700
+    files = {
+        "credentials_file": os.path.join(directory, "credentials"),
+        "config_file": os.path.join(directory, "config"),
+    }
+    text = f"[objckpt]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n"
+    if token:
+        text += f"aws_session_token = {token}\n"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"[objckpt]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n")
-            if token:
-                f.write(f"aws_session_token = {token}\n")
-        yield path
+        for path, content in ((files["credentials_file"], text), (files["config_file"], "[profile objckpt]\n")):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(content)
+        yield files
     finally:
-        try:
-            os.remove(path)
-        finally:
-            os.rmdir(directory)
+        for path in files.values():
+            if os.path.exists(path):
+                os.remove(path)
+        os.rmdir(directory)
 
 
 def array_spec(kvstore: dict[str, Any], name: str, *, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:

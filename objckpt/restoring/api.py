@@ -66,6 +66,7 @@ from objckpt.transfer.engine import (
     RetryingStore,
     TransferEngine,
     TransferStats,
+    close_store,
     opened_store,
     reread_on_mismatch,
 )
@@ -142,13 +143,31 @@ def restore(
             from objckpt.orbax import orbax_item_at
             from objckpt.orbax.restore import restore_orbax
 
-            item = orbax_item_at(store)
+            parent = _parent_store(str(url), storage_options)
+            try:
+                item = orbax_item_at(store, parent)
+            finally:
+                if parent is not None:
+                    close_store(parent)
             if item is None:
                 raise
             return restore_orbax(
                 item, target, storage_options=storage_options, partial=partial, options=options, stats=stats, cast=cast
             )
         return _restore(store, manifest, target, partial, read_once, options, stats, progress, cast)
+
+
+def _parent_store(url: str, storage_options: dict[str, Any] | None) -> Any:
+    """The store one level above ``url`` (for Orbax's step metadata), or None at a bucket's root."""
+    from objckpt.storage import from_url
+
+    head, sep, tail = url.rstrip("/").rpartition("/")
+    if not sep or not tail or head.endswith(":/") or head.endswith(":"):
+        return None
+    try:
+        return from_url(head, **(storage_options or {}))
+    except (ValueError, OSError):
+        return None
 
 
 def _restore(
