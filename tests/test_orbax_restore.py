@@ -201,3 +201,36 @@ def test_nothing_there_is_still_not_found(tmp_path: Path) -> None:
     os.makedirs(tmp_path / "empty")
     with pytest.raises(objckpt.CheckpointNotFoundError):
         objckpt.restore(str(tmp_path / "empty"))
+
+
+def test_inspect_and_the_command_line_describe_orbax_checkpoints(tmp_path: Path, state: dict[str, Any]) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    with ocp.CheckpointManager(root) as manager:
+        for step in (100, 200):
+            manager.save(step, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+    info = objckpt.inspect(f"{root}/200")
+    assert info.format == "orbax" and info.url.endswith("/200/default")
+    w = info.leaves["['params']['w']"]
+    assert (w.dtype, w.shape, w.nbytes) == ("float32", (64, 48), 64 * 48 * 4)
+    assert w.sharding == {"type": "NamedSharding", "mesh": {"x": 4, "y": 2}, "spec": ["x", "y"]}
+    assert info.leaves["['params']['layers'][0]"].dtype == "int4"
+    assert info.leaves["['params']['emb']"].dtype == "bfloat16"
+    assert info.total_bytes >= 2 * 64 * 48 * 4
+
+    cli = [sys.executable, "-m", "objckpt.cli"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    listing = subprocess.run([*cli, "ls", str(root), "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert listing.returncode == 0, listing.stderr
+    rows = json.loads(listing.stdout)
+    assert [(r["step"], r["format"], r["committed"]) for r in rows] == [(100, "orbax", True), (200, "orbax", True)]
+    table = subprocess.run([*cli, "ls", str(root)], capture_output=True, text=True, env=env, timeout=120)
+    assert "FORMAT" in table.stdout and table.stdout.count("orbax") == 2, table.stdout
+    shown = subprocess.run([*cli, "inspect", f"{root}/200"], capture_output=True, text=True, env=env, timeout=120)
+    assert shown.returncode == 0 and "Orbax checkpoint" in shown.stdout and "mesh(x=4,y=2)" in shown.stdout, (
+        shown.stdout
+    )

@@ -68,6 +68,8 @@ class OrbaxItem:
     use_ocdbt: bool
     use_zarr3: bool
     strings: dict[str, str] = field(default_factory=dict)
+    created: str = ""  # when Orbax committed it (ISO 8601, UTC), when it said
+    num_processes: int = 1  # processes that wrote arrays (array_metadatas/process_N)
 
     def skeleton(self, make_leaf: Callable[[int], Any]) -> Any:
         """The tree (dicts and lists, as saved) with ``make_leaf(i)`` for leaf ``i``."""
@@ -107,15 +109,24 @@ def _json(data: bytes, what: str) -> Any:
         raise FormatError(f"{what} is not valid JSON: {exc}") from None
 
 
-def parse_item(url: str, files: dict[str, bytes | None]) -> OrbaxItem:
+def parse_item(
+    url: str, files: dict[str, bytes | None], *, step_metadata: bytes | None = None, num_processes: int = 1
+) -> OrbaxItem:
     """An Orbax item from its metadata files (``_METADATA``, ``_CHECKPOINT_METADATA``,
-    ``_sharding``, ``_strings.json``: content, or None where absent)."""
+    ``_sharding``, ``_strings.json``: content, or None where absent); ``step_metadata``
+    is its step's ``_CHECKPOINT_METADATA`` when it is an item of a manager's step."""
     checkpoint_meta = files.get("_CHECKPOINT_METADATA")
-    if checkpoint_meta is not None:
-        handler = _json(checkpoint_meta, f"{url}/_CHECKPOINT_METADATA")
-        handler = handler.get("item_handlers") if isinstance(handler, dict) else None
+    created = ""
+    for raw_meta in (checkpoint_meta, step_metadata):
+        if raw_meta is None:
+            continue
+        described = _json(raw_meta, f"{url}/_CHECKPOINT_METADATA")
+        if not isinstance(described, dict):
+            continue
+        handler = described.get("item_handlers")
         if isinstance(handler, str):  # a single-item checkpoint names its one handler
             _check_handler(url, handler)
+        created = created or _iso(described.get("commit_timestamp_nsecs"))
     raw = files.get("_METADATA")
     if raw is None:
         raise FormatError(f"Orbax item {url} has no _METADATA (written by an Orbax older than 0.5?)")
@@ -141,7 +152,17 @@ def parse_item(url: str, files: dict[str, bytes | None]) -> OrbaxItem:
         use_ocdbt=bool(meta.get("use_ocdbt", False)),
         use_zarr3=bool(meta.get("use_zarr3", False)),
         strings=strings,
+        created=created,
+        num_processes=num_processes,
     )
+
+
+def _iso(nanoseconds: Any) -> str:
+    import datetime as dt
+
+    if not isinstance(nanoseconds, int) or isinstance(nanoseconds, bool) or nanoseconds <= 0:
+        return ""
+    return dt.datetime.fromtimestamp(nanoseconds / 1e9, dt.UTC).isoformat(timespec="seconds")
 
 
 def _leaf(url: str, entry: Any, shardings: dict[str, dict[str, Any]]) -> OrbaxLeaf:
@@ -226,7 +247,7 @@ async def read_item(store: Any, url: str, parent: Any = None) -> OrbaxItem:
     """
     files = await _metadata_files(store)
     if files.get("_METADATA") is not None:
-        return parse_item(url, files)
+        return parse_item(url, files, num_processes=await _processes(store))
     handlers = _item_handlers(url, files.get("_CHECKPOINT_METADATA"))
     if handlers:  # a step directory: {item: handler}
         items = sorted(handlers)
@@ -237,7 +258,13 @@ async def read_item(store: Any, url: str, parent: Any = None) -> OrbaxItem:
             )
         _check_handler(f"{url}/{name}", handlers[name])
         child = store.child(name)
-        return parse_item(f"{url}/{name}", await _metadata_files(child))
+        step_metadata = files.get("_CHECKPOINT_METADATA")
+        return parse_item(
+            f"{url}/{name}",
+            await _metadata_files(child),
+            step_metadata=step_metadata,
+            num_processes=await _processes(child),
+        )
     if parent is not None:
         name = url.rstrip("/").rsplit("/", 1)[-1]
         handler = _item_handlers(url, (await _metadata_files(parent)).get("_CHECKPOINT_METADATA")).get(name)
@@ -263,6 +290,15 @@ def _check_handler(url: str, handler: str) -> None:
             f"Orbax item {url} was written by {handler}: objckpt reads the items of "
             f"{' and '.join(PYTREE_HANDLERS)} (a pytree of arrays, scalars and strings)"
         )
+
+
+async def _processes(store: Any) -> int:
+    """How many processes wrote arrays (Orbax's ``array_metadatas/process_N``), at least 1."""
+    try:
+        listed = await store.list("array_metadatas/")
+    except (ObjectNotFoundError, FileNotFoundError):
+        return 1
+    return max(1, sum(1 for info in listed if info.key.rsplit("/", 1)[-1].startswith("process_")))
 
 
 async def _metadata_files(store: Any) -> dict[str, bytes | None]:
