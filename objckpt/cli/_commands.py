@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,34 +72,49 @@ class Listed:
     nbytes: int
     objects: int
     time: float | None
+    format: str = "objckpt"  # or "orbax"
+
+
+#: Files that mark an Orbax checkpoint (a step of Orbax's CheckpointManager, or one item).
+_ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
+_ORBAX_STEP = re.compile(r"^(\d+)$")
 
 
 def group_checkpoints(objects: list[ObjectInfo]) -> list[Listed]:
     """Checkpoints under a root from one listing: every directory holding a manifest, plus
-    every manager step directory (committed or not). Each object counts toward the deepest one;
-    live-save markers (:mod:`objckpt.saving.live_markers`) count toward none."""
+    every manager step directory (committed or not), plus Orbax's: a step directory of its
+    ``CheckpointManager`` (``<step>/``, committed once ``_CHECKPOINT_METADATA`` is there) or
+    an Orbax item at the root. Each object counts toward the deepest one; live-save
+    markers (:mod:`objckpt.saving.live_markers`) count toward none."""
     objects = [o for o in objects if not is_marker(o.key)]
     dirs: set[str] = set()
+    orbax: set[str] = set()
     for o in objects:
         if o.key == MANIFEST_KEY:
             dirs.add("")
         elif o.key.endswith("/" + MANIFEST_KEY):
             dirs.add(o.key[: -len(MANIFEST_KEY) - 1])
-        head, slash, _ = o.key.partition("/")
+        head, slash, rest = o.key.partition("/")
         if slash and STEP_DIR.match(head):
             dirs.add(head)
+        if o.key in _ORBAX_MARKERS:
+            orbax.add("")
+        elif slash and _ORBAX_STEP.match(head) and rest.rpartition("/")[2] in _ORBAX_MARKERS:
+            orbax.add(head)
+    dirs |= orbax
     found: dict[str, Listed] = {}
     for o in objects:
         parts = o.key.split("/")[:-1]
         owner = next(("/".join(parts[:n]) for n in range(len(parts), -1, -1) if "/".join(parts[:n]) in dirs), None)
         if owner is None:
             continue
-        match = STEP_DIR.match(owner)
-        entry = found.setdefault(owner, Listed(owner, int(match.group(1)) if match else None, False, 0, 0, None))
+        match = STEP_DIR.match(owner) or _ORBAX_STEP.match(owner)
+        kind = "orbax" if owner in orbax else "objckpt"
+        entry = found.setdefault(owner, Listed(owner, int(match.group(1)) if match else None, False, 0, 0, None, kind))
         entry.nbytes += o.size
         entry.objects += 1
         rel = o.key[len(owner) + 1 :] if owner else o.key
-        if rel == MANIFEST_KEY:
+        if rel == MANIFEST_KEY or (kind == "orbax" and rel in _ORBAX_MARKERS):
             entry.committed = True
             entry.time = o.last_modified
         elif not entry.committed and o.last_modified is not None:
@@ -121,6 +137,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "bytes": e.nbytes,
                     "objects": e.objects,
                     "time": _iso(e.time),
+                    "format": e.format,
                 }
                 for e in entries
             ]
@@ -130,7 +147,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no checkpoints under {base}")
         return 0
     steps_only = all(e.step is not None for e in entries)
+    with_format = any(e.format != "objckpt" for e in entries)
     header = ["STEP" if steps_only else "CHECKPOINT", "COMMITTED", "SIZE", "OBJECTS", "TIME"]
+    header += ["FORMAT"] if with_format else []
     rows = [
         [
             str(e.step) if steps_only else (e.name or "."),
@@ -139,6 +158,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             str(e.objects),
             _time(e.time),
         ]
+        + ([e.format] if with_format else [])
         for e in entries
     ]
     print(_table(header, rows, right={2, 3} | ({0} if steps_only else set())))
@@ -187,6 +207,7 @@ def _value(v: Any) -> Any:
 def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
     return {
         "url": info.url,
+        "format": info.format,
         "format_version": info.format_version,
         "created": info.created,
         "save_id": info.save_id,
@@ -225,8 +246,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             if leaf.key_type is not None:  # a typed PRNG key array: its key type and its own shape
                 dtype, shape = leaf.key_type, shape[:-1]
             rows.append([leaf.path, str(dtype), str(shape), human_bytes(leaf.nbytes), _sharding(leaf)])
-    print(f"checkpoint {info.url}")
+    print(f"{'Orbax checkpoint' if info.format == 'orbax' else 'checkpoint'} {info.url}")
     print(_table(["LEAF", "DTYPE", "SHAPE", "SIZE", "SAVED SHARDING"], rows, right={3}))
+    if info.format == "orbax":
+        print(
+            f"total: {len(info.leaves)} leaves, {human_bytes(info.total_bytes)} ({info.total_bytes} bytes);"
+            f" written by Orbax, created {info.created or 'unknown'}, {info.num_processes} process(es)"
+        )
+        return 0
     print(
         f"total: {len(info.leaves)} leaves, {human_bytes(info.total_bytes)} ({info.total_bytes} bytes)"
         f" in {info.num_blobs} blobs; format v{info.format_version}, created {info.created},"

@@ -66,6 +66,7 @@ from objckpt.transfer.engine import (
     RetryingStore,
     TransferEngine,
     TransferStats,
+    close_store,
     opened_store,
     reread_on_mismatch,
 )
@@ -121,6 +122,10 @@ def restore(
             anything is read. ``"unsafe"`` applies numpy's ``astype`` as is.
             ``None`` and numpy targets restore the saved dtype (no cast).
 
+    An Orbax checkpoint (an item directory, or a ``CheckpointManager`` step with
+    one item or a ``default`` one) restores the same way, read through
+    tensorstore (``pip install 'objckpt[orbax]'``): see :mod:`objckpt.orbax`.
+
     Raises:
         CheckpointNotFoundError, FormatError, IntegrityError, TargetMismatchError
         (also for a cast refused under ``cast="checked"``: the leaf, both dtypes).
@@ -132,11 +137,42 @@ def restore(
     if options.tune_malloc:
         tune_malloc()
     with opened_store(url, storage_options, options, stats) as store, runtime.collection_paused(options.pause_gc):
-        return _restore(store, target, partial, read_once, options, stats, progress, cast)
+        try:
+            manifest = _read_manifest(store, options)
+        except CheckpointNotFoundError:
+            from objckpt.orbax import orbax_item_at
+            from objckpt.orbax.restore import restore_orbax
+
+            parent = _parent_store(str(url), storage_options)
+            try:
+                item = orbax_item_at(store, parent)
+            finally:
+                if parent is not None:
+                    close_store(parent)
+            if item is None:
+                raise
+            return restore_orbax(
+                item, target, storage_options=storage_options, partial=partial, options=options, stats=stats, cast=cast
+            )
+        return _restore(store, manifest, target, partial, read_once, options, stats, progress, cast)
+
+
+def _parent_store(url: str, storage_options: dict[str, Any] | None) -> Any:
+    """The store one level above ``url`` (for Orbax's step metadata), or None at a bucket's root."""
+    from objckpt.storage import from_url
+
+    head, sep, tail = url.rstrip("/").rpartition("/")
+    if not sep or not tail or head.endswith(":/") or head.endswith(":"):
+        return None
+    try:
+        return from_url(head, **(storage_options or {}))
+    except (ValueError, OSError):
+        return None
 
 
 def _restore(
     store: RetryingStore,
+    manifest: Manifest,
     target: Any,
     partial: bool,
     read_once: bool,
@@ -147,7 +183,6 @@ def _restore(
 ) -> Any:
     """:func:`restore` from an open store (the arguments as there, defaults filled in)."""
     started = time.perf_counter()
-    manifest = _read_manifest(store, options)
     selection, subtrees = _select(manifest, target, partial)
     read_once = read_once and jax.process_count() > 1
     designator = Designator(options.split_replicas_above)

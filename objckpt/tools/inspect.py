@@ -7,6 +7,7 @@ from typing import Any
 
 from objckpt.core.format import LeafEntry, Manifest
 from objckpt.core.tree import build
+from objckpt.errors import CheckpointNotFoundError
 from objckpt.options import Options
 from objckpt.progress import human_bytes
 from objckpt.transfer import runtime
@@ -56,6 +57,8 @@ class CheckpointInfo:
         total_bytes: array bytes over all leaves.
         num_blobs: objects holding the array data.
         format_version, created, save_id, num_processes, metadata: from the manifest.
+        format: ``"objckpt"``, or ``"orbax"`` for an Orbax checkpoint (format_version 0,
+            no save_id; its arrays are in Orbax's own files, not blobs).
     """
 
     url: str
@@ -68,13 +71,17 @@ class CheckpointInfo:
     save_id: str
     num_processes: int
     metadata: dict[str, Any]
+    format: str = "objckpt"
 
     def __str__(self) -> str:
-        lines = [
-            f"checkpoint {self.url}",
-            f"  format v{self.format_version}, created {self.created}, {self.num_processes} process(es),"
-            f" {len(self.leaves)} leaves, {human_bytes(self.total_bytes)} in {self.num_blobs} blobs",
-        ]
+        if self.format == "orbax":
+            summary = f"  Orbax checkpoint, created {self.created}, {len(self.leaves)} leaves, {human_bytes(self.total_bytes)}"
+        else:
+            summary = (
+                f"  format v{self.format_version}, created {self.created}, {self.num_processes} process(es),"
+                f" {len(self.leaves)} leaves, {human_bytes(self.total_bytes)} in {self.num_blobs} blobs"
+            )
+        lines = [f"checkpoint {self.url}", summary]
         if self.metadata:
             lines.append(f"  metadata: {self.metadata}")
         lines.extend(f"  {leaf}" for leaf in self.leaves.values())
@@ -104,8 +111,21 @@ def info_from_manifest(url: str, manifest: Manifest) -> CheckpointInfo:
 def inspect(
     url: str, *, storage_options: dict[str, Any] | None = None, options: Options | None = None
 ) -> CheckpointInfo:
-    """Describe a committed checkpoint without reading any array data."""
+    """Describe a committed checkpoint without reading any array data.
+
+    An Orbax checkpoint is described from its metadata and its arrays' zarr
+    headers (:func:`objckpt.orbax.inspect.inspect_orbax`).
+    """
     options = options or Options()
     with opened_store(url, storage_options, options) as store:
-        manifest = runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
+        try:
+            manifest = runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
+        except CheckpointNotFoundError:
+            from objckpt.orbax import orbax_item_at
+            from objckpt.orbax.inspect import inspect_orbax
+
+            item = orbax_item_at(store)
+            if item is None:
+                raise
+            return inspect_orbax(item, storage_options)
     return info_from_manifest(store.url, manifest)

@@ -1,0 +1,316 @@
+"""What an Orbax checkpoint holds, from its small metadata files alone (no array data read).
+
+Orbax (``StandardCheckpointer``, ``PyTreeCheckpointer``, a ``CheckpointManager``
+item) writes, in one item directory:
+
+* ``_METADATA``: the tree, one entry per leaf: its key path (``key_metadata``,
+  each key a dict key or a sequence index) and its kind (``value_metadata``:
+  ``jax.Array``, ``np.ndarray``, ``scalar``, ``string``), plus whether the
+  arrays are in OCDBT (``use_ocdbt``) and zarr v3 (``use_zarr3``);
+* ``_sharding``: each array leaf's sharding at save time, keyed by its
+  base64-encoded parameter name (the key path joined by ``.``);
+* ``_strings.json``: string leaves by parameter name;
+* the arrays: one zarr array per parameter name, in an OCDBT database at the
+  item root (``manifest.ocdbt``, ``ocdbt.process_N/``, ``d/``) or, without
+  OCDBT, a directory per parameter.
+
+A ``CheckpointManager`` root holds ``<step>/<item>/…`` (the default item is
+``default``); a step directory with one item is read as that item. Nothing
+here trusts the files: every field is checked, and what cannot be read is a
+:class:`~objckpt.errors.FormatError` naming the item and what is wrong.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from jax.tree_util import DictKey, SequenceKey, keystr
+
+from objckpt.errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError
+
+#: Files whose presence marks an Orbax item directory.
+MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
+#: Handlers whose items are a pytree of arrays, scalars and strings (what objckpt reads).
+PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
+_KINDS = {"jax.Array": "array", "np.ndarray": "array", "scalar": "scalar", "string": "string"}
+_DICT_KEY, _SEQUENCE_KEY = 2, 1  # orbax's KeyType values
+_METADATA_LIMIT = 64 << 20
+
+
+@dataclass(frozen=True)
+class OrbaxLeaf:
+    """One leaf of an Orbax tree.
+
+    ``path`` is the objckpt/JAX key path string (``['params']['w']``), ``name``
+    Orbax's parameter name (``params.w``: the zarr array's path), ``kind``
+    ``"array"``, ``"scalar"`` or ``"string"``; ``sharding`` the saved sharding
+    as Orbax described it (a dict), when it did.
+    """
+
+    path: str
+    name: str
+    kind: str
+    keys: tuple[Any, ...]
+    sharding: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class OrbaxItem:
+    """One Orbax item: where it is, how its arrays are stored, its leaves and strings."""
+
+    url: str
+    leaves: list[OrbaxLeaf]
+    use_ocdbt: bool
+    use_zarr3: bool
+    strings: dict[str, str] = field(default_factory=dict)
+    created: str = ""  # when Orbax committed it (ISO 8601, UTC), when it said
+    num_processes: int = 1  # processes that wrote arrays (array_metadatas/process_N)
+
+    def skeleton(self, make_leaf: Callable[[int], Any]) -> Any:
+        """The tree (dicts and lists, as saved) with ``make_leaf(i)`` for leaf ``i``."""
+        root: Any = {}
+        for i, leaf in enumerate(self.leaves):
+            node = root
+            for key, nxt in zip(leaf.keys, leaf.keys[1:], strict=False):
+                node = (
+                    node.setdefault(key, [] if isinstance(nxt, int) else {})
+                    if isinstance(node, dict)
+                    else _slot(node, key, nxt)
+                )
+            last = leaf.keys[-1]
+            if isinstance(node, list):
+                while len(node) <= last:
+                    node.append(None)
+                node[last] = make_leaf(i)
+            else:
+                node[last] = make_leaf(i)
+        return root
+
+
+def _slot(node: list[Any], index: int, nxt: Any) -> Any:
+    while len(node) <= index:
+        node.append(None)
+    if node[index] is None:
+        node[index] = [] if isinstance(nxt, int) else {}
+    return node[index]
+
+
+def _json(data: bytes, what: str) -> Any:
+    if len(data) > _METADATA_LIMIT:
+        raise FormatError(f"{what} is {len(data)} bytes: too large for Orbax metadata")
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{what} is not valid JSON: {exc}") from None
+
+
+def parse_item(
+    url: str, files: dict[str, bytes | None], *, step_metadata: bytes | None = None, num_processes: int = 1
+) -> OrbaxItem:
+    """An Orbax item from its metadata files (``_METADATA``, ``_CHECKPOINT_METADATA``,
+    ``_sharding``, ``_strings.json``: content, or None where absent); ``step_metadata``
+    is its step's ``_CHECKPOINT_METADATA`` when it is an item of a manager's step."""
+    checkpoint_meta = files.get("_CHECKPOINT_METADATA")
+    created = ""
+    for raw_meta in (checkpoint_meta, step_metadata):
+        if raw_meta is None:
+            continue
+        described = _json(raw_meta, f"{url}/_CHECKPOINT_METADATA")
+        if not isinstance(described, dict):
+            continue
+        handler = described.get("item_handlers")
+        if isinstance(handler, str):  # a single-item checkpoint names its one handler
+            _check_handler(url, handler)
+        created = created or _iso(described.get("commit_timestamp_nsecs"))
+    raw = files.get("_METADATA")
+    if raw is None:
+        raise FormatError(f"Orbax item {url} has no _METADATA (written by an Orbax older than 0.5?)")
+    meta = _json(raw, f"{url}/_METADATA")
+    tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
+    if not isinstance(tree, dict):
+        raise FormatError(f"{url}/_METADATA has no tree_metadata")
+    shardings = _shardings(url, files.get("_sharding"))
+    leaves = [_leaf(url, entry, shardings) for entry in tree.values()]
+    names = [leaf.name for leaf in leaves]
+    if len(set(names)) != len(names):
+        raise FormatError(f"{url}/_METADATA names a parameter twice")
+    strings_raw = files.get("_strings.json")
+    strings = _json(strings_raw, f"{url}/_strings.json") if strings_raw is not None else {}
+    if not isinstance(strings, dict) or not all(isinstance(v, str) for v in strings.values()):
+        raise FormatError(f"{url}/_strings.json is not an object of strings")
+    for leaf in leaves:
+        if leaf.kind == "string" and leaf.name not in strings:
+            raise FormatError(f"Orbax item {url}: string leaf {leaf.path} is missing from _strings.json")
+    return OrbaxItem(
+        url=url,
+        leaves=leaves,
+        use_ocdbt=bool(meta.get("use_ocdbt", False)),
+        use_zarr3=bool(meta.get("use_zarr3", False)),
+        strings=strings,
+        created=created,
+        num_processes=num_processes,
+    )
+
+
+def _iso(nanoseconds: Any) -> str:
+    import datetime as dt
+
+    if not isinstance(nanoseconds, int) or isinstance(nanoseconds, bool) or nanoseconds <= 0:
+        return ""
+    return dt.datetime.fromtimestamp(nanoseconds / 1e9, dt.UTC).isoformat(timespec="seconds")
+
+
+def _leaf(url: str, entry: Any, shardings: dict[str, dict[str, Any]]) -> OrbaxLeaf:
+    if not isinstance(entry, dict):
+        raise FormatError(f"{url}/_METADATA: a tree entry is not an object")
+    keys_meta, value = entry.get("key_metadata"), entry.get("value_metadata")
+    if not isinstance(keys_meta, list) or not keys_meta or not isinstance(value, dict):
+        raise FormatError(f"{url}/_METADATA: a tree entry lacks key_metadata or value_metadata")
+    keys: list[Any] = []
+    for key in keys_meta:
+        k = key.get("key") if isinstance(key, dict) else None
+        kind = key.get("key_type") if isinstance(key, dict) else None
+        if kind == _SEQUENCE_KEY:
+            try:
+                keys.append(int(k))  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise FormatError(f"{url}/_METADATA: sequence key {k!r} is not an index") from None
+        elif isinstance(k, str):
+            keys.append(k)
+        else:
+            raise FormatError(f"{url}/_METADATA: unsupported key {key!r}")
+    path = keystr(tuple(SequenceKey(k) if isinstance(k, int) else DictKey(k) for k in keys))
+    value_type = value.get("value_type")
+    kind = _KINDS.get(value_type)  # type: ignore[arg-type]
+    if kind is None:
+        raise FormatError(f"Orbax item {url}: leaf {path} is a {value_type!r}, which objckpt does not read")
+    if value.get("skip_deserialize"):
+        kind = "skipped"
+    name = ".".join(str(k) for k in keys)
+    return OrbaxLeaf(path=path, name=name, kind=kind, keys=tuple(keys), sharding=shardings.get(name))
+
+
+def _shardings(url: str, raw: bytes | None) -> dict[str, dict[str, Any]]:
+    """``_sharding``: base64 parameter name → the sharding's JSON description."""
+    if raw is None:
+        return {}
+    table = _json(raw, f"{url}/_sharding")
+    out = {}
+    if not isinstance(table, dict):
+        raise FormatError(f"{url}/_sharding is not an object")
+    for encoded, described in table.items():
+        try:
+            name = base64.urlsafe_b64decode(encoded.encode()).decode()
+            value = json.loads(described) if isinstance(described, str) else described
+        except (ValueError, UnicodeDecodeError):
+            continue  # a sharding we cannot read only loses the description
+        if isinstance(value, dict):
+            out[name] = value
+    return out
+
+
+def describe_sharding(sharding: dict[str, Any] | None) -> str:
+    """A one-line description of a saved Orbax sharding (``NamedSharding(mesh 4x2 ('x','y'), P('x','y'))``)."""
+    if not sharding:
+        return "-"
+    kind = sharding.get("sharding_type", "?")
+    if kind == "NamedSharding":
+        shape = "x".join(str(n) for n in sharding.get("shape", []))
+        axes = ",".join(str(a) for a in sharding.get("axis_names", []))
+        spec = ", ".join("None" if p is None else repr(p) for p in sharding.get("partition_spec", []))
+        return f"NamedSharding(mesh {shape} ({axes}), P({spec}))"
+    if kind == "SingleDeviceSharding":
+        return f"SingleDeviceSharding({sharding.get('device_str', '?')})"
+    return str(kind)
+
+
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """A tensorstore dtype as numpy's (bfloat16, float8, int4 through ml_dtypes, as JAX has them)."""
+    return np.dtype(dtype.numpy_dtype)
+
+
+async def read_item(store: Any, url: str, parent: Any = None) -> OrbaxItem:
+    """The Orbax item at ``store`` (an objckpt store at ``url``). A step directory of a
+    ``CheckpointManager`` is read as its item when it has one, or one named ``default``;
+    ``parent`` (the store one level up, if known) names the handler of an item
+    directory that holds no pytree.
+
+    Raises:
+        CheckpointNotFoundError: nothing Orbax wrote is there.
+        FormatError: the item cannot be read (naming it and why), or a step holds
+            several items and none is ``default``.
+    """
+    files = await _metadata_files(store)
+    if files.get("_METADATA") is not None:
+        return parse_item(url, files, num_processes=await _processes(store))
+    handlers = _item_handlers(url, files.get("_CHECKPOINT_METADATA"))
+    if handlers:  # a step directory: {item: handler}
+        items = sorted(handlers)
+        name = "default" if "default" in handlers else items[0] if len(items) == 1 else None
+        if name is None:
+            raise FormatError(
+                f"{url} is an Orbax step with items {', '.join(items)}: restore one of them ({url}/<item>)"
+            )
+        _check_handler(f"{url}/{name}", handlers[name])
+        child = store.child(name)
+        step_metadata = files.get("_CHECKPOINT_METADATA")
+        return parse_item(
+            f"{url}/{name}",
+            await _metadata_files(child),
+            step_metadata=step_metadata,
+            num_processes=await _processes(child),
+        )
+    if parent is not None:
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        handler = _item_handlers(url, (await _metadata_files(parent)).get("_CHECKPOINT_METADATA")).get(name)
+        if handler is not None:
+            _check_handler(url, handler)
+    raise CheckpointNotFoundError(f"no objckpt or Orbax checkpoint at {url}")
+
+
+def _item_handlers(url: str, raw: bytes | None) -> dict[str, str]:
+    """A step's ``_CHECKPOINT_METADATA``: its items and the handler that wrote each (empty for an item's own)."""
+    if raw is None:
+        return {}
+    handlers = _json(raw, f"{url}/_CHECKPOINT_METADATA")
+    handlers = handlers.get("item_handlers") if isinstance(handlers, dict) else None
+    if not isinstance(handlers, dict):
+        return {}
+    return {str(k): str(v) for k, v in handlers.items()}
+
+
+def _check_handler(url: str, handler: str) -> None:
+    if not handler.endswith(PYTREE_HANDLERS):
+        raise FormatError(
+            f"Orbax item {url} was written by {handler}: objckpt reads the items of "
+            f"{' and '.join(PYTREE_HANDLERS)} (a pytree of arrays, scalars and strings)"
+        )
+
+
+async def _processes(store: Any) -> int:
+    """How many processes wrote arrays (Orbax's ``array_metadatas/process_N``), at least 1."""
+    try:
+        listed = await store.list("array_metadatas/")
+    except (ObjectNotFoundError, FileNotFoundError):
+        return 1
+    return max(1, sum(1 for info in listed if info.key.rsplit("/", 1)[-1].startswith("process_")))
+
+
+async def _metadata_files(store: Any) -> dict[str, bytes | None]:
+    out: dict[str, bytes | None] = {}
+    for name in ("_METADATA", "_CHECKPOINT_METADATA", "_sharding", "_strings.json"):
+        try:
+            out[name] = await store.get(name)
+        except (ObjectNotFoundError, FileNotFoundError):
+            out[name] = None
+    return out
+
+
+def is_orbax_listing(keys: list[str]) -> bool:
+    """Whether these keys (relative to a directory) are an Orbax item or a step of items."""
+    return any(k in MARKERS or (k.count("/") == 1 and k.split("/")[1] in MARKERS) for k in keys)

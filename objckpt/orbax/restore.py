@@ -1,0 +1,192 @@
+"""Restore an Orbax checkpoint onto any target, reading only the chunks each device needs.
+
+``objckpt.restore`` comes here when the URL holds no objckpt manifest but an
+Orbax item (:mod:`objckpt.orbax.layout`). Targets mean what they mean for an
+objckpt checkpoint: a ``jax.ShapeDtypeStruct`` or ``jax.Array`` leaf is
+restored onto its sharding (any mesh, any device count), ``None`` gives host
+numpy (or, for a subtree, the subtree), any other value is a placeholder for
+the saved one, and ``partial=True`` reads nothing of the leaves the target
+leaves out. For each array leaf, each distinct box the addressable devices
+hold is one tensorstore read (replicas share it), and reads run concurrently
+while the bytes in flight stay within ``Options.memory_budget``. Dtype casts
+follow ``cast`` as for objckpt checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from objckpt.core.tree import flatten_target, unflatten_target
+from objckpt.errors import FormatError, TargetMismatchError
+from objckpt.options import Options
+from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, numpy_dtype
+from objckpt.orbax.tensorstore_io import array_spec, import_tensorstore, kvstore_for
+from objckpt.restoring.casts import cast_values, check_cast
+from objckpt.transfer.engine import TransferStats
+
+log = logging.getLogger("objckpt")
+
+
+def restore_orbax(
+    item: OrbaxItem,
+    target: Any,
+    *,
+    storage_options: dict[str, Any] | None,
+    partial: bool,
+    options: Options,
+    stats: TransferStats,
+    cast: str,
+) -> Any:
+    """Restore ``item`` onto ``target`` (arguments as :func:`objckpt.restore`'s)."""
+    ts = import_tensorstore()
+    started = time.perf_counter()
+    selection = _select(item, target, partial)
+    with kvstore_for(item.url, storage_options) as (kvstore, context_spec):
+        context = ts.Context(context_spec)
+        arrays = {
+            i: _open(ts, item, item.leaves[i], kvstore, context)
+            for i in selection
+            if item.leaves[i].kind in ("array", "scalar")
+        }
+        for i, t in selection.items():
+            if i in arrays:
+                _check_target(item.leaves[i], arrays[i], t, cast)
+        values = _read_all(item, selection, arrays, options, stats, cast)
+    stats.seconds = time.perf_counter() - started
+    log.info(
+        "objckpt restored the Orbax checkpoint %s: %d leaves, %d bytes in %.2f s",
+        item.url,
+        len(values),
+        stats.bytes_read,
+        stats.seconds,
+    )
+    if target is None:
+        return item.skeleton(lambda i: values[i])
+    flat, treedef = flatten_target(target)
+    index = {leaf.path: i for i, leaf in enumerate(item.leaves)}
+    return unflatten_target(treedef, [values[index[path]] for path, _ in flat])
+
+
+def _select(item: OrbaxItem, target: Any, partial: bool) -> dict[int, Any]:
+    if target is None:
+        return {i: None for i, leaf in enumerate(item.leaves) if leaf.kind != "skipped"}
+    flat, _ = flatten_target(target)
+    index = {leaf.path: i for i, leaf in enumerate(item.leaves)}
+    missing = [path for path, _ in flat if path not in index]
+    named = {path for path, _ in flat}
+    unnamed = [leaf.path for leaf in item.leaves if leaf.path not in named and leaf.kind != "skipped"]
+    if missing or (unnamed and not partial):
+        parts = []
+        if missing:
+            parts.append(f"target leaves not in the checkpoint: {', '.join(missing)}")
+        if unnamed and not partial:
+            parts.append(
+                f"checkpoint leaves the target does not name: {', '.join(unnamed)} (pass partial=True to skip them)"
+            )
+        raise TargetMismatchError(f"target does not match the Orbax checkpoint {item.url}; " + "; ".join(parts))
+    return {index[path]: value for path, value in flat}
+
+
+def _open(ts: Any, item: OrbaxItem, leaf: OrbaxLeaf, kvstore: dict[str, Any], context: Any) -> Any:
+    spec = array_spec(kvstore, leaf.name, use_ocdbt=item.use_ocdbt, use_zarr3=item.use_zarr3)
+    try:
+        return ts.open(spec, open=True, read=True, context=context).result()
+    except Exception as exc:  # tensorstore raises ValueError for every failure
+        raise FormatError(f"Orbax checkpoint {item.url}: cannot open leaf {leaf.path} ({leaf.name}): {exc}") from exc
+
+
+def _check_target(leaf: OrbaxLeaf, array: Any, target: Any, cast: str) -> None:
+    shape, dtype = tuple(array.shape), numpy_dtype(array.dtype)
+    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+        if tuple(target.shape) != shape:
+            raise TargetMismatchError(f"leaf {leaf.path}: saved shape {shape}, target shape {tuple(target.shape)}")
+        if np.dtype(target.dtype) != dtype and cast != "unsafe":
+            check_cast(leaf.path, dtype, np.dtype(target.dtype))
+
+
+def _boxes(target: Any, shape: tuple[int, ...]) -> list[tuple[tuple[slice, ...], list[Any]]]:
+    """The distinct boxes the target's addressable devices hold, each with its devices."""
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        return [(tuple(slice(0, n) for n in shape), [None])]
+    by_box: dict[tuple[tuple[int, int], ...], tuple[tuple[slice, ...], list[Any]]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        norm = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+        key = tuple((s.start, s.stop) for s in norm)
+        by_box.setdefault(key, (norm, []))[1].append(device)
+    return list(by_box.values())
+
+
+def _read_all(
+    item: OrbaxItem,
+    selection: dict[int, Any],
+    arrays: dict[int, Any],
+    options: Options,
+    stats: TransferStats,
+    cast: str,
+) -> dict[int, Any]:
+    """Every selected leaf's value: boxes read concurrently, within the memory budget."""
+    values: dict[int, Any] = {}
+    pending: list[tuple[int, Any, list[Any], Any]] = []  # (leaf, future, devices, target)
+    pieces: dict[int, list[tuple[list[Any], np.ndarray]]] = {}
+    in_flight = 0
+
+    def drain() -> None:
+        nonlocal in_flight
+        for i, future, devices, _ in pending:
+            host = np.asarray(future.result())
+            stats.bytes_read += host.nbytes
+            stats.requests += 1
+            pieces.setdefault(i, []).append((devices, host))
+        pending.clear()
+        in_flight = 0
+
+    for i, t in selection.items():
+        leaf = item.leaves[i]
+        if leaf.kind == "string":
+            values[i] = item.strings[leaf.name]
+            continue
+        array = arrays[i]
+        shape = tuple(array.shape)
+        itemsize = numpy_dtype(array.dtype).itemsize
+        for box, devices in _boxes(t, shape):
+            nbytes = int(np.prod([s.stop - s.start for s in box], dtype=np.int64)) * itemsize
+            if pending and in_flight + nbytes > options.memory_budget:
+                drain()
+            pending.append((i, array[box].read(), devices, t))
+            in_flight += nbytes
+    drain()
+    for i, t in selection.items():
+        if i in values:
+            continue
+        values[i] = _assemble(item.leaves[i], arrays[i], t, pieces.get(i, []), cast)
+    return values
+
+
+def _assemble(leaf: OrbaxLeaf, array: Any, target: Any, pieces: list[tuple[list[Any], np.ndarray]], cast: str) -> Any:
+    shape = tuple(array.shape)
+    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+        dtype = np.dtype(target.dtype)
+        sharding = getattr(target, "sharding", None)
+        hosts = [(devices, _cast(leaf, host, dtype, cast)) for devices, host in pieces]
+        if sharding is None:
+            return jax.device_put(hosts[0][1])
+        shards = [jax.device_put(host, device) for devices, host in hosts for device in devices]
+        return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    host = pieces[0][1]
+    if leaf.kind == "scalar":
+        return host.item()  # Orbax restores its scalars as Python numbers
+    if isinstance(target, np.ndarray) and target.dtype != host.dtype:
+        return _cast(leaf, host, target.dtype, cast)
+    return host
+
+
+def _cast(leaf: OrbaxLeaf, host: np.ndarray, dtype: np.dtype, cast: str) -> np.ndarray:
+    if host.dtype == dtype:
+        return host
+    return cast_values(leaf.path, host, dtype, unsafe=cast == "unsafe")

@@ -1,0 +1,129 @@
+"""Orbax's arrays through tensorstore: the kvstore of a URL, and one zarr array per leaf.
+
+Orbax writes its arrays with tensorstore (zarr v2 or v3 arrays, usually in
+an OCDBT database), so objckpt reads them with tensorstore too: each read
+asks for one box of one array, and tensorstore fetches and decodes only the
+chunks that box touches, concurrently.
+
+Where the store is comes from the URL and the same ``storage_options`` objckpt
+takes elsewhere:
+
+* ``file://`` or a path: the ``file`` kvstore;
+* ``s3://``: the ``s3`` kvstore, with ``endpoint_url``/``client_kwargs`` for a
+  custom endpoint and region. Keys given in the options are handed over in a
+  private credentials file (tensorstore takes no keys in a spec) that lives
+  only while the checkpoint is open; otherwise tensorstore's default AWS chain
+  (environment, profile, container, instance metadata);
+* ``gs://``: the ``gcs`` kvstore with Google's default credentials; an
+  emulator is reached through ``TENSORSTORE_GCS_HTTP_URL``, which the user sets
+  (objckpt changes no process environment), and an ``endpoint_url`` option that
+  disagrees with it is an error rather than a read from the wrong place.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from objckpt.errors import FormatError, StoreNotAvailableError
+
+EXTRA = "orbax"
+
+
+def import_tensorstore() -> Any:
+    """tensorstore, or an error saying which extra brings it."""
+    try:
+        import tensorstore
+    except ImportError as exc:
+        raise StoreNotAvailableError(
+            f"reading Orbax checkpoints needs tensorstore: pip install 'objckpt[{EXTRA}]'"
+        ) from exc
+    return tensorstore
+
+
+@contextmanager
+def kvstore_for(url: str, options: dict[str, Any] | None) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(kvstore spec, context spec) for the directory ``url``; credentials files it made are removed on exit."""
+    options = dict(options or {})
+    parsed = urllib.parse.urlsplit(url)
+    scheme = parsed.scheme.lower()
+    path = parsed.path.lstrip("/")
+    if path and not path.endswith("/"):
+        path += "/"
+    if scheme in ("", "file"):
+        local = url if scheme == "" else urllib.parse.unquote(parsed.path)
+        yield {"driver": "file", "path": os.path.abspath(local).rstrip("/") + "/"}, {}
+        return
+    if scheme in ("gs", "gcs"):
+        endpoint = options.get("endpoint_url")
+        env = os.environ.get("TENSORSTORE_GCS_HTTP_URL")
+        if endpoint and (env or "").rstrip("/") != str(endpoint).rstrip("/"):
+            raise FormatError(
+                f"reading the Orbax checkpoint {url} at the GCS endpoint {endpoint}: tensorstore reaches "
+                f"a GCS endpoint only through TENSORSTORE_GCS_HTTP_URL (set it to {endpoint})"
+            )
+        context: dict[str, Any] = {}
+        if options.get("token") == "anon" or endpoint:
+            context["gcs_request_retries"] = {"max_retries": 5}
+        yield {"driver": "gcs", "bucket": parsed.netloc, "path": path}, context
+        return
+    if scheme in ("s3", "s3a"):
+        client = dict(options.get("client_kwargs") or {})
+        spec: dict[str, Any] = {"driver": "s3", "bucket": parsed.netloc, "path": path}
+        endpoint = options.get("endpoint_url") or client.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
+        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            spec["endpoint"] = str(endpoint).rstrip("/")
+        region = client.get("region_name") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region or endpoint:
+            spec["aws_region"] = region or "us-east-1"
+        key = options.get("key") or client.get("aws_access_key_id")
+        secret = options.get("secret") or client.get("aws_secret_access_key")
+        if options.get("anon"):
+            yield spec, {"aws_credentials": {"type": "anonymous"}}
+            return
+        if key and secret:
+            with _credentials_file(key, secret, options.get("token") or client.get("aws_session_token")) as files:
+                credentials = {"type": "profile", "profile": "objckpt", **files}
+                yield spec, {"aws_credentials": credentials}
+            return
+        yield spec, {"aws_credentials": {"type": "default"}}
+        return
+    raise FormatError(f"reading Orbax checkpoints from {scheme}:// URLs is not supported (file, s3, gs)")
+
+
+@contextmanager
+def _credentials_file(key: str, secret: str, token: str | None) -> Iterator[dict[str, str]]:
+    """Shared credentials and (empty) config files only this user can read, in a private
+    directory removed when the block ends: their paths as tensorstore's profile options."""
+    directory = tempfile.mkdtemp(prefix="objckpt-ts-")  # mode 0700
+    files = {
+        "credentials_file": os.path.join(directory, "credentials"),
+        "config_file": os.path.join(directory, "config"),
+    }
+    text = f"[objckpt]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n"
+    if token:
+        text += f"aws_session_token = {token}\n"
+    try:
+        for path, content in ((files["credentials_file"], text), (files["config_file"], "[profile objckpt]\n")):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(content)
+        yield files
+    finally:
+        for path in files.values():
+            if os.path.exists(path):
+                os.remove(path)
+        os.rmdir(directory)
+
+
+def array_spec(kvstore: dict[str, Any], name: str, *, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:
+    """The tensorstore spec of the parameter ``name`` of an item at ``kvstore``."""
+    driver = "zarr3" if use_zarr3 else "zarr"
+    if use_ocdbt:
+        return {"driver": driver, "kvstore": {"driver": "ocdbt", "base": kvstore}, "path": name}
+    return {"driver": driver, "kvstore": {**kvstore, "path": kvstore["path"] + name + "/"}}

@@ -1,0 +1,236 @@
+"""Orbax checkpoints, written by orbax-checkpoint itself, restored by objckpt onto other meshes.
+
+Every checkpoint here is written by a current ``orbax-checkpoint`` (the
+layouts users have: ``StandardCheckpointer``, ``PyTreeCheckpointer`` with
+scalars and strings, zarr3, the older per-array layout without OCDBT, a
+``CheckpointManager`` root with named items) into a local directory, and
+read by objckpt from there, or from the S3 server and the GCS emulator after
+the directory is uploaded as it is (as ``gsutil rsync`` would). Restores go
+onto meshes other than the saved one, bit-exact.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import objckpt
+from objckpt.errors import FormatError, TargetMismatchError
+from objckpt.storage import from_url
+from objckpt.transfer import runtime
+
+ocp = pytest.importorskip("orbax.checkpoint")
+pytest.importorskip("tensorstore")
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    return {
+        "params": {
+            "w": jax.device_put(rng.standard_normal((64, 48), dtype=np.float32), NamedSharding(mesh, P("x", "y"))),
+            "emb": jax.device_put(
+                jnp.asarray(rng.standard_normal((32, 16)), jnp.bfloat16), NamedSharding(mesh, P(None, "y"))
+            ),
+            "layers": [
+                jax.device_put(rng.integers(-8, 8, (16,)).astype(jnp.int4), NamedSharding(mesh, P("x"))),
+                jnp.asarray(rng.standard_normal(8), jnp.float8_e4m3fn),
+            ],
+        },
+        "opt": {"count": jnp.asarray(7, jnp.int32), "mu": jnp.zeros((64, 48), jnp.float32)},
+        "step": 1200,
+        "lr": 3e-4,
+    }
+
+
+def _host(tree: Any) -> Any:
+    return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def _assert_same(got: Any, want: Any) -> None:
+    got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
+    want_leaves = jax.tree_util.tree_flatten_with_path(want)[0]
+    assert [jax.tree_util.keystr(p) for p, _ in got_leaves] == [jax.tree_util.keystr(p) for p, _ in want_leaves]
+    for (path, a), (_, b) in zip(got_leaves, want_leaves, strict=True):
+        if isinstance(b, (np.ndarray, jax.Array)):
+            a, b = np.asarray(a), np.asarray(b)
+            assert a.dtype == b.dtype and a.shape == b.shape, jax.tree_util.keystr(path)
+            assert a.tobytes() == b.tobytes(), jax.tree_util.keystr(path)
+        else:
+            assert a == b and type(a) is type(b), (jax.tree_util.keystr(path), a, b)
+
+
+def _other_target(state: dict[str, Any]) -> Any:
+    """The state's arrays as ShapeDtypeStructs on a 2x4 mesh (other axes), scalars as placeholders."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+
+    def leaf(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        spec = P("b", "a") if x.ndim == 2 and x.shape[0] % 4 == 0 and x.shape[1] % 2 == 0 else P()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree.map(leaf, state)
+
+
+def _save_standard(path: Path, state: Any) -> None:
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, state)
+    checkpointer.wait_until_finished()
+
+
+@pytest.fixture(scope="module")
+def state() -> dict[str, Any]:
+    return _state()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["standard", "zarr3", "pytree-no-ocdbt"],
+)
+def test_orbax_layouts_restore_onto_another_mesh(tmp_path: Path, state: dict[str, Any], layout: str) -> None:
+    path = tmp_path / "ckpt"
+    if layout == "standard":
+        _save_standard(path, state)
+    elif layout == "zarr3":
+        ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)).save(path, state)
+    else:
+        ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)).save(path, state)
+    out = objckpt.restore(str(path), _other_target(state))
+    _assert_same(out, state)
+    assert out["params"]["w"].sharding.mesh.axis_names == ("a", "b")
+    _assert_same(objckpt.restore(str(path)), _host(state))  # no target: numpy, as saved
+
+
+def test_scalars_and_strings_and_partial_reads(tmp_path: Path, state: dict[str, Any]) -> None:
+    tree = {**state, "name": "run-7", "tags": ["a", "b"]}
+    ocp.PyTreeCheckpointer().save(tmp_path / "ckpt", tree)
+    url = str(tmp_path / "ckpt")
+    out = objckpt.restore(url)
+    assert out["name"] == "run-7" and out["tags"] == ["a", "b"] and out["step"] == 1200 and out["lr"] == 3e-4
+    stats = objckpt.TransferStats()
+    part = objckpt.restore(url, {"params": {"w": None}}, partial=True, stats=stats)
+    assert np.asarray(part["params"]["w"]).tobytes() == np.asarray(state["params"]["w"]).tobytes()
+    assert stats.bytes_read == 64 * 48 * 4  # nothing else read
+    with pytest.raises(TargetMismatchError, match=r"\['opt'\]\['mu'\]"):
+        objckpt.restore(url, {"params": {"w": None}})
+
+
+def test_manager_root_steps_and_named_items(tmp_path: Path, state: dict[str, Any]) -> None:
+    root = tmp_path / "run"
+    with ocp.CheckpointManager(root, item_names=("state", "extra")) as manager:
+        for step in (10, 20):
+            manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave({"step": step, "note": "x"})
+                ),
+            )
+        manager.wait_until_finished()
+    out = objckpt.restore(f"{root}/20/state", _other_target(state))
+    _assert_same(out, state)
+    with pytest.raises(FormatError, match="extra"):  # a JSON item is not a pytree of arrays
+        objckpt.restore(f"{root}/20/extra")
+    with pytest.raises(FormatError, match=r"items extra, state"):
+        objckpt.restore(f"{root}/20")
+
+    default_root = tmp_path / "default-run"
+    with ocp.CheckpointManager(default_root) as manager:
+        manager.save(5, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+    _assert_same(objckpt.restore(f"{default_root}/5", _other_target(state)), state)  # the `default` item
+
+
+def test_a_target_that_does_not_fit_is_refused_before_reading(tmp_path: Path, state: dict[str, Any]) -> None:
+    _save_standard(tmp_path / "ckpt", state)
+    target = _other_target(state)
+    target["params"]["w"] = jax.ShapeDtypeStruct((64, 47), np.float32)
+    with pytest.raises(TargetMismatchError, match=r"\['params'\]\['w'\].*\(64, 48\)"):
+        objckpt.restore(str(tmp_path / "ckpt"), target)
+    target["params"]["w"] = jax.ShapeDtypeStruct((64, 48), np.int32)
+    with pytest.raises(TargetMismatchError, match="float32 to target dtype int32"):
+        objckpt.restore(str(tmp_path / "ckpt"), target)
+
+
+def _upload(local: Path, store_url: str, options: dict[str, Any]) -> None:
+    """The directory tree at ``local``, byte for byte, under ``store_url``."""
+    store = from_url(store_url, **options)
+    for path in local.rglob("*"):
+        if path.is_file():
+            runtime.run_sync(store.put(path.relative_to(local).as_posix(), path.read_bytes()))
+    runtime.run_sync(store.close())
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_orbax_checkpoints_in_buckets(
+    tmp_path: Path, state: dict[str, Any], kind: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _save_standard(tmp_path / "ckpt", state)
+    service = request.getfixturevalue(f"{kind}_service")
+    url = service.url(f"orbax-{uuid.uuid4().hex[:8]}")
+    options = service.storage_options()
+    _upload(tmp_path / "ckpt", url, options)
+    if kind == "gcs":  # how tensorstore reaches a GCS emulator
+        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", service.endpoint_url)
+        monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+    stats = objckpt.TransferStats()
+    out = objckpt.restore(url, _other_target(state), storage_options=options, stats=stats)
+    _assert_same(out, state)
+    assert stats.bytes_read >= sum(np.asarray(x).nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+
+
+def test_no_tensorstore_names_the_extra(tmp_path: Path, state: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    _save_standard(tmp_path / "ckpt", state)
+    monkeypatch.setitem(sys.modules, "tensorstore", None)
+    with pytest.raises(objckpt.errors.StoreNotAvailableError, match=r"objckpt\[orbax\]"):
+        objckpt.restore(str(tmp_path / "ckpt"))
+
+
+def test_nothing_there_is_still_not_found(tmp_path: Path) -> None:
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(objckpt.CheckpointNotFoundError):
+        objckpt.restore(str(tmp_path / "empty"))
+
+
+def test_inspect_and_the_command_line_describe_orbax_checkpoints(tmp_path: Path, state: dict[str, Any]) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    with ocp.CheckpointManager(root) as manager:
+        for step in (100, 200):
+            manager.save(step, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+    info = objckpt.inspect(f"{root}/200")
+    assert info.format == "orbax" and info.url.endswith("/200/default")
+    w = info.leaves["['params']['w']"]
+    assert (w.dtype, w.shape, w.nbytes) == ("float32", (64, 48), 64 * 48 * 4)
+    assert w.sharding == {"type": "NamedSharding", "mesh": {"x": 4, "y": 2}, "spec": ["x", "y"]}
+    assert info.leaves["['params']['layers'][0]"].dtype == "int4"
+    assert info.leaves["['params']['emb']"].dtype == "bfloat16"
+    assert info.total_bytes >= 2 * 64 * 48 * 4
+
+    cli = [sys.executable, "-m", "objckpt.cli"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    listing = subprocess.run([*cli, "ls", str(root), "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert listing.returncode == 0, listing.stderr
+    rows = json.loads(listing.stdout)
+    assert [(r["step"], r["format"], r["committed"]) for r in rows] == [(100, "orbax", True), (200, "orbax", True)]
+    table = subprocess.run([*cli, "ls", str(root)], capture_output=True, text=True, env=env, timeout=120)
+    assert "FORMAT" in table.stdout and table.stdout.count("orbax") == 2, table.stdout
+    shown = subprocess.run([*cli, "inspect", f"{root}/200"], capture_output=True, text=True, env=env, timeout=120)
+    assert shown.returncode == 0 and "Orbax checkpoint" in shown.stdout and "mesh(x=4,y=2)" in shown.stdout, (
+        shown.stdout
+    )
