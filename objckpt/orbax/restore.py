@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from objckpt.core.tree import flatten_target, unflatten_target
-from objckpt.errors import FormatError, TargetMismatchError
+from objckpt.errors import FormatError, StoreError, TargetMismatchError
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, numpy_dtype
 from objckpt.orbax.tensorstore_io import array_spec, import_tensorstore, kvstore_for
@@ -130,19 +130,30 @@ def _read_all(
     stats: TransferStats,
     cast: str,
 ) -> dict[int, Any]:
-    """Every selected leaf's value: boxes read concurrently, within the memory budget."""
+    """Every selected leaf's value. Box reads run concurrently while the bytes in flight
+    stay within the memory budget; a leaf is assembled (put on its devices, its host
+    pieces dropped) as soon as its last box arrives."""
     values: dict[int, Any] = {}
-    pending: list[tuple[int, Any, list[Any], Any]] = []  # (leaf, future, devices, target)
+    pending: list[tuple[int, Any, list[Any]]] = []  # (leaf, read future, devices)
     pieces: dict[int, list[tuple[list[Any], np.ndarray]]] = {}
+    expected: dict[int, int] = {}
     in_flight = 0
 
     def drain() -> None:
         nonlocal in_flight
-        for i, future, devices, _ in pending:
-            host = np.asarray(future.result())
+        for i, future, devices in pending:
+            try:
+                host = np.asarray(future.result())
+            except Exception as exc:  # tensorstore: ValueError for a failed read or decode
+                raise StoreError(
+                    f"reading leaf {item.leaves[i].path} ({item.leaves[i].name}) of the Orbax checkpoint"
+                    f" {item.url} failed: {exc}"
+                ) from exc
             stats.bytes_read += host.nbytes
             stats.requests += 1
             pieces.setdefault(i, []).append((devices, host))
+            if len(pieces[i]) == expected[i]:
+                values[i] = _assemble(item.leaves[i], arrays[i], selection[i], pieces.pop(i), cast)
         pending.clear()
         in_flight = 0
 
@@ -152,19 +163,16 @@ def _read_all(
             values[i] = item.strings[leaf.name]
             continue
         array = arrays[i]
-        shape = tuple(array.shape)
         itemsize = numpy_dtype(array.dtype).itemsize
-        for box, devices in _boxes(t, shape):
+        boxes = _boxes(t, tuple(array.shape))
+        expected[i] = len(boxes)
+        for box, devices in boxes:
             nbytes = int(np.prod([s.stop - s.start for s in box], dtype=np.int64)) * itemsize
             if pending and in_flight + nbytes > options.memory_budget:
                 drain()
-            pending.append((i, array[box].read(), devices, t))
+            pending.append((i, array[box].read(), devices))
             in_flight += nbytes
     drain()
-    for i, t in selection.items():
-        if i in values:
-            continue
-        values[i] = _assemble(item.leaves[i], arrays[i], t, pieces.get(i, []), cast)
     return values
 
 
