@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlsplit
 
+from backends.tls import stop_loop
+
 if TYPE_CHECKING:
     from backends.tls import TestCA
 
@@ -270,23 +272,7 @@ class FaultProxy:
         loop = self._loop
         if loop is None:
             return
-
-        async def shutdown() -> None:
-            if self._server is not None:
-                self._server.close()
-            for connection in list(self._live):
-                connection.abort()
-            for _ in range(2):  # the transports close their sockets in callbacks of their own
-                await asyncio.sleep(0)
-            tasks = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            loop.stop()
-
-        loop.call_soon_threadsafe(lambda: loop.create_task(shutdown()))
-        if self._thread is not None:
-            self._thread.join(10)
+        stop_loop(loop, self._server, self._live, self._thread)
         self._loop = None
 
     def __enter__(self) -> FaultProxy:

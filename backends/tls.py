@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
     import trustme
@@ -197,6 +197,33 @@ async def open_end(host: str, port: int) -> SpliceEnd | None:
     return far
 
 
+def stop_loop(
+    loop: asyncio.AbstractEventLoop,
+    server: asyncio.base_events.Server | None,
+    connections: set[Any],
+    thread: threading.Thread | None,
+) -> None:
+    """Stop a server's event loop running in ``thread``, from another thread: close the
+    server, abort every connection (each has ``abort()``), cancel what is left, join."""
+
+    async def shutdown() -> None:
+        if server is not None:
+            server.close()
+        for connection in list(connections):
+            connection.abort()
+        for _ in range(2):  # the transports close their sockets in callbacks of their own
+            await asyncio.sleep(0)
+        tasks = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        loop.stop()
+
+    loop.call_soon_threadsafe(lambda: loop.create_task(shutdown()))
+    if thread is not None:
+        thread.join(10)
+
+
 class LoopServer:
     """An asyncio server on 127.0.0.1:0 in a daemon thread of its own, and every connection it holds.
 
@@ -256,25 +283,8 @@ class LoopServer:
 
     def stop(self) -> None:
         loop, self._loop = self._loop, None
-        if loop is None:
-            return
-
-        async def shutdown() -> None:
-            if self._server is not None:
-                self._server.close()
-            for end in list(self._live):
-                end.abort()
-            for _ in range(2):  # the transports close their sockets in callbacks of their own
-                await asyncio.sleep(0)
-            tasks = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            loop.stop()
-
-        loop.call_soon_threadsafe(lambda: loop.create_task(shutdown()))
-        if self._thread is not None:
-            self._thread.join(10)
+        if loop is not None:
+            stop_loop(loop, self._server, self._live, self._thread)
 
     def __enter__(self) -> Self:
         return self.start() if self._loop is None else self

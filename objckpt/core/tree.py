@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey, keystr
 
-from objckpt.errors import FormatError
+from objckpt.errors import FormatError, TargetMismatchError
 
 KeyEntry = Any  # one element of a jax key path
 
@@ -191,3 +191,18 @@ def leaf_indices(node: dict[str, Any]) -> list[int]:
         else:
             stack.extend(reversed(current.get("c", [])))
     return out
+
+
+def check_names(missing: list[str], unnamed: list[str], *, partial: bool, what: str = "the checkpoint") -> None:
+    """Refuse a target that names leaves ``what`` lacks (``missing``), or leaves out some it
+    holds (``unnamed``) without ``partial``: one error listing both."""
+    if not missing and (not unnamed or partial):
+        return
+    parts = []
+    if missing:
+        parts.append(f"target leaves not in the checkpoint: {', '.join(missing)}")
+    if unnamed and not partial:
+        parts.append(
+            f"checkpoint leaves the target does not name: {', '.join(unnamed)} (pass partial=True to skip them)"
+        )
+    raise TargetMismatchError(f"target does not match {what}; " + "; ".join(parts))

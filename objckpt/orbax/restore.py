@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from objckpt.core.tree import flatten_target, unflatten_target
+from objckpt.core.tree import check_names, flatten_target, unflatten_target
 from objckpt.errors import FormatError, StoreError, TargetMismatchError
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, numpy_dtype
@@ -80,15 +80,7 @@ def _select(item: OrbaxItem, target: Any, partial: bool) -> dict[int, Any]:
     missing = [path for path, _ in flat if path not in index]
     named = {path for path, _ in flat}
     unnamed = [leaf.path for leaf in item.leaves if leaf.path not in named and leaf.kind != "skipped"]
-    if missing or (unnamed and not partial):
-        parts = []
-        if missing:
-            parts.append(f"target leaves not in the checkpoint: {', '.join(missing)}")
-        if unnamed and not partial:
-            parts.append(
-                f"checkpoint leaves the target does not name: {', '.join(unnamed)} (pass partial=True to skip them)"
-            )
-        raise TargetMismatchError(f"target does not match the Orbax checkpoint {item.url}; " + "; ".join(parts))
+    check_names(missing, unnamed, partial=partial, what=f"the Orbax checkpoint {item.url}")
     return {index[path]: value for path, value in flat}
 
 

@@ -26,7 +26,7 @@ from objckpt.core.boxes import box_to_slices
 from objckpt.core.checksum import crc32c
 from objckpt.core.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
 from objckpt.core.plan import ReadRequest, plan_reads
-from objckpt.core.tree import build, find_subtree, flatten_target, leaf_indices, unflatten_target
+from objckpt.core.tree import build, check_names, find_subtree, flatten_target, leaf_indices, unflatten_target
 from objckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -264,15 +264,7 @@ def _select(manifest: Manifest, target: Any, partial: bool) -> tuple[dict[int, A
     named = {path for path, _ in flat} | {manifest.leaves[i].path for i in covered}
     missing = [path for path, _ in flat if path not in index]
     unnamed = [leaf.path for leaf in manifest.leaves if leaf.path not in named]
-    if missing or (unnamed and not partial):
-        parts = []
-        if missing:
-            parts.append(f"target leaves not in the checkpoint: {', '.join(missing)}")
-        if unnamed and not partial:
-            parts.append(
-                f"checkpoint leaves the target does not name: {', '.join(unnamed)} (pass partial=True to skip them)"
-            )
-        raise TargetMismatchError("target does not match the checkpoint; " + "; ".join(parts))
+    check_names(missing, unnamed, partial=partial)
     return {index[path]: value for path, value in flat} | covered, subtrees
 
 
