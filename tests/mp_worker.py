@@ -259,6 +259,13 @@ def run() -> dict[str, Any]:
         return result
     if kind == "restore":
         return restore()
+    if kind == "orbax_save":  # what Orbax itself writes from several processes (tests/test_orbax_restore.py)
+        import orbax.checkpoint as ocp
+
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(JOB["path"], make_tree(JOB))
+        checkpointer.wait_until_finished()
+        return {"saved": JOB["path"]}
     if kind == "save_with_victim":
         mgr = objckpt.CheckpointManager(JOB["url"], storage_options=so, options=options(JOB))
         mgr.save(1, make_tree(JOB), wait=True)
