@@ -25,6 +25,7 @@ from objckpt.errors import (
 from objckpt.manager.checkpoint_manager import CheckpointManager
 from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
 from objckpt.options import Options, RetryConfig
+from objckpt.orbax.convert import ConvertStats, convert_orbax, convert_orbax_steps
 from objckpt.progress import Progress
 from objckpt.restoring.api import restore
 from objckpt.saving.api import SaveHandle, save, save_async
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
+    "ConvertStats",
     "CoordinationError",
     "CopyStats",
     "DeletedArrayError",
@@ -64,6 +66,8 @@ __all__ = [
     "TransferStats",
     "VerifyProblem",
     "VerifyReport",
+    "convert_orbax",
+    "convert_orbax_steps",
     "copy",
     "inspect",
     "restore",

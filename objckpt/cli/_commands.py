@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -280,19 +281,79 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    stats = copy(
-        args.src,
-        args.dst,
-        src_storage_options=options_from_args(args, args.src, "src"),
-        dst_storage_options=options_from_args(args, args.dst, "dst"),
-        options=_options(args),
-        verify_existing=not args.trust_existing,
-        progress=args.progress,
-    )
+    """Copy an objckpt checkpoint, or convert an Orbax one (or, with ``--steps``, an Orbax
+    manager root's steps) into objckpt's format."""
+    src_options = options_from_args(args, args.src, "src")
+    dst_options = options_from_args(args, args.dst, "dst")
+    if args.steps is not None:
+        return _convert_steps(args, src_options, dst_options)
+    try:
+        stats: Any = copy(
+            args.src,
+            args.dst,
+            src_storage_options=src_options,
+            dst_storage_options=dst_options,
+            options=_options(args),
+            verify_existing=not args.trust_existing,
+            progress=args.progress,
+        )
+    except CheckpointNotFoundError as missing:
+        from objckpt.orbax.convert import convert_orbax
+
+        try:
+            converted = convert_orbax(
+                args.src,
+                args.dst,
+                src_storage_options=src_options,
+                dst_storage_options=dst_options,
+                options=_options(args),
+                progress=args.progress,
+            )
+        except CheckpointNotFoundError:
+            raise missing from None
+        return _print_conversion(args, [converted])
     if args.json:
         _dump(stats.to_dict())
     else:
         print(stats.summary())
+    return 0
+
+
+def _convert_steps(args: argparse.Namespace, src_options: dict[str, Any], dst_options: dict[str, Any]) -> int:
+    from objckpt.orbax.convert import convert_orbax_steps
+
+    try:
+        steps = None if args.steps == "all" else [int(s) for s in args.steps.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--steps wants step numbers separated by commas, got {args.steps!r}") from None
+    done = convert_orbax_steps(
+        args.src,
+        args.dst,
+        steps=steps,
+        src_storage_options=src_options,
+        dst_storage_options=dst_options,
+        options=_options(args),
+        progress=args.progress,
+    )
+    if not done:
+        raise CheckpointNotFoundError(f"no Orbax steps under {args.src}")
+    for step, stats in done.items():
+        if stats is None and not args.json:
+            print(f"step {step}: already converted, left as it is")
+    return _print_conversion(args, [s for s in done.values() if s is not None])
+
+
+def _print_conversion(args: argparse.Namespace, converted: list[Any]) -> int:
+    if args.json:
+        _dump([dataclasses.asdict(c) for c in converted])
+        return 0
+    for c in converted:
+        gib = c.bytes_read / 2**30
+        print(
+            f"converted the Orbax checkpoint {c.src} to {c.dst}: {c.leaves} leaves,"
+            f" {human_bytes(c.bytes_read)} read, {human_bytes(c.bytes_written)} written in {c.seconds:.2f} s"
+            f" ({gib / max(c.seconds, 1e-9):.3f} GiB/s)"
+        )
     return 0
 
 

@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep blobs already at DST if their size is right, without reading them back",
     )
+    p.add_argument(
+        "--steps",
+        nargs="?",
+        const="all",
+        metavar="N,M,...",
+        help="SRC is an Orbax CheckpointManager root: convert its steps (all, or these) into DST/step_<N>",
+    )
     _common(p)
     _tuning(p)
     add_store_flags(p, "src")

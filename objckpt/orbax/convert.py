@@ -1,0 +1,333 @@
+"""Convert an Orbax checkpoint into a native objckpt one, slab by slab within the memory budget.
+
+The Orbax arrays are read through tensorstore in slabs (runs of leading rows
+of one leaf, at most a quarter of ``Options.memory_budget`` each), a group of
+slabs at a time up to half the budget; each group is packed into blobs,
+checksummed and uploaded by the same staging and upload path a save uses,
+and dropped before the next group is read. Host memory stays within the
+budget however large the checkpoint or any one leaf. The root manifest goes
+last, create-if-absent, exactly as for a save: a conversion that dies leaves
+no checkpoint at the destination, only blobs that ``gc`` collects.
+
+The save id, and so every blob key, is derived from the source (its URL and
+metadata): a rerun of a conversion that died rewrites the same keys rather
+than adding new ones. A manager root converts step by step
+(:func:`convert_orbax_steps`), each Orbax step into objckpt's
+``step_<number>`` directory, skipping steps already committed there.
+
+Arrays are stored as host arrays (they restore onto any sharding, as every
+objckpt checkpoint does); Python scalars and strings as such.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from objckpt.core.boxes import MeshTable
+from objckpt.core.dtypes import dtype_name
+from objckpt.core.format import LeafEntry
+from objckpt.core.plan import OwnedPiece, blob_key, plan_blobs
+from objckpt.core.tree import flatten
+from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StoreError
+from objckpt.multihost import get_coordinator, operation_tag
+from objckpt.options import Options
+from objckpt.orbax.layout import OrbaxItem, numpy_dtype
+from objckpt.orbax.tensorstore_io import array_spec, import_tensorstore, kvstore_for
+from objckpt.progress import ProgressArg, finish_from_caller, start
+from objckpt.saving.api import _exists, _make_engine
+from objckpt.saving.commit import _Commit
+from objckpt.saving.live_markers import LiveMarker, marker_key
+from objckpt.saving.upload import PieceRecord, snapshot_and_upload
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import TransferStats, opened_store
+
+log = logging.getLogger("objckpt")
+
+_PRIMARY = {"processes": [0]}  # host data, written by the one converting process
+
+
+@dataclass
+class ConvertStats:
+    """The figures of one conversion: source and destination, leaves, bytes read from the
+    Orbax checkpoint and written as objckpt blobs (manifest and indexes included), seconds."""
+
+    src: str
+    dst: str
+    leaves: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Slab:
+    leaf: int  # index into the objckpt leaf order
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    nbytes: int
+
+
+def convert_orbax(
+    src: str,
+    dst: str,
+    *,
+    src_storage_options: dict[str, Any] | None = None,
+    dst_storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
+    progress: ProgressArg = False,
+) -> ConvertStats:
+    """Write the Orbax checkpoint at ``src`` as an objckpt checkpoint at ``dst``.
+
+    Raises:
+        CheckpointNotFoundError: no Orbax checkpoint at ``src``.
+        CheckpointExistsError: ``dst`` already holds a committed checkpoint.
+        FormatError: ``src`` holds what objckpt cannot read (named).
+    """
+    from objckpt.orbax import orbax_item_at
+
+    options = options or Options()
+    with opened_store(src, src_storage_options, options) as source:
+        item = orbax_item_at(source)
+    if item is None:
+        raise CheckpointNotFoundError(f"no Orbax checkpoint at {src}")
+    return _convert(item, dst, src_storage_options, dst_storage_options, options, progress)
+
+
+def convert_orbax_steps(
+    src_root: str,
+    dst_root: str,
+    *,
+    steps: list[int] | None = None,
+    src_storage_options: dict[str, Any] | None = None,
+    dst_storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
+    progress: ProgressArg = False,
+) -> dict[int, ConvertStats | None]:
+    """Convert the steps of an Orbax ``CheckpointManager`` root (all, or ``steps``) into
+    objckpt's manager layout under ``dst_root``. Steps already committed there are left
+    as they are (None in the result): rerunning after a failure resumes."""
+    from objckpt.manager.checkpoint_manager import step_dir
+
+    options = options or Options()
+    found = orbax_steps(src_root, src_storage_options, options)
+    chosen = sorted(found if steps is None else [s for s in steps if s in found])
+    missing = sorted(set(steps or []) - set(found))
+    if missing:
+        raise CheckpointNotFoundError(f"no Orbax step {', '.join(map(str, missing))} under {src_root}")
+    out: dict[int, ConvertStats | None] = {}
+    for step in chosen:
+        try:
+            out[step] = convert_orbax(
+                f"{src_root.rstrip('/')}/{step}",
+                f"{dst_root.rstrip('/')}/{step_dir(step)}",
+                src_storage_options=src_storage_options,
+                dst_storage_options=dst_storage_options,
+                options=options,
+                progress=progress,
+            )
+        except CheckpointExistsError:
+            out[step] = None
+    return out
+
+
+def orbax_steps(root: str, storage_options: dict[str, Any] | None, options: Options) -> list[int]:
+    """The committed steps of an Orbax ``CheckpointManager`` root (``<step>/_CHECKPOINT_METADATA``)."""
+    with opened_store(root, storage_options, options) as store:
+        listed = runtime.run_sync(store.inner.list(""))
+    steps = set()
+    for info in listed:
+        head, sep, rest = info.key.partition("/")
+        if sep and head.isdigit() and rest == "_CHECKPOINT_METADATA":
+            steps.add(int(head))
+    return sorted(steps)
+
+
+def _convert(
+    item: OrbaxItem,
+    dst: str,
+    src_options: dict[str, Any] | None,
+    dst_options: dict[str, Any] | None,
+    options: Options,
+    progress: ProgressArg,
+) -> ConvertStats:
+    ts = import_tensorstore()
+    started = time.perf_counter()
+    stats = ConvertStats(src=item.url, dst=dst)
+    transfer = TransferStats()
+    with (
+        kvstore_for(item.url, src_options) as (kvstore, context_spec),
+        opened_store(dst, dst_options, options, transfer) as store,
+    ):
+        if not store.supports_create:
+            raise StoreError(
+                f"{store.url}: this store cannot create objects only-if-absent, so it cannot take a commit"
+            )
+        if runtime.run_sync(_exists(store)):
+            raise CheckpointExistsError(f"a committed checkpoint already exists at {store.url}")
+        context = ts.Context(context_spec)
+        by_path = {leaf.path: leaf for leaf in item.leaves if leaf.kind != "skipped"}
+        tree = item.skeleton(lambda i: None)
+        flat, skeleton = flatten(tree)
+        arrays = {
+            i: _open(ts, item, by_path[leaf.path].name, kvstore, context)
+            for i, leaf in enumerate(flat)
+            if by_path[leaf.path].kind in ("array", "scalar")
+        }
+        entries = [_entry(item, by_path[leaf.path], arrays.get(i), leaf.path) for i, leaf in enumerate(flat)]
+        strings = {i: item.strings[by_path[leaf.path].name] for i, leaf in enumerate(flat) if i not in arrays}
+        slabs = [s for i, a in arrays.items() if entries[i].kind == "ndarray" for s in _slabs(i, a, options)]
+        save_id = _save_id(item)
+        coordinator = get_coordinator()
+        engine = runtime.run_sync(_make_engine(store.inner, options, transfer))
+        marker = LiveMarker(store, marker_key(save_id, coordinator.process_index), lease=options.live_marker_lease)
+        runtime.run_sync(marker.begin())
+        total = sum(s.nbytes for s in slabs)
+        reporter = start(progress, "convert", store.url, total, lambda: transfer.bytes_written, transfer)
+        records: list[PieceRecord] = []
+        try:
+            seq = 0
+            host_pieces = [_string_piece(i, text) for i, text in strings.items() if text]
+            for group in _groups(slabs, options.memory_budget // 2):
+                pieces = host_pieces + _read_slabs(item, flat, arrays, group, stats)
+                host_pieces = []
+                blobs = plan_blobs(pieces, blob_size=options.blob_size, key=_keys(save_id, seq))
+                seq += len(blobs)
+                for future in snapshot_and_upload(blobs, engine, options, hold_uploads=False):
+                    records.extend(future.result())
+            if host_pieces:  # no arrays at all: the strings alone
+                blobs = plan_blobs(host_pieces, blob_size=options.blob_size, key=lambda n: blob_key(save_id, 0, n))
+                for future in snapshot_and_upload(blobs, engine, options, hold_uploads=False):
+                    records.extend(future.result())
+        except BaseException:
+            finish_from_caller(reporter, complete=False)
+            runtime.run_sync(marker.end())
+            raise
+        commit = _Commit(
+            store=store,
+            engine=engine,
+            coordinator=coordinator,
+            tag=operation_tag("convert", store.url),
+            save_id=save_id,
+            skeleton=skeleton,
+            entries=entries,
+            meshes=tuple(MeshTable().meshes),
+            metadata={"converted_from": item.url, "orbax_created": item.created},
+            options=options,
+            marker=marker,
+        )
+        done: concurrent.futures.Future[list[PieceRecord]] = concurrent.futures.Future()
+        done.set_result(records)
+        try:
+            runtime.run_sync(commit.run([done], started))
+        finally:
+            finish_from_caller(reporter, complete=True)
+    stats.leaves = len(entries)
+    stats.bytes_written = transfer.bytes_written
+    stats.seconds = time.perf_counter() - started
+    log.info(
+        "objckpt converted the Orbax checkpoint %s to %s: %d leaves, %d bytes read, %d written, %.2f s",
+        item.url,
+        dst,
+        stats.leaves,
+        stats.bytes_read,
+        stats.bytes_written,
+        stats.seconds,
+    )
+    return stats
+
+
+def _keys(save_id: str, base: int) -> Any:
+    """Blob keys numbered on from ``base`` (the blobs of earlier groups)."""
+    return lambda n: blob_key(save_id, 0, base + n)
+
+
+def _save_id(item: OrbaxItem) -> str:
+    """The same for the same source: a rerun rewrites the blobs a failed run left."""
+    identity = "\n".join([item.url, item.created, *(f"{leaf.path}={leaf.name}" for leaf in item.leaves)])
+    return hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
+def _open(ts: Any, item: OrbaxItem, name: str, kvstore: dict[str, Any], context: Any) -> Any:
+    from objckpt.errors import FormatError
+
+    spec = array_spec(kvstore, name, use_ocdbt=item.use_ocdbt, use_zarr3=item.use_zarr3)
+    try:
+        return ts.open(spec, open=True, read=True, context=context).result()
+    except Exception as exc:  # tensorstore raises ValueError for every failure
+        raise FormatError(f"Orbax checkpoint {item.url}: cannot open {name}: {exc}") from exc
+
+
+def _entry(item: OrbaxItem, leaf: Any, array: Any, path: str) -> LeafEntry:
+    if leaf.kind == "string":
+        text = item.strings[leaf.name].encode()
+        return LeafEntry(path, "str", "uint8", (len(text),), layout=_PRIMARY)
+    dtype = numpy_dtype(array.dtype)
+    shape = tuple(int(n) for n in array.shape)
+    if leaf.kind == "scalar":
+        value = np.asarray(array.read().result()).item()  # a few bytes: stored inline, as Orbax restores it
+        kind = "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "float"
+        return LeafEntry(path, kind, value=value)
+    return LeafEntry(path, "ndarray", dtype_name(dtype), shape, layout=_PRIMARY)
+
+
+def _slabs(leaf: int, array: Any, options: Options) -> list[_Slab]:
+    """Runs of leading rows of at most a quarter of the budget (one row if a row is bigger)."""
+    shape = tuple(int(n) for n in array.shape)
+    itemsize = numpy_dtype(array.dtype).itemsize
+    total = int(np.prod(shape, dtype=np.int64)) * itemsize
+    if total == 0:
+        return []
+    if not shape:
+        return [_Slab(leaf, (), (), total)]
+    row = total // shape[0]
+    rows = max(1, (options.memory_budget // 4) // max(row, 1))
+    rest = shape[1:]
+    return [
+        _Slab(leaf, (r, *(0,) * len(rest)), (min(r + rows, shape[0]), *rest), (min(r + rows, shape[0]) - r) * row)
+        for r in range(0, shape[0], rows)
+    ]
+
+
+def _groups(slabs: list[_Slab], limit: int) -> list[list[_Slab]]:
+    groups: list[list[_Slab]] = [[]]
+    size = 0
+    for slab in slabs:
+        if groups[-1] and size + slab.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(slab)
+        size += slab.nbytes
+    return [g for g in groups if g]
+
+
+def _read_slabs(
+    item: OrbaxItem, flat: list[Any], arrays: dict[int, Any], group: list[_Slab], stats: ConvertStats
+) -> list[OwnedPiece]:
+    """The slabs of ``group``, read concurrently (tensorstore fetches each slab's chunks in parallel)."""
+    reads = [
+        (slab, arrays[slab.leaf][tuple(slice(a, b) for a, b in zip(slab.start, slab.stop, strict=True))].read())
+        for slab in group
+    ]
+    pieces = []
+    for slab, future in reads:
+        try:
+            host = np.ascontiguousarray(future.result())
+        except Exception as exc:  # tensorstore: ValueError for a failed read or decode
+            raise StoreError(
+                f"reading {flat[slab.leaf].path} of the Orbax checkpoint {item.url} failed: {exc}"
+            ) from exc
+        stats.bytes_read += host.nbytes
+        pieces.append(OwnedPiece(slab.leaf, slab.start, slab.stop, host.dtype.itemsize, source=(host, slab.start)))
+    return pieces
+
+
+def _string_piece(leaf: int, text: str) -> OwnedPiece:
+    data = np.frombuffer(text.encode(), dtype=np.uint8)
+    return OwnedPiece(leaf, (0,), (len(data),), 1, source=(data, (0,)))
