@@ -62,7 +62,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import backends  # noqa: E402, F401  (sets the gcsfs environment default)
-from benchmarks.peers import SYSTEMS, workloads  # noqa: E402
+from benchmarks.peers import OPTIONAL_SYSTEMS, SYSTEMS, workloads  # noqa: E402
 from benchmarks.peers.common import Context  # noqa: E402
 from benchmarks.peers.endpoints import Buckets, LocalServers  # noqa: E402
 from benchmarks.peers.report import TRANSPORTS, markdown, summarize  # noqa: E402
@@ -143,6 +143,9 @@ def measure(
         # (It was not, when checked: at 0 ms the same-sharding medium restore took 1.68 and
         # 2.70 s right after the save, 1.04 and 1.74 s after the other one, which took 1.07-1.61 s.)
         phases = ["save"] + (["restore", "restore_resharded"] if rep % 2 == 0 else ["restore_resharded", "restore"])
+    if system == "from_orbax":  # Orbax saves; objckpt restores it both ways, then converts it
+        phases = ["save"] + (["restore", "restore_resharded"] if rep % 2 == 0 else ["restore_resharded", "restore"])
+        phases.append("convert")
     if system == "raw" and rep >= 0:
         # The same for the raw GETs that drop their bytes and those that keep them.
         phases = ["save"] + (["restore", "restore_kept"] if rep % 2 == 0 else ["restore_kept", "restore"])
@@ -230,7 +233,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", help="comma list of small,medium,large")
     p.add_argument("--stores", help="comma list of s3,gcs")
     p.add_argument("--profiles", help="comma list of RTTs in ms, e.g. 0,10,40")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument(
+        "--systems",
+        default=",".join(s for s in SYSTEMS if s not in OPTIONAL_SYSTEMS),
+        help=f"comma-separated, of {', '.join(SYSTEMS)} (from_orbax: objckpt restoring and converting Orbax's checkpoint)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(

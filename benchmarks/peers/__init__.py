@@ -15,7 +15,9 @@ mounting a filesystem) is not. Each phase runs in a fresh process
 (:mod:`benchmarks.peers.worker`), so peak RSS and CPU time belong to that phase alone.
 """
 
-SYSTEMS = ("raw", "objckpt", "orbax", "dcp", "naive")
+SYSTEMS = ("raw", "objckpt", "orbax", "dcp", "naive", "from_orbax")
+#: Systems a plain run leaves out unless ``--systems`` names them.
+OPTIONAL_SYSTEMS = ("from_orbax",)
 
 MODULES = {
     "raw": "benchmarks.peers.raw",
@@ -23,4 +25,5 @@ MODULES = {
     "orbax": "benchmarks.peers.orbax_ckpt",
     "dcp": "benchmarks.peers.torch_dcp",
     "naive": "benchmarks.peers.naive",
+    "from_orbax": "benchmarks.peers.from_orbax",
 }

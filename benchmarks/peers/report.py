@@ -95,6 +95,20 @@ def reference_ratios(cells: list[dict]) -> list[dict[str, Any]]:
     """objckpt's restore over the raw GETs that keep every response: not a target, but
     what a gap to the (dropping) raw GETs is made of (``benchmarks/peers/raw.py`` says)."""
     ratios = []
+    for converted in cells:
+        if (
+            converted.get("system") == "from_orbax"
+            and converted.get("phase") == "convert"
+            and "gib_s_median" in converted
+        ):
+            key = {field: field_of(converted, field) for field in ("store", "profile_ms", "transport", "workload")}
+            ratios.append(
+                {
+                    "ratio": "Orbax → objckpt conversion, GiB/s (same store)",
+                    "where": _where(key["store"], key["profile_ms"], key["transport"], key["workload"]),
+                    "value": round(converted["gib_s_median"], 3),
+                }
+            )
     for kept in cells:
         if kept.get("system") != "raw" or kept.get("phase") != "restore_kept" or "gib_s_median" not in kept:
             continue
@@ -122,6 +136,7 @@ def check_targets(cells: list[dict]) -> list[dict[str, Any]]:
     for store, ms, transport, workload in combos:
         where = _where(store, ms, transport, workload)
         key = {"store": store, "profile_ms": ms, "transport": transport, "workload": workload}
+        _check_reading_orbax(cells, key, where, add)
         ours_save = _cell(cells, system="objckpt", phase="save", **key)
         ours_restore = _cell(cells, system="objckpt", phase="restore", **key)
         if ours_save is None or ours_restore is None:
@@ -166,6 +181,22 @@ def check_targets(cells: list[dict]) -> list[dict[str, Any]]:
             "save peak RSS ≤ memory budget + 256 MiB above live arrays (MiB)", where, v, budget + 256, v <= budget + 256
         )
     return checks
+
+
+def _check_reading_orbax(cells: list[dict], key: dict[str, Any], where: str, add: Any) -> None:
+    """Orbax's checkpoint restored by objckpt (``from_orbax``): ≥ 1.0× Orbax's own restore,
+    peak RSS ≤ the restored bytes + 256 MiB, onto the saved mesh and onto another."""
+    theirs = _cell(cells, system="orbax", phase="restore", **key)
+    for phase, label in (("restore", "restore"), ("restore_resharded", "resharded restore")):
+        ours = _cell(cells, system="from_orbax", phase=phase, **key)
+        if ours is None:
+            continue
+        if theirs is not None:
+            r = ours["gib_s_median"] / theirs["gib_s_median"]
+            add(f"Orbax checkpoint: objckpt {label} ≥ 1.0× Orbax's own restore", where, r, 1.0, r >= 1.0)
+        v = ours["peak_above_start_mib"]
+        limit = ours["bytes"] / MiB + 256
+        add(f"Orbax checkpoint: objckpt {label} peak RSS ≤ restored bytes + 256 MiB", where, v, limit, v <= limit)
 
 
 def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:

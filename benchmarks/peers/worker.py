@@ -29,7 +29,7 @@ def main() -> None:
     system = importlib.import_module(MODULES[ctx.system])
     os.environ.update(system.env(ctx))
     result: dict = {"system": ctx.system, "phase": ctx.phase, "store": ctx.store, "workload": ctx.workload}
-    why_not = system.supports(ctx)
+    why_not = system.supports(ctx)  # phases other than save call prepare_restore/restore (also "convert")
     if why_not:
         print("RESULT " + json.dumps({**result, "skipped": why_not}), flush=True)
         return
