@@ -7,13 +7,15 @@ restored onto its sharding (any mesh, any device count), ``None`` gives host
 numpy (or, for a subtree, the subtree), any other value is a placeholder for
 the saved one, and ``partial=True`` reads nothing of the leaves the target
 leaves out. For each array leaf, each distinct box the addressable devices
-hold is one tensorstore read (replicas share it), and reads run concurrently
-while the bytes in flight stay within ``Options.memory_budget``. Dtype casts
+hold is one tensorstore read (replicas share it); reads run concurrently while
+the bytes read and not yet on their devices stay within ``Options.read_window``,
+so a restore holds little more than the restored arrays. Dtype casts
 follow ``cast`` as for objckpt checkpoints.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any
@@ -122,32 +124,37 @@ def _read_all(
     stats: TransferStats,
     cast: str,
 ) -> dict[int, Any]:
-    """Every selected leaf's value. Box reads run concurrently while the bytes in flight
-    stay within the memory budget; a leaf is assembled (put on its devices, its host
-    pieces dropped) as soon as its last box arrives."""
+    """Every selected leaf's value.
+
+    Box reads are issued in order while the bytes read and not yet placed stay
+    within ``Options.read_window`` (and the memory budget): a sliding window, the
+    oldest read awaited first. Each box is put on its devices as it lands and its
+    host copy dropped, so host memory holds the window above the restored arrays;
+    a leaf is assembled once its last box is placed.
+    """
+    window = max(1, min(options.read_window, options.memory_budget))
     values: dict[int, Any] = {}
-    pending: list[tuple[int, Any, list[Any]]] = []  # (leaf, read future, devices)
-    pieces: dict[int, list[tuple[list[Any], np.ndarray]]] = {}
+    pending: collections.deque[tuple[int, Any, list[Any], int]] = collections.deque()  # leaf, read, devices, bytes
+    placed: dict[int, list[Any]] = {}
     expected: dict[int, int] = {}
     in_flight = 0
 
-    def drain() -> None:
+    def land() -> None:
         nonlocal in_flight
-        for i, future, devices in pending:
-            try:
-                host = np.asarray(future.result())
-            except Exception as exc:  # tensorstore: ValueError for a failed read or decode
-                raise StoreError(
-                    f"reading leaf {item.leaves[i].path} ({item.leaves[i].name}) of the Orbax checkpoint"
-                    f" {item.url} failed: {exc}"
-                ) from exc
-            stats.bytes_read += host.nbytes
-            stats.requests += 1
-            pieces.setdefault(i, []).append((devices, host))
-            if len(pieces[i]) == expected[i]:
-                values[i] = _assemble(item.leaves[i], arrays[i], selection[i], pieces.pop(i), cast)
-        pending.clear()
-        in_flight = 0
+        i, future, devices, nbytes = pending.popleft()
+        leaf = item.leaves[i]
+        try:
+            host = np.asarray(future.result())
+        except Exception as exc:  # tensorstore: ValueError for a failed read or decode
+            raise StoreError(
+                f"reading leaf {leaf.path} ({leaf.name}) of the Orbax checkpoint {item.url} failed: {exc}"
+            ) from exc
+        in_flight -= nbytes
+        stats.bytes_read += host.nbytes
+        stats.requests += 1
+        placed.setdefault(i, []).extend(_place(leaf, host, selection[i], devices, cast))
+        if len(placed[i]) >= expected[i]:
+            values[i] = _assemble(leaf, arrays[i], selection[i], placed.pop(i))
 
     for i, t in selection.items():
         leaf = item.leaves[i]
@@ -157,33 +164,38 @@ def _read_all(
         array = arrays[i]
         itemsize = numpy_dtype(array.dtype).itemsize
         boxes = _boxes(t, tuple(array.shape))
-        expected[i] = len(boxes)
+        expected[i] = sum(len(devices) for _, devices in boxes)
         for box, devices in boxes:
             nbytes = int(np.prod([s.stop - s.start for s in box], dtype=np.int64)) * itemsize
-            if pending and in_flight + nbytes > options.memory_budget:
-                drain()
-            pending.append((i, array[box].read(), devices))
+            while pending and in_flight + nbytes > window:
+                land()
+            pending.append((i, array[box].read(), devices, nbytes))
             in_flight += nbytes
-    drain()
+    while pending:
+        land()
     return values
 
 
-def _assemble(leaf: OrbaxLeaf, array: Any, target: Any, pieces: list[tuple[list[Any], np.ndarray]], cast: str) -> Any:
-    shape = tuple(array.shape)
-    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
-        dtype = np.dtype(target.dtype)
-        sharding = getattr(target, "sharding", None)
-        hosts = [(devices, _cast(leaf, host, dtype, cast)) for devices, host in pieces]
-        if sharding is None:
-            return jax.device_put(hosts[0][1])
-        shards = [jax.device_put(host, device) for devices, host in hosts for device in devices]
-        return jax.make_array_from_single_device_arrays(shape, sharding, shards)
-    host = pieces[0][1]
-    if leaf.kind == "scalar":
-        return host.item()  # Orbax restores its scalars as Python numbers
-    if isinstance(target, np.ndarray) and target.dtype != host.dtype:
-        return _cast(leaf, host, target.dtype, cast)
-    return host
+def _place(leaf: OrbaxLeaf, host: np.ndarray, target: Any, devices: list[Any], cast: str) -> list[Any]:
+    """One landed box: on each of its devices for an array target (cast as asked), else as it is."""
+    if not isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+        if leaf.kind == "scalar":
+            return [host.item()]  # Orbax restores its scalars as Python numbers
+        if isinstance(target, np.ndarray) and target.dtype != host.dtype:
+            return [_cast(leaf, host, target.dtype, cast)]
+        return [host]
+    host = _cast(leaf, host, np.dtype(target.dtype), cast)
+    if getattr(target, "sharding", None) is None:
+        return [jax.device_put(host)]
+    return [jax.device_put(host, device) for device in devices]
+
+
+def _assemble(leaf: OrbaxLeaf, array: Any, target: Any, shards: list[Any]) -> Any:
+    """A leaf from its placed boxes: the global array on the target's sharding, or the one host value."""
+    sharding = getattr(target, "sharding", None)
+    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)) and sharding is not None:
+        return jax.make_array_from_single_device_arrays(tuple(array.shape), sharding, shards)
+    return shards[0]
 
 
 def _cast(leaf: OrbaxLeaf, host: np.ndarray, dtype: np.dtype, cast: str) -> np.ndarray:
