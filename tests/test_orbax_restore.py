@@ -356,3 +356,22 @@ def test_cp_converts_an_orbax_checkpoint_and_a_manager_root_step_by_step(
         timeout=180,
     )
     assert verified.returncode == 0, verified.stderr[-2000:]
+
+
+def test_a_conversion_resumes_by_rerunning(tmp_path: Path, state: dict[str, Any]) -> None:
+    """A conversion killed before its commit leaves blobs: the rerun reads them back, keeps the
+    intact ones, uploads the damaged one again, and commits a checkpoint that verifies."""
+    _save_standard(tmp_path / "orbax", state)
+    small = objckpt.Options(memory_budget=32 << 10, blob_size=8 << 10)
+    src, dst = str(tmp_path / "orbax"), tmp_path / "native"
+    first = objckpt.convert_orbax(src, str(dst), options=small)
+    blobs = sorted(dst.rglob("*.blob"))
+    assert len(blobs) >= 3 and first.blobs_kept == 0
+    for path in dst.rglob("*"):  # as if killed before the commit: only the blobs are there
+        if path.is_file() and path.suffix != ".blob":
+            path.unlink()
+    blobs[1].write_bytes(b"\xff" * blobs[1].stat().st_size)  # one of them damaged
+    again = objckpt.convert_orbax(src, str(dst), options=small)
+    assert again.blobs_kept == len(blobs) - 1, again
+    assert objckpt.verify(str(dst)).ok
+    _assert_same(objckpt.restore(str(dst), _other_target(state)), state)

@@ -10,8 +10,10 @@ last, create-if-absent, exactly as for a save: a conversion that dies leaves
 no checkpoint at the destination, only blobs that ``gc`` collects.
 
 The save id, and so every blob key, is derived from the source (its URL and
-metadata): a rerun of a conversion that died rewrites the same keys rather
-than adding new ones. A manager root converts step by step
+metadata), so a conversion resumes by rerunning, as ``objckpt cp`` does: a
+blob a killed run already wrote, found at the destination with the right
+size, is read back and compared with the same blob staged from the source,
+and kept if identical; only the rest is uploaded. A manager root converts step by step
 (:func:`convert_orbax_steps`), each Orbax step into objckpt's
 ``step_<number>`` directory, skipping steps already committed there.
 
@@ -30,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from objckpt.core.boxes import MeshTable
+from objckpt.core.boxes import MeshTable, copy_piece_into
+from objckpt.core.checksum import crc32c
 from objckpt.core.dtypes import dtype_name
-from objckpt.core.format import LeafEntry
+from objckpt.core.format import LeafEntry, Piece
 from objckpt.core.plan import OwnedPiece, blob_key, plan_blobs
 from objckpt.core.tree import flatten
-from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StoreError
+from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ObjectNotFoundError, StoreError
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, numpy_dtype
@@ -63,6 +66,7 @@ class ConvertStats:
     leaves: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    blobs_kept: int = 0  # found at the destination from an earlier run, identical, not uploaded again
     seconds: float = 0.0
 
 
@@ -191,6 +195,7 @@ def _convert(
         total = sum(s.nbytes for s in slabs)
         reporter = start(progress, "convert", store.url, total, lambda: transfer.bytes_written, transfer)
         records: list[PieceRecord] = []
+        present = {info.key: info.size for info in runtime.run_sync(store.inner.list(""))}
         try:
             seq = 0
             host_pieces = [_string_piece(i, text) for i, text in strings.items() if text]
@@ -199,12 +204,10 @@ def _convert(
                 host_pieces = []
                 blobs = plan_blobs(pieces, blob_size=options.blob_size, key=_keys(save_id, seq))
                 seq += len(blobs)
-                for future in snapshot_and_upload(blobs, engine, options, hold_uploads=False):
-                    records.extend(future.result())
+                records.extend(_upload_missing(blobs, present, store.inner, engine, options, stats))
             if host_pieces:  # no arrays at all: the strings alone
-                blobs = plan_blobs(host_pieces, blob_size=options.blob_size, key=lambda n: blob_key(save_id, 0, n))
-                for future in snapshot_and_upload(blobs, engine, options, hold_uploads=False):
-                    records.extend(future.result())
+                blobs = plan_blobs(host_pieces, blob_size=options.blob_size, key=_keys(save_id, 0))
+                records.extend(_upload_missing(blobs, present, store.inner, engine, options, stats))
         except BaseException:
             finish_from_caller(reporter, complete=False)
             runtime.run_sync(marker.end())
@@ -241,6 +244,55 @@ def _convert(
         stats.seconds,
     )
     return stats
+
+
+def _upload_missing(
+    blobs: list[Any], present: dict[str, int], store: Any, engine: Any, options: Options, stats: ConvertStats
+) -> list[PieceRecord]:
+    """Upload ``blobs``, except those an earlier run left at the destination intact
+    (right size, and the same bytes as the blob staged from the source); their records."""
+    records: list[PieceRecord] = []
+    missing = []
+    for blob in blobs:
+        kept = _kept(blob, store) if present.get(blob.key) == blob.size else None
+        if kept is None:
+            missing.append(blob)
+        else:
+            records.extend(kept)
+            stats.blobs_kept += 1
+    for future in snapshot_and_upload(missing, engine, options, hold_uploads=False):
+        records.extend(future.result())
+    return records
+
+
+def _kept(blob: Any, store: Any) -> list[PieceRecord] | None:
+    """The records of ``blob`` if the object already at its key holds exactly its bytes, else None."""
+    staged = np.zeros(blob.size, dtype=np.uint8)
+    for placed in blob.pieces:
+        piece = placed.piece
+        view = staged[placed.offset : placed.offset + piece.nbytes].view(piece.source[0].dtype).reshape(piece.shape)
+        copy_piece_into(piece, view)
+    try:
+        existing = runtime.run_sync(store.get(blob.key))
+    except (ObjectNotFoundError, StoreError):
+        return None
+    if bytes(existing) != staged.tobytes():
+        return None
+    data = staged.data
+    return [
+        (
+            p.piece.leaf,
+            Piece(
+                p.piece.start,
+                p.piece.stop,
+                blob.key,
+                p.offset,
+                p.piece.nbytes,
+                crc32c(data[p.offset : p.offset + p.piece.nbytes]),
+            ),
+        )
+        for p in blob.pieces
+    ]
 
 
 def _keys(save_id: str, base: int) -> Any:
