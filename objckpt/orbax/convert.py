@@ -42,7 +42,7 @@ from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, Objec
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, numpy_dtype
-from objckpt.orbax.tensorstore_io import array_spec, import_tensorstore, kvstore_for
+from objckpt.orbax.tensorstore_io import import_tensorstore, kvstore_for, open_leaf
 from objckpt.progress import ProgressArg, finish_from_caller, start
 from objckpt.saving.api import _exists, _make_engine
 from objckpt.saving.commit import _Commit
@@ -180,7 +180,7 @@ def _convert(
         tree = item.skeleton(lambda i: None)
         flat, skeleton = flatten(tree)
         arrays = {
-            i: _open(ts, item, by_path[leaf.path].name, kvstore, context)
+            i: open_leaf(ts, item, by_path[leaf.path], kvstore, context)
             for i, leaf in enumerate(flat)
             if by_path[leaf.path].kind in ("array", "scalar")
         }
@@ -304,16 +304,6 @@ def _save_id(item: OrbaxItem) -> str:
     """The same for the same source: a rerun rewrites the blobs a failed run left."""
     identity = "\n".join([item.url, item.created, *(f"{leaf.path}={leaf.name}" for leaf in item.leaves)])
     return hashlib.sha256(identity.encode()).hexdigest()[:32]
-
-
-def _open(ts: Any, item: OrbaxItem, name: str, kvstore: dict[str, Any], context: Any) -> Any:
-    from objckpt.errors import FormatError
-
-    spec = array_spec(kvstore, name, use_ocdbt=item.use_ocdbt, use_zarr3=item.use_zarr3)
-    try:
-        return ts.open(spec, open=True, read=True, context=context).result()
-    except Exception as exc:  # tensorstore raises ValueError for every failure
-        raise FormatError(f"Orbax checkpoint {item.url}: cannot open {name}: {exc}") from exc
 
 
 def _entry(item: OrbaxItem, leaf: Any, array: Any, path: str) -> LeafEntry:

@@ -24,10 +24,10 @@ import jax
 import numpy as np
 
 from objckpt.core.tree import check_names, flatten_target, unflatten_target
-from objckpt.errors import FormatError, StoreError, TargetMismatchError
+from objckpt.errors import StoreError, TargetMismatchError
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, numpy_dtype
-from objckpt.orbax.tensorstore_io import array_spec, import_tensorstore, kvstore_for
+from objckpt.orbax.tensorstore_io import import_tensorstore, kvstore_for, open_leaf
 from objckpt.restoring.casts import cast_values, check_cast
 from objckpt.transfer.engine import TransferStats
 
@@ -51,7 +51,7 @@ def restore_orbax(
     with kvstore_for(item.url, storage_options) as (kvstore, context_spec):
         context = ts.Context(context_spec)
         arrays = {
-            i: _open(ts, item, item.leaves[i], kvstore, context)
+            i: open_leaf(ts, item, item.leaves[i], kvstore, context)
             for i in selection
             if item.leaves[i].kind in ("array", "scalar")
         }
@@ -84,14 +84,6 @@ def _select(item: OrbaxItem, target: Any, partial: bool) -> dict[int, Any]:
     unnamed = [leaf.path for leaf in item.leaves if leaf.path not in named and leaf.kind != "skipped"]
     check_names(missing, unnamed, partial=partial, what=f"the Orbax checkpoint {item.url}")
     return {index[path]: value for path, value in flat}
-
-
-def _open(ts: Any, item: OrbaxItem, leaf: OrbaxLeaf, kvstore: dict[str, Any], context: Any) -> Any:
-    spec = array_spec(kvstore, leaf.name, use_ocdbt=item.use_ocdbt, use_zarr3=item.use_zarr3)
-    try:
-        return ts.open(spec, open=True, read=True, context=context).result()
-    except Exception as exc:  # tensorstore raises ValueError for every failure
-        raise FormatError(f"Orbax checkpoint {item.url}: cannot open leaf {leaf.path} ({leaf.name}): {exc}") from exc
 
 
 def _check_target(leaf: OrbaxLeaf, array: Any, target: Any, cast: str) -> None:

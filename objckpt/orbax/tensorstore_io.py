@@ -127,3 +127,14 @@ def array_spec(kvstore: dict[str, Any], name: str, *, use_ocdbt: bool, use_zarr3
     if use_ocdbt:
         return {"driver": driver, "kvstore": {"driver": "ocdbt", "base": kvstore}, "path": name}
     return {"driver": driver, "kvstore": {**kvstore, "path": kvstore["path"] + name + "/"}}
+
+
+def open_leaf(ts: Any, item: Any, leaf: Any, kvstore: dict[str, Any], context: Any) -> Any:
+    """The opened tensorstore array of ``leaf`` (an :class:`~objckpt.orbax.layout.OrbaxLeaf`) of
+    ``item``; what tensorstore cannot open (a missing array, an unknown codec) is a
+    :class:`~objckpt.errors.FormatError` naming the checkpoint and the leaf."""
+    spec = array_spec(kvstore, leaf.name, use_ocdbt=item.use_ocdbt, use_zarr3=item.use_zarr3)
+    try:
+        return ts.open(spec, open=True, read=True, context=context).result()
+    except Exception as exc:  # tensorstore raises ValueError for every failure
+        raise FormatError(f"Orbax checkpoint {item.url}: cannot open leaf {leaf.path} ({leaf.name}): {exc}") from exc
