@@ -32,6 +32,11 @@ from typing import Any
 from objckpt.errors import FormatError, StoreNotAvailableError
 
 EXTRA = "orbax"
+#: A cache for the OCDBT database's own nodes (its manifest and B-tree), shared by every leaf
+#: read through one context; array chunks stay uncached (they are read once). Without it
+#: each leaf's reads fetch the same nodes again: a restore of 40 leaves from the GCS
+#: emulator at 10 ms made 410 requests in 1.8 s, with it 370 in 1.4 s.
+OCDBT_CACHE = ("cache_pool#ocdbt", 32 << 20)
 
 
 def import_tensorstore() -> Any:
@@ -54,9 +59,10 @@ def kvstore_for(url: str, options: dict[str, Any] | None) -> Iterator[tuple[dict
     path = parsed.path.lstrip("/")
     if path and not path.endswith("/"):
         path += "/"
+    cache = {OCDBT_CACHE[0]: {"total_bytes_limit": OCDBT_CACHE[1]}}
     if scheme in ("", "file"):
         local = url if scheme == "" else urllib.parse.unquote(parsed.path)
-        yield {"driver": "file", "path": os.path.abspath(local).rstrip("/") + "/"}, {}
+        yield {"driver": "file", "path": os.path.abspath(local).rstrip("/") + "/"}, cache
         return
     if scheme in ("gs", "gcs"):
         endpoint = options.get("endpoint_url")
@@ -66,7 +72,7 @@ def kvstore_for(url: str, options: dict[str, Any] | None) -> Iterator[tuple[dict
                 f"reading the Orbax checkpoint {url} at the GCS endpoint {endpoint}: tensorstore reaches "
                 f"a GCS endpoint only through TENSORSTORE_GCS_HTTP_URL (set it to {endpoint})"
             )
-        context: dict[str, Any] = {}
+        context: dict[str, Any] = dict(cache)
         if options.get("token") == "anon" or endpoint:
             context["gcs_request_retries"] = {"max_retries": 5}
         yield {"driver": "gcs", "bucket": parsed.netloc, "path": path}, context
@@ -84,14 +90,14 @@ def kvstore_for(url: str, options: dict[str, Any] | None) -> Iterator[tuple[dict
         key = options.get("key") or client.get("aws_access_key_id")
         secret = options.get("secret") or client.get("aws_secret_access_key")
         if options.get("anon"):
-            yield spec, {"aws_credentials": {"type": "anonymous"}}
+            yield spec, {**cache, "aws_credentials": {"type": "anonymous"}}
             return
         if key and secret:
             with _credentials_file(key, secret, options.get("token") or client.get("aws_session_token")) as files:
                 credentials = {"type": "profile", "profile": "objckpt", **files}
-                yield spec, {"aws_credentials": credentials}
+                yield spec, {**cache, "aws_credentials": credentials}
             return
-        yield spec, {"aws_credentials": {"type": "default"}}
+        yield spec, {**cache, "aws_credentials": {"type": "default"}}
         return
     raise FormatError(f"reading Orbax checkpoints from {scheme}:// URLs is not supported (file, s3, gs)")
 
@@ -125,7 +131,8 @@ def array_spec(kvstore: dict[str, Any], name: str, *, use_ocdbt: bool, use_zarr3
     """The tensorstore spec of the parameter ``name`` of an item at ``kvstore``."""
     driver = "zarr3" if use_zarr3 else "zarr"
     if use_ocdbt:
-        return {"driver": driver, "kvstore": {"driver": "ocdbt", "base": kvstore}, "path": name}
+        ocdbt = {"driver": "ocdbt", "base": kvstore, "cache_pool": OCDBT_CACHE[0]}
+        return {"driver": driver, "kvstore": ocdbt, "path": name}
     return {"driver": driver, "kvstore": {**kvstore, "path": kvstore["path"] + name + "/"}}
 
 
