@@ -51,7 +51,7 @@ pytestmark = [
 _SCRIPT = Path(sys.executable).with_name("objckpt")
 CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "objckpt.cli"]
 #: One access key per S3 row (SeaweedFS knows them all), so each row can tell its own apart.
-KEYS = make_aws_keys(10)
+KEYS = make_aws_keys(20)
 OPTIONS = objckpt.Options(blob_size=128 << 10, read_chunk=64 << 10)
 Env = Callable[..., dict[str, str]]
 
@@ -407,7 +407,9 @@ def test_s3_credentials_that_expire_mid_operation_are_refreshed(
             cloud_env(**server.imds_env())
         with _Revoker(server, proxy):
             took = _long_save_and_restore(s3_ids.url(f"expiring-{uuid.uuid4().hex[:8]}"), _s3_options(s3_ids, proxy))
-        assert 2 * lifetime < took < len(rotating) * lifetime, f"{took:.1f} s: not {lifetime:g} s x 2..{len(rotating)}"
+        # Signed by two keys or more: the operation outlived its first credentials (the number of
+        # keys bounds it from above: none is served twice, so a revoked key never comes back).
+        assert lifetime < took < len(rotating) * lifetime, f"{took:.1f} s: not {lifetime:g} s x 1..{len(rotating)}"
         used = [key for key, _ in rotating if proxy.stats.access_keys[key]]
         assert len(used) >= 2, proxy.stats.access_keys  # every lapsed key was revoked, yet all went through
         assert proxy.stats.refused == 0
@@ -424,5 +426,5 @@ def test_gcs_metadata_tokens_that_expire_mid_operation_are_refreshed(gcs_service
         cloud_env(**server.gce_env())
         url = gcs_service.url(f"expiring-{uuid.uuid4().hex[:8]}")
         took = _long_save_and_restore(url, {"endpoint_url": proxy.endpoint_url, "project": "test"})
-        assert took > 2 * lifetime, f"too quick to outlive its token: {took:.1f} s"
+        assert took > lifetime, f"too quick to outlive its token: {took:.1f} s"  # and >= 2 tokens, below
         assert proxy.stats.refused == 0 and len(proxy.stats.bearer_tokens) >= 2
