@@ -42,7 +42,7 @@ from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, Objec
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, numpy_dtype
-from objckpt.orbax.tensorstore_io import import_tensorstore, kvstore_for, open_leaf
+from objckpt.orbax.tensorstore_io import import_tensorstore, kvstore_for, open_leaf, read_result
 from objckpt.progress import ProgressArg, finish_from_caller, start
 from objckpt.saving.api import _exists, _make_engine
 from objckpt.saving.commit import _Commit
@@ -200,7 +200,7 @@ def _convert(
             seq = 0
             host_pieces = [_string_piece(i, text) for i, text in strings.items() if text]
             for group in _groups(slabs, options.memory_budget // 2):
-                pieces = host_pieces + _read_slabs(item, flat, arrays, group, stats)
+                pieces = host_pieces + _read_slabs(item, flat, by_path, arrays, group, stats)
                 host_pieces = []
                 blobs = plan_blobs(pieces, blob_size=options.blob_size, key=_keys(save_id, seq))
                 seq += len(blobs)
@@ -350,7 +350,12 @@ def _groups(slabs: list[_Slab], limit: int) -> list[list[_Slab]]:
 
 
 def _read_slabs(
-    item: OrbaxItem, flat: list[Any], arrays: dict[int, Any], group: list[_Slab], stats: ConvertStats
+    item: OrbaxItem,
+    flat: list[Any],
+    leaves: dict[str, Any],
+    arrays: dict[int, Any],
+    group: list[_Slab],
+    stats: ConvertStats,
 ) -> list[OwnedPiece]:
     """The slabs of ``group``, read concurrently (tensorstore fetches each slab's chunks in parallel)."""
     reads = [
@@ -359,12 +364,7 @@ def _read_slabs(
     ]
     pieces = []
     for slab, future in reads:
-        try:
-            host = np.ascontiguousarray(future.result())
-        except Exception as exc:  # tensorstore: ValueError for a failed read or decode
-            raise StoreError(
-                f"reading {flat[slab.leaf].path} of the Orbax checkpoint {item.url} failed: {exc}"
-            ) from exc
+        host = np.ascontiguousarray(read_result(future, item, leaves[flat[slab.leaf].path]))
         stats.bytes_read += host.nbytes
         pieces.append(OwnedPiece(slab.leaf, slab.start, slab.stop, host.dtype.itemsize, source=(host, slab.start)))
     return pieces

@@ -24,10 +24,10 @@ import jax
 import numpy as np
 
 from objckpt.core.tree import check_names, flatten_target, unflatten_target
-from objckpt.errors import StoreError, TargetMismatchError
+from objckpt.errors import TargetMismatchError
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, numpy_dtype
-from objckpt.orbax.tensorstore_io import import_tensorstore, kvstore_for, open_leaf
+from objckpt.orbax.tensorstore_io import import_tensorstore, kvstore_for, open_leaf, read_result
 from objckpt.restoring.casts import cast_values, check_cast
 from objckpt.transfer.engine import TransferStats
 
@@ -135,12 +135,7 @@ def _read_all(
         nonlocal in_flight
         i, future, devices, nbytes = pending.popleft()
         leaf = item.leaves[i]
-        try:
-            host = np.asarray(future.result())
-        except Exception as exc:  # tensorstore: ValueError for a failed read or decode
-            raise StoreError(
-                f"reading leaf {leaf.path} ({leaf.name}) of the Orbax checkpoint {item.url} failed: {exc}"
-            ) from exc
+        host = read_result(future, item, leaf)
         in_flight -= nbytes
         stats.bytes_read += host.nbytes
         stats.requests += 1

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from objckpt.errors import FormatError, StoreNotAvailableError
+from objckpt.errors import FormatError, StoreError, StoreNotAvailableError
 
 EXTRA = "orbax"
 #: A cache for the OCDBT database's own nodes (its manifest and B-tree), shared by every leaf
@@ -145,3 +145,16 @@ def open_leaf(ts: Any, item: Any, leaf: Any, kvstore: dict[str, Any], context: A
         return ts.open(spec, open=True, read=True, context=context).result()
     except Exception as exc:  # tensorstore raises ValueError for every failure
         raise FormatError(f"Orbax checkpoint {item.url}: cannot open leaf {leaf.path} ({leaf.name}): {exc}") from exc
+
+
+def read_result(future: Any, item: Any, leaf: Any) -> Any:
+    """The numpy array a tensorstore read of ``leaf`` of ``item`` gives; a read or decode that
+    fails (a damaged chunk, a store error) is a :class:`~objckpt.errors.StoreError` naming both."""
+    import numpy as np
+
+    try:
+        return np.asarray(future.result())
+    except Exception as exc:  # tensorstore: ValueError for a failed read or decode
+        raise StoreError(
+            f"reading leaf {leaf.path} ({leaf.name}) of the Orbax checkpoint {item.url} failed: {exc}"
+        ) from exc
