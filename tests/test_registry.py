@@ -23,8 +23,9 @@ from objckpt.errors import (
 )
 from objckpt.storage import from_url
 from objckpt.storage.error_map import map_obstore_error
+from objckpt.storage.fsspec_gcs import GcsFsspecStore
 from objckpt.storage.fsspec_local import LocalFsspecStore
-from objckpt.storage.fsspec_store import FsspecStore, GcsFsspecStore, MemoryFsspecStore, S3FsspecStore
+from objckpt.storage.fsspec_store import FsspecStore, MemoryFsspecStore, S3FsspecStore
 from objckpt.storage.obstore_config import NotTranslatable, translate_gcs, translate_s3
 from objckpt.storage.obstore_store import ObstoreStore
 from objckpt.storage.registry import BACKEND_ENV

@@ -25,8 +25,8 @@ adapter adds:
 :class:`FsspecStore` holds what every filesystem shares (validation, timeouts,
 error mapping, the generic fsspec calls); one subclass per filesystem objckpt
 knows overrides only the steps that differ: :class:`S3FsspecStore`,
-:class:`GcsFsspecStore`, :class:`MemoryFsspecStore` here and
-:class:`~objckpt.storage.fsspec_local.LocalFsspecStore`. :func:`for_filesystem`
+:class:`MemoryFsspecStore` here, :class:`~objckpt.storage.fsspec_gcs.GcsFsspecStore`
+and :class:`~objckpt.storage.fsspec_local.LocalFsspecStore`. :func:`for_filesystem`
 picks the class for a filesystem, once, when the store is opened.
 """
 
@@ -51,7 +51,6 @@ from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode,
 from objckpt.storage.error_map import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
 from objckpt.storage.error_map import http_status as _http_status
 from objckpt.storage.error_map import map_error
-from objckpt.storage.gcs_upload import MediaUploader
 from objckpt.storage.http_stream import HttpRangeReader, stream_range
 from objckpt.storage.streaming import ReadSink
 from objckpt.storage.urls import check_relative as _check_relative
@@ -436,48 +435,6 @@ class S3FsspecStore(FsspecStore):
         return bytes(await self._fs(what, "cat_file", self._path(key), max_concurrency=1))
 
 
-class GcsFsspecStore(FsspecStore):
-    """gcsfs: create-if-absent is ``ifGenerationMatch=0``; with an ``uploader``, bulk writes
-    send the buffer as the body (:class:`~objckpt.storage.gcs_upload.MediaUploader`), else
-    they go through gcsfs's ``pipe_file``; listings filter server-side.
-
-    Args:
-        uploader: Media uploads with the store's credential, shared by :meth:`child` stores
-            and closed with the store; None when gcsfs alone serves the store.
-        **kwargs: As for :class:`FsspecStore`.
-    """
-
-    _lists_by_prefix = True
-
-    def __init__(
-        self, fs: AbstractFileSystem, path: str, *, uploader: MediaUploader | None = None, **kwargs: Any
-    ) -> None:
-        super().__init__(fs, path, **kwargs)
-        self._uploader = uploader
-
-    def _atomic_create(self, requested: bool | None) -> bool:
-        return True
-
-    async def _write(self, what: str, key: str, data: bytes | memoryview, create: bool) -> None:
-        path = self._path(key)
-        uploader = self._uploader
-        if create:  # small (a manifest): the emulator checks the precondition only here
-            await self._fs(what, "pipe_file", path, data, mode="create")
-            return
-        if uploader is None:
-            await super()._write(what, key, data, create)
-            return
-        bucket, _, name = path.partition("/")  # bulk data: the buffer is the body, no copy
-        await self._run(what, lambda: self._on_fs_loop(uploader.upload(bucket, name, data, what)))
-        self.fs.invalidate_cache(path)
-
-    async def close(self) -> None:
-        """Close the range reader's and the uploader's connections (see :meth:`FsspecStore.close`)."""
-        await super().close()
-        if self._uploader is not None:
-            await self._uploader.close()
-
-
 class MemoryFsspecStore(FsspecStore):
     """fsspec's in-process memory filesystem: create-if-absent is check-then-write
     under one process-wide lock, which every writer through objckpt takes."""
@@ -503,6 +460,8 @@ def store_class(fs: AbstractFileSystem) -> type[FsspecStore]:
         return S3FsspecStore
     gcsfs_core = sys.modules.get("gcsfs.core")
     if gcsfs_core is not None and isinstance(fs, gcsfs_core.GCSFileSystem):
+        from objckpt.storage.fsspec_gcs import GcsFsspecStore  # it builds on this module
+
         return GcsFsspecStore
     if isinstance(fs, LocalFileSystem):
         from objckpt.storage.fsspec_local import LocalFsspecStore  # it builds on this module
