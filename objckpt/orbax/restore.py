@@ -27,7 +27,7 @@ from objckpt.core.tree import check_names, flatten_target, unflatten_target
 from objckpt.errors import TargetMismatchError
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, numpy_dtype
-from objckpt.orbax.tensorstore_io import import_tensorstore, kvstore_for, open_leaf, read_result
+from objckpt.orbax.tensorstore_io import BoxRead, import_tensorstore, kvstore_for, open_leaf
 from objckpt.restoring.casts import cast_values, check_cast
 from objckpt.transfer.engine import TransferStats
 
@@ -58,7 +58,7 @@ def restore_orbax(
         for i, t in selection.items():
             if i in arrays:
                 _check_target(item.leaves[i], arrays[i], t, cast)
-        values = _read_all(item, selection, arrays, options, stats, cast)
+        values = _read_all(ts, item, selection, arrays, options, stats, cast)
     stats.seconds = time.perf_counter() - started
     log.info(
         "objckpt restored the Orbax checkpoint %s: %d leaves, %d bytes in %.2f s",
@@ -109,6 +109,7 @@ def _boxes(target: Any, shape: tuple[int, ...]) -> list[tuple[tuple[slice, ...],
 
 
 def _read_all(
+    ts: Any,
     item: OrbaxItem,
     selection: dict[int, Any],
     arrays: dict[int, Any],
@@ -120,23 +121,24 @@ def _read_all(
 
     Box reads are issued in order while the bytes read and not yet placed stay
     within ``Options.read_window`` (and the memory budget): a sliding window, the
-    oldest read awaited first. Each box is put on its devices as it lands and its
-    host copy dropped, so host memory holds the window above the restored arrays;
-    a leaf is assembled once its last box is placed.
+    oldest read awaited first. Each box lands in an aligned buffer (:class:`BoxRead`)
+    that is put on its devices as it lands: adopted as the device buffer on CPU,
+    copied from and dropped on accelerators, so host memory holds the window above
+    the restored arrays. A leaf is assembled once its last box is placed.
     """
     window = max(1, min(options.read_window, options.memory_budget))
     values: dict[int, Any] = {}
-    pending: collections.deque[tuple[int, Any, list[Any], int]] = collections.deque()  # leaf, read, devices, bytes
+    pending: collections.deque[tuple[int, BoxRead, list[Any]]] = collections.deque()  # leaf, read, devices
     placed: dict[int, list[Any]] = {}
     expected: dict[int, int] = {}
     in_flight = 0
 
     def land() -> None:
         nonlocal in_flight
-        i, future, devices, nbytes = pending.popleft()
+        i, read, devices = pending.popleft()
         leaf = item.leaves[i]
-        host = read_result(future, item, leaf)
-        in_flight -= nbytes
+        host = read.result(item, leaf)
+        in_flight -= read.nbytes
         stats.bytes_read += host.nbytes
         stats.requests += 1
         placed.setdefault(i, []).extend(_place(leaf, host, selection[i], devices, cast))
@@ -149,14 +151,14 @@ def _read_all(
             values[i] = item.strings[leaf.name]
             continue
         array = arrays[i]
-        itemsize = numpy_dtype(array.dtype).itemsize
+        dtype = numpy_dtype(array.dtype)
         boxes = _boxes(t, tuple(array.shape))
         expected[i] = sum(len(devices) for _, devices in boxes)
         for box, devices in boxes:
-            nbytes = int(np.prod([s.stop - s.start for s in box], dtype=np.int64)) * itemsize
+            nbytes = int(np.prod([s.stop - s.start for s in box], dtype=np.int64)) * dtype.itemsize
             while pending and in_flight + nbytes > window:
                 land()
-            pending.append((i, array[box].read(), devices, nbytes))
+            pending.append((i, BoxRead(ts, array, box, dtype), devices))
             in_flight += nbytes
     while pending:
         land()
