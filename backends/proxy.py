@@ -17,6 +17,11 @@ bandwidth. On command it also injects faults, at a chosen rate, per request:
 GET responses (the stored data stays intact, the length and headers are kept):
 a checksum that fails in flight, not at rest (``stats.corrupted`` counts them).
 
+``fail_after(n_bytes, kind)`` faults every request that begins once ``n_bytes``
+have gone down to clients (``stats.bytes_down``), with one of the fault kinds:
+a store (or region) that dies, or hangs with ``"stall"``, partway through a
+restore. ``stats.bytes_up``/``bytes_down`` count what crossed the proxy each way.
+
 ``set_capacity(n)`` makes it behave like an overloaded store instead: a request
 that arrives while ``n`` others are being served is answered 503 SlowDown
 (``stats.throttled`` counts them), as S3 does when a client outruns a prefix.
@@ -96,6 +101,8 @@ class ProxyStats:
     refused: int = 0  # answered 403/401 by the identity checks, not forwarded
     # SigV4 requests by (method, X-Amz-Content-Sha256 kind): "UNSIGNED-PAYLOAD", "STREAMING-...", "sha256"
     payload_hashes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    bytes_up: int = 0  # bytes from clients to the server (request heads and bodies) that were forwarded
+    bytes_down: int = 0  # bytes from the server to clients (response heads and bodies)
 
     @property
     def faulted(self) -> int:
@@ -133,6 +140,7 @@ class FaultProxy:
         self._thread: threading.Thread | None = None
         self._live: set[_ClientSide] = set()  # open connections, touched on the loop thread only
         self.capacity: int | None = None
+        self._fail_after: tuple[int, str] | None = None
         self.serving = 0  # requests forwarded and not yet answered (loop thread only)
         self.port = 0
 
@@ -228,6 +236,24 @@ class FaultProxy:
             if self.corrupt_position is not None:
                 return min(self.corrupt_position, length - 1)
             return self._rng.randrange(length)
+
+    def fail_after(self, n_bytes: int | None, kind: str = "500") -> None:
+        """Fault every request that begins once ``n_bytes`` have gone down to clients (None: stop)."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}")
+        with self._lock:
+            self._fail_after = None if n_bytes is None else (n_bytes, kind)
+
+    def _failing(self) -> str | None:
+        with self._lock:
+            if self._fail_after is not None and self.stats.bytes_down >= self._fail_after[0]:
+                return self._fail_after[1]
+        return None
+
+    def _count(self, up: int = 0, down: int = 0) -> None:
+        with self._lock:
+            self.stats.bytes_up += up
+            self.stats.bytes_down += down
 
     def set_capacity(self, capacity: int | None) -> None:
         """Serve at most ``capacity`` requests at once and answer the rest 503 SlowDown (None: no limit)."""
@@ -397,6 +423,7 @@ class _ClientSide(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._head is None:  # the body: forwarded, or dropped under an injected status
             if self._to_upstream is not None:
+                self._proxy._count(up=len(data))
                 self._to_upstream.feed(data)
             return
         self._head += data
@@ -436,7 +463,7 @@ class _ClientSide(asyncio.Protocol):
                 proxy.stats.requests += 1
             self._pending.append(self._loop.call_later(delay, self._answer, *refusal))
             return
-        fault = proxy._draw(head.split(b"\r\n", 1)[0])
+        fault = proxy._failing() or proxy._draw(head.split(b"\r\n", 1)[0])
         if fault is None and proxy.capacity is not None and proxy.serving >= proxy.capacity:
             with proxy._lock:
                 proxy.stats.throttled += 1
@@ -446,6 +473,7 @@ class _ClientSide(asyncio.Protocol):
             return
         proxy.serving += 1
         self._serving = True
+        proxy._count(up=len(head) + len(rest))
         self._to_upstream = _Delayed(self._loop, delay, self._upstream_eof)
         self._to_upstream.feed(_force_close(head))
         if rest:
@@ -552,6 +580,7 @@ class _UpstreamSide(asyncio.Protocol):
         if self._side.flipper is not None:
             data = self._side.flipper.feed(data)
         if self._side._to_client is not None and data:
+            self._side._proxy._count(down=len(data))
             self._side._to_client.feed(data)
 
     def eof_received(self) -> bool:
