@@ -28,6 +28,7 @@ from objckpt.options import Options, RetryConfig
 from objckpt.orbax.convert import ConvertStats, convert_orbax, convert_orbax_steps
 from objckpt.progress import Progress
 from objckpt.restoring.api import restore
+from objckpt.restoring.locations import Location
 from objckpt.saving.api import SaveHandle, save, save_async
 from objckpt.tools.copy import CopyStats, copy
 from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
@@ -53,6 +54,7 @@ __all__ = [
     "KeepEvery",
     "KeepLast",
     "LeafInfo",
+    "Location",
     "ObjckptError",
     "Options",
     "Progress",

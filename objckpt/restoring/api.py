@@ -15,24 +15,23 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.tree_util import keystr
 
 from objckpt.core.boxes import box_to_slices
 from objckpt.core.checksum import crc32c
-from objckpt.core.format import ARRAY_KINDS, LeafEntry, Manifest, Piece
+from objckpt.core.format import ARRAY_KINDS, Manifest, Piece
 from objckpt.core.plan import ReadRequest, plan_reads
-from objckpt.core.tree import build, check_names, find_subtree, flatten_target, leaf_indices, unflatten_target
+from objckpt.core.tree import build, flatten_target, unflatten_target
 from objckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CoordinationError,
     IntegrityError,
-    TargetMismatchError,
 )
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
@@ -56,8 +55,17 @@ from objckpt.restoring.jobs import (
     wait_for_arena,
     whole_box,
 )
+from objckpt.restoring.locations import (
+    Location,
+    as_locations,
+    choose_locations,
+    failover_options,
+    failover_store,
+    open_locations,
+)
 from objckpt.restoring.read_once import Designator, share
 from objckpt.restoring.scatter import stream_read
+from objckpt.restoring.selection import inline_value, select
 from objckpt.saving.api import save_in_flight
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import DEVICE_ALIGNMENT, tune_malloc
@@ -82,6 +90,7 @@ def restore(
     storage_options: dict[str, Any] | None = None,
     partial: bool = False,
     read_once: bool = False,
+    replicas: Sequence[str | Location] | None = None,
     options: Options | None = None,
     stats: TransferStats | None = None,
     progress: ProgressArg = False,
@@ -105,6 +114,14 @@ def restore(
             once (one process per replicated box) and hand it to the other
             replicas with a collective over the devices. For restores across
             regions, where every byte read costs egress. All processes must pass it.
+        replicas: other copies of the same checkpoint (URLs, or
+            :class:`objckpt.Location` with their own storage options). The
+            locations holding the same committed checkpoint as ``url`` (same
+            ``save_id``) are timed with a small request and read nearest
+            first; a location that fails mid-restore (after its retries) is
+            left and the remaining reads go to the next one
+            (:mod:`objckpt.restoring.locations`). ``stats.bytes_by_location``
+            says how many bytes came from each. Composes with ``read_once``.
         options: tuning (:class:`objckpt.Options`).
         stats: counters to fill (bytes read from the store, requests, retries, seconds).
         progress: ``True`` draws a progress bar on stderr when it is a terminal
@@ -136,6 +153,9 @@ def restore(
     stats = stats if stats is not None else TransferStats()
     if options.tune_malloc:
         tune_malloc()
+    if replicas:
+        locations = [Location(str(url), storage_options), *as_locations(replicas, storage_options)]
+        return _restore_nearest(locations, target, partial, read_once, options, stats, progress, cast)
     with opened_store(url, storage_options, options, stats) as store, runtime.collection_paused(options.pause_gc):
         try:
             manifest = _read_manifest(store, options)
@@ -155,6 +175,29 @@ def restore(
                 item, target, storage_options=storage_options, partial=partial, options=options, stats=stats, cast=cast
             )
         return _restore(store, manifest, target, partial, read_once, options, stats, progress, cast)
+
+
+def _restore_nearest(
+    locations: list[Location],
+    target: Any,
+    partial: bool,
+    read_once: bool,
+    options: Options,
+    stats: TransferStats,
+    progress: ProgressArg,
+    cast: str,
+) -> Any:
+    """:func:`restore` with replicas: the nearest location holding the checkpoint, then the next ones."""
+    stores = open_locations(locations, options, stats)
+    try:
+        with runtime.collection_paused(options.pause_gc):
+            manifest, usable = runtime.run_sync(choose_locations(stores, options))
+            store = failover_store(usable, options, stats)
+            engine_options = failover_options(options, len(usable))
+            return _restore(store, manifest, target, partial, read_once, engine_options, stats, progress, cast)
+    finally:
+        for opened in stores:
+            close_store(opened)
 
 
 def _parent_store(url: str, storage_options: dict[str, Any] | None) -> Any:
@@ -183,7 +226,7 @@ def _restore(
 ) -> Any:
     """:func:`restore` from an open store (the arguments as there, defaults filled in)."""
     started = time.perf_counter()
-    selection, subtrees = _select(manifest, target, partial)
+    selection, subtrees = select(manifest, target, partial)
     read_once = read_once and jax.process_count() > 1
     designator = Designator(options.split_replicas_above)
     jobs = {
@@ -212,7 +255,7 @@ def _restore(
             _fetch_then_share(store.inner, requests, jobs, options, stats)
         else:
             runtime.run_sync(_fetch(store.inner, requests, jobs, options, stats))
-    values = {i: (jobs[i].result if i in jobs else _inline(manifest.leaves[i], t)) for i, t in selection.items()}
+    values = {i: (jobs[i].result if i in jobs else inline_value(manifest.leaves[i], t)) for i, t in selection.items()}
     seconds = time.perf_counter() - started
     stats.seconds = seconds
     log.info(
@@ -251,43 +294,6 @@ def _read_manifest(store: Any, options: Options) -> Manifest:
         ) from None
 
 
-def _select(manifest: Manifest, target: Any, partial: bool) -> tuple[dict[int, Any], dict[str, dict[str, Any]]]:
-    """Which saved leaves to restore, each with its target leaf; and the saved subtrees
-    that ``None`` target leaves stand for (by target path: their skeleton nodes)."""
-    if target is None:
-        return {i: None for i in range(len(manifest.leaves))}, {}
-    flat, _ = flatten_target(target)
-    index = {leaf.path: i for i, leaf in enumerate(manifest.leaves)}
-    subtrees = _none_subtrees(manifest, target, index)
-    covered = {i: None for node in subtrees.values() for i in leaf_indices(node)}
-    flat = [(path, value) for path, value in flat if path not in subtrees]
-    named = {path for path, _ in flat} | {manifest.leaves[i].path for i in covered}
-    missing = [path for path, _ in flat if path not in index]
-    unnamed = [leaf.path for leaf in manifest.leaves if leaf.path not in named]
-    check_names(missing, unnamed, partial=partial)
-    return {index[path]: value for path, value in flat} | covered, subtrees
-
-
-def _none_subtrees(manifest: Manifest, target: Any, index: dict[str, int]) -> dict[str, dict[str, Any]]:
-    """The ``None`` target leaves that name a saved subtree rather than a leaf, with its skeleton node.
-
-    Such a ``None`` restores the whole subtree as host numpy in plain containers,
-    as ``restore(url)`` does for the whole tree.
-    """
-    found = {}
-    for keypath, value in jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)[0]:
-        path = keystr(keypath)
-        if value is not None or path in index:
-            continue
-        node = find_subtree(manifest.tree, keypath)
-        if node is None or node.get("t") == "leaf":
-            continue
-        leaves = [manifest.leaves[i].path for i in leaf_indices(node)]
-        if leaves and all(p.startswith(path) for p in leaves):
-            found[path] = node
-    return found
-
-
 def _fetch_then_share(
     store: Any, requests: list[ReadRequest], jobs: dict[int, LeafJob], options: Options, stats: TransferStats
 ) -> None:
@@ -322,12 +328,6 @@ def _fetch_then_share(
         if job.designated is not None:
             assert isinstance(job.sharding, NamedSharding)
             job.result = share(job.result, job.sharding)
-
-
-def _inline(entry: LeafEntry, target: Any) -> Any:
-    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
-        raise TargetMismatchError(f"leaf {entry.path}: saved a Python {entry.kind}, the target asks for an array")
-    return entry.value
 
 
 def _plan(manifest: Manifest, jobs: dict[int, LeafJob], options: Options, *, streamed: bool) -> list[ReadRequest]:

@@ -51,6 +51,8 @@ class TransferStats:
     bytes_read: int = 0
     objects_written: int = 0
     seconds: float = 0.0  # wall time of the whole operation, set when it ends
+    #: bytes read from each location, by URL, when a restore reads from several (replicas)
+    bytes_by_location: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
 
@@ -61,6 +63,11 @@ class TransferStats:
             listeners = tuple(self._listeners) if self._listeners else ()
         for listener in listeners:
             listener()
+
+    def add_location_bytes(self, url: str, n: int) -> None:
+        """Count ``n`` bytes read from the location ``url`` (``bytes_by_location``)."""
+        with self._lock:
+            self.bytes_by_location[url] = self.bytes_by_location.get(url, 0) + n
 
     def watch(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after each change of the counters, on the thread that made it and

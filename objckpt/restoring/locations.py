@@ -1,0 +1,315 @@
+"""Restoring from the nearest of several copies of one checkpoint, failing over mid-restore.
+
+A checkpoint replicated to other regions (``CheckpointManager(replicas=...)``, or
+``objckpt cp``) exists at several locations, each committed by its own
+``manifest.json`` with the same ``save_id``. :func:`choose_locations` reads the
+manifest at every location at once, keeps those that hold the same committed
+checkpoint as the first one listed that has it (a different ``save_id`` for
+that URL is another checkpoint, never mixed in), times a small request to each
+(``HEAD manifest.json``, connections already open) and orders them nearest
+first. :class:`FailoverStore` then serves the restore's reads from the nearest
+location; when a location keeps failing (as many failures in a row as a request
+may retry, or at once for a missing object or a refused permission), it is left
+and the reads that remain go to the next one. Every piece is still checked
+against its crc32c by the restore itself, whichever location its bytes came from,
+and ``TransferStats.bytes_by_location`` says how many bytes came from where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+from objckpt.core.format import MANIFEST_KEY, Manifest
+from objckpt.errors import (
+    CheckpointNotFoundError,
+    ObjectNotFoundError,
+    StoreError,
+    StorePermissionError,
+    TransientStoreError,
+)
+from objckpt.options import Options
+from objckpt.storage.base import ObjectInfo, PutMode, Store
+from objckpt.storage.streaming import ReadSink
+from objckpt.transfer.engine import RetryingStore, TransferStats, open_store
+from objckpt.transfer.manifest_io import read_manifest
+
+log = logging.getLogger("objckpt")
+
+T = TypeVar("T")
+
+#: Seconds allowed for each request of a location's probe (its manifest, two HEADs).
+PROBE_TIMEOUT_S = 10.0
+#: Attempts per probe request: a location that does not answer twice is left out.
+PROBE_ATTEMPTS = 2
+
+
+@dataclass(frozen=True)
+class Location:
+    """One copy of a checkpoint or manager root: its URL and the storage options to reach it.
+
+    Wherever objckpt takes replicas, a plain URL string stands for
+    ``Location(url)`` with the storage options of the call it is passed to.
+    """
+
+    url: str
+    storage_options: dict[str, Any] | None = field(default=None, compare=False)
+
+    def child(self, name: str) -> Location:
+        """The location ``<url>/<name>``, reached the same way."""
+        return Location(f"{self.url.rstrip('/')}/{name}", self.storage_options)
+
+
+def as_locations(items: Sequence[str | Location] | None, storage_options: dict[str, Any] | None) -> list[Location]:
+    """``items`` as :class:`Location`\\ s; a plain URL takes ``storage_options``."""
+    found = []
+    for item in items or ():
+        if isinstance(item, Location):
+            found.append(item)
+        elif isinstance(item, str):
+            found.append(Location(item, storage_options))
+        else:
+            raise TypeError(f"a replica is a URL or an objckpt.Location, got {type(item).__name__}: {item!r}")
+    return found
+
+
+@dataclass
+class Probe:
+    """What one location said when asked for the checkpoint."""
+
+    store: RetryingStore
+    manifest: Manifest | None = None
+    latency_s: float = float("inf")
+    error: str | None = None
+
+
+async def _probe(store: RetryingStore, options: Options) -> Probe:
+    probing = RetryingStore(
+        store.inner,
+        retry=replace(options.retry, max_attempts=PROBE_ATTEMPTS),
+        request_timeout=min(options.request_timeout, PROBE_TIMEOUT_S),
+        stats=store.stats,
+    )
+    found = Probe(store)
+    try:
+        found.manifest = await read_manifest(probing, size_limit=options.manifest_size_limit)
+        timings = []
+        for _ in range(2):  # the first request opened the connection: time the next ones
+            started = time.perf_counter()
+            await probing.head(MANIFEST_KEY)
+            timings.append(time.perf_counter() - started)
+        found.latency_s = min(timings)
+    except CheckpointNotFoundError:
+        found.error = "no committed checkpoint there"
+    except Exception as e:  # an unreachable or refusing location is left out, and said so
+        found.manifest = None
+        found.error = f"{type(e).__name__}: {e}"
+    return found
+
+
+async def choose_locations(stores: Sequence[RetryingStore], options: Options) -> tuple[Manifest, list[Probe]]:
+    """The checkpoint's manifest and the locations holding it, nearest first.
+
+    The checkpoint is the one committed at the first of ``stores`` that has one
+    (the URL asked for, unless it is unreachable); locations holding another
+    ``save_id`` are left out, as are those that did not answer, each logged.
+
+    Raises:
+        CheckpointNotFoundError: no location holds a committed checkpoint (each one's answer named).
+    """
+    probes = list(await asyncio.gather(*(_probe(s, options) for s in stores)))
+    reference = next((p.manifest for p in probes if p.manifest is not None), None)
+    if reference is None:
+        said = "; ".join(f"{p.store.url}: {p.error}" for p in probes)
+        raise CheckpointNotFoundError(f"no committed checkpoint at any location ({said})")
+    usable = []
+    for p in probes:
+        if p.manifest is None:
+            log.warning("objckpt restore leaves out %s: %s", p.store.url, p.error)
+        elif p.manifest.save_id != reference.save_id:
+            log.warning(
+                "objckpt restore leaves out %s: it holds save %s, not %s (another checkpoint)",
+                p.store.url,
+                p.manifest.save_id,
+                reference.save_id,
+            )
+        else:
+            usable.append(p)
+    usable.sort(key=lambda p: p.latency_s)
+    log.info(
+        "objckpt restore reads %s from %s",
+        reference.save_id,
+        ", then ".join(f"{p.store.url} ({p.latency_s * 1000:.1f} ms)" for p in usable),
+    )
+    return reference, usable
+
+
+class FailoverStore(Store):
+    """Reads from the first healthy of several stores holding the same objects.
+
+    A location is left once it fails ``failures_to_leave`` requests in a row
+    (transient failures and timeouts, which the caller's engine retries on the
+    location then current) or at once when an object is missing there or access
+    is refused: the request then goes on, within the same call, to the next
+    location. Once every location has been left, the last error is raised. Each
+    request to a location has ``request_timeout``, so a location that hangs is
+    left too; the caller's own timeout per call must allow for one timeout per
+    location. Only reads are served: a restore writes nothing.
+    """
+
+    def __init__(
+        self,
+        stores: Sequence[Store],
+        *,
+        request_timeout: float,
+        failures_to_leave: int,
+        stats: TransferStats | None = None,
+    ) -> None:
+        if not stores:
+            raise ValueError("FailoverStore needs at least one store")
+        self.stores = list(stores)
+        self.url = self.stores[0].url
+        self.stats = stats
+        self._timeout = request_timeout
+        self._limit = max(1, failures_to_leave)
+        self._current = 0
+        self._failures = 0
+        # What a caller may rely on must hold wherever a read lands.
+        self.supports_create = False
+        self.reads_in_place = all(s.reads_in_place for s in self.stores)
+        self.streams_reads = all(s.streams_reads for s in self.stores)
+        self.puts_parts = False
+
+    @property
+    def current_url(self) -> str:
+        return self.stores[min(self._current, len(self.stores) - 1)].url
+
+    def _leave(self, index: int, error: BaseException) -> bool:
+        """Leave location ``index`` (if still current); whether another one is left to try."""
+        if index == self._current:
+            self._current += 1
+            self._failures = 0
+            if self._current < len(self.stores):
+                log.warning(
+                    "objckpt restore leaves %s (%s: %s); reading the rest from %s",
+                    self.stores[index].url,
+                    type(error).__name__,
+                    error,
+                    self.stores[self._current].url,
+                )
+        return self._current < len(self.stores)
+
+    async def _read(self, fn: Callable[[Store], Awaitable[T]], size: Callable[[T], int]) -> T:
+        while True:
+            index = self._current
+            if index >= len(self.stores):
+                raise StoreError(f"every location of {self.url} has failed")
+            store = self.stores[index]
+            try:
+                result = await asyncio.wait_for(fn(store), self._timeout)
+            except (ObjectNotFoundError, StorePermissionError) as e:
+                if self._leave(index, e):
+                    continue
+                raise
+            except (TransientStoreError, TimeoutError, ConnectionError, StoreError) as e:
+                if index == self._current:
+                    self._failures += 1
+                    if self._failures >= self._limit and self._leave(index, e):
+                        continue
+                if index < self._current:  # left meanwhile by another request: go on at once
+                    continue
+                raise
+            if index == self._current:
+                self._failures = 0
+            if self.stats is not None:
+                self.stats.add_location_bytes(store.url, size(result))
+            return result
+
+    async def get_range(self, key: str, *, start: int, end: int) -> bytes:
+        return await self._read(lambda s: s.get_range(key, start=start, end=end), len)
+
+    async def get_range_buffer(self, key: str, *, start: int, end: int) -> memoryview:
+        return await self._read(lambda s: s.get_range_buffer(key, start=start, end=end), len)
+
+    async def get_range_streamed(self, key: str, *, start: int, end: int, sink: ReadSink) -> int:
+        return await self._read(lambda s: s.get_range_streamed(key, start=start, end=end, sink=sink), int)
+
+    async def get(self, key: str) -> bytes:
+        return await self._read(lambda s: s.get(key), len)
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await self._read(lambda s: s.head(key), lambda _: 0)
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return await self._read(lambda s: s.list(prefix), lambda _: 0)
+
+    async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
+        raise StoreError(f"{self.url}: a restore from replicas writes nothing (PUT {key})")
+
+    async def delete(self, key: str) -> None:
+        raise StoreError(f"{self.url}: a restore from replicas deletes nothing (DELETE {key})")
+
+    def child(self, subpath: str) -> FailoverStore:
+        return FailoverStore(
+            [s.child(subpath) for s in self.stores[self._current :] or self.stores[-1:]],
+            request_timeout=self._timeout,
+            failures_to_leave=self._limit,
+            stats=self.stats,
+        )
+
+
+def open_locations(locations: Sequence[Location], options: Options, stats: TransferStats) -> list[RetryingStore]:
+    """A retrying store for each location (closed by the caller, even on error)."""
+    opened: list[RetryingStore] = []
+    try:
+        for location in locations:
+            opened.append(open_store(location.url, location.storage_options, options, stats))
+    except BaseException:
+        from objckpt.transfer.engine import close_store
+
+        for store in opened:
+            close_store(store)
+        raise
+    return opened
+
+
+def failover_store(probes: Sequence[Probe], options: Options, stats: TransferStats) -> RetryingStore:
+    """The store a restore reads through: the usable locations nearest first, behind the usual retries.
+
+    Requests to one location keep ``options.request_timeout``; the retrying layer
+    above allows one timeout per location, so a failover within a call is not cut short.
+    """
+    stores = [p.store.inner for p in probes]
+    failover = FailoverStore(
+        stores,
+        request_timeout=options.request_timeout,
+        failures_to_leave=options.retry.max_attempts,
+        stats=stats,
+    )
+    return RetryingStore(
+        failover,
+        retry=options.retry,
+        request_timeout=options.request_timeout * (len(stores) + 1),
+        stats=stats,
+    )
+
+
+def failover_options(options: Options, locations: int) -> Options:
+    """``options`` for the engine above a :class:`FailoverStore` over ``locations`` locations."""
+    return replace(options, request_timeout=options.request_timeout * (locations + 1))
+
+
+__all__ = [
+    "FailoverStore",
+    "Location",
+    "Probe",
+    "as_locations",
+    "choose_locations",
+    "failover_options",
+    "failover_store",
+    "open_locations",
+]

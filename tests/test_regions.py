@@ -1,0 +1,195 @@
+"""Regions: restores that read from the nearest copy of a checkpoint and fail over.
+
+Three "regions" on the local servers: an S3 bucket reached through a proxy with
+2 ms RTT (near), a second S3 bucket through a proxy with 40 ms RTT (far), and
+the GCS emulator through a proxy with 20 ms RTT. The proxies count the bytes each location served.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_bit_exact
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import objckpt
+from backends.proxy import FaultProxy
+
+SMALL = objckpt.Options(blob_size=256 * 1024)
+FAR_BUCKET = "objckpt-region-far"
+
+
+@dataclass
+class Region:
+    name: str
+    url: str  # a fresh prefix in this region
+    storage_options: dict[str, Any]
+    proxy: FaultProxy | None = None
+
+    def location(self, path: str = "") -> objckpt.Location:
+        return objckpt.Location(f"{self.url}{path}", self.storage_options)
+
+    @property
+    def served(self) -> int:
+        assert self.proxy is not None
+        return self.proxy.stats.bytes_down
+
+
+def _through(proxy: FaultProxy, options: dict[str, Any]) -> dict[str, Any]:
+    client = {**options["client_kwargs"], "endpoint_url": proxy.endpoint_url}
+    return {**options, "client_kwargs": client}
+
+
+@pytest.fixture
+def regions(s3_service, gcs_service):
+    """near (S3, 2 ms), far (another S3 bucket, 40 ms), gcs (20 ms): fresh prefixes in each."""
+    s3_service.make_bucket(FAR_BUCKET)
+    name = uuid.uuid4().hex[:12]
+    near_proxy = FaultProxy("127.0.0.1", _port(s3_service.endpoint_url), latency_ms=2, stall_seconds=60).start()
+    far_proxy = FaultProxy("127.0.0.1", _port(s3_service.endpoint_url), latency_ms=40).start()
+    gcs_proxy = FaultProxy("127.0.0.1", _port(gcs_service.endpoint_url), latency_ms=20).start()
+    options = s3_service.storage_options()
+    found = {
+        "near": Region("near", s3_service.url(f"near-{name}"), _through(near_proxy, options), near_proxy),
+        "far": Region("far", f"s3://{FAR_BUCKET}/far-{name}", _through(far_proxy, options), far_proxy),
+        "gcs": Region(
+            "gcs",
+            gcs_service.url(f"gcs-{name}"),
+            {**gcs_service.storage_options(), "endpoint_url": gcs_proxy.endpoint_url},
+            gcs_proxy,
+        ),
+    }
+    try:
+        yield found
+    finally:
+        for proxy in (near_proxy, far_proxy, gcs_proxy):
+            proxy.stop()
+
+
+def _port(endpoint_url: str) -> int:
+    return int(endpoint_url.rsplit(":", 1)[1].rstrip("/"))
+
+
+def _tree(seed: int = 0) -> dict[str, Any]:
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    w = jnp.arange(1024 * 512, dtype=jnp.float32).reshape(1024, 512) * (seed + 1)
+    return {
+        "w": jax.device_put(w, NamedSharding(mesh, P("x", "y"))),
+        "b": np.arange(100_000, dtype=np.int32) + seed,
+        "step": seed,
+    }
+
+
+def _target() -> dict[str, Any]:
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    return {
+        "w": jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=NamedSharding(mesh, P("b", "a"))),
+        "b": None,
+        "step": None,
+    }
+
+
+def _replicated(regions: dict[str, Region], tree: Any) -> int:
+    """Save ``tree`` at near, copy it to far and gcs; the checkpoint's blob bytes."""
+    near = regions["near"]
+    objckpt.save(near.url, tree, storage_options=near.storage_options, options=SMALL)
+    for name in ("far", "gcs"):
+        other = regions[name]
+        stats = objckpt.copy(
+            near.url, other.url, src_storage_options=near.storage_options, dst_storage_options=other.storage_options
+        )
+    return stats.bytes_total
+
+
+def test_restore_reads_from_the_nearest_copy(regions):
+    tree = _tree()
+    size = _replicated(regions, tree)
+    near, far = regions["near"], regions["far"]
+    near_before, far_before = near.served, far.served
+    stats = objckpt.TransferStats()
+    # Asked for the far copy, told of the others: the near one serves the bytes.
+    restored = objckpt.restore(
+        far.url,
+        _target(),
+        storage_options=far.storage_options,
+        replicas=[near.location(), regions["gcs"].location()],
+        stats=stats,
+    )
+    assert_tree_bit_exact(tree, restored)
+    from_near, from_far = near.served - near_before, far.served - far_before
+    assert from_near >= size * 0.9, (from_near, size)
+    assert from_far < size * 0.05, (from_far, size)  # its manifest and a probe, no blob
+    assert stats.bytes_by_location.get(near.url, 0) >= size * 0.9
+    assert stats.bytes_by_location.get(far.url, 0) == 0
+
+
+@pytest.mark.parametrize("failure", ["500", "stall", "killed"])
+def test_a_location_failing_mid_restore_is_left_for_the_next(regions, failure):
+    tree = _tree(1)
+    size = _replicated(regions, tree)
+    near, far = regions["near"], regions["far"]
+    assert near.proxy is not None
+    options = objckpt.Options(
+        max_concurrency=2, request_timeout=3.0, retry=objckpt.RetryConfig(max_attempts=3, max_backoff=0.2)
+    )
+    start = near.served
+    if failure == "killed":
+        near.proxy.fail_after(start + size // 2, "reset")
+    else:
+        near.proxy.fail_after(start + size // 2, failure)
+    stats = objckpt.TransferStats()
+    restored = objckpt.restore(
+        near.url,
+        _target(),
+        storage_options=near.storage_options,
+        replicas=[far.location()],
+        options=options,
+        stats=stats,
+    )
+    assert_tree_bit_exact(tree, restored)
+    by = stats.bytes_by_location
+    assert by.get(near.url, 0) > 0 and by.get(far.url, 0) > 0, by
+    assert by[near.url] + by[far.url] >= size * 0.9
+
+
+def test_a_copy_with_another_save_id_is_never_mixed_in(regions):
+    ours, theirs = _tree(2), _tree(3)
+    near, far = regions["near"], regions["far"]
+    objckpt.save(far.url, ours, storage_options=far.storage_options, options=SMALL)
+    objckpt.save(near.url, theirs, storage_options=near.storage_options, options=SMALL)  # same path, other save
+    before = near.served
+    stats = objckpt.TransferStats()
+    restored = objckpt.restore(
+        far.url, _target(), storage_options=far.storage_options, replicas=[near.location()], stats=stats
+    )
+    assert_tree_bit_exact(ours, restored)
+    assert near.served - before < 64 * 1024  # its manifest only: no blob of another save
+    assert set(stats.bytes_by_location) == {far.url}
+
+
+def test_no_location_holding_the_checkpoint_names_each(regions):
+    near, gcs = regions["near"], regions["gcs"]
+    with pytest.raises(objckpt.CheckpointNotFoundError) as caught:
+        objckpt.restore(near.url, None, storage_options=near.storage_options, replicas=[gcs.location()])
+    assert near.url in str(caught.value) and gcs.url in str(caught.value)
+
+
+def test_replicas_compose_with_a_lost_primary(regions):
+    """The URL asked for is unreachable: the replicas still serve the checkpoint."""
+    tree = _tree(4)
+    _replicated(regions, tree)
+    near, far = regions["near"], regions["far"]
+    assert near.proxy is not None
+    near.proxy.fail_after(0, "500")
+    options = objckpt.Options(request_timeout=3.0, retry=objckpt.RetryConfig(max_attempts=2, max_backoff=0.1))
+    restored = objckpt.restore(
+        near.url, _target(), storage_options=near.storage_options, replicas=[far.location()], options=options
+    )
+    assert_tree_bit_exact(tree, restored)
