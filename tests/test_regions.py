@@ -193,3 +193,125 @@ def test_replicas_compose_with_a_lost_primary(regions):
         near.url, _target(), storage_options=near.storage_options, replicas=[far.location()], options=options
     )
     assert_tree_bit_exact(tree, restored)
+
+
+# ------------------------------------------------------------------ replicas kept by the manager
+
+
+def _step_state(step: int) -> dict[str, Any]:
+    return {"w": np.arange(64 * 1024, dtype=np.float32) * (step + 1), "b": np.full(1000, step, np.int16), "step": step}
+
+
+def _save_ids(root: str, storage_options: dict[str, Any]) -> dict[int, str]:
+    mgr = objckpt.CheckpointManager(root, storage_options=storage_options)
+    try:
+        return {step: mgr.inspect(step).save_id for step in mgr.steps()}
+    finally:
+        mgr.close()
+
+
+def test_manager_replicas_hold_the_roots_steps_after_close(regions):
+    near, far, gcs = regions["near"], regions["far"], regions["gcs"]
+    mgr = objckpt.CheckpointManager(
+        near.url,
+        storage_options=near.storage_options,
+        keep_last=3,
+        keep_every=5,
+        replicas=[far.location(), gcs.location()],
+        options=objckpt.Options(blob_size=64 * 1024),
+    )
+    for step in range(20):
+        mgr.save(step, _step_state(step))
+    mgr.close()
+    root_ids = _save_ids(near.url, near.storage_options)
+    assert sorted(root_ids) == [0, 5, 10, 15, 17, 18, 19]
+    for region in (far, gcs):
+        assert _save_ids(region.url, region.storage_options) == root_ids, region.name
+        replica = objckpt.CheckpointManager(region.url, storage_options=region.storage_options)
+        for step in root_ids:
+            assert_tree_bit_exact(_step_state(step), replica.restore(step))
+        replica.close()
+    statuses = {s.url: s for s in mgr.replica_status()}
+    assert set(statuses) == {far.url, gcs.url}
+    for status in statuses.values():
+        assert status.steps == sorted(root_ids) and status.last_step == 19
+        assert status.pending == [] and status.errors == 0 and status.bytes_copied > 0
+
+
+def test_an_unreachable_replica_never_blocks_training(regions):
+    near, far = regions["near"], regions["far"]
+    assert far.proxy is not None
+    far.proxy.fail_after(0, "500")  # the far region is down for the whole run
+    options = objckpt.Options(blob_size=64 * 1024, retry=objckpt.RetryConfig(max_attempts=2, max_backoff=0.05))
+    mgr = objckpt.CheckpointManager(
+        near.url, storage_options=near.storage_options, replicas=[far.location()], options=options
+    )
+    for step in range(3):
+        mgr.save(step, _step_state(step), wait=True)
+    assert mgr.steps() == [0, 1, 2]
+    mgr.close(timeout=1.0)
+    status = mgr.replica_status()[0]
+    assert status.errors >= 1 and status.last_error, status
+    assert status.steps == [] and status.pending == [2, 1, 0], status
+    # Back up: the next manager on the same roots catches up.
+    far.proxy.fail_after(None)
+    again = objckpt.CheckpointManager(
+        near.url, storage_options=near.storage_options, replicas=[far.location()], options=options
+    )
+    again.close(timeout=60)
+    assert sorted(_save_ids(far.url, far.storage_options)) == [0, 1, 2]
+
+
+def test_killed_mid_replication_leaves_no_partial_step_and_the_next_run_catches_up(regions):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    near, far = regions["near"], regions["far"]
+    child = Path(__file__).with_name("replica_child.py")
+    env = dict(
+        os.environ,
+        OBJCKPT_TEST_STORAGE_OPTIONS=json.dumps(near.storage_options),
+        OBJCKPT_TEST_REPLICAS=json.dumps([[far.url, far.storage_options]]),
+        PYTHONPATH=str(child.parents[1]),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(child), near.url, "0", "3"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("replicating"), line
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    root_ids = _save_ids(near.url, near.storage_options)
+    assert sorted(root_ids) == [0, 1, 2, 3]
+    seen = _save_ids(far.url, far.storage_options)
+    assert len(seen) < 4  # killed before the replica had every step
+    for step, save_id in seen.items():  # what is visible there is whole
+        assert save_id == root_ids[step]
+        assert objckpt.verify(f"{far.url}/step_{step:010d}", storage_options=far.storage_options).ok
+    mgr = objckpt.CheckpointManager(near.url, storage_options=near.storage_options, replicas=[far.location()])
+    mgr.close(timeout=120)
+    assert _save_ids(far.url, far.storage_options) == root_ids
+    replica = objckpt.CheckpointManager(far.url, storage_options=far.storage_options)
+    assert float(replica.restore(3)["w"][5]) == 5.0 + 3
+    replica.close()
+
+
+def test_manager_restore_reads_from_the_nearest_replica(regions):
+    near, far = regions["near"], regions["far"]
+    mgr = objckpt.CheckpointManager(
+        far.url, storage_options=far.storage_options, replicas=[near.location()], options=SMALL
+    )
+    tree = _step_state(7)
+    mgr.save(7, tree, wait=True)
+    mgr.close()
+    mgr = objckpt.CheckpointManager(far.url, storage_options=far.storage_options, replicas=[near.location()])
+    near_before, far_before = near.served, far.served
+    assert_tree_bit_exact(tree, mgr.restore(7))
+    assert near.served - near_before > far.served - far_before + 200_000
+    mgr.close()

@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("ls", _commands.cmd_ls, "list the steps under a manager root, or the checkpoints under a prefix")
     p.add_argument("root", metavar="ROOT")
+    p.add_argument(
+        "--replicas",
+        nargs="+",
+        metavar="URL",
+        default=[],
+        help="replica roots of ROOT: show which steps exist where (a copy of ROOT's step, another save, partial)",
+    )
     _common(p)
     add_store_flags(p)
 

@@ -22,15 +22,18 @@ import re
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.metadata import to_json_value
 from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
+from objckpt.manager.replication import ReplicaStatus, Replicator
 from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
 from objckpt.multihost import get_coordinator
 from objckpt.options import Options
 from objckpt.restoring.api import restore
+from objckpt.restoring.locations import Location, as_locations
 from objckpt.saving.api import SaveHandle, save_async
 from objckpt.saving.live_markers import describe, live_markers
 from objckpt.storage import ObjectInfo, Store
@@ -68,6 +71,18 @@ class CheckpointManager:
         options: tuning for saves and restores.
         gc_grace_seconds: ``gc`` leaves uncommitted blobs younger than this alone.
         policies: extra :class:`RetentionPolicy` objects.
+        replicas: other roots (URLs, or :class:`objckpt.Location` with their own
+            storage options) that every committed step is copied to in the
+            background (:mod:`objckpt.manager.replication`): server-side where
+            the provider allows, each copy committed by its own manifest (same
+            ``save_id``), newest step first when a replica falls behind. The
+            retention policies and ``gc`` apply to every replica;
+            :meth:`replica_status` says where each stands; :meth:`restore` reads
+            from the nearest copy and fails over. In multi-process runs the
+            primary process replicates.
+        replication_timeout: seconds :meth:`close` waits for the replicas to hold
+            every step the root keeps (default 600) before it stops replicating;
+            what was cut off is caught up by the next manager on the same roots.
 
     Without any retention argument nothing is ever deleted. The latest committed
     step is always kept.
@@ -86,6 +101,8 @@ class CheckpointManager:
         options: Options | None = None,
         gc_grace_seconds: float = 3600.0,
         policies: list[RetentionPolicy] | None = None,
+        replicas: Sequence[str | Location] | None = None,
+        replication_timeout: float = 600.0,
     ) -> None:
         self.root_url = str(root_url).rstrip("/")
         self.storage_options = dict(storage_options or {})
@@ -108,6 +125,19 @@ class CheckpointManager:
         self._pending: concurrent.futures.Future[None] | None = None
         self._metrics: dict[int, dict[str, Any]] = {}
         self._closed = False
+        self.replicas = as_locations(replicas, self.storage_options)
+        self.replication_timeout = replication_timeout
+        self._replicator: Replicator | None = None
+        if self.replicas and self._coordinator.is_primary:
+            self._replicator = Replicator(
+                self.store,
+                self.replicas,
+                options=self.options,
+                policies=self.policies,
+                known_metrics=self._metrics,
+                step_dir=step_dir,
+                committed_steps=committed_steps,
+            )
 
     # ------------------------------------------------------------------ saving
 
@@ -155,8 +185,12 @@ class CheckpointManager:
     async def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, Any]) -> None:
         await asyncio.wrap_future(handle._future)
         self._metrics[step] = metrics
+        if self._replicator is not None:
+            await self._replicator.committed(step)
         if self.policies and self._coordinator.is_primary:
-            await self._apply_retention()
+            deleted = await self._apply_retention()
+            if self._replicator is not None:
+                await self._replicator.deleted(deleted)
 
     def wait(self) -> None:
         """Wait for the save in flight (and its retention pass); re-raise its error."""
@@ -168,13 +202,33 @@ class CheckpointManager:
         if pending is not None:
             pending.result()
 
-    def close(self) -> None:
-        """Wait for everything in flight and close the root store; the manager cannot save afterwards."""
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight, then for the replicas (up to ``timeout`` seconds,
+        ``replication_timeout`` by default), and close the stores; the manager cannot save afterwards.
+
+        Replicas still behind when the time is up are logged; a copy cut off leaves
+        no partial step there, and the next manager on the same roots catches up.
+        """
         try:
             self.wait()
+            if self._replicator is not None:
+                wait = self.replication_timeout if timeout is None else timeout
+                if not self._replicator.wait(wait):
+                    behind = [f"{s.url} (pending steps {s.pending})" for s in self._replicator.status() if s.pending]
+                    log.warning("objckpt stopped replicating after %.0f s; behind: %s", wait, "; ".join(behind))
         finally:
             self._closed = True
-            close_store(self.store)
+            try:
+                if self._replicator is not None:
+                    self._replicator.close()
+            finally:
+                close_store(self.store)
+
+    def replica_status(self) -> list[ReplicaStatus]:
+        """Where each replica stands: its steps, the step being copied, lag, errors
+        (:class:`~objckpt.manager.replication.ReplicaStatus`). Empty without replicas,
+        and on processes other than the primary, which do not replicate."""
+        return self._replicator.status() if self._replicator is not None else []
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -193,14 +247,7 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     async def _committed_steps(self) -> list[int]:
-        objects = await self.store.list("step_")
-        steps = set()
-        for obj in objects:
-            head, _, tail = obj.key.partition("/")
-            match = STEP_DIR.match(head)
-            if match and tail == MANIFEST_KEY:
-                steps.add(int(match.group(1)))
-        return sorted(steps)
+        return await committed_steps(self.store)
 
     # ------------------------------------------------------------------ reading
 
@@ -215,6 +262,7 @@ class CheckpointManager:
             target,
             storage_options=self.storage_options,
             partial=partial,
+            replicas=[location.child(step_dir(step)) for location in self.replicas],
             options=self.options,
             cast=cast,
         )
@@ -243,20 +291,23 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ deleting
 
-    async def _apply_retention(self) -> None:
+    async def _apply_retention(self) -> list[int]:
         steps = await self._committed_steps()
         needs_metrics = any(isinstance(p, KeepBest) for p in self.policies)
         records = []
         for s in steps:
             metrics = (await asyncio.to_thread(self.metrics, s)) if needs_metrics else self._metrics.get(s, {})
             records.append(StepRecord(s, metrics))
+        deleted = []
         for step in steps_to_delete(records, self.policies):
             try:
                 await self._delete_step(step)
             except SaveInProgressError as e:  # another writer's save into a committed step: gc's job later
                 log.warning("objckpt retention left step %d: %s", step, e)
                 continue
+            deleted.append(step)
             log.info("objckpt retention deleted step %d under %s", step, self.store.url)
+        return deleted
 
     async def _delete_step(self, step: int) -> None:
         """Manifest first (the step stops existing at once), then its blobs."""
@@ -274,9 +325,10 @@ class CheckpointManager:
         runtime.run_sync(self._delete_step(step))
 
     def gc(self, grace_seconds: float | None = None) -> list[str]:
-        """Delete blobs no committed manifest references, once older than the grace period.
+        """Delete blobs no committed manifest references, once older than the grace period,
+        at the root and at every replica.
 
-        Returns the keys deleted (relative to the root). Steps holding a live-save
+        Returns the keys deleted: relative to the root for the root's, full URLs for the replicas'. Steps holding a live-save
         marker younger than ``options.live_marker_lease`` are left alone whatever
         the grace period, so a save in flight is safe even with a grace of 0.
         """
@@ -284,14 +336,32 @@ class CheckpointManager:
         return runtime.run_sync(self._gc(grace))
 
     async def _gc(self, grace: float) -> list[str]:
+        doomed = await self._gc_root(self.store, grace)
+        if self._replicator is not None:
+            doomed += await self._replicator.gc(lambda store: self._gc_root(store, grace))
+        return doomed
+
+    async def _gc_root(self, store: Store, grace: float) -> list[str]:
         limit = self.options.manifest_size_limit
         lease = self.options.live_marker_lease
-        found = await unreferenced_objects(self.store, grace=grace, manifest_size_limit=limit, lease=lease)
+        found = await unreferenced_objects(store, grace=grace, manifest_size_limit=limit, lease=lease)
         doomed = [o.key for o in found]
-        await delete_objects(self.store, doomed)
+        await delete_objects(store, doomed)
         if doomed:
-            log.info("objckpt gc deleted %d unreferenced objects under %s", len(doomed), self.store.url)
+            log.info("objckpt gc deleted %d unreferenced objects under %s", len(doomed), store.url)
         return doomed
+
+
+async def committed_steps(store: Store) -> list[int]:
+    """The committed steps under the manager root ``store``, ascending (one listing, no blob read)."""
+    objects = await store.list("step_")
+    steps = set()
+    for obj in objects:
+        head, _, tail = obj.key.partition("/")
+        match = STEP_DIR.match(head)
+        if match and tail == MANIFEST_KEY:
+            steps.add(int(match.group(1)))
+    return sorted(steps)
 
 
 async def delete_checkpoint(store: Store, *, lease: float = LEASE, force: bool = False) -> list[str]:

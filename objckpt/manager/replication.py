@@ -1,0 +1,354 @@
+"""Replicas of a manager's steps, kept in the background while training goes on.
+
+``CheckpointManager(root, replicas=[...])`` hands each step committed at the root
+to a :class:`Replicator`: one worker per replica root, on objckpt's I/O loop,
+copies ``<root>/step_N`` to ``<replica>/step_N`` with :func:`objckpt.tools.copy`'s
+machinery (server-side when both roots are on one provider and account, else
+streamed within ``Options.read_window`` bytes), blobs first and ``manifest.json``
+last with the same ``save_id``: a replica's step is complete or absent, never
+partial, whenever the copy is cut off.
+
+What a worker copies is the difference between the steps the root keeps and
+those its replica holds, newest first: a replica that falls behind (slow, or
+unreachable for a while) skips to the newest step, says so, and fills in the
+older steps still kept afterwards; a step the root's retention deleted
+meanwhile is never copied. The same retention policies then run on each
+replica's own steps. Nothing here blocks a save: the root's commit never waits
+for a replica, and a failing replica is retried with backoff and reported by
+:meth:`Replicator.status`. The state starts from one listing of the root and of
+each replica, so a run killed mid-replication is caught up by the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
+from objckpt.manager.retention import KeepBest, RetentionPolicy, StepRecord, steps_to_delete
+from objckpt.options import Options
+from objckpt.restoring.locations import Location
+from objckpt.storage import Store
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import RetryingStore, close_store, open_store
+from objckpt.transfer.manifest_io import read_manifest
+
+log = logging.getLogger("objckpt")
+
+#: Longest wait, in seconds, before a failing replica is tried again.
+MAX_BACKOFF_S = 60.0
+
+
+@dataclass
+class ReplicaStatus:
+    """Where one replica stands (a snapshot: :meth:`CheckpointManager.replica_status`).
+
+    Attributes:
+        url: the replica root.
+        steps: committed steps at the replica, ascending.
+        last_step: the newest of them (None: none yet).
+        pending: steps the root holds that the replica does not yet, newest first.
+        replicating: the step being copied now, if any.
+        lag_steps: how many of the root's steps are newer than ``last_step``.
+        lag_seconds: how long ago the root committed the oldest step the replica
+            still lacks (0 when it lacks none).
+        skipped: steps the replica never got because retention deleted them at the
+            root before their turn came (it had fallen behind).
+        errors: failed attempts so far; last_error: the latest one, with its time.
+        bytes_copied: bytes of blobs the replica received; client_bytes: bytes that
+            passed through this process to do so (near 0 for server-side copies).
+        methods: how each step was copied ("server-side" or "streamed"), by step.
+    """
+
+    url: str
+    steps: list[int] = field(default_factory=list)
+    last_step: int | None = None
+    pending: list[int] = field(default_factory=list)
+    replicating: int | None = None
+    lag_steps: int = 0
+    lag_seconds: float = 0.0
+    skipped: list[int] = field(default_factory=list)
+    errors: int = 0
+    last_error: str | None = None
+    bytes_copied: int = 0
+    client_bytes: int = 0
+    methods: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Replica:
+    location: Location
+    store: RetryingStore
+    have: set[int] = field(default_factory=set)
+    conflicts: set[int] = field(default_factory=set)  # steps holding another save there: left alone
+    status: ReplicaStatus = field(init=False)
+    wake: asyncio.Event | None = None
+    ready: bool = False
+
+    def __post_init__(self) -> None:
+        self.status = ReplicaStatus(self.location.url)
+
+
+class Replicator:
+    """Background replication of a manager root's steps to replica roots (see the module docstring).
+
+    Args:
+        root: the manager's root store.
+        replicas: the replica roots.
+        options: the manager's options (copies use ``read_window`` as their memory budget).
+        policies: the manager's retention policies, applied to each replica's own steps.
+        known_metrics: the metrics of the steps the manager knows (for ``KeepBest``);
+            others are read from the replica's manifest.
+        step_dir: a step's directory name.
+        committed_steps: the committed steps under a root store (one listing).
+    """
+
+    def __init__(
+        self,
+        root: RetryingStore,
+        replicas: list[Location],
+        *,
+        options: Options,
+        policies: list[RetentionPolicy],
+        known_metrics: dict[int, dict[str, Any]],
+        step_dir: Callable[[int], str],
+        committed_steps: Callable[[Store], Any],
+    ) -> None:
+        self.root = root
+        self.options = options
+        self.copy_options = replace(options, memory_budget=min(options.memory_budget, options.read_window))
+        self.policies = policies
+        self.known_metrics = known_metrics
+        self.step_dir = step_dir
+        self.committed_steps = committed_steps
+        self.root_steps: dict[int, float] = {}  # step -> when the root committed it (as first known here)
+        self.replicas: list[_Replica] = []
+        self._lock = threading.Lock()  # guards the statuses read from other threads
+        self._closing = False
+        self._workers: list[asyncio.Task[None]] = []
+        opened: list[RetryingStore] = []
+        try:
+            for location in replicas:
+                opened.append(open_store(location.url, location.storage_options, options))
+        except BaseException:
+            for store in opened:
+                close_store(store)
+            raise
+        self.replicas = [_Replica(loc, store) for loc, store in zip(replicas, opened, strict=True)]
+        self._started = runtime.submit(self._start())
+
+    async def _start(self) -> None:
+        now = time.time()
+        for step in await self.committed_steps(self.root):
+            self.root_steps.setdefault(step, now)
+        for replica in self.replicas:
+            replica.wake = asyncio.Event()
+            self._workers.append(asyncio.ensure_future(self._worker(replica)))
+
+    # ------------------------------------------------------------------ the manager's hooks (loop thread)
+
+    async def committed(self, step: int) -> None:
+        """The root committed ``step``: every replica should get it."""
+        await asyncio.wrap_future(self._started)
+        self.root_steps[step] = time.time()
+        self._wake_all()
+
+    async def deleted(self, steps: list[int]) -> None:
+        """The root's retention deleted ``steps``: no replica needs them any more."""
+        await asyncio.wrap_future(self._started)
+        for step in steps:
+            self.root_steps.pop(step, None)
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        for replica in self.replicas:
+            if replica.wake is not None:
+                replica.wake.set()
+
+    # ------------------------------------------------------------------ one replica's worker
+
+    def _wanted(self, replica: _Replica) -> list[int]:
+        return sorted((set(self.root_steps) - replica.have) - replica.conflicts, reverse=True)
+
+    async def _worker(self, replica: _Replica) -> None:
+        assert replica.wake is not None
+        failures = 0
+        while not self._closing:
+            try:
+                if not replica.ready:
+                    replica.have = set(await self.committed_steps(replica.store))
+                    replica.ready = True
+                    await self._retain(replica)
+                wanted = self._wanted(replica)
+                if not wanted:
+                    self._publish(replica, None)
+                    replica.wake.clear()
+                    await replica.wake.wait()
+                    continue
+                step = wanted[0]
+                if len(wanted) > 1:
+                    log.warning(
+                        "objckpt replica %s is %d steps behind: copying the newest, step %d, first",
+                        replica.location.url,
+                        len(wanted),
+                        step,
+                    )
+                self._publish(replica, step)
+                await self._replicate(replica, step)
+                failures = 0
+                await self._retain(replica)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a failing replica never stops the training: report, wait, retry
+                failures += 1
+                with self._lock:
+                    replica.status.errors += 1
+                    replica.status.last_error = f"{time.strftime('%H:%M:%S')} {type(e).__name__}: {e}"
+                    replica.status.replicating = None
+                delay = min(MAX_BACKOFF_S, 0.5 * 2 ** (failures - 1))
+                log.warning(
+                    "objckpt replication to %s failed (%s: %s); trying again in %.1f s",
+                    replica.location.url,
+                    type(e).__name__,
+                    e,
+                    delay,
+                )
+                replica.wake.clear()
+                try:
+                    await asyncio.wait_for(replica.wake.wait(), delay)
+                except TimeoutError:
+                    pass
+
+    async def _replicate(self, replica: _Replica, step: int) -> None:
+        from objckpt.tools.copy import copy_stores_async
+
+        name = self.step_dir(step)
+        source, target = self.root.child(name), replica.store.child(name)
+        try:
+            stats = await copy_stores_async(source, target, self.copy_options)
+        except CheckpointNotFoundError:
+            if step in self.root_steps and not await _exists(source, self.options):
+                self.root_steps.pop(step, None)  # deleted at the root meanwhile: nothing to copy
+                with self._lock:
+                    replica.status.skipped.append(step)
+                return
+            raise
+        except CheckpointExistsError:
+            ours = await read_manifest(source, size_limit=self.options.manifest_size_limit)
+            theirs = await read_manifest(target, size_limit=self.options.manifest_size_limit)
+            if ours.save_id != theirs.save_id:
+                replica.conflicts.add(step)
+                raise CheckpointExistsError(
+                    f"{target.url} holds another checkpoint (save {theirs.save_id}, the root's is {ours.save_id});"
+                    " left as it is and not replicated"
+                ) from None
+            replica.have.add(step)  # copied already (a run cut off after the commit)
+            return
+        replica.have.add(step)
+        with self._lock:
+            replica.status.bytes_copied += stats.bytes_copied
+            replica.status.client_bytes += stats.bytes_read + stats.bytes_written
+            replica.status.methods[step] = getattr(stats, "method", "streamed")
+        log.info("objckpt replicated step %d to %s (%s)", step, replica.location.url, stats.summary())
+
+    async def _retain(self, replica: _Replica) -> None:
+        """The manager's retention policies, on the replica's own steps."""
+        if not self.policies or not replica.have:
+            return
+        from objckpt.manager.checkpoint_manager import delete_checkpoint
+
+        ranked = any(isinstance(p, KeepBest) for p in self.policies)
+        records = [StepRecord(s, await self._metrics(replica, s) if ranked else {}) for s in sorted(replica.have)]
+        for step in steps_to_delete(records, self.policies):
+            try:
+                await delete_checkpoint(replica.store.child(self.step_dir(step)), lease=self.options.live_marker_lease)
+            except SaveInProgressError as e:
+                log.warning("objckpt retention left step %d at %s: %s", step, replica.location.url, e)
+                continue
+            replica.have.discard(step)
+            log.info("objckpt retention deleted step %d at the replica %s", step, replica.location.url)
+
+    async def _metrics(self, replica: _Replica, step: int) -> dict[str, Any]:
+        if step not in self.known_metrics:
+            store = replica.store.child(self.step_dir(step))
+            manifest = await read_manifest(store, size_limit=self.options.manifest_size_limit)
+            info = manifest.metadata.get("objckpt.manager", {})
+            self.known_metrics[step] = dict(info.get("metrics", {})) if isinstance(info, dict) else {}
+        return self.known_metrics[step]
+
+    def _publish(self, replica: _Replica, replicating: int | None) -> None:
+        wanted = self._wanted(replica)
+        have = sorted(replica.have)
+        last = have[-1] if have else None
+        newest_missing = [s for s in wanted if last is None or s > last]
+        oldest_missing = min(wanted, default=None)
+        with self._lock:
+            status = replica.status
+            status.steps, status.last_step, status.pending = have, last, wanted
+            status.replicating = replicating
+            status.lag_steps = len(newest_missing)
+            status.lag_seconds = 0.0 if oldest_missing is None else time.time() - self.root_steps[oldest_missing]
+
+    # ------------------------------------------------------------------ the manager's calls (any thread)
+
+    def status(self) -> list[ReplicaStatus]:
+        """A snapshot of every replica's status."""
+        with self._lock:
+            return [
+                replace(r.status, steps=list(r.status.steps), pending=list(r.status.pending)) for r in self.replicas
+            ]
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until every replica holds every step the root keeps; False if ``timeout`` passed first."""
+        deadline = time.monotonic() + timeout
+        self._started.result(timeout=max(0.0, timeout))
+        while True:
+            done = runtime.run_sync(self._caught_up())
+            if done or time.monotonic() >= deadline:
+                return done
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    async def _caught_up(self) -> bool:
+        return all(r.ready and not self._wanted(r) for r in self.replicas)
+
+    def close(self) -> None:
+        """Stop the workers (a copy cut off leaves no partial step: its manifest goes last) and close the stores."""
+        self._closing = True
+
+        async def stop() -> None:
+            for worker in self._workers:
+                worker.cancel()
+            await asyncio.gather(*self._workers, return_exceptions=True)
+
+        try:
+            self._started.result()
+            runtime.run_sync(stop())
+        finally:
+            for replica in self.replicas:
+                close_store(replica.store)
+            self._publish_all()
+
+    def _publish_all(self) -> None:
+        for replica in self.replicas:
+            self._publish(replica, None)
+
+    async def gc(self, collect: Callable[[Store], Any]) -> list[str]:
+        """``collect`` (the manager's gc of one root) on every replica; the keys deleted, as URLs."""
+        deleted: list[str] = []
+        for replica in self.replicas:
+            keys = await collect(replica.store)
+            deleted.extend(f"{replica.location.url}/{key}" for key in keys)
+        return deleted
+
+
+async def _exists(store: Store, options: Options) -> bool:
+    try:
+        await read_manifest(store, size_limit=options.manifest_size_limit)
+    except CheckpointNotFoundError:
+        return False
+    return True
