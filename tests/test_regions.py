@@ -315,3 +315,52 @@ def test_manager_restore_reads_from_the_nearest_replica(regions):
     assert_tree_bit_exact(tree, mgr.restore(7))
     assert near.served - near_before > far.served - far_before + 200_000
     mgr.close()
+
+
+def test_cli_ls_replicas_shows_which_steps_exist_where(s3_service, gcs_service):
+    """Root and a replica in two S3 buckets, another in GCS: one step everywhere, one only at the
+    root, one whose GCS copy is another save, one copy cut off (objects, no manifest)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from objckpt.transfer import runtime
+
+    s3_service.make_bucket(FAR_BUCKET)
+    name = uuid.uuid4().hex[:12]
+    root, s3_replica, gcs_replica = (
+        s3_service.url(f"cli-{name}"),
+        f"s3://{FAR_BUCKET}/cli-{name}",
+        gcs_service.url(f"cli-{name}"),
+    )
+    s3o, gcso = s3_service.storage_options(), gcs_service.storage_options()
+    mgr = objckpt.CheckpointManager(
+        root, storage_options=s3o, replicas=[s3_replica, objckpt.Location(gcs_replica, gcso)], options=SMALL
+    )
+    mgr.save(1, _step_state(1), wait=True)
+    mgr.close()
+    objckpt.save(f"{root}/step_{2:010d}", _step_state(2), storage_options=s3o)  # at the root only
+    objckpt.save(f"{root}/step_{3:010d}", _step_state(3), storage_options=s3o)
+    objckpt.copy(
+        f"{root}/step_{3:010d}", f"{s3_replica}/step_{3:010d}", src_storage_options=s3o, dst_storage_options=s3o
+    )
+    objckpt.save(f"{gcs_replica}/step_{3:010d}", _step_state(30), storage_options=gcso)  # another save
+    cut = objckpt.CheckpointManager(gcs_replica, storage_options=gcso).store.child(f"step_{2:010d}")
+    runtime.run_sync(cut.put("ab/some.blob", b"x" * 100))  # a copy cut off: a blob, no manifest
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "OBJCKPT_"))}
+    env.update(s3_service.env())
+    env.update(gcs_service.env())
+    env["JAX_PLATFORMS"] = "cpu"
+    command = [sys.executable, "-m", "objckpt.cli", "ls", root, "--replicas", s3_replica, gcs_replica]
+    done = subprocess.run([*command, "--json"], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    doc = {row["step"]: list(row["locations"].values()) for row in json.loads(done.stdout)}
+    assert doc == {
+        1: ["yes", "yes", "yes"],
+        2: ["yes", "-", "partial"],
+        3: ["yes", "yes", "other save"],
+    }
+    table = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert table.returncode == 0 and "other save" in table.stdout and gcs_replica in table.stdout
