@@ -236,11 +236,14 @@ def restore() -> dict[str, Any]:
         target,
         storage_options=JOB.get("storage_options") or {},
         read_once=JOB.get("read_once", False),
+        replicas=[objckpt.Location(url, opts) for url, opts in JOB.get("replicas", [])],
         options=options(JOB),
         stats=stats,
     )
     seconds = time.perf_counter() - started
     result: dict[str, Any] = {"bytes_read": stats.bytes_read, "mismatches": check(restored, target), "seconds": seconds}
+    if JOB.get("replicas"):
+        result["bytes_by_location"] = stats.bytes_by_location
     if indexes is not None:
         result["indexes_read"] = indexes
     if JOB.get("probe_keys"):

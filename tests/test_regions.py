@@ -364,3 +364,32 @@ def test_cli_ls_replicas_shows_which_steps_exist_where(s3_service, gcs_service):
     }
     table = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert table.returncode == 0 and "other save" in table.stdout and gcs_replica in table.stdout
+
+
+def test_read_once_composes_with_replicas_across_processes(regions):
+    """Two processes restore read-once with a far copy as replica: every unique byte read once,
+    from the near location, and the arrays are bit-exact on every process."""
+    from multiprocess import run_processes
+
+    near, far = regions["near"], regions["far"]
+    job = {
+        "url": near.url,
+        "storage_options": near.storage_options,
+        "mesh": [2, 4],
+        "axes": ["data", "model"],
+        "options": {"blob_size": 1 << 20, "split_replicas_above": 1 << 14, "barrier_timeout": 60},
+    }
+    saved = run_processes(2, {**job, "kind": "save"})
+    assert all(r is not None for r in saved), saved
+    objckpt.copy(near.url, far.url, src_storage_options=near.storage_options, dst_storage_options=far.storage_options)
+    info = objckpt.inspect(near.url, storage_options=near.storage_options)
+    unique = sum(leaf.nbytes for leaf in info.leaves.values())
+    results = run_processes(
+        2, {**job, "kind": "restore", "read_once": True, "replicas": [[far.url, far.storage_options]]}
+    )
+    assert all(r is not None for r in results), results
+    for r in results:
+        assert r["mismatches"] == []
+        assert set(r["bytes_by_location"]) <= {near.url}, r["bytes_by_location"]
+    from_near = sum(r["bytes_by_location"].get(near.url, 0) for r in results)
+    assert abs(from_near - unique) <= 0.01 * unique, (from_near, unique)
