@@ -144,8 +144,13 @@ class Replicator:
 
     async def _start(self) -> None:
         now = time.time()
-        for step in await self.committed_steps(self.root):
-            self.root_steps.setdefault(step, now)
+        try:
+            for step in await self.committed_steps(self.root):
+                self.root_steps.setdefault(step, now)
+        except Exception as e:  # the replicas still get every step committed from now on
+            log.warning(
+                "objckpt could not list %s to catch its replicas up: %s: %s", self.root.url, type(e).__name__, e
+            )
         for replica in self.replicas:
             replica.wake = asyncio.Event()
             self._workers.append(asyncio.ensure_future(self._worker(replica)))
@@ -177,7 +182,7 @@ class Replicator:
 
     async def _worker(self, replica: _Replica) -> None:
         assert replica.wake is not None
-        failures = 0
+        failures = behind = 0
         while not self._closing:
             try:
                 if not replica.ready:
@@ -191,13 +196,14 @@ class Replicator:
                     await replica.wake.wait()
                     continue
                 step = wanted[0]
-                if len(wanted) > 1:
+                if len(wanted) > 1 and len(wanted) != behind:
                     log.warning(
                         "objckpt replica %s is %d steps behind: copying the newest, step %d, first",
                         replica.location.url,
                         len(wanted),
                         step,
                     )
+                behind = len(wanted)
                 self._publish(replica, step)
                 await self._replicate(replica, step)
                 failures = 0
@@ -328,6 +334,8 @@ class Replicator:
         try:
             self._started.result()
             runtime.run_sync(stop())
+        except Exception as e:  # closing must not fail the manager's close
+            log.warning("objckpt stopping replication: %s: %s", type(e).__name__, e)
         finally:
             for replica in self.replicas:
                 close_store(replica.store)
