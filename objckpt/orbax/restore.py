@@ -132,6 +132,7 @@ def _read_all(
     placed: dict[int, list[Any]] = {}
     expected: dict[int, int] = {}
     in_flight = 0
+    batch = None  # the reads issued since the last wait, submitted together (tensorstore coalesces them)
 
     def land() -> None:
         nonlocal in_flight
@@ -157,9 +158,16 @@ def _read_all(
         for box, devices in boxes:
             nbytes = int(np.prod([s.stop - s.start for s in box], dtype=np.int64)) * dtype.itemsize
             while pending and in_flight + nbytes > window:
+                if batch is not None:
+                    batch.submit()
+                    batch = None
                 land()
-            pending.append((i, BoxRead(ts, array, box, dtype), devices))
+            if batch is None:
+                batch = ts.Batch()
+            pending.append((i, BoxRead(ts, array, box, dtype, batch), devices))
             in_flight += nbytes
+    if batch is not None:
+        batch.submit()
     while pending:
         land()
     return values
