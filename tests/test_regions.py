@@ -393,3 +393,22 @@ def test_read_once_composes_with_replicas_across_processes(regions):
         assert set(r["bytes_by_location"]) <= {near.url}, r["bytes_by_location"]
     from_near = sum(r["bytes_by_location"].get(near.url, 0) for r in results)
     assert abs(from_near - unique) <= 0.01 * unique, (from_near, unique)
+
+
+def test_manager_replicates_server_side_within_one_account(regions, s3_service):
+    """Root and replica in two buckets behind one endpoint: steps are copied inside the store."""
+    near, far = regions["near"], regions["far"]
+    replica = objckpt.Location(far.url, near.storage_options)  # the far bucket, through the near endpoint
+    mgr = objckpt.CheckpointManager(
+        near.url, storage_options=near.storage_options, replicas=[replica], options=objckpt.Options(blob_size=64 * 1024)
+    )
+    for step in range(3):
+        mgr.save(step, _step_state(step))
+    mgr.close()
+    status = mgr.replica_status()[0]
+    assert status.steps == [0, 1, 2] and status.errors == 0, status
+    assert set(status.methods.values()) == {"server-side"}, status.methods
+    assert status.client_bytes <= 0.01 * status.bytes_copied, (status.client_bytes, status.bytes_copied)
+    check = objckpt.CheckpointManager(far.url, storage_options=far.storage_options)
+    assert_tree_bit_exact(_step_state(2), check.restore(2))
+    check.close()

@@ -124,6 +124,10 @@ def group_checkpoints(objects: list[ObjectInfo]) -> list[Listed]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if getattr(args, "replicas", None):
+        from objckpt.cli._replicas import cmd_ls_replicas
+
+        return cmd_ls_replicas(args)
     store = open_store(args.root, options_from_args(args, args.root), Options())
     entries = group_checkpoints(runtime.run_sync(store.list()))
     base = store.url.rstrip("/")

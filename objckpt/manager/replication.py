@@ -231,7 +231,7 @@ class Replicator:
                     pass
 
     async def _replicate(self, replica: _Replica, step: int) -> None:
-        from objckpt.tools.copy import copy_stores_async
+        from objckpt.tools.copy import DestinationCommittedError, copy_stores_async
 
         name = self.step_dir(step)
         source, target = self.root.child(name), replica.store.child(name)
@@ -244,22 +244,19 @@ class Replicator:
                     replica.status.skipped.append(step)
                 return
             raise
-        except CheckpointExistsError:
-            ours = await read_manifest(source, size_limit=self.options.manifest_size_limit)
-            theirs = await read_manifest(target, size_limit=self.options.manifest_size_limit)
-            if ours.save_id != theirs.save_id:
+        except DestinationCommittedError as e:
+            if not e.same:
                 replica.conflicts.add(step)
                 raise CheckpointExistsError(
-                    f"{target.url} holds another checkpoint (save {theirs.save_id}, the root's is {ours.save_id});"
-                    " left as it is and not replicated"
+                    f"{target.url} holds another checkpoint (save {e.save_id}); left as it is and not replicated"
                 ) from None
             replica.have.add(step)  # copied already (a run cut off after the commit)
             return
         replica.have.add(step)
         with self._lock:
             replica.status.bytes_copied += stats.bytes_copied
-            replica.status.client_bytes += stats.bytes_read + stats.bytes_written
-            replica.status.methods[step] = getattr(stats, "method", "streamed")
+            replica.status.client_bytes += stats.client_bytes
+            replica.status.methods[step] = stats.method
         log.info("objckpt replicated step %d to %s (%s)", step, replica.location.url, stats.summary())
 
     async def _retain(self, replica: _Replica) -> None:

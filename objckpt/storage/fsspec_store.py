@@ -246,6 +246,22 @@ class FsspecStore(Store):
     async def _in_thread(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         return await self._run(what, lambda: asyncio.to_thread(fn, *args))
 
+    async def fs_call(self, what: str, name: str, *args: Any) -> Any:
+        """The filesystem's method ``name`` on paths as it spells them, under the request
+        timeout, errors mapped: for verbs the store does not wrap (``cp_file``, ``info``), which
+        server-side copies use (:mod:`objckpt.storage.server_copy`)."""
+        try:
+            return await self._fs(what, name, *args)
+        except _PROGRAMMING_ERRORS:
+            raise
+        except Exception as exc:
+            raise map_error(exc, what) from exc
+
+    def bucket_object(self, key: str) -> tuple[str, str]:
+        """``(bucket, object name)`` of ``key`` on a filesystem of buckets (s3fs, gcsfs)."""
+        bucket, _, name = self._path(key).partition("/")
+        return bucket, name
+
     # --------------------------------------------- steps a filesystem's subclass overrides
 
     def _atomic_create(self, requested: bool | None) -> bool:

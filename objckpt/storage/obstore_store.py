@@ -106,6 +106,8 @@ class ObstoreStore(Store):
         multipart_concurrency: Parts in flight per upload.
         range_reader: Streams ranged GETs (:meth:`get_range_streamed`; see
             :func:`range_reader`), shared by :meth:`child` stores.
+        native_spec: The configuration ``store`` was built from (:func:`open_spec`), which
+            server-side copies read (:mod:`objckpt.storage.server_copy`); None for a local store.
     """
 
     reads_in_place = True  # object_store sizes one buffer from Content-Length and fills it
@@ -122,6 +124,7 @@ class ObstoreStore(Store):
         multipart_chunk_size: int = DEFAULT_MULTIPART_CHUNK_SIZE,
         multipart_concurrency: int = DEFAULT_MULTIPART_CONCURRENCY,
         range_reader: HttpRangeReader | None = None,
+        native_spec: NativeSpec | None = None,
     ) -> None:
         if request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {request_timeout}")
@@ -139,11 +142,18 @@ class ObstoreStore(Store):
         self.multipart_concurrency = int(multipart_concurrency)
         self._range_reader = range_reader
         self.streams_reads = range_reader is not None
+        self.native_spec = native_spec
 
     # ------------------------------------------------------------------ helpers
 
     def _path(self, key: str) -> str:
         return f"{self._prefix}{key}"
+
+    def bucket_object(self, key: str) -> tuple[str, str] | None:
+        """``(bucket, object name)`` of ``key``, for server-side copies
+        (:class:`objckpt.storage.server_copy.BucketObjects`); None for a local store."""
+        spec = self.native_spec
+        return None if spec is None else (spec.bucket, self._path(key))
 
     def _url(self, key: str) -> str:
         return f"{self.url.rstrip('/')}/{key}" if key else self.url
@@ -356,6 +366,7 @@ def open_spec(spec: NativeSpec, url: str, *, request_timeout: float = DEFAULT_RE
         prefix=spec.prefix,
         request_timeout=request_timeout,
         range_reader=range_reader(spec, store, request_timeout),
+        native_spec=spec,
     )
 
 

@@ -1,16 +1,34 @@
 """copy: a committed checkpoint from any store to any other (S3 → GCS, region to region, disk).
 
-For each blob of the source manifest, as a sliding window bounded in bytes
-(``Options.memory_budget``): concurrent ranged reads from the source, every
-piece's crc32c checked, then one PUT to the destination (stores split large
-objects into multipart uploads themselves). The manifest goes last, with
-create-if-absent, so a half-copied checkpoint never exists at the destination:
-a copy killed at any moment leaves only unreferenced blobs there.
+Two ways to move a blob, chosen once per copy:
+
+* **server-side**, when both stores are on one provider and account (two S3
+  buckets of one endpoint and credential source, two GCS buckets):
+  the destination's server copies each blob (S3 ``CopyObject``, GCS rewrite;
+  :mod:`objckpt.storage.server_copy`) and only request heads cross the
+  client's link. Each copied blob is then HEADed and its size compared with
+  the manifest's. Its pieces' crc32c are not read (that would move the bytes
+  this avoids): restore and verify check them, as for every checkpoint.
+  The first blob is copied alone; if the server refuses it (no permission,
+  the source not visible with the destination's credentials, unsupported),
+  the whole checkpoint is copied the other way, and one warning says why.
+* **streamed** everywhere else: for each blob, as a sliding window bounded
+  in bytes (``Options.memory_budget``), concurrent ranged reads from the
+  source, every piece's crc32c checked, then one PUT to the destination
+  (stores split large objects into multipart uploads themselves).
+
+Either way the index objects are read, checked against the root's crc32c
+and written through the client (they are small), and the manifest goes
+last, with create-if-absent, so a half-copied checkpoint never exists at the
+destination: a copy killed at any moment leaves only unreferenced blobs there.
 
 Resuming is rerunning: a blob already at the destination with the right size
-is read back and checked piece by piece, and kept if intact, so a rerun moves
-only what was missing (or damaged) across the slow link. ``CopyStats`` counts
-both, so callers can see it.
+is checked and kept if intact, so a rerun moves only what was missing or
+damaged. Streamed, checking means reading it back, piece by piece; server-side,
+comparing what the server says the two objects' bytes hash to (a GCS crc32c, an
+S3 single-part ETag), and trusting the size where it says nothing comparable
+(an S3 multipart ETag). ``CopyStats`` counts it all; its ``bytes_read`` and
+``bytes_written`` are always bytes that crossed the client's link.
 """
 
 from __future__ import annotations
@@ -25,13 +43,21 @@ from objckpt.core.checksum import crc32c
 from objckpt.core.format import MANIFEST_KEY, BlobEntry, Manifest, parse_manifest
 from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsError, StoreError
 from objckpt.options import Options
-from objckpt.progress import ProgressArg, human_bytes, reporting
+from objckpt.progress import ProgressArg, closing, human_bytes
+from objckpt.progress import start as start_progress
+from objckpt.storage import server_copy
+from objckpt.storage.base import Store
 from objckpt.tools.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store
 from objckpt.transfer.manifest_io import read_checkpoint
 
 log = logging.getLogger("objckpt")
+
+#: What :func:`committed_save_id` says of a manifest that is there but cannot be parsed.
+UNREADABLE_MANIFEST = "(unreadable manifest)"
+
+SERVER_SIDE, STREAMED, MIXED = "server-side", "streamed", "mixed"
 
 
 @dataclass
@@ -41,13 +67,18 @@ class CopyStats:
     Attributes:
         src, dst: the two checkpoints (credentials stripped).
         blobs, bytes_total: blobs in the checkpoint and their total size.
-        blobs_copied, bytes_copied: blobs read from the source and written to the destination.
-        blobs_skipped, bytes_skipped: blobs already at the destination, read back and found intact.
-        bytes_read: bytes read from the source store (what crosses the link, what egress is billed on).
-        bytes_written: bytes written to the destination, the manifest included.
+        blobs_copied, bytes_copied: blobs copied to the destination, either way.
+        blobs_skipped, bytes_skipped: blobs already at the destination, checked and kept.
+        bytes_read: bytes the client read from the source store (what crosses its link,
+            and what egress is billed on when the copy is streamed).
+        bytes_written: bytes the client wrote to the destination, the manifest included.
         bytes_read_dst: bytes read back from the destination to check blobs already there.
         requests, retries: store requests on both sides, and how many were retries.
         seconds: wall time.
+        method: how blobs were copied: ``"server-side"``, ``"streamed"``, or ``"mixed"``.
+        blobs_server_side, bytes_server_side: blobs the destination's server copied (their
+            bytes never crossed the client's link).
+        streamed_because: why the copy was not server-side (``""`` when it was).
     """
 
     src: str
@@ -64,22 +95,49 @@ class CopyStats:
     requests: int = 0
     retries: int = 0
     seconds: float = 0.0
+    method: str = STREAMED
+    blobs_server_side: int = 0
+    bytes_server_side: int = 0
+    streamed_because: str = ""
 
     @property
     def gib_per_s(self) -> float:
         """Bytes copied per second, in GiB/s."""
         return self.bytes_copied / max(self.seconds, 1e-9) / 2**30
 
+    @property
+    def client_bytes(self) -> int:
+        """Bytes that crossed the client's link, both ways (request heads aside)."""
+        return self.bytes_read + self.bytes_written + self.bytes_read_dst
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "gib_per_s": self.gib_per_s}
+        return {**asdict(self), "gib_per_s": self.gib_per_s, "client_bytes": self.client_bytes}
 
     def summary(self) -> str:
+        how = f"{self.method} ({self.streamed_because})" if self.streamed_because else self.method
         return (
-            f"copied {self.src} -> {self.dst}: {human_bytes(self.bytes_copied)} in {self.blobs_copied} blobs"
-            f" ({self.blobs_skipped} already there and verified, {human_bytes(self.bytes_skipped)}),"
+            f"copied {self.src} -> {self.dst} {how}: {human_bytes(self.bytes_copied)} in {self.blobs_copied} blobs"
+            f" ({self.blobs_skipped} already there and checked, {human_bytes(self.bytes_skipped)}),"
             f" {self.requests} requests, {self.retries} retries, {self.seconds:.2f} s, {self.gib_per_s:.3f} GiB/s,"
-            f" {self.bytes_read} bytes read from the source"
+            f" client bytes moved {human_bytes(self.client_bytes)}: {self.bytes_read} bytes read from the source,"
+            f" {self.bytes_written} written to the destination, {self.bytes_read_dst} read back"
         )
+
+
+class DestinationCommittedError(CheckpointExistsError):
+    """The destination already holds a committed checkpoint; it was left intact.
+
+    Attributes:
+        save_id: the ``save_id`` of the checkpoint there (:data:`UNREADABLE_MANIFEST` when
+            its manifest does not parse).
+        same: whether it is the checkpoint being copied (copied already, perhaps by a run cut
+            off after its commit).
+    """
+
+    def __init__(self, message: str, *, save_id: str, same: bool) -> None:
+        super().__init__(message)
+        self.save_id = save_id
+        self.same = same
 
 
 def copy(
@@ -90,6 +148,7 @@ def copy(
     dst_storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     verify_existing: bool = True,
+    server_side: bool = True,
     progress: ProgressArg = False,
 ) -> CopyStats:
     """Copy the committed checkpoint at ``src_url`` to ``dst_url``.
@@ -101,6 +160,9 @@ def copy(
             ``memory_budget`` (bytes of blobs held at once), timeouts, retries.
         verify_existing: check blobs already at the destination before keeping
             them (False trusts any blob of the right size).
+        server_side: let the destination's server copy the blobs when both stores
+            are on one provider and account (see the module doc); False always
+            streams them through this client.
         progress: ``True`` draws a progress bar on stderr when it is a terminal
             (tqdm); a callable is called with a :class:`objckpt.Progress` at most
             every 0.1 s and once more at the end, on objckpt's I/O thread: it must
@@ -108,12 +170,14 @@ def copy(
             the copy. ``False``/``None``: nothing.
 
     Returns:
-        The figures of the copy (:class:`CopyStats`).
+        The figures of the copy (:class:`CopyStats`), saying which way it copied.
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``src_url``.
-        CheckpointExistsError: ``dst_url`` already holds a committed checkpoint (left intact).
-        IntegrityError: a source blob is damaged (nothing is committed).
+        CheckpointExistsError: ``dst_url`` already holds a committed checkpoint (left
+            intact): a :class:`DestinationCommittedError` naming its ``save_id``.
+        IntegrityError: a source blob is damaged, or a server-side copy is not the size
+            the manifest says (nothing is committed).
     """
     options = options or Options()
     src_stats, dst_stats = TransferStats(), TransferStats()
@@ -121,30 +185,63 @@ def copy(
         opened_store(src_url, src_storage_options, options, src_stats) as src,
         opened_store(dst_url, dst_storage_options, options, dst_stats) as dst,
     ):
-        return _copy_stores(src, dst, options, src_stats, dst_stats, verify_existing, progress)
+        copying = _copy_stores(src, dst, options, verify_existing, server_side, progress, src_stats, dst_stats)
+        return runtime.run_sync(copying)
 
 
-def _copy_stores(
+async def copy_stores_async(
+    src: Store, dst: Store, options: Options, *, verify_existing: bool = True, server_side: bool = True
+) -> CopyStats:
+    """:func:`copy` between two open stores, on objckpt's I/O loop (the caller closes them).
+
+    Args:
+        src, dst: stores opened with :func:`objckpt.transfer.engine.open_store`
+            (``RetryingStore``: each one's ``inner`` store does the bulk requests).
+        options, verify_existing, server_side: as for :func:`copy`.
+
+    Raises:
+        As :func:`copy`; a destination that holds a committed checkpoint raises
+        :class:`DestinationCommittedError`, whose ``same`` says whether it is this one.
+    """
+    return await _copy_stores(src, dst, options, verify_existing, server_side, None, TransferStats(), TransferStats())
+
+
+async def committed_save_id(store: Store, options: Options) -> str | None:
+    """The ``save_id`` of the checkpoint committed at ``store``: None when there is none,
+    :data:`UNREADABLE_MANIFEST` when its manifest does not parse."""
+    try:
+        data = await store.get(MANIFEST_KEY)
+    except FileNotFoundError:
+        return None
+    try:
+        return parse_manifest(data, size_limit=options.manifest_size_limit).save_id
+    except Exception:
+        return UNREADABLE_MANIFEST
+
+
+async def _copy_stores(
     src: Any,
     dst: Any,
     options: Options,
+    verify_existing: bool,
+    server_side: bool,
+    progress: ProgressArg,
     src_stats: TransferStats,
     dst_stats: TransferStats,
-    verify_existing: bool,
-    progress: ProgressArg,
 ) -> CopyStats:
-    """:func:`copy` between open stores (each closed by the caller)."""
+    """The copy between open stores, with its figures, on the I/O loop."""
     started = time.perf_counter()
-    manifest = runtime.run_sync(read_checkpoint(src, size_limit=options.manifest_size_limit))
+    manifest = await read_checkpoint(src, size_limit=options.manifest_size_limit)
     stats = CopyStats(src.url, dst.url, blobs=len(manifest.blobs), bytes_total=sum(b.size for b in manifest.blobs))
 
-    def done() -> int:  # half for the read, half for the write; checked blobs count whole
-        moved = (src_stats.bytes_read + dst_stats.bytes_written) // 2 + dst_stats.bytes_read
+    def done() -> int:  # streamed: half for the read, half for the write; checked and server-copied blobs count whole
+        moved = (src_stats.bytes_read + dst_stats.bytes_written) // 2 + dst_stats.bytes_read + stats.bytes_server_side
         return min(moved, stats.bytes_total)
 
+    reporter = start_progress(progress, "cp", dst.url, stats.bytes_total, done, src_stats, dst_stats)
+    copying = _copy(src, dst, manifest, options, stats, src_stats, dst_stats, verify_existing, server_side)
     try:
-        with reporting(progress, "cp", dst.url, stats.bytes_total, done, src_stats, dst_stats):
-            runtime.run_sync(_copy(src, dst, manifest, options, stats, src_stats, dst_stats, verify_existing))
+        await closing(copying, reporter)
     finally:
         stats.bytes_read = src_stats.bytes_read
         stats.bytes_written = dst_stats.bytes_written
@@ -156,6 +253,100 @@ def _copy_stores(
     return stats
 
 
+class _ServerSide:
+    """The server-side half of one copy: the copier, the first copy made alone, the fallback.
+
+    ``active`` while blobs go server-side. The first blob to copy is copied alone
+    (the others wait); a refusal (:func:`objckpt.storage.server_copy.refusal`) ends
+    ``active`` for the whole checkpoint, with one warning. Once one copy has
+    succeeded, every error is the copy's error.
+    """
+
+    def __init__(
+        self, copier: server_copy.Copier | None, why_not: str, src: Any, dst: Any, target: TransferEngine
+    ) -> None:
+        self.copier = copier
+        self.why_not = why_not
+        self._src, self._dst, self._target = src, dst, target
+        self._confirmed = False
+        self._first = asyncio.Lock()
+        self._made = copier  # closed at the end: calls made before a fallback may still use it
+
+    @property
+    def active(self) -> bool:
+        return self.copier is not None
+
+    def close(self) -> None:
+        if self._made is not None:
+            self._made.close()
+
+    def _fall_back(self, reason: str) -> None:
+        if self.copier is None:
+            return
+        self.copier = None
+        self.why_not = f"the server refused to copy: {reason}"
+        log.warning(
+            "objckpt cp %s -> %s: server-side copy refused (%s); copying through this client instead",
+            self._src.url,
+            self._dst.url,
+            reason,
+        )
+
+    async def copy(self, blob: BlobEntry) -> bool:
+        """Copy ``blob`` on the server and check its size there; False when it must be streamed."""
+        if not self._confirmed:
+            async with self._first:
+                if self.copier is None:
+                    return False
+                if not self._confirmed:
+                    try:
+                        await self._copy(self.copier, blob)
+                    except StoreError as e:
+                        reason = server_copy.refusal(e)
+                        if reason is None:
+                            raise
+                        self._fall_back(reason)
+                        return False
+                    self._confirmed = True
+                    await self._check_size(blob)
+                    return True
+        if self.copier is None:
+            return False
+        await self._copy(self.copier, blob)
+        await self._check_size(blob)
+        return True
+
+    async def _copy(self, copier: server_copy.Copier, blob: BlobEntry) -> None:
+        source = server_copy.source_location(self._src, blob.key)
+        await copier.copy(source, blob.key, blob.size, self._target.call)
+
+    async def _check_size(self, blob: BlobEntry) -> None:
+        info = await self._target.call(f"HEAD {self._dst.url}/{blob.key}", lambda: self._dst.inner.head(blob.key))
+        if info.size != blob.size:
+            raise IntegrityError(
+                f"server-side copy of {self._src.url}/{blob.key} is {info.size} bytes at {self._dst.url},"
+                f" the manifest says {blob.size}; nothing was committed"
+            )
+
+    async def same_object(self, key: str) -> bool | None:
+        """Whether the server says ``key`` holds the same bytes at both ends; None when it
+        says nothing comparable (then its size is trusted) or refused to say (then
+        :attr:`active` is off)."""
+        copier = self.copier
+        if copier is None:
+            return None
+        try:
+            theirs = await copier.checksum(server_copy.source_location(self._src, key), self._target.call)
+            ours = await copier.checksum(server_copy.source_location(self._dst, key), self._target.call)
+        except StoreError as e:
+            reason = server_copy.refusal(e)
+            if reason is None:
+                raise
+            self._fall_back(reason)
+            return None
+        return None if theirs is None or ours is None else theirs == ours
+
+
 async def _copy(
     src: Any,
     dst: Any,
@@ -165,6 +356,7 @@ async def _copy(
     src_stats: TransferStats,
     dst_stats: TransferStats,
     verify_existing: bool,
+    server_side: bool,
 ) -> None:
     if not dst.supports_create:
         raise StoreError(f"{dst.url} cannot create-if-absent atomically, so a copy there could not commit safely")
@@ -178,6 +370,21 @@ async def _copy(
     by_blob = pieces_by_blob(manifest)
     chunk = min(READ_CHUNK, options.copied_read_limit(streamed=False))
     reads = options.retry.checksum_reads
+    if server_side:
+        copier, why_not = await asyncio.to_thread(
+            server_copy.plan, src, dst, request_timeout=options.request_timeout, concurrency=options.max_concurrency
+        )
+    else:
+        copier, why_not = None, "server_side=False"
+    server = _ServerSide(copier, why_not, src, dst, target)
+
+    def copied(blob: BlobEntry, on_server: bool) -> None:
+        stats.blobs_copied += 1
+        stats.bytes_copied += blob.size
+        if on_server:
+            stats.blobs_server_side += 1
+            stats.bytes_server_side += blob.size
+            dst_stats.add(objects_written=1)  # wakes a progress reporter: these bytes never pass the counters
 
     async def one(blob: BlobEntry) -> None:
         pieces = by_blob.get(blob.key, [])
@@ -185,11 +392,22 @@ async def _copy(
             if not verify_existing:
                 _count_skipped(stats, blob)
                 return
-            problems = await check_blob(target, blob, pieces, blob.size, chunk=chunk)  # a miss costs a copy
-            if not problems:
-                _count_skipped(stats, blob)
-                return
-            log.info("objckpt cp: replacing %s/%s: %s", dst.url, blob.key, problems[0])
+            if server.active:
+                same = await server.same_object(blob.key)
+                if server.active and same is not False:
+                    _count_skipped(stats, blob)
+                    return
+                if same is False:
+                    log.info("objckpt cp: replacing %s/%s: the server says its bytes differ", dst.url, blob.key)
+            if not server.active:
+                problems = await check_blob(target, blob, pieces, blob.size, chunk=chunk)  # a miss costs a copy
+                if not problems:
+                    _count_skipped(stats, blob)
+                    return
+                log.info("objckpt cp: replacing %s/%s: %s", dst.url, blob.key, problems[0])
+        if server.active and await server.copy(blob):
+            copied(blob, on_server=True)
+            return
         for attempt in range(1, reads + 1):  # a mismatch is read again: bits flip in flight too
             data = await read_blob(source, blob.key, blob.size, chunk=chunk)
             if len(data) != blob.size:
@@ -205,12 +423,25 @@ async def _copy(
                 raise IntegrityError(f"{problems[0]}{more}{persisted}; nothing was committed at {dst.url}")
             src_stats.add(checksum_retries=1)
         await target.put(blob.key, data if isinstance(data, bytes) else memoryview(data))
-        stats.blobs_copied += 1
-        stats.bytes_copied += blob.size
+        copied(blob, on_server=False)
 
-    await source.for_each(manifest.blobs, one, window_bytes=options.memory_budget, size=lambda b: max(b.size, 1))
+    try:
+        await source.for_each(manifest.blobs, one, window_bytes=options.memory_budget, size=lambda b: max(b.size, 1))
+    finally:
+        server.close()
+        stats.method, stats.streamed_because = _method(stats, server)
     await _copy_indexes(source, target, src, manifest)
     await _commit(target, dst, manifest, options)
+
+
+def _method(stats: CopyStats, server: _ServerSide) -> tuple[str, str]:
+    """How the copy went, and why not server-side where it was not."""
+    streamed = stats.blobs_copied - stats.blobs_server_side
+    if stats.blobs_server_side and streamed:
+        return MIXED, server.why_not
+    if stats.blobs_server_side or (server.active and not streamed):
+        return SERVER_SIDE, ""
+    return STREAMED, server.why_not
 
 
 async def _copy_indexes(source: TransferEngine, target: TransferEngine, src: Any, manifest: Manifest) -> None:
@@ -227,24 +458,15 @@ def _count_skipped(stats: CopyStats, blob: BlobEntry) -> None:
     stats.bytes_skipped += blob.size
 
 
-async def _existing_save_id(dst: Any, options: Options) -> str | None:
-    """The save id of the checkpoint committed at ``dst``; None when there is none."""
-    try:
-        data = await dst.get(MANIFEST_KEY)
-    except FileNotFoundError:
-        return None
-    try:
-        return parse_manifest(data, size_limit=options.manifest_size_limit).save_id
-    except Exception:
-        return "(unreadable manifest)"
-
-
 async def _refuse_committed(dst: Any, manifest: Manifest, options: Options) -> None:
-    save_id = await _existing_save_id(dst, options)
+    save_id = await committed_save_id(dst, options)
     if save_id is None:
         return
-    same = " (the same checkpoint: it was copied already)" if save_id == manifest.save_id else ""
-    raise CheckpointExistsError(f"a committed checkpoint already exists at {dst.url}{same}; nothing was copied")
+    same = save_id == manifest.save_id
+    already = " (the same checkpoint: it was copied already)" if same else ""
+    raise DestinationCommittedError(
+        f"a committed checkpoint already exists at {dst.url}{already}; nothing was copied", save_id=save_id, same=same
+    )
 
 
 async def _commit(target: TransferEngine, dst: Any, manifest: Manifest, options: Options) -> None:
@@ -252,7 +474,10 @@ async def _commit(target: TransferEngine, dst: Any, manifest: Manifest, options:
     try:
         await target.put(MANIFEST_KEY, manifest.to_json(), mode="create")
     except ObjectExistsError:
-        if await _existing_save_id(dst, options) != manifest.save_id:
-            raise CheckpointExistsError(
-                f"a committed checkpoint appeared at {dst.url} during the copy; it was left intact"
+        save_id = await committed_save_id(dst, options)
+        if save_id != manifest.save_id:
+            raise DestinationCommittedError(
+                f"a committed checkpoint appeared at {dst.url} during the copy; it was left intact",
+                save_id=save_id or UNREADABLE_MANIFEST,
+                same=False,
             ) from None
