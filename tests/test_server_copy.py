@@ -371,6 +371,8 @@ def test_cli_cp_names_the_method_and_the_client_bytes(s3_service, gcs_service, t
     doc = json.loads(cli("cp", src, f"s3://{DST_BUCKET}/{name}/copy2", "--json"))
     assert doc["method"] == "server-side" and doc["blobs_server_side"] == doc["blobs"] > 0
     assert doc["client_bytes"] < 0.01 * doc["bytes_total"]
+    forced = json.loads(cli("cp", src, f"s3://{DST_BUCKET}/{name}/copy3", "--no-server-side", "--json"))
+    assert forced["method"] == "streamed" and forced["client_bytes"] >= forced["bytes_total"]
     out = cli("cp", src, str(tmp_path / "local"))
     assert " streamed (" in out and "client bytes moved" in out, out
     assert_tree_bit_exact(tree, objckpt.restore(str(tmp_path / "local"), tree))

@@ -299,6 +299,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
             dst_storage_options=dst_options,
             options=_options(args),
             verify_existing=not args.trust_existing,
+            server_side=not getattr(args, "no_server_side", False),
             progress=args.progress,
         )
     except CheckpointNotFoundError as missing:

@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep blobs already at DST if their size is right, without reading them back",
     )
     p.add_argument(
+        "--no-server-side",
+        action="store_true",
+        help="stream every byte through this machine even where the store could copy server-side",
+    )
+    p.add_argument(
         "--steps",
         nargs="?",
         const="all",
