@@ -141,6 +141,7 @@ class FaultProxy:
         self._live: set[_ClientSide] = set()  # open connections, touched on the loop thread only
         self.capacity: int | None = None
         self._fail_after: tuple[int, str] | None = None
+        self._cut_open = False
         self.serving = 0  # requests forwarded and not yet answered (loop thread only)
         self.port = 0
 
@@ -237,12 +238,17 @@ class FaultProxy:
                 return min(self.corrupt_position, length - 1)
             return self._rng.randrange(length)
 
-    def fail_after(self, n_bytes: int | None, kind: str = "500") -> None:
-        """Fault every request that begins once ``n_bytes`` have gone down to clients (None: stop)."""
+    def fail_after(self, n_bytes: int | None, kind: str = "500", *, cut_open: bool = False) -> None:
+        """Fault every request that begins once ``n_bytes`` have gone down to clients (None: stop).
+
+        ``cut_open``: also reset, at that moment, every connection then open: a store that
+        dies mid-transfer, not only for the requests after.
+        """
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}")
         with self._lock:
             self._fail_after = None if n_bytes is None else (n_bytes, kind)
+            self._cut_open = cut_open and n_bytes is not None
 
     def _failing(self) -> str | None:
         with self._lock:
@@ -251,9 +257,17 @@ class FaultProxy:
         return None
 
     def _count(self, up: int = 0, down: int = 0) -> None:
+        """Count bytes (on the loop thread); the moment ``fail_after(..., cut_open=True)`` comes due,
+        reset every open connection."""
         with self._lock:
             self.stats.bytes_up += up
             self.stats.bytes_down += down
+            due = self._cut_open and self._fail_after is not None and self.stats.bytes_down >= self._fail_after[0]
+            if due:
+                self._cut_open = False
+        if due:
+            for side in list(self._live):
+                side.abort()
 
     def set_capacity(self, capacity: int | None) -> None:
         """Serve at most ``capacity`` requests at once and answer the rest 503 SlowDown (None: no limit)."""

@@ -12,8 +12,8 @@ near once per repeat, then, interleaved:
   client, within the memory budget). Client bytes are what crossed the proxy.
 - **restore** onto the saved sharding: from ``near`` with the far copy as a
   replica (it must pick near), from ``far`` alone (the price of no nearby copy),
-  and from ``near`` failing at 50% of the bytes (the proxy resets every request
-  after that point; the rest comes from far). Bytes per location are counted at
+  and from ``near`` failing at 50% of the bytes (the proxy then resets every
+  connection open and every request after: the rest comes from far). Bytes per location are counted at
   the proxies.
 
     python -m benchmarks.bench_regions [--workload medium] [--near-ms 10] [--far-ms 40] [--repeats 3]
@@ -121,7 +121,7 @@ def one_repeat(
     far_loc = objckpt.Location(far_url, far_opts)
     measure("restore near", lambda: restore(near_url, near_opts, [far_loc]))
     measure("restore far", lambda: restore(far_url, far_opts, []))
-    proxies["near"].fail_after(proxies["near"].stats.bytes_down + size // 2, "reset")
+    proxies["near"].fail_after(proxies["near"].stats.bytes_down + size // 2, "reset", cut_open=True)
     try:
         measure("restore near failing at 50%", lambda: restore(near_url, near_opts, [far_loc]))
     finally:
