@@ -184,6 +184,15 @@ class FailoverStore(Store):
         self.streams_reads = all(s.streams_reads for s in self.stores)
         self.puts_parts = False
 
+    def response_phase(self) -> int | None:
+        """Where large responses land (:class:`~objckpt.restoring.aligned_reads.AlignedResponses`):
+        the locations' common answer, so reads through here land aligned as they would directly."""
+        from objckpt.restoring.aligned_reads import AlignedResponses
+        from objckpt.transfer.buffers import bytes_phase
+
+        phases = {s.response_phase() if isinstance(s, AlignedResponses) else bytes_phase() for s in self.stores}
+        return phases.pop() if len(phases) == 1 else None
+
     @property
     def current_url(self) -> str:
         return self.stores[min(self._current, len(self.stores) - 1)].url
