@@ -412,3 +412,23 @@ def test_manager_replicates_server_side_within_one_account(regions, s3_service):
     check = objckpt.CheckpointManager(far.url, storage_options=far.storage_options)
     assert_tree_bit_exact(_step_state(2), check.restore(2))
     check.close()
+
+
+def test_gc_sweeps_every_replica(regions):
+    near, gcs = regions["near"], regions["gcs"]
+    mgr = objckpt.CheckpointManager(
+        near.url, storage_options=near.storage_options, replicas=[gcs.location()], options=SMALL
+    )
+    mgr.save(1, _step_state(1), wait=True)
+    assert mgr._replicator is not None and mgr._replicator.wait(60)
+    from objckpt.transfer import runtime
+
+    stray = objckpt.CheckpointManager(gcs.url, storage_options=gcs.storage_options)
+    runtime.run_sync(stray.store.child(f"step_{1:010d}").put("zz/crashed-save.blob", b"x" * 10))
+    stray.close()
+    deleted = mgr.gc(grace_seconds=0)
+    assert f"{gcs.url}/step_{1:010d}/zz/crashed-save.blob" in deleted, deleted
+    mgr.close()
+    check = objckpt.CheckpointManager(gcs.url, storage_options=gcs.storage_options)
+    assert_tree_bit_exact(_step_state(1), check.restore(1))  # the committed step is untouched
+    check.close()
