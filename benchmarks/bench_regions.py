@@ -10,7 +10,7 @@ near once per repeat, then, interleaved:
   bucket through the far endpoint, server-side (S3 ``CopyObject``: the bytes
   stay in the store) and streamed (``server_side=False``: every byte through the
   client, within the memory budget). Client bytes are what crossed the proxy.
-- **restore** onto the saved sharding: from ``near`` with the far copy as a
+- **restore** onto the saved sharding (the three in turn first, repeat by repeat): from ``near`` with the far copy as a
   replica (it must pick near), from ``far`` alone (the price of no nearby copy),
   and from ``near`` failing at 50% of the bytes (the proxy then resets every
   connection open and every request after: the rest comes from far). Bytes per location are counted at
@@ -69,7 +69,7 @@ def _same(workload: workloads.Workload, restored: Any, tree: Any) -> bool:
 
 
 def one_repeat(
-    service: Any, proxies: dict[str, FaultProxy], workload: workloads.Workload, tree: Any, size: int
+    service: Any, proxies: dict[str, FaultProxy], workload: workloads.Workload, tree: Any, size: int, turn: int
 ) -> dict[str, dict[str, Any]]:
     """Every phase once, on a fresh save; seconds and bytes per location of each."""
     s3 = service.storage_options()
@@ -119,13 +119,21 @@ def one_repeat(
         return {"bytes_by_location": dict(stats.bytes_by_location)}
 
     far_loc = objckpt.Location(far_url, far_opts)
-    measure("restore near", lambda: restore(near_url, near_opts, [far_loc]))
-    measure("restore far", lambda: restore(far_url, far_opts, []))
-    proxies["near"].fail_after(proxies["near"].stats.bytes_down + size // 2, "reset", cut_open=True)
-    try:
-        measure("restore near failing at 50%", lambda: restore(near_url, near_opts, [far_loc]))
-    finally:
-        proxies["near"].fail_after(None)
+
+    def failing() -> dict[str, Any]:
+        proxies["near"].fail_after(proxies["near"].stats.bytes_down + size // 2, "reset", cut_open=True)
+        try:
+            return restore(near_url, near_opts, [far_loc])
+        finally:
+            proxies["near"].fail_after(None)
+
+    restores = [
+        ("restore near", lambda: restore(near_url, near_opts, [far_loc])),
+        ("restore far", lambda: restore(far_url, far_opts, [])),
+        ("restore near failing at 50%", failing),
+    ]
+    for phase, run in restores[turn % 3 :] + restores[: turn % 3]:  # each first once in three repeats
+        measure(phase, run)
     return out
 
 
@@ -192,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             proxies = {"near": near, "far": far}
             for i in range(args.repeats):
                 print(f"repeat {i}", flush=True)
-                for phase, row in one_repeat(service, proxies, workload, tree, workload.nbytes).items():
+                for phase, row in one_repeat(service, proxies, workload, tree, workload.nbytes, i).items():
                     runs[phase].append(row)
     finally:
         service.stop()
