@@ -184,6 +184,7 @@ class Replicator:
         assert replica.wake is not None
         failures = behind = 0
         while not self._closing:
+            step = None
             try:
                 if not replica.ready:
                     replica.have = set(await self.committed_steps(replica.store))
@@ -211,6 +212,13 @@ class Replicator:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a failing replica never stops the training: report, wait, retry
+                if step is not None and step not in self.root_steps:  # retention deleted it mid-copy
+                    log.info(
+                        "objckpt replica %s skips step %d: deleted at the root meanwhile", replica.location.url, step
+                    )
+                    with self._lock:
+                        replica.status.skipped.append(step)
+                    continue
                 failures += 1
                 with self._lock:
                     replica.status.errors += 1
