@@ -302,7 +302,7 @@ def failover_store(probes: Sequence[Probe], options: Options, stats: TransferSta
     return RetryingStore(
         failover,
         retry=options.retry,
-        request_timeout=options.request_timeout * (len(stores) + 1),
+        request_timeout=failover_options(options, len(stores)).request_timeout,
         stats=stats,
     )
 
