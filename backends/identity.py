@@ -71,7 +71,9 @@ def _digest(token: str) -> str:
 
 
 def _iso(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """RFC 3339 in UTC with milliseconds: whole seconds would move a short test expiry up to
+    a second early, so a client could be served keys already expired."""
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _write_private(path: Path, text: str) -> None:
