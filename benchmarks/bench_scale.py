@@ -12,7 +12,7 @@ blobs and bytes per PUT, its index object, the report it sends the primary, and
 the primary's commit (decode every report, build and encode the root manifest).
 Restore side, for one host of each target mesh: strict parse of the root, the
 jobs, the index objects the layouts name (``restoring.indexes.read_needed_indexes``
-on an in-memory store of the index objects), the read plan (``_plan``), the
+on an in-memory store of the index objects), the read plan (``restoring.fetch.plan``), the
 exact-coverage check; CPU seconds, metadata bytes read, extra peak memory
 (tracemalloc, a second run), GETs per 16 MiB and read amplification. The jobs
 are made for the host's 4 devices with ``make_job(..., devices=...)``, which
@@ -316,11 +316,11 @@ class IndexStore:
 def restore_plan(root: bytes, targets: list[Any], devices: frozenset[Any], store: IndexStore) -> dict[str, Any]:
     """One host's restore up to its reads, with ``objckpt.restoring.api``'s own steps: parse the
     root, make the jobs, read the index objects the layouts name (``read_needed_indexes``: only
-    the leaves it needs from each), plan the reads (``_plan``), check coverage; the CPU seconds
+    the leaves it needs from each), plan the reads (``restoring.fetch.plan``), check coverage; the CPU seconds
     of each (of every thread: the index reads run on objckpt's I/O thread)."""
     from objckpt.core.format import parse_manifest
     from objckpt.options import Options
-    from objckpt.restoring.api import _plan
+    from objckpt.restoring.fetch import plan as _plan
     from objckpt.restoring.indexes import read_needed_indexes
     from objckpt.restoring.jobs import make_job, uncovered
 

@@ -21,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from backends.proxy import FaultProxy
+from objckpt.storage import from_url
+from objckpt.transfer import runtime
 
 SMALL = objckpt.Options(blob_size=256 * 1024)
 FAR_BUCKET = "objckpt-region-far"
@@ -193,6 +195,32 @@ def test_replicas_compose_with_a_lost_primary(regions):
         near.url, _target(), storage_options=near.storage_options, replicas=[far.location()], options=options
     )
     assert_tree_bit_exact(tree, restored)
+
+
+def test_a_blob_damaged_at_rest_at_one_location_is_read_from_the_next(regions):
+    """Bit rot at the near copy: the damaged reads persist over their re-reads there,
+    then come from the far copy; every byte still checked, the restore bit-exact."""
+    tree = _tree(5)
+    _replicated(regions, tree)
+    near, far = regions["near"], regions["far"]
+    store = from_url(near.url, **near.storage_options)
+    blobs = sorted(o.key for o in runtime.run_sync(store.list()) if o.key.endswith(".blob"))
+    damaged = blobs[len(blobs) // 2]
+    data = bytearray(runtime.run_sync(store.get(damaged)))
+    data[len(data) // 2] ^= 0x10
+    runtime.run_sync(store.put(damaged, bytes(data)))
+
+    stats = objckpt.TransferStats()
+    restored = objckpt.restore(
+        near.url, _target(), storage_options=near.storage_options, replicas=[far.location()], stats=stats
+    )
+    assert_tree_bit_exact(tree, restored)
+    assert stats.checksum_retries == objckpt.RetryConfig().checksum_reads - 1  # persisted at near, then left
+    assert stats.bytes_by_location.get(far.url, 0) > 0, stats.bytes_by_location
+
+    # Without another copy the damage is an error that names the blob, as before.
+    with pytest.raises(objckpt.ChecksumMismatchError, match=damaged):
+        objckpt.restore(near.url, _target(), storage_options=near.storage_options)
 
 
 # ------------------------------------------------------------------ replicas kept by the manager

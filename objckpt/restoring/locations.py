@@ -11,8 +11,10 @@ first. :class:`FailoverStore` then serves the restore's reads from the nearest
 location; when a location keeps failing (as many failures in a row as a request
 may retry, or at once for a missing object or a refused permission), it is left
 and the reads that remain go to the next one. Every piece is still checked
-against its crc32c by the restore itself, whichever location its bytes came from,
-and ``TransferStats.bytes_by_location`` says how many bytes came from where.
+against its crc32c by the restore itself, whichever location its bytes came from;
+a read whose damage persists over its re-reads (corruption at rest at that
+location) is read again at the next location (:meth:`FailoverStore.elsewhere_if_damaged`).
+``TransferStats.bytes_by_location`` says how many bytes came from where.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, TypeVar
 from objckpt.core.format import MANIFEST_KEY, Manifest
 from objckpt.errors import (
     CheckpointNotFoundError,
+    IntegrityError,
     ObjectNotFoundError,
     StoreError,
     StorePermissionError,
@@ -238,6 +241,20 @@ class FailoverStore(Store):
                 self.stats.add_location_bytes(store.url, size(result))
             return result
 
+    async def elsewhere_if_damaged(self, read: Callable[[], Awaitable[T]]) -> T:
+        """Run ``read`` (reads through this store and the checks of their bytes); when it
+        raises an :class:`~objckpt.errors.IntegrityError` (bytes damaged at rest, having
+        persisted over the re-reads inside ``read``), leave the location it read from
+        and run it again at the next one. The last location's error is raised as is.
+        """
+        while True:
+            index = self._current
+            try:
+                return await read()
+            except IntegrityError as e:
+                if index >= len(self.stores) or not self._leave(index, e):
+                    raise
+
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:
         return await self._read(lambda s: s.get_range(key, start=start, end=end), len)
 
@@ -269,6 +286,12 @@ class FailoverStore(Store):
             failures_to_leave=self._limit,
             stats=self.stats,
         )
+
+
+def failover_of(store: Store) -> FailoverStore | None:
+    """The :class:`FailoverStore` under ``store`` (itself, or the one a retrying store wraps), if any."""
+    inner = store.inner if isinstance(store, RetryingStore) else store
+    return inner if isinstance(inner, FailoverStore) else None
 
 
 def open_locations(locations: Sequence[Location], options: Options, stats: TransferStats) -> list[RetryingStore]:
@@ -318,6 +341,7 @@ __all__ = [
     "Probe",
     "as_locations",
     "choose_locations",
+    "failover_of",
     "failover_options",
     "failover_store",
     "open_locations",
