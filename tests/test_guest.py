@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from objckpt.restoring import api as restore_module
 from objckpt.restoring import arena as prefault
+from objckpt.restoring import fetch as fetch_module
 from objckpt.restoring import jobs as leaf_jobs
 from objckpt.transfer import buffers as memory
 
@@ -79,13 +80,13 @@ def spies(monkeypatch):
     monkeypatch.setattr(memory, "_mallopt", lambda param, value: mallopt_calls.append((param, value)) or True)
     monkeypatch.setattr(memory, "_done", False)
     inside: list[bool] = []
-    real_plan = restore_module._plan
+    real_plan = restore_module.plan
 
     def spying(*args, **kwargs):
         inside.append(gc.isenabled())
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(restore_module, "_plan", spying)
+    monkeypatch.setattr(restore_module, "plan", spying)
     return mallopt_calls, inside
 
 
@@ -138,7 +139,7 @@ def test_leaves_bound_for_an_accelerator_get_plain_buffers(where, s3_store, monk
     monkeypatch.setattr(prefault, "mapped_buffer", counting("mapped", prefault.mapped_buffer))
     monkeypatch.setattr(leaf_jobs, "fault_in", counting("fault_in", leaf_jobs.fault_in))
     monkeypatch.setattr(leaf_jobs, "aligned_arrays", counting("aligned", leaf_jobs.aligned_arrays))
-    alignment = restore_module.ResponseAlignment
+    alignment = fetch_module.ResponseAlignment
     monkeypatch.setattr(alignment, "of", classmethod(counting("alignment", alignment.of.__func__)))
     monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 1 << 20)  # "big" is placed box by box
     url = s3_store.url if where == "s3" else "memory://guest/plain"
@@ -150,7 +151,7 @@ def test_leaves_bound_for_an_accelerator_get_plain_buffers(where, s3_store, monk
     on_cpu = dict(used)
     assert all(on_cpu.values()), on_cpu
 
-    for module in (leaf_jobs, restore_module):
+    for module in (leaf_jobs, fetch_module):
         monkeypatch.setattr(module, "stays_on_host", lambda job: False)
     used.update(dict.fromkeys(used, 0))
     prefaulting = {t for t in threading.enumerate() if t.name == "objckpt-prefault"}

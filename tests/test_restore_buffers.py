@@ -25,6 +25,7 @@ import objckpt
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.plan import ALIGN, PACKING_SLACK, SPACER
 from objckpt.restoring import api as restore_module
+from objckpt.restoring import fetch as fetch_module
 from objckpt.storage import from_url
 from objckpt.storage.obstore_store import ObstoreStore
 from objckpt.transfer import runtime
@@ -159,13 +160,13 @@ def _adoption_report(
     tree, _ = _big_tree()
     objckpt.save(url, tree, storage_options=storage_options)
     allocated: list[str] = []
-    real_allocate, real_phase = restore_module.allocate, ObstoreStore.response_phase
+    real_allocate, real_phase = fetch_module.allocate, ObstoreStore.response_phase
 
     def counting_allocate(job, boxes=None, **kwargs):
         allocated.extend(job.entry.path for _ in (boxes if boxes is not None else job.read_boxes))
         return real_allocate(job, boxes, **kwargs)
 
-    restore_module.allocate = counting_allocate
+    fetch_module.allocate = counting_allocate
     ObstoreStore.response_phase = lambda self: (real_phase(self) + hint_off_by) % DEVICE_ALIGNMENT
     copied, misaligned = [], []
     try:
@@ -184,7 +185,7 @@ def _adoption_report(
                 )
             )
     finally:
-        restore_module.allocate, ObstoreStore.response_phase = real_allocate, real_phase
+        fetch_module.allocate, ObstoreStore.response_phase = real_allocate, real_phase
     return {"copied": copied, "misaligned": misaligned}
 
 
@@ -315,7 +316,7 @@ def test_streamed_reads_have_a_window_of_their_own_not_the_buffered_reads_one(s3
     objckpt.save(s3_store.url, tree, **options, options=objckpt.Options(blob_size=512 << 10))
     open_reads: list[int] = []
     most: list[tuple[int, int]] = []  # (reads, bytes) streamed at once, at each start
-    real = restore_module.stream_read
+    real = fetch_module.stream_read
 
     async def counting(engine, request, *args, **kwargs):
         open_reads.append(request.length)
@@ -325,7 +326,7 @@ def test_streamed_reads_have_a_window_of_their_own_not_the_buffered_reads_one(s3
         finally:
             open_reads.remove(request.length)
 
-    monkeypatch.setattr(restore_module, "stream_read", counting)
+    monkeypatch.setattr(fetch_module, "stream_read", counting)
     other = jax.make_mesh((2, 4), ("x", "y"))
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P("x", "y"))) for k, v in values.items()
@@ -555,13 +556,13 @@ def test_pause_gc_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
     objckpt.save(url, {"a": np.arange(10, dtype=np.float32)})
     paused = objckpt.Options(pause_gc=True)
     seen = []
-    real = restore_module._plan
+    real = restore_module.plan
 
     def spying(*args, **kwargs):
         seen.append(gc.isenabled())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(restore_module, "_plan", spying)
+    monkeypatch.setattr(restore_module, "plan", spying)
     assert gc.isenabled()
     np.testing.assert_array_equal(objckpt.restore(url)["a"], np.arange(10, dtype=np.float32))
     assert seen == [True] and gc.isenabled()  # the default: nothing process-wide changes
