@@ -1,11 +1,12 @@
 """Convert an Orbax checkpoint into a native objckpt one, slab by slab within the memory budget.
 
 The Orbax arrays are read through tensorstore in slabs (runs of leading rows
-of one leaf, at most a quarter of ``Options.memory_budget`` each), a group of
-slabs at a time up to half the budget; each group is packed into blobs,
-checksummed and uploaded by the same staging and upload path a save uses,
-and dropped before the next group is read. Host memory stays within the
-budget however large the checkpoint or any one leaf. The root manifest goes
+of one leaf), a group of slabs at a time (:data:`GROUP_BYTES`, at most a
+quarter of ``Options.memory_budget``); each group is packed into blobs,
+checksummed and uploaded by the same staging and upload path a save uses, and
+dropped once uploaded. The next group's reads run while a group uploads, so
+reading and writing overlap; host memory holds two groups and the staging pool,
+within the budget however large the checkpoint or any one leaf. The root manifest goes
 last, create-if-absent, exactly as for a save: a conversion that dies leaves
 no checkpoint at the destination, only blobs that ``gc`` collects.
 
@@ -42,7 +43,7 @@ from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, Objec
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, numpy_dtype
-from objckpt.orbax.tensorstore_io import import_tensorstore, kvstore_for, open_leaf, read_result
+from objckpt.orbax.tensorstore_io import BoxRead, import_tensorstore, kvstore_for, open_leaf
 from objckpt.progress import ProgressArg, finish_from_caller, start
 from objckpt.saving.api import _exists, _make_engine
 from objckpt.saving.commit import _Commit
@@ -54,6 +55,9 @@ from objckpt.transfer.engine import TransferStats, opened_store
 log = logging.getLogger("objckpt")
 
 _PRIMARY = {"processes": [0]}  # host data, written by the one converting process
+#: Bytes of slabs read as one group: small enough that reading the next group overlaps
+#: uploading this one several times over a checkpoint, large enough for many blobs in flight.
+GROUP_BYTES = 256 << 20
 
 
 @dataclass
@@ -186,7 +190,8 @@ def _convert(
         }
         entries = [_entry(item, by_path[leaf.path], arrays.get(i), leaf.path) for i, leaf in enumerate(flat)]
         strings = {i: item.strings[by_path[leaf.path].name] for i, leaf in enumerate(flat) if i not in arrays}
-        slabs = [s for i, a in arrays.items() if entries[i].kind == "ndarray" for s in _slabs(i, a, options)]
+        group_bytes = max(1, min(GROUP_BYTES, options.memory_budget // 4))
+        slabs = [s for i, a in arrays.items() if entries[i].kind == "ndarray" for s in _slabs(i, a, group_bytes)]
         save_id = _save_id(item)
         coordinator = get_coordinator()
         engine = runtime.run_sync(_make_engine(store.inner, options, transfer))
@@ -199,9 +204,13 @@ def _convert(
         try:
             seq = 0
             host_pieces = [_string_piece(i, text) for i, text in strings.items() if text]
-            for group in _groups(slabs, options.memory_budget // 2):
-                pieces = host_pieces + _read_slabs(item, flat, by_path, arrays, group, stats)
+            groups = _groups(slabs, group_bytes)
+            reads = _start_reads(ts, arrays, groups[0]) if groups else []
+            for k in range(len(groups)):
+                pieces = host_pieces + _landed(item, flat, by_path, reads, stats)
                 host_pieces = []
+                if k + 1 < len(groups):  # read the next group while this one uploads
+                    reads = _start_reads(ts, arrays, groups[k + 1])
                 blobs = plan_blobs(pieces, blob_size=options.blob_size, key=_keys(save_id, seq))
                 seq += len(blobs)
                 records.extend(_upload_missing(blobs, present, store.inner, engine, options, stats))
@@ -319,8 +328,8 @@ def _entry(item: OrbaxItem, leaf: Any, array: Any, path: str) -> LeafEntry:
     return LeafEntry(path, "ndarray", dtype_name(dtype), shape, layout=_PRIMARY)
 
 
-def _slabs(leaf: int, array: Any, options: Options) -> list[_Slab]:
-    """Runs of leading rows of at most a quarter of the budget (one row if a row is bigger)."""
+def _slabs(leaf: int, array: Any, limit: int) -> list[_Slab]:
+    """Runs of leading rows of at most ``limit`` bytes (one row if a row is bigger)."""
     shape = tuple(int(n) for n in array.shape)
     itemsize = numpy_dtype(array.dtype).itemsize
     total = int(np.prod(shape, dtype=np.int64)) * itemsize
@@ -329,7 +338,7 @@ def _slabs(leaf: int, array: Any, options: Options) -> list[_Slab]:
     if not shape:
         return [_Slab(leaf, (), (), total)]
     row = total // shape[0]
-    rows = max(1, (options.memory_budget // 4) // max(row, 1))
+    rows = max(1, limit // max(row, 1))
     rest = shape[1:]
     return [
         _Slab(leaf, (r, *(0,) * len(rest)), (min(r + rows, shape[0]), *rest), (min(r + rows, shape[0]) - r) * row)
@@ -349,22 +358,30 @@ def _groups(slabs: list[_Slab], limit: int) -> list[list[_Slab]]:
     return [g for g in groups if g]
 
 
-def _read_slabs(
+def _start_reads(ts: Any, arrays: dict[int, Any], group: list[_Slab]) -> list[tuple[_Slab, BoxRead]]:
+    """Issue the reads of ``group``'s slabs, together as one tensorstore batch (it fetches
+    and decodes their chunks concurrently, merging neighbouring ranges), into buffers of ours."""
+    batch = ts.Batch()
+    reads = []
+    for slab in group:
+        array = arrays[slab.leaf]
+        box = tuple(slice(a, b) for a, b in zip(slab.start, slab.stop, strict=True))
+        reads.append((slab, BoxRead(ts, array, box, numpy_dtype(array.dtype), batch)))
+    batch.submit()
+    return reads
+
+
+def _landed(
     item: OrbaxItem,
     flat: list[Any],
     leaves: dict[str, Any],
-    arrays: dict[int, Any],
-    group: list[_Slab],
+    reads: list[tuple[_Slab, BoxRead]],
     stats: ConvertStats,
 ) -> list[OwnedPiece]:
-    """The slabs of ``group``, read concurrently (tensorstore fetches each slab's chunks in parallel)."""
-    reads = [
-        (slab, arrays[slab.leaf][tuple(slice(a, b) for a, b in zip(slab.start, slab.stop, strict=True))].read())
-        for slab in group
-    ]
+    """The slabs of started ``reads`` as pieces to pack, once each has landed."""
     pieces = []
-    for slab, future in reads:
-        host = np.ascontiguousarray(read_result(future, item, leaves[flat[slab.leaf].path]))
+    for slab, read in reads:
+        host = read.result(item, leaves[flat[slab.leaf].path])
         stats.bytes_read += host.nbytes
         pieces.append(OwnedPiece(slab.leaf, slab.start, slab.stop, host.dtype.itemsize, source=(host, slab.start)))
     return pieces
