@@ -25,6 +25,11 @@ own credential provider); for s3fs and gcsfs stores their filesystem's
 loop). Each request is one attempt under the caller's ``call`` (the transfer
 engine: timeout, retries, concurrency); botocore's own retries are off.
 
+The size a copy is given must be one the store confirmed (the caller takes it
+from the source's listing, never from an index object's word alone), and a
+multipart copy holds at most :data:`MULTIPART_COPY_CONCURRENCY` part requests
+and S3's :data:`MAX_PARTS` part records at once, however large that size is.
+
 Nothing here signs or builds a request by hand; the protocol is botocore's,
 s3fs's and gcsfs's. Written here: the decision, and the multipart copy's
 sequence of botocore calls (create, parts, complete, abort on failure).
@@ -60,6 +65,10 @@ MULTIPART_COPY_THRESHOLD = 1024 * 1024 * 1024
 MULTIPART_COPY_PART_SIZE = 256 * 1024 * 1024
 #: Parts of one object copied at once.
 MULTIPART_COPY_CONCURRENCY = 4
+#: S3's limits: parts of one multipart upload, bytes of one part, bytes of one object.
+MAX_PARTS = 10_000
+MAX_PART_SIZE = 5 * 2**30
+MAX_OBJECT_SIZE = 5 * 2**40
 #: Thread pool size of an :class:`S3Copier` (botocore is synchronous), at most.
 MAX_COPY_THREADS = 32
 
@@ -189,6 +198,15 @@ def source_location(store: Store, key: str) -> BucketKey:
     if location is None:
         raise StoreError(f"{store.url} has no buckets to copy from")
     return location
+
+
+def multipart_part_size(size: int, part_size: int) -> int | None:
+    """The part size of a multipart copy of ``size`` bytes: ``part_size``, grown so the
+    parts stay within S3's :data:`MAX_PARTS`; None when S3 holds no object that large."""
+    if size > MAX_OBJECT_SIZE:
+        return None
+    grown = max(part_size, -(-size // MAX_PARTS))
+    return grown if grown <= MAX_PART_SIZE else None
 
 
 def _endpoint(url: str | None) -> str:
@@ -395,36 +413,15 @@ class S3Copier:
         if size <= self.multipart_threshold:
             await call(what, lambda: self._run(what, "copy_object", CopySource=copy_source, **params))
             return
+        part_size = multipart_part_size(size, self.part_size)
+        if part_size is None:
+            raise StoreError(
+                f"{what}: {size} bytes is more than one S3 object holds ({MAX_OBJECT_SIZE} bytes); not copied"
+            )
         upload = await call(f"{what} (start)", lambda: self._run(what, "create_multipart_upload", **params))
         upload_id = upload["UploadId"]
         try:
-            ranges = [(i, min(i + self.part_size, size) - 1) for i in range(0, size, self.part_size)]
-            limit = asyncio.Semaphore(MULTIPART_COPY_CONCURRENCY)
-
-            async def part(number: int, first: int, last: int) -> dict[str, Any]:
-                async with limit:
-                    answer = await call(
-                        f"{what} (part {number}, bytes {first}-{last})",
-                        lambda: self._run(
-                            what,
-                            "upload_part_copy",
-                            CopySource=copy_source,
-                            CopySourceRange=f"bytes={first}-{last}",
-                            PartNumber=number,
-                            UploadId=upload_id,
-                            **params,
-                        ),
-                    )
-                return {"PartNumber": number, "ETag": answer["CopyPartResult"]["ETag"]}
-
-            tasks = [asyncio.ensure_future(part(n, a, b)) for n, (a, b) in enumerate(ranges, 1)]
-            try:
-                parts = await asyncio.gather(*tasks)
-            except BaseException:  # the first failure ends the other parts before the abort
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
+            parts = await self._copy_parts(what, copy_source, params, upload_id, size, part_size, call)
             await call(
                 f"{what} (complete)",
                 lambda: self._run(
@@ -435,6 +432,52 @@ class S3Copier:
             with contextlib.suppress(Exception):  # best effort: a lifecycle rule or gc cleans up the rest
                 await self._run(f"{what} (abort)", "abort_multipart_upload", UploadId=upload_id, **params)
             raise
+
+    async def _copy_parts(
+        self,
+        what: str,
+        copy_source: dict[str, str],
+        params: dict[str, Any],
+        upload_id: str,
+        size: int,
+        part_size: int,
+        call: Call,
+    ) -> list[dict[str, Any]]:
+        """The parts of one multipart copy, :data:`MULTIPART_COPY_CONCURRENCY` at a time.
+
+        Part numbers are handed out one by one to a fixed set of workers, so what is held
+        at once is bounded by the concurrency, whatever ``size`` is; the first failure
+        ends the other workers.
+        """
+        numbers = iter(range(1, -(-size // part_size) + 1))
+        done: dict[int, dict[str, Any]] = {}
+
+        async def worker() -> None:
+            for number in numbers:
+                first = (number - 1) * part_size
+                last = min(first + part_size, size) - 1
+                request = functools.partial(
+                    self._run,
+                    what,
+                    "upload_part_copy",
+                    CopySource=copy_source,
+                    CopySourceRange=f"bytes={first}-{last}",
+                    PartNumber=number,
+                    UploadId=upload_id,
+                    **params,
+                )
+                answer = await call(f"{what} (part {number}, bytes {first}-{last})", request)
+                done[number] = {"PartNumber": number, "ETag": answer["CopyPartResult"]["ETag"]}
+
+        workers = [asyncio.ensure_future(worker()) for _ in range(MULTIPART_COPY_CONCURRENCY)]
+        try:
+            await asyncio.gather(*workers)
+        except BaseException:  # the first failure ends the other parts before the abort
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
+        return [done[n] for n in sorted(done)]
 
     async def checksum(self, location: BucketKey, call: Call) -> str | None:
         what = f"HEAD s3://{'/'.join(location)}"

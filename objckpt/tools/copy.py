@@ -6,7 +6,10 @@ Two ways to move a blob, chosen once per copy:
   buckets of one endpoint and credential source, two GCS buckets):
   the destination's server copies each blob (S3 ``CopyObject``, GCS rewrite;
   :mod:`objckpt.storage.server_copy`) and only request heads cross the
-  client's link. Each copied blob is then HEADed and its size compared with
+  client's link. A blob is copied only once the source's listing holds it at
+  the size its index object declares (a size is a claim until the store confirms
+  it: a mismatch is an ``IntegrityError`` naming the blob, before any request
+  is built from it). Each copied blob is then HEADed and its size compared with
   the manifest's. Its pieces' crc32c are not read (that would move the bytes
   this avoids): restore and verify check them, as for every checkpoint.
   The first blob is copied alone; if the server refuses it (no permission,
@@ -39,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from objckpt.core.checksum import crc32c
+from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import MANIFEST_KEY, BlobEntry, Manifest, parse_manifest
 from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsError, StoreError
 from objckpt.options import Options
@@ -263,10 +266,17 @@ class _ServerSide:
     """
 
     def __init__(
-        self, copier: server_copy.Copier | None, why_not: str, src: Any, dst: Any, target: TransferEngine
+        self,
+        copier: server_copy.Copier | None,
+        why_not: str,
+        src: Any,
+        dst: Any,
+        target: TransferEngine,
+        source_sizes: dict[str, int],
     ) -> None:
         self.copier = copier
         self.why_not = why_not
+        self._sizes = source_sizes
         self._src, self._dst, self._target = src, dst, target
         self._confirmed = False
         self._first = asyncio.Lock()
@@ -293,7 +303,20 @@ class _ServerSide:
         )
 
     async def copy(self, blob: BlobEntry) -> bool:
-        """Copy ``blob`` on the server and check its size there; False when it must be streamed."""
+        """Copy ``blob`` on the server and check its size there; False when it must be streamed.
+
+        The size an index object declares is a claim: the source's listing must hold the
+        blob at that size before a copy (or a multipart plan) is built from it. A blob
+        the listing lacks is streamed, and the streamed read says it is missing.
+        """
+        held = self._sizes.get(blob.key)
+        if held is None:
+            return False
+        if held != blob.size:
+            raise IntegrityError(
+                f"server-side copy of {self._src.url}/{blob.key} is {held} bytes at the source, but its index"
+                f" object declares {blob.size}: not copied, and nothing was committed at {self._dst.url}"
+            )
         if not self._confirmed:
             async with self._first:
                 if self.copier is None:
@@ -376,7 +399,9 @@ async def _copy(
         )
     else:
         copier, why_not = None, "server_side=False"
-    server = _ServerSide(copier, why_not, src, dst, target)
+    # The sizes the source's store confirms; a server-side copy is planned only from these.
+    source_sizes = {o.key: o.size for o in await src.list()} if copier is not None else {}
+    server = _ServerSide(copier, why_not, src, dst, target, source_sizes)
 
     def copied(blob: BlobEntry, on_server: bool) -> None:
         stats.blobs_copied += 1
@@ -445,10 +470,10 @@ def _method(stats: CopyStats, server: _ServerSide) -> tuple[str, str]:
 
 
 async def _copy_indexes(source: TransferEngine, target: TransferEngine, src: Any, manifest: Manifest) -> None:
-    """Format version 2: copy each process's index object as is (the root holds its crc32c)."""
+    """Format version 2: copy each process's index object as is (the root holds its crc32c, and SHA-256 if any)."""
     for ref in manifest.indexes:
         data = await source.get(ref.key)
-        if len(data) != ref.size or crc32c(data) != ref.crc32c:
+        if len(data) != ref.size or crc32c(data) != ref.crc32c or ref.sha256 not in (None, sha256_hex(data)):
             raise IntegrityError(f"index object {src.url}/{ref.key} does not match the manifest; nothing was committed")
         await target.put(ref.key, data)
 

@@ -1,0 +1,149 @@
+"""Hardening of copies and replicas (issue 51, items 1, 11, 13, 14), against the local S3 and GCS servers.
+
+* A blob size an index object declares is a claim: a server-side ``objckpt cp`` plans its copy
+  only from the size the source's listing confirms, and a multipart copy's parts stay bounded.
+* A damaged index object at the nearest replica fails over, as a damaged blob does.
+* A replica copy abandoned mid-way (its step left the root by retention) leaves nothing behind.
+* With the primary unreachable, a manager's listing answers from a replica, and says which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import objckpt
+from objckpt.core.checksum import crc32c
+from objckpt.storage import from_url, server_copy
+from objckpt.transfer import runtime
+
+MiB = 1 << 20
+DST_BUCKET = "objckpt-hardening-dst"
+_SCRIPT = Path(sys.executable).with_name("objckpt")
+CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "objckpt.cli"]
+
+
+def _name() -> str:
+    return f"hr-{uuid.uuid4().hex[:10]}"
+
+
+def _port(endpoint_url: str) -> int:
+    return int(endpoint_url.rsplit(":", 1)[1].rstrip("/"))
+
+
+def _state(step: int, n: int = 64 * 1024) -> dict[str, Any]:
+    import numpy as np
+
+    return {"w": np.arange(n, dtype=np.float32) * (step + 1), "b": np.full(1000, step, np.int16), "step": step}
+
+
+def _rewrite_index(store: Any, edit: Any) -> str:
+    """Replace the first index object of the checkpoint at ``store`` with ``edit(doc)`` and pin
+    the new bytes in the root (size, crc32c, blob count and bytes), as a hostile writer would.
+    Returns the index object's key."""
+    root = json.loads(runtime.run_sync(store.get("manifest.json")))
+    ref = root["indexes"][0]
+    doc = json.loads(runtime.run_sync(store.get(ref["key"])))
+    edit(doc)
+    data = json.dumps(doc).encode()
+    runtime.run_sync(store.put(ref["key"], data))
+    ref.update(size=len(data), crc32c=crc32c(data), blobs=len(doc["blobs"]))
+    ref["blob_bytes"] = sum(size for _, size in doc["blobs"])
+    runtime.run_sync(store.delete("manifest.json"))
+    runtime.run_sync(store.put("manifest.json", json.dumps(root).encode(), mode="create"))
+    return ref["key"]
+
+
+# ------------------------------------------------------------------ 1. declared sizes in a server-side cp
+
+
+def _capped(limit: int, argv: list[str]) -> list[str]:
+    """``argv`` run with at most ``limit`` bytes of address space (set before it starts)."""
+    start = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_AS, (%d, %d)); os.execv(sys.argv[1], sys.argv[1:])"
+    return [sys.executable, "-c", start % (limit, limit), *argv]
+
+
+def test_cp_between_s3_locations_refuses_a_declared_blob_size_the_store_does_not_confirm(s3_service):
+    """A blob declared 2^62 bytes: ``objckpt cp`` (server-side) names the blob and fails at once,
+    in a process capped at 3 GiB of address space (the part list alone used to need 2^34 tuples)."""
+    s3_service.make_bucket(DST_BUCKET)
+    src = s3_service.url(f"{_name()}/ckpt")
+    so = s3_service.storage_options()
+    objckpt.save(src, _state(1), storage_options=so)
+    store = from_url(src, **so)
+    declared: dict[str, Any] = {}
+
+    def huge(doc: dict[str, Any]) -> None:
+        declared["key"], real = doc["blobs"][0]
+        doc["blobs"][0][1] = 2**62
+        declared["real"] = real
+
+    _rewrite_index(store, huge)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "OBJCKPT_"))}
+    env.update(s3_service.env(), JAX_PLATFORMS="cpu", PYTHONWARNINGS="ignore")
+    done = subprocess.run(
+        _capped(3 << 30, [*CLI, "cp", src, f"s3://{DST_BUCKET}/{_name()}/copy"]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode != 0, said
+    assert "MemoryError" not in said, said
+    assert declared["key"] in said and str(2**62) in said and f"is {declared['real']} bytes" in said, said
+    assert "nothing was committed" in said, said
+
+
+def test_a_multipart_copy_holds_a_bounded_number_of_parts(monkeypatch):
+    """However large the size it is given, a multipart copy keeps S3's 10,000 parts, starts its
+    part requests a few at a time, and refuses what no S3 object can be without a request."""
+    assert server_copy.multipart_part_size(2**62, 256 * MiB) is None
+    assert server_copy.multipart_part_size(5 * 2**40, 256 * MiB) == -(-(5 * 2**40) // 10_000)
+    assert server_copy.multipart_part_size(2 * 2**30, 256 * MiB) == 256 * MiB
+
+    copier = object.__new__(server_copy.S3Copier)
+    copier.multipart_threshold, copier.part_size, copier._extra = 1, 5 * MiB, {}
+    calls: list[str] = []
+    in_flight = [0, 0]  # now, most
+
+    class Target:
+        url = "s3://dst"
+
+        def bucket_object(self, key: str) -> tuple[str, str]:
+            return ("dst", key)
+
+    copier._dst = Target()
+
+    async def run(what: str, method: str, **params: Any) -> Any:
+        calls.append(method)
+        if method == "create_multipart_upload":
+            return {"UploadId": "u"}
+        if method == "upload_part_copy":
+            in_flight[0] += 1
+            in_flight[1] = max(in_flight)
+            import asyncio
+
+            await asyncio.sleep(0)
+            in_flight[0] -= 1
+            return {"CopyPartResult": {"ETag": str(params["PartNumber"])}}
+        return {}
+
+    async def call(what: str, make: Any) -> Any:
+        return await make()
+
+    monkeypatch.setattr(copier, "_run", run)
+    with pytest.raises(objckpt.StoreError, match="more than one S3 object holds"):
+        runtime.run_sync(copier.copy(("src", "k"), "k", 2**62, call))
+    assert calls == []
+    runtime.run_sync(copier.copy(("src", "k"), "k", 60 * 10_000 * MiB, call))  # 586 GiB: parts grow
+    assert calls.count("upload_part_copy") == 10_000 and calls[-1] == "complete_multipart_upload"
+    assert in_flight[1] <= server_copy.MULTIPART_COPY_CONCURRENCY
