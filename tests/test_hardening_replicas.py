@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import assert_tree_bit_exact
 
 import objckpt
+from backends.proxy import FaultProxy
 from objckpt.core.checksum import crc32c
 from objckpt.storage import from_url, server_copy
 from objckpt.transfer import runtime
@@ -147,3 +149,42 @@ def test_a_multipart_copy_holds_a_bounded_number_of_parts(monkeypatch):
     runtime.run_sync(copier.copy(("src", "k"), "k", 60 * 10_000 * MiB, call))  # 586 GiB: parts grow
     assert calls.count("upload_part_copy") == 10_000 and calls[-1] == "complete_multipart_upload"
     assert in_flight[1] <= server_copy.MULTIPART_COPY_CONCURRENCY
+
+
+# ------------------------------------------------------------------ 11. damaged index objects fail over
+
+
+@pytest.fixture
+def two_regions(s3_service):
+    """(near, far): two prefixes on the S3 server, far behind a proxy with 30 ms RTT."""
+    options = s3_service.storage_options()
+    with FaultProxy("127.0.0.1", _port(s3_service.endpoint_url), latency_ms=30) as proxy:
+        far_options = {**options, "client_kwargs": {**options["client_kwargs"], "endpoint_url": proxy.endpoint_url}}
+        name = _name()
+        near = objckpt.Location(s3_service.url(f"near-{name}"), options)
+        far = objckpt.Location(s3_service.url(f"far-{name}"), far_options)
+        yield near, far, proxy
+
+
+def test_an_index_object_damaged_at_the_nearest_replica_is_read_at_the_next(two_regions, caplog):
+    near, far, _ = two_regions
+    tree = _state(11)
+    objckpt.save(near.url, tree, storage_options=near.storage_options)
+    objckpt.copy(near.url, far.url, src_storage_options=near.storage_options, dst_storage_options=far.storage_options)
+    store = from_url(near.url, **near.storage_options)
+    key = json.loads(runtime.run_sync(store.get("manifest.json")))["indexes"][0]["key"]
+    data = bytearray(runtime.run_sync(store.get(key)))
+    data[len(data) // 2] ^= 0x01  # bit rot at rest: the root's crc32c no longer matches
+    runtime.run_sync(store.put(key, bytes(data)))
+
+    stats = objckpt.TransferStats()
+    with caplog.at_level("WARNING", logger="objckpt"):
+        restored = objckpt.restore(near.url, None, storage_options=near.storage_options, replicas=[far], stats=stats)
+    assert_tree_bit_exact(tree, restored)
+    assert stats.bytes_by_location.get(far.url, 0) > 0, stats.bytes_by_location
+    left = [r.getMessage() for r in caplog.records if "leaves" in r.getMessage()]
+    assert any(near.url in m and "FormatError" in m and key in m for m in left), left
+
+    # Without another copy the damage is a FormatError naming the index object, as before.
+    with pytest.raises(objckpt.FormatError, match=key):
+        objckpt.restore(near.url, None, storage_options=near.storage_options)

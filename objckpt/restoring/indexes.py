@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from objckpt.core.format import LeafEntry, Manifest
@@ -20,6 +20,7 @@ from objckpt.core.plan import ReadRequest
 from objckpt.errors import FormatError
 from objckpt.options import Options
 from objckpt.restoring.jobs import LeafJob, uncovered
+from objckpt.restoring.locations import failover_of
 from objckpt.transfer import runtime
 from objckpt.transfer.manifest_io import read_indexes
 
@@ -32,8 +33,8 @@ def read_needed_indexes(store: Any, manifest: Manifest, jobs: dict[int, LeafJob]
     """Read the index objects of the processes that wrote the boxes ``jobs`` read, and
     give each job its leaf's pieces from them (format version 2)."""
     leaves = leaves_by_writer(manifest, {i: job.read_boxes for i, job in jobs.items()})
-    manifest = runtime.run_sync(
-        read_indexes(store, manifest, leaves, size_limit=options.manifest_size_limit, leaves=leaves)
+    manifest = _read_anywhere(
+        store, lambda: read_indexes(store, manifest, leaves, size_limit=options.manifest_size_limit, leaves=leaves)
     )
     for i, job in jobs.items():
         job.entry = manifest.leaves[i]
@@ -66,8 +67,9 @@ def check_coverage(
             len(manifest.indexes),
         )
         root = dataclasses.replace(manifest, leaves=_without_pieces(manifest.leaves), blobs=(), loaded=frozenset())
-        manifest = runtime.run_sync(
-            read_indexes(store, root, range(len(manifest.indexes)), size_limit=options.manifest_size_limit)
+        every = range(len(manifest.indexes))
+        manifest = _read_anywhere(
+            store, lambda: read_indexes(store, root, every, size_limit=options.manifest_size_limit)
         )
         for i, job in jobs.items():
             job.entry = manifest.leaves[i]
@@ -80,6 +82,13 @@ def check_coverage(
             f" its box {list(start)}-{list(stop)} exactly (holes or overlaps)"
         )
     return requests
+
+
+def _read_anywhere(store: Any, read: Callable[[], Coroutine[Any, Any, Manifest]]) -> Manifest:
+    """``read()`` (index objects read through ``store``); with replicas, an index object damaged
+    at rest at one location is read at the next (:meth:`FailoverStore.elsewhere_if_damaged`)."""
+    failover = failover_of(store)
+    return runtime.run_sync(read() if failover is None else failover.elsewhere_if_damaged(read))
 
 
 def _without_pieces(leaves: tuple[LeafEntry, ...]) -> tuple[LeafEntry, ...]:

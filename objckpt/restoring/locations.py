@@ -13,7 +13,8 @@ may retry, or at once for a missing object or a refused permission), it is left
 and the reads that remain go to the next one. Every piece is still checked
 against its crc32c by the restore itself, whichever location its bytes came from;
 a read whose damage persists over its re-reads (corruption at rest at that
-location) is read again at the next location (:meth:`FailoverStore.elsewhere_if_damaged`).
+location: a blob's bytes, or an index object that fails its root's checks) is
+read again at the next location (:meth:`FailoverStore.elsewhere_if_damaged`).
 ``TransferStats.bytes_by_location`` says how many bytes came from where.
 """
 
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 from objckpt.core.format import MANIFEST_KEY, Manifest
 from objckpt.errors import (
     CheckpointNotFoundError,
+    FormatError,
     IntegrityError,
     ObjectNotFoundError,
     StoreError,
@@ -243,15 +245,17 @@ class FailoverStore(Store):
 
     async def elsewhere_if_damaged(self, read: Callable[[], Awaitable[T]]) -> T:
         """Run ``read`` (reads through this store and the checks of their bytes); when it
-        raises an :class:`~objckpt.errors.IntegrityError` (bytes damaged at rest, having
-        persisted over the re-reads inside ``read``), leave the location it read from
-        and run it again at the next one. The last location's error is raised as is.
+        raises an :class:`~objckpt.errors.IntegrityError` or a
+        :class:`~objckpt.errors.FormatError` (a blob's bytes, or an index object, damaged
+        at rest: the damage persisted over the re-reads inside ``read``), leave the
+        location it read from and run it again at the next one. The last location's
+        error is raised as is.
         """
         while True:
             index = self._current
             try:
                 return await read()
-            except IntegrityError as e:
+            except (IntegrityError, FormatError) as e:
                 if index >= len(self.stores) or not self._leave(index, e):
                     raise
 
