@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from objckpt.core.checksum import DIGESTS
 from objckpt.core.plan import PACKING_SLACK
 
 MiB = 1 << 20
@@ -124,6 +125,13 @@ class Options:
             (process-wide, restored when the last restore ends). Off by default;
             turn it on when a restore that makes many small arrays pays for full
             collections of a large heap.
+        digest: ``"sha256"``: a save records each piece's SHA-256 in its index
+            object and the root pins each index object by its SHA-256, so whoever
+            can write a copy (a replica bucket) cannot change bytes unnoticed, as
+            they can under crc32c alone; a restore or verify with it set refuses
+            a checkpoint saved without it. Readers check the digests of any
+            checkpoint that has them, whatever this says. None (the default):
+            crc32c only, the format unchanged.
     """
 
     blob_size: int = 32 * MiB
@@ -144,6 +152,7 @@ class Options:
     retry: RetryConfig = field(default_factory=RetryConfig)
     tune_malloc: bool = False
     pause_gc: bool = False
+    digest: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -162,6 +171,8 @@ class Options:
                 raise ValueError(f"Options.{name} must be positive, got {value!r}")
         if self.coalesce_gap < 0:
             raise ValueError(f"Options.coalesce_gap must be >= 0, got {self.coalesce_gap!r}")
+        if self.digest not in (None, *DIGESTS):
+            raise ValueError(f"Options.digest must be None or one of {', '.join(DIGESTS)}, got {self.digest!r}")
 
     def copied_read_limit(self, *, streamed: bool) -> int:
         """``max_read_size``, or its default for reads the store streams (``streamed``) or not."""

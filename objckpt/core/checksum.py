@@ -1,15 +1,25 @@
-"""crc32c of any buffer, hardware-accelerated.
+"""crc32c of any buffer, hardware-accelerated; the opt-in SHA-256 digest of a piece.
 
 The ``crc32c`` package takes any buffer (numpy arrays, memoryview slices)
 without a copy and releases the GIL on large inputs; google-crc32c only takes
 ``bytes``, which would force a copy of every blob.
+
+CRC-32C catches accidents (bits flipped in flight or at rest), not forgery: it
+is linear, so whoever can write a copy of a blob can change its bytes and keep
+every crc32c. A checkpoint saved with ``Options(digest="sha256")`` also records
+each piece's SHA-256 (``hashlib``, which releases the GIL too), and readers
+check it wherever they check the crc32c.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import crc32c as _crc32c
+
+#: The digests ``Options.digest`` may name.
+DIGESTS = ("sha256",)
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -19,6 +29,26 @@ def crc32c(data: Any, value: int = 0) -> int:
     arrives in consecutive parts.
     """
     return int(_crc32c.crc32c(data, value))
+
+
+def sha256_hex(data: Any) -> str:
+    """The SHA-256 of a bytes-like object, as 64 lowercase hex digits."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_sha256_hex(value: Any) -> bool:
+    """Whether ``value`` is a SHA-256 as checkpoints write it: 64 lowercase hex digits."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def damage(data: Any, crc: int, sha256: str | None) -> str | None:
+    """What is wrong with a piece's bytes: None, ``"checksum"`` (its crc32c differs) or
+    ``"sha256"`` (its crc32c matches, its SHA-256 does not: changed on purpose)."""
+    if crc32c(data) != crc:
+        return "checksum"
+    if sha256 is not None and sha256_hex(data) != sha256:
+        return "sha256"
+    return None
 
 
 # CRC-32C's polynomial, bit-reflected (the bit order the checksum is computed in).

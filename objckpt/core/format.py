@@ -87,6 +87,7 @@ class IndexRef:
     crc32c: int
     blobs: int = 0  # how many blobs the process wrote
     blob_bytes: int = 0  # and their bytes
+    sha256: str | None = None  # hex SHA-256 of the index object (saves with Options.digest)
 
 
 @dataclass(frozen=True)

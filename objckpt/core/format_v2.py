@@ -23,10 +23,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from objckpt.core.checksum import crc32c
+from objckpt.core.checksum import crc32c, is_sha256_hex, sha256_hex
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format import (
     ARRAY_KINDS,
+    _BLOB_KEY,
     FORMAT_NAME,
     IndexRef,
     Manifest,
@@ -42,6 +43,7 @@ from objckpt.core.strict import fields, is_int, need, strict_json
 from objckpt.errors import FormatError
 
 INDEX_FORMAT = "objckpt-index"
+_ALL_OR_NONE = "every index object has a sha256 or none does"
 _AXIS_NAME_MAX = 256
 
 
@@ -72,13 +74,24 @@ def root_to_json(manifest: Manifest) -> bytes:
         "tree": manifest.tree,
         "slab_bytes": manifest.slab_bytes,
         "meshes": [m.to_json() for m in manifest.meshes],
-        "indexes": [
-            {"key": r.key, "size": r.size, "crc32c": r.crc32c, "blobs": r.blobs, "blob_bytes": r.blob_bytes}
-            for r in manifest.indexes
-        ],
+        "indexes": [_ref_to_json(r) for r in manifest.indexes],
         "leaves": leaves,
     }
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def require_digest(manifest: Manifest, digest: str | None, url: str) -> None:
+    """With ``Options.digest`` set, refuse a checkpoint whose root does not pin its index objects by it.
+
+    Why: whoever can rewrite a copy's root could otherwise drop the digests.
+    """
+    if digest is not None and (manifest.version != 2 or any(r.sha256 is None for r in manifest.indexes)):
+        raise FormatError(f"checkpoint {url} has no {digest} digests; Options(digest={digest!r}) requires them")
+
+
+def _ref_to_json(ref: IndexRef) -> dict[str, Any]:
+    out = {"key": ref.key, "size": ref.size, "crc32c": ref.crc32c, "blobs": ref.blobs, "blob_bytes": ref.blob_bytes}
+    return out if ref.sha256 is None else {**out, "sha256": ref.sha256}
 
 
 def root_from_doc(doc: dict[str, Any]) -> Manifest:
@@ -110,11 +123,11 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
         "'indexes'",
         f"must list one index object per process ({processes})",
     )
-    indexes = []
+    indexes: list[IndexRef] = _fast_refs(doc["indexes"]) or []
     seen: set[str] = set()
-    for p, raw in enumerate(doc["indexes"]):
+    for p, raw in enumerate(() if indexes else doc["indexes"]):  # the checks again, naming what is wrong
         where = f"'indexes[{p}]'"
-        fields(raw, where, {"key", "size", "crc32c", "blobs", "blob_bytes"})
+        fields(raw, where, {"key", "size", "crc32c", "blobs", "blob_bytes"}, {"sha256"})
         key = raw["key"]
         need(isinstance(key, str) and check_blob_key(key), f"{where}.key", f"unsafe key {key!r}")
         need(key not in seen, f"{where}.key", f"index object {key!r} listed twice")
@@ -123,7 +136,10 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
         need(is_int(raw["crc32c"]) and 0 <= raw["crc32c"] < 2**32, f"{where}.crc32c", "must be a 32-bit integer")
         for name in ("blobs", "blob_bytes"):
             need(is_int(raw[name]) and raw[name] >= 0, f"{where}.{name}", "must be a non-negative integer")
-        indexes.append(IndexRef(key, raw["size"], raw["crc32c"], raw["blobs"], raw["blob_bytes"]))
+        sha = raw.get("sha256")
+        need(sha is None or is_sha256_hex(sha), f"{where}.sha256", "must be 64 lowercase hex digits")
+        need(not indexes or (sha is None) == (indexes[0].sha256 is None), f"{where}.sha256", _ALL_OR_NONE)
+        indexes.append(IndexRef(key, raw["size"], raw["crc32c"], raw["blobs"], raw["blob_bytes"], sha))
     leaves = parse_leaves(doc["leaves"], None)
     checked: set[str] = set()  # layouts (with their shape) already found good: most leaves share a few
     for i, leaf in enumerate(leaves):
@@ -146,6 +162,49 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
         indexes=tuple(indexes),
         slab_bytes=doc["slab_bytes"],
     )
+
+
+_REF_FIELDS = frozenset({"key", "size", "crc32c", "blobs", "blob_bytes"})
+_REF_FIELDS_SHA = _REF_FIELDS | {"sha256"}
+
+
+def _fast_refs(raws: list[Any]) -> list[IndexRef] | None:
+    """The root's ``indexes`` if every entry passes the checks of :func:`root_from_doc`, else None.
+
+    Why twice (as :func:`_fast_row`): a root may list a million index objects, and
+    formatting each check's message up front costs more than the checks.
+    """
+    if not raws:
+        return None
+    first = raws[0]
+    expected = _REF_FIELDS_SHA if type(first) is dict and "sha256" in first else _REF_FIELDS
+    seen: set[str] = set()
+    out: list[IndexRef] = []
+    for raw in raws:
+        if type(raw) is not dict or raw.keys() != expected:
+            return None
+        key, size, crc, blobs, blob_bytes = raw["key"], raw["size"], raw["crc32c"], raw["blobs"], raw["blob_bytes"]
+        if (
+            type(key) is not str
+            or key in seen
+            or len(key) > 1024
+            or not _BLOB_KEY.match(key)  # (no part can be "." or ".." then: check_blob_key's other rule)
+            or type(size) is not int
+            or type(crc) is not int
+            or type(blobs) is not int
+            or type(blob_bytes) is not int
+            or size < 0
+            or blobs < 0
+            or blob_bytes < 0
+            or not 0 <= crc < 2**32
+        ):
+            return None
+        sha = raw.get("sha256")
+        if sha is not None and not is_sha256_hex(sha):
+            return None
+        seen.add(key)
+        out.append(IndexRef(key, size, crc, blobs, blob_bytes, sha))
+    return out
 
 
 def _mesh_from_json(raw: Any, where: str, processes: int) -> Mesh:
@@ -271,12 +330,23 @@ class IndexDoc:
     pieces: dict[int, list[Piece]]
 
 
-def index_to_json(save_id: str, process: int, records: Iterable[tuple[int, Piece]], blobs: dict[str, int]) -> bytes:
-    """An index object: ``records`` are (leaf, piece); ``blobs`` each blob's key and size."""
+def index_to_json(
+    save_id: str,
+    process: int,
+    records: Iterable[tuple[int, Piece]],
+    blobs: dict[str, int],
+    *,
+    digest: bool = False,
+) -> bytes:
+    """An index object: ``records`` are (leaf, piece); ``blobs`` each blob's key and size.
+
+    ``digest``: with each piece's SHA-256 (``Options.digest``), which every piece must have.
+    """
     keys = sorted(blobs)
     position = {k: n for n, k in enumerate(keys)}
+    records = list(records)
     rows = [[leaf, position[p.blob], p.offset, p.crc32c, *p.start, *p.stop] for leaf, p in records]
-    doc = {
+    doc: dict[str, Any] = {
         "format": INDEX_FORMAT,
         "version": 2,
         "save_id": save_id,
@@ -284,6 +354,11 @@ def index_to_json(save_id: str, process: int, records: Iterable[tuple[int, Piece
         "blobs": [[k, blobs[k]] for k in keys],
         "pieces": rows,
     }
+    if digest:
+        missing = [p for _, p in records if p.sha256 is None]
+        if missing:
+            raise ValueError(f"piece of blob {missing[0].blob} at byte {missing[0].offset} has no sha256")
+        doc["sha256"] = [p.sha256 for _, p in records]
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -308,8 +383,10 @@ def parse_index(
         raise FormatError(f"{doc_name} is {len(data)} bytes, over the limit of {size_limit}")
     if crc32c(data) != ref.crc32c:
         raise FormatError(f"{doc_name} does not match its crc32c in the manifest")
+    if ref.sha256 is not None and sha256_hex(data) != ref.sha256:
+        raise FormatError(f"{doc_name} does not match its sha256 in the manifest (its crc32c does: changed on purpose)")
     doc = strict_json(data, doc_name)
-    fields(doc, "(top level)", {"format", "version", "save_id", "process", "blobs", "pieces"}, doc=doc_name)
+    fields(doc, "(top level)", {"format", "version", "save_id", "process", "blobs", "pieces"}, {"sha256"}, doc_name)
     need(doc["format"] == INDEX_FORMAT, "'format'", f"must be {INDEX_FORMAT!r}", doc_name)
     need(doc["version"] == 2 and is_int(doc["version"]), "'version'", "must be 2", doc_name)
     need(
@@ -338,6 +415,7 @@ def parse_index(
         doc_name,
     )
     need(isinstance(doc["pieces"], list), "'pieces'", "must be a list", doc_name)
+    digests = _digests(doc, ref, doc_name)
     shapes = _leaf_shapes(manifest)
     pieces: dict[int, list[Piece]] = {}
     sizes = [blobs[k] for k in keys]
@@ -348,8 +426,32 @@ def parse_index(
             if row[0] not in leaves:
                 continue
         leaf, piece = _fast_row(row, shapes, keys, sizes) or _row(row, f"'pieces[{n}]'", shapes, keys, sizes, doc_name)
+        if digests is not None:
+            piece = piece._replace(sha256=digests[n])
         pieces.setdefault(leaf, []).append(piece)
     return IndexDoc(process, blobs, pieces)
+
+
+def _digests(doc: dict[str, Any], ref: IndexRef, doc_name: str) -> list[str] | None:
+    """The index object's ``sha256`` list (one per row of ``pieces``), there iff the root pins it by one."""
+    need(
+        ("sha256" in doc) == (ref.sha256 is not None),
+        "'sha256'",
+        "present without a sha256 in the manifest" if "sha256" in doc else "missing (the manifest has a sha256)",
+        doc_name,
+    )
+    if "sha256" not in doc:
+        return None
+    digests = doc["sha256"]
+    need(
+        isinstance(digests, list) and len(digests) == len(doc["pieces"]),
+        "'sha256'",
+        "must list one digest per row of 'pieces'",
+        doc_name,
+    )
+    for n, d in enumerate(digests):
+        need(is_sha256_hex(d), f"'sha256[{n}]'", "must be 64 lowercase hex digits", doc_name)
+    return list(digests)
 
 
 def _leaf_shapes(manifest: Manifest) -> list[tuple[tuple[int, ...], int] | None]:

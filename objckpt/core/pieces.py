@@ -28,6 +28,7 @@ class Piece(NamedTuple):
     offset: int
     length: int
     crc32c: int
+    sha256: str | None = None  # hex SHA-256 of the bytes, in checkpoints saved with Options.digest
 
     @property
     def shape(self) -> tuple[int, ...]:

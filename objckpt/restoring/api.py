@@ -20,6 +20,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from objckpt.core.format import ARRAY_KINDS, Manifest
+from objckpt.core.format_v2 import require_digest
 from objckpt.core.plan import ReadRequest
 from objckpt.core.tree import build, flatten_target, unflatten_target
 from objckpt.errors import (
@@ -206,6 +207,7 @@ def _restore(
 ) -> Any:
     """:func:`restore` from an open store (the arguments as there, defaults filled in)."""
     started = time.perf_counter()
+    require_digest(manifest, options.digest, store.url)
     selection, subtrees = select(manifest, target, partial)
     read_once = read_once and jax.process_count() > 1
     designator = Designator(options.split_replicas_above)

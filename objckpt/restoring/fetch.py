@@ -5,9 +5,9 @@
 as a sliding window under the memory budget. Each read either streams into its
 boxes as it arrives (:mod:`objckpt.restoring.scatter`) or lands whole and is
 scattered (:func:`land`), a piece whose bytes arrive aligned becoming its box's
-buffer without a copy. Every piece is checked against its crc32c before it
-counts; a mismatch is read again, and with replicas, damage that persists is
-read at the next location.
+buffer without a copy. Every piece is checked against its crc32c (and its
+SHA-256, when the checkpoint has digests) before it counts; a mismatch is read
+again, and with replicas, damage that persists is read at the next location.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from objckpt.core.boxes import box_to_slices
-from objckpt.core.checksum import crc32c
+from objckpt.core.checksum import damage
 from objckpt.core.format import Manifest, Piece
 from objckpt.core.plan import ReadRequest, plan_reads
 from objckpt.errors import ChecksumMismatchError, IntegrityError
@@ -199,13 +199,14 @@ def _scatter(
         piece = part.piece
         job = jobs[part.leaf]
         raw = data[part.offset : part.offset + piece.length]
-        if crc32c(raw) != piece.crc32c:
+        wrong = damage(raw, piece.crc32c, piece.sha256)
+        if wrong is not None:
             for j in adopted:
                 if j < k:
                     taken = request.parts[j]
                     jobs[taken.leaf].buffers.pop((taken.piece.start, taken.piece.stop), None)
             raise ChecksumMismatchError(
-                f"checksum mismatch in leaf {job.entry.path}: blob {url}/{piece.blob}"
+                f"{wrong} mismatch in leaf {job.entry.path}: blob {url}/{piece.blob}"
                 f" bytes [{piece.offset}, {piece.offset + piece.length})"
             )
         source = np.frombuffer(raw, dtype=job.dtype).reshape(piece.shape)

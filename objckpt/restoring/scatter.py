@@ -15,13 +15,17 @@ never handed out), and a retried read writes the same bytes again.
 A long read goes out as parallel sub-range streams (*spans*) cut between
 rows; the parts of a piece that spans share are checksummed apart and
 combined (:func:`objckpt.core.checksum.crc32c_combine`) once every span is in.
+A piece with a SHA-256 (``Options.digest``) is never cut: a digest has no
+combine, so each such piece is hashed in order within one span.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +38,7 @@ from objckpt.storage.streaming import STREAM_PIECE
 from objckpt.transfer.engine import TransferEngine, run_in_order
 
 Span = tuple[int, int]  # [first, last) bytes of a read's body
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 async def stream_read(
@@ -61,6 +66,8 @@ async def stream_read(
     for part in request.parts:
         if part.piece.length == 0 and part.piece.crc32c != 0:  # in the manifest, not the blob: no re-read cures it
             raise IntegrityError(f"{_mismatch(part, jobs, url)} (an empty piece with a non-zero crc32c)")
+        if part.piece.length == 0 and part.piece.sha256 not in (None, _EMPTY_SHA256):
+            raise IntegrityError(f"{_mismatch(part, jobs, url, 'sha256')} (an empty piece with another sha256)")
 
     async def stream(sink: ScatterSink) -> int:
         first, last = sink.span
@@ -92,7 +99,9 @@ def iter_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> It
     """Cut a read into spans of about ``chunk`` bytes, each cut between rows of a piece.
 
     A cut inside a piece is moved back to a multiple of the step along the
-    piece's slab axis, so every span starts on a slab of its own. The spans are
+    piece's slab axis, so every span starts on a slab of its own; a cut inside
+    a piece with a SHA-256 moves to its start (or its end, when the span
+    would otherwise be empty), so one span hashes all of it. The spans are
     made as they are asked for, never all at once: the read's length comes from
     the manifest, which may declare far more bytes than the blob holds.
     """
@@ -106,6 +115,9 @@ def iter_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> It
             at = target - part.offset
             if 0 < at < part.piece.length:
                 piece = part.piece
+                if piece.sha256 is not None:
+                    cut = part.offset if part.offset > previous else part.offset + piece.length
+                    break
                 itemsize = jobs[part.leaf].dtype.itemsize
                 step = _strides(piece.shape, itemsize)[_slab_axis(piece.shape, itemsize, STREAM_PIECE, 0)]
                 cut = part.offset + at // step * step
@@ -113,7 +125,8 @@ def iter_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> It
         if cut > previous:
             yield (previous, cut)
             previous = cut
-    yield (previous, request.length)
+    if previous < request.length:  # a piece with a digest may have taken the cut to the end
+        yield (previous, request.length)
 
 
 class ScatterSink:
@@ -159,6 +172,7 @@ class ScatterSink:
     def begin(self) -> None:
         self._k = 0  # the part being received (or the next one, in a gap)
         self._crc = 0  # of the current part's bytes in this span so far
+        self._hash: Any = None  # its SHA-256 so far, for a piece that has one
         self._planned: tuple[int, int, int] = (-1, 0, 0)  # (position, slab axis, length)
         self.shared = {}
 
@@ -223,6 +237,7 @@ class ScatterSink:
         job = self.jobs[part.leaf]
         meets = self._allocated(part)
         self._crc = crc32c(data)
+        self._hash = hashlib.sha256(data) if piece.sha256 is not None else None
         _copy(job, meets, np.frombuffer(data, dtype=job.dtype).reshape(piece.shape), piece.start)
         self._end_part(part)
 
@@ -233,6 +248,10 @@ class ScatterSink:
         at = position - part.offset
         meets = self._allocated(part)
         self._crc = crc32c(data, self._crc)
+        if piece.sha256 is not None:
+            if self._hash is None:
+                self._hash = hashlib.sha256()
+            self._hash.update(data)
         planned_position, axis, length = self._planned
         if planned_position != position or length != len(data):
             axis, length = _slab(piece.shape, job.dtype.itemsize, at, len(data))
@@ -276,10 +295,13 @@ class ScatterSink:
         if begins == 0 and ends == part.piece.length:
             if self._crc != part.piece.crc32c:
                 raise _mismatch(part, self.jobs, self.url)
+            if part.piece.sha256 is not None and (self._hash is None or self._hash.hexdigest() != part.piece.sha256):
+                raise _mismatch(part, self.jobs, self.url, "sha256")
         else:
             self.shared[id(part)] = (begins, ends - begins, self._crc)
         self._k += 1
         self._crc = 0
+        self._hash = None
 
 
 def _copy(job: LeafJob, overlaps: list[tuple[Box, Box]], source: np.ndarray, origin: tuple[int, ...]) -> None:
@@ -294,6 +316,8 @@ def _check_shared_parts(request: ReadRequest, sinks: list[ScatterSink], jobs: di
         runs = sorted(s.shared[id(part)] for s in sinks if id(part) in s.shared)
         if not runs:
             continue
+        if part.piece.sha256 is not None:  # iter_spans never cuts such a piece
+            raise IntegrityError(f"{_mismatch(part, jobs, url, 'sha256')} (cut between spans: cannot be hashed)")
         crc, covered = 0, 0
         for begins, length, run_crc in runs:
             if begins != covered:
@@ -304,10 +328,10 @@ def _check_shared_parts(request: ReadRequest, sinks: list[ScatterSink], jobs: di
             raise _mismatch(part, jobs, url)
 
 
-def _mismatch(part: ReadPart, jobs: dict[int, LeafJob], url: str) -> ChecksumMismatchError:
+def _mismatch(part: ReadPart, jobs: dict[int, LeafJob], url: str, what: str = "checksum") -> ChecksumMismatchError:
     piece = part.piece
     return ChecksumMismatchError(
-        f"checksum mismatch in leaf {jobs[part.leaf].entry.path}: blob {url}/{piece.blob}"
+        f"{what} mismatch in leaf {jobs[part.leaf].entry.path}: blob {url}/{piece.blob}"
         f" bytes [{piece.offset}, {piece.offset + piece.length})"
     )
 

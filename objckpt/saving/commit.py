@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Any
 
-from objckpt.core.checksum import crc32c
+from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import FORMAT_VERSION, MANIFEST_KEY, IndexRef, LeafEntry, Manifest, parse_manifest
 from objckpt.core.format_v2 import index_key, index_to_json
 from objckpt.core.layout import Mesh
@@ -176,16 +176,21 @@ class _Commit:
                 )
 
     async def _write_index(self, records: list[PieceRecord], blobs: dict[str, int]) -> dict[str, Any]:
-        """Write this process's index object; its key, size and crc32c, to report."""
-        data = index_to_json(self.save_id, self.coordinator.process_index, records, blobs)
+        """Write this process's index object; its key, size and crc32c (and SHA-256 with
+        ``Options.digest``), to report."""
+        digest = self.options.digest is not None
+        data = index_to_json(self.save_id, self.coordinator.process_index, records, blobs, digest=digest)
         await self.engine.put(self.index_key, data)
-        return {
+        report: dict[str, Any] = {
             "key": self.index_key,
             "size": len(data),
             "crc32c": crc32c(data),
             "blobs": len(blobs),
             "blob_bytes": sum(blobs.values()),
         }
+        if digest:
+            report["sha256"] = sha256_hex(data)
+        return report
 
     async def _commit_or_abort(self, reports: dict[int, bytes]) -> bytes:
         count = self.coordinator.process_count
@@ -199,8 +204,14 @@ class _Commit:
             return json.dumps({"status": "aborted", "why": "; ".join(errors)}).encode()
         if self.marker.lapsed():
             return json.dumps({"status": "aborted", "why": self.marker.lapse_error()}).encode()
+        if len({"sha256" in d for d in docs.values()}) > 1:
+            why = "the processes disagree on Options.digest (some index objects have digests, others not)"
+            return json.dumps({"status": "aborted", "why": why}).encode()
         manifest = self._manifest(
-            [IndexRef(d["key"], d["size"], d["crc32c"], d["blobs"], d["blob_bytes"]) for _, d in sorted(docs.items())]
+            [
+                IndexRef(d["key"], d["size"], d["crc32c"], d["blobs"], d["blob_bytes"], d.get("sha256"))
+                for _, d in sorted(docs.items())
+            ]
         )
         try:
             await self.engine.put(MANIFEST_KEY, manifest.to_json(), mode="create")

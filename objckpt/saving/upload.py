@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from objckpt.core.boxes import copy_piece_into, piece_bytes_in_place
-from objckpt.core.checksum import crc32c
+from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import Piece
 from objckpt.core.plan import BlobPlan
 from objckpt.options import Options
@@ -84,7 +84,7 @@ def _fill_blobs(
         if parts is not None:
             if not _take_slot(slots, failed):
                 break
-            future = runtime.submit(_upload_in_place(blob, parts, engine, slots))
+            future = runtime.submit(_upload_in_place(blob, parts, engine, slots, options.digest))
         else:
             buffer = pool.take(failed, open_gate)
             if buffer is None or failed.is_set():
@@ -96,7 +96,7 @@ def _fill_blobs(
                 dtype = placed.piece.source[0].dtype
                 view = staged[placed.offset : placed.offset + piece.nbytes].view(dtype).reshape(piece.shape)
                 copy_piece_into(piece, view)
-            future = runtime.submit(_upload(blob, buffer, pool, engine, gate))
+            future = runtime.submit(_upload(blob, buffer, pool, engine, gate, options.digest))
 
         def _done(f: concurrent.futures.Future[Any]) -> None:
             if f.cancelled() or f.exception() is not None:
@@ -138,11 +138,11 @@ def _take_slot(slots: threading.Semaphore, failed: threading.Event) -> bool:
 
 
 async def _upload_in_place(
-    blob: BlobPlan, parts: list[memoryview], engine: TransferEngine, slots: threading.Semaphore
+    blob: BlobPlan, parts: list[memoryview], engine: TransferEngine, slots: threading.Semaphore, digest: str | None
 ) -> list[PieceRecord]:
     """Checksum each piece (off the loop thread) and PUT the blob from its parts, with retries."""
     try:
-        crcs = await asyncio.to_thread(_checksums, parts[1::2])  # parts: gap, piece, gap, piece, ...
+        crcs = await asyncio.to_thread(_checksums, parts[1::2], digest)  # parts: gap, piece, gap, piece, ...
         await engine.put(blob.key, parts)
     finally:
         slots.release()
@@ -164,6 +164,7 @@ async def _upload(
     pool: StagingPool,
     engine: TransferEngine,
     gate: concurrent.futures.Future[None],
+    digest: str | None,
 ) -> list[PieceRecord]:
     """Checksum each piece (off the loop thread) and PUT the blob with retries, once the gate opens.
 
@@ -174,20 +175,22 @@ async def _upload(
         await asyncio.wrap_future(gate)
         data = buffer.data[: blob.size]
         view = data.toreadonly()
-        crcs = await asyncio.to_thread(_checksums, [view[p.offset : p.offset + p.piece.nbytes] for p in blob.pieces])
+        pieces = [view[p.offset : p.offset + p.piece.nbytes] for p in blob.pieces]
+        crcs = await asyncio.to_thread(_checksums, pieces, digest)
         attempts = await engine.put(blob.key, data)
     finally:
         pool.give(buffer, reusable=attempts == 1)
     return _records(blob, crcs)
 
 
-def _checksums(pieces: list[memoryview]) -> list[int]:
-    return [crc32c(p) for p in pieces]
+def _checksums(pieces: list[memoryview], digest: str | None) -> list[tuple[int, str | None]]:
+    """Each piece's crc32c, and its SHA-256 when ``digest`` asks for it (``Options.digest``)."""
+    return [(crc32c(p), sha256_hex(p) if digest else None) for p in pieces]
 
 
-def _records(blob: BlobPlan, crcs: list[int]) -> list[PieceRecord]:
+def _records(blob: BlobPlan, crcs: list[tuple[int, str | None]]) -> list[PieceRecord]:
     """The manifest's record of each piece of an uploaded blob."""
     return [
-        (p.piece.leaf, Piece(p.piece.start, p.piece.stop, blob.key, p.offset, p.piece.nbytes, crc))
-        for p, crc in zip(blob.pieces, crcs)
+        (p.piece.leaf, Piece(p.piece.start, p.piece.stop, blob.key, p.offset, p.piece.nbytes, crc, sha))
+        for p, (crc, sha) in zip(blob.pieces, crcs)
     ]

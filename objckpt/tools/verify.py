@@ -1,4 +1,4 @@
-"""verify: read every blob of a checkpoint and check every piece's crc32c.
+"""verify: read every blob of a checkpoint and check every piece's crc32c (and SHA-256, if saved).
 
 Unlike a restore, which stops at the first bad byte, verify keeps going and
 reports *every* problem it finds: a blob that is missing, shorter (or longer)
@@ -21,8 +21,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from objckpt.core.checksum import crc32c
+from objckpt.core.checksum import damage
 from objckpt.core.format import ARRAY_KINDS, BlobEntry, Manifest, Piece
+from objckpt.core.format_v2 import require_digest
 from objckpt.core.pieces import check_tiling
 from objckpt.errors import StoreError
 from objckpt.options import MiB, Options
@@ -47,11 +48,13 @@ class VerifyProblem:
 
     Attributes:
         kind: ``missing``, ``short``, ``size`` (longer than the manifest says),
-            ``checksum`` or ``unreadable``.
+            ``checksum``, ``sha256`` (the crc32c matches, the SHA-256 of a
+            checkpoint saved with ``Options.digest`` does not: bytes changed on
+            purpose) or ``unreadable``.
         blob: the blob's key, relative to the checkpoint.
         message: one line naming everything needed to find it.
-        leaf: the leaf path, for a checksum mismatch.
-        start, end: the byte range ``[start, end)`` in the blob, for a checksum mismatch.
+        leaf: the leaf path, for a checksum or sha256 mismatch.
+        start, end: the byte range ``[start, end)`` in the blob, for a checksum or sha256 mismatch.
     """
 
     kind: str
@@ -134,7 +137,8 @@ def verify(
     Args:
         url: the checkpoint.
         storage_options: passed to the store.
-        options: tuning (concurrency, byte window, timeouts, retries).
+        options: tuning (concurrency, byte window, timeouts, retries); with
+            ``digest`` set, a checkpoint saved without digests is refused.
         progress: ``True`` draws a progress bar on stderr when it is a terminal
             (tqdm); a callable is called with a :class:`objckpt.Progress` at most
             every 0.1 s and once more at the end, on objckpt's I/O thread: it must
@@ -146,13 +150,16 @@ def verify(
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``url``.
-        FormatError: the manifest itself is malformed (nothing else can be checked).
+        FormatError: the manifest itself is malformed (nothing else can be checked),
+            an index object does not match the root's record of it, or the
+            checkpoint has no digests and ``options.digest`` asks for them.
     """
     options = options or Options()
     stats = TransferStats()
     started = time.perf_counter()
     with opened_store(url, storage_options, options, stats) as store:
         manifest = runtime.run_sync(read_checkpoint(store, size_limit=options.manifest_size_limit))
+        require_digest(manifest, options.digest, store.url)
         check_whole_tiling(manifest)
         total, base = sum(b.size for b in manifest.blobs), stats.bytes_read
         with reporting(progress, "verify", store.url, total, lambda: stats.bytes_read - base, stats):
@@ -253,12 +260,13 @@ def check_pieces(
         end = p.offset + p.length
         if end > len(view):
             continue  # reported once per blob as "short"
-        if crc32c(view[p.offset : end]) != p.crc32c:
+        wrong = damage(view[p.offset : end], p.crc32c, p.sha256)
+        if wrong is not None:
             problems.append(
                 VerifyProblem(
-                    "checksum",
+                    wrong,
                     key,
-                    f"checksum mismatch in leaf {path}: blob {url}/{key} bytes [{p.offset}, {end})",
+                    f"{wrong} mismatch in leaf {path}: blob {url}/{key} bytes [{p.offset}, {end})",
                     leaf=path,
                     start=p.offset,
                     end=end,
@@ -351,7 +359,7 @@ async def recheck(
 
 
 async def _cured(engine: TransferEngine, key: str, piece: Piece, rereads: int) -> bool:
-    """Whether one of up to ``rereads`` more reads of a mismatched piece matches its crc32c
+    """Whether one of up to ``rereads`` more reads of a mismatched piece matches its crc32c (and SHA-256)
     (a re-read the store refuses leaves the mismatch standing)."""
     for _ in range(rereads):
         engine.stats.add(checksum_retries=1)
@@ -359,6 +367,6 @@ async def _cured(engine: TransferEngine, key: str, piece: Piece, rereads: int) -
             data = await engine.get_range(key, piece.offset, piece.offset + piece.length)
         except StoreError:
             return False
-        if len(data) == piece.length and await asyncio.to_thread(crc32c, data) == piece.crc32c:
+        if len(data) == piece.length and await asyncio.to_thread(damage, data, piece.crc32c, piece.sha256) is None:
             return True
     return False
