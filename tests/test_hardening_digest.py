@@ -308,3 +308,25 @@ def test_forged_index_object_keeping_size_and_crc32c_is_refused(kind, store_targ
     assert ref["key"] in str(caught.value)
     with pytest.raises(objckpt.FormatError, match="does not match its sha256"):
         objckpt.verify(url, storage_options=target.storage_options)
+
+
+def test_convert_orbax_rerun_keeps_blobs_with_their_digests(tmp_path):
+    """A rerun conversion keeps the blobs an earlier run left; with a digest, their pieces
+    get their SHA-256 too, and the committed checkpoint verifies with the digest required."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    state = {"w": np.arange(64 * 64, dtype=np.float32).reshape(64, 64), "b": np.arange(3000, dtype=np.int32)}
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "orbax", state)
+    checkpointer.wait_until_finished()
+    options = objckpt.Options(memory_budget=32 << 10, blob_size=8 << 10, digest="sha256")
+    src, dst = str(tmp_path / "orbax"), tmp_path / "native"
+    objckpt.convert_orbax(src, str(dst), options=options)
+    blobs = sorted(dst.rglob("*.blob"))
+    for path in dst.rglob("*"):  # as if killed before the commit: only the blobs are there
+        if path.is_file() and path.suffix != ".blob":
+            path.unlink()
+    again = objckpt.convert_orbax(src, str(dst), options=options)
+    assert again.blobs_kept == len(blobs) >= 2, again
+    assert objckpt.verify(str(dst), options=DIGEST).ok
+    restored = objckpt.restore(str(dst), None, options=DIGEST)
+    np.testing.assert_array_equal(restored["w"], state["w"])

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from objckpt.core.boxes import MeshTable, copy_piece_into
-from objckpt.core.checksum import crc32c
+from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.dtypes import dtype_name
 from objckpt.core.format import LeafEntry, Piece
 from objckpt.core.plan import OwnedPiece, blob_key, plan_blobs
@@ -263,7 +263,7 @@ def _upload_missing(
     records: list[PieceRecord] = []
     missing = []
     for blob in blobs:
-        kept = _kept(blob, store) if present.get(blob.key) == blob.size else None
+        kept = _kept(blob, store, options.digest) if present.get(blob.key) == blob.size else None
         if kept is None:
             missing.append(blob)
         else:
@@ -274,8 +274,9 @@ def _upload_missing(
     return records
 
 
-def _kept(blob: Any, store: Any) -> list[PieceRecord] | None:
-    """The records of ``blob`` if the object already at its key holds exactly its bytes, else None."""
+def _kept(blob: Any, store: Any, digest: str | None) -> list[PieceRecord] | None:
+    """The records of ``blob`` if the object already at its key holds exactly its bytes, else None
+    (with each piece's SHA-256 when ``digest``: ``Options.digest``)."""
     staged = np.zeros(blob.size, dtype=np.uint8)
     for placed in blob.pieces:
         piece = placed.piece
@@ -298,6 +299,7 @@ def _kept(blob: Any, store: Any) -> list[PieceRecord] | None:
                 p.offset,
                 p.piece.nbytes,
                 crc32c(data[p.offset : p.offset + p.piece.nbytes]),
+                sha256_hex(data[p.offset : p.offset + p.piece.nbytes]) if digest else None,
             ),
         )
         for p in blob.pieces
