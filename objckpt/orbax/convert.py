@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import itertools
 import logging
+import math
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +46,17 @@ from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, Objec
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, numpy_dtype
-from objckpt.orbax.tensorstore_io import BoxRead, import_tensorstore, kvstore_for, open_leaf
+from objckpt.orbax.tensorstore_io import (
+    READ_CHUNKS,
+    BoxRead,
+    Waiter,
+    chunk_shape,
+    chunks_in,
+    describe_kvstore,
+    import_tensorstore,
+    kvstore_for,
+    open_leaf,
+)
 from objckpt.progress import ProgressArg, finish_from_caller, start
 from objckpt.saving.api import _exists, _make_engine
 from objckpt.saving.commit import _Commit
@@ -180,37 +193,47 @@ def _convert(
         if runtime.run_sync(_exists(store)):
             raise CheckpointExistsError(f"a committed checkpoint already exists at {store.url}")
         context = ts.Context(context_spec)
+        in_flight: list[tuple[_Slab, BoxRead]] = []  # the group being read
+        waiter = Waiter(
+            options.request_timeout,
+            describe_kvstore(kvstore),
+            lambda: [future for _, read in in_flight for future in read.futures],
+        )
         by_path = {leaf.path: leaf for leaf in item.leaves if leaf.kind != "skipped"}
         tree = item.skeleton(lambda i: None)
         flat, skeleton = flatten(tree)
         arrays = {
-            i: open_leaf(ts, item, by_path[leaf.path], kvstore, context)
+            i: open_leaf(ts, item, by_path[leaf.path], kvstore, context, waiter)
             for i, leaf in enumerate(flat)
             if by_path[leaf.path].kind in ("array", "scalar")
         }
-        entries = [_entry(item, by_path[leaf.path], arrays.get(i), leaf.path) for i, leaf in enumerate(flat)]
+        entries = [_entry(item, by_path[leaf.path], arrays.get(i), leaf.path, waiter) for i, leaf in enumerate(flat)]
         strings = {i: item.strings[by_path[leaf.path].name] for i, leaf in enumerate(flat) if i not in arrays}
         group_bytes = max(1, min(GROUP_BYTES, options.memory_budget // 4))
-        slabs = [s for i, a in arrays.items() if entries[i].kind == "ndarray" for s in _slabs(i, a, group_bytes)]
+        converted = {i: a for i, a in arrays.items() if entries[i].kind == "ndarray"}
+        chunks = {i: chunk_shape(a) for i, a in converted.items()}
+        # Slabs and groups are generated as they are read: a header may declare any shape.
+        slabs = itertools.chain.from_iterable(_slabs(i, a, group_bytes) for i, a in converted.items())
+        groups = _groups(slabs, group_bytes, chunks)
         save_id = _save_id(item)
         coordinator = get_coordinator()
         engine = runtime.run_sync(_make_engine(store.inner, options, transfer))
         marker = LiveMarker(store, marker_key(save_id, coordinator.process_index), lease=options.live_marker_lease)
         runtime.run_sync(marker.begin())
-        total = sum(s.nbytes for s in slabs)
+        total = sum(math.prod(int(n) for n in a.shape) * numpy_dtype(a.dtype).itemsize for a in converted.values())
         reporter = start(progress, "convert", store.url, total, lambda: transfer.bytes_written, transfer)
         records: list[PieceRecord] = []
         present = {info.key: info.size for info in runtime.run_sync(store.inner.list(""))}
         try:
             seq = 0
             host_pieces = [_string_piece(i, text) for i, text in strings.items() if text]
-            groups = _groups(slabs, group_bytes)
-            reads = _start_reads(ts, arrays, groups[0]) if groups else []
-            for k in range(len(groups)):
-                pieces = host_pieces + _landed(item, flat, by_path, reads, stats)
+            group = next(groups, None)
+            in_flight[:] = _start_reads(ts, arrays, chunks, group or [])
+            while group is not None:
+                pieces = host_pieces + _landed(item, flat, by_path, in_flight, stats, waiter)
                 host_pieces = []
-                if k + 1 < len(groups):  # read the next group while this one uploads
-                    reads = _start_reads(ts, arrays, groups[k + 1])
+                group = next(groups, None)  # read the next group while this one uploads
+                in_flight[:] = _start_reads(ts, arrays, chunks, group or [])
                 blobs = plan_blobs(pieces, blob_size=options.blob_size, key=_keys(save_id, seq))
                 seq += len(blobs)
                 records.extend(_upload_missing(blobs, present, store.inner, engine, options, stats))
@@ -218,6 +241,8 @@ def _convert(
                 blobs = plan_blobs(host_pieces, blob_size=options.blob_size, key=_keys(save_id, 0))
                 records.extend(_upload_missing(blobs, present, store.inner, engine, options, stats))
         except BaseException:
+            for _, read in in_flight:
+                read.cancel()
             finish_from_caller(reporter, complete=False)
             runtime.run_sync(marker.end())
             raise
@@ -317,50 +342,69 @@ def _save_id(item: OrbaxItem) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 
-def _entry(item: OrbaxItem, leaf: Any, array: Any, path: str) -> LeafEntry:
+def _entry(item: OrbaxItem, leaf: Any, array: Any, path: str, waiter: Waiter) -> LeafEntry:
     if leaf.kind == "string":
         text = item.strings[leaf.name].encode()
         return LeafEntry(path, "str", "uint8", (len(text),), layout=_PRIMARY)
     dtype = numpy_dtype(array.dtype)
     shape = tuple(int(n) for n in array.shape)
     if leaf.kind == "scalar":
-        value = np.asarray(array.read().result()).item()  # a few bytes: stored inline, as Orbax restores it
+        what = f"reading scalar {leaf.path} ({leaf.name}) of the Orbax checkpoint {item.url}"
+        value = np.asarray(waiter.wait(array.read(), what)).item()  # stored inline, as Orbax restores it
         kind = "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "float"
         return LeafEntry(path, kind, value=value)
     return LeafEntry(path, "ndarray", dtype_name(dtype), shape, layout=_PRIMARY)
 
 
-def _slabs(leaf: int, array: Any, limit: int) -> list[_Slab]:
-    """Runs of leading rows of at most ``limit`` bytes (one row if a row is bigger)."""
+def _slabs(leaf: int, array: Any, limit: int) -> Iterator[_Slab]:
+    """Boxes of at most ``limit`` bytes tiling the leaf, in order, generated as needed: runs
+    along the outermost dimension whose one index (with the dimensions after it) fits the
+    limit, at each index of the dimensions before it. Sizes in Python integers."""
     shape = tuple(int(n) for n in array.shape)
     itemsize = numpy_dtype(array.dtype).itemsize
-    total = int(np.prod(shape, dtype=np.int64)) * itemsize
+    total = math.prod(shape) * itemsize
     if total == 0:
-        return []
+        return
     if not shape:
-        return [_Slab(leaf, (), (), total)]
-    row = total // shape[0]
-    rows = max(1, limit // max(row, 1))
-    rest = shape[1:]
-    return [
-        _Slab(leaf, (r, *(0,) * len(rest)), (min(r + rows, shape[0]), *rest), (min(r + rows, shape[0]) - r) * row)
-        for r in range(0, shape[0], rows)
-    ]
+        yield _Slab(leaf, (), (), total)
+        return
+    d = 0
+    while d + 1 < len(shape) and math.prod(shape[d + 1 :]) * itemsize > limit:
+        d += 1
+    inner = math.prod(shape[d + 1 :]) * itemsize  # bytes of one index along dimension d
+    rows = max(1, limit // inner)
+    rest = shape[d + 1 :]
+    for outer in itertools.product(*(range(n) for n in shape[:d])):
+        for r in range(0, shape[d], rows):
+            stop = min(r + rows, shape[d])
+            yield _Slab(
+                leaf,
+                (*outer, r, *(0,) * len(rest)),
+                (*(o + 1 for o in outer), stop, *rest),
+                (stop - r) * inner,
+            )
 
 
-def _groups(slabs: list[_Slab], limit: int) -> list[list[_Slab]]:
-    groups: list[list[_Slab]] = [[]]
-    size = 0
+def _groups(slabs: Iterable[_Slab], limit: int, chunks: dict[int, tuple[int, ...]]) -> Iterator[list[_Slab]]:
+    """Slabs in groups of at most ``limit`` bytes (a bigger slab alone) whose reads touch at
+    most four reads' worth of chunks (:data:`READ_CHUNKS`), generated as needed."""
+    group: list[_Slab] = []
+    size = touched = 0
     for slab in slabs:
-        if groups[-1] and size + slab.nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(slab)
+        n = min(chunks_in(list(zip(slab.start, slab.stop, strict=True)), chunks[slab.leaf]), READ_CHUNKS)
+        if group and (size + slab.nbytes > limit or touched + n > 4 * READ_CHUNKS):
+            yield group
+            group, size, touched = [], 0, 0
+        group.append(slab)
         size += slab.nbytes
-    return [g for g in groups if g]
+        touched += n
+    if group:
+        yield group
 
 
-def _start_reads(ts: Any, arrays: dict[int, Any], group: list[_Slab]) -> list[tuple[_Slab, BoxRead]]:
+def _start_reads(
+    ts: Any, arrays: dict[int, Any], chunks: dict[int, tuple[int, ...]], group: list[_Slab]
+) -> list[tuple[_Slab, BoxRead]]:
     """Issue the reads of ``group``'s slabs, together as one tensorstore batch (it fetches
     and decodes their chunks concurrently, merging neighbouring ranges), into buffers of ours."""
     batch = ts.Batch()
@@ -368,7 +412,7 @@ def _start_reads(ts: Any, arrays: dict[int, Any], group: list[_Slab]) -> list[tu
     for slab in group:
         array = arrays[slab.leaf]
         box = tuple(slice(a, b) for a, b in zip(slab.start, slab.stop, strict=True))
-        reads.append((slab, BoxRead(ts, array, box, numpy_dtype(array.dtype), batch)))
+        reads.append((slab, BoxRead(ts, array, box, numpy_dtype(array.dtype), batch, chunk=chunks[slab.leaf])))
     batch.submit()
     return reads
 
@@ -379,11 +423,12 @@ def _landed(
     leaves: dict[str, Any],
     reads: list[tuple[_Slab, BoxRead]],
     stats: ConvertStats,
+    waiter: Waiter,
 ) -> list[OwnedPiece]:
     """The slabs of started ``reads`` as pieces to pack, once each has landed."""
     pieces = []
     for slab, read in reads:
-        host = read.result(item, leaves[flat[slab.leaf].path])
+        host = read.result(item, leaves[flat[slab.leaf].path], waiter)
         stats.bytes_read += host.nbytes
         pieces.append(OwnedPiece(slab.leaf, slab.start, slab.stop, host.dtype.itemsize, source=(host, slab.start)))
     return pieces

@@ -4,23 +4,28 @@ header (no array data read)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-import numpy as np
-
-from objckpt.errors import FormatError
+from objckpt.errors import FormatError, StoreError
+from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, numpy_dtype
-from objckpt.orbax.tensorstore_io import array_spec, import_tensorstore, kvstore_for
+from objckpt.orbax.tensorstore_io import Waiter, array_spec, describe_kvstore, import_tensorstore, kvstore_for
 from objckpt.tools.inspect import CheckpointInfo, LeafInfo
 
 
-def inspect_orbax(item: OrbaxItem, storage_options: dict[str, Any] | None) -> CheckpointInfo:
-    """The :class:`~objckpt.tools.inspect.CheckpointInfo` of an Orbax item (``format="orbax"``)."""
+def inspect_orbax(
+    item: OrbaxItem, storage_options: dict[str, Any] | None, options: Options | None = None
+) -> CheckpointInfo:
+    """The :class:`~objckpt.tools.inspect.CheckpointInfo` of an Orbax item (``format="orbax"``);
+    each header's open waits at most ``options.request_timeout`` without an answer."""
     ts = import_tensorstore()
     infos: list[LeafInfo] = []
     with kvstore_for(item.url, storage_options) as (kvstore, context_spec):
         context = ts.Context(context_spec)
-        opened = {
+        opened: dict[str, Any] = {}
+        waiter = Waiter((options or Options()).request_timeout, describe_kvstore(kvstore), lambda: opened.values())
+        opened |= {
             leaf.name: ts.open(
                 array_spec(kvstore, leaf.name, use_ocdbt=item.use_ocdbt, use_zarr3=item.use_zarr3),
                 open=True,
@@ -30,7 +35,7 @@ def inspect_orbax(item: OrbaxItem, storage_options: dict[str, Any] | None) -> Ch
             if leaf.kind in ("array", "scalar")
         }
         for leaf in item.leaves:
-            infos.append(_leaf_info(item, leaf, opened.get(leaf.name)))
+            infos.append(_leaf_info(item, leaf, opened.get(leaf.name), waiter))
     return CheckpointInfo(
         url=item.url,
         tree=item.skeleton(lambda i: infos[i]),
@@ -46,18 +51,20 @@ def inspect_orbax(item: OrbaxItem, storage_options: dict[str, Any] | None) -> Ch
     )
 
 
-def _leaf_info(item: OrbaxItem, leaf: OrbaxLeaf, future: Any) -> LeafInfo:
+def _leaf_info(item: OrbaxItem, leaf: OrbaxLeaf, future: Any, waiter: Waiter) -> LeafInfo:
     if leaf.kind == "string":
         return LeafInfo(leaf.path, "str", None, None, 0, None, item.strings[leaf.name])
     if future is None:
         return LeafInfo(leaf.path, leaf.kind, None, None, 0)
     try:
-        array = future.result()
+        array = waiter.wait(future, f"opening leaf {leaf.path} ({leaf.name}) of the Orbax checkpoint {item.url}")
+    except StoreError:
+        raise
     except Exception as exc:  # tensorstore raises ValueError for every failure
         raise FormatError(f"Orbax checkpoint {item.url}: cannot open leaf {leaf.path} ({leaf.name}): {exc}") from exc
     dtype = numpy_dtype(array.dtype)
     shape = tuple(int(n) for n in array.shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize  # Python ints: a header may declare any shape
     kind = "array" if leaf.kind == "array" else "scalar"
     return LeafInfo(leaf.path, kind, shape, dtype.name, nbytes, _sharding(leaf.sharding))
 

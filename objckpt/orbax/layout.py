@@ -39,7 +39,10 @@ MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
 PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
 _KINDS = {"jax.Array": "array", "np.ndarray": "array", "scalar": "scalar", "string": "string"}
 _DICT_KEY, _SEQUENCE_KEY = 2, 1  # orbax's KeyType values
+_LEAF = object()  # a leaf's place in a skeleton built only to check the key paths
 _METADATA_LIMIT = 64 << 20
+#: Deepest key path a leaf may have (objckpt's own manifests allow the same nesting).
+MAX_DEPTH = 256
 
 
 @dataclass(frozen=True)
@@ -72,32 +75,49 @@ class OrbaxItem:
     num_processes: int = 1  # processes that wrote arrays (array_metadatas/process_N)
 
     def skeleton(self, make_leaf: Callable[[int], Any]) -> Any:
-        """The tree (dicts and lists, as saved) with ``make_leaf(i)`` for leaf ``i``."""
+        """The tree (dicts and lists, as saved) with ``make_leaf(i)`` for leaf ``i``.
+
+        Raises:
+            FormatError: two leaves' key paths disagree (a node both a list and a dict,
+                or a leaf and a node); :func:`parse_item` checks this once.
+        """
         root: Any = {}
+        placed: set[int] = set()  # ids of the nodes made here (a leaf value may be a dict too)
         for i, leaf in enumerate(self.leaves):
             node = root
-            for key, nxt in zip(leaf.keys, leaf.keys[1:], strict=False):
-                node = (
-                    node.setdefault(key, [] if isinstance(nxt, int) else {})
-                    if isinstance(node, dict)
-                    else _slot(node, key, nxt)
-                )
+            for depth, (key, nxt) in enumerate(zip(leaf.keys, leaf.keys[1:], strict=False)):
+                node = _child(self.url, leaf, node, key, [] if isinstance(nxt, int) else {}, placed, depth)
             last = leaf.keys[-1]
+            if isinstance(node, list) != isinstance(last, int) or _slot_taken(node, last):
+                raise FormatError(f"{self.url}/_METADATA: leaf {leaf.path} clashes with another leaf's key path")
             if isinstance(node, list):
-                while len(node) <= last:
-                    node.append(None)
-                node[last] = make_leaf(i)
-            else:
-                node[last] = make_leaf(i)
+                node.extend([None] * (last + 1 - len(node)))
+            node[last] = make_leaf(i)
         return root
 
 
-def _slot(node: list[Any], index: int, nxt: Any) -> Any:
-    while len(node) <= index:
-        node.append(None)
-    if node[index] is None:
-        node[index] = [] if isinstance(nxt, int) else {}
-    return node[index]
+def _slot_taken(node: Any, key: Any) -> bool:
+    if isinstance(node, list):
+        return key < len(node) and node[key] is not None
+    return key in node
+
+
+def _child(url: str, leaf: OrbaxLeaf, node: Any, key: Any, empty: Any, placed: set[int], depth: int) -> Any:
+    """``node[key]``, made ``empty`` if absent; a clash of kinds is a FormatError."""
+    clash = FormatError(f"{url}/_METADATA: leaf {leaf.path} clashes with another leaf's key path at depth {depth}")
+    if isinstance(node, list) != isinstance(key, int):
+        raise clash
+    if isinstance(node, list):
+        node.extend([None] * (key + 1 - len(node)))
+        child = node[key]
+    else:
+        child = node.get(key)
+    if child is None:
+        node[key] = child = empty
+        placed.add(id(child))
+    elif id(child) not in placed or isinstance(child, list) != isinstance(empty, list):
+        raise clash
+    return child
 
 
 def _json(data: bytes, what: str) -> Any:
@@ -107,6 +127,8 @@ def _json(data: bytes, what: str) -> Any:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise FormatError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:  # hostile nesting: deeper than Python's parser recurses
+        raise FormatError(f"{what} nests too deeply to be Orbax metadata") from None
 
 
 def parse_item(
@@ -135,7 +157,7 @@ def parse_item(
     if not isinstance(tree, dict):
         raise FormatError(f"{url}/_METADATA has no tree_metadata")
     shardings = _shardings(url, files.get("_sharding"))
-    leaves = [_leaf(url, entry, shardings) for entry in tree.values()]
+    leaves = [_leaf(url, entry, shardings, len(tree)) for entry in tree.values()]
     names = [leaf.name for leaf in leaves]
     if len(set(names)) != len(names):
         raise FormatError(f"{url}/_METADATA names a parameter twice")
@@ -146,7 +168,7 @@ def parse_item(
     for leaf in leaves:
         if leaf.kind == "string" and leaf.name not in strings:
             raise FormatError(f"Orbax item {url}: string leaf {leaf.path} is missing from _strings.json")
-    return OrbaxItem(
+    item = OrbaxItem(
         url=url,
         leaves=leaves,
         use_ocdbt=bool(meta.get("use_ocdbt", False)),
@@ -155,6 +177,8 @@ def parse_item(
         created=created,
         num_processes=num_processes,
     )
+    item.skeleton(lambda i: _LEAF)  # the key paths form one tree (FormatError naming a clash)
+    return item
 
 
 def _iso(nanoseconds: Any) -> str:
@@ -165,34 +189,61 @@ def _iso(nanoseconds: Any) -> str:
     return dt.datetime.fromtimestamp(nanoseconds / 1e9, dt.UTC).isoformat(timespec="seconds")
 
 
-def _leaf(url: str, entry: Any, shardings: dict[str, dict[str, Any]]) -> OrbaxLeaf:
+def _leaf(url: str, entry: Any, shardings: dict[str, dict[str, Any]], entries: int) -> OrbaxLeaf:
+    """One tree entry; a sequence index must be below ``entries`` (the tree's entry count:
+    Orbax records every element of a list, empty ones included, so no list is longer)."""
     if not isinstance(entry, dict):
         raise FormatError(f"{url}/_METADATA: a tree entry is not an object")
     keys_meta, value = entry.get("key_metadata"), entry.get("value_metadata")
     if not isinstance(keys_meta, list) or not keys_meta or not isinstance(value, dict):
         raise FormatError(f"{url}/_METADATA: a tree entry lacks key_metadata or value_metadata")
+    if len(keys_meta) > MAX_DEPTH:
+        raise FormatError(f"{url}/_METADATA: a key path {len(keys_meta)} keys deep (at most {MAX_DEPTH})")
     keys: list[Any] = []
     for key in keys_meta:
         k = key.get("key") if isinstance(key, dict) else None
         kind = key.get("key_type") if isinstance(key, dict) else None
+        where = _path(keys) or "the root"
         if kind == _SEQUENCE_KEY:
-            try:
-                keys.append(int(k))  # type: ignore[arg-type]
-            except (TypeError, ValueError):
-                raise FormatError(f"{url}/_METADATA: sequence key {k!r} is not an index") from None
+            index = _index(k)
+            if index is None or index >= entries:
+                raise FormatError(
+                    f"{url}/_METADATA: sequence key {_short(k)} under {where} is not an index below {entries}"
+                    " (the tree's entry count)"
+                )
+            keys.append(index)
         elif isinstance(k, str):
             keys.append(k)
         else:
-            raise FormatError(f"{url}/_METADATA: unsupported key {key!r}")
-    path = keystr(tuple(SequenceKey(k) if isinstance(k, int) else DictKey(k) for k in keys))
+            raise FormatError(f"{url}/_METADATA: unsupported key {_short(key)} under {where}")
+    path = _path(keys)
     value_type = value.get("value_type")
-    kind = _KINDS.get(value_type)  # type: ignore[arg-type]
+    kind = _KINDS.get(value_type) if isinstance(value_type, str) else None
     if kind is None:
-        raise FormatError(f"Orbax item {url}: leaf {path} is a {value_type!r}, which objckpt does not read")
+        raise FormatError(f"Orbax item {url}: leaf {path} is a {_short(value_type)}, which objckpt does not read")
     if value.get("skip_deserialize"):
         kind = "skipped"
     name = ".".join(str(k) for k in keys)
     return OrbaxLeaf(path=path, name=name, kind=kind, keys=tuple(keys), sharding=shardings.get(name))
+
+
+def _path(keys: list[Any]) -> str:
+    return keystr(tuple(SequenceKey(k) if isinstance(k, int) else DictKey(k) for k in keys))
+
+
+def _index(key: Any) -> int | None:
+    """A sequence key as Orbax writes it (a decimal string; an int is taken too), else None."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key if key >= 0 else None
+    if isinstance(key, str) and 0 < len(key) <= 18 and key.isascii() and key.isdigit():
+        return int(key)
+    return None
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (hostile keys can be megabytes)."""
+    text = repr(value) if not isinstance(value, (dict, list)) or len(value) < 16 else f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _shardings(url: str, raw: bytes | None) -> dict[str, dict[str, Any]]:
@@ -207,11 +258,32 @@ def _shardings(url: str, raw: bytes | None) -> dict[str, dict[str, Any]]:
         try:
             name = base64.urlsafe_b64decode(encoded.encode()).decode()
             value = json.loads(described) if isinstance(described, str) else described
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             continue  # a sharding we cannot read only loses the description
-        if isinstance(value, dict):
+        if _valid_sharding(value):
             out[name] = value
     return out
+
+
+def _valid_sharding(value: Any) -> bool:
+    """Whether a sharding description has the fields :func:`describe_sharding` and inspect
+    read, each of its type (a malformed one is dropped: it is a description, not data)."""
+    if not isinstance(value, dict) or not isinstance(value.get("sharding_type", ""), str):
+        return False
+    if value.get("sharding_type") != "NamedSharding":
+        return isinstance(value.get("device_str", ""), str)
+    shape, axes, spec = value.get("shape", []), value.get("axis_names", []), value.get("partition_spec", [])
+    return (
+        isinstance(shape, list)
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
+        and isinstance(axes, list)
+        and all(isinstance(a, str) for a in axes)
+        and isinstance(spec, list)
+        and all(
+            p is None or isinstance(p, str) or (isinstance(p, list) and all(isinstance(q, str) for q in p))
+            for p in spec
+        )
+    )
 
 
 def describe_sharding(sharding: dict[str, Any] | None) -> str:

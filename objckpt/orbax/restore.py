@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from typing import Any
 
@@ -24,10 +25,22 @@ import jax
 import numpy as np
 
 from objckpt.core.tree import check_names, flatten_target, unflatten_target
-from objckpt.errors import TargetMismatchError
+from objckpt.errors import HostMemoryError, TargetMismatchError
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, numpy_dtype
-from objckpt.orbax.tensorstore_io import BoxRead, import_tensorstore, kvstore_for, open_leaf
+from objckpt.orbax.tensorstore_io import (
+    READ_CHUNKS,
+    BoxRead,
+    Waiter,
+    chunk_shape,
+    chunks_in,
+    describe_kvstore,
+    import_tensorstore,
+    kvstore_for,
+    open_leaf,
+)
+from objckpt.progress import human_bytes
+from objckpt.restoring import jobs
 from objckpt.restoring.casts import cast_values, check_cast
 from objckpt.transfer.engine import TransferStats
 
@@ -50,15 +63,27 @@ def restore_orbax(
     selection = _select(item, target, partial)
     with kvstore_for(item.url, storage_options) as (kvstore, context_spec):
         context = ts.Context(context_spec)
+        pending: collections.deque[tuple[int, BoxRead, list[Any]]] = collections.deque()
+        waiter = Waiter(
+            options.request_timeout,
+            describe_kvstore(kvstore),
+            lambda: [future for _, read, _ in pending for future in read.futures],
+        )
         arrays = {
-            i: open_leaf(ts, item, item.leaves[i], kvstore, context)
+            i: open_leaf(ts, item, item.leaves[i], kvstore, context, waiter)
             for i in selection
             if item.leaves[i].kind in ("array", "scalar")
         }
         for i, t in selection.items():
             if i in arrays:
                 _check_target(item.leaves[i], arrays[i], t, cast)
-        values = _read_all(ts, item, selection, arrays, options, stats, cast)
+        boxes = {i: _boxes(selection[i], tuple(int(n) for n in a.shape)) for i, a in arrays.items()}
+        _check_host_memory(item, selection, arrays, boxes, jobs.physical_memory())  # before any read
+        try:
+            values = _read_all(ts, item, selection, arrays, boxes, options, stats, cast, waiter, pending)
+        finally:
+            for _, read, _ in pending:  # a failed restore leaves no read running
+                read.cancel()
     stats.seconds = time.perf_counter() - started
     log.info(
         "objckpt restored the Orbax checkpoint %s: %d leaves, %d bytes in %.2f s",
@@ -95,6 +120,59 @@ def _check_target(leaf: OrbaxLeaf, array: Any, target: Any, cast: str) -> None:
             check_cast(leaf.path, dtype, np.dtype(target.dtype))
 
 
+def _box_bytes(box: tuple[slice, ...], itemsize: int) -> int:
+    return math.prod(s.stop - s.start for s in box) * itemsize  # Python ints: no int64 wrap
+
+
+def _check_host_memory(
+    item: OrbaxItem,
+    selection: dict[int, Any],
+    arrays: dict[int, Any],
+    boxes: dict[int, list[tuple[tuple[slice, ...], list[Any]]]],
+    limit: int | None,
+) -> None:
+    """Refuse, before any read, a restore needing more host memory than ``limit`` bytes, as
+    :func:`objckpt.restoring.jobs.check_host_memory` does for objckpt checkpoints: a leaf
+    that stays in host memory needs all its boxes, one bound for other devices its largest
+    box; each leaf must fit, and the leaves staying in host memory together. The sizes
+    come from zarr headers, which can declare any shape.
+
+    Raises:
+        HostMemoryError: naming the leaf (or the largest leaves) and both sizes.
+    """
+    if limit is None:
+        return
+    held: list[tuple[int, str]] = []
+    for i, array in arrays.items():
+        leaf, dtype = item.leaves[i], numpy_dtype(array.dtype)
+        sizes = [_box_bytes(box, dtype.itemsize) for box, _ in boxes[i]]
+        on_host = _stays_on_host(selection[i], boxes[i])
+        need = (sum(sizes) if on_host else max(sizes)) if sizes else 0
+        if need > limit:
+            raise HostMemoryError(
+                f"leaf {leaf.path} ({dtype.name}{[int(n) for n in array.shape]}) of the Orbax checkpoint"
+                f" {item.url}: restoring it needs {human_bytes(need)} of host memory on this process, more"
+                f" than this machine's {human_bytes(limit)} of physical memory"
+            )
+        if on_host:
+            held.append((need, leaf.path))
+    total = sum(need for need, _ in held)
+    if total > limit:
+        largest = ", ".join(f"{path} ({human_bytes(need)})" for need, path in sorted(held, reverse=True)[:3])
+        raise HostMemoryError(
+            f"restoring these leaves of the Orbax checkpoint {item.url} to host memory needs"
+            f" {human_bytes(total)} together, more than this machine's {human_bytes(limit)} of physical"
+            f" memory; the largest: {largest}"
+        )
+
+
+def _stays_on_host(target: Any, boxes: list[tuple[tuple[slice, ...], list[Any]]]) -> bool:
+    """Whether a leaf's boxes stay in host memory: a host value, or devices that are the host's."""
+    if getattr(target, "sharding", None) is None:
+        return True
+    return all(device.platform == "cpu" for _, devices in boxes for device in devices)
+
+
 def _boxes(target: Any, shape: tuple[int, ...]) -> list[tuple[tuple[slice, ...], list[Any]]]:
     """The distinct boxes the target's addressable devices hold, each with its devices."""
     sharding = getattr(target, "sharding", None)
@@ -113,59 +191,69 @@ def _read_all(
     item: OrbaxItem,
     selection: dict[int, Any],
     arrays: dict[int, Any],
+    boxes_of: dict[int, list[tuple[tuple[slice, ...], list[Any]]]],
     options: Options,
     stats: TransferStats,
     cast: str,
+    waiter: Waiter,
+    pending: collections.deque[tuple[int, BoxRead, list[Any]]],
 ) -> dict[int, Any]:
     """Every selected leaf's value.
 
     Box reads are issued in order while the bytes read and not yet placed stay
-    within ``Options.read_window`` (and the memory budget): a sliding window, the
-    oldest read awaited first. Each box lands in an aligned buffer (:class:`BoxRead`)
+    within ``Options.read_window`` (and the memory budget), and the chunks their
+    tensorstore reads touch within four reads' worth (:data:`READ_CHUNKS`): a sliding
+    window, the oldest read awaited first (by ``waiter``, under the request timeout). Each box lands in an aligned buffer (:class:`BoxRead`)
     that is put on its devices as it lands: adopted as the device buffer on CPU,
     copied from and dropped on accelerators, so host memory holds the window above
     the restored arrays. A leaf is assembled once its last box is placed.
     """
     window = max(1, min(options.read_window, options.memory_budget))
+    chunk_window = 4 * READ_CHUNKS
     values: dict[int, Any] = {}
-    pending: collections.deque[tuple[int, BoxRead, list[Any]]] = collections.deque()  # leaf, read, devices
     placed: dict[int, list[Any]] = {}
     expected: dict[int, int] = {}
-    in_flight = 0
+    in_flight = chunks_in_flight = 0
     batch = None  # the reads issued since the last wait, submitted together (tensorstore coalesces them)
 
     def land() -> None:
-        nonlocal in_flight
-        i, read, devices = pending.popleft()
+        nonlocal in_flight, chunks_in_flight
+        i, read, devices = pending[0]
         leaf = item.leaves[i]
-        host = read.result(item, leaf)
+        host = read.result(item, leaf, waiter)
+        pending.popleft()
         in_flight -= read.nbytes
+        chunks_in_flight -= read.chunks
         stats.bytes_read += host.nbytes
         stats.requests += 1
         placed.setdefault(i, []).extend(_place(leaf, host, selection[i], devices, cast))
         if len(placed[i]) >= expected[i]:
             values[i] = _assemble(leaf, arrays[i], selection[i], placed.pop(i))
 
-    for i, t in selection.items():
+    for i in selection:
         leaf = item.leaves[i]
         if leaf.kind == "string":
             values[i] = item.strings[leaf.name]
             continue
         array = arrays[i]
         dtype = numpy_dtype(array.dtype)
-        boxes = _boxes(t, tuple(array.shape))
+        chunk = chunk_shape(array)
+        boxes = boxes_of[i]
         expected[i] = sum(len(devices) for _, devices in boxes)
         for box, devices in boxes:
-            nbytes = int(np.prod([s.stop - s.start for s in box], dtype=np.int64)) * dtype.itemsize
-            while pending and in_flight + nbytes > window:
+            nbytes = _box_bytes(box, dtype.itemsize)
+            chunks = min(chunks_in([(s.start, s.stop) for s in box], chunk), READ_CHUNKS)
+            while pending and (in_flight + nbytes > window or chunks_in_flight + chunks > chunk_window):
                 if batch is not None:
                     batch.submit()
                     batch = None
                 land()
             if batch is None:
                 batch = ts.Batch()
-            pending.append((i, BoxRead(ts, array, box, dtype, batch), devices))
+            read = BoxRead(ts, array, box, dtype, batch, chunk=chunk)
+            pending.append((i, read, devices))
             in_flight += nbytes
+            chunks_in_flight += read.chunks
     if batch is not None:
         batch.submit()
     while pending:
