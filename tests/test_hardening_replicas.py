@@ -188,3 +188,32 @@ def test_an_index_object_damaged_at_the_nearest_replica_is_read_at_the_next(two_
     # Without another copy the damage is a FormatError naming the index object, as before.
     with pytest.raises(objckpt.FormatError, match=key):
         objckpt.restore(near.url, None, storage_options=near.storage_options)
+
+
+# ------------------------------------------------------------------ 13. abandoned replica copies
+
+
+def _keys(location: objckpt.Location, prefix: str = "") -> list[str]:
+    store = from_url(location.url, **(location.storage_options or {}))
+    return sorted(o.key for o in runtime.run_sync(store.list(prefix)))
+
+
+def test_a_replica_copy_abandoned_by_retention_leaves_nothing_behind(two_regions):
+    """Step 0 is being copied to a slow replica when the root's retention deletes it: the copy
+    stops, and what it wrote at the replica is deleted; step 1 is replicated whole."""
+    near, far, _ = two_regions
+    options = objckpt.Options(blob_size=64 * 1024, max_concurrency=2)
+    mgr = objckpt.CheckpointManager(
+        near.url, storage_options=near.storage_options, keep_last=1, replicas=[far], options=options
+    )
+    try:
+        mgr.save(0, _state(0, n=512 * 1024), wait=True)  # 2 MiB in 32 blobs: seconds at the far replica
+        mgr.save(1, _state(1, n=512 * 1024), wait=True)  # the root keeps step 1 only
+    finally:
+        mgr.close(timeout=120)
+    status = mgr.replica_status()[0]
+    assert status.skipped == [0], status  # the copy of step 0 was abandoned mid-way
+    assert status.steps == [1], status
+    assert {k.split("/")[0] for k in _keys(near)} == {"step_0000000001"}
+    assert _keys(far, "step_0000000000") == []
+    assert "step_0000000001/manifest.json" in _keys(far)

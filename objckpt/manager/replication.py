@@ -12,8 +12,10 @@ What a worker copies is the difference between the steps the root keeps and
 those its replica holds, newest first: a replica that falls behind (slow, or
 unreachable for a while) skips to the newest step, says so, and fills in the
 older steps still kept afterwards; a step the root's retention deleted
-meanwhile is never copied. The same retention policies then run on each
-replica's own steps. Nothing here blocks a save: the root's commit never waits
+meanwhile is never copied, and a copy it cut off mid-way (or one ``close`` cut
+off, of a step the root no longer keeps) has what it wrote at the replica
+deleted: its blobs and index objects, never a committed step. The same
+retention policies then run on each replica's own steps. Nothing here blocks a save: the root's commit never waits
 for a replica, and a failing replica is retried with backoff and reported by
 :meth:`Replicator.status`. The state starts from one listing of the root and of
 each replica, so a run killed mid-replication is caught up by the next one.
@@ -86,6 +88,7 @@ class _Replica:
     store: RetryingStore
     have: set[int] = field(default_factory=set)
     conflicts: set[int] = field(default_factory=set)  # steps holding another save there: left alone
+    partial: dict[int, set[str]] = field(default_factory=dict)  # copies stopped mid-way: the keys each writes
     status: ReplicaStatus = field(init=False)
     wake: asyncio.Event | None = None
     ready: bool = False
@@ -186,6 +189,7 @@ class Replicator:
         while not self._closing:
             step = None
             try:
+                await self._drop_abandoned(replica)
                 if not replica.ready:
                     replica.have = set(await self.committed_steps(replica.store))
                     replica.ready = True
@@ -243,8 +247,11 @@ class Replicator:
 
         name = self.step_dir(step)
         source, target = self.root.child(name), replica.store.child(name)
+        # Kept until the copy commits: if it stops mid-way and the step then leaves the
+        # root, what it wrote at the replica is deleted (:meth:`_drop_abandoned`).
+        writes = replica.partial.setdefault(step, set())
         try:
-            stats = await copy_stores_async(source, target, self.copy_options)
+            stats = await copy_stores_async(source, target, self.copy_options, writes=writes)
         except CheckpointNotFoundError:
             if step in self.root_steps and not await _exists(source, self.options):
                 self.root_steps.pop(step, None)  # deleted at the root meanwhile: nothing to copy
@@ -253,6 +260,7 @@ class Replicator:
                 return
             raise
         except DestinationCommittedError as e:
+            replica.partial.pop(step, None)  # refused before writing anything
             if not e.same:
                 replica.conflicts.add(step)
                 raise CheckpointExistsError(
@@ -260,12 +268,35 @@ class Replicator:
                 ) from None
             replica.have.add(step)  # copied already (a run cut off after the commit)
             return
+        replica.partial.pop(step, None)
         replica.have.add(step)
         with self._lock:
             replica.status.bytes_copied += stats.bytes_copied
             replica.status.client_bytes += stats.client_bytes
             replica.status.methods[step] = stats.method
         log.info("objckpt replicated step %d to %s (%s)", step, replica.location.url, stats.summary())
+
+    async def _drop_abandoned(self, replica: _Replica) -> None:
+        """Delete at the replica what each copy stopped mid-way wrote, once its step has left
+        the root (the copy will never be finished). A step committed there meanwhile (by
+        another writer) is left alone."""
+        from objckpt.manager.checkpoint_manager import delete_objects
+
+        for step in [s for s in replica.partial if s not in self.root_steps]:
+            writes = replica.partial[step]
+            target = replica.store.child(self.step_dir(step))
+            if writes and not await _exists(target, self.options):
+                doomed = [o.key for o in await target.list() if o.key in writes]
+                await delete_objects(target, doomed)
+                if doomed:
+                    log.info(
+                        "objckpt replica %s: deleted the %d objects of an abandoned copy of step %d"
+                        " (the step left the root)",
+                        replica.location.url,
+                        len(doomed),
+                        step,
+                    )
+            del replica.partial[step]
 
     async def _retain(self, replica: _Replica) -> None:
         """The manager's retention policies, on the replica's own steps."""
@@ -335,6 +366,16 @@ class Replicator:
             for worker in self._workers:
                 worker.cancel()
             await asyncio.gather(*self._workers, return_exceptions=True)
+            for replica in self.replicas:  # copies cut off here whose step has left the root
+                try:
+                    await self._drop_abandoned(replica)
+                except Exception as e:  # gc collects them later
+                    log.warning(
+                        "objckpt could not delete an abandoned copy at %s: %s: %s",
+                        replica.location.url,
+                        type(e).__name__,
+                        e,
+                    )
 
         try:
             self._started.result()

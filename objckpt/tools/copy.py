@@ -193,7 +193,13 @@ def copy(
 
 
 async def copy_stores_async(
-    src: Store, dst: Store, options: Options, *, verify_existing: bool = True, server_side: bool = True
+    src: Store,
+    dst: Store,
+    options: Options,
+    *,
+    verify_existing: bool = True,
+    server_side: bool = True,
+    writes: set[str] | None = None,
 ) -> CopyStats:
     """:func:`copy` between two open stores, on objckpt's I/O loop (the caller closes them).
 
@@ -201,12 +207,18 @@ async def copy_stores_async(
         src, dst: stores opened with :func:`objckpt.transfer.engine.open_store`
             (``RetryingStore``: each one's ``inner`` store does the bulk requests).
         options, verify_existing, server_side: as for :func:`copy`.
+        writes: filled, once the source's checkpoint is read and before anything is
+            written, with the keys of the objects the copy writes at the destination
+            before its manifest (blobs and index objects): what a caller that abandons
+            the copy mid-way deletes there.
 
     Raises:
         As :func:`copy`; a destination that holds a committed checkpoint raises
         :class:`DestinationCommittedError`, whose ``same`` says whether it is this one.
     """
-    return await _copy_stores(src, dst, options, verify_existing, server_side, None, TransferStats(), TransferStats())
+    return await _copy_stores(
+        src, dst, options, verify_existing, server_side, None, TransferStats(), TransferStats(), writes
+    )
 
 
 async def committed_save_id(store: Store, options: Options) -> str | None:
@@ -231,10 +243,14 @@ async def _copy_stores(
     progress: ProgressArg,
     src_stats: TransferStats,
     dst_stats: TransferStats,
+    writes: set[str] | None = None,
 ) -> CopyStats:
     """The copy between open stores, with its figures, on the I/O loop."""
     started = time.perf_counter()
     manifest = await read_checkpoint(src, size_limit=options.manifest_size_limit)
+    if writes is not None:
+        writes.update(b.key for b in manifest.blobs)
+        writes.update(r.key for r in manifest.indexes)
     stats = CopyStats(src.url, dst.url, blobs=len(manifest.blobs), bytes_total=sum(b.size for b in manifest.blobs))
 
     def done() -> int:  # streamed: half for the read, half for the write; checked and server-copied blobs count whole
