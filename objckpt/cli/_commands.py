@@ -17,7 +17,7 @@ from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
 from objckpt.manager.checkpoint_manager import STEP_DIR, delete_checkpoint, delete_objects, unreferenced_objects
 from objckpt.options import Options
 from objckpt.progress import human_bytes
-from objckpt.saving.live_markers import describe, is_marker, live_markers
+from objckpt.saving.live_markers import committed_save_id, explain, is_marker, live_markers
 from objckpt.storage import ObjectInfo
 from objckpt.tools.copy import copy
 from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
@@ -406,9 +406,11 @@ def cmd_rm(args: argparse.Namespace) -> int:
         raise CheckpointNotFoundError(f"nothing to remove at {store.url}")
     live = [] if args.force else runtime.run_sync(live_markers(store, lease=args.lease_seconds))
     if live:
+        limit = Options().manifest_size_limit
+        committed = runtime.run_sync(committed_save_id(store, size_limit=limit)) if MANIFEST_KEY in keys else None
         raise SaveInProgressError(
-            f"a save is writing to {store.url} ({describe(live)}, lease {args.lease_seconds:g} s); nothing removed."
-            " Pass --force to remove it anyway (the save then fails at its commit)"
+            f"{explain(store.url, live, lease=args.lease_seconds, committed_save_id=committed)}; nothing removed."
+            " Pass --force to remove it anyway (a save still writing then fails at its commit)"
         )
     if MANIFEST_KEY not in keys and not args.force:
         raise CheckpointNotFoundError(

@@ -35,7 +35,7 @@ from objckpt.options import Options
 from objckpt.restoring.api import restore
 from objckpt.restoring.locations import Location, as_locations
 from objckpt.saving.api import SaveHandle, save_async
-from objckpt.saving.live_markers import describe, live_markers
+from objckpt.saving.live_markers import committed_save_id, explain, live_markers
 from objckpt.storage import ObjectInfo, Store
 from objckpt.tools.inspect import CheckpointInfo, inspect
 from objckpt.transfer import runtime
@@ -302,7 +302,7 @@ class CheckpointManager:
         for step in steps_to_delete(records, self.policies):
             try:
                 await self._delete_step(step)
-            except SaveInProgressError as e:  # another writer's save into a committed step: gc's job later
+            except SaveInProgressError as e:  # a save's live marker in a committed step: gc's job later
                 log.warning("objckpt retention left step %d: %s", step, e)
                 continue
             deleted.append(step)
@@ -377,7 +377,7 @@ async def delete_checkpoint(store: Store, *, lease: float = LEASE, force: bool =
         SaveInProgressError: a save is writing under ``store``.
     """
     if not force:
-        await _refuse_if_live(store, lease, "not deleting anything")
+        await _refuse_if_live(store, lease, "not deleting anything", manifest=True)
     await store.delete(MANIFEST_KEY)
     keys = [o.key for o in await store.list()]
     if not force:
@@ -388,10 +388,12 @@ async def delete_checkpoint(store: Store, *, lease: float = LEASE, force: bool =
     return keys
 
 
-async def _refuse_if_live(store: Store, lease: float, what: str) -> None:
+async def _refuse_if_live(store: Store, lease: float, what: str, *, manifest: bool = False) -> None:
+    """Raise if a live marker holds ``store``; with ``manifest``, name a marker its committed save left."""
     live = await live_markers(store, lease=lease)
     if live:
-        raise SaveInProgressError(f"a save is writing to {store.url} ({describe(live)}, lease {lease:g} s): {what}")
+        committed = await committed_save_id(store, size_limit=Options.manifest_size_limit) if manifest else None
+        raise SaveInProgressError(f"{explain(store.url, live, lease=lease, committed_save_id=committed)}: {what}")
 
 
 async def unreferenced_objects(
@@ -426,7 +428,10 @@ async def unreferenced_objects(
             continue
         live = await live_markers(store.child(head), lease=lease)
         if live:
-            log.info("objckpt gc skips %s/%s: a save is writing there (%s)", store.url, head, describe(live))
+            committed = await committed_save_id(store.child(head), size_limit=manifest_size_limit) if listed else None
+            log.info(
+                "objckpt gc skips %s", explain(f"{store.url}/{head}", live, lease=lease, committed_save_id=committed)
+            )
             continue
         referenced = await _referenced(store, head, manifest_size_limit)
         if referenced is None:

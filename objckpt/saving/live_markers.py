@@ -13,6 +13,16 @@ collection by at most the lease. A marker is never listed in a manifest.
 A save whose marker went unrefreshed for most of the lease (the store refused
 the rewrites) no longer counts on it: it fails instead of committing
 (:meth:`LiveMarker.lapsed`).
+
+Only keys of the marker pattern under ``_live/`` count (any other object there,
+a README say, protects nothing), and a marker the store dates more than one
+refresh interval ahead of the deleter's clock counts as expired: a store clock
+that far ahead breaks the lease's assumption anyway, and a marker dated years
+ahead (a ``touch``, a store with a wrong clock) would otherwise protect its
+prefix for ever. A marker left by the save that committed the checkpoint
+(killed after its commit, before it deleted the marker) still protects it for
+the lease, since that save may be retrying its commit, and deleters say that
+is what holds them (:func:`explain`).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import time
 from objckpt.errors import ObjectNotFoundError
 from objckpt.storage import ObjectInfo, Store
 from objckpt.transfer.engine import missing_bucket
+from objckpt.transfer.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 
@@ -37,6 +48,7 @@ LIVE_DIR = "_live"
 REFRESHES_PER_LEASE = 10
 
 _MARKER = re.compile(rf"(^|/){LIVE_DIR}/[0-9a-f]+-p[0-9]+$")
+_OWN_MARKER = re.compile(rf"{LIVE_DIR}/([0-9a-f]+)-p[0-9]+")
 
 
 def marker_key(save_id: str, process_index: int) -> str:
@@ -49,23 +61,90 @@ def is_marker(key: str) -> bool:
     return _MARKER.search(key) is not None
 
 
-async def live_markers(store: Store, *, lease: float) -> list[ObjectInfo]:
-    """The markers under the checkpoint prefix ``store`` younger than ``lease`` seconds.
+def marker_save_id(key: str) -> str | None:
+    """The ``save_id`` of the marker at ``key`` (relative to its checkpoint prefix); None if no marker."""
+    match = _OWN_MARKER.fullmatch(key)
+    return match.group(1) if match else None
 
-    A marker whose store gives no time counts as live (the safe side). Call it
-    *after* listing the objects it is to protect.
+
+def is_live(marker: ObjectInfo, *, lease: float, now: float) -> bool:
+    """True when ``marker`` still protects its prefix at ``now`` (the deleter's clock).
+
+    Younger than ``lease`` and dated at most one refresh interval ahead of
+    ``now`` (the clock difference the lease allows); no time at all counts as
+    live (the safe side).
+    """
+    if marker.last_modified is None:
+        return True
+    age = now - marker.last_modified
+    return -lease / REFRESHES_PER_LEASE <= age < lease
+
+
+async def live_markers(store: Store, *, lease: float) -> list[ObjectInfo]:
+    """The markers under the checkpoint prefix ``store`` that are live (:func:`is_live`).
+
+    Only keys of the marker pattern (``_live/<save_id>-p<process>``) count. Call
+    it *after* listing the objects it is to protect.
     """
     now = time.time()
     found = await store.list(f"{LIVE_DIR}/")
-    return [m for m in found if m.last_modified is None or now - m.last_modified < lease]
+    return [m for m in found if marker_save_id(m.key) is not None and is_live(m, lease=lease, now=now)]
+
+
+def _age(marker: ObjectInfo) -> str:
+    if marker.last_modified is None:
+        return ""
+    age = time.time() - marker.last_modified
+    if age < 0:
+        return f", dated {-age:.0f} s ahead of this clock"
+    return f", written {age:.0f} s ago"
 
 
 def describe(markers: list[ObjectInfo]) -> str:
     """One phrase naming the first marker and its age, for error messages and logs."""
     first = markers[0]
-    age = "" if first.last_modified is None else f", written {max(0.0, time.time() - first.last_modified):.0f} s ago"
     more = f" and {len(markers) - 1} more" if len(markers) > 1 else ""
-    return f"live-save marker {first.key}{age}{more}"
+    return f"live-save marker {first.key}{_age(first)}{more}"
+
+
+def explain(url: str, markers: list[ObjectInfo], *, lease: float, committed_save_id: str | None = None) -> str:
+    """What holds deleters off the checkpoint at ``url``: the sentence for errors and logs.
+
+    ``markers`` are its live markers, ``committed_save_id`` the ``save_id`` of
+    its manifest (None without one). Markers of that save belong to a save that
+    has committed: it was interrupted after its commit (a SIGKILL runs no
+    cleanup), or, while its marker is younger than two refresh intervals, may
+    be finishing. Any other marker is a save writing there now.
+    """
+    own = [m for m in markers if committed_save_id is not None and marker_save_id(m.key) == committed_save_id]
+    others = [m for m in markers if m not in own]
+    if others:
+        return f"a save is writing to {url} ({describe(others)}, lease {lease:g} s)"
+    first = own[0]
+    more = f" (and {len(own) - 1} more)" if len(own) > 1 else ""
+    age = None if first.last_modified is None else time.time() - first.last_modified
+    if age is not None and age > 2 * lease / REFRESHES_PER_LEASE:
+        state = (
+            f"was interrupted after its commit and left its live-save marker {first.key}{more}"
+            f" ({age:.0f} s old, not rewritten since)"
+        )
+    else:
+        state = (
+            f"has not deleted its live-save marker {first.key}{more}{_age(first)}: it was interrupted after"
+            " its commit, or is finishing"
+        )
+    return (
+        f"the save that committed {url} (save_id {committed_save_id}) {state}; the marker holds deleters off"
+        f" until it is older than the lease ({lease:g} s)"
+    )
+
+
+async def committed_save_id(store: Store, *, size_limit: int) -> str | None:
+    """The ``save_id`` of the manifest at ``store``, for :func:`explain`; None when none can be read."""
+    try:
+        return (await read_manifest(store, size_limit=size_limit, reads=1)).save_id
+    except Exception:  # only names what holds a deleter: an unreadable manifest names nothing
+        return None
 
 
 class LiveMarker:
