@@ -147,9 +147,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(args: argparse.Namespace) -> None:
+    """objckpt's loggers at the level the flags ask; with ``--debug`` every other logger too.
+
+    Every record passes a :class:`~objckpt.logs.RedactingFilter` on the way
+    out, whatever logger made it: botocore's, google-auth's and urllib3's
+    DEBUG records carry credentials (the STS exchange of web identity
+    credentials, token responses), and the command line's own storage-option
+    secrets are redacted wherever they show up.
+    """
+    from objckpt.logs import RedactingFilter
+
     level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s" if args.debug else "%(message)s"))
+    handler.addFilter(RedactingFilter(secret_values(*_given_options(args))))
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(level if args.debug else logging.WARNING)

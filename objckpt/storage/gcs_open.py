@@ -156,8 +156,10 @@ def _one_attempt_per_request(fs: Any) -> bool:
     objckpt's engine and ``RetryingStore`` are the one retry layer, so this
     instance calls gcsfs's request function without its retry decorator.
 
-    gcsfs has no public switch for this: the undecorated function is its
-    ``__wrapped__``, which is used only on the releases in
+    gcsfs has no public switch for this (its ``retries`` attribute is read only
+    when the class is decorated; ``requests_timeout`` bounds one attempt: see
+    docs/ARCHITECTURE.md): the undecorated function is its ``__wrapped__``,
+    which is used only on the releases in
     :data:`GCSFS_SINGLE_ATTEMPT_VERSIONS`. On any other release, or if
     ``__wrapped__`` is missing, gcsfs's own retries stay on (logged once).
 

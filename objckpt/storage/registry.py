@@ -140,7 +140,14 @@ def from_url(url: str | os.PathLike[str], **storage_options: Any) -> Store:
             raise ValueError(f"relative local path {url!r}: use an absolute path or a file:// URL")
         scheme = "file"
     factory = _resolve(scheme, url)
-    return factory(url, **storage_options)
+    if scheme in ("file", "memory"):
+        return factory(url, **storage_options)
+    from objckpt.logs import guard_client_loggers
+
+    guard_client_loggers()  # before the client fetches credentials, and after its imports
+    store = factory(url, **storage_options)
+    guard_client_loggers()
+    return store
 
 
 def scheme_of(url: str) -> str | None:
