@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -217,3 +218,49 @@ def test_a_replica_copy_abandoned_by_retention_leaves_nothing_behind(two_regions
     assert {k.split("/")[0] for k in _keys(near)} == {"step_0000000001"}
     assert _keys(far, "step_0000000000") == []
     assert "step_0000000001/manifest.json" in _keys(far)
+
+
+# ------------------------------------------------------------------ 14. listing falls over to the replicas
+
+
+def test_with_the_primary_unreachable_the_steps_are_listed_from_a_replica(s3_service, caplog):
+    """A resume script's ``latest_step()`` with the root down: a replica answers, quickly, and
+    a warning says which; with no replica answering either, a StoreError names every location."""
+    options = s3_service.storage_options()
+    name = _name()
+    with FaultProxy("127.0.0.1", _port(s3_service.endpoint_url)) as door:
+        through = {**options, "client_kwargs": {**options["client_kwargs"], "endpoint_url": door.endpoint_url}}
+        root = s3_service.url(f"root-{name}")
+        replica = objckpt.Location(s3_service.url(f"replica-{name}"), options)
+        mgr = objckpt.CheckpointManager(root, storage_options=through, replicas=[replica])
+        for step in range(3):
+            mgr.save(step, _state(step), wait=True)
+        mgr.close(timeout=120)
+        assert _keys(replica, "step_0000000002/manifest.json")
+
+        door.fail_after(0, "500")  # the primary's region is down
+        resumed = objckpt.CheckpointManager(root, storage_options=through, replicas=[replica])
+        try:
+            started = time.monotonic()
+            with caplog.at_level("WARNING", logger="objckpt"):
+                latest = resumed.latest_step()
+                steps = resumed.steps()
+            elapsed = time.monotonic() - started
+            assert latest == 2 and steps == [0, 1, 2]
+            assert elapsed < 20.0, f"{elapsed:.1f} s"  # two short probes of the root per call, not 10 retries
+            said = [r.getMessage() for r in caplog.records if "steps" in r.getMessage()]
+            assert any(root in m and replica.url in m for m in said), said
+            assert_tree_bit_exact(_state(2), resumed.restore(latest))
+
+            unreachable = objckpt.CheckpointManager(
+                root, storage_options=through, replicas=[objckpt.Location(replica.url, through)]
+            )
+            try:
+                with pytest.raises(objckpt.StoreError) as caught:
+                    unreachable.steps()
+                assert root in str(caught.value) and replica.url in str(caught.value)
+            finally:
+                unreachable.close(timeout=0)
+        finally:
+            resumed.close(timeout=0)
+            door.fail_after(None)

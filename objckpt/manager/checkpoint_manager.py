@@ -28,6 +28,7 @@ from typing import Any
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.metadata import to_json_value
 from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
+from objckpt.manager.listing import list_steps
 from objckpt.manager.replication import ReplicaStatus, Replicator
 from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
 from objckpt.multihost import get_coordinator
@@ -239,8 +240,12 @@ class CheckpointManager:
     # ------------------------------------------------------------------ listing
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending. Reads only the listing, never a blob."""
-        return runtime.run_sync(self._committed_steps())
+        """Committed steps, ascending. Reads only the listing, never a blob.
+
+        With replicas, a root that does not answer (two short attempts) is replaced by
+        the replicas' listings, with a warning naming them (:mod:`objckpt.manager.listing`).
+        """
+        return list_steps(self.store, self.replicas, self.options, committed_steps)
 
     def latest_step(self) -> int | None:
         steps = self.steps()

@@ -24,6 +24,7 @@ each replica, so a run killed mid-replication is caught up by the next one.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -348,7 +349,10 @@ class Replicator:
     def wait(self, timeout: float) -> bool:
         """Wait until every replica holds every step the root keeps; False if ``timeout`` passed first."""
         deadline = time.monotonic() + timeout
-        self._started.result(timeout=max(0.0, timeout))
+        try:
+            self._started.result(timeout=max(0.0, timeout))
+        except concurrent.futures.TimeoutError:  # still listing the root (it may be down)
+            return False
         while True:
             done = runtime.run_sync(self._caught_up())
             if done or time.monotonic() >= deadline:
@@ -377,8 +381,10 @@ class Replicator:
                         e,
                     )
 
+        self._started.cancel()  # still listing the root (it may be down): no catching up now
         try:
-            self._started.result()
+            if not self._started.cancelled():
+                self._started.result()
             runtime.run_sync(stop())
         except Exception as e:  # closing must not fail the manager's close
             log.warning("objckpt stopping replication: %s: %s", type(e).__name__, e)

@@ -92,13 +92,19 @@ class Probe:
     error: str | None = None
 
 
-async def _probe(store: RetryingStore, options: Options) -> Probe:
-    probing = RetryingStore(
+def probing_store(store: RetryingStore, options: Options) -> RetryingStore:
+    """``store`` asked with a probe's short budget (:data:`PROBE_ATTEMPTS` attempts, each within
+    :data:`PROBE_TIMEOUT_S`): where another location can answer instead, a dead one costs seconds."""
+    return RetryingStore(
         store.inner,
         retry=replace(options.retry, max_attempts=PROBE_ATTEMPTS),
         request_timeout=min(options.request_timeout, PROBE_TIMEOUT_S),
         stats=store.stats,
     )
+
+
+async def _probe(store: RetryingStore, options: Options) -> Probe:
+    probing = probing_store(store, options)
     found = Probe(store)
     try:
         found.manifest = await read_manifest(probing, size_limit=options.manifest_size_limit)
@@ -349,4 +355,5 @@ __all__ = [
     "failover_options",
     "failover_store",
     "open_locations",
+    "probing_store",
 ]
