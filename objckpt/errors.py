@@ -82,3 +82,9 @@ class ObjectExistsError(StoreError, FileExistsError):
 
 class StorePermissionError(StoreError, PermissionError):
     """The store refused the request (HTTP 401/403, missing credentials); not worth retrying."""
+
+
+class BucketNotFoundError(StoreError, FileNotFoundError):
+    """The bucket (or container) of a URL does not exist (S3 ``NoSuchBucket``, a GCS 404 on
+    the bucket): a setting to fix, not worth retrying, and never read as "no checkpoint
+    there yet" (it is no :class:`ObjectNotFoundError`)."""

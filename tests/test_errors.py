@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
+from objckpt.errors import BucketNotFoundError
 from objckpt.storage import from_url, register_store
 from objckpt.transfer import runtime
 
@@ -31,7 +32,7 @@ def test_wrong_bucket(gcs_service):
     url = "gs://no-such-bucket-objckpt/ckpt"
     with pytest.raises(FileNotFoundError, match="no-such-bucket-objckpt.*bucket"):
         objckpt.save(url, TREE, storage_options=gcs_service.storage_options(), options=FAST)
-    with pytest.raises(objckpt.CheckpointNotFoundError, match="no-such-bucket-objckpt"):
+    with pytest.raises(BucketNotFoundError, match="bucket 'no-such-bucket-objckpt' does not exist"):
         objckpt.restore(url, storage_options=gcs_service.storage_options(), options=FAST)
 
 

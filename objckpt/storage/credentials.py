@@ -11,10 +11,13 @@ fallback all use the source botocore's precedence picks:
 * ``s3://``: botocore's own resolver (environment, shared credentials/config
   files and profile, assume-role, web identity, container, SSO, process...)
   without its instance metadata step, which retries and waits a second per
-  request; then, only if that found nothing, one token request to the
-  instance metadata service under :data:`METADATA_TIMEOUT_S`, no retry (any
-  answer means it is there). botocore assumes roles lazily; container
-  credentials are fetched once here.
+  request; then, only if that found nothing, the instance metadata service:
+  one token request and one request for the instance's role, each under
+  :data:`METADATA_TIMEOUT_S`, no retry. It counts only if it gives both (a
+  service that answers 403, as a metadata address does where instance
+  credentials are switched off, is no source: every later request would be
+  refused too). botocore assumes roles lazily; container credentials are
+  fetched once here.
 * ``gs://``: the places Google's default credentials come from (the
   ``GOOGLE_APPLICATION_CREDENTIALS`` file, gcloud's application-default file,
   gcsfs's token cache), then one ping of the metadata server.
@@ -121,10 +124,11 @@ def resolve_s3_source(url: str, options: Mapping[str, Any], environ: Mapping[str
         raise StorePermissionError(f"cannot read AWS credentials for {redact_url(url)}: {exc}") from exc
     region = session.get_config_variable("region")
     if credentials is None:
-        if _imds_answers(session, environ):
+        refusal = _imds_refusal(session, environ)
+        if refusal is None:
             return S3Source("iam-role", {"metadata_endpoint": _imds_endpoint(session)}, region=region)
         raise StorePermissionError(
-            f"no credentials found for {redact_url(url)}; tried: {_s3_sources(session, environ)}. "
+            f"no credentials found for {redact_url(url)}; tried: {_s3_sources(session, environ, refusal)}. "
             "Configure credentials, or pass storage_options={'anon': True} for a public bucket"
         )
     method = str(getattr(credentials, "method", ""))
@@ -190,13 +194,29 @@ def _imds_endpoint(session: Any) -> str:
     return "http://[fd00:ec2::254]" if mode == "ipv6" else "http://169.254.169.254"
 
 
-def _imds_answers(session: Any, environ: Mapping[str, str]) -> bool:
-    """Whether an instance metadata service answers one token request (IMDSv2); False when disabled."""
+_IMDS_ROLES = "/latest/meta-data/iam/security-credentials/"
+
+
+def _imds_refusal(session: Any, environ: Mapping[str, str]) -> str | None:
+    """None when the instance metadata service gives a session token (IMDSv2) and names the
+    instance's role, as obstore will ask; else why not, for the message."""
     if (environ.get("AWS_EC2_METADATA_DISABLED") or "").lower() == "true":
-        return False
-    return _answers(
-        _imds_endpoint(session), "PUT", "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "21600"}
-    )
+        return "disabled by AWS_EC2_METADATA_DISABLED"
+    endpoint = _imds_endpoint(session)
+    if endpoint in _ANSWERED:
+        return None
+    token = _ask(endpoint, "PUT", "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
+    if token is None:
+        return f"no answer within {METADATA_TIMEOUT_S:g} s"
+    if token[0] != 200:
+        return f"the token request was refused: HTTP {token[0]}"
+    role = _ask(endpoint, "GET", _IMDS_ROLES, {"X-aws-ec2-metadata-token": token[1].decode("latin-1").strip()})
+    if role is None:
+        return f"no answer to the role request within {METADATA_TIMEOUT_S:g} s"
+    if role[0] != 200 or not role[1].strip():
+        return f"no instance role: HTTP {role[0]} for {_IMDS_ROLES}"
+    _ANSWERED.add(endpoint)
+    return None
 
 
 #: Metadata endpoints that answered once in this process: a host's metadata service
@@ -207,36 +227,48 @@ _ANSWERED: set[str] = set()
 def _answers(endpoint: str, method: str, path: str, headers: dict[str, str]) -> bool:
     """Whether ``endpoint`` gives any HTTP answer to one request within
     :data:`METADATA_TIMEOUT_S` (the client then resolves through it as usual).
-    No proxy, no retry: a metadata service is on the host's own link. Only a
-    yes is remembered (:data:`_ANSWERED`)."""
+    Only a yes is remembered (:data:`_ANSWERED`)."""
     if endpoint in _ANSWERED:
         return True
-    parsed = urllib.parse.urlsplit(endpoint)
-    if not parsed.hostname:
+    if _ask(endpoint, method, path, headers) is None:
         return False
-    conn_type = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
-    conn = conn_type(parsed.hostname, parsed.port, timeout=METADATA_TIMEOUT_S)
-    try:
-        conn.request(method, path, headers=headers)
-        conn.getresponse().read()
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
     _ANSWERED.add(endpoint)
     return True
 
 
-def _s3_sources(session: Any, environ: Mapping[str, str]) -> str:
-    """The credential sources botocore tried, as one line for the message."""
+#: Bytes of a metadata answer read at most (a token or a role name is a few dozen).
+_ANSWER_LIMIT = 64 * 1024
+
+
+def _ask(endpoint: str, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes] | None:
+    """One request to ``endpoint`` within :data:`METADATA_TIMEOUT_S`: its status and body, or None
+    when nothing answers. No proxy, no retry: a metadata service is on the host's own link."""
+    parsed = urllib.parse.urlsplit(endpoint)
+    if not parsed.hostname:
+        return None
+    conn_type = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+    conn = conn_type(parsed.hostname, parsed.port, timeout=METADATA_TIMEOUT_S)
+    try:
+        conn.request(method, path, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read(_ANSWER_LIMIT)
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def _s3_sources(session: Any, environ: Mapping[str, str], refusal: str) -> str:
+    """The credential sources botocore tried, as one line for the message; ``refusal`` says
+    why the instance metadata service gave none."""
     profile = session.profile or environ.get("AWS_PROFILE") or "default"
     credentials_file = os.path.expanduser(str(session.get_config_variable("credentials_file")))
     config_file = os.path.expanduser(str(session.get_config_variable("config_file")))
     imds = _imds_endpoint(session)
     if (environ.get("AWS_EC2_METADATA_DISABLED") or "").lower() == "true":
-        metadata = "instance metadata (disabled by AWS_EC2_METADATA_DISABLED)"
+        metadata = f"instance metadata ({refusal})"
     else:
-        metadata = f"instance metadata at {imds} (no answer within {METADATA_TIMEOUT_S:g} s)"
+        metadata = f"instance metadata at {imds} ({refusal})"
     return "; ".join(
         (
             "environment variables (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)",

@@ -3,9 +3,11 @@
 Every store adapter funnels what its library raised through one function
 here, so the transfer engine can decide retries by exception type alone:
 
-* missing → :class:`ObjectNotFoundError`;
+* missing → :class:`ObjectNotFoundError`; a missing bucket (the service's
+  ``NoSuchBucket``) → :class:`BucketNotFoundError`, which no caller reads as "nothing here";
 * a failed create-if-absent → :class:`ObjectExistsError`;
-* 401/403, missing credentials → :class:`StorePermissionError`;
+* 401/403 (``AccessDenied``, ``InvalidAccessKeyId``, ``SignatureDoesNotMatch``, a
+  metadata service refusing credentials), missing credentials → :class:`StorePermissionError`;
 * 429/503 (the store asks the client to slow down) → :class:`ThrottledError`;
 * 408/5xx, connection errors, timeouts → :class:`TransientStoreError`;
 * anything else → :class:`StoreError`.
@@ -24,6 +26,7 @@ import re
 import sys
 
 from objckpt.errors import (
+    BucketNotFoundError,
     ObjectExistsError,
     ObjectNotFoundError,
     StoreError,
@@ -127,7 +130,7 @@ def untrusted_certificate(exc: BaseException, what: str) -> StoreError | None:
             reason = match.group(1) or match.group(2).strip()
             return StoreError(
                 f"{what} failed: the server's TLS certificate is not trusted ({reason}). Trust its CA with "
-                "AWS_CA_BUNDLE or SSL_CERT_FILE (S3), REQUESTS_CA_BUNDLE (GCS), or the storage options "
+                "AWS_CA_BUNDLE, REQUESTS_CA_BUNDLE or SSL_CERT_FILE (S3), REQUESTS_CA_BUNDLE (GCS), or the storage options "
                 "(client_kwargs={'verify': CA_FILE} for S3, ca_bundle=CA_FILE for GCS)"
             )
         current = current.__cause__ or current.__context__
@@ -154,6 +157,9 @@ def map_error(exc: BaseException, what: str, *, create: bool = False) -> StoreEr
     message = f"{what} failed{suffix}: {detail}"
     if create and (isinstance(exc, FileExistsError) or status == 412):
         return ObjectExistsError(f"{what}: object already exists")
+    code = _client_error_code(exc)
+    if code in BUCKET_MISSING_CODES:
+        return BucketNotFoundError(_no_bucket(what, status, code))
     if status == 404 or isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
         return ObjectNotFoundError(f"{what}: no such object")
     if status in (401, 403) or isinstance(exc, _permission_types()):
@@ -220,6 +226,35 @@ def _first_line(exc: BaseException) -> str:
     return service_detail(str(exc))
 
 
+def _client_error_code(exc: BaseException) -> str | None:
+    """The service's error code of a botocore ``ClientError`` in ``exc``'s cause chain, or None."""
+    cur: BaseException | None = exc
+    for _ in range(8):
+        if cur is None:
+            return None
+        response = getattr(cur, "response", None)
+        error = response.get("Error") if isinstance(response, dict) else None
+        if isinstance(error, dict):
+            return str(error.get("Code") or "") or None
+        cur = cur.__cause__
+    return None
+
+
+#: Service error codes of a bucket that does not exist (S3, S3-compatible servers, GCS's XML API).
+BUCKET_MISSING_CODES = frozenset({"NoSuchBucket"})
+
+
+def _bucket_of(what: str) -> str:
+    """The bucket named by the URL in ``what`` (``"list s3://bucket/x"`` → ``"bucket"``), or ``""``."""
+    _, sep, rest = what.partition("://")
+    return rest.split("/", 1)[0].split(" ", 1)[0].rsplit("@", 1)[-1] if sep else ""
+
+
+def _no_bucket(what: str, status: int | None, code: str) -> str:
+    answer = f"HTTP {status} {code}" if status else code
+    return f"{what} failed: the bucket {_bucket_of(what)!r} does not exist ({answer})"
+
+
 def _client_error_detail(exc: BaseException) -> str | None:
     """``"Code: Message"`` of a botocore ``ClientError`` in ``exc``'s cause chain (s3fs raises
     a plain ``OSError`` carrying only the message), or None; numeric codes (a HEAD's
@@ -255,6 +290,44 @@ def _obstore_status(exc: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
+_REQUEST = re.compile(r"Error performing (\w+) (\S+) in ")
+#: Paths of the credential services obstore asks (EC2 instance metadata, ECS/EKS container
+#: credentials): a refusal there means no credentials, whatever the store would have said.
+_CREDENTIAL_PATHS = re.compile(r"^https?://[^/]+/(latest/(api/token|meta-data/iam)|v2/credentials|v1/credentials)")
+
+
+#: Refusals that fresh credentials cure: obstore asks its credential provider again, so these retry.
+_REFRESHED_CODES = frozenset({"ExpiredToken", "TokenRefreshRequired"})
+_XML_CODE = re.compile(r"<Code>([^<]{1,128})</Code>")
+
+
+def _service_code(text: str) -> str | None:
+    """The error code of the service's S3 XML error body inside an obstore message, or None."""
+    head = text.split("\n\nDebug source:", 1)[0]
+    found = _XML_CODE.search(head)
+    return found.group(1).strip() if found else None
+
+
+def _denied(exc: BaseException, what: str, status: int | None) -> StorePermissionError:
+    """A refused request, said in one line: the service's code and message when its body has
+    them, and the credential service when it was the one refusing (an instance metadata
+    service answering 403 to the token request, say); no request timings, no debug dump."""
+    text = str(exc)
+    head = text.split("\n\nDebug source:", 1)[0]
+    body = _BODY_START.search(head)
+    fields = _body_fields(head[body.start() :]) if body is not None else []
+    answer = " ".join(p for p in (f"HTTP {status}" if status else "", ": ".join(fields)) if p)
+    requests = _REQUEST.findall(head.split("\n", 1)[0])
+    if requests and _CREDENTIAL_PATHS.match(requests[-1][1]):
+        method, url = requests[-1]
+        return StorePermissionError(
+            scrub(
+                f"{what} failed: no credentials: the credential service refused {method} {url} ({answer or 'denied'})"
+            )
+        )
+    return StorePermissionError(scrub(f"{what} failed: access denied ({answer or type(exc).__name__})"))
+
+
 def map_obstore_error(exc: BaseException, what: str, *, create: bool = False) -> StoreError:
     """Translate what obstore raised into objckpt's store errors, by class.
 
@@ -265,6 +338,13 @@ def map_obstore_error(exc: BaseException, what: str, *, create: bool = False) ->
     the transfer engine's bounded retries then decide, and a permanent one
     costs only a few backoffs. Callers handle "range starts past the end"
     (also a ``GenericError``) before mapping.
+
+    Refusals no retry can cure are the exceptions, decided by the status and
+    the service's error code obstore carries in its message (as for throttling,
+    :func:`_obstore_status`): a 401/403 (a listing refused for a wrong secret,
+    an instance metadata service refusing the token request) is a
+    :class:`StorePermissionError`, and ``NoSuchBucket`` (on any call) a
+    :class:`BucketNotFoundError`.
 
     Args:
         exc: What obstore raised.
@@ -277,8 +357,16 @@ def map_obstore_error(exc: BaseException, what: str, *, create: bool = False) ->
     if untrusted is not None:
         return untrusted
     message = f"{what} failed: {scrub(f'{type(exc).__name__}: {_first_line(exc)}')}"
+    status = _obstore_status(exc)
+    code = _service_code(str(exc))
+    if code in BUCKET_MISSING_CODES:  # on a listing (GenericError) or a read (FileNotFoundError)
+        return BucketNotFoundError(_no_bucket(what, status, code))
     oe = sys.modules.get("obstore.exceptions")
     if oe is not None and isinstance(exc, oe.BaseError):
+        if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)) or (
+            isinstance(exc, oe.GenericError) and status in (401, 403) and code not in _REFRESHED_CODES
+        ):
+            return _denied(exc, what, status)
         if isinstance(exc, (oe.AlreadyExistsError, oe.PreconditionError)):
             if create:
                 # S3 412 (and 409 ConditionalRequestConflict, which obstore also
@@ -289,10 +377,8 @@ def map_obstore_error(exc: BaseException, what: str, *, create: bool = False) ->
             return StoreError(message)
         if isinstance(exc, oe.NotFoundError):
             return ObjectNotFoundError(f"{what}: no such object")
-        if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
-            return StorePermissionError(message)
         if isinstance(exc, (oe.GenericError, oe.JoinError)):
-            return transient_error(_obstore_status(exc), message)
+            return transient_error(status, message)
         return StoreError(message)  # InvalidPath, NotSupported, NotModified, UnknownConfigurationKey
     # obstore raises some built-ins itself (FileNotFoundError for a missing
     # object); local stores raise OS errors.

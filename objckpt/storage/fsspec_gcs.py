@@ -6,6 +6,9 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
+from objckpt.errors import BucketNotFoundError, ObjectNotFoundError
+from objckpt.storage.base import ObjectInfo
+from objckpt.storage.error_map import PROGRAMMING_ERRORS
 from objckpt.storage.fsspec_store import FsspecStore
 from objckpt.storage.gcs_upload import MediaUploader
 
@@ -14,6 +17,13 @@ class GcsFsspecStore(FsspecStore):
     """gcsfs: create-if-absent is ``ifGenerationMatch=0``; with an ``uploader``, bulk writes
     send the buffer as the body (:class:`~objckpt.storage.gcs_upload.MediaUploader`), else
     they go through gcsfs's ``pipe_file``; listings filter server-side.
+
+    gcsfs answers a listing of a bucket that does not exist as it answers an empty
+    prefix (``FileNotFoundError``), and a read in it as a missing object, so the
+    first empty listing or missing object read asks for the bucket itself (one
+    request per store and its children, not repeated once the bucket answers): a
+    404 is :class:`BucketNotFoundError`, anything else (an object-only role refused
+    ``storage.buckets.get``) leaves the answer as it was.
 
     Args:
         uploader: Media uploads with the store's credential, shared by :meth:`child` stores
@@ -28,6 +38,7 @@ class GcsFsspecStore(FsspecStore):
     ) -> None:
         super().__init__(fs, path, **kwargs)
         self._uploader = uploader
+        self._bucket_known = [False]  # shared with child stores (``child`` copies the attribute)
 
     def _atomic_create(self, requested: bool | None) -> bool:
         return True
@@ -44,6 +55,40 @@ class GcsFsspecStore(FsspecStore):
         bucket, _, name = path.partition("/")  # bulk data: the buffer is the body, no copy
         await self._run(what, lambda: self._on_fs_loop(uploader.upload(bucket, name, data, what)))
         self.fs.invalidate_cache(path)
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        found = await super().list(prefix)
+        if not found:
+            await self._check_bucket(f"list {self._url(prefix)}")
+        return found
+
+    async def get(self, key: str) -> bytes:
+        try:
+            return await super().get(key)
+        except ObjectNotFoundError:
+            await self._check_bucket(f"get {self._url(key)}")
+            raise
+
+    async def get_range(self, key: str, *, start: int, end: int) -> bytes:
+        try:
+            return await super().get_range(key, start=start, end=end)
+        except ObjectNotFoundError:
+            await self._check_bucket(f"get {self._url(key)}")
+            raise
+
+    async def _check_bucket(self, what: str) -> None:
+        if self._bucket_known[0]:
+            return
+        bucket = self._root.split("/", 1)[0]
+        try:
+            await self._fs(what, "call", "GET", "b/{}", bucket, json_out=True)
+        except FileNotFoundError:
+            raise BucketNotFoundError(f"{what} failed: the bucket {bucket!r} does not exist (HTTP 404)") from None
+        except PROGRAMMING_ERRORS:
+            raise
+        except Exception:  # noqa: BLE001 - refused or unreachable: the listing stands as it is
+            return
+        self._bucket_known[0] = True
 
     async def close(self) -> None:
         """Close the range reader's and the uploader's connections (see :meth:`FsspecStore.close`)."""

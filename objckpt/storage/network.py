@@ -11,10 +11,10 @@ configures every path:
   matched by ``NO_PROXY``/``no_proxy`` (the standard library's
   ``urllib.request`` rules). A proxy URL may carry ``user:password@``.
 * **Trusted CAs**: an explicit CA bundle (a storage option, or
-  ``AWS_CA_BUNDLE`` for S3 and ``REQUESTS_CA_BUNDLE`` for GCS, as their SDKs
-  read them) is trusted *instead of* the system roots, as botocore and
-  requests do; without one, the system roots, which OpenSSL lets
-  ``SSL_CERT_FILE``/``SSL_CERT_DIR`` replace.
+  ``AWS_CA_BUNDLE``, else ``REQUESTS_CA_BUNDLE``, for S3 as botocore reads
+  them, and ``REQUESTS_CA_BUNDLE`` for GCS as Google's clients do) is trusted
+  *instead of* the system roots, as botocore and requests do; without one,
+  the system roots, which OpenSSL lets ``SSL_CERT_FILE``/``SSL_CERT_DIR`` replace.
 
 Nothing here changes process-global state.
 """

@@ -19,9 +19,9 @@ Translated for ``s3://`` (s3fs names):
   "payload_signing_enabled": bool}}`` (default as botocore: sign the payload's
   SHA-256 only over plain HTTP);
 * ``anon`` (unsigned requests), ``requester_pays``;
-* ``client_kwargs["verify"]`` (a CA bundle path, or False) and ``AWS_CA_BUNDLE``
-  → obstore's ``root_certificate`` (``SSL_CERT_FILE`` and ``HTTPS_PROXY``/``NO_PROXY``
-  obstore reads itself);
+* ``client_kwargs["verify"]`` (a CA bundle path, or False), else ``AWS_CA_BUNDLE``,
+  else ``REQUESTS_CA_BUNDLE`` (botocore's order) → obstore's ``root_certificate``
+  (``SSL_CERT_FILE`` and ``HTTPS_PROXY``/``NO_PROXY`` obstore reads itself);
 * environment: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
   ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``,
   ``AWS_REGION``/``AWS_DEFAULT_REGION``;
@@ -272,13 +272,15 @@ def translate_s3(url: str, options: Mapping[str, Any], environ: Mapping[str, str
         # (and crc32c guards it end to end); hashing costs ~0.6 CPU-s per GiB.
         payload_signing = bool(endpoint and endpoint.startswith("http://"))
     config["unsigned_payload"] = not payload_signing
-    client_config = _trust(client.get("verify", True), environ.get("AWS_CA_BUNDLE"))
+    ca_bundle = _first(environ.get("AWS_CA_BUNDLE"), environ.get("REQUESTS_CA_BUNDLE"))
+    client_config = _trust(client.get("verify", True), ca_bundle)
     return NativeSpec("s3", bucket, prefix, endpoint, config, provider, client_config)
 
 
 def _trust(verify: Any, ca_bundle: str | None) -> dict[str, Any]:
     """obstore ``ClientConfig`` entries for whom TLS trusts: botocore's ``verify`` (a CA
-    bundle path, or False) or the SDK's ``AWS_CA_BUNDLE``; else nothing, and obstore
+    bundle path, or False) or the bundle botocore reads from the environment
+    (``AWS_CA_BUNDLE``, else ``REQUESTS_CA_BUNDLE``); else nothing, and obstore
     trusts the system roots, which ``SSL_CERT_FILE`` replaces. obstore adds a CA to its
     roots rather than replacing them."""
     if verify is False:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from objckpt.errors import (
+    BucketNotFoundError,
     ChecksumMismatchError,
     ObjectNotFoundError,
     StoreError,
@@ -302,9 +303,9 @@ def close_store(store: Store) -> None:
     runtime.run_sync(store.close())
 
 
-def missing_bucket(url: str, key: str, error: ObjectNotFoundError) -> ObjectNotFoundError:
+def missing_bucket(url: str, key: str, error: ObjectNotFoundError) -> BucketNotFoundError:
     """The error for a write that found no object to write to: a write can only miss its bucket."""
-    return ObjectNotFoundError(f"cannot write {url}/{key}: the bucket (or container) does not exist ({error})")
+    return BucketNotFoundError(f"cannot write {url}/{key}: the bucket (or container) does not exist ({error})")
 
 
 class TransferEngine:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from objckpt.core.format import MANIFEST_KEY, Manifest, parse_manifest
 from objckpt.core.format_v2 import IndexDoc, merge_indexes, parse_index
-from objckpt.errors import CheckpointNotFoundError, FormatError
+from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError
 from objckpt.storage import Store
 
 #: Index objects read at once.
@@ -67,6 +67,8 @@ async def _fetch(store: Store, size_limit: int) -> bytes:
                 raise FormatError(f"manifest at {store.url} is {info.size} bytes, over the limit of {size_limit}")
             if info.size > first:
                 data += await store.get_range(MANIFEST_KEY, start=first, end=info.size)
+    except BucketNotFoundError:
+        raise  # a setting to fix, not "no checkpoint here"
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no committed checkpoint at {store.url} (no {MANIFEST_KEY})") from None
     return data
