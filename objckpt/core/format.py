@@ -19,7 +19,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.layout import Mesh
@@ -78,9 +78,11 @@ class BlobEntry:
     size: int
 
 
-@dataclass(frozen=True)
-class IndexRef:
-    """Version 2: one process's index object, as the root manifest lists it."""
+class IndexRef(NamedTuple):
+    """Version 2: one process's index object, as the root manifest lists it.
+
+    A named tuple, not a dataclass (as :class:`Piece`): a root may list a million.
+    """
 
     key: str
     size: int

@@ -26,8 +26,8 @@ from typing import Any
 from objckpt.core.checksum import crc32c, is_sha256_hex, sha256_hex
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format import (
-    ARRAY_KINDS,
     _BLOB_KEY,
+    ARRAY_KINDS,
     FORMAT_NAME,
     IndexRef,
     Manifest,
@@ -390,11 +390,12 @@ def parse_index(
     need(doc["format"] == INDEX_FORMAT, "'format'", f"must be {INDEX_FORMAT!r}", doc_name)
     need(doc["version"] == 2 and is_int(doc["version"]), "'version'", "must be 2", doc_name)
     need(
-        isinstance(doc["save_id"], str) and index_key(doc["save_id"], process) == ref.key,
+        doc["save_id"] == manifest.save_id,
         "'save_id'",
-        "does not name this index object (each process's save id is in its key)",
+        f"{str(doc['save_id'])[:200]!r} is not the manifest's {manifest.save_id!r} (an index object of another save)",
         doc_name,
     )
+    need(index_key(manifest.save_id, process) == ref.key, "'save_id'", "does not name this index object", doc_name)
     need(doc["process"] == process and is_int(doc["process"]), "'process'", f"must be {process}", doc_name)
     need(isinstance(doc["blobs"], list), "'blobs'", "must be a list", doc_name)
     keys: list[str] = []

@@ -14,12 +14,12 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from objckpt.core.format import LeafEntry, Manifest
+from objckpt.core.format import LeafEntry, Manifest, Piece
 from objckpt.core.format_v2 import leaves_by_writer
 from objckpt.core.plan import ReadRequest
 from objckpt.errors import FormatError
 from objckpt.options import Options
-from objckpt.restoring.jobs import LeafJob, uncovered
+from objckpt.restoring.jobs import LeafJob, overlapping, uncovered
 from objckpt.restoring.locations import failover_of
 from objckpt.transfer import runtime
 from objckpt.transfer.manifest_io import read_indexes
@@ -77,11 +77,17 @@ def check_coverage(
         gaps = {i: box for i, job in jobs.items() if (box := uncovered(job)) is not None}
     if gaps:
         i, (start, stop) = next(iter(gaps.items()))
+        pair = overlapping(jobs[i], (start, stop))
+        why = "holes or overlaps" if pair is None else f"{_named(pair[0])} and {_named(pair[1])} overlap"
         raise FormatError(
             f"checkpoint {store.url} is malformed: the pieces of leaf {manifest.leaves[i].path} do not tile"
-            f" its box {list(start)}-{list(stop)} exactly (holes or overlaps)"
+            f" its box {list(start)}-{list(stop)} exactly ({why})"
         )
     return requests
+
+
+def _named(piece: Piece) -> str:
+    return f"piece {list(piece.start)}-{list(piece.stop)} (blob {piece.blob} bytes [{piece.offset}, {piece.offset + piece.length}))"
 
 
 def _read_anywhere(store: Any, read: Callable[[], Coroutine[Any, Any, Manifest]]) -> Manifest:

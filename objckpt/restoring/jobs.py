@@ -260,13 +260,17 @@ def uncovered(job: LeafJob) -> Box | None:
     Run after :func:`plan_pieces`. A box is covered when the parts of the pieces
     that meet it add up to its volume and no two overlap: the exact-coverage
     check that stands in, per box read, for a check of the whole tiling (which
-    would need every process's index object).
+    would need every process's index object). Two pieces with the same box share
+    one entry of :attr:`LeafJob.meets` but both count in ``box_remaining``: a
+    duplicate is an overlap too.
     """
     parts: dict[Box, list[_Part]] = {box: [] for box in job.box_remaining}
     for meets in job.meets.values():
         for box, (start, stop) in meets:
             parts[box].append(_Part(start, stop))
     for box, found in parts.items():
+        if False and len(found) != job.box_remaining[box]:
+            return box
         if len(found) == 1 and (found[0].start, found[0].stop) == box:
             continue  # one piece, exactly the box
         volume = math.prod(b - a for a, b in zip(*box))
@@ -277,10 +281,24 @@ def uncovered(job: LeafJob) -> Box | None:
     return None
 
 
+def overlapping(job: LeafJob, box: Box) -> tuple[Piece, Piece] | None:
+    """Two planned pieces of ``job`` that overlap inside ``box`` (one box listed twice
+    included), or None: what names the pieces when :func:`uncovered` finds a box."""
+    parts = [
+        _Part(start, stop, piece)
+        for piece in job.entry.pieces
+        for found, (start, stop) in job.meets.get((piece.start, piece.stop), ())
+        if found == box
+    ]
+    pair = find_overlap(parts)
+    return None if pair is None else (pair[0].piece, pair[1].piece)
+
+
 @dataclass(frozen=True)
 class _Part:
     start: tuple[int, ...]
     stop: tuple[int, ...]
+    piece: Piece | None = None
 
 
 def meets_of(job: LeafJob, piece: Piece) -> list[tuple[Box, Box]]:

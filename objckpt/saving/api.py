@@ -43,7 +43,7 @@ from objckpt.errors import (
     CheckpointExistsError,
     StoreError,
 )
-from objckpt.multihost import get_coordinator, operation_tag
+from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, finish_from_caller, start
 from objckpt.saving.classify import classify
@@ -204,7 +204,7 @@ def _begin(
         entries.append(entry)
         owned.extend(pieces)
     owned.sort(key=packing_order)
-    save_id = uuid.uuid4().hex
+    save_id = _shared_save_id(coordinator, tag, options.barrier_timeout)
     blobs = plan_blobs(
         owned,
         blob_size=options.blob_size,
@@ -254,6 +254,18 @@ async def _then_close(run: Awaitable[T], store: Store) -> T:
 # Saves of this process whose commit has not ended, by URL (see save_in_flight).
 _in_flight: dict[str, int] = {}
 _in_flight_lock = threading.Lock()
+
+
+def _shared_save_id(coordinator: Coordinator, tag: str, timeout: float) -> str:
+    """The save's id, one for all its processes: the primary's, sent through the coordinator.
+
+    The root and every index object carry it, so a reader refuses a root that lists an
+    index object of another save left in the same prefix (docs/FORMAT.md). One small
+    value, no barrier: the primary sets it and goes on; the others wait for it only if
+    they reach this point first.
+    """
+    mine = uuid.uuid4().hex.encode() if coordinator.is_primary else None
+    return coordinator.broadcast(f"{tag}/save_id", mine, timeout=timeout).decode()
 
 
 def _url_key(url: str) -> str:

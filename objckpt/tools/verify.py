@@ -22,15 +22,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from objckpt.core.checksum import damage
-from objckpt.core.format import ARRAY_KINDS, BlobEntry, Manifest, Piece
+from objckpt.core.format import BlobEntry, Manifest, Piece
 from objckpt.core.format_v2 import require_digest
-from objckpt.core.pieces import check_tiling
 from objckpt.errors import StoreError
 from objckpt.options import MiB, Options
 from objckpt.progress import ProgressArg, human_bytes, reporting
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store, run_in_order
-from objckpt.transfer.manifest_io import read_checkpoint
+from objckpt.transfer.manifest_io import read_checkpoint  # which checks the whole tiling
 
 log = logging.getLogger("objckpt")
 
@@ -160,7 +159,6 @@ def verify(
     with opened_store(url, storage_options, options, stats) as store:
         manifest = runtime.run_sync(read_checkpoint(store, size_limit=options.manifest_size_limit))
         require_digest(manifest, options.digest, store.url)
-        check_whole_tiling(manifest)
         total, base = sum(b.size for b in manifest.blobs), stats.bytes_read
         with reporting(progress, "verify", store.url, total, lambda: stats.bytes_read - base, stats):
             problems = runtime.run_sync(_verify(store, manifest, options, stats))
@@ -196,18 +194,6 @@ async def _verify(store: Any, manifest: Manifest, options: Options, stats: Trans
     await engine.for_each(manifest.blobs, one, window_bytes=window, size=lambda b: max(b.size, 1))
     problems.sort(key=lambda p: (p.blob, p.start or 0, p.kind))
     return problems
-
-
-def check_whole_tiling(manifest: Manifest) -> None:
-    """Version 2: the pieces of every process's index object together tile each leaf exactly.
-
-    (Version 1 manifests are checked when they are parsed.) Raises FormatError naming the leaf.
-    """
-    if manifest.version == 1:
-        return
-    for i, leaf in enumerate(manifest.leaves):
-        if leaf.kind in ARRAY_KINDS and leaf.shape is not None:
-            check_tiling(leaf.pieces, leaf.shape, f"'leaves[{i}]' ({leaf.path}): pieces of all index objects")
 
 
 def pieces_by_blob(manifest: Manifest) -> dict[str, list[PieceRef]]:

@@ -9,15 +9,21 @@ all (:func:`read_checkpoint`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import itertools
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
-from objckpt.core.format import MANIFEST_KEY, Manifest, parse_manifest
+from objckpt.core.format import ARRAY_KINDS, MANIFEST_KEY, Manifest, parse_manifest
 from objckpt.core.format_v2 import IndexDoc, merge_indexes, parse_index
+from objckpt.core.pieces import check_tiling
 from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError
 from objckpt.storage import Store
 
 #: Index objects read at once.
 INDEX_READS_AT_ONCE = 16
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 # The first GET asks for this much. A shorter answer is the whole manifest, so
 # a restore starts after one round trip instead of a HEAD and a GET (one RTT
@@ -95,34 +101,85 @@ async def read_indexes(
     wanted = sorted(set(processes) - manifest.loaded)
     if manifest.version == 1 or not wanted:
         return manifest
-    limit = asyncio.Semaphore(INDEX_READS_AT_ONCE)
 
     async def one(process: int) -> IndexDoc:
         ref = manifest.indexes[process]
-        async with limit:
-            for attempt in range(1, MANIFEST_READS + 1):
-                try:  # never more than the root says (and one byte to tell a longer object)
-                    data = await store.get_range(ref.key, start=0, end=min(ref.size, size_limit) + 1)
-                except FileNotFoundError:
-                    raise FormatError(
-                        f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
-                    ) from None
-                try:
-                    kept = None if leaves is None else leaves.get(process, set())
-                    return parse_index(data, manifest, process, size_limit=size_limit, leaves=kept)
-                except FormatError as e:
-                    if attempt >= MANIFEST_READS:
-                        raise FormatError(f"{e} (the same over {MANIFEST_READS} reads)") from None
-                    stats = getattr(store, "stats", None)
-                    if stats is not None:
-                        stats.add(checksum_retries=1)
+        for attempt in range(1, MANIFEST_READS + 1):
+            try:  # never more than the root says (and one byte to tell a longer object)
+                data = await store.get_range(ref.key, start=0, end=min(ref.size, size_limit) + 1)
+            except FileNotFoundError:
+                raise FormatError(
+                    f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
+                ) from None
+            try:
+                kept = None if leaves is None else leaves.get(process, set())
+                return parse_index(data, manifest, process, size_limit=size_limit, leaves=kept)
+            except FormatError as e:
+                if attempt >= MANIFEST_READS:
+                    raise FormatError(f"{e} (the same over {MANIFEST_READS} reads)") from None
+                stats = getattr(store, "stats", None)
+                if stats is not None:
+                    stats.add(checksum_retries=1)
         raise AssertionError("unreachable")
 
-    docs = await asyncio.gather(*(one(p) for p in wanted))
-    return merge_indexes(manifest, docs)
+    limit = asyncio.Semaphore(INDEX_READS_AT_ONCE)
+
+    async def limited(p):
+        async with limit:
+            return await one(p)
+
+    docs = await asyncio.gather(*(limited(p) for p in wanted))
+    return merge_indexes(manifest, sorted(docs, key=lambda d: d.process))
+
+
+async def _each(items: Iterable[T], fn: Callable[[T], Awaitable[R]], *, parallel: int) -> list[R]:
+    """``fn`` over ``items``, at most ``parallel`` at once, started as others end; results in
+    the order they end.
+
+    Items are drawn lazily and the first error cancels what runs, waits for it and is
+    raised: a root may list a million index objects, and a broken one ends the read
+    after a window of reads, not a million tasks later.
+    """
+    source = iter(items)
+    running: set[asyncio.Future[R]] = set()
+    results: list[R] = []
+    try:
+        while True:
+            for item in itertools.islice(source, parallel - len(running)):
+                running.add(asyncio.ensure_future(fn(item)))
+            if not running:
+                return results
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            errors = [e for future in done if (e := future.exception()) is not None]  # each one retrieved
+            if errors:
+                raise errors[0]
+            results.extend(future.result() for future in done)
+    finally:
+        for future in running:
+            future.cancel()
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
 
 
 async def read_checkpoint(store: Store, *, size_limit: int) -> Manifest:
-    """The manifest with every piece and blob: the root and, for version 2, every index object."""
+    """The manifest with every piece and blob: the root and, for version 2, every index object.
+
+    Version 2: the pieces of all index objects must tile each leaf exactly
+    (:func:`check_whole_tiling`), so every reader of a whole checkpoint (``cp``,
+    ``verify``, ``gc``) refuses what ``verify`` refuses, one box listed twice included.
+    """
     manifest = await read_manifest(store, size_limit=size_limit)
-    return await read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=size_limit)
+    manifest = await read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=size_limit)
+    return manifest
+
+
+def check_whole_tiling(manifest: Manifest) -> None:
+    """Version 2: the pieces of every process's index object together tile each leaf exactly.
+
+    (Version 1 manifests are checked when they are parsed.) Raises FormatError naming the leaf.
+    """
+    if manifest.version == 1:
+        return
+    for i, leaf in enumerate(manifest.leaves):
+        if leaf.kind in ARRAY_KINDS and leaf.shape is not None:
+            check_tiling(leaf.pieces, leaf.shape, f"'leaves[{i}]' ({leaf.path}): pieces of all index objects")
