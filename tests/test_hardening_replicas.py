@@ -264,3 +264,34 @@ def test_with_the_primary_unreachable_the_steps_are_listed_from_a_replica(s3_ser
         finally:
             resumed.close(timeout=0)
             door.fail_after(None)
+
+
+def test_cli_ls_replicas_lists_the_replicas_when_the_root_is_down(s3_service, gcs_service):
+    name = _name()
+    root, replica = s3_service.url(f"cli-{name}"), gcs_service.url(f"cli-{name}")
+    mgr = objckpt.CheckpointManager(
+        root,
+        storage_options=s3_service.storage_options(),
+        replicas=[objckpt.Location(replica, gcs_service.storage_options())],
+    )
+    for step in (4, 5):
+        mgr.save(step, _state(step), wait=True)
+    mgr.close(timeout=120)
+    with FaultProxy("127.0.0.1", _port(s3_service.endpoint_url)) as door:
+        door.fail_after(0, "500")  # the root's region is down
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "OBJCKPT_"))}
+        env.update(gcs_service.env())
+        env.update(s3_service.env(), JAX_PLATFORMS="cpu", PYTHONWARNINGS="ignore")
+        env["AWS_ENDPOINT_URL"] = door.endpoint_url
+        done = subprocess.run(
+            [*CLI, "ls", root, "--replicas", replica, "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr
+    rows = {row["step"]: row["locations"] for row in json.loads(done.stdout)}
+    assert rows == {4: {root: "unreachable", replica: "yes"}, 5: {root: "unreachable", replica: "yes"}}, rows
+    assert f"{root} did not answer" in done.stderr, done.stderr
