@@ -83,7 +83,7 @@ def test_keep_best_reads_metrics_of_earlier_runs(memory_store):
 def test_error_of_a_background_save_is_raised_by_the_next_call(memory_store, monkeypatch):
     from objckpt.saving import upload as upload_module
 
-    async def broken_upload(blob, buffer, pool, engine, gate):
+    async def broken_upload(blob, buffer, pool, engine, gate, *rest):
         raise OSError("disk on fire")
 
     mgr = objckpt.CheckpointManager(memory_store.url)
