@@ -241,14 +241,15 @@ def test_a_metadata_refusal_met_by_obstore_itself_is_not_retried(
 # ------------------------------------------------------------- missing bucket
 
 
+@pytest.mark.parametrize("backend", ["obstore", "fsspec"])
 def test_s3_bucket_that_does_not_exist(
-    s3_service: S3Service, capsys: pytest.CaptureFixture[str], calls: Counter[str]
+    s3_service: S3Service, capsys: pytest.CaptureFixture[str], calls: Counter[str], backend: str
 ) -> None:
     """Read-only calls (SeaweedFS creates a bucket on the first write, as real S3 does not):
     NoSuchBucket is a BucketNotFoundError after one request, never "no checkpoints"."""
     bucket = f"objckpt-missing-{uuid.uuid4().hex[:8]}"
     url = f"s3://{bucket}/run"
-    options = s3_service.storage_options()
+    options = {**s3_service.storage_options(), "objckpt_backend": backend}
     for name in ("restore", "steps"):
         calls.clear()
         error, seconds = _timed(_api_calls(url, options)[name])
@@ -262,7 +263,7 @@ def test_s3_bucket_that_does_not_exist(
 
     status, err, seconds = _ls(
         url, capsys, "--endpoint-url", s3_service.endpoint_url, "--region", s3_service.region, "-o",
-        f'key="{s3_service.access_key}"', "-o", f'secret="{s3_service.secret_key}"',
+        f'key="{s3_service.access_key}"', "-o", f'secret="{s3_service.secret_key}"', "-o", f"objckpt_backend={backend}",
     )  # fmt: skip
     assert status == 1, err
     assert f"s3://{bucket}" in err and "does not exist" in err and "NoSuchBucket" in err, err
@@ -298,6 +299,7 @@ def test_gcs_bucket_that_does_not_exist(
 # ------------------------------------------------------------ wrong secret
 
 
+@pytest.mark.parametrize("backend", ["obstore", "fsspec"])
 @pytest.mark.parametrize(
     ("change", "code"),
     [({"secret": "wrong-secret-Zq9"}, "SignatureDoesNotMatch"), ({"key": "AKIAWRONG"}, "InvalidAccessKeyId")],
@@ -308,10 +310,11 @@ def test_wrong_secret_or_key_is_refused_at_once(
     calls: Counter[str],
     change: dict[str, str],
     code: str,
+    backend: str,
 ) -> None:
     url = s3_service.url(f"refused-{uuid.uuid4().hex[:8]}")
     objckpt.save(url, TREE, storage_options=s3_service.storage_options())
-    options = {**s3_service.storage_options(), **change}
+    options = {**s3_service.storage_options(), **change, "objckpt_backend": backend}
     for name, call in _api_calls(url, options).items():
         calls.clear()
         error, seconds = _timed(call)
@@ -326,7 +329,7 @@ def test_wrong_secret_or_key_is_refused_at_once(
         assert sum(calls.values()) == 1, (name, calls)
 
     flags = ["-o", f'key="{change.get("key", s3_service.access_key)}"']
-    flags += ["-o", f'secret="{change.get("secret", s3_service.secret_key)}"']
+    flags += ["-o", f'secret="{change.get("secret", s3_service.secret_key)}"', "-o", f"objckpt_backend={backend}"]
     status, err, seconds = _ls(url, capsys, "--endpoint-url", s3_service.endpoint_url, *flags)
     assert status == 1 and code in err and url in err, err
     _assert_clean(err)

@@ -162,7 +162,12 @@ def map_error(exc: BaseException, what: str, *, create: bool = False) -> StoreEr
         return BucketNotFoundError(_no_bucket(what, status, code))
     if status == 404 or isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
         return ObjectNotFoundError(f"{what}: no such object")
-    if status in (401, 403) or isinstance(exc, _permission_types()):
+    if status in (401, 403):
+        found = _client_error_detail(exc) or service_detail(str(exc))  # botocore's code, or gcsfs's message
+        return StorePermissionError(
+            scrub(f"{what} failed: access denied (HTTP {status}{f': {found}' if found else ''})")
+        )
+    if isinstance(exc, _permission_types()):
         return StorePermissionError(message)
     if status in TRANSIENT_STATUS or (create and status == 409):
         # 409 on a conditional PUT: another conditional write to the same key
