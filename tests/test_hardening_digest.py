@@ -330,3 +330,28 @@ def test_convert_orbax_rerun_keeps_blobs_with_their_digests(tmp_path):
     assert objckpt.verify(str(dst), options=DIGEST).ok
     restored = objckpt.restore(str(dst), None, options=DIGEST)
     np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def test_cli_verify_names_a_forged_piece_and_requires_a_digest(store_target_factory):
+    """``objckpt verify`` prints the ``sha256`` problem naming leaf and blob (exit 1); with
+    ``--digest sha256`` it refuses a checkpoint saved without digests."""
+    import subprocess
+    import sys
+
+    hashed, plain = store_target_factory("local"), store_target_factory("local")
+    url, plain_url = _saved(hashed), _saved(plain, objckpt.Options())
+    store = hashed.open()
+    piece, _ = _w_piece(store)
+    blob = bytes(runtime.run_sync(store.get(piece.blob)))
+    runtime.run_sync(store.put(piece.blob, _forge_piece(blob, piece)))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "objckpt.cli", *args, "--no-progress"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+
+    found = cli("verify", url)
+    assert found.returncode == 1, found.stderr
+    assert f"PROBLEM sha256: sha256 mismatch in leaf ['w']: blob {url}/{piece.blob}" in found.stdout
+    assert cli("verify", plain_url).returncode == 0
+    refused = cli("verify", plain_url, "--digest", "sha256")
+    assert refused.returncode == 1 and "has no sha256 digests" in refused.stderr, refused.stderr

@@ -32,6 +32,8 @@ def _options(args: argparse.Namespace) -> Options:
         kw["max_concurrency"] = args.concurrency
     if getattr(args, "memory_budget", None):
         kw["memory_budget"] = args.memory_budget
+    if getattr(args, "digest", None):
+        kw["digest"] = args.digest
     return Options(**kw)
 
 

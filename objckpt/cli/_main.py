@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("verify", _commands.cmd_verify, "read every blob and check every checksum")
     p.add_argument("url", metavar="URL")
+    p.add_argument(
+        "--digest",
+        choices=["sha256"],
+        help="refuse a checkpoint saved without this digest (its digests are checked whenever it has them)",
+    )
     _common(p)
     _tuning(p)
     add_store_flags(p)
