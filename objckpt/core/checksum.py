@@ -14,12 +14,14 @@ check it wherever they check the crc32c.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any
 
 import crc32c as _crc32c
 
 #: The digests ``Options.digest`` may name.
 DIGESTS = ("sha256",)
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -38,7 +40,7 @@ def sha256_hex(data: Any) -> str:
 
 def is_sha256_hex(value: Any) -> bool:
     """Whether ``value`` is a SHA-256 as checkpoints write it: 64 lowercase hex digits."""
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    return isinstance(value, str) and _SHA256_HEX.fullmatch(value) is not None
 
 
 def damage(data: Any, crc: int, sha256: str | None) -> str | None:
