@@ -202,13 +202,19 @@ def _keys(location: objckpt.Location, prefix: str = "") -> list[str]:
 def test_a_replica_copy_abandoned_by_retention_leaves_nothing_behind(two_regions):
     """Step 0 is being copied to a slow replica when the root's retention deletes it: the copy
     stops, and what it wrote at the replica is deleted; step 1 is replicated whole."""
-    near, far, _ = two_regions
+    near, far, proxy = two_regions
+    proxy.latency_ms = 150  # the copy of step 0 takes seconds; saving step 1 at the root does not
     options = objckpt.Options(blob_size=64 * 1024, max_concurrency=2)
     mgr = objckpt.CheckpointManager(
         near.url, storage_options=near.storage_options, keep_last=1, replicas=[far], options=options
     )
     try:
         mgr.save(0, _state(0, n=512 * 1024), wait=True)  # 2 MiB in 32 blobs: seconds at the far replica
+        direct = objckpt.Location(far.url, near.storage_options)  # the far bucket, seen without the delay
+        deadline = time.monotonic() + 60
+        while not _keys(direct, "step_0000000000/") and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the copy of step 0 has written something there
+        assert _keys(direct, "step_0000000000/")
         mgr.save(1, _state(1, n=512 * 1024), wait=True)  # the root keeps step 1 only
     finally:
         mgr.close(timeout=120)
