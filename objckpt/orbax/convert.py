@@ -246,6 +246,7 @@ def _convert(
             finish_from_caller(reporter, complete=False)
             runtime.run_sync(marker.end())
             raise
+        _check_complete(item, entries, converted, records)
         commit = _Commit(
             store=store,
             engine=engine,
@@ -278,6 +279,24 @@ def _convert(
         stats.seconds,
     )
     return stats
+
+
+def _check_complete(
+    item: OrbaxItem, entries: list[LeafEntry], arrays: dict[int, Any], records: list[PieceRecord]
+) -> None:
+    """Refuse to commit unless every converted leaf's pieces hold all its bytes: a checkpoint
+    that ``verify`` would refuse is never committed, whatever the source's headers said."""
+    held = dict.fromkeys(arrays, 0)
+    for leaf, piece in records:
+        if leaf in held:
+            held[leaf] += piece.length
+    for i, array in arrays.items():
+        want = math.prod(int(n) for n in array.shape) * numpy_dtype(array.dtype).itemsize
+        if held[i] != want:
+            raise StoreError(
+                f"converting the Orbax checkpoint {item.url}: leaf {entries[i].path} got {held[i]} of its"
+                f" {want} bytes; nothing was committed"
+            )
 
 
 def _upload_missing(
