@@ -23,7 +23,7 @@ class GcsFsspecStore(FsspecStore):
     first empty listing or missing object read asks for the bucket itself (one
     request per store and its children, not repeated once the bucket answers): a
     404 is :class:`BucketNotFoundError`, anything else (an object-only role refused
-    ``storage.buckets.get``) leaves the answer as it was.
+    ``storage.buckets.get``) leaves the answer as it was and is not asked again.
 
     Args:
         uploader: Media uploads with the store's credential, shared by :meth:`child` stores
@@ -86,9 +86,9 @@ class GcsFsspecStore(FsspecStore):
             raise BucketNotFoundError(f"{what} failed: the bucket {bucket!r} does not exist (HTTP 404)") from None
         except PROGRAMMING_ERRORS:
             raise
-        except Exception:  # noqa: BLE001 - refused or unreachable: the listing stands as it is
-            return
-        self._bucket_known[0] = True
+        except Exception:  # noqa: BLE001 - refused (an object-only role) or unreachable: the answer stands
+            pass
+        self._bucket_known[0] = True  # asked once: what it said is not asked again
 
     async def close(self) -> None:
         """Close the range reader's and the uploader's connections (see :meth:`FsspecStore.close`)."""
