@@ -243,13 +243,18 @@ def test_s3_container_credentials_stay_out_of_debug_logs(s3_ids, cloud_env: Env,
         assert ecs.fetches["ecs"] >= 1
 
 
+@pytest.mark.parametrize("backend", ["obstore", "fsspec"])
 @pytest.mark.parametrize("tokens", [False, True], ids=["keys", "session-tokens"])
-def test_s3_web_identity_stays_out_of_debug_logs(s3_ids, cloud_env: Env, tmp_path: Path, tokens: bool) -> None:
-    """EKS IRSA: the web identity token, and the role's secret key and session token from STS."""
+def test_s3_web_identity_stays_out_of_debug_logs(
+    s3_ids, cloud_env: Env, tmp_path: Path, tokens: bool, backend: str
+) -> None:
+    """EKS IRSA: the web identity token, and the role's secret key and session token from STS; through
+    obstore (botocore fetches the credentials) and s3fs (aiobotocore signs every request with them too)."""
     web_token = _web_identity_token()
     with CredentialServer(aws_keys=[KEYS[7]], session_tokens=tokens, web_identity_token=web_token) as sts:
         env = cloud_env(**sts.web_identity_env(tmp_path / "web-identity-token"))
         source = _s3(s3_ids, env, secrets=[web_token, *_served(sts)], refused=tokens)
+        source.options["objckpt_backend"] = backend
         _check_every_path(_url(s3_ids), source)
         assert sts.fetches["sts-web-identity"] >= 1
 
