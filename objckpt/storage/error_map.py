@@ -1,4 +1,4 @@
-"""Vendor errors → objckpt's store errors, by type and HTTP status, never by text.
+"""Vendor errors → objckpt's store errors, by type, HTTP status and the service's error code, never by wording.
 
 Every store adapter funnels what its library raised through one function
 here, so the transfer engine can decide retries by exception type alone:
