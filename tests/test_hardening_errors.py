@@ -388,3 +388,39 @@ def test_requests_ca_bundle_is_trusted_on_the_obstore_path(
         out = objckpt.restore(url, storage_options=options)
         assert np.asarray(out["w"]).tobytes() == values.tobytes()
         assert s3_tls.stats.connections > before  # it went over HTTPS, through the front
+
+
+def test_a_metadata_service_without_an_instance_role_is_no_source(
+    cloud_env: Callable[..., dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token but no role (an instance without an instance profile): no credentials, said at once,
+    where obstore would have retried the role request's 404."""
+    requests: list[str] = []
+
+    class NoRole(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            requests.append(f"{self.command} {self.path}")
+            body = b"a-token" if self.command == "PUT" else b""
+            self.send_response(200 if self.command == "PUT" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_PUT = _answer  # noqa: N815
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoRole)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(credentials, "_ANSWERED", set())
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        environ = cloud_env(AWS_EC2_METADATA_SERVICE_ENDPOINT=endpoint)
+        with pytest.raises(StorePermissionError) as info:
+            credentials.resolve_s3_source("s3://bucket/run", {}, environ)
+    finally:
+        server.shutdown()
+    assert "no credentials found for s3://bucket/run" in str(info.value)
+    assert f"instance metadata at {endpoint} (no instance role: HTTP 404" in str(info.value)
+    assert requests == ["PUT /latest/api/token", "GET /latest/meta-data/iam/security-credentials/"]
