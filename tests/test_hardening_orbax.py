@@ -369,3 +369,32 @@ def test_a_gcs_emulator_tensorstore_cannot_reach_times_out(
         silent.close()
     assert seconds < 20, seconds
     assert not (tmp_path / "native" / "manifest.json").exists()
+
+
+def test_a_slow_read_beside_reads_that_complete_is_not_a_timeout() -> None:
+    """The timeout counts time with no read completing, not one read's duration: a read slower
+    than the timeout, while the reads beside it keep completing (a slow link shared by many),
+    is waited for; once nothing completes for the timeout, the wait fails naming its read."""
+    import threading
+
+    from objckpt.orbax.tensorstore_io import Waiter
+
+    slow_promise, slow = ts.Promise.new()
+    others = [ts.Promise.new() for _ in range(8)]
+    waiter = Waiter(0.6, "the test's store", lambda: [future for _, future in others])
+
+    def complete() -> None:
+        for promise, _ in others:
+            time.sleep(0.2)
+            promise.set_result(None)
+        slow_promise.set_result("landed")
+
+    threading.Thread(target=complete, daemon=True).start()
+    started = time.perf_counter()
+    assert waiter.wait(slow, "reading the slow box") == "landed"
+    assert time.perf_counter() - started > 1.2  # twice the timeout: kept alive by the others
+
+    _, stuck = ts.Promise.new()
+    with pytest.raises(StoreError, match=r"no answer in \d+ s .* while reading the stuck box: .* the test's store"):
+        waiter.wait(stuck, "reading the stuck box")
+    assert stuck.cancelled()

@@ -200,7 +200,7 @@ class Waiter:
         """``future.result()``, within the timeout; ``what`` says what it is (``reading leaf …``)."""
         tick = max(0.01, min(1.0, self.timeout / 8))
         quiet_since = time.monotonic()
-        done = self._done()
+        done: int | None = None  # reads beside it completed, counted from the first tick (not per wait)
         warned = False
         while True:
             try:
@@ -209,8 +209,9 @@ class Waiter:
                 if future.done():  # tensorstore's own error, not our wait's
                     raise
             now, finished = time.monotonic(), self._done()
-            if finished > done:  # a read beside it completed: the store answers
-                quiet_since, done = now, finished
+            if done is not None and finished > done:  # a read beside it completed: the store answers
+                quiet_since = now
+            done = finished
             quiet = now - quiet_since
             if quiet >= self.timeout:
                 future.cancel()
