@@ -1,8 +1,10 @@
 """Convert an Orbax checkpoint into a native objckpt one, slab by slab within the memory budget.
 
 The Orbax arrays are read through tensorstore in slabs (runs of leading rows
-of one leaf), a group of slabs at a time (:data:`GROUP_BYTES`, at most a
-quarter of ``Options.memory_budget``); each group is packed into blobs,
+of one leaf, or of an inner dimension's rows where one row is larger than a
+group), a group of slabs at a time (:data:`GROUP_BYTES`, at most a quarter of
+``Options.memory_budget``). Slabs and groups are generated as they are read, so
+a zarr header declaring a vast shape costs nothing up front. Each group is packed into blobs,
 checksummed and uploaded by the same staging and upload path a save uses, and
 dropped once uploaded. The next group's reads run while a group uploads, so
 reading and writing overlap; host memory holds two groups and the staging pool,

@@ -9,8 +9,10 @@ the saved one, and ``partial=True`` reads nothing of the leaves the target
 leaves out. For each array leaf, each distinct box the addressable devices
 hold is one tensorstore read (replicas share it); reads run concurrently while
 the bytes read and not yet on their devices stay within ``Options.read_window``,
-so a restore holds little more than the restored arrays. Dtype casts
-follow ``cast`` as for objckpt checkpoints.
+so a restore holds little more than the restored arrays. As for objckpt
+checkpoints, a restore needing more host memory than the machine has is a
+:class:`~objckpt.errors.HostMemoryError` before any read, and dtype casts
+follow ``cast``.
 """
 
 from __future__ import annotations
