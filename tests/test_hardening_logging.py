@@ -459,3 +459,15 @@ def test_local_stores_leave_client_loggers_alone(tmp_path, monkeypatch) -> None:
         assert not any(logging.getLogger(name).filters for name in logs.CLIENT_LOGGERS)
     finally:
         logs.redact_client_logs(True)
+
+
+def test_the_cli_run_in_process_takes_back_its_log_handler_and_levels(tmp_path: Path) -> None:
+    """``main`` run inside another program (tests, a notebook) leaves the root logger as it found it."""
+    from objckpt.cli import main
+
+    root, ours = logging.getLogger(), logging.getLogger("objckpt")
+    handlers, levels = list(root.handlers), (root.level, ours.level)
+    assert main(["ls", str(tmp_path), "--debug"]) in (0, 1)
+    assert main(["ls", str(tmp_path / "missing"), "-v"]) in (0, 1)
+    assert root.handlers == handlers
+    assert (root.level, ours.level) == levels

@@ -151,8 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(args: argparse.Namespace) -> None:
+def _setup_logging(args: argparse.Namespace) -> Callable[[], None]:
     """objckpt's loggers at the level the flags ask; with ``--debug`` every other logger too.
+
+    Returns the undo: ``main`` may run inside another program (tests, a notebook), so the
+    handler and levels it set are taken back when the command ends.
 
     Every record passes a :class:`~objckpt.logs.RedactingFilter` on the way
     out, whatever logger made it: botocore's, google-auth's and urllib3's
@@ -166,10 +169,18 @@ def _setup_logging(args: argparse.Namespace) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s" if args.debug else "%(message)s"))
     handler.addFilter(RedactingFilter(secret_values(*_given_options(args))))
-    root = logging.getLogger()
+    root, ours = logging.getLogger(), logging.getLogger("objckpt")
+    levels = root.level, ours.level
     root.addHandler(handler)
     root.setLevel(level if args.debug else logging.WARNING)
-    logging.getLogger("objckpt").setLevel(level)
+    ours.setLevel(level)
+
+    def undo() -> None:
+        root.removeHandler(handler)
+        root.setLevel(levels[0])
+        ours.setLevel(levels[1])
+
+    return undo
 
 
 def _one_line(error: BaseException) -> str:
@@ -186,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``objckpt`` command line; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(args)
+    undo_logging = _setup_logging(args)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
@@ -201,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         line = redact(scrub(_one_line(error)), secret_values(*_given_options(args)))
         print(f"objckpt: error: {line}", file=sys.stderr)
         return 2 if isinstance(error, UsageError) else 1
+    finally:
+        undo_logging()
 
 
 def _given_options(args: argparse.Namespace) -> list[dict[str, object]]:
