@@ -24,7 +24,7 @@ from helpers import assert_tree_bit_exact
 import objckpt
 from backends.proxy import FaultProxy
 from objckpt.core.checksum import crc32c
-from objckpt.storage import from_url, server_copy
+from objckpt.storage import from_url, s3_copy
 from objckpt.transfer import runtime
 
 MiB = 1 << 20
@@ -109,11 +109,11 @@ def test_cp_between_s3_locations_refuses_a_declared_blob_size_the_store_does_not
 def test_a_multipart_copy_holds_a_bounded_number_of_parts(monkeypatch):
     """However large the size it is given, a multipart copy keeps S3's 10,000 parts, starts its
     part requests a few at a time, and refuses what no S3 object can be without a request."""
-    assert server_copy.multipart_part_size(2**62, 256 * MiB) is None
-    assert server_copy.multipart_part_size(5 * 2**40, 256 * MiB) == -(-(5 * 2**40) // 10_000)
-    assert server_copy.multipart_part_size(2 * 2**30, 256 * MiB) == 256 * MiB
+    assert s3_copy.multipart_part_size(2**62, 256 * MiB) is None
+    assert s3_copy.multipart_part_size(5 * 2**40, 256 * MiB) == -(-(5 * 2**40) // 10_000)
+    assert s3_copy.multipart_part_size(2 * 2**30, 256 * MiB) == 256 * MiB
 
-    copier = object.__new__(server_copy.S3Copier)
+    copier = object.__new__(s3_copy.S3Copier)
     copier.multipart_threshold, copier.part_size, copier._extra = 1, 5 * MiB, {}
     calls: list[str] = []
     in_flight = [0, 0]  # now, most
@@ -149,7 +149,7 @@ def test_a_multipart_copy_holds_a_bounded_number_of_parts(monkeypatch):
     assert calls == []
     runtime.run_sync(copier.copy(("src", "k"), "k", 60 * 10_000 * MiB, call))  # 586 GiB: parts grow
     assert calls.count("upload_part_copy") == 10_000 and calls[-1] == "complete_multipart_upload"
-    assert in_flight[1] <= server_copy.MULTIPART_COPY_CONCURRENCY
+    assert in_flight[1] <= s3_copy.MULTIPART_COPY_CONCURRENCY
 
 
 # ------------------------------------------------------------------ 11. damaged index objects fail over

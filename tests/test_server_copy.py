@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from backends.proxy import FaultProxy
 from objckpt.errors import StoreError, StorePermissionError
-from objckpt.storage import from_url, server_copy
+from objckpt.storage import from_url, s3_copy, server_copy
 from objckpt.tools.copy import DestinationCommittedError, committed_save_id, copy_stores_async
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import close_store, open_store
@@ -151,8 +151,8 @@ def test_multipart_server_side_copy(s3_service, s3_door, monkeypatch):
     src, dst, so = _s3_pair(s3_service, s3_door)
     tree = _tree(3)
     objckpt.save(src, tree, storage_options=so, options=objckpt.Options(blob_size=12 * MiB))
-    monkeypatch.setattr(server_copy, "MULTIPART_COPY_THRESHOLD", 6 * MiB)
-    monkeypatch.setattr(server_copy, "MULTIPART_COPY_PART_SIZE", 5 * MiB)
+    monkeypatch.setattr(s3_copy, "MULTIPART_COPY_THRESHOLD", 6 * MiB)
+    monkeypatch.setattr(s3_copy, "MULTIPART_COPY_PART_SIZE", 5 * MiB)
     calls: list[str] = []
     run = server_copy.S3Copier._run
 
