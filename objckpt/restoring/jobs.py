@@ -269,7 +269,7 @@ def uncovered(job: LeafJob) -> Box | None:
         for box, (start, stop) in meets:
             parts[box].append(_Part(start, stop))
     for box, found in parts.items():
-        if False and len(found) != job.box_remaining[box]:
+        if len(found) != job.box_remaining[box]:
             return box
         if len(found) == 1 and (found[0].start, found[0].stop) == box:
             continue  # one piece, exactly the box

@@ -122,13 +122,7 @@ async def read_indexes(
                     stats.add(checksum_retries=1)
         raise AssertionError("unreachable")
 
-    limit = asyncio.Semaphore(INDEX_READS_AT_ONCE)
-
-    async def limited(p):
-        async with limit:
-            return await one(p)
-
-    docs = await asyncio.gather(*(limited(p) for p in wanted))
+    docs = await _each(wanted, one, parallel=INDEX_READS_AT_ONCE)
     return merge_indexes(manifest, sorted(docs, key=lambda d: d.process))
 
 
@@ -170,6 +164,7 @@ async def read_checkpoint(store: Store, *, size_limit: int) -> Manifest:
     """
     manifest = await read_manifest(store, size_limit=size_limit)
     manifest = await read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=size_limit)
+    check_whole_tiling(manifest)
     return manifest
 
 
