@@ -50,6 +50,7 @@ from objckpt.progress import ProgressArg, closing, human_bytes
 from objckpt.progress import start as start_progress
 from objckpt.storage import server_copy
 from objckpt.storage.base import Store
+from objckpt.tools.server_side import ServerSide
 from objckpt.tools.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store
@@ -272,120 +273,6 @@ async def _copy_stores(
     return stats
 
 
-class _ServerSide:
-    """The server-side half of one copy: the copier, the first copy made alone, the fallback.
-
-    ``active`` while blobs go server-side. The first blob to copy is copied alone
-    (the others wait); a refusal (:func:`objckpt.storage.server_copy.refusal`) ends
-    ``active`` for the whole checkpoint, with one warning. Once one copy has
-    succeeded, every error is the copy's error.
-    """
-
-    def __init__(
-        self,
-        copier: server_copy.Copier | None,
-        why_not: str,
-        src: Any,
-        dst: Any,
-        target: TransferEngine,
-        source_sizes: dict[str, int],
-    ) -> None:
-        self.copier = copier
-        self.why_not = why_not
-        self._sizes = source_sizes
-        self._src, self._dst, self._target = src, dst, target
-        self._confirmed = False
-        self._first = asyncio.Lock()
-        self._made = copier  # closed at the end: calls made before a fallback may still use it
-
-    @property
-    def active(self) -> bool:
-        return self.copier is not None
-
-    def close(self) -> None:
-        if self._made is not None:
-            self._made.close()
-
-    def _fall_back(self, reason: str) -> None:
-        if self.copier is None:
-            return
-        self.copier = None
-        self.why_not = f"the server refused to copy: {reason}"
-        log.warning(
-            "objckpt cp %s -> %s: server-side copy refused (%s); copying through this client instead",
-            self._src.url,
-            self._dst.url,
-            reason,
-        )
-
-    async def copy(self, blob: BlobEntry) -> bool:
-        """Copy ``blob`` on the server and check its size there; False when it must be streamed.
-
-        The size an index object declares is a claim: the source's listing must hold the
-        blob at that size before a copy (or a multipart plan) is built from it. A blob
-        the listing lacks is streamed, and the streamed read says it is missing.
-        """
-        held = self._sizes.get(blob.key)
-        if held is None:
-            return False
-        if held != blob.size:
-            raise IntegrityError(
-                f"server-side copy of {self._src.url}/{blob.key} is {held} bytes at the source, but its index"
-                f" object declares {blob.size}: not copied, and nothing was committed at {self._dst.url}"
-            )
-        if not self._confirmed:
-            async with self._first:
-                if self.copier is None:
-                    return False
-                if not self._confirmed:
-                    try:
-                        await self._copy(self.copier, blob)
-                    except StoreError as e:
-                        reason = server_copy.refusal(e)
-                        if reason is None:
-                            raise
-                        self._fall_back(reason)
-                        return False
-                    self._confirmed = True
-                    await self._check_size(blob)
-                    return True
-        if self.copier is None:
-            return False
-        await self._copy(self.copier, blob)
-        await self._check_size(blob)
-        return True
-
-    async def _copy(self, copier: server_copy.Copier, blob: BlobEntry) -> None:
-        source = server_copy.source_location(self._src, blob.key)
-        await copier.copy(source, blob.key, blob.size, self._target.call)
-
-    async def _check_size(self, blob: BlobEntry) -> None:
-        info = await self._target.call(f"HEAD {self._dst.url}/{blob.key}", lambda: self._dst.inner.head(blob.key))
-        if info.size != blob.size:
-            raise IntegrityError(
-                f"server-side copy of {self._src.url}/{blob.key} is {info.size} bytes at {self._dst.url},"
-                f" the manifest says {blob.size}; nothing was committed"
-            )
-
-    async def same_object(self, key: str) -> bool | None:
-        """Whether the server says ``key`` holds the same bytes at both ends; None when it
-        says nothing comparable (then its size is trusted) or refused to say (then
-        :attr:`active` is off)."""
-        copier = self.copier
-        if copier is None:
-            return None
-        try:
-            theirs = await copier.checksum(server_copy.source_location(self._src, key), self._target.call)
-            ours = await copier.checksum(server_copy.source_location(self._dst, key), self._target.call)
-        except StoreError as e:
-            reason = server_copy.refusal(e)
-            if reason is None:
-                raise
-            self._fall_back(reason)
-            return None
-        return None if theirs is None or ours is None else theirs == ours
-
-
 async def _copy(
     src: Any,
     dst: Any,
@@ -417,7 +304,7 @@ async def _copy(
         copier, why_not = None, "server_side=False"
     # The sizes the source's store confirms; a server-side copy is planned only from these.
     source_sizes = {o.key: o.size for o in await src.list()} if copier is not None else {}
-    server = _ServerSide(copier, why_not, src, dst, target, source_sizes)
+    server = ServerSide(copier, why_not, src, dst, target, source_sizes)
 
     def copied(blob: BlobEntry, on_server: bool) -> None:
         stats.blobs_copied += 1
@@ -475,7 +362,7 @@ async def _copy(
     await _commit(target, dst, manifest, options)
 
 
-def _method(stats: CopyStats, server: _ServerSide) -> tuple[str, str]:
+def _method(stats: CopyStats, server: ServerSide) -> tuple[str, str]:
     """How the copy went, and why not server-side where it was not."""
     streamed = stats.blobs_copied - stats.blobs_server_side
     if stats.blobs_server_side and streamed:
