@@ -284,12 +284,8 @@ def uncovered(job: LeafJob) -> Box | None:
 def overlapping(job: LeafJob, box: Box) -> tuple[Piece, Piece] | None:
     """Two planned pieces of ``job`` that overlap inside ``box`` (one box listed twice
     included), or None: what names the pieces when :func:`uncovered` finds a box."""
-    parts = [
-        _Part(start, stop, piece)
-        for piece in job.entry.pieces
-        for found, (start, stop) in job.meets.get((piece.start, piece.stop), ())
-        if found == box
-    ]
+    meets = job.meets
+    parts = [_Part(*cut, p) for p in job.entry.pieces for b, cut in meets.get((p.start, p.stop), ()) if b == box]
     pair = find_overlap(parts)
     return None if pair is None else (pair[0].piece, pair[1].piece)
 
