@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from objckpt.core.format import ARRAY_KINDS, MANIFEST_KEY, Manifest, parse_manifest
-from objckpt.core.format_v2 import IndexDoc, merge_indexes, parse_index
+from objckpt.core.index_v2 import IndexDoc, merge_indexes, parse_index
 from objckpt.core.pieces import check_tiling
 from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError
 from objckpt.storage import Store
