@@ -8,6 +8,7 @@ so only the SHA-256 can catch it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import MANIFEST_KEY
+from objckpt.restoring import locations
 from objckpt.transfer import runtime
 
 DIGEST = objckpt.Options(digest="sha256")
@@ -236,11 +238,18 @@ def test_forged_piece_read_in_spans_is_refused(s3_store):
         objckpt.restore(url, _target(), storage_options=s3_store.storage_options, options=small)
 
 
-def test_forged_piece_at_a_replica_is_read_at_the_primary(store_target_factory):
+def test_forged_piece_at_a_replica_is_read_at_the_primary(store_target_factory, monkeypatch):
     """The root read at the primary (S3) pins the index objects; the nearest copy (``file://``)
     holds a forged piece, which persists over its re-reads: the restore reads it at the primary,
     whose bytes match, and returns the saved values."""
     primary, replica = store_target_factory("s3"), store_target_factory("local")
+    probe = locations._probe
+
+    async def replica_nearest(store, options):  # the timed HEADs decide by noise otherwise
+        said = await probe(store, options)
+        return dataclasses.replace(said, latency_s=1.0 if store.url.startswith("s3:") else 0.0)
+
+    monkeypatch.setattr(locations, "_probe", replica_nearest)
     url = _saved(primary)
     replica_url = _url(replica)
     objckpt.copy(url, replica_url, src_storage_options=primary.storage_options)

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from objckpt.cli import main as cli_main
 from objckpt.core.checksum import crc32c
+from objckpt.core.format_v2 import index_key
 from objckpt.errors import CheckpointNotFoundError, FormatError
 from objckpt.transfer import engine, runtime
 from objckpt.transfer.manifest_io import INDEX_READS_AT_ONCE
@@ -183,6 +184,48 @@ def test_an_index_object_of_another_save_is_refused(store_target_factory, kind, 
     err = _cli_cp(ours, dst, monkeypatch, s3_service, capsys)
     assert adopted["key"] in err and "another save" in err
     _assert_nothing_committed(dst)
+
+
+def _as_before_shared_save_ids(store, own_id: str) -> str:
+    """Rewrite a checkpoint to the shape saves had before one ``save_id`` was shared: process
+    0's index object carrying its own id under the key that id names, and a root without
+    ``shared_save_id``; the index object's new key."""
+    root = _root(store)
+    ref = root["indexes"][0]
+    doc = json.loads(_get(store, ref["key"]))
+    doc["save_id"] = own_id
+    data = json.dumps(doc).encode()
+    key = index_key(own_id, 0)
+    runtime.run_sync(store.put(key, data))
+    ref["key"] = key
+    _pin(ref, data, doc)
+    root.pop("shared_save_id")
+    _write_root(store, root)
+    return key
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_roots_from_before_one_save_id_was_shared_still_restore(store_target_factory, kind):
+    """Multi-process saves once gave each process its own id: those checkpoints stay readable,
+    and only a root that says its index objects share its id is held to that."""
+    target = store_target_factory(kind)
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    _saved(target, {"w": value})
+    store = target.open()
+    assert _root(store)["shared_save_id"] is True
+    key = _as_before_shared_save_ids(store, "0" * 31 + "1")
+    np.testing.assert_array_equal(_restore(target)["w"], value)
+    assert objckpt.verify(target.url, storage_options=target.storage_options).ok
+
+    root = _root(store)
+    root["shared_save_id"] = True
+    _write_root(store, root)
+    with pytest.raises(FormatError, match=rf"index object {key} field 'save_id': .* not the manifest's"):
+        _restore(target)
+    root["shared_save_id"] = False
+    _write_root(store, root)
+    with pytest.raises(FormatError, match="shared_save_id"):
+        _restore(target)
 
 
 # ------------------------------------------------------------------ item 7: a million index objects

@@ -109,6 +109,9 @@ class Manifest:
     indexes: tuple[IndexRef, ...] = ()
     slab_bytes: int = 0
     loaded: frozenset[int] = frozenset()
+    # Version 2: every index object carries the root's save_id (a root written when each
+    # process picked its own id has False, and its index objects are read by the key rule).
+    shared_save_id: bool = False
 
     @property
     def total_bytes(self) -> int:

@@ -67,6 +67,7 @@ def root_to_json(manifest: Manifest) -> bytes:
         "format": FORMAT_NAME,
         "version": 2,
         "save_id": manifest.save_id,
+        **({"shared_save_id": True} if manifest.shared_save_id else {}),
         "created": manifest.created,
         "num_processes": manifest.num_processes,
         "metadata": manifest.metadata,
@@ -111,8 +112,10 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
             "indexes",
             "leaves",
         },
+        {"shared_save_id"},
     )
     check_header(doc)
+    need(doc.get("shared_save_id", True) is True, "'shared_save_id'", "must be true when present")
     processes = doc["num_processes"]
     need(is_int(doc["slab_bytes"]) and doc["slab_bytes"] >= 0, "'slab_bytes'", "must be a non-negative integer")
     need(isinstance(doc["meshes"], list), "'meshes'", "must be a list")
@@ -160,6 +163,7 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
         meshes=meshes,
         indexes=tuple(indexes),
         slab_bytes=doc["slab_bytes"],
+        shared_save_id="shared_save_id" in doc,
     )
 
 

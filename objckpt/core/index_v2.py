@@ -99,13 +99,22 @@ def parse_index(
     fields(doc, "(top level)", {"format", "version", "save_id", "process", "blobs", "pieces"}, {"sha256"}, doc_name)
     need(doc["format"] == INDEX_FORMAT, "'format'", f"must be {INDEX_FORMAT!r}", doc_name)
     need(doc["version"] == 2 and is_int(doc["version"]), "'version'", "must be 2", doc_name)
-    need(
-        doc["save_id"] == manifest.save_id,
-        "'save_id'",
-        f"{str(doc['save_id'])[:200]!r} is not the manifest's {manifest.save_id!r} (an index object of another save)",
-        doc_name,
-    )
-    need(index_key(manifest.save_id, process) == ref.key, "'save_id'", "does not name this index object", doc_name)
+    if manifest.shared_save_id:
+        need(
+            doc["save_id"] == manifest.save_id,
+            "'save_id'",
+            f"{str(doc['save_id'])[:200]!r} is not the manifest's {manifest.save_id!r} (an index object of another save)",
+            doc_name,
+        )
+        need(index_key(manifest.save_id, process) == ref.key, "'save_id'", "does not name this index object", doc_name)
+    else:  # a root from before one save_id was shared: each process named its index object by its own id
+        saved_by = doc["save_id"]
+        need(
+            isinstance(saved_by, str) and index_key(saved_by, process) == ref.key,
+            "'save_id'",
+            "does not name this index object",
+            doc_name,
+        )
     need(doc["process"] == process and is_int(doc["process"]), "'process'", f"must be {process}", doc_name)
     need(isinstance(doc["blobs"], list), "'blobs'", "must be a list", doc_name)
     keys: list[str] = []

@@ -243,6 +243,7 @@ class _Commit:
             meshes=self.meshes,
             indexes=tuple(indexes),
             slab_bytes=self.options.split_replicas_above,
+            shared_save_id=True,
         )
 
     async def _delete_own_objects(self, records: list[PieceRecord]) -> None:
