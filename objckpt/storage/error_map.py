@@ -24,6 +24,7 @@ from __future__ import annotations
 import html
 import re
 import sys
+from typing import Any
 
 from objckpt.errors import (
     BucketNotFoundError,
@@ -231,8 +232,8 @@ def _first_line(exc: BaseException) -> str:
     return service_detail(str(exc))
 
 
-def _client_error_code(exc: BaseException) -> str | None:
-    """The service's error code of a botocore ``ClientError`` in ``exc``'s cause chain, or None."""
+def _client_error(exc: BaseException) -> dict[str, Any] | None:
+    """The ``Error`` part of a botocore ``ClientError``'s response in ``exc``'s cause chain, or None."""
     cur: BaseException | None = exc
     for _ in range(8):
         if cur is None:
@@ -240,9 +241,15 @@ def _client_error_code(exc: BaseException) -> str | None:
         response = getattr(cur, "response", None)
         error = response.get("Error") if isinstance(response, dict) else None
         if isinstance(error, dict):
-            return str(error.get("Code") or "") or None
+            return error
         cur = cur.__cause__
     return None
+
+
+def _client_error_code(exc: BaseException) -> str | None:
+    """The service's error code of a botocore ``ClientError`` in ``exc``'s cause chain, or None."""
+    error = _client_error(exc)
+    return None if error is None else str(error.get("Code") or "") or None
 
 
 #: Service error codes of a bucket that does not exist (S3, S3-compatible servers, GCS's XML API).
@@ -264,18 +271,12 @@ def _client_error_detail(exc: BaseException) -> str | None:
     """``"Code: Message"`` of a botocore ``ClientError`` in ``exc``'s cause chain (s3fs raises
     a plain ``OSError`` carrying only the message), or None; numeric codes (a HEAD's
     body-less ``"403"``) say nothing the status does not."""
-    cur: BaseException | None = exc
-    for _ in range(8):
-        if cur is None:
-            return None
-        response = getattr(cur, "response", None)
-        error = response.get("Error") if isinstance(response, dict) else None
-        if isinstance(error, dict):
-            code, message = str(error.get("Code") or ""), str(error.get("Message") or "")
-            if code and not code.isdigit():
-                return f"{code}: {message}" if message else code
-            return None
-        cur = cur.__cause__
+    error = _client_error(exc)
+    if error is None:
+        return None
+    code, message = str(error.get("Code") or ""), str(error.get("Message") or "")
+    if code and not code.isdigit():
+        return f"{code}: {message}" if message else code
     return None
 
 
