@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from objckpt.core.tree import check_names, flatten_target, unflatten_target
-from objckpt.errors import HostMemoryError, TargetMismatchError
+from objckpt.errors import TargetMismatchError
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, numpy_dtype
 from objckpt.orbax.tensorstore_io import (
@@ -41,9 +41,9 @@ from objckpt.orbax.tensorstore_io import (
     kvstore_for,
     open_leaf,
 )
-from objckpt.progress import human_bytes
 from objckpt.restoring import jobs
 from objckpt.restoring.casts import cast_values, check_cast
+from objckpt.restoring.host_memory import refuse_over_limit
 from objckpt.transfer.engine import TransferStats
 
 log = logging.getLogger("objckpt")
@@ -142,30 +142,14 @@ def _check_host_memory(
     Raises:
         HostMemoryError: naming the leaf (or the largest leaves) and both sizes.
     """
-    if limit is None:
-        return
-    held: list[tuple[int, str]] = []
+    needs = []
     for i, array in arrays.items():
-        leaf, dtype = item.leaves[i], numpy_dtype(array.dtype)
+        dtype = numpy_dtype(array.dtype)
         sizes = [_box_bytes(box, dtype.itemsize) for box, _ in boxes[i]]
         on_host = _stays_on_host(selection[i], boxes[i])
         need = (sum(sizes) if on_host else max(sizes)) if sizes else 0
-        if need > limit:
-            raise HostMemoryError(
-                f"leaf {leaf.path} ({dtype.name}{[int(n) for n in array.shape]}) of the Orbax checkpoint"
-                f" {item.url}: restoring it needs {human_bytes(need)} of host memory on this process, more"
-                f" than this machine's {human_bytes(limit)} of physical memory"
-            )
-        if on_host:
-            held.append((need, leaf.path))
-    total = sum(need for need, _ in held)
-    if total > limit:
-        largest = ", ".join(f"{path} ({human_bytes(need)})" for need, path in sorted(held, reverse=True)[:3])
-        raise HostMemoryError(
-            f"restoring these leaves of the Orbax checkpoint {item.url} to host memory needs"
-            f" {human_bytes(total)} together, more than this machine's {human_bytes(limit)} of physical"
-            f" memory; the largest: {largest}"
-        )
+        needs.append((item.leaves[i].path, f"{dtype.name}{[int(n) for n in array.shape]}", need, on_host))
+    refuse_over_limit(needs, limit, of=f" of the Orbax checkpoint {item.url}")
 
 
 def _stays_on_host(target: Any, boxes: list[tuple[tuple[slice, ...], list[Any]]]) -> bool:

@@ -26,10 +26,10 @@ from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format import LeafEntry, Piece
 from objckpt.core.pieces import find_overlap
 from objckpt.core.plan import BoxIndex, ReadRequest
-from objckpt.errors import FormatError, HostMemoryError, TargetMismatchError
-from objckpt.progress import human_bytes
+from objckpt.errors import FormatError, TargetMismatchError
 from objckpt.restoring.arena import AssemblyArena
 from objckpt.restoring.casts import cast_values, check_cast
+from objckpt.restoring.host_memory import refuse_over_limit
 from objckpt.restoring.read_once import Designator
 from objckpt.restoring.read_once import supported as read_once_supported
 from objckpt.transfer.buffers import aligned_arrays, aligned_zeros, fault_in
@@ -198,26 +198,13 @@ def check_host_memory(jobs: dict[int, LeafJob], limit: int | None) -> None:
     Raises:
         HostMemoryError: naming the leaf (or the largest leaves) and both sizes.
     """
-    if limit is None:
-        return
-    held: list[tuple[int, str]] = []
-    for job in jobs.values():
-        need = host_bytes(job)
-        if need > limit:
-            raise HostMemoryError(
-                f"leaf {job.entry.path} ({job.entry.dtype}{list(job.entry.shape or ())}): restoring it needs"
-                f" {human_bytes(need)} of host memory on this process, more than this machine's"
-                f" {human_bytes(limit)} of physical memory"
-            )
-        if stays_on_host(job):
-            held.append((need, job.entry.path))
-    total = sum(need for need, _ in held)
-    if total > limit:
-        largest = ", ".join(f"{path} ({human_bytes(need)})" for need, path in sorted(held, reverse=True)[:3])
-        raise HostMemoryError(
-            f"restoring these leaves to host memory needs {human_bytes(total)} together, more than this"
-            f" machine's {human_bytes(limit)} of physical memory; the largest: {largest}"
-        )
+    refuse_over_limit(
+        (
+            (job.entry.path, f"{job.entry.dtype}{list(job.entry.shape or ())}", host_bytes(job), stays_on_host(job))
+            for job in jobs.values()
+        ),
+        limit,
+    )
 
 
 def whole_box(piece: Piece, job: LeafJob) -> bool:
