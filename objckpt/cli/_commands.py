@@ -238,8 +238,16 @@ def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
     }
 
 
+def _step_url(args: argparse.Namespace, url: str, side: str = "") -> str:
+    """``url``, or the step it names the short way (``ROOT/300``, ``ROOT/step_300``)."""
+    from objckpt.tools.copy_root import resolve_step_url
+
+    return resolve_step_url(url, options_from_args(args, url, side))
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    info = inspect(args.url, storage_options=options_from_args(args, args.url))
+    url = _step_url(args, args.url)
+    info = inspect(url, storage_options=options_from_args(args, url))
     if args.json:
         _dump(_info_doc(info))
         return 0
@@ -274,9 +282,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    report = verify(
-        args.url, storage_options=options_from_args(args, args.url), options=_options(args), progress=args.progress
-    )
+    url = _step_url(args, args.url)
+    report = verify(url, storage_options=options_from_args(args, url), options=_options(args), progress=args.progress)
     if args.json:
         _dump(report.to_dict())
     else:
@@ -287,11 +294,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    """Copy an objckpt checkpoint, or convert an Orbax one (or, with ``--steps``, an Orbax
-    manager root's steps) into objckpt's format."""
+    """Copy an objckpt checkpoint, or every committed step of an objckpt manager root (``--steps``:
+    some), or convert an Orbax one (or, with ``--steps``, an Orbax manager root's steps) into
+    objckpt's format."""
+    from objckpt.cli._roots import copy_root
+    from objckpt.tools.copy_root import root_steps
+
     src_options = options_from_args(args, args.src, "src")
     dst_options = options_from_args(args, args.dst, "dst")
+    args.src = _step_url(args, args.src, "src")
     if args.steps is not None:
+        if root_steps(args.src, src_options):
+            return copy_root(args, src_options, dst_options, steps=_parse_steps(args.steps), options=_options(args))
         return _convert_steps(args, src_options, dst_options)
     try:
         stats: Any = copy(
@@ -305,6 +319,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
             progress=args.progress,
         )
     except CheckpointNotFoundError as missing:
+        if root_steps(args.src, src_options):
+            return copy_root(args, src_options, dst_options, steps=_parse_steps(args.steps), options=_options(args))
         from objckpt.orbax.convert import convert_orbax
 
         try:
@@ -326,13 +342,18 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_steps(text: str | None) -> list[int] | None:
+    """``--steps``: None for every step (the flag absent, or given alone), else the numbers it names."""
+    try:
+        return None if text in (None, "all") else [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--steps wants step numbers separated by commas, got {text!r}") from None
+
+
 def _convert_steps(args: argparse.Namespace, src_options: dict[str, Any], dst_options: dict[str, Any]) -> int:
     from objckpt.orbax.convert import convert_orbax_steps
 
-    try:
-        steps = None if args.steps == "all" else [int(s) for s in args.steps.split(",") if s.strip()]
-    except ValueError:
-        raise UsageError(f"--steps wants step numbers separated by commas, got {args.steps!r}") from None
+    steps = _parse_steps(args.steps)
     done = convert_orbax_steps(
         args.src,
         args.dst,
@@ -369,7 +390,11 @@ def _print_conversion(args: argparse.Namespace, converted: list[Any]) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     options = Options()
-    store = open_store(args.root, options_from_args(args, args.root), options)
+    root = _step_url(args, args.root)  # `gc ROOT/300` is refused as the step it names
+    store = open_store(root, options_from_args(args, root), options)
+    from objckpt.cli._roots import refuse_a_checkpoint
+
+    refuse_a_checkpoint(store)
     found = runtime.run_sync(
         unreferenced_objects(
             store,
@@ -395,14 +420,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    store = open_store(args.url, options_from_args(args, args.url), Options())
+    url = _step_url(args, args.url)
+    store = open_store(url, options_from_args(args, url), Options())
     objects = runtime.run_sync(store.list())
     keys = {o.key for o in objects}
     nested = sorted(k for k in keys if k.endswith("/" + MANIFEST_KEY))
+    if nested and args.recursive:
+        from objckpt.cli._roots import remove_root
+
+        return remove_root(args, store, objects)
     if nested:
         raise UsageError(
             f"{store.url} holds other checkpoints ({nested[0].removesuffix('/' + MANIFEST_KEY)}"
-            f"{', ...' if len(nested) > 1 else ''}); remove them one by one"
+            f"{', ...' if len(nested) > 1 else ''}); pass --recursive to remove them all, or remove them one by one"
         )
     if not objects:
         raise CheckpointNotFoundError(f"nothing to remove at {store.url}")

@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="all",
         metavar="N,M,...",
-        help="SRC is an Orbax CheckpointManager root: convert its steps (all, or these) into DST/step_<N>",
+        help="SRC is a manager root (objckpt's, or Orbax's: converted): copy its committed steps (all, or these)"
+        " into DST/step_<N>; without --steps, an objckpt root's steps are all copied",
     )
     _common(p)
     _tuning(p)
@@ -144,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--force",
         action="store_true",
         help="also delete objects under URL that no manifest commits, even those of a save in flight",
+    )
+    p.add_argument(
+        "-r",
+        "--recursive",
+        action="store_true",
+        help="URL is a manager root or a prefix of checkpoints: remove every step/checkpoint and all under it",
     )
     _lease(p)
     _common(p)
