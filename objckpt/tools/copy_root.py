@@ -129,7 +129,8 @@ def resolve_step_url(url: str, storage_options: dict[str, Any] | None = None, op
     base = url.rstrip("/")
     parent, slash, name = base.rpartition("/")
     match = SHORT_STEP.match(name)
-    if not slash or not parent or match is None or name == step_dir(int(match.group(1))):
+    at_top = "/" not in base.partition("://")[2] if "://" in base else False  # a bucket, not a key
+    if not slash or not parent or at_top or match is None or name == step_dir(int(match.group(1))):
         return url
     full = step_dir(int(match.group(1)))
     with opened_store(parent, storage_options, options or Options()) as store:
