@@ -237,11 +237,55 @@ def needed_boxes(
 
 
 def describe_sharding(sharding: jax.sharding.Sharding) -> dict[str, Any]:
-    """A small JSON description of a sharding, for ``inspect`` (never used to restore)."""
+    """A small JSON description of a sharding, for ``inspect``; restore reads only its
+    ``axis_types`` (:func:`saved_axis_types`), which the saved mesh does not record."""
     if isinstance(sharding, jax.sharding.NamedSharding):
-        return {
+        described = {
             "type": "NamedSharding",
             "mesh": {str(k): int(v) for k, v in sharding.mesh.shape.items()},
             "spec": [None if p is None else (list(p) if isinstance(p, tuple) else str(p)) for p in sharding.spec],
         }
+        types = getattr(sharding.mesh, "axis_types", None)
+        if types:
+            described["axis_types"] = [getattr(t, "name", str(t)) for t in types]
+        return described
     return {"type": type(sharding).__name__, "devices": len(sharding.device_set)}
+
+
+def saved_axis_types(described: dict[str, Any] | None, mesh: Mesh) -> tuple[str, ...] | None:
+    """The axis types (``"Auto"``, ``"Explicit"``, ``"Manual"``) that a leaf's sharding
+    description gives for ``mesh``, or None when it gives none that fit the mesh's axes
+    (the description is informational: anything else in it is ignored)."""
+    if not isinstance(described, dict):
+        return None
+    types, named = described.get("axis_types"), described.get("mesh")
+    known = getattr(jax.sharding, "AxisType", None)
+    if known is None or not isinstance(types, list) or len(types) != len(mesh.axes):
+        return None
+    if not isinstance(named, dict) or list(named) != [name for name, _ in mesh.axes]:
+        return None
+    if not all(isinstance(t, str) and t in known.__members__ for t in types):
+        return None
+    return tuple(types)
+
+
+def saved_jax_mesh(mesh: Mesh, devices: dict[int, Any], axis_types: tuple[str, ...] | None = None) -> jax.sharding.Mesh:
+    """A saved mesh rebuilt on ``devices`` (this job's, by id): its devices in their saved
+    C order, its axes named as saved, axis types as given (else JAX's ``Mesh`` default).
+    Every id of the mesh must be in ``devices``."""
+    grid = np.empty(len(mesh.devices), dtype=object)
+    grid[:] = [devices[i] for i in mesh.devices]
+    names = tuple(name for name, _ in mesh.axes)
+    if axis_types is None:
+        return jax.sharding.Mesh(grid.reshape(mesh.shape), names)
+    kinds = tuple(jax.sharding.AxisType[t] for t in axis_types)
+    return jax.sharding.Mesh(grid.reshape(mesh.shape), names, axis_types=kinds)
+
+
+def saved_partition_spec(spec: list[list[str]]) -> jax.sharding.PartitionSpec:
+    """A grid layout's spec (axis names per dimension) as a ``PartitionSpec``, without
+    trailing unsplit dimensions (as specs are usually written: ``P("x")``, ``P()``)."""
+    entries = [None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return jax.sharding.PartitionSpec(*entries)

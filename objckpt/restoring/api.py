@@ -50,6 +50,7 @@ from objckpt.restoring.locations import (
 )
 from objckpt.restoring.read_once import Designator, share
 from objckpt.restoring.selection import inline_value, select
+from objckpt.restoring.target_shardings import on_saved_shardings
 from objckpt.saving.api import save_in_flight
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import tune_malloc
@@ -83,7 +84,13 @@ def restore(
         url: the checkpoint's URL.
         target: a pytree like the saved one. A leaf that is a
             ``jax.ShapeDtypeStruct`` (with or without sharding) or a
-            ``jax.Array`` is restored onto that sharding and dtype (see ``cast``);
+            ``jax.Array`` is restored onto that sharding and dtype (see ``cast``).
+            Without a sharding (``jax.eval_shape``'s targets under an ``Auto``
+            mesh) a leaf saved on a mesh goes onto its saved sharding where this
+            job's devices are the saved ones (same count, ids and processes), else
+            onto the first local device; a sharding on an abstract mesh (under an
+            ``Explicit`` one) gets the saved mesh there, or the one set with
+            ``jax.set_mesh`` (:mod:`objckpt.restoring.target_shardings`).
             ``None`` restores a host numpy array, or where the checkpoint has a
             subtree, that subtree (arrays as numpy, containers as plain dicts,
             lists and tuples); any other leaf is a placeholder for the saved
@@ -209,6 +216,7 @@ def _restore(
     started = time.perf_counter()
     require_digest(manifest, options.digest, store.url)
     selection, subtrees = select(manifest, target, partial)
+    selection = on_saved_shardings(manifest, selection)
     read_once = read_once and jax.process_count() > 1
     designator = Designator(options.split_replicas_above)
     jobs = {

@@ -8,13 +8,14 @@ scalars, strings) come from the manifest itself.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import jax
-from jax.tree_util import keystr
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey, keystr
 
 from objckpt.core.format import LeafEntry, Manifest
-from objckpt.core.tree import check_names, find_subtree, flatten_target, leaf_indices
+from objckpt.core.tree import KeyEntry, check_names, find_subtree, flatten_target, leaf_indices
 from objckpt.errors import TargetMismatchError
 
 
@@ -31,8 +32,71 @@ def select(manifest: Manifest, target: Any, partial: bool) -> tuple[dict[int, An
     named = {path for path, _ in flat} | {manifest.leaves[i].path for i in covered}
     missing = [path for path, _ in flat if path not in index]
     unnamed = [leaf.path for leaf in manifest.leaves if leaf.path not in named]
-    check_names(missing, unnamed, partial=partial)
+    try:
+        check_names(missing, unnamed, partial=partial)
+    except TargetMismatchError as e:
+        hints = did_you_mean(manifest, target, set(missing))
+        if not hints:
+            raise
+        raise TargetMismatchError(f"{e}; did you mean {', '.join(hints)}?") from None
     return {index[path]: value for path, value in flat} | covered, subtrees
+
+
+def did_you_mean(manifest: Manifest, target: Any, missing: set[str]) -> list[str]:
+    """For target paths the checkpoint lacks, the nearest saved paths (at most 3), each as
+    ``"<saved> (the target's <target>)"``.
+
+    The usual cause is a key of another kind: a linen ``TrainState`` (a dataclass)
+    saves ``.params``, a dict target names ``['params']``. Such a path is matched
+    key by key whatever the kinds (as ``None`` subtrees are), and the hint names
+    the shortest prefix where the two differ. Other paths get the closest saved
+    path by spelling, if one is close.
+    """
+    hints: list[str] = []
+    saved = [leaf.path for leaf in manifest.leaves]
+    flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)[0]
+    for keypath, _ in flat:
+        path = keystr(keypath)
+        if path not in missing:
+            continue
+        node = find_subtree(manifest.tree, keypath)
+        below = leaf_indices(node) if node is not None else []
+        if below:
+            hint = _renamed_prefix(keypath, manifest.leaves[below[0]].path)
+        else:
+            close = difflib.get_close_matches(path, saved, n=1, cutoff=0.8)
+            hint = f"{close[0]} (the target's {path})" if close else None
+        if hint is not None and hint not in hints:
+            hints.append(hint)
+        if len(hints) == 3:
+            break
+    return hints
+
+
+def _renamed_prefix(keypath: tuple[KeyEntry, ...], saved: str) -> str | None:
+    """The shortest prefix of ``keypath`` that the saved path ``saved`` (a leaf at or below
+    it, matched key by key) spells differently, as a hint; None when none differs."""
+    ours = theirs = ""
+    for entry in keypath:
+        name = getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", None)))
+        forms = [keystr((DictKey(name),)), keystr((FlattenedIndexKey(name),)) if isinstance(name, int) else ""]
+        if isinstance(name, str) and name.isidentifier():
+            forms.append(keystr((GetAttrKey(name),)))
+        if isinstance(name, int):
+            forms.append(keystr((SequenceKey(name),)))
+        step = next((f for f in forms if f and _starts_at_key(saved, theirs + f)), None)
+        if step is None:
+            return None
+        ours += keystr((entry,))
+        theirs += step
+        if ours != theirs:
+            return f"{theirs} (the target's {ours})"
+    return None
+
+
+def _starts_at_key(path: str, prefix: str) -> bool:
+    """Whether ``prefix`` is ``path`` or a whole-key prefix of it."""
+    return path.startswith(prefix) and path[len(prefix) : len(prefix) + 1] in ("", ".", "[")
 
 
 def none_subtrees(manifest: Manifest, target: Any, index: dict[str, int]) -> dict[str, dict[str, Any]]:
