@@ -27,8 +27,9 @@ from typing import Any
 
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.metadata import to_json_value
-from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
+from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
 from objckpt.manager.listing import list_steps
+from objckpt.manager.orbax_steps import delete_orbax_step, is_orbax_step, orbax_metrics, orbax_step_at, orbax_steps_in
 from objckpt.manager.replication import ReplicaStatus, Replicator
 from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
 from objckpt.multihost import get_coordinator
@@ -84,9 +85,12 @@ class CheckpointManager:
         replication_timeout: seconds :meth:`close` waits for the replicas to hold
             every step the root keeps (default 600) before it stops replicating;
             what was cut off is caught up by the next manager on the same roots.
+        delete_orbax_steps: let retention rank and delete Orbax's steps under the root
+            with objckpt's own; by default it neither counts nor deletes them.
 
-    Without any retention argument nothing is ever deleted. The latest committed
-    step is always kept.
+    Without any retention argument nothing is ever deleted. The latest committed step is
+    always kept. Steps Orbax's ``CheckpointManager`` committed under the root are steps
+    here too (:mod:`objckpt.manager.orbax_steps`); new steps are saved beside them.
     """
 
     def __init__(
@@ -104,11 +108,13 @@ class CheckpointManager:
         policies: list[RetentionPolicy] | None = None,
         replicas: Sequence[str | Location] | None = None,
         replication_timeout: float = 600.0,
+        delete_orbax_steps: bool = False,
     ) -> None:
         self.root_url = str(root_url).rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.options = options or Options()
         self.gc_grace_seconds = gc_grace_seconds
+        self.delete_orbax_steps = delete_orbax_steps
         self.store: Store = open_store(self.root_url, self.storage_options, self.options)
         self.policies: list[RetentionPolicy] = list(policies or [])
         if keep_last is not None:
@@ -162,10 +168,13 @@ class CheckpointManager:
         never ranks a non-finite metric).
 
         Waits for the previous save (and its retention pass) first, re-raising
-        its error if it failed. With ``wait=True`` also waits for this one.
+        its error if it failed. With ``wait=True`` also waits for this one. A step
+        Orbax committed under the root is a CheckpointExistsError.
         """
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+        if self._orbax(step):
+            raise CheckpointExistsError(f"step {step} is an Orbax step under {self.store.url}: save another step")
         metrics = to_json_value(dict(metrics or {}), "metrics")
         user_metadata = to_json_value(dict(metadata or {}), "metadata")
         with self._lock:
@@ -240,19 +249,16 @@ class CheckpointManager:
     # ------------------------------------------------------------------ listing
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending. Reads only the listing, never a blob.
+        """Committed steps, ascending, Orbax's included. Reads only the listing, never a blob.
 
         With replicas, a root that does not answer (two short attempts) is replaced by
         the replicas' listings, with a warning naming them (:mod:`objckpt.manager.listing`).
         """
-        return list_steps(self.store, self.replicas, self.options, committed_steps)
+        return list_steps(self.store, self.replicas, self.options, lambda store: committed_steps(store, orbax=True))
 
     def latest_step(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
-
-    async def _committed_steps(self) -> list[int]:
-        return await committed_steps(self.store)
 
     # ------------------------------------------------------------------ reading
 
@@ -262,22 +268,30 @@ class CheckpointManager:
         """Restore ``step`` (the latest committed one by default); ``partial`` and ``cast`` as in
         :func:`objckpt.restore`."""
         step = self._resolve(step)
+        if self._orbax(step):  # through objckpt.orbax; Orbax steps are not replicated
+            url, replicas = f"{self.root_url}/{step}", []
+        else:
+            url, replicas = self.step_url(step), [location.child(step_dir(step)) for location in self.replicas]
         return restore(
-            self.step_url(step),
+            url,
             target,
             storage_options=self.storage_options,
             partial=partial,
-            replicas=[location.child(step_dir(step)) for location in self.replicas],
+            replicas=replicas,
             options=self.options,
             cast=cast,
         )
 
     def inspect(self, step: int | None = None) -> CheckpointInfo:
         step = self._resolve(step)
-        return inspect(self.step_url(step), storage_options=self.storage_options, options=self.options)
+        url = f"{self.root_url}/{step}" if self._orbax(step) else self.step_url(step)
+        return inspect(url, storage_options=self.storage_options, options=self.options)
 
     def metrics(self, step: int) -> dict[str, Any]:
-        """The metrics ``step`` was saved with (read from its manifest if not seen here)."""
+        """The metrics ``step`` was saved with (read from its manifest if not seen here;
+        for an Orbax step, what Orbax saved: :func:`~objckpt.manager.orbax_steps.orbax_metrics`)."""
+        if step not in self._metrics and self._orbax(step):
+            self._metrics[step] = runtime.run_sync(orbax_metrics(self.store, step))
         if step not in self._metrics:
             manifest = runtime.run_sync(
                 read_manifest(self.store.child(step_dir(step)), size_limit=self.options.manifest_size_limit)
@@ -285,6 +299,12 @@ class CheckpointManager:
             info = manifest.metadata.get("objckpt.manager", {})
             self._metrics[step] = dict(info.get("metrics", {})) if isinstance(info, dict) else {}
         return self._metrics[step]
+
+    def _orbax(self, step: int) -> bool:
+        """Whether ``step`` is Orbax's: committed by Orbax under the root, not by objckpt (HEADs)."""
+        return orbax_step_at(
+            self.store, step, f"{step_dir(step)}/{MANIFEST_KEY}", self.options, replicas=bool(self.replicas)
+        )
 
     def _resolve(self, step: int | None) -> int:
         if step is not None:
@@ -297,7 +317,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ deleting
 
     async def _apply_retention(self) -> list[int]:
-        steps = await self._committed_steps()
+        steps = await committed_steps(self.store, orbax=self.delete_orbax_steps)
         needs_metrics = any(isinstance(p, KeepBest) for p in self.policies)
         records = []
         for s in steps:
@@ -315,12 +335,15 @@ class CheckpointManager:
         return deleted
 
     async def _delete_step(self, step: int) -> None:
-        """Manifest first (the step stops existing at once), then its blobs."""
+        """Manifest first (the step stops existing at once), then its blobs (an Orbax step: its commit files)."""
         self._metrics.pop(step, None)
+        if await is_orbax_step(self.store, step, f"{step_dir(step)}/{MANIFEST_KEY}"):
+            await delete_orbax_step(self.store, step)
+            return
         await delete_checkpoint(self.store.child(step_dir(step)), lease=self.options.live_marker_lease)
 
     def delete(self, step: int) -> None:
-        """Delete one step (manifest first).
+        """Delete one step (manifest first), an Orbax step too.
 
         Raises:
             SaveInProgressError: a save is writing into the step (a live-save
@@ -357,10 +380,11 @@ class CheckpointManager:
         return doomed
 
 
-async def committed_steps(store: Store) -> list[int]:
-    """The committed steps under the manager root ``store``, ascending (one listing, no blob read)."""
-    objects = await store.list("step_")
-    steps = set()
+async def committed_steps(store: Store, *, orbax: bool = False) -> list[int]:
+    """The committed steps under the manager root ``store``, ascending (one listing, no blob read);
+    with ``orbax``, Orbax's too (:func:`~objckpt.manager.orbax_steps.orbax_steps_in`)."""
+    objects = await store.list("" if orbax else "step_")
+    steps = set(orbax_steps_in(objects, store.url) if orbax else ())
     for obj in objects:
         head, _, tail = obj.key.partition("/")
         match = STEP_DIR.match(head)

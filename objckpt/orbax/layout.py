@@ -15,7 +15,8 @@ item) writes, in one item directory:
   OCDBT, a directory per parameter.
 
 A ``CheckpointManager`` root holds ``<step>/<item>/…`` (the default item is
-``default``); a step directory with one item is read as that item. Nothing
+``default``); a step directory with one item (besides the JSON ``metrics`` item
+the manager writes with a ``best_fn``) is read as that item. Nothing
 here trusts the files: every field is checked, and what cannot be read is a
 :class:`~objckpt.errors.FormatError` naming the item and what is wrong.
 """
@@ -322,7 +323,7 @@ async def read_item(store: Any, url: str, parent: Any = None) -> OrbaxItem:
         return parse_item(url, files, num_processes=await _processes(store))
     handlers = _item_handlers(url, files.get("_CHECKPOINT_METADATA"))
     if handlers:  # a step directory: {item: handler}
-        items = sorted(handlers)
+        items = sorted(k for k in handlers if not _is_metrics_item(k, handlers[k]))  # the manager's metrics: no state
         name = "default" if "default" in handlers else items[0] if len(items) == 1 else None
         if name is None:
             raise FormatError(
@@ -354,6 +355,11 @@ def _item_handlers(url: str, raw: bytes | None) -> dict[str, str]:
     if not isinstance(handlers, dict):
         return {}
     return {str(k): str(v) for k, v in handlers.items()}
+
+
+def _is_metrics_item(name: str, handler: str) -> bool:
+    """Whether an item is the JSON ``metrics`` item Orbax's ``CheckpointManager`` writes beside the state."""
+    return name == "metrics" and handler.endswith("JsonCheckpointHandler")
 
 
 def _check_handler(url: str, handler: str) -> None:

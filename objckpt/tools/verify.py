@@ -24,7 +24,7 @@ from typing import Any
 from objckpt.core.checksum import damage
 from objckpt.core.format import BlobEntry, Manifest, Piece
 from objckpt.core.format_v2 import require_digest
-from objckpt.errors import StoreError
+from objckpt.errors import CheckpointNotFoundError, StoreError
 from objckpt.options import MiB, Options
 from objckpt.progress import ProgressArg, human_bytes, reporting
 from objckpt.transfer import runtime
@@ -80,6 +80,9 @@ class VerifyReport:
         checksum_retries: pieces read again after a checksum mismatch (a mismatch
             that a re-read cures was a bit flipped in flight, not a problem).
         seconds: wall time.
+        format: ``"objckpt"``, or ``"orbax"`` for an Orbax checkpoint, whose arrays are
+            read and decoded chunk by chunk (:mod:`objckpt.orbax.verify`; Orbax stores
+            no checksums): ``arrays`` counts them, ``blobs`` and ``pieces`` are 0.
     """
 
     url: str
@@ -91,6 +94,8 @@ class VerifyReport:
     retries: int = 0
     checksum_retries: int = 0
     seconds: float = 0.0
+    format: str = "objckpt"
+    arrays: int = 0
 
     @property
     def ok(self) -> bool:
@@ -98,6 +103,13 @@ class VerifyReport:
 
     def summary(self) -> str:
         status = "OK" if self.ok else f"FAILED, {len(self.problems)} problem(s)"
+        if self.format == "orbax":
+            from objckpt.orbax.verify import CHECKS
+
+            return (
+                f"verify {self.url}: {status}; Orbax checkpoint, {self.arrays} arrays ({CHECKS}),"
+                f" {human_bytes(self.bytes_read)} read in {self.seconds:.2f} s"
+            )
         return (
             f"verify {self.url}: {status}; {self.blobs} blobs, {self.pieces} pieces,"
             f" {human_bytes(self.bytes_read)} read in {self.seconds:.2f} s"
@@ -121,6 +133,8 @@ class VerifyReport:
             "retries": self.retries,
             "checksum_retries": self.checksum_retries,
             "seconds": self.seconds,
+            "format": self.format,
+            "arrays": self.arrays,
         }
 
 
@@ -144,11 +158,15 @@ def verify(
             be quick, and an exception it raises is logged once, never failing
             the verification. ``False``/``None``: nothing.
 
+    An Orbax checkpoint (an item, or a step of Orbax's ``CheckpointManager``) is
+    verified as far as it can be: every chunk of every array is read and decoded
+    (:mod:`objckpt.orbax.verify`; Orbax stores no checksums).
+
     Returns:
         A :class:`VerifyReport` listing every problem (``report.ok`` when none).
 
     Raises:
-        CheckpointNotFoundError: no committed checkpoint at ``url``.
+        CheckpointNotFoundError: no committed checkpoint (objckpt's or Orbax's) at ``url``.
         FormatError: the manifest itself is malformed (nothing else can be checked),
             an index object does not match the root's record of it, or the
             checkpoint has no digests and ``options.digest`` asks for them.
@@ -157,7 +175,18 @@ def verify(
     stats = TransferStats()
     started = time.perf_counter()
     with opened_store(url, storage_options, options, stats) as store:
-        manifest = runtime.run_sync(read_checkpoint(store, size_limit=options.manifest_size_limit))
+        try:
+            manifest = runtime.run_sync(read_checkpoint(store, size_limit=options.manifest_size_limit))
+        except CheckpointNotFoundError:
+            from objckpt.orbax import orbax_item_at
+            from objckpt.orbax.verify import verify_orbax
+
+            item = orbax_item_at(store)
+            if item is None:
+                raise
+            report = verify_orbax(item, storage_options, options, stats, progress)
+            log.info("objckpt %s", report.summary())
+            return report
         require_digest(manifest, options.digest, store.url)
         total, base = sum(b.size for b in manifest.blobs), stats.bytes_read
         with reporting(progress, "verify", store.url, total, lambda: stats.bytes_read - base, stats):
