@@ -7,6 +7,8 @@ restore them onto any sharding::
     state = objckpt.restore("s3://bucket/run/step_100", abstract_state)
 """
 
+from typing import TYPE_CHECKING, Any
+
 from objckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -22,18 +24,68 @@ from objckpt.errors import (
     StoreNotAvailableError,
     TargetMismatchError,
 )
-from objckpt.manager.checkpoint_manager import CheckpointManager
-from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
-from objckpt.options import Options, RetryConfig
-from objckpt.orbax.convert import ConvertStats, convert_orbax, convert_orbax_steps
-from objckpt.progress import Progress
-from objckpt.restoring.api import restore
-from objckpt.restoring.locations import Location
-from objckpt.saving.api import SaveHandle, save, save_async
-from objckpt.tools.copy import CopyStats, copy
-from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
-from objckpt.tools.verify import VerifyProblem, VerifyReport, verify
-from objckpt.transfer.engine import TransferStats
+
+if TYPE_CHECKING:
+    from objckpt.manager.checkpoint_manager import CheckpointManager
+    from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
+    from objckpt.options import Options, RetryConfig
+    from objckpt.orbax.convert import ConvertStats, convert_orbax, convert_orbax_steps
+    from objckpt.progress import Progress
+    from objckpt.restoring.api import restore
+    from objckpt.restoring.locations import Location
+    from objckpt.saving.api import SaveHandle, save, save_async
+    from objckpt.tools.copy import CopyStats, copy
+    from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
+    from objckpt.tools.verify import VerifyProblem, VerifyReport, verify
+    from objckpt.transfer.engine import TransferStats
+
+#: Where each public name lives. They are imported on first use (PEP 562), so that
+#: ``import objckpt`` — and with it the ``objckpt`` command, whose ``--help``, ``ls``,
+#: ``rm``, ``gc``, ``cp`` and ``verify`` make no arrays — does not pay for importing JAX.
+_LAZY = {
+    "CheckpointManager": "objckpt.manager.checkpoint_manager",
+    "KeepBest": "objckpt.manager.retention",
+    "KeepEvery": "objckpt.manager.retention",
+    "KeepLast": "objckpt.manager.retention",
+    "RetentionPolicy": "objckpt.manager.retention",
+    "Options": "objckpt.options",
+    "RetryConfig": "objckpt.options",
+    "ConvertStats": "objckpt.orbax.convert",
+    "convert_orbax": "objckpt.orbax.convert",
+    "convert_orbax_steps": "objckpt.orbax.convert",
+    "Progress": "objckpt.progress",
+    "restore": "objckpt.restoring.api",
+    "Location": "objckpt.restoring.locations",
+    "SaveHandle": "objckpt.saving.api",
+    "save": "objckpt.saving.api",
+    "save_async": "objckpt.saving.api",
+    "CopyStats": "objckpt.tools.copy",
+    "copy": "objckpt.tools.copy",
+    "CheckpointInfo": "objckpt.tools.inspect",
+    "LeafInfo": "objckpt.tools.inspect",
+    "inspect": "objckpt.tools.inspect",
+    "VerifyProblem": "objckpt.tools.verify",
+    "VerifyReport": "objckpt.tools.verify",
+    "verify": "objckpt.tools.verify",
+    "TransferStats": "objckpt.transfer.engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use and kept in this module's namespace."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'objckpt' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

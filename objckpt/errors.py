@@ -88,3 +88,8 @@ class BucketNotFoundError(StoreError, FileNotFoundError):
     """The bucket (or container) of a URL does not exist (S3 ``NoSuchBucket``, a GCS 404 on
     the bucket): a setting to fix, not worth retrying, and never read as "no checkpoint
     there yet" (it is no :class:`ObjectNotFoundError`)."""
+
+
+class StorageOptionError(ObjckptError, ValueError):
+    """A storage option the URL's store does not take (misspelt, or another filesystem's):
+    refused when the store opens, naming the option, before a client library sees it."""

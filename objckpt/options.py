@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass, field
 
 from objckpt.core.checksum import DIGESTS
-from objckpt.core.plan import PACKING_SLACK
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -178,4 +177,6 @@ class Options:
         """``max_read_size``, or its default for reads the store streams (``streamed``) or not."""
         if self.max_read_size is not None:
             return self.max_read_size
+        from objckpt.core.plan import PACKING_SLACK  # here: the planner pulls in numpy, `objckpt --help` needs none
+
         return self.read_chunk + PACKING_SLACK if streamed else DEFAULT_COPIED_READ_SIZE

@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from objckpt.cli import _commands
 from objckpt.cli._stores import UsageError, add_store_flags, parse_size, redact, secret_values
 from objckpt.storage.urls import scrub
 
@@ -22,12 +22,25 @@ Exit status: 0 success; 1 failure (one line on stderr) or problems found by veri
 """
 
 
-def _common(parser: argparse.ArgumentParser, *, json_help: str = "machine-readable output on stdout") -> None:
-    group = parser.add_argument_group("output")
-    group.add_argument("--json", action="store_true", help=json_help)
-    group.add_argument("--no-progress", dest="progress", action="store_false", help="never draw a progress bar")
-    group.add_argument("-v", "--verbose", action="store_true", help="log what objckpt does (INFO)")
-    group.add_argument("--debug", action="store_true", help="DEBUG logs, and a traceback on error")
+def _common(
+    parser: argparse.ArgumentParser, *, json_help: str = "machine-readable output on stdout", top: bool = False
+) -> None:
+    """The output flags every command takes, before the command (``top``) or after it.
+
+    After the command they default to ``SUPPRESS``: a subcommand's defaults would
+    otherwise overwrite what was given before it (``objckpt --debug ls URL``).
+    """
+    group = parser.add_argument_group("output (before or after the command)" if top else "output")
+
+    def flag(*names: str, **kw: Any) -> None:
+        if not top:
+            kw["default"] = argparse.SUPPRESS
+        group.add_argument(*names, **kw)
+
+    flag("--json", action="store_true", help=json_help)
+    flag("--no-progress", dest="progress", action="store_false", help="never draw a progress bar")
+    flag("-v", "--verbose", action="store_true", help="log what objckpt does (INFO)")
+    flag("--debug", action="store_true", help="DEBUG logs, and a traceback on error")
 
 
 def _tuning(parser: argparse.ArgumentParser) -> None:
@@ -62,16 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     from objckpt import __version__
 
     parser.add_argument("--version", action="version", version=f"objckpt {__version__}")
+    _common(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def command(name: str, func: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+    def command(name: str, func: str, help: str) -> argparse.ArgumentParser:
+        """A subcommand run by ``objckpt.cli._commands.<func>``, imported only when it runs."""
         p = sub.add_parser(
             name, help=help, description=help, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
         )
         p.set_defaults(func=func)
         return p
 
-    p = command("ls", _commands.cmd_ls, "list the steps under a manager root, or the checkpoints under a prefix")
+    p = command("ls", "cmd_ls", "list the steps under a manager root, or the checkpoints under a prefix")
     p.add_argument("root", metavar="ROOT")
     p.add_argument(
         "--replicas",
@@ -83,12 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     add_store_flags(p)
 
-    p = command("inspect", _commands.cmd_inspect, "show a checkpoint's leaves, dtypes, shapes, sizes, shardings")
+    p = command("inspect", "cmd_inspect", "show a checkpoint's leaves, dtypes, shapes, sizes, shardings")
     p.add_argument("url", metavar="URL")
     _common(p)
     add_store_flags(p)
 
-    p = command("verify", _commands.cmd_verify, "read every blob and check every checksum")
+    p = command("verify", "cmd_verify", "read every blob and check every checksum")
     p.add_argument("url", metavar="URL")
     p.add_argument(
         "--digest",
@@ -99,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     _tuning(p)
     add_store_flags(p)
 
-    p = command("cp", _commands.cmd_cp, "copy a committed checkpoint to another store (resumable)")
+    p = command("cp", "cmd_cp", "copy a committed checkpoint to another store (resumable)")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
     p.add_argument(
@@ -125,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_store_flags(p, "src")
     add_store_flags(p, "dst")
 
-    p = command("gc", _commands.cmd_gc, "delete blobs no committed step references (manager layout)")
+    p = command("gc", "cmd_gc", "delete blobs no committed step references (manager layout)")
     p.add_argument("root", metavar="ROOT")
     p.add_argument(
         "--grace-seconds",
@@ -139,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     add_store_flags(p)
 
-    p = command("rm", _commands.cmd_rm, "delete a checkpoint (manifest first, then its blobs)")
+    p = command("rm", "cmd_rm", "delete a checkpoint (manifest first, then its blobs)")
     p.add_argument("url", metavar="URL")
     p.add_argument(
         "--force",
@@ -206,7 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     undo_logging = _setup_logging(args)
     try:
-        return int(args.func(args))
+        from objckpt.cli import _commands  # after parsing: `--help` and bad command lines need none of it
+
+        return int(getattr(_commands, args.func)(args))
     except KeyboardInterrupt:
         print("objckpt: interrupted", file=sys.stderr)
         return 130
@@ -218,7 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         line = redact(scrub(_one_line(error)), secret_values(*_given_options(args)))
         print(f"objckpt: error: {line}", file=sys.stderr)
-        return 2 if isinstance(error, UsageError) else 1
+        from objckpt.errors import StorageOptionError
+
+        return 2 if isinstance(error, (UsageError, StorageOptionError)) else 1
     finally:
         undo_logging()
 

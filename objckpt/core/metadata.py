@@ -10,11 +10,14 @@ with its key path named (``metrics['loss']``), before anything is written.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
 
 #: How a non-finite float is stored: the strings Python's ``float()`` reads back.
 NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
@@ -40,12 +43,19 @@ def to_json_value(value: Any, where: str) -> Any:
         return {_key(k, where): to_json_value(v, f"{where}[{k!r}]") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_json_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, (np.generic, np.ndarray, jax.Array)):
-        return _array_scalar(value, where)
+    if isinstance(value, _array_types()):
+        return _array_scalar(value, where)  # type: ignore[arg-type]  # the types are the annotation's
     raise TypeError(
         f"save metadata must be JSON-serialisable: {where} is of type {_type_name(value)}"
         " (allowed: dict, list, tuple, str, int, float, bool, None, numpy/jax scalars and 0-d arrays)"
     )
+
+
+def _array_types() -> tuple[type, ...]:
+    """numpy's scalar and array types, and ``jax.Array`` once JAX is imported: no value can
+    be a ``jax.Array`` before, and the command line (``objckpt gc``) does without JAX."""
+    jax = sys.modules.get("jax")
+    return (np.generic, np.ndarray) if jax is None else (np.generic, np.ndarray, jax.Array)
 
 
 def _plain(value: str | bool | int) -> str | bool | int:
@@ -75,7 +85,7 @@ def _array_scalar(value: np.generic | np.ndarray | jax.Array, where: str) -> Any
             f"save metadata must be JSON-serialisable: {where} is an array of shape {tuple(value.shape)}"
             " (only scalars and 0-d arrays; pass .tolist() to store its values)"
         )
-    if isinstance(value, jax.Array) and value.is_deleted():
+    if not isinstance(value, (np.generic, np.ndarray)) and value.is_deleted():
         raise TypeError(f"save metadata must be JSON-serialisable: {where} is a deleted (donated) jax.Array")
     item = np.asarray(value).item()
     if isinstance(item, bool):

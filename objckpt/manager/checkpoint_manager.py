@@ -23,7 +23,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.metadata import to_json_value
@@ -32,17 +32,20 @@ from objckpt.manager.listing import list_steps
 from objckpt.manager.orbax_steps import delete_orbax_step, is_orbax_step, orbax_metrics, orbax_step_at, orbax_steps_in
 from objckpt.manager.replication import ReplicaStatus, Replicator
 from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
-from objckpt.multihost import get_coordinator
 from objckpt.options import Options
-from objckpt.restoring.api import restore
 from objckpt.restoring.locations import Location, as_locations
-from objckpt.saving.api import SaveHandle, save_async
 from objckpt.saving.live_markers import committed_save_id, explain, live_markers
 from objckpt.storage import ObjectInfo, Store
 from objckpt.tools.inspect import CheckpointInfo, inspect
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import close_store, open_store
 from objckpt.transfer.manifest_io import read_checkpoint, read_manifest
+
+if TYPE_CHECKING:
+    from objckpt.saving.api import SaveHandle
+
+# Saving, restoring and multihost import JAX, so the methods that use them import them: the
+# module's helpers (delete_checkpoint, unreferenced_objects: `objckpt rm`, `gc`) run without JAX.
 
 log = logging.getLogger("objckpt")
 
@@ -127,6 +130,8 @@ class CheckpointManager:
             if not best_metric:
                 raise ValueError("keep_best needs best_metric")
             self.policies.append(KeepBest(keep_best, best_metric, best_mode))
+        from objckpt.multihost import get_coordinator
+
         self._coordinator = get_coordinator()
         self._lock = threading.Lock()
         self._pending: concurrent.futures.Future[None] | None = None
@@ -180,6 +185,8 @@ class CheckpointManager:
         with self._lock:
             self._wait_pending()
             full_metadata = {"objckpt.manager": {"step": step, "metrics": metrics}, **user_metadata}
+            from objckpt.saving.api import save_async
+
             handle = save_async(
                 self.step_url(step),
                 tree,
@@ -267,6 +274,8 @@ class CheckpointManager:
     ) -> Any:
         """Restore ``step`` (the latest committed one by default); ``partial`` and ``cast`` as in
         :func:`objckpt.restore`."""
+        from objckpt.restoring.api import restore
+
         step = self._resolve(step)
         if self._orbax(step):  # through objckpt.orbax; Orbax steps are not replicated
             url, replicas = f"{self.root_url}/{step}", []

@@ -68,6 +68,7 @@ from typing import Any
 
 from objckpt.errors import StoreNotAvailableError
 from objckpt.storage.base import Store
+from objckpt.storage.option_check import check_fsspec_options, check_storage_options
 
 StoreFactory = Callable[..., Store]
 
@@ -300,6 +301,7 @@ def _open_native(url: str, options: dict[str, Any], backend: str, translate: str
             _preflight(f"check_{spec.kind}_credentials", url, rest)
     except obstore_config.NotTranslatable as exc:
         if forced:
+            check_fsspec_options(url, rest, translate.removeprefix("translate_"))  # no client takes it
             raise ValueError(f"{_display(url)} cannot use the obstore store: {exc}") from exc
         return None
     return obstore_store.open_spec(spec, url, **store_kw)
@@ -335,6 +337,7 @@ def open_s3_fsspec(url: str, **storage_options: Any) -> Store:
     s3fs = _require("s3fs", scheme_of(url) or "s3")
     options = dict(storage_options)
     store_kw = _pop_timeout(options)
+    check_fsspec_options(url, options, "s3")
     _preflight("check_s3_credentials", url, options)
     client_kwargs = dict(options.get("client_kwargs") or {})
     endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
@@ -373,6 +376,9 @@ def open_gcs_fsspec(url: str, **storage_options: Any) -> Store:
     """``gs://`` / ``gcs://`` through gcsfs (see :func:`objckpt.storage.gcs_open.open_gcsfs`)."""
     from objckpt.storage.gcs_open import open_gcsfs
 
+    _require("gcsfs", scheme_of(url) or "gs")
+    check_fsspec_options(url, storage_options, "gcs")
+
     return open_gcsfs(url, **storage_options)
 
 
@@ -408,6 +414,7 @@ def open_local(url: str, **storage_options: Any) -> Store:
         from objckpt.storage.obstore_store import open_local_path
 
         return open_local_path(os.path.normpath(raw), url, **store_kw)
+    check_storage_options(url, options, LocalFileSystem)
     options.setdefault("skip_instance_cache", True)
     fs = LocalFileSystem(**options)
     path = fs._strip_protocol(raw)

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from objckpt.core.format import LeafEntry, Manifest
-from objckpt.core.tree import build
 from objckpt.errors import CheckpointNotFoundError
 from objckpt.options import Options
 from objckpt.progress import human_bytes
@@ -93,6 +92,8 @@ def leaf_info(entry: LeafEntry) -> LeafInfo:
 
 
 def info_from_manifest(url: str, manifest: Manifest) -> CheckpointInfo:
+    from objckpt.core.tree import build  # imports JAX: here, so that importing this module does not
+
     infos = [leaf_info(e) for e in manifest.leaves]
     return CheckpointInfo(
         url=url,
