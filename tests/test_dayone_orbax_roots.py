@@ -149,6 +149,10 @@ def test_a_manager_continues_an_orbax_root_in_a_bucket(
 
     manager = objckpt.CheckpointManager(url, storage_options=options, keep_last=1)
     assert manager.steps() == [1, 2] and manager.latest_step() == 2  # step 3 never committed
+    listed = _cli("ls", url, "--json", env=service.env())
+    assert listed.returncode == 0, listed.stderr
+    rows = [(r["step"], r["format"], r["committed"]) for r in json.loads(listed.stdout)]
+    assert rows == [(1, "orbax", True), (2, "orbax", True), (3, "orbax", False)], rows
     _same(manager.restore(2, _target()), states[2])
     assert manager.metrics(1) == {"loss": 1.0, "acc": 0.1}
     manager.save(4, _state(4), wait=True)

@@ -15,6 +15,7 @@ from objckpt.cli._stores import UsageError, options_from_args
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
 from objckpt.manager.checkpoint_manager import STEP_DIR, delete_checkpoint, delete_objects, unreferenced_objects
+from objckpt.manager.orbax_steps import COMMIT_FILE, renames_to_commit
 from objckpt.options import Options
 from objckpt.progress import human_bytes
 from objckpt.saving.live_markers import committed_save_id, explain, is_marker, live_markers
@@ -83,10 +84,11 @@ _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
 _ORBAX_STEP = re.compile(r"^(\d+)$")
 
 
-def group_checkpoints(objects: list[ObjectInfo]) -> list[Listed]:
+def group_checkpoints(objects: list[ObjectInfo], url: str = "") -> list[Listed]:
     """Checkpoints under a root from one listing: every directory holding a manifest, plus
     every manager step directory (committed or not), plus Orbax's: a step directory of its
-    ``CheckpointManager`` (``<step>/``, committed once ``_CHECKPOINT_METADATA`` is there) or
+    ``CheckpointManager`` (``<step>/``, committed once ``_CHECKPOINT_METADATA`` is there and,
+    in a bucket (``url``), ``commit_success.txt``: :mod:`objckpt.manager.orbax_steps`) or
     an Orbax item at the root. Each object counts toward the deepest one; live-save
     markers (:mod:`objckpt.saving.live_markers`) count toward none."""
     objects = [o for o in objects if not is_marker(o.key)]
@@ -122,6 +124,10 @@ def group_checkpoints(objects: list[ObjectInfo]) -> list[Listed]:
             entry.time = o.last_modified
         elif not entry.committed and o.last_modified is not None:
             entry.time = max(entry.time or 0.0, o.last_modified)
+    if url and not renames_to_commit(url):  # an Orbax save in a bucket is committed by its commit file
+        keys = {o.key for o in objects}
+        for e in found.values():
+            e.committed = e.committed and (e.format != "orbax" or f"{e.name}/{COMMIT_FILE}".lstrip("/") in keys)
     return sorted(found.values(), key=lambda e: (e.step is None, e.step or 0, e.name))
 
 
@@ -131,7 +137,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
         return cmd_ls_replicas(args)
     store = open_store(args.root, options_from_args(args, args.root), Options())
-    entries = group_checkpoints(runtime.run_sync(store.list()))
+    entries = group_checkpoints(runtime.run_sync(store.list()), store.url)
     base = store.url.rstrip("/")
     if args.json:
         _dump(
