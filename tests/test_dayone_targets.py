@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import uuid
 from typing import Any
 
 import jax
@@ -153,6 +154,45 @@ def test_save_on_part_of_the_devices_keeps_the_first_device(s3_store, caplog) ->
     first = SingleDeviceSharding(jax.local_devices()[0])
     assert all(leaf.sharding == first for leaf in jax.tree.leaves(out))
     assert any("meshes use 4 devices, not these 8" in r.getMessage() for r in caplog.records)
+
+
+def test_orbax_checkpoint_eval_shape_target_restores_onto_the_saved_shardings(tmp_path, s3_service, caplog) -> None:
+    """The same rule for an Orbax checkpoint (its ``_sharding`` file records the device ids)."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    pytest.importorskip("tensorstore")
+    from objckpt.storage import from_url
+
+    state = {k: v for k, v in _state(_mesh(AxisType.Auto)).items() if k != "rng_counts"}
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    url, options = s3_service.url(f"orbax-{uuid.uuid4().hex[:8]}"), s3_service.storage_options()
+    store = from_url(url, **options)
+    for path in (tmp_path / "ckpt").rglob("*"):
+        if path.is_file():
+            runtime.run_sync(store.put(path.relative_to(tmp_path / "ckpt").as_posix(), path.read_bytes()))
+    abstract = jax.eval_shape(lambda: state)
+
+    out = objckpt.restore(url, abstract, storage_options=options)
+
+    assert_tree_bit_exact(state, jax.tree.map(np.asarray, out))
+    for group, name in (("params", "w"), ("params", "b"), ("opt_state", "mu"), ("opt_state", "norm")):
+        assert out[group][name].sharding == state[group][name].sharding, name
+    assert float(_train_step(out)) == float(_train_step(state))
+
+    # The saved device ids are not these: every leaf keeps the first local device.
+    raw = json.loads(bytes(runtime.run_sync(store.get("_sharding"))))
+    for key, described in raw.items():
+        doc = json.loads(described)
+        doc["device_mesh"]["mesh"] = [[{"id": 100 + d["id"]} for d in row] for row in doc["device_mesh"]["mesh"]]
+        raw[key] = json.dumps(doc)
+    runtime.run_sync(store.put("_sharding", json.dumps(raw).encode()))
+    with caplog.at_level(logging.INFO, logger="objckpt"):
+        out = objckpt.restore(url, abstract, storage_options=options)
+    runtime.run_sync(store.close())
+    assert_tree_bit_exact(state, jax.tree.map(np.asarray, out))
+    assert all(leaf.sharding.device_set == {jax.local_devices()[0]} for leaf in jax.tree.leaves(out))
+    assert any("first local device" in r.getMessage() for r in caplog.records)
 
 
 @dataclasses.dataclass

@@ -238,7 +238,7 @@ def needed_boxes(
 
 def describe_sharding(sharding: jax.sharding.Sharding) -> dict[str, Any]:
     """A small JSON description of a sharding, for ``inspect``; restore reads only its
-    ``axis_types`` (:func:`saved_axis_types`), which the saved mesh does not record."""
+    ``axis_types`` (:func:`axis_type_names`), which the saved mesh does not record."""
     if isinstance(sharding, jax.sharding.NamedSharding):
         described = {
             "type": "NamedSharding",
@@ -252,39 +252,39 @@ def describe_sharding(sharding: jax.sharding.Sharding) -> dict[str, Any]:
     return {"type": type(sharding).__name__, "devices": len(sharding.device_set)}
 
 
-def saved_axis_types(described: dict[str, Any] | None, mesh: Mesh) -> tuple[str, ...] | None:
-    """The axis types (``"Auto"``, ``"Explicit"``, ``"Manual"``) that a leaf's sharding
-    description gives for ``mesh``, or None when it gives none that fit the mesh's axes
-    (the description is informational: anything else in it is ignored)."""
-    if not isinstance(described, dict):
-        return None
-    types, named = described.get("axis_types"), described.get("mesh")
+def axis_type_names(raw: Any, count: int) -> tuple[str, ...] | None:
+    """``count`` axis types as saved (``"Explicit"``, or Orbax's ``"AxisType.Explicit"``) as
+    names of ``jax.sharding.AxisType``, or None when ``raw`` is not that (descriptions are
+    informational: what does not fit is ignored)."""
     known = getattr(jax.sharding, "AxisType", None)
-    if known is None or not isinstance(types, list) or len(types) != len(mesh.axes):
+    if known is None or not isinstance(raw, list) or len(raw) != count:
         return None
-    if not isinstance(named, dict) or list(named) != [name for name, _ in mesh.axes]:
-        return None
-    if not all(isinstance(t, str) and t in known.__members__ for t in types):
-        return None
-    return tuple(types)
+    names = tuple(t.removeprefix("AxisType.") if isinstance(t, str) else "" for t in raw)
+    return names if all(name in known.__members__ for name in names) else None
 
 
-def saved_jax_mesh(mesh: Mesh, devices: dict[int, Any], axis_types: tuple[str, ...] | None = None) -> jax.sharding.Mesh:
-    """A saved mesh rebuilt on ``devices`` (this job's, by id): its devices in their saved
-    C order, its axes named as saved, axis types as given (else JAX's ``Mesh`` default).
-    Every id of the mesh must be in ``devices``."""
-    grid = np.empty(len(mesh.devices), dtype=object)
-    grid[:] = [devices[i] for i in mesh.devices]
-    names = tuple(name for name, _ in mesh.axes)
+def saved_jax_mesh(
+    axes: tuple[tuple[str, int], ...],
+    ids: tuple[int, ...],
+    devices: dict[int, Any],
+    axis_types: tuple[str, ...] | None = None,
+) -> jax.sharding.Mesh:
+    """A saved mesh (axis names and sizes, device ids in C order) rebuilt on ``devices``
+    (this job's, by id), axis types as given (names of ``jax.sharding.AxisType``), else
+    JAX's ``Mesh`` default. Every id must be in ``devices``."""
+    grid = np.empty(len(ids), dtype=object)
+    grid[:] = [devices[i] for i in ids]
+    names = tuple(name for name, _ in axes)
+    shape = tuple(size for _, size in axes)
     if axis_types is None:
-        return jax.sharding.Mesh(grid.reshape(mesh.shape), names)
+        return jax.sharding.Mesh(grid.reshape(shape), names)
     kinds = tuple(jax.sharding.AxisType[t] for t in axis_types)
-    return jax.sharding.Mesh(grid.reshape(mesh.shape), names, axis_types=kinds)
+    return jax.sharding.Mesh(grid.reshape(shape), names, axis_types=kinds)
 
 
 def saved_partition_spec(spec: list[list[str]]) -> jax.sharding.PartitionSpec:
-    """A grid layout's spec (axis names per dimension) as a ``PartitionSpec``, without
-    trailing unsplit dimensions (as specs are usually written: ``P("x")``, ``P()``)."""
+    """A saved spec (axis names per dimension) as a ``PartitionSpec``, without trailing
+    unsplit dimensions (as specs are usually written: ``P("x")``, ``P()``)."""
     entries = [None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in spec]
     while entries and entries[-1] is None:
         entries.pop()

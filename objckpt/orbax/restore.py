@@ -3,7 +3,8 @@
 ``objckpt.restore`` comes here when the URL holds no objckpt manifest but an
 Orbax item (:mod:`objckpt.orbax.layout`). Targets mean what they mean for an
 objckpt checkpoint: a ``jax.ShapeDtypeStruct`` or ``jax.Array`` leaf is
-restored onto its sharding (any mesh, any device count), ``None`` gives host
+restored onto its sharding (any mesh, any device count; without one, onto the
+saved one where it can: :mod:`objckpt.restoring.target_shardings`), ``None`` gives host
 numpy (or, for a subtree, the subtree), any other value is a placeholder for
 the saved one, and ``partial=True`` reads nothing of the leaves the target
 leaves out. For each array leaf, each distinct box the addressable devices
@@ -44,6 +45,7 @@ from objckpt.orbax.tensorstore_io import (
 from objckpt.restoring import jobs
 from objckpt.restoring.casts import cast_values, check_cast
 from objckpt.restoring.host_memory import refuse_over_limit
+from objckpt.restoring.target_shardings import on_saved_orbax_shardings
 from objckpt.transfer.engine import TransferStats
 
 log = logging.getLogger("objckpt")
@@ -76,6 +78,8 @@ def restore_orbax(
             for i in selection
             if item.leaves[i].kind in ("array", "scalar")
         }
+        shapes = {i: tuple(int(n) for n in a.shape) for i, a in arrays.items()}
+        selection = on_saved_orbax_shardings(item.leaves, shapes, selection)  # eval_shape's targets
         for i, t in selection.items():
             if i in arrays:
                 _check_target(item.leaves[i], arrays[i], t, cast)
