@@ -50,9 +50,11 @@ def did_you_mean(manifest: Manifest, target: Any, missing: set[str]) -> list[str
     saves ``.params``, a dict target names ``['params']``. Such a path is matched
     key by key whatever the kinds (as ``None`` subtrees are), and the hint names
     the shortest prefix where the two differ. Other paths get the closest saved
-    path by spelling, if one is close.
+    path by spelling, if one is close (tried for the first 3 such paths only: each
+    try compares with every saved path).
     """
     hints: list[str] = []
+    spelling_tries = 3
     saved = [leaf.path for leaf in manifest.leaves]
     flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)[0]
     for keypath, _ in flat:
@@ -63,9 +65,12 @@ def did_you_mean(manifest: Manifest, target: Any, missing: set[str]) -> list[str
         below = leaf_indices(node) if node is not None else []
         if below:
             hint = _renamed_prefix(keypath, manifest.leaves[below[0]].path)
-        else:
+        elif spelling_tries:
+            spelling_tries -= 1
             close = difflib.get_close_matches(path, saved, n=1, cutoff=0.8)
             hint = f"{close[0]} (the target's {path})" if close else None
+        else:
+            hint = None
         if hint is not None and hint not in hints:
             hints.append(hint)
         if len(hints) == 3:
