@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import objckpt
+from objckpt import StorageOptionError
 from objckpt.cli import build_parser
-from objckpt.errors import StorageOptionError
 from objckpt.storage import from_url
 
 _SCRIPT = Path(sys.executable).with_name("objckpt")
@@ -133,6 +133,7 @@ def test_ls_verify_cp_gc_rm_run_without_jax(kind, store_target_factory, tmp_path
     _manager_root(root, target.storage_options)
     step = f"{root}/step_0000000002"
     dst = f"file://{tmp_path}/copy" if kind == "local" else f"{root}-copy/step_0000000002"
+    root_copy = f"file://{tmp_path}/root-copy" if kind == "local" else f"{root}-root-copy"
     commands = [
         (["ls", root], 0),
         (["ls", root, "--json"], 0),
@@ -143,6 +144,9 @@ def test_ls_verify_cp_gc_rm_run_without_jax(kind, store_target_factory, tmp_path
         (["gc", root, "--grace-seconds", "0"], 0),
         (["rm", dst], 0),
         (["ls", dst], 0),
+        (["cp", root, root_copy, "--no-progress"], 0),
+        (["verify", f"{root_copy}/step_0000000001", "--no-progress"], 0),
+        (["rm", "--recursive", root_copy], 0),
     ]
     done, cpu = _run([sys.executable, "-c", _no_jax_probe(commands)], _env(*services))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -43,7 +43,6 @@ def check_storage_options(url: str, options: Mapping[str, Any], *takers: Any, ex
     Raises:
         StorageOptionError: naming the unknown option(s), the URL, and the nearest known name.
     """
-    return  # REVERT-TEST
     known = known_names(*takers) | FSSPEC_OPTIONS | set(extra)
     unknown = sorted(str(k) for k in options if k not in known)
     if not unknown:
