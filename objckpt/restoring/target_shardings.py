@@ -28,12 +28,14 @@ log = logging.getLogger("objckpt")
 @dataclass(frozen=True)
 class SavedSharding:
     """A leaf's saved ``NamedSharding``: mesh axes (names, sizes), device ids in the mesh's
-    C order, axes per dimension, and the axis types when recorded."""
+    C order, axes per dimension, the axis types when recorded, and what names its mesh
+    among the save's (leaves on one mesh share it: an id list is hashed once, not per leaf)."""
 
     axes: tuple[tuple[str, int], ...]
     ids: tuple[int, ...]
     spec: tuple[tuple[str, ...], ...]
     axis_types: tuple[str, ...] | None
+    mesh_key: Any
 
 
 def on_saved_shardings(manifest: Manifest, selection: dict[int, Any]) -> dict[int, Any]:
@@ -70,7 +72,8 @@ def on_saved_shardings(manifest: Manifest, selection: dict[int, Any]) -> dict[in
         named = described.get("mesh")
         fits = isinstance(named, dict) and list(named) == [name for name, _ in mesh.axes]
         types = axis_type_names(described.get("axis_types"), len(mesh.axes)) if fits else None
-        saved[i] = SavedSharding(mesh.axes, mesh.devices, tuple(map(tuple, layout["spec"])), types)
+        spec = tuple(map(tuple, layout["spec"]))
+        saved[i] = SavedSharding(mesh.axes, mesh.devices, spec, types, mesh_key=layout["mesh"])
     ids = {(i, p) for mesh in manifest.meshes for i, p in zip(mesh.devices, mesh.processes)}
     here = {(int(d.id), int(d.process_index)) for d in jax.devices()}
     shapes = {i: manifest.leaves[i].shape for i in saved}
@@ -124,7 +127,7 @@ def place(
     meshes: dict[tuple[Any, ...], jax.sharding.Mesh] = {}
 
     def mesh_of(found: SavedSharding, types: tuple[str, ...] | None) -> jax.sharding.Mesh:
-        key = (found.axes, found.ids, types)
+        key = (found.mesh_key, types)
         if key not in meshes:
             meshes[key] = saved_jax_mesh(found.axes, found.ids, devices, types)
         return meshes[key]
@@ -133,7 +136,7 @@ def place(
     out = dict(selection)
     for i in bare if same else ():
         found, t = saved[i], selection[i]
-        key = (found.axes, found.ids, found.axis_types, found.spec)
+        key = (found.mesh_key, found.axis_types, found.spec)
         if key not in shardings:
             spec = saved_partition_spec([list(axes) for axes in found.spec])
             shardings[key] = jax.sharding.NamedSharding(mesh_of(found, found.axis_types), spec)
@@ -213,4 +216,5 @@ def _orbax_sharding(described: dict[str, Any] | None) -> SavedSharding | None:
     if len(set(used)) != len(used):
         return None
     types = axis_type_names(described.get("axis_types"), len(names))
-    return SavedSharding(tuple(zip(names, sizes)), tuple(ids), tuple(spec), types)
+    axes = tuple(zip(names, sizes))
+    return SavedSharding(axes, tuple(ids), tuple(spec), types, mesh_key=(axes, tuple(ids)))
