@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from objckpt.errors import FormatError
+from objckpt.manager.sweep import delete_objects
 from objckpt.options import Options
 from objckpt.storage import ObjectInfo, Store
 from objckpt.transfer import runtime
@@ -125,7 +126,6 @@ async def orbax_metrics(store: Store, step: int) -> dict[str, Any]:
 async def delete_orbax_step(store: Store, step: int) -> list[str]:
     """Delete the Orbax step ``step`` under the root ``store``: its commit files first (it stops
     being a committed step at once), then everything else under ``<step>/``. Returns the keys."""
-    from objckpt.manager.checkpoint_manager import delete_objects
 
     keys = [o.key for o in await store.list(f"{step}/")]
     first = [k for k in (f"{step}/{COMMIT_FILE}", f"{step}/{STEP_METADATA}") if k in keys]

@@ -34,6 +34,7 @@ from typing import Any
 
 from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
 from objckpt.manager.retention import KeepBest, RetentionPolicy, StepRecord, steps_to_delete
+from objckpt.manager.sweep import delete_checkpoint, delete_objects
 from objckpt.options import Options
 from objckpt.restoring.locations import Location
 from objckpt.storage import Store
@@ -281,7 +282,6 @@ class Replicator:
         """Delete at the replica what each copy stopped mid-way wrote, once its step has left
         the root (the copy will never be finished). A step committed there meanwhile (by
         another writer) is left alone."""
-        from objckpt.manager.checkpoint_manager import delete_objects
 
         for step in [s for s in replica.partial if s not in self.root_steps]:
             writes = replica.partial[step]
@@ -303,7 +303,6 @@ class Replicator:
         """The manager's retention policies, on the replica's own steps."""
         if not self.policies or not replica.have:
             return
-        from objckpt.manager.checkpoint_manager import delete_checkpoint
 
         ranked = any(isinstance(p, KeepBest) for p in self.policies)
         records = [StepRecord(s, await self._metrics(replica, s) if ranked else {}) for s in sorted(replica.have)]
