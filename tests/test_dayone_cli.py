@@ -158,6 +158,26 @@ def test_ls_verify_cp_gc_rm_run_without_jax(kind, store_target_factory, tmp_path
     assert restored["step"] == 3 and restored["w"].shape == (64, 64)
 
 
+def test_ls_and_rm_import_neither_jax_nor_ml_dtypes(tmp_path):
+    """Listing and removing read no dtype: ml_dtypes (~1 CPU-s to import) stays out too."""
+    root = f"file://{tmp_path}/root"
+    _manager_root(root, {})
+    probe = textwrap.dedent(
+        f"""
+        import sys
+        from objckpt.cli import main
+        assert main(["ls", {root!r}]) == 0
+        assert main(["rm", {root + "/step_0000000001"!r}]) == 0
+        heavy = sorted(m for m in ("jax", "ml_dtypes") if m in sys.modules)
+        assert not heavy, heavy
+        """
+    )
+    done, _ = _run([sys.executable, "-c", probe], _env())
+    assert done.returncode == 0, done.stderr
+    assert "removed checkpoint" in done.stdout
+    assert objckpt.CheckpointManager(root).steps() == [2]
+
+
 # ----------------------------------------------------------- item 7: global flags
 
 
