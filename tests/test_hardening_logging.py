@@ -390,6 +390,15 @@ def user_logging() -> Iterator[_Collect]:
     """A library user's DEBUG logging: a handler on the root logger, as ``basicConfig`` adds."""
     root = logging.getLogger()
     handler, level = _Collect(), root.level
+    # Other libraries loaded in this process (earlier tests) may have re-levelled, muted or
+    # detached the clients' loggers; a user who asks for DEBUG gets their records.
+    names = {name for name, _, _ in _CLIENT_RECORDS} | {"botocore.hooks"}
+    chains = {".".join(name.split(".")[:n]) for name in names for n in range(1, name.count(".") + 2)}
+    clients = [logging.getLogger(name) for name in sorted(chains)]
+    saved = [(c, c.level, c.propagate, c.disabled) for c in clients]
+    for c in clients:
+        c.setLevel(logging.DEBUG)
+        c.propagate, c.disabled = True, False
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)
     try:
@@ -397,6 +406,9 @@ def user_logging() -> Iterator[_Collect]:
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
+        for c, lvl, propagate, disabled in saved:
+            c.setLevel(lvl)
+            c.propagate, c.disabled = propagate, disabled
 
 
 def _log_client_records() -> None:
