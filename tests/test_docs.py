@@ -64,7 +64,9 @@ def blocks(path: Path) -> list[Block]:
         before = [line.strip() for line in lines[:start] if line.strip()]
         marker = NOT_RUN.match(before[-1]) if before else None
         found.append(
-            Block(path.name, start + 1, lang, "\n".join(lines[start + 1 : j]) + "\n", marker.group(1) if marker else None)
+            Block(
+                path.name, start + 1, lang, "\n".join(lines[start + 1 : j]) + "\n", marker.group(1) if marker else None
+            )
         )
         i = j + 1
     return found
@@ -127,9 +129,7 @@ def _runnable_docs() -> list[Path]:
 
 
 @pytest.mark.parametrize("path", _runnable_docs(), ids=lambda p: p.name)
-def test_doc_runs_as_written(
-    path: Path, s3_service: S3Service, gcs_service: GCSService, tmp_path: Path
-) -> None:
+def test_doc_runs_as_written(path: Path, s3_service: S3Service, gcs_service: GCSService, tmp_path: Path) -> None:
     """The doc's blocks run top to bottom against the local servers; twice, as a reader reruns them."""
     todo = [asdict(b) for b in blocks(path) if b.lang in RUNNABLE and b.not_run is None]
     spec = tmp_path / "blocks.json"
@@ -152,3 +152,31 @@ def test_doc_runs_as_written(
         )
         output = result.stdout[-6000:] + result.stderr[-6000:]
         assert result.returncode == 0 and "ALL PASSED" in result.stdout, f"{path.name}, {attempt}:\n{output}"
+
+
+def test_install_says_how_from_a_checkout_and_where_the_local_servers_come_from() -> None:
+    """Item 1: objckpt is on no index; the docs install it from a checkout and name the launcher."""
+    readme = (REPO / "README.md").read_text()
+    assert 'pip install -e ".[s3,gcs]"' in readme
+    assert "orbax" in readme.split("## Save and restore")[0]
+    assert "python -m backends.launcher" in readme and '".[dev]"' in readme
+    for path in DOCS:
+        assert 'pip install "objckpt[' not in path.read_text(), f"{path.name} installs from an index"
+
+
+def test_readme_is_short_and_starts_with_the_shortest_save_and_restore() -> None:
+    """Item 3: at most 150 lines; the first Python block is a few lines that save and restore."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    first = next(b for b in blocks(REPO / "README.md") if b.lang == "python")
+    code = [line for line in first.source.splitlines() if line.strip()]
+    assert len(code) <= 8, first.source
+    assert "objckpt.save(" in first.source and "objckpt.restore(" in first.source
+    assert "ShapeDtypeStruct" not in first.source and "CheckpointManager" not in first.source
+
+
+def test_the_suite_command_says_how_long_it_takes() -> None:
+    """Item 4: the line that gives ./tests/run.sh gives its duration on 2 cores."""
+    readme = (REPO / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("./tests/run.sh"))
+    assert re.search(r"\d+(–\d+)? min(utes)? on 2 cores", line), line
