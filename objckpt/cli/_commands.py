@@ -310,9 +310,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
     dst_options = options_from_args(args, args.dst, "dst")
     args.src = _step_url(args, args.src, "src")
     if args.steps is not None:
-        if root_steps(args.src, src_options):
-            return copy_root(args, src_options, dst_options, steps=_parse_steps(args.steps), options=_options(args))
-        return _convert_steps(args, src_options, dst_options)
+        return _cp_steps(args, src_options, dst_options)
     try:
         stats: Any = copy(
             args.src,
@@ -346,6 +344,35 @@ def cmd_cp(args: argparse.Namespace) -> int:
     else:
         print(stats.summary())
     return 0
+
+
+def _cp_steps(args: argparse.Namespace, src_options: dict[str, Any], dst_options: dict[str, Any]) -> int:
+    """``cp ROOT DST --steps [N,...]``: objckpt's steps copied, Orbax's converted (a continued
+    Orbax root holds both)."""
+    from objckpt.cli._roots import copy_root
+    from objckpt.tools.copy_root import root_steps
+
+    ours, wanted = set(root_steps(args.src, src_options)), _parse_steps(args.steps)
+    mine = sorted(ours) if wanted is None else [n for n in wanted if n in ours]
+    theirs = None if wanted is None else [n for n in wanted if n not in ours]
+    if mine:
+        copy_root(args, src_options, dst_options, steps=mine, options=_options(args))
+    if theirs == []:
+        return 0
+    if theirs is not None:
+        args.steps = ",".join(map(str, theirs))
+    try:
+        return _convert_steps(args, src_options, dst_options)
+    except CheckpointNotFoundError:
+        if not ours:
+            raise
+        if theirs is None:  # every step, and the root holds no Orbax step
+            return 0
+        listed = ", ".join(map(str, sorted(ours)))
+        raise CheckpointNotFoundError(
+            f"no committed step {', '.join(map(str, theirs))} under {args.src}, objckpt's or Orbax's"
+            f" (its objckpt steps: {listed})"
+        ) from None
 
 
 def _parse_steps(text: str | None) -> list[int] | None:
