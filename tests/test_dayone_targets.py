@@ -239,3 +239,23 @@ def test_dict_target_for_a_dataclass_state_names_the_saved_path(s3_store) -> Non
     target = TrainState(step=None, params=state.params, opt_state=None)
     out = objckpt.restore(s3_store.url, target, storage_options=so, partial=True)
     assert np.asarray(out.params["dense"]["kernel"]).tolist() == np.ones((4, 4)).tolist()
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_python_numbers_restore_into_the_0d_arrays_eval_shape_makes_of_them(store_target_factory, kind) -> None:
+    """``eval_shape`` turns a saved Python number into a 0-d ``ShapeDtypeStruct``: the number comes
+    back as a 0-d array of that dtype; a None or a shaped array target is still refused."""
+    target = store_target_factory(kind)
+    so = target.storage_options
+    state = {"step": 12, "lr": 0.5, "done": True, "w": np.arange(4, dtype=np.float32)}
+    objckpt.save(target.url, state, storage_options=so)
+    abstract = jax.eval_shape(lambda: state)
+
+    out = objckpt.restore(target.url, abstract, storage_options=so)
+
+    for name in ("step", "lr", "done"):
+        assert isinstance(out[name], jax.Array) and out[name].shape == (), name
+        assert out[name].dtype == abstract[name].dtype and out[name].item() == state[name], name
+    np.testing.assert_array_equal(np.asarray(out["w"]), state["w"])
+    with pytest.raises(objckpt.TargetMismatchError, match=r"leaf \['step'\]: saved a Python int.* \[2\]"):
+        objckpt.restore(target.url, {**abstract, "step": jax.ShapeDtypeStruct((2,), jnp.int32)}, storage_options=so)

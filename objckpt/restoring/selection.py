@@ -125,6 +125,20 @@ def none_subtrees(manifest: Manifest, target: Any, index: dict[str, int]) -> dic
 
 
 def inline_value(entry: LeafEntry, target: Any) -> Any:
-    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
-        raise TargetMismatchError(f"leaf {entry.path}: saved a Python {entry.kind}, the target asks for an array")
-    return entry.value
+    """A leaf saved in the manifest itself (a Python number, bool or None), as the target asks.
+
+    A 0-d array target (what ``jax.eval_shape`` makes of a Python number) gets the number as
+    a 0-d array of the target's dtype, on the target's sharding when it has one.
+    """
+    if not isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+        return entry.value
+    if entry.kind == "none" or tuple(target.shape) != ():
+        shape = list(target.shape)
+        raise TargetMismatchError(
+            f"leaf {entry.path}: saved a Python {entry.kind}, the target asks for an array {shape}"
+        )
+    import numpy as np
+
+    value = np.asarray(entry.value, dtype=target.dtype)
+    sharding = getattr(target, "sharding", None)
+    return jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value)
