@@ -301,3 +301,18 @@ def test_cli_ls_replicas_lists_the_replicas_when_the_root_is_down(s3_service, gc
     rows = {row["step"]: row["locations"] for row in json.loads(done.stdout)}
     assert rows == {4: {root: "unreachable", replica: "yes"}, 5: {root: "unreachable", replica: "yes"}}, rows
     assert f"{root} did not answer" in done.stderr, done.stderr
+
+
+def test_a_plain_replica_url_takes_the_calls_options_only_for_the_same_kind_of_store():
+    """An S3 primary's keys go to S3 replicas, not to a ``file://`` one (where they are unknown
+    options, refused); a Location keeps its own."""
+    from objckpt.restoring.locations import Location, as_locations
+
+    given = {"key": "k", "secret": "s"}
+    urls = ["s3://b/x", "s3a://b/y", "file:///tmp/z", "/tmp/w", Location("gs://b/q", {"token": "anon"})]
+    found = as_locations(urls, given, primary="s3://a/r")
+    assert [loc.storage_options for loc in found] == [given, given, None, None, {"token": "anon"}]
+    assert [loc.storage_options for loc in as_locations(["/tmp/a", "gs://b"], given, primary="/tmp/r")] == [
+        given,
+        None,
+    ]

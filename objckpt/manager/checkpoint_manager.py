@@ -135,7 +135,7 @@ class CheckpointManager:
         self._pending: concurrent.futures.Future[None] | None = None
         self._metrics: dict[int, dict[str, Any]] = {}
         self._closed = False
-        self.replicas = as_locations(replicas, self.storage_options)
+        self.replicas = as_locations(replicas, self.storage_options, primary=self.root_url)
         self.replication_timeout = replication_timeout
         self._replicator: Replicator | None = None
         if self.replicas and self._coordinator.is_primary:

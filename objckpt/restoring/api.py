@@ -142,7 +142,7 @@ def restore(
     if options.tune_malloc:
         tune_malloc()
     if replicas:
-        locations = [Location(str(url), storage_options), *as_locations(replicas, storage_options)]
+        locations = [Location(str(url), storage_options), *as_locations(replicas, storage_options, primary=str(url))]
         return _restore_nearest(locations, target, partial, read_once, options, stats, progress, cast)
     with opened_store(url, storage_options, options, stats) as store, runtime.collection_paused(options.pause_gc):
         try:

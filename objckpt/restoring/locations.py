@@ -39,6 +39,7 @@ from objckpt.errors import (
 )
 from objckpt.options import Options
 from objckpt.storage.base import ObjectInfo, PutMode, Store
+from objckpt.storage.registry import scheme_of
 from objckpt.storage.streaming import ReadSink
 from objckpt.transfer.engine import RetryingStore, TransferStats, open_store
 from objckpt.transfer.manifest_io import read_manifest
@@ -58,7 +59,8 @@ class Location:
     """One copy of a checkpoint or manager root: its URL and the storage options to reach it.
 
     Wherever objckpt takes replicas, a plain URL string stands for
-    ``Location(url)`` with the storage options of the call it is passed to.
+    ``Location(url)`` with the storage options of the call it is passed to when it names
+    the same kind of store (S3, GCS, local disk...), and with none otherwise.
     """
 
     url: str
@@ -69,17 +71,28 @@ class Location:
         return Location(f"{self.url.rstrip('/')}/{name}", self.storage_options)
 
 
-def as_locations(items: Sequence[str | Location] | None, storage_options: dict[str, Any] | None) -> list[Location]:
-    """``items`` as :class:`Location`\\ s; a plain URL takes ``storage_options``."""
+def as_locations(
+    items: Sequence[str | Location] | None, storage_options: dict[str, Any] | None, *, primary: str
+) -> list[Location]:
+    """``items`` as :class:`Location`\\ s; a plain URL of the same kind of store as ``primary``
+    (S3, GCS, local disk...) takes ``storage_options``, one of another kind none (an S3 key
+    means nothing to a ``file://`` replica, and is refused there as an unknown option)."""
     found = []
     for item in items or ():
         if isinstance(item, Location):
             found.append(item)
         elif isinstance(item, str):
-            found.append(Location(item, storage_options))
+            same_kind = _kind_of(item) == _kind_of(primary)
+            found.append(Location(item, storage_options if same_kind else None))
         else:
             raise TypeError(f"a replica is a URL or an objckpt.Location, got {type(item).__name__}: {item!r}")
     return found
+
+
+def _kind_of(url: str) -> str:
+    """The kind of store a URL names, aliases folded (``s3a`` is ``s3``, a plain path ``file``)."""
+    scheme = scheme_of(url) or "file"
+    return {"s3a": "s3", "gcs": "gs"}.get(scheme, scheme)
 
 
 @dataclass
