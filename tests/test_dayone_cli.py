@@ -249,3 +249,24 @@ def test_misspelt_storage_option_suggests_the_name(s3_service, gcs_service):
     # every option the clients name still passes: s3fs's own, botocore's session's, gcsfs's
     assert from_url(s3, **s3_service.storage_options(), objckpt_backend="fsspec", requester_pays=False)
     assert from_url(gcs_service.url("x"), **gcs_service.storage_options(), consistency="none", ca_bundle=None)
+
+
+def test_an_unknown_option_is_said_before_a_credential_lookup(tmp_path):
+    """With no credentials anywhere, a misspelt option is still what the user is told first."""
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "HOME": str(tmp_path),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9",
+    }
+    done = subprocess.run(
+        [*CLI, "ls", "s3://bucket/x", "-o", "endpoint_ur=http://127.0.0.1:9"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "unknown storage option 'endpoint_ur'" in done.stderr and "credentials" not in done.stderr

@@ -293,6 +293,8 @@ def _open_native(url: str, options: dict[str, Any], backend: str, translate: str
 
     rest = dict(options)
     store_kw = _pop_timeout(rest)
+    # An unknown option is the first thing said (before a credential lookup it may have misdirected).
+    check_fsspec_options(url, rest, translate.removeprefix("translate_"))
     try:
         if translate == "translate_s3":
             spec = obstore_config.translate_s3(url, rest, os.environ, _s3_source(url, rest))
