@@ -55,9 +55,14 @@ class ServerSide:
         if self._made is not None:
             self._made.close()
 
-    def _fall_back(self, reason: str) -> None:
+    def _fall_back(self, error: StoreError) -> bool:
+        """Stop copying server-side if ``error`` is the server refusing to (one warning);
+        False when it is another failure, which the caller raises."""
+        reason = server_copy.refusal(error)
+        if reason is None:
+            return False
         if self.copier is None:
-            return
+            return True
         self.copier = None
         self.why_not = f"the server refused to copy: {reason}"
         log.warning(
@@ -66,6 +71,7 @@ class ServerSide:
             self._dst.url,
             reason,
         )
+        return True
 
     async def copy(self, blob: BlobEntry) -> bool:
         """Copy ``blob`` on the server and check its size there; False when it must be streamed.
@@ -90,10 +96,8 @@ class ServerSide:
                     try:
                         await self._copy(self.copier, blob)
                     except StoreError as e:
-                        reason = server_copy.refusal(e)
-                        if reason is None:
+                        if not self._fall_back(e):
                             raise
-                        self._fall_back(reason)
                         return False
                     self._confirmed = True
                     await self._check_size(blob)
@@ -127,9 +131,7 @@ class ServerSide:
             theirs = await copier.checksum(server_copy.source_location(self._src, key), self._target.call)
             ours = await copier.checksum(server_copy.source_location(self._dst, key), self._target.call)
         except StoreError as e:
-            reason = server_copy.refusal(e)
-            if reason is None:
+            if not self._fall_back(e):
                 raise
-            self._fall_back(reason)
             return None
         return None if theirs is None or ours is None else theirs == ours
