@@ -1,0 +1,157 @@
+"""The package's import graph: no module pair imports each other, and nothing imports upward.
+
+Every ``import`` in ``objckpt/`` is read from the source (function-level ones included, since
+hiding an import inside a function does not remove the dependency). Packages sit in layers; a
+module may import its own package and the layers below it, never a layer above or a peer on
+its own layer (``saving`` and ``restoring`` are two operations that share what lies below them).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "objckpt"
+
+# Lowest first. A module's layer is its first dotted component below ``objckpt``.
+LAYERS: list[set[str]] = [
+    {"errors"},
+    {"core"},
+    {"options", "logs", "multihost", "in_flight"},
+    {"storage"},
+    {"transfer"},
+    {"progress", "layouts"},
+    {"saving", "restoring"},
+    {"roots"},
+    {"orbax"},
+    {"tools"},
+    {"manager"},
+    {"cli", "testing"},
+    {"__init__", "__main__"},
+]
+# Peers on purpose: neither may import the other (checked below as "same layer, other package").
+SEPARATE = [("saving", "restoring")]
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("objckpt"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("objckpt"):
+                continue
+            found.add(mod)
+            for a in node.names:  # `from objckpt.x import y` may name a submodule y
+                found.add(f"{mod}.{a.name}")
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in files.items():
+        for target in _imports(path, name):
+            while target not in files and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in files and target != name and target != "objckpt":
+                graph[name].add(target)
+        graph.setdefault(name, set())
+    return graph
+
+
+def _layer(module: str) -> tuple[int, str]:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    for i, layer in enumerate(LAYERS):
+        if top in layer:
+            return i, top
+    raise AssertionError(f"{module}: its package {top!r} has no layer in tests/test_architecture.py")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in sorted(graph.items()):
+        (ls, ps) = _layer(src)
+        for dst in sorted(targets):
+            (ld, pd) = _layer(dst)
+            if ld > ls:
+                bad.append(f"{src} -> {dst}")
+            elif ld == ls and pd != ps and (ps, pd) in SEPARATE + [(b, a) for a, b in SEPARATE]:
+                bad.append(f"{src} -> {dst} (peers)")
+    return bad
+
+
+def test_no_import_circles() -> None:
+    cycles = _cycles(_graph())
+    assert not cycles, "modules that import each other (directly or round a loop):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def test_no_upward_imports() -> None:
+    bad = upward_imports(_graph())
+    assert not bad, "imports that run up the layers:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_a_circle_and_an_upward_import() -> None:
+    graph = {"objckpt.core.a": {"objckpt.storage.b"}, "objckpt.storage.b": {"objckpt.core.a"}}
+    assert _cycles(graph) == [["objckpt.core.a", "objckpt.storage.b"]]
+    assert upward_imports(graph) == ["objckpt.core.a -> objckpt.storage.b"]
+    assert upward_imports({"objckpt.restoring.x": {"objckpt.saving.y"}, "objckpt.saving.y": set()}) == [
+        "objckpt.restoring.x -> objckpt.saving.y (peers)"
+    ]
