@@ -27,6 +27,7 @@ from objckpt.errors import (
     CheckpointNotFoundError,
     CoordinationError,
 )
+from objckpt.in_flight import save_in_flight
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, reporting
@@ -51,7 +52,6 @@ from objckpt.restoring.locations import (
 from objckpt.restoring.read_once import Designator, share
 from objckpt.restoring.selection import inline_value, select
 from objckpt.restoring.target_shardings import on_saved_shardings
-from objckpt.saving.api import save_in_flight
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import tune_malloc
 from objckpt.transfer.engine import (
@@ -60,7 +60,7 @@ from objckpt.transfer.engine import (
     close_store,
     opened_store,
 )
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.layouts.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
+from objckpt import in_flight
 from objckpt.core.boxes import MeshTable
 from objckpt.core.format import MANIFEST_KEY, LeafEntry
 from objckpt.core.metadata import to_json_value
@@ -239,7 +239,7 @@ def _begin(
         marker=marker,
     )
     future = runtime.submit(_then_close(closing(commit.run(uploads, started), reporter), store))
-    _track_in_flight(store.url, future)
+    in_flight.track(store.url, future)
     return SaveHandle(future, stats, seconds_blocked, store.url)
 
 
@@ -249,11 +249,6 @@ async def _then_close(run: Awaitable[T], store: Store) -> T:
         return await run
     finally:
         await store.close()
-
-
-# Saves of this process whose commit has not ended, by URL (see save_in_flight).
-_in_flight: dict[str, int] = {}
-_in_flight_lock = threading.Lock()
 
 
 def _shared_save_id(coordinator: Coordinator, tag: str, timeout: float) -> str:
@@ -266,37 +261,6 @@ def _shared_save_id(coordinator: Coordinator, tag: str, timeout: float) -> str:
     """
     mine = uuid.uuid4().hex.encode() if coordinator.is_primary else None
     return coordinator.broadcast(f"{tag}/save_id", mine, timeout=timeout).decode()
-
-
-def _url_key(url: str) -> str:
-    """One spelling per location: ``file:///a/b/`` and ``/a/b`` are the same checkpoint."""
-    url = url.rstrip("/") or url
-    return url.removeprefix("file://") if url.startswith("file:///") else url
-
-
-def _track_in_flight(url: str, future: concurrent.futures.Future[None]) -> None:
-    """Count a save to ``url`` as running until ``future`` ends (however it ends)."""
-    key = _url_key(url)
-    with _in_flight_lock:
-        _in_flight[key] = _in_flight.get(key, 0) + 1
-
-    def ended(_: concurrent.futures.Future[None]) -> None:
-        with _in_flight_lock:
-            left = _in_flight.pop(key, 1) - 1
-            if left:
-                _in_flight[key] = left
-
-    future.add_done_callback(ended)
-
-
-def save_in_flight(url: str) -> bool:
-    """Whether a save to ``url`` started in this process has not committed (or failed) yet.
-
-    Restore asks when it finds no manifest, so that reading back a
-    ``save_async`` before its ``result()`` says so instead of only "no checkpoint".
-    """
-    with _in_flight_lock:
-        return _url_key(url) in _in_flight
 
 
 async def _exists(store: Store) -> bool:
