@@ -143,7 +143,7 @@ def full_manifest(store, *, size_limit: int = 1 << 30):
     ``store``: an open store (``objckpt.storage.from_url``) at the checkpoint's prefix.
     """
     from objckpt.transfer import runtime
-    from objckpt.transfer.manifest_io import read_checkpoint
+    from objckpt.layouts.manifest_io import read_checkpoint
 
     return runtime.run_sync(read_checkpoint(store, size_limit=size_limit))
 

@@ -172,7 +172,7 @@ def count_coordination() -> CountingClient:
 
 def count_index_reads() -> list[int]:
     """The processes whose index objects this process fetches and parses, in order."""
-    from objckpt.transfer import manifest_io
+    from objckpt.layouts import manifest_io
 
     read: list[int] = []
     original = manifest_io.parse_index

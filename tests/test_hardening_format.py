@@ -28,7 +28,7 @@ from objckpt.core.checksum import crc32c
 from objckpt.core.format_v2 import index_key
 from objckpt.errors import CheckpointNotFoundError, FormatError
 from objckpt.transfer import engine, runtime
-from objckpt.transfer.manifest_io import INDEX_READS_AT_ONCE
+from objckpt.layouts.manifest_io import INDEX_READS_AT_ONCE
 
 KINDS = ["local", "s3"]
 

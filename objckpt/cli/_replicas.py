@@ -23,7 +23,7 @@ from objckpt.errors import CheckpointNotFoundError
 from objckpt.options import Options
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import close_store, open_store
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.layouts.manifest_io import read_manifest
 
 #: How a step stands at one location.
 COPY, OTHER, PARTIAL, ABSENT, UNREACHABLE = "yes", "other save", "partial", "-", "unreachable"

@@ -42,7 +42,7 @@ from objckpt.storage import Store
 from objckpt.tools.inspect import CheckpointInfo, inspect
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import close_store, open_store
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.layouts.manifest_io import read_manifest
 
 if TYPE_CHECKING:
     from objckpt.saving.api import SaveHandle

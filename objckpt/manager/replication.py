@@ -40,7 +40,7 @@ from objckpt.restoring.locations import Location
 from objckpt.storage import Store
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import RetryingStore, close_store, open_store
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.layouts.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 

@@ -23,7 +23,7 @@ from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
 from objckpt.options import Options
 from objckpt.saving.live_markers import committed_save_id, explain, live_markers
 from objckpt.storage import ObjectInfo, Store
-from objckpt.transfer.manifest_io import read_checkpoint
+from objckpt.layouts.manifest_io import read_checkpoint
 
 log = logging.getLogger("objckpt")
 

@@ -22,7 +22,7 @@ from objckpt.options import Options
 from objckpt.restoring.jobs import LeafJob, overlapping, uncovered
 from objckpt.restoring.locations import failover_of
 from objckpt.transfer import runtime
-from objckpt.transfer.manifest_io import read_indexes
+from objckpt.layouts.manifest_io import read_indexes
 
 log = logging.getLogger("objckpt")
 

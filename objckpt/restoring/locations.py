@@ -42,7 +42,7 @@ from objckpt.storage.base import ObjectInfo, PutMode, Store
 from objckpt.storage.registry import scheme_of
 from objckpt.storage.streaming import ReadSink
 from objckpt.transfer.engine import RetryingStore, TransferStats, open_store
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.layouts.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 

@@ -36,7 +36,7 @@ import time
 from objckpt.errors import ObjectNotFoundError
 from objckpt.storage import ObjectInfo, Store
 from objckpt.transfer.engine import missing_bucket
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.layouts.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 

@@ -54,7 +54,7 @@ from objckpt.tools.server_side import ServerSide
 from objckpt.tools.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store
-from objckpt.transfer.manifest_io import read_checkpoint
+from objckpt.layouts.manifest_io import read_checkpoint
 
 log = logging.getLogger("objckpt")
 

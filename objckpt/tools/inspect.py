@@ -11,7 +11,7 @@ from objckpt.options import Options
 from objckpt.progress import human_bytes
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import opened_store
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.layouts.manifest_io import read_manifest
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from objckpt.options import MiB, Options
 from objckpt.progress import ProgressArg, human_bytes, reporting
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store, run_in_order
-from objckpt.transfer.manifest_io import read_checkpoint  # which checks the whole tiling
+from objckpt.layouts.manifest_io import read_checkpoint  # which checks the whole tiling
 
 log = logging.getLogger("objckpt")
 

@@ -10,8 +10,9 @@ import pytest
 import objckpt
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import CheckpointNotFoundError, FormatError
-from objckpt.transfer import manifest_io, runtime
-from objckpt.transfer.manifest_io import read_manifest
+from objckpt.layouts import manifest_io
+from objckpt.transfer import runtime
+from objckpt.layouts.manifest_io import read_manifest
 
 
 class _Counting:
