@@ -8,22 +8,24 @@ I/O thread (never the caller's), one at a time; the I/O waits for it, so a
 callback must be quick (hand the figures to a UI, do not draw or block). An
 exception it raises is logged once and never fails the operation.
 
-The library draws nothing itself: ``progress=True`` hands the figures to the
-terminal bar of the command line (:class:`objckpt.cli._progress.TerminalBar`,
-drawn by tqdm), only when stderr is a terminal.
+``progress=True`` hands the figures to a terminal bar (:class:`TerminalBar`, drawn
+by tqdm, imported only when a bar is drawn), only when stderr is a terminal; the
+command line passes ``True`` unless told ``--no-progress``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
+import os
 import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from objckpt.transfer import runtime
 
@@ -163,7 +165,7 @@ class Reporter:
 
 
 def callback_for(progress: ProgressArg, stream: TextIO | None = None) -> ProgressCallback | None:
-    """The callback ``progress=`` asks for: ``True`` is the CLI's terminal bar, when ``stream``
+    """The callback ``progress=`` asks for: ``True`` is a :class:`TerminalBar`, when ``stream``
     (stderr) is a terminal; ``False``/``None`` is none.
 
     Raises:
@@ -175,8 +177,6 @@ def callback_for(progress: ProgressArg, stream: TextIO | None = None) -> Progres
         stream = stream if stream is not None else sys.stderr
         if not is_terminal(stream):
             return None
-        from objckpt.cli._progress import TerminalBar  # the bar and tqdm load only when drawn
-
         return TerminalBar(stream)
     if callable(progress):
         return progress
@@ -189,6 +189,58 @@ def is_terminal(stream: TextIO | None) -> bool:
         return stream is not None and stream.isatty()
     except (AttributeError, ValueError, OSError):
         return False
+
+
+class TerminalBar:
+    """Draws the :class:`Progress` of one operation as a tqdm bar on ``stream``.
+
+    The bar opens at the first call, follows ``done_bytes`` and closes (its line
+    ended) at the call with ``finished=True``. It draws nothing of its own: tqdm
+    renders bytes, throughput and ETA; tqdm is imported at the first call.
+    """
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream if stream is not None else sys.stderr
+        self._bar: Any = None
+
+    def __call__(self, progress: Progress) -> None:
+        if self._bar is None:
+            self._bar = _bar_class()(
+                total=progress.total_bytes,
+                initial=progress.done_bytes,
+                desc=progress.operation,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=self._stream,
+                disable=False,  # the caller checked that the stream is a terminal
+                **_width(self._stream),
+            )
+        self._bar.update(progress.done_bytes - self._bar.n)
+        if progress.finished:
+            self._bar.close()
+
+
+@functools.cache
+def _bar_class() -> type[Any]:
+    """tqdm without its monitor thread (the reporter already calls at a steady pace); made at the
+    first bar drawn, so nothing else imports tqdm."""
+    from tqdm import tqdm
+
+    class _Bar(tqdm):  # type: ignore[misc]  # tqdm ships no type hints
+        monitor_interval = 0
+
+    return _Bar
+
+
+def _width(stream: TextIO) -> dict[str, Any]:
+    """tqdm's width options: the terminal's, followed as it resizes; a fixed 100 columns where
+    the terminal reports no size (a fresh pseudo-terminal says 0 × 0, and tqdm then draws nothing)."""
+    try:
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        columns = 0
+    return {"dynamic_ncols": True} if columns else {"ncols": 100, "nrows": 24}
 
 
 def start(

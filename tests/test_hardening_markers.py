@@ -27,7 +27,7 @@ import objckpt
 from objckpt.cli._main import main as cli_main
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import SaveInProgressError
-from objckpt.manager.checkpoint_manager import delete_checkpoint, unreferenced_objects
+from objckpt.roots.sweep import delete_checkpoint, unreferenced_objects
 from objckpt.saving import live_markers
 from objckpt.saving.live_markers import REFRESHES_PER_LEASE, LiveMarker
 from objckpt.storage import from_url

@@ -18,8 +18,7 @@ from helpers import full_manifest
 
 import objckpt
 from objckpt import progress
-from objckpt.cli._progress import TerminalBar
-from objckpt.progress import Progress, Reporter, human_bytes
+from objckpt.progress import Progress, Reporter, TerminalBar, human_bytes
 from objckpt.transfer import runtime
 
 SMALL_BLOBS = objckpt.Options(blob_size=64 * 1024)

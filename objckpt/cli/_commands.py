@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
-import re
-from dataclasses import dataclass
 from typing import Any
 
+from objckpt.cli._output import dump, iso_time, table, utc_time
 from objckpt.cli._stores import UsageError, options_from_args
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
-from objckpt.manager.checkpoint_manager import STEP_DIR, delete_checkpoint, delete_objects, unreferenced_objects
-from objckpt.manager.orbax_steps import COMMIT_FILE, renames_to_commit
 from objckpt.options import Options
 from objckpt.progress import human_bytes
-from objckpt.saving.live_markers import committed_save_id, explain, is_marker, live_markers
-from objckpt.storage import ObjectInfo
+from objckpt.roots.layout import resolve_step_url
+from objckpt.roots.listing import group_checkpoints, root_steps
+from objckpt.roots.sweep import delete_checkpoint, delete_objects, unreferenced_objects
+from objckpt.saving.live_markers import committed_save_id, explain, live_markers
 from objckpt.tools.copy import copy
 from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
 from objckpt.tools.verify import verify
@@ -38,97 +36,7 @@ def _options(args: argparse.Namespace) -> Options:
     return Options(**kw)
 
 
-def _dump(doc: Any) -> None:
-    print(json.dumps(doc, indent=2, default=str))
-
-
-def _table(header: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:  # type: ignore[assignment]
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    lines = []
-    for row in [header, *rows]:
-        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def _time(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _iso(t: float | None) -> str | None:
-    if t is None:
-        return None
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
 # ---------------------------------------------------------------------------- ls
-
-
-@dataclass
-class Listed:
-    """One checkpoint (or step directory) found under a root."""
-
-    name: str  # relative to the root; "" for the root itself
-    step: int | None
-    committed: bool
-    nbytes: int
-    objects: int
-    time: float | None
-    format: str = "objckpt"  # or "orbax"
-
-
-#: Files that mark an Orbax checkpoint (a step of Orbax's CheckpointManager, or one item).
-_ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
-_ORBAX_STEP = re.compile(r"^(\d+)$")
-
-
-def group_checkpoints(objects: list[ObjectInfo], url: str = "") -> list[Listed]:
-    """Checkpoints under a root from one listing: every directory holding a manifest, plus
-    every manager step directory (committed or not), plus Orbax's: a step directory of its
-    ``CheckpointManager`` (``<step>/``, committed once ``_CHECKPOINT_METADATA`` is there and,
-    in a bucket (``url``), ``commit_success.txt``: :mod:`objckpt.manager.orbax_steps`) or
-    an Orbax item at the root. Each object counts toward the deepest one; live-save
-    markers (:mod:`objckpt.saving.live_markers`) count toward none."""
-    objects = [o for o in objects if not is_marker(o.key)]
-    dirs: set[str] = set()
-    orbax: set[str] = set()
-    for o in objects:
-        if o.key == MANIFEST_KEY:
-            dirs.add("")
-        elif o.key.endswith("/" + MANIFEST_KEY):
-            dirs.add(o.key[: -len(MANIFEST_KEY) - 1])
-        head, slash, rest = o.key.partition("/")
-        if slash and STEP_DIR.match(head):
-            dirs.add(head)
-        if o.key in _ORBAX_MARKERS:
-            orbax.add("")
-        elif slash and _ORBAX_STEP.match(head) and rest.rpartition("/")[2] in _ORBAX_MARKERS:
-            orbax.add(head)
-    dirs |= orbax
-    found: dict[str, Listed] = {}
-    for o in objects:
-        parts = o.key.split("/")[:-1]
-        owner = next(("/".join(parts[:n]) for n in range(len(parts), -1, -1) if "/".join(parts[:n]) in dirs), None)
-        if owner is None:
-            continue
-        match = STEP_DIR.match(owner) or _ORBAX_STEP.match(owner)
-        kind = "orbax" if owner in orbax else "objckpt"
-        entry = found.setdefault(owner, Listed(owner, int(match.group(1)) if match else None, False, 0, 0, None, kind))
-        entry.nbytes += o.size
-        entry.objects += 1
-        rel = o.key[len(owner) + 1 :] if owner else o.key
-        if rel == MANIFEST_KEY or (kind == "orbax" and rel in _ORBAX_MARKERS):
-            entry.committed = True
-            entry.time = o.last_modified
-        elif not entry.committed and o.last_modified is not None:
-            entry.time = max(entry.time or 0.0, o.last_modified)
-    if url and not renames_to_commit(url):  # an Orbax save in a bucket is committed by its commit file
-        keys = {o.key for o in objects}
-        for e in found.values():
-            e.committed = e.committed and (e.format != "orbax" or f"{e.name}/{COMMIT_FILE}".lstrip("/") in keys)
-    return sorted(found.values(), key=lambda e: (e.step is None, e.step or 0, e.name))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -140,7 +48,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     entries = group_checkpoints(runtime.run_sync(store.list()), store.url)
     base = store.url.rstrip("/")
     if args.json:
-        _dump(
+        dump(
             [
                 {
                     "name": e.name,
@@ -149,7 +57,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "committed": e.committed,
                     "bytes": e.nbytes,
                     "objects": e.objects,
-                    "time": _iso(e.time),
+                    "time": iso_time(e.time),
                     "format": e.format,
                 }
                 for e in entries
@@ -169,12 +77,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
             "yes" if e.committed else "no",
             human_bytes(e.nbytes),
             str(e.objects),
-            _time(e.time),
+            utc_time(e.time),
         ]
         + ([e.format] if with_format else [])
         for e in entries
     ]
-    print(_table(header, rows, right={2, 3} | ({0} if steps_only else set())))
+    print(table(header, rows, right={2, 3} | ({0} if steps_only else set())))
     return 0
 
 
@@ -246,8 +154,6 @@ def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
 
 def _step_url(args: argparse.Namespace, url: str, side: str = "") -> str:
     """``url``, or the step it names the short way (``ROOT/300``, ``ROOT/step_300``)."""
-    from objckpt.tools.copy_root import resolve_step_url
-
     return resolve_step_url(url, options_from_args(args, url, side))
 
 
@@ -255,7 +161,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     url = _step_url(args, args.url)
     info = inspect(url, storage_options=options_from_args(args, url))
     if args.json:
-        _dump(_info_doc(info))
+        dump(_info_doc(info))
         return 0
     rows = []
     for leaf in info.leaves.values():
@@ -268,7 +174,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 dtype, shape = leaf.key_type, shape[:-1]
             rows.append([leaf.path, str(dtype), str(shape), human_bytes(leaf.nbytes), _sharding(leaf)])
     print(f"{'Orbax checkpoint' if info.format == 'orbax' else 'checkpoint'} {info.url}")
-    print(_table(["LEAF", "DTYPE", "SHAPE", "SIZE", "SAVED SHARDING"], rows, right={3}))
+    print(table(["LEAF", "DTYPE", "SHAPE", "SIZE", "SAVED SHARDING"], rows, right={3}))
     if info.format == "orbax":
         print(
             f"total: {len(info.leaves)} leaves, {human_bytes(info.total_bytes)} ({info.total_bytes} bytes);"
@@ -291,7 +197,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     url = _step_url(args, args.url)
     report = verify(url, storage_options=options_from_args(args, url), options=_options(args), progress=args.progress)
     if args.json:
-        _dump(report.to_dict())
+        dump(report.to_dict())
     else:
         for problem in report.problems:
             print(f"PROBLEM {problem.kind}: {problem}")
@@ -304,7 +210,6 @@ def cmd_cp(args: argparse.Namespace) -> int:
     some), or convert an Orbax one (or, with ``--steps``, an Orbax manager root's steps) into
     objckpt's format."""
     from objckpt.cli._roots import copy_root
-    from objckpt.tools.copy_root import root_steps
 
     src_options = options_from_args(args, args.src, "src")
     dst_options = options_from_args(args, args.dst, "dst")
@@ -340,7 +245,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
             raise missing from None
         return _print_conversion(args, [converted])
     if args.json:
-        _dump(stats.to_dict())
+        dump(stats.to_dict())
     else:
         print(stats.summary())
     return 0
@@ -350,7 +255,6 @@ def _cp_steps(args: argparse.Namespace, src_options: dict[str, Any], dst_options
     """``cp ROOT DST --steps [N,...]``: objckpt's steps copied, Orbax's converted (a continued
     Orbax root holds both)."""
     from objckpt.cli._roots import copy_root
-    from objckpt.tools.copy_root import root_steps
 
     ours, wanted = set(root_steps(args.src, src_options)), _parse_steps(args.steps)
     mine = sorted(ours) if wanted is None else [n for n in wanted if n in ours]
@@ -406,7 +310,7 @@ def _convert_steps(args: argparse.Namespace, src_options: dict[str, Any], dst_op
 
 def _print_conversion(args: argparse.Namespace, converted: list[Any]) -> int:
     if args.json:
-        _dump([dataclasses.asdict(c) for c in converted])
+        dump([dataclasses.asdict(c) for c in converted])
         return 0
     for c in converted:
         gib = c.bytes_read / 2**30
@@ -441,7 +345,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     total = sum(o.size for o in found)
     verb = "would delete" if args.dry_run else "deleted"
     if args.json:
-        _dump({"root": store.url, "dry_run": args.dry_run, "keys": [o.key for o in found], "bytes": total})
+        dump({"root": store.url, "dry_run": args.dry_run, "keys": [o.key for o in found], "bytes": total})
         return 0
     for o in found:
         print(f"{verb} {store.url}/{o.key}")
@@ -485,7 +389,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     runtime.run_sync(delete_checkpoint(store, lease=args.lease_seconds, force=args.force))
     total = sum(o.size for o in objects)
     if args.json:
-        _dump({"url": store.url, "committed": MANIFEST_KEY in keys, "objects": len(objects), "bytes": total})
+        dump({"url": store.url, "committed": MANIFEST_KEY in keys, "objects": len(objects), "bytes": total})
         return 0
     what = "checkpoint" if MANIFEST_KEY in keys else "uncommitted objects at"
     print(f"removed {what} {store.url}: {len(objects)} objects, {human_bytes(total)}")

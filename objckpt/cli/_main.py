@@ -221,9 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     undo_logging = _setup_logging(args)
     try:
-        from objckpt.cli import _commands  # after parsing: `--help` and bad command lines need none of it
+        import objckpt.cli._commands as commands  # after parsing: `--help` and bad command lines need none of it
 
-        return int(getattr(_commands, args.func)(args))
+        return int(getattr(commands, args.func)(args))
     except KeyboardInterrupt:
         print("objckpt: interrupted", file=sys.stderr)
         return 130

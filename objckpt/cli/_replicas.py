@@ -17,13 +17,14 @@ import asyncio
 import sys
 from typing import Any
 
-from objckpt.cli._commands import _dump, _table, group_checkpoints
+from objckpt.cli._output import dump, table
 from objckpt.cli._stores import options_from_args
 from objckpt.errors import CheckpointNotFoundError
+from objckpt.layouts.manifest_io import read_manifest
 from objckpt.options import Options
+from objckpt.roots.listing import group_checkpoints
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import close_store, open_store
-from objckpt.layouts.manifest_io import read_manifest
 
 #: How a step stands at one location.
 COPY, OTHER, PARTIAL, ABSENT, UNREACHABLE = "yes", "other save", "partial", "-", "unreachable"
@@ -83,7 +84,7 @@ def cmd_ls_replicas(args: argparse.Namespace) -> int:
 
     names = [store.url for store in stores]
     if args.json:
-        _dump(
+        dump(
             [
                 {
                     "step": step,
@@ -100,7 +101,7 @@ def cmd_ls_replicas(args: argparse.Namespace) -> int:
     for i, name in enumerate(names):
         print(f"[{i}] {name}" + (" (root)" if i == 0 else ""))
     rows = [[str(step)] + [state(at, step) for at in answers] for step in steps]
-    print(_table(["STEP"] + [f"[{i}]" for i in range(len(names))], rows, right={0}))
+    print(table(["STEP"] + [f"[{i}]" for i in range(len(names))], rows, right={0}))
     return 0
 
 

@@ -1,9 +1,10 @@
 """CheckpointManager: numbered steps under one root, async saves, retention, gc.
 
 Layout: ``<root>/step_0000000042/`` is a checkpoint like any other (zero-padded
-so listing order is step order). A step is committed iff its ``manifest.json``
-exists, so listing steps reads no blobs and a crash at any moment never leaves
-a half-written step looking committed. Deleting a step removes its manifest
+so listing order is step order; :mod:`objckpt.roots` names, lists, deletes and
+sweeps steps). A step is committed iff its ``manifest.json`` exists, so listing
+steps reads no blobs and a crash at any moment never leaves a half-written step
+looking committed. Deleting a step removes its manifest
 first, then its blobs; ``gc`` sweeps blobs that no manifest references once
 they are older than a grace period. Neither touches a step holding a live-save
 marker (:mod:`objckpt.saving.live_markers`), whatever the grace period, so they never race a
@@ -25,39 +26,27 @@ from typing import TYPE_CHECKING, Any
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.metadata import to_json_value
 from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
-from objckpt.manager.listing import list_steps
-from objckpt.manager.orbax_steps import delete_orbax_step, is_orbax_step, orbax_metrics, orbax_step_at, orbax_steps_in
+from objckpt.layouts.manifest_io import read_manifest
 from objckpt.manager.replication import ReplicaStatus, Replicator
 from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
-from objckpt.manager.sweep import (  # noqa: F401 - re-exported: `objckpt rm`, `gc` use them
-    LEASE,
-    STEP_DIR,
-    delete_checkpoint,
-    delete_objects,
-    unreferenced_objects,
-)
 from objckpt.options import Options
 from objckpt.restoring.locations import Location, as_locations
+from objckpt.roots.layout import step_dir
+from objckpt.roots.listing import committed_steps, list_steps
+from objckpt.roots.orbax_steps import delete_orbax_step, is_orbax_step, orbax_metrics, orbax_step_at
+from objckpt.roots.sweep import delete_checkpoint, delete_objects, unreferenced_objects
 from objckpt.storage import Store
 from objckpt.tools.inspect import CheckpointInfo, inspect
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import close_store, open_store
-from objckpt.layouts.manifest_io import read_manifest
 
 if TYPE_CHECKING:
     from objckpt.saving.api import SaveHandle
 
 # Saving, restoring and multihost import JAX, so the methods that use them import them: the
-# module's helpers (delete_checkpoint, unreferenced_objects: `objckpt rm`, `gc`) run without JAX.
+# root's layout, listing and deletion (objckpt.roots: `objckpt rm`, `gc`) run without JAX.
 
 log = logging.getLogger("objckpt")
-
-
-def step_dir(step: int) -> str:
-    """The directory name of a step; zero-padded so lexical order is numeric order."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step_{step:010d}"
 
 
 class CheckpointManager:
@@ -91,7 +80,7 @@ class CheckpointManager:
 
     Without any retention argument nothing is ever deleted. The latest committed step is
     always kept. Steps Orbax's ``CheckpointManager`` committed under the root are steps
-    here too (:mod:`objckpt.manager.orbax_steps`); new steps are saved beside them.
+    here too (:mod:`objckpt.roots.orbax_steps`); new steps are saved beside them.
     """
 
     def __init__(
@@ -145,8 +134,6 @@ class CheckpointManager:
                 options=self.options,
                 policies=self.policies,
                 known_metrics=self._metrics,
-                step_dir=step_dir,
-                committed_steps=committed_steps,
             )
 
     # ------------------------------------------------------------------ saving
@@ -257,7 +244,7 @@ class CheckpointManager:
         """Committed steps, ascending, Orbax's included. Reads only the listing, never a blob.
 
         With replicas, a root that does not answer (two short attempts) is replaced by
-        the replicas' listings, with a warning naming them (:mod:`objckpt.manager.listing`).
+        the replicas' listings, with a warning naming them (:mod:`objckpt.roots.listing`).
         """
         return list_steps(self.store, self.replicas, self.options, lambda store: committed_steps(store, orbax=True))
 
@@ -296,7 +283,7 @@ class CheckpointManager:
 
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics ``step`` was saved with (read from its manifest if not seen here;
-        for an Orbax step, what Orbax saved: :func:`~objckpt.manager.orbax_steps.orbax_metrics`)."""
+        for an Orbax step, what Orbax saved: :func:`~objckpt.roots.orbax_steps.orbax_metrics`)."""
         if step not in self._metrics and self._orbax(step):
             self._metrics[step] = runtime.run_sync(orbax_metrics(self.store, step))
         if step not in self._metrics:
@@ -385,16 +372,3 @@ class CheckpointManager:
         if doomed:
             log.info("objckpt gc deleted %d unreferenced objects under %s", len(doomed), store.url)
         return doomed
-
-
-async def committed_steps(store: Store, *, orbax: bool = False) -> list[int]:
-    """The committed steps under the manager root ``store``, ascending (one listing, no blob read);
-    with ``orbax``, Orbax's too (:func:`~objckpt.manager.orbax_steps.orbax_steps_in`)."""
-    objects = await store.list("" if orbax else "step_")
-    steps = set(orbax_steps_in(objects, store.url) if orbax else ())
-    for obj in objects:
-        head, _, tail = obj.key.partition("/")
-        match = STEP_DIR.match(head)
-        if match and tail == MANIFEST_KEY:
-            steps.add(int(match.group(1)))
-    return sorted(steps)

@@ -33,14 +33,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
+from objckpt.layouts.manifest_io import read_manifest
 from objckpt.manager.retention import KeepBest, RetentionPolicy, StepRecord, steps_to_delete
-from objckpt.manager.sweep import delete_checkpoint, delete_objects
 from objckpt.options import Options
 from objckpt.restoring.locations import Location
+from objckpt.roots.layout import step_dir
+from objckpt.roots.listing import committed_steps
+from objckpt.roots.sweep import delete_checkpoint, delete_objects
 from objckpt.storage import Store
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import RetryingStore, close_store, open_store
-from objckpt.layouts.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 
@@ -109,8 +111,6 @@ class Replicator:
         policies: the manager's retention policies, applied to each replica's own steps.
         known_metrics: the metrics of the steps the manager knows (for ``KeepBest``);
             others are read from the replica's manifest.
-        step_dir: a step's directory name.
-        committed_steps: the committed steps under a root store (one listing).
     """
 
     def __init__(
@@ -121,16 +121,12 @@ class Replicator:
         options: Options,
         policies: list[RetentionPolicy],
         known_metrics: dict[int, dict[str, Any]],
-        step_dir: Callable[[int], str],
-        committed_steps: Callable[[Store], Any],
     ) -> None:
         self.root = root
         self.options = options
         self.copy_options = replace(options, memory_budget=min(options.memory_budget, options.read_window))
         self.policies = policies
         self.known_metrics = known_metrics
-        self.step_dir = step_dir
-        self.committed_steps = committed_steps
         self.root_steps: dict[int, float] = {}  # step -> when the root committed it (as first known here)
         self.replicas: list[_Replica] = []
         self._lock = threading.Lock()  # guards the statuses read from other threads
@@ -150,7 +146,7 @@ class Replicator:
     async def _start(self) -> None:
         now = time.time()
         try:
-            for step in await self.committed_steps(self.root):
+            for step in await committed_steps(self.root):
                 self.root_steps.setdefault(step, now)
         except Exception as e:  # the replicas still get every step committed from now on
             log.warning(
@@ -193,7 +189,7 @@ class Replicator:
             try:
                 await self._drop_abandoned(replica)
                 if not replica.ready:
-                    replica.have = set(await self.committed_steps(replica.store))
+                    replica.have = set(await committed_steps(replica.store))
                     replica.ready = True
                     await self._retain(replica)
                 wanted = self._wanted(replica)
@@ -247,7 +243,7 @@ class Replicator:
     async def _replicate(self, replica: _Replica, step: int) -> None:
         from objckpt.tools.copy import DestinationCommittedError, copy_stores_async
 
-        name = self.step_dir(step)
+        name = step_dir(step)
         source, target = self.root.child(name), replica.store.child(name)
         # Kept until the copy commits: if it stops mid-way and the step then leaves the
         # root, what it wrote at the replica is deleted (:meth:`_drop_abandoned`).
@@ -285,7 +281,7 @@ class Replicator:
 
         for step in [s for s in replica.partial if s not in self.root_steps]:
             writes = replica.partial[step]
-            target = replica.store.child(self.step_dir(step))
+            target = replica.store.child(step_dir(step))
             if writes and not await _exists(target, self.options):
                 doomed = [o.key for o in await target.list() if o.key in writes]
                 await delete_objects(target, doomed)
@@ -308,7 +304,7 @@ class Replicator:
         records = [StepRecord(s, await self._metrics(replica, s) if ranked else {}) for s in sorted(replica.have)]
         for step in steps_to_delete(records, self.policies):
             try:
-                await delete_checkpoint(replica.store.child(self.step_dir(step)), lease=self.options.live_marker_lease)
+                await delete_checkpoint(replica.store.child(step_dir(step)), lease=self.options.live_marker_lease)
             except SaveInProgressError as e:
                 log.warning("objckpt retention left step %d at %s: %s", step, replica.location.url, e)
                 continue
@@ -317,7 +313,7 @@ class Replicator:
 
     async def _metrics(self, replica: _Replica, step: int) -> dict[str, Any]:
         if step not in self.known_metrics:
-            store = replica.store.child(self.step_dir(step))
+            store = replica.store.child(step_dir(step))
             manifest = await read_manifest(store, size_limit=self.options.manifest_size_limit)
             info = manifest.metadata.get("objckpt.manager", {})
             self.known_metrics[step] = dict(info.get("metrics", {})) if isinstance(info, dict) else {}

@@ -28,8 +28,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from objckpt.errors import FormatError
-from objckpt.manager.sweep import delete_objects
 from objckpt.options import Options
+from objckpt.roots.sweep import delete_objects
 from objckpt.storage import ObjectInfo, Store
 from objckpt.transfer import runtime
 

@@ -1,33 +1,34 @@
-"""Deleting checkpoints under a manager root, and finding what gc may delete: never a step
-a save is writing into.
+"""Deleting checkpoints under a manager root (one, or all of them), and finding what gc may
+delete: never a step a save is writing into.
 
 A checkpoint is deleted manifest first (it stops existing at once), then the rest;
 gc deletes objects under ``step_*/`` that no committed manifest references once
 they are older than a grace period. Both look for live-save markers
 (:mod:`objckpt.saving.live_markers`) in an order that keeps a save in flight safe
-(see :func:`unreferenced_objects`). Used by :class:`~objckpt.manager.CheckpointManager`,
-its replicas, ``objckpt rm`` and ``objckpt gc``; no JAX.
+(see :func:`unreferenced_objects`). :func:`delete_root` keeps the same order for
+every checkpoint under a root at once (``objckpt rm --recursive``). Used by
+:class:`~objckpt.manager.checkpoint_manager.CheckpointManager`, its replicas,
+``objckpt rm`` and ``objckpt gc``; no JAX.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections import defaultdict
 from typing import Any
 
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
-from objckpt.options import Options
-from objckpt.saving.live_markers import committed_save_id, explain, live_markers
-from objckpt.storage import ObjectInfo, Store
 from objckpt.layouts.manifest_io import read_checkpoint
+from objckpt.options import Options
+from objckpt.roots.layout import STEP_DIR
+from objckpt.saving.live_markers import LIVE_DIR, committed_save_id, explain, is_live, is_marker, live_markers
+from objckpt.storage import ObjectInfo, Store
 
 log = logging.getLogger("objckpt")
 
-STEP_DIR = re.compile(r"^step_(\d{10,})$")
 _DELETE_CONCURRENCY = 32
 #: The live-save marker lease deleters assume when not told (``Options.live_marker_lease``).
 LEASE: float = Options.live_marker_lease
@@ -132,3 +133,55 @@ async def delete_objects(store: Store, keys: list[str]) -> None:
             await store.delete(key)
 
     await asyncio.gather(*(one(k) for k in keys))
+
+
+async def delete_root(
+    store: Store, objects: list[ObjectInfo], *, lease: float = LEASE, force: bool = False
+) -> list[str]:
+    """Delete every object under ``store`` (listed as ``objects``): every checkpoint's manifest
+    first, then the rest. Returns the manifests' keys.
+
+    The order is :func:`delete_checkpoint`'s, applied to all of them: unless ``force``,
+    look for live-save markers under any checkpoint (a save in flight keeps the whole
+    root untouched), delete every manifest (each checkpoint stops existing at once),
+    look for markers again (a save that started meanwhile keeps its objects), then
+    delete every other object of ``objects``.
+
+    Raises:
+        SaveInProgressError: a save is writing under ``store``; it says whether nothing,
+            or only the manifests, went.
+    """
+    keys = [o.key for o in objects]
+    manifests = [k for k in keys if k == MANIFEST_KEY or k.endswith("/" + MANIFEST_KEY)]
+    if not force:
+        await _refuse_if_any_live(store, objects, lease, "nothing removed")
+    await delete_objects(store, manifests)
+    if not force:
+        await _refuse_if_any_live(
+            store,
+            await store.list(),
+            lease,
+            f"deleted the {len(manifests)} manifest(s) only; gc collects the rest after the save",
+        )
+    chosen = set(manifests)
+    await delete_objects(store, [k for k in keys if k not in chosen])
+    return manifests
+
+
+async def _refuse_if_any_live(store: Store, objects: list[ObjectInfo], lease: float, what: str) -> None:
+    """Raise naming the first checkpoint under ``store`` that a live-save marker holds."""
+    now = time.time()
+    live = [o for o in objects if is_marker(o.key) and is_live(o, lease=lease, now=now)]
+    if not live:
+        return
+    prefix = live[0].key.rpartition(f"{LIVE_DIR}/")[0].rstrip("/")
+    held = [m for m in live if m.key.rpartition(f"{LIVE_DIR}/")[0].rstrip("/") == prefix]
+    where: Any = store.child(prefix) if prefix else store
+    markers = [ObjectInfo(m.key[len(prefix) + 1 :] if prefix else m.key, m.size, m.last_modified) for m in held]
+    committed = await committed_save_id(where, size_limit=Options.manifest_size_limit)
+    more = len(live) - len(held)
+    others = f" (and {more} more live marker(s) elsewhere under {store.url})" if more else ""
+    raise SaveInProgressError(
+        f"{explain(where.url, markers, lease=lease, committed_save_id=committed)}{others}: {what}."
+        " Pass --force to remove it anyway (a save still writing then fails at its commit)"
+    )
