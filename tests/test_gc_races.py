@@ -21,10 +21,10 @@ import pytest
 
 import objckpt
 from backends.proxy import FaultProxy
-from objckpt.cli._commands import group_checkpoints
 from objckpt.cli._main import main as cli_main
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import IntegrityError, ObjectNotFoundError, SaveInProgressError, StoreError
+from objckpt.roots.listing import group_checkpoints
 from objckpt.saving.api import _Commit
 from objckpt.storage import ObjectInfo
 from objckpt.storage.fsspec_store import FsspecStore
