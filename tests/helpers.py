@@ -142,8 +142,8 @@ def full_manifest(store, *, size_limit: int = 1 << 30):
 
     ``store``: an open store (``objckpt.storage.from_url``) at the checkpoint's prefix.
     """
-    from objckpt.transfer import runtime
     from objckpt.layouts.manifest_io import read_checkpoint
+    from objckpt.transfer import runtime
 
     return runtime.run_sync(read_checkpoint(store, size_limit=size_limit))
 
@@ -153,11 +153,11 @@ def rewrite_as_v1(store, *, size_limit: int = 1 << 30) -> None:
     the manifest lists every piece, and the index objects are deleted (v1 has none)."""
     import dataclasses
 
-    from objckpt.core.format import MANIFEST_KEY
+    from objckpt.core.format import MANIFEST_KEY, manifest_to_json
     from objckpt.transfer import runtime
 
     manifest = full_manifest(store, size_limit=size_limit)
     v1 = dataclasses.replace(manifest, version=1, meshes=(), indexes=(), slab_bytes=0, loaded=frozenset())
-    runtime.run_sync(store.put(MANIFEST_KEY, v1.to_json()))
+    runtime.run_sync(store.put(MANIFEST_KEY, manifest_to_json(v1)))
     for ref in manifest.indexes:
         runtime.run_sync(store.delete(ref.key))

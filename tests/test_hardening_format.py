@@ -25,10 +25,10 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from objckpt.cli import main as cli_main
 from objckpt.core.checksum import crc32c
-from objckpt.core.format_v2 import index_key
+from objckpt.core.format.index import index_key
 from objckpt.errors import CheckpointNotFoundError, FormatError
-from objckpt.transfer import engine, runtime
 from objckpt.layouts.manifest_io import INDEX_READS_AT_ONCE
+from objckpt.transfer import engine, runtime
 
 KINDS = ["local", "s3"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from objckpt.core.format import BlobEntry, LeafEntry, Manifest, Piece, check_blob_key, parse_manifest
+from objckpt.core.format import BlobEntry, LeafEntry, Manifest, Piece, check_blob_key, manifest_to_json, parse_manifest
 from objckpt.errors import FormatError
 
 LIMIT = 1 << 20
@@ -39,7 +39,7 @@ def _valid_doc() -> dict:
         ),
         blobs=(BlobEntry("0a/s-p0-000000.blob", 512), BlobEntry("0b/s-p0-000001.blob", 3)),
     )
-    return json.loads(manifest.to_json())
+    return json.loads(manifest_to_json(manifest))
 
 
 json_values = st.recursive(

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import objckpt
-from objckpt.core.format import MANIFEST_KEY, BlobEntry, LeafEntry, Manifest, Piece
+from objckpt.core.format import MANIFEST_KEY, BlobEntry, LeafEntry, Manifest, Piece, manifest_to_json
 from objckpt.transfer import runtime
 
 BLOB = "0a/s-p0-000000.blob"
@@ -48,7 +48,7 @@ def _write_hostile(target: Any, elements: int) -> None:
     )
     store = target.open()
     runtime.run_sync(store.put(BLOB, bytes(range(256)) + bytes(REAL - 256)))
-    runtime.run_sync(store.put(MANIFEST_KEY, manifest.to_json()))
+    runtime.run_sync(store.put(MANIFEST_KEY, manifest_to_json(manifest)))
 
 
 def _resident() -> int:

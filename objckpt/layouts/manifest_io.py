@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from objckpt.core.format import ARRAY_KINDS, MANIFEST_KEY, Manifest, parse_manifest
-from objckpt.core.index_v2 import IndexDoc, merge_indexes, parse_index
+from objckpt.core.format.index import IndexDoc, merge_indexes, parse_index
 from objckpt.core.pieces import check_tiling
 from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError
 from objckpt.storage import Store
@@ -92,7 +92,7 @@ async def read_indexes(
 
     ``leaves``: per process, keep only the pieces of these leaves (a restore needs
     a few leaves from most of the processes it reads: see
-    :func:`objckpt.core.format_v2.parse_index`); None keeps every piece.
+    :func:`objckpt.core.format.v2.parse_index`); None keeps every piece.
 
     Each is checked against the root's size and crc32c and parsed strictly; one
     that fails is read again (as :func:`read_manifest` does) before it is a

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from objckpt.core.boxes import Box
 from objckpt.core.format import LeafEntry, Manifest
-from objckpt.core.format_v2 import leaves_by_writer
+from objckpt.core.format.v2 import leaves_by_writer
 from objckpt.layouts.base import CheckpointInfo, LeafInfo
 from objckpt.layouts.manifest_io import check_whole_tiling, read_indexes, read_manifest
 from objckpt.storage import Store
@@ -59,7 +59,7 @@ class NativeCheckpoint:
 
         Version 2: reads the index objects of the processes that wrote those boxes,
         keeping only the rows of those leaves (the layout's arithmetic names them:
-        :func:`objckpt.core.format_v2.leaves_by_writer`). Version 1: nothing to read.
+        :func:`objckpt.core.format.v2.leaves_by_writer`). Version 1: nothing to read.
         """
         if not self._manifest.indexes:
             return self._manifest

@@ -24,6 +24,7 @@ import threading
 from typing import Any
 
 from objckpt.errors import CheckpointNotFoundError
+from objckpt.in_flight import save_in_flight
 from objckpt.layouts.base import ForeignReader, LayoutOpener, OpenRequest
 from objckpt.layouts.native import NativeCheckpoint, open_native
 from objckpt.options import Options
@@ -99,7 +100,7 @@ def open_checkpoint(
     try:
         return runtime.run_sync(open_native(store, size_limit=options.manifest_size_limit))
     except CheckpointNotFoundError as e:
-        missing = e
+        missing = _with_in_flight_hint(e, str(store.url))
     request = OpenRequest(str(store.url), storage_options, options, look_above)
     for name in known_layouts():
         opener = _opener(name)
@@ -108,7 +109,17 @@ def open_checkpoint(
         reader = opener(store, request)
         if reader is not None:
             return reader
-    raise missing
+    raise missing from None
+
+
+def _with_in_flight_hint(e: CheckpointNotFoundError, url: str) -> CheckpointNotFoundError:
+    """``e``, saying so when a save to ``url`` is still running in this process."""
+    if not save_in_flight(url):
+        return e
+    return CheckpointNotFoundError(
+        f"{e}; a save_async to this URL is still running in this process:"
+        " call .result() on its handle (CheckpointManager: .wait()) before restoring it"
+    )
 
 
 def _opener(name: str) -> LayoutOpener | None:

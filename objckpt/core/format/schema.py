@@ -1,4 +1,4 @@
-"""The manifest: the one JSON document that makes a checkpoint exist.
+"""The manifest's schema, shared by every format version: the records and the strict field rules.
 
 ``manifest.json`` is written last, with create-if-absent, so its presence is the
 commit. It holds the tree skeleton, every leaf's kind, dtype and shape, and for
@@ -10,12 +10,13 @@ field sets and types, dtypes from a fixed table, boxes inside shapes, pieces
 that tile each leaf exactly (no overlap, no hole), byte ranges inside their
 blob, lengths equal to dtype × box, and blob keys that cannot leave the
 checkpoint prefix. Any violation is a :class:`FormatError` naming the field.
-This module does no I/O.
+The versions (:mod:`objckpt.core.format.v1`, :mod:`objckpt.core.format.v2`) build
+on these rules; :mod:`objckpt.core.format.manifest` picks one by the ``version``
+field. This module does no I/O.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -24,7 +25,7 @@ from typing import Any, NamedTuple
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.layout import Mesh
 from objckpt.core.pieces import Piece, _fast_piece, _piece_from_json, check_tiling
-from objckpt.core.strict import fields, is_int, need, strict_json
+from objckpt.core.strict import fields, is_int, need
 from objckpt.errors import FormatError
 
 FORMAT_NAME = "objckpt"
@@ -34,7 +35,7 @@ MANIFEST_KEY = "manifest.json"
 
 ARRAY_KINDS = ("array", "ndarray", "str", "bytes")  # leaves whose data lives in blobs
 INLINE_KINDS = ("int", "float", "bool", "none")  # leaves stored in the manifest itself
-_BLOB_KEY = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*(/[A-Za-z0-9_\-][A-Za-z0-9_.\-]*)*$")
+BLOB_KEY = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*(/[A-Za-z0-9_\-][A-Za-z0-9_.\-]*)*$")
 _MAX_RANK = 64
 Index = tuple[int, ...]
 PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")  # typed PRNG keys, stored as their uint32 key data
@@ -137,26 +138,9 @@ class Manifest:
             loaded=self.loaded | frozenset(processes),
         )
 
-    def to_json(self) -> bytes:
-        if self.version == 2:
-            from objckpt.core.format_v2 import root_to_json
 
-            return root_to_json(self)
-        doc = {
-            "format": FORMAT_NAME,
-            "version": self.version,
-            "save_id": self.save_id,
-            "created": self.created,
-            "num_processes": self.num_processes,
-            "metadata": self.metadata,
-            "tree": self.tree,
-            "blobs": [{"key": b.key, "size": b.size} for b in self.blobs],
-            "leaves": [_leaf_to_json(leaf) for leaf in self.leaves],
-        }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:
+def leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:
+    """One leaf as a manifest writes it (version 2 drops ``pieces`` and adds ``layout``)."""
     out: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind}
     if leaf.kind in ARRAY_KINDS:
         out["dtype"] = leaf.dtype
@@ -184,78 +168,14 @@ def _leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- reading
 
 
-def parse_manifest(data: bytes, *, size_limit: int) -> Manifest:
-    """Parse and validate manifest bytes.
-
-    Raises:
-        FormatError: naming the first field that is wrong.
-    """
-    if len(data) > size_limit:
-        raise FormatError(f"manifest is {len(data)} bytes, over the limit of {size_limit}")
-    return _manifest_from_doc(strict_json(data))
-
-
-def _need(cond: bool, where: str, what: str) -> None:
-    need(cond, where, what)
-
-
-def _fields(obj: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> None:  # type: ignore[assignment]
-    fields(obj, where, required, optional)
-
-
-def _manifest_from_doc(doc: Any) -> Manifest:
-    _need(isinstance(doc, dict), "(top level)", "must be an object")
-    _need(doc.get("format") == FORMAT_NAME, "'format'", f"must be {FORMAT_NAME!r}")
-    version = doc.get("version")
-    _need(is_int(version), "'version'", "must be an integer")
-    if version not in READ_VERSIONS:
-        raise FormatError(
-            f"manifest field 'version': {version} is not supported (this objckpt reads"
-            f" {', '.join(map(str, READ_VERSIONS))})"
-        )
-    if version == 2:
-        from objckpt.core.format_v2 import root_from_doc
-
-        return root_from_doc(doc)
-    _fields(
-        doc,
-        "(top level)",
-        {"format", "version", "save_id", "created", "num_processes", "metadata", "tree", "blobs", "leaves"},
-    )
-    check_header(doc)
-    _need(isinstance(doc["blobs"], list), "'blobs'", "must be a list")
-
-    blobs: dict[str, int] = {}
-    for i, b in enumerate(doc["blobs"]):
-        where = f"'blobs[{i}]'"
-        _fields(b, where, {"key", "size"})
-        _need(isinstance(b["key"], str) and check_blob_key(b["key"]), f"{where}.key", f"unsafe blob key {b['key']!r}")
-        _need(is_int(b["size"]) and b["size"] >= 0, f"{where}.size", "must be a non-negative integer")
-        _need(b["key"] not in blobs, f"{where}.key", f"duplicate blob {b['key']!r}")
-        blobs[b["key"]] = b["size"]
-
-    leaves = parse_leaves(doc["leaves"], blobs)
-    check_tree_leaves(doc["tree"], len(leaves))
-    return Manifest(
-        save_id=doc["save_id"],
-        created=doc["created"],
-        tree=doc["tree"],
-        leaves=tuple(leaves),
-        blobs=tuple(BlobEntry(k, s) for k, s in blobs.items()),
-        num_processes=doc["num_processes"],
-        metadata=doc["metadata"],
-        version=doc["version"],
-    )
-
-
 def check_header(doc: dict[str, Any]) -> None:
     """The fields every version shares (``format`` and ``version`` already checked)."""
-    _need(isinstance(doc["save_id"], str) and 0 < len(doc["save_id"]) <= 128, "'save_id'", "must be a short string")
-    _need(isinstance(doc["created"], str) and len(doc["created"]) <= 64, "'created'", "must be a short string")
-    _need(is_int(doc["num_processes"]) and doc["num_processes"] >= 1, "'num_processes'", "must be a positive integer")
-    _need(isinstance(doc["metadata"], dict), "'metadata'", "must be an object")
-    _need(isinstance(doc["tree"], dict), "'tree'", "must be an object")
-    _need(isinstance(doc["leaves"], list), "'leaves'", "must be a list")
+    need(isinstance(doc["save_id"], str) and 0 < len(doc["save_id"]) <= 128, "'save_id'", "must be a short string")
+    need(isinstance(doc["created"], str) and len(doc["created"]) <= 64, "'created'", "must be a short string")
+    need(is_int(doc["num_processes"]) and doc["num_processes"] >= 1, "'num_processes'", "must be a positive integer")
+    need(isinstance(doc["metadata"], dict), "'metadata'", "must be an object")
+    need(isinstance(doc["tree"], dict), "'tree'", "must be an object")
+    need(isinstance(doc["leaves"], list), "'leaves'", "must be a list")
 
 
 def parse_leaves(raw_leaves: list[Any], blobs: dict[str, int] | None) -> list[LeafEntry]:
@@ -264,7 +184,7 @@ def parse_leaves(raw_leaves: list[Any], blobs: dict[str, int] | None) -> list[Le
     seen_paths: set[str] = set()
     for i, raw in enumerate(raw_leaves):
         leaf = _leaf_from_json(raw, f"'leaves[{i}]'", blobs)
-        _need(leaf.path not in seen_paths, f"'leaves[{i}]'.path", f"duplicate leaf path {leaf.path!r}")
+        need(leaf.path not in seen_paths, f"'leaves[{i}]'.path", f"duplicate leaf path {leaf.path!r}")
         seen_paths.add(leaf.path)
         leaves.append(leaf)
     return leaves
@@ -272,7 +192,7 @@ def parse_leaves(raw_leaves: list[Any], blobs: dict[str, int] | None) -> list[Le
 
 def check_blob_key(key: str) -> bool:
     """True when ``key`` is a relative key that stays inside the checkpoint prefix."""
-    if not key or len(key) > 1024 or not _BLOB_KEY.match(key):
+    if not key or len(key) > 1024 or not BLOB_KEY.match(key):
         return False
     return all(part not in (".", "..") for part in key.split("/"))
 
@@ -280,26 +200,26 @@ def check_blob_key(key: str) -> bool:
 def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int] | None) -> LeafEntry:
     """One leaf; version 1 (``blobs`` given) lists its pieces, version 2 may give its ``layout``
     (checked by :mod:`objckpt.core.format_v2`, which knows the meshes)."""
-    _need(isinstance(raw, dict), where, "must be an object")
+    need(isinstance(raw, dict), where, "must be an object")
     kind = raw.get("kind")
-    _need(kind in ARRAY_KINDS + INLINE_KINDS, f"{where}.kind", f"unknown kind {kind!r}")
+    need(kind in ARRAY_KINDS + INLINE_KINDS, f"{where}.kind", f"unknown kind {kind!r}")
     if kind in ARRAY_KINDS and blobs is None:
-        _fields(raw, where, {"path", "kind", "dtype", "shape"}, {"sharding", "layout"})
+        fields(raw, where, {"path", "kind", "dtype", "shape"}, {"sharding", "layout"})
     elif kind in ARRAY_KINDS:
-        _fields(raw, where, {"path", "kind", "dtype", "shape", "pieces"}, {"sharding"})
+        fields(raw, where, {"path", "kind", "dtype", "shape", "pieces"}, {"sharding"})
     elif kind == "none":
-        _fields(raw, where, {"path", "kind"})
+        fields(raw, where, {"path", "kind"})
     else:
-        _fields(raw, where, {"path", "kind", "value"})
+        fields(raw, where, {"path", "kind", "value"})
     path = raw["path"]
-    _need(isinstance(path, str) and len(path) <= 4096, f"{where}.path", "must be a string")
+    need(isinstance(path, str) and len(path) <= 4096, f"{where}.path", "must be a string")
     if kind == "none":
         return LeafEntry(path, kind)
     if kind == "int":
-        _need(is_int(raw["value"]), f"{where}.value", "must be an integer")
+        need(is_int(raw["value"]), f"{where}.value", "must be an integer")
         return LeafEntry(path, kind, value=raw["value"])
     if kind == "bool":
-        _need(isinstance(raw["value"], bool), f"{where}.value", "must be a boolean")
+        need(isinstance(raw["value"], bool), f"{where}.value", "must be a boolean")
         return LeafEntry(path, kind, value=raw["value"])
     if kind == "float":
         try:
@@ -309,27 +229,27 @@ def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int] | None) -> LeafE
         return LeafEntry(path, kind, value=value)
 
     dtype = dtype_from_name(raw["dtype"]) if isinstance(raw["dtype"], str) else None
-    _need(dtype is not None, f"{where}.dtype", f"unsupported dtype {raw['dtype']!r}")
+    need(dtype is not None, f"{where}.dtype", f"unsupported dtype {raw['dtype']!r}")
     assert dtype is not None
     if kind in ("str", "bytes"):
-        _need(raw["dtype"] == "uint8", f"{where}.dtype", "str and bytes leaves are uint8")
+        need(raw["dtype"] == "uint8", f"{where}.dtype", "str and bytes leaves are uint8")
     shape = raw["shape"]
-    _need(
+    need(
         isinstance(shape, list) and len(shape) <= _MAX_RANK and all(is_int(d) and d >= 0 for d in shape),
         f"{where}.shape",
         "must be a list of non-negative integers",
     )
     if kind in ("str", "bytes"):
-        _need(len(shape) == 1, f"{where}.shape", "str and bytes leaves are 1-D")
+        need(len(shape) == 1, f"{where}.shape", "str and bytes leaves are 1-D")
     sharding = raw.get("sharding")
-    _need(sharding is None or isinstance(sharding, dict), f"{where}.sharding", "must be an object")
+    need(sharding is None or isinstance(sharding, dict), f"{where}.sharding", "must be an object")
     if sharding is not None and "prng_impl" in sharding:
-        _need(sharding["prng_impl"] in PRNG_IMPLS, f"{where}.sharding.prng_impl", f"unknown {sharding['prng_impl']!r}")
+        need(sharding["prng_impl"] in PRNG_IMPLS, f"{where}.sharding.prng_impl", f"unknown {sharding['prng_impl']!r}")
     if blobs is None:
         layout = raw.get("layout")
-        _need(layout is None or isinstance(layout, dict), f"{where}.layout", "must be an object")
+        need(layout is None or isinstance(layout, dict), f"{where}.layout", "must be an object")
         return LeafEntry(path, kind, raw["dtype"], tuple(shape), sharding=sharding, layout=layout)
-    _need(isinstance(raw["pieces"], list), f"{where}.pieces", "must be a list")
+    need(isinstance(raw["pieces"], list), f"{where}.pieces", "must be a list")
     pieces = tuple(
         _fast_piece(p, shape, dtype.itemsize, blobs)
         or _piece_from_json(p, f"{where}.pieces[{j}]", shape, dtype.itemsize, blobs)
@@ -345,27 +265,27 @@ def check_tree_leaves(tree: dict[str, Any], n_leaves: int) -> None:
     stack: list[tuple[Any, int]] = [(tree, 0)]
     while stack:
         node, depth = stack.pop()
-        _need(depth <= 256 and isinstance(node, dict), "'tree'", "malformed or too deep")
+        need(depth <= 256 and isinstance(node, dict), "'tree'", "malformed or too deep")
         if node.get("t") == "leaf":
             i = node.get("i")
-            _need(is_int(i) and 0 <= i < n_leaves, "'tree'", f"leaf index {i!r} out of range")
-            _need(i not in seen, "'tree'", f"leaf index {i} appears twice")
+            need(is_int(i) and 0 <= i < n_leaves, "'tree'", f"leaf index {i!r} out of range")
+            need(i not in seen, "'tree'", f"leaf index {i} appears twice")
             seen.add(i)
         else:
             children = node.get("c")
-            _need(isinstance(children, list), "'tree'", f"node {node.get('t')!r} without children")
+            need(isinstance(children, list), "'tree'", f"node {node.get('t')!r} without children")
             if node.get("t") in ("dict", "node"):
                 _check_node_keys(node.get("k"), len(children))
             stack.extend((c, depth + 1) for c in children)
-    _need(len(seen) == n_leaves, "'tree'", f"references {len(seen)} of {n_leaves} leaves")
+    need(len(seen) == n_leaves, "'tree'", f"references {len(seen)} of {n_leaves} leaves")
 
 
 def _check_node_keys(keys: Any, n_children: int) -> None:
     """A dict or node names each child by its own key: as many keys as children, each a
     string or integer, none twice (a repeated key would drop the leaves under all but one)."""
-    _need(isinstance(keys, list) and len(keys) == n_children, "'tree'", "a node's keys do not match its children")
+    need(isinstance(keys, list) and len(keys) == n_children, "'tree'", "a node's keys do not match its children")
     for k in keys:
-        _need(is_int(k) or isinstance(k, str), "'tree'", f"bad key {k!r}")
+        need(is_int(k) or isinstance(k, str), "'tree'", f"bad key {k!r}")
     if len(set(keys)) != len(keys):
         seen: set[Any] = set()
         dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]

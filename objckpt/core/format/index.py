@@ -3,7 +3,7 @@
 Written by each process before the commit (:func:`index_to_json`); read by
 :func:`parse_index`, which first checks the object against the root's record of
 it (size, crc32c, SHA-256 when pinned; the root's ``save_id``), then reads it as
-strictly as the root (:mod:`objckpt.core.format_v2`). See ``docs/FORMAT.md``. No I/O.
+strictly as the root (:mod:`objckpt.core.format.v2`). See ``docs/FORMAT.md``. No I/O.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from objckpt.core.checksum import crc32c, is_sha256_hex, sha256_hex
 from objckpt.core.dtypes import dtype_from_name
-from objckpt.core.format import ARRAY_KINDS, IndexRef, Manifest, check_blob_key
+from objckpt.core.format.schema import ARRAY_KINDS, IndexRef, Manifest, check_blob_key
 from objckpt.core.pieces import Piece
 from objckpt.core.strict import fields, is_int, need, strict_json
 from objckpt.errors import FormatError

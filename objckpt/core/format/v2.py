@@ -11,7 +11,7 @@ in; it is written by that process before the commit.
 A reader computes from a leaf's layout which processes wrote the boxes it needs
 (:mod:`objckpt.core.layout`), reads those index objects only, and checks each
 one's size and crc32c against the root before parsing it as strictly as the
-root (:mod:`objckpt.core.index_v2`, whose names are re-exported here). See
+root (:mod:`objckpt.core.format.index`). See
 ``docs/FORMAT.md``. No I/O.
 """
 
@@ -24,26 +24,18 @@ from typing import Any
 
 from objckpt.core.checksum import is_sha256_hex
 from objckpt.core.dtypes import dtype_from_name
-from objckpt.core.format import (
-    _BLOB_KEY,
+from objckpt.core.format.schema import (
     ARRAY_KINDS,
+    BLOB_KEY,
     FORMAT_NAME,
     IndexRef,
     Manifest,
-    _leaf_to_json,
     check_blob_key,
     check_header,
     check_tree_leaves,
+    leaf_to_json,
     parse_leaves,
 )
-
-# Index objects live in objckpt.core.index_v2; these names are also reachable from here.
-from objckpt.core.index_v2 import INDEX_FORMAT as INDEX_FORMAT
-from objckpt.core.index_v2 import IndexDoc as IndexDoc
-from objckpt.core.index_v2 import index_key as index_key
-from objckpt.core.index_v2 import index_to_json as index_to_json
-from objckpt.core.index_v2 import merge_indexes as merge_indexes
-from objckpt.core.index_v2 import parse_index as parse_index
 from objckpt.core.layout import Box, Grid, Mesh, grid_fits
 from objckpt.core.strict import fields, is_int, need
 from objckpt.errors import FormatError
@@ -58,7 +50,7 @@ _AXIS_NAME_MAX = 256
 def root_to_json(manifest: Manifest) -> bytes:
     leaves = []
     for leaf in manifest.leaves:
-        doc = _leaf_to_json(leaf)
+        doc = leaf_to_json(leaf)
         doc.pop("pieces", None)
         if leaf.layout is not None:
             doc["layout"] = leaf.layout
@@ -191,7 +183,7 @@ def _fast_refs(raws: list[Any]) -> list[IndexRef] | None:
             type(key) is not str
             or key in seen
             or len(key) > 1024
-            or not _BLOB_KEY.match(key)  # (no part can be "." or ".." then: check_blob_key's other rule)
+            or not BLOB_KEY.match(key)  # (no part can be "." or ".." then: check_blob_key's other rule)
             or type(size) is not int
             or type(crc) is not int
             or type(blobs) is not int
