@@ -8,16 +8,16 @@ import math
 from typing import Any
 
 from objckpt.errors import FormatError, StoreError
+from objckpt.layouts.base import CheckpointInfo, LeafInfo
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, numpy_dtype
 from objckpt.orbax.tensorstore_io import Waiter, array_spec, describe_kvstore, import_tensorstore, kvstore_for
-from objckpt.tools.inspect import CheckpointInfo, LeafInfo
 
 
 def inspect_orbax(
     item: OrbaxItem, storage_options: dict[str, Any] | None, options: Options | None = None
 ) -> CheckpointInfo:
-    """The :class:`~objckpt.tools.inspect.CheckpointInfo` of an Orbax item (``format="orbax"``);
+    """The :class:`~objckpt.layouts.base.CheckpointInfo` of an Orbax item (``format="orbax"``);
     each header's open waits at most ``options.request_timeout`` without an answer."""
     ts = import_tensorstore()
     infos: list[LeafInfo] = []

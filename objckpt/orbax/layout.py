@@ -33,6 +33,7 @@ import numpy as np
 from jax.tree_util import DictKey, SequenceKey, keystr
 
 from objckpt.errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError
+from objckpt.transfer import runtime
 
 #: Files whose presence marks an Orbax item directory.
 MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
@@ -305,6 +306,17 @@ def describe_sharding(sharding: dict[str, Any] | None) -> str:
 def numpy_dtype(dtype: Any) -> np.dtype:
     """A tensorstore dtype as numpy's (bfloat16, float8, int4 through ml_dtypes, as JAX has them)."""
     return np.dtype(dtype.numpy_dtype)
+
+
+def orbax_item_at(store: Any, parent: Any = None) -> OrbaxItem | None:
+    """The Orbax item at ``store`` (an objckpt store, or one wrapping it as ``.inner``),
+    or None when nothing Orbax wrote is there; ``parent``, the store one level up,
+    lets an item that is no pytree be named as such (see :func:`read_item`)."""
+    inner = getattr(store, "inner", store)
+    try:
+        return runtime.run_sync(read_item(inner, inner.url, parent))
+    except CheckpointNotFoundError:
+        return None
 
 
 async def read_item(store: Any, url: str, parent: Any = None) -> OrbaxItem:

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from objckpt.errors import FormatError, StoreError
+from objckpt.layouts.base import VerifyProblem, VerifyReport
 from objckpt.options import Options
 from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, numpy_dtype
 from objckpt.orbax.tensorstore_io import (
@@ -34,7 +35,6 @@ from objckpt.orbax.tensorstore_io import (
     split_box,
 )
 from objckpt.progress import ProgressArg, reporting
-from objckpt.tools.verify import VerifyProblem, VerifyReport
 from objckpt.transfer.engine import TransferStats
 
 #: What ``objckpt verify`` checks of an Orbax checkpoint, in its report's words.
@@ -117,6 +117,7 @@ def verify_orbax(
         seconds=time.perf_counter() - started,
         format="orbax",
         arrays=len(leaves),
+        checks=CHECKS,
     )
 
 
