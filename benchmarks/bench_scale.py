@@ -182,7 +182,7 @@ class Saver:
         from objckpt.core.checksum import crc32c
         from objckpt.core.dtypes import dtype_name
         from objckpt.core.format import LeafEntry
-        from objckpt.core.format_v2 import index_key, index_to_json
+        from objckpt.core.format.index import index_key, index_to_json
         from objckpt.core.pieces import Piece
         from objckpt.core.plan import blob_key, packing_order, plan_blobs
 
@@ -254,7 +254,7 @@ class Saver:
 
     def report_of(self, process: int) -> bytes:
         """The report ``process`` sends: its own when planned, else host 1's under its key (the same size)."""
-        from objckpt.core.format_v2 import index_key
+        from objckpt.core.format.index import index_key
 
         found = self.plans.get(process)
         if found is not None:
@@ -354,7 +354,7 @@ def restore_plan(root: bytes, targets: list[Any], devices: frozenset[Any], store
 
 def writers_needed(manifest: Any, targets: list[Any], devices: frozenset[Any]) -> set[int]:
     """The processes whose index objects a host of these devices reads (untimed: to know which to build)."""
-    from objckpt.core.format_v2 import leaves_by_writer
+    from objckpt.core.format.v2 import leaves_by_writer
     from objckpt.restoring.jobs import make_job
 
     boxes = {i: make_job(manifest.leaves[i], t, devices=devices).read_boxes for i, t in enumerate(targets)}
@@ -372,7 +372,8 @@ def run_child(n: int, layouts: list[str], layers: int, repeats: int = 2) -> dict
     import jax
 
     from objckpt.core.checksum import crc32c
-    from objckpt.core.format_v2 import index_key
+    from objckpt.core.format import manifest_to_json
+    from objckpt.core.format.index import index_key
     from objckpt.core.tree import flatten
 
     have = len(jax.devices())
@@ -407,7 +408,7 @@ def run_child(n: int, layouts: list[str], layers: int, repeats: int = 2) -> dict
         # The primary's commit: decode every report, build the root, encode it.
         reports = {p: saver.report_of(p) for p in range(processes)}
         started = time.process_time()
-        root = saver.manifest(skeleton, reports).to_json()
+        root = manifest_to_json(saver.manifest(skeleton, reports))
         crc32c(root)
         commit_cpu = time.process_time() - started
 

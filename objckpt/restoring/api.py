@@ -20,7 +20,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from objckpt.core.format import ARRAY_KINDS, Manifest
-from objckpt.core.format_v2 import require_digest
+from objckpt.core.format.v2 import require_digest
 from objckpt.core.plan import ReadRequest
 from objckpt.core.tree import build, flatten_target, unflatten_target
 from objckpt.errors import (

@@ -1,7 +1,7 @@
 """Restore's metadata step in format version 2: the index objects a host needs, and the check that they cover it.
 
 From each leaf's saved layout a host names the processes that wrote the boxes it
-reads (:func:`objckpt.core.format_v2.leaves_by_writer`) and reads only their
+reads (:func:`objckpt.core.format.v2.leaves_by_writer`) and reads only their
 index objects, keeping only the rows of those leaves. After planning, every
 box must be covered exactly by the pieces found; when not, every index object
 is read and the reads planned again before the checkpoint is called malformed.
@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from objckpt.core.format import LeafEntry, Manifest, Piece
-from objckpt.core.format_v2 import leaves_by_writer
+from objckpt.core.format.v2 import leaves_by_writer
 from objckpt.core.plan import ReadRequest
 from objckpt.errors import FormatError
 from objckpt.options import Options

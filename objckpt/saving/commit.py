@@ -21,8 +21,8 @@ import time
 from typing import Any
 
 from objckpt.core.checksum import crc32c, sha256_hex
-from objckpt.core.format import FORMAT_VERSION, MANIFEST_KEY, IndexRef, LeafEntry, Manifest, parse_manifest
-from objckpt.core.format_v2 import index_key, index_to_json
+from objckpt.core.format import FORMAT_VERSION, MANIFEST_KEY, IndexRef, LeafEntry, Manifest, manifest_to_json, parse_manifest
+from objckpt.core.format.index import index_key, index_to_json
 from objckpt.core.layout import Mesh
 from objckpt.errors import (
     CheckpointExistsError,
@@ -214,7 +214,7 @@ class _Commit:
             ]
         )
         try:
-            await self.engine.put(MANIFEST_KEY, manifest.to_json(), mode="create")
+            await self.engine.put(MANIFEST_KEY, manifest_to_json(manifest), mode="create")
         except ObjectExistsError:
             if not await self._is_ours():
                 return json.dumps({"status": "exists"}).encode()

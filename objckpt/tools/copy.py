@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from objckpt.core.checksum import crc32c, sha256_hex
-from objckpt.core.format import MANIFEST_KEY, BlobEntry, Manifest, parse_manifest
+from objckpt.core.format import MANIFEST_KEY, BlobEntry, Manifest, manifest_to_json, parse_manifest
 from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsError, StoreError
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, human_bytes
@@ -400,7 +400,7 @@ async def _refuse_committed(dst: Any, manifest: Manifest, options: Options) -> N
 async def _commit(target: TransferEngine, dst: Any, manifest: Manifest, options: Options) -> None:
     """Write the manifest last, create-if-absent; a lost reply to our own write is success."""
     try:
-        await target.put(MANIFEST_KEY, manifest.to_json(), mode="create")
+        await target.put(MANIFEST_KEY, manifest_to_json(manifest), mode="create")
     except ObjectExistsError:
         save_id = await committed_save_id(dst, options)
         if save_id != manifest.save_id:

@@ -23,7 +23,7 @@ from typing import Any
 
 from objckpt.core.checksum import damage
 from objckpt.core.format import BlobEntry, Manifest, Piece
-from objckpt.core.format_v2 import require_digest
+from objckpt.core.format.v2 import require_digest
 from objckpt.errors import CheckpointNotFoundError, StoreError
 from objckpt.options import MiB, Options
 from objckpt.progress import ProgressArg, human_bytes, reporting

@@ -103,7 +103,7 @@ class Manifest:
     num_processes: int = 1
     metadata: dict[str, Any] = field(default_factory=dict)
     version: int = 1
-    # Version 2 (see objckpt.core.format_v2): the meshes leaves were saved on, each
+    # Version 2 (see objckpt.core.format.v2): the meshes leaves were saved on, each
     # process's index object (by process), the replica slab size the writers used,
     # and which processes' index objects have been read into ``leaves``/``blobs``.
     meshes: tuple[Mesh, ...] = ()
@@ -199,7 +199,7 @@ def check_blob_key(key: str) -> bool:
 
 def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int] | None) -> LeafEntry:
     """One leaf; version 1 (``blobs`` given) lists its pieces, version 2 may give its ``layout``
-    (checked by :mod:`objckpt.core.format_v2`, which knows the meshes)."""
+    (checked by :mod:`objckpt.core.format.v2`, which knows the meshes)."""
     need(isinstance(raw, dict), where, "must be an object")
     kind = raw.get("kind")
     need(kind in ARRAY_KINDS + INLINE_KINDS, f"{where}.kind", f"unknown kind {kind!r}")
