@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from backends import ConnectProxy, GCSService, S3Service, TestCA, TlsFront
 from backends.proxy import FaultProxy
-from objckpt.storage.registry import BACKEND_OPTION
+from objckpt.storage.opening import BACKEND_OPTION
 
 _SCRIPT = Path(sys.executable).with_name("objckpt")
 CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "objckpt.cli"]

@@ -29,7 +29,7 @@ def test_gcs_uploads_write_the_body_in_slices(gcs_store, monkeypatch):
     """aiohttp gets the body slice by slice, so it never joins (copies) a whole blob before sending."""
     import aiohttp.http_writer
 
-    from objckpt.storage.gcs_upload import SLICE
+    from objckpt.storage.http.gcs_upload import SLICE
 
     written: list[int] = []
     original = aiohttp.http_writer.StreamWriter.write

@@ -27,7 +27,7 @@ from objckpt.errors import IntegrityError, ObjectNotFoundError, SaveInProgressEr
 from objckpt.roots.listing import group_checkpoints
 from objckpt.saving.api import _Commit
 from objckpt.storage import ObjectInfo
-from objckpt.storage.fsspec_store import FsspecStore
+from objckpt.storage.fsspec.store import FsspecStore
 from objckpt.transfer import runtime
 
 # One request at a time, and several small blobs, so the save takes a few seconds.

@@ -1,4 +1,4 @@
-"""One refreshable Google credential per GCS store (``objckpt.storage.gcs_auth``).
+"""One refreshable Google credential per GCS store (``objckpt.storage.auth.gcs``).
 
 Credentials come from google-auth's own loaders and refresh against a real
 OAuth token endpoint (:class:`backends.identity.CredentialServer`); on the GCS
@@ -32,9 +32,9 @@ from backends.identity import CredentialServer
 from backends.proxy import FaultProxy
 from objckpt.errors import StorePermissionError, TransientStoreError
 from objckpt.storage import from_url
-from objckpt.storage.gcs_auth import SCOPE_PREFIX, GoogleToken, load_token
-from objckpt.storage.gcs_stream import GCSRangeReader
-from objckpt.storage.gcs_upload import MediaUploader
+from objckpt.storage.auth.gcs import SCOPE_PREFIX, GoogleToken, load_token
+from objckpt.storage.http.gcs import GCSRangeReader
+from objckpt.storage.http.gcs_upload import MediaUploader
 from objckpt.transfer import runtime
 
 URL = "gs://bkt/ckpt"

@@ -1,4 +1,4 @@
-"""Ranged GCS GETs streamed to a sink (``objckpt.storage.gcs_stream``), on the GCS emulator.
+"""Ranged GCS GETs streamed to a sink (``objckpt.storage.http.gcs``), on the GCS emulator.
 
 ``gs://`` opens with gcsfs by default; its stores stream copied reads with
 the endpoint and the credential the store resolved when it opened, touching
@@ -21,9 +21,9 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from objckpt.errors import ObjectNotFoundError
 from objckpt.storage import from_url
-from objckpt.storage.fsspec_store import FsspecStore
-from objckpt.storage.gcs_stream import GCSRangeReader
-from objckpt.storage.gcs_upload import MediaUploader
+from objckpt.storage.fsspec.store import FsspecStore
+from objckpt.storage.http.gcs import GCSRangeReader
+from objckpt.storage.http.gcs_upload import MediaUploader
 from objckpt.transfer import runtime
 
 PAYLOAD = bytes(np.random.default_rng(6).integers(0, 256, 3 << 20, dtype=np.uint8))

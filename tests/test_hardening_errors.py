@@ -33,8 +33,8 @@ import objckpt
 from backends import GCSService, S3Service, TestCA, TlsFront
 from objckpt.cli import main as cli_main
 from objckpt.errors import BucketNotFoundError, StoreError, StorePermissionError, TransientStoreError
-from objckpt.storage import credentials
-from objckpt.storage.error_map import map_obstore_error
+from objckpt.storage.auth import credentials
+from objckpt.storage.errors import map_obstore_error
 from objckpt.transfer import engine
 
 #: What a user must never have to read: obstore's request internals and debug dump, raw XML.
@@ -217,8 +217,8 @@ def test_a_metadata_refusal_met_by_obstore_itself_is_not_retried(
     a permission error, said as such, after one request."""
     metadata, requests = refusing_metadata
     cloud_env()
-    from objckpt.storage.obstore_config import NativeSpec
-    from objckpt.storage.obstore_store import open_spec
+    from objckpt.storage.obstore.config import NativeSpec
+    from objckpt.storage.obstore.store import open_spec
 
     config = {"region": s3_service.region, "endpoint": s3_service.endpoint_url, "metadata_endpoint": metadata}
     config["virtual_hosted_style_request"] = False

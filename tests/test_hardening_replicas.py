@@ -24,7 +24,8 @@ from helpers import assert_tree_bit_exact
 import objckpt
 from backends.proxy import FaultProxy
 from objckpt.core.checksum import crc32c
-from objckpt.storage import from_url, s3_copy
+from objckpt.storage import from_url
+from objckpt.storage.copy import s3 as s3_copy
 from objckpt.transfer import runtime
 
 MiB = 1 << 20

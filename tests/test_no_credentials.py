@@ -115,7 +115,7 @@ def test_a_metadata_service_that_answered_is_asked_once_per_process(monkeypatch,
     import http.server
     import threading
 
-    from objckpt.storage import credentials
+    from objckpt.storage.auth import credentials
 
     requests: list[str] = []
 

@@ -7,7 +7,7 @@ import pytest
 
 import objckpt
 from objckpt.errors import StorePermissionError
-from objckpt.storage.error_map import service_detail
+from objckpt.storage.errors import service_detail
 
 RAW_BODY_MARKS = ("<?xml", "<Error>", "<Code>", "Debug source", "RetryError")
 

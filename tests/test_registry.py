@@ -22,13 +22,13 @@ from objckpt.errors import (
     TransientStoreError,
 )
 from objckpt.storage import from_url
-from objckpt.storage.error_map import map_obstore_error
-from objckpt.storage.fsspec_gcs import GcsFsspecStore
-from objckpt.storage.fsspec_local import LocalFsspecStore
-from objckpt.storage.fsspec_store import FsspecStore, MemoryFsspecStore, S3FsspecStore
-from objckpt.storage.obstore_config import NotTranslatable, translate_gcs, translate_s3
-from objckpt.storage.obstore_store import ObstoreStore
-from objckpt.storage.registry import BACKEND_ENV
+from objckpt.storage.errors import map_obstore_error
+from objckpt.storage.fsspec.gcs import GcsFsspecStore
+from objckpt.storage.fsspec.local import LocalFsspecStore
+from objckpt.storage.fsspec.store import FsspecStore, MemoryFsspecStore, S3FsspecStore
+from objckpt.storage.obstore.config import NotTranslatable, translate_gcs, translate_s3
+from objckpt.storage.obstore.store import ObstoreStore
+from objckpt.storage.opening import BACKEND_ENV
 
 pytest.importorskip("obstore")
 
@@ -151,7 +151,7 @@ def test_translate_s3_shared_credentials_file_means_fsspec(tmp_path: Path) -> No
 def test_profile_files_are_read_through_botocore_for_obstore(tmp_path: Path) -> None:
     """A shared credentials file (any botocore source obstore cannot read) reaches obstore
     as a credential provider; the environment's web identity goes to obstore natively."""
-    from objckpt.storage.credentials import BotocoreCredentials, resolve_s3_source
+    from objckpt.storage.auth.credentials import BotocoreCredentials, resolve_s3_source
 
     credentials = tmp_path / "credentials"
     credentials.write_text("[dev]\naws_access_key_id = filekey\naws_secret_access_key = filesecret\n")

@@ -27,7 +27,7 @@ from objckpt.core.plan import ALIGN, PACKING_SLACK, SPACER
 from objckpt.restoring import api as restore_module
 from objckpt.restoring import fetch as fetch_module
 from objckpt.storage import from_url
-from objckpt.storage.obstore_store import ObstoreStore
+from objckpt.storage.obstore.store import ObstoreStore
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_arrays, aligned_zeros, host_buffer
 
@@ -253,7 +253,7 @@ def test_only_stores_that_give_a_phase_hint_are_asked_for_one(monkeypatch, tmp_p
     allocator's phase; any other store is taken to return ``bytes``, as ``Store``'s default
     ``get_range_buffer`` does."""
     from objckpt.restoring.aligned_reads import AlignedResponses, ResponseAlignment
-    from objckpt.transfer.buffers import bytes_phase, malloc_phase
+    from objckpt.storage.phase import bytes_phase, malloc_phase
 
     monkeypatch.setattr(ResponseAlignment, "learned", {})
     native = from_url(str(tmp_path / "native"), objckpt_backend="obstore")

@@ -1,4 +1,4 @@
-"""Ranged S3 GETs streamed to a sink (``objckpt.storage.s3_stream``).
+"""Ranged S3 GETs streamed to a sink (``objckpt.storage.http.s3``).
 
 Each GET is presigned by obstore; the reader is checked against the real S3
 server (SeaweedFS verifies every signature), and through the fault proxy for
@@ -25,7 +25,7 @@ import objckpt
 from backends.proxy import FaultProxy
 from objckpt.errors import ObjectNotFoundError, StorePermissionError, TransientStoreError
 from objckpt.storage import from_url
-from objckpt.storage.s3_stream import S3RangeReader
+from objckpt.storage.http.s3 import S3RangeReader
 from objckpt.transfer import runtime
 
 PAYLOAD = bytes(np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8))

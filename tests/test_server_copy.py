@@ -28,7 +28,9 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from backends.proxy import FaultProxy
 from objckpt.errors import StoreError, StorePermissionError
-from objckpt.storage import from_url, s3_copy, server_copy
+from objckpt.storage import from_url
+from objckpt.storage.copy import s3 as s3_copy
+from objckpt.storage.copy import server as server_copy
 from objckpt.tools.copy import DestinationCommittedError, committed_save_id, copy_stores_async
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import close_store, open_store

@@ -23,7 +23,7 @@ from objckpt.restoring.aligned_reads import address
 from objckpt.saving import upload as upload_module
 from objckpt.saving.staging import StagingPool
 from objckpt.storage import from_url
-from objckpt.storage.obstore_store import ObstoreStore
+from objckpt.storage.obstore.store import ObstoreStore
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine
 

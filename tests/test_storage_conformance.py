@@ -37,10 +37,10 @@ from objckpt.errors import (
 )
 from objckpt.storage import Store, from_url, register_store
 from objckpt.storage import registry as _registry
-from objckpt.storage.error_map import map_error
-from objckpt.storage.fsspec_store import FsspecStore, S3FsspecStore
-from objckpt.storage.obstore_store import ObstoreStore
-from objckpt.storage.registry import BACKEND_ENV, BACKEND_OPTION
+from objckpt.storage.errors import map_error
+from objckpt.storage.fsspec.store import FsspecStore, S3FsspecStore
+from objckpt.storage.obstore.store import ObstoreStore
+from objckpt.storage.opening import BACKEND_ENV, BACKEND_OPTION
 from objckpt.testing import StoreConformance
 from objckpt.testing.store import payload, run
 
@@ -249,7 +249,7 @@ def test_register_store_and_lazy_path() -> None:
         return from_url("memory://registered/" + url.split("://", 1)[1], **options)
 
     register_store("mine", factory)
-    register_store("mine-lazy", "objckpt.storage.registry:open_memory")
+    register_store("mine-lazy", "objckpt.storage.factories:open_memory")
     try:
         store = from_url("MINE://x/y")
         assert calls == ["MINE://x/y"] and isinstance(store, Store)

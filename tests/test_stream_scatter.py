@@ -26,7 +26,7 @@ from objckpt.core.plan import ReadPart, ReadRequest
 from objckpt.errors import TransientStoreError
 from objckpt.restoring.jobs import make_job
 from objckpt.storage import from_url
-from objckpt.storage.fsspec_store import FsspecStore
+from objckpt.storage.fsspec.store import FsspecStore
 from objckpt.transfer import runtime
 
 

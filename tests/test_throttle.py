@@ -20,8 +20,8 @@ from backends.proxy import FaultProxy
 from objckpt.errors import ThrottledError, TransientStoreError
 from objckpt.saving.api import _Commit
 from objckpt.storage import from_url
-from objckpt.storage.error_map import map_error
-from objckpt.storage.http_stream import status_error
+from objckpt.storage.errors import map_error
+from objckpt.storage.http.reader import status_error
 from objckpt.transfer import runtime
 from objckpt.transfer.throttle import AdaptiveLimit, WindowMemory
 
@@ -213,7 +213,7 @@ def test_gcsfs_keeps_its_own_retries_outside_the_versions_checked(gcs_service, m
     """The single-attempt switch relies on gcsfs internals, so only on the releases it was
     checked against; on any other, gcsfs's own retries stay on (its public behaviour)."""
 
-    from objckpt.storage import gcs_open
+    from objckpt.storage.fsspec import open_gcs as gcs_open
 
     version = gcs_open._gcsfs_version()
     first, end = gcs_open.GCSFS_SINGLE_ATTEMPT_VERSIONS
@@ -233,7 +233,7 @@ def test_gcsfs_keeps_its_own_retries_outside_the_versions_checked(gcs_service, m
 def test_gcsfs_without_the_undecorated_request_keeps_its_retries(monkeypatch):
     import gcsfs.core
 
-    from objckpt.storage import gcs_open
+    from objckpt.storage.fsspec import open_gcs as gcs_open
 
     async def plain(self, *args, **kwargs):  # a release whose _request has no __wrapped__
         raise AssertionError("not called")

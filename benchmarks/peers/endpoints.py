@@ -153,7 +153,7 @@ class Buckets:
     """
 
     def __init__(self, urls: list[str]) -> None:
-        from objckpt.storage.obstore_config import split_bucket_url
+        from objckpt.storage.obstore.config import split_bucket_url
         from objckpt.storage.urls import redact_url
 
         self.roots: dict[str, tuple[str, str]] = {}  # store → (bucket, prefix)
@@ -214,7 +214,7 @@ def _native_spec(store: str, bucket: str) -> Any:
     """objckpt's translation of the environment for this bucket, or None where it has none."""
     import os
 
-    from objckpt.storage.obstore_config import NotTranslatable, translate_gcs, translate_s3
+    from objckpt.storage.obstore.config import NotTranslatable, translate_gcs, translate_s3
 
     try:
         return (translate_s3 if store == "s3" else translate_gcs)(f"{SCHEMES[store]}://{bucket}", {}, os.environ)
@@ -230,7 +230,7 @@ def endpoint_transport(store: str, bucket: str) -> str:
 
 def bucket_client(store: str, bucket: str) -> Any:
     """An obstore client for a real bucket, configured from the environment the way
-    objckpt configures its own (``objckpt.storage.obstore_config``: ``AWS_*`` variables,
+    objckpt configures its own (``objckpt.storage.obstore.config``: ``AWS_*`` variables,
     ``GOOGLE_APPLICATION_CREDENTIALS``), so the raw ceiling signs and connects as objckpt
     does. Where objckpt would not take the native path (an AWS profile file, say), obstore
     reads the environment itself (instance roles and the metadata server included)."""

@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from objckpt.storage.registry import scheme_of
+from objckpt.storage.urls import scheme_of
 
 #: Option names and environment variables whose values must never be printed.
 SECRET_OPTION_NAMES = frozenset(

@@ -16,7 +16,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from objckpt.core.plan import PACKING_SLACK, ReadRequest
-from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_zeros, bytes_phase
+from objckpt.storage.phase import bytes_phase
+from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_zeros
 from objckpt.transfer.engine import TransferEngine, run_in_order
 
 
@@ -26,7 +27,7 @@ class AlignedResponses(Protocol):
 
     Not part of the :class:`~objckpt.storage.Store` contract: a hint about the
     store's client's allocator, which only stores with their own response
-    buffers give (:class:`~objckpt.storage.obstore_store.ObstoreStore`).
+    buffers give (:class:`~objckpt.storage.obstore.store.ObstoreStore`).
     Restore starts large reads early by it so their bytes land aligned, and
     checks every response. A store without it is taken to return ``bytes``
     objects, what the default ``Store.get_range_buffer`` wraps.

@@ -39,8 +39,8 @@ from objckpt.errors import (
 )
 from objckpt.options import Options
 from objckpt.storage.base import ObjectInfo, PutMode, Store
-from objckpt.storage.registry import scheme_of
 from objckpt.storage.streaming import ReadSink
+from objckpt.storage.urls import scheme_of
 from objckpt.transfer.engine import RetryingStore, TransferStats, open_store
 from objckpt.layouts.manifest_io import read_manifest
 
@@ -212,7 +212,7 @@ class FailoverStore(Store):
         """Where large responses land (:class:`~objckpt.restoring.aligned_reads.AlignedResponses`):
         the locations' common answer, so reads through here land aligned as they would directly."""
         from objckpt.restoring.aligned_reads import AlignedResponses
-        from objckpt.transfer.buffers import bytes_phase
+        from objckpt.storage.phase import bytes_phase
 
         phases = {s.response_phase() if isinstance(s, AlignedResponses) else bytes_phase() for s in self.stores}
         return phases.pop() if len(phases) == 1 else None

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import re
 
+#: What a URL scheme may be spelt with (RFC 3986, lower-cased).
+SCHEME_RE = re.compile(r"^[a-z][a-z0-9+.\-]*$")
+
 
 def redact_url(url: str) -> str:
     """``url`` without user info or query string (either may hold credentials).
@@ -64,3 +67,14 @@ def check_relative(path: str, what: str, *, allow_empty: bool, allow_partial: bo
     for part in parts:
         if part in ("", ".", ".."):
             raise ValueError(f"invalid {what} {path!r}: empty, '.' or '..' segment")
+
+
+def scheme_of(url: str) -> str | None:
+    """The lower-cased scheme of ``scheme://...``, or None for a plain path."""
+    head, sep, _ = url.partition("://")
+    if not sep:
+        return None
+    scheme = head.lower()
+    if not SCHEME_RE.match(scheme):
+        raise ValueError(f"invalid URL scheme in {url!r}")
+    return scheme

@@ -5,7 +5,7 @@ Two ways to move a blob, chosen once per copy:
 * **server-side**, when both stores are on one provider and account (two S3
   buckets of one endpoint and credential source, two GCS buckets):
   the destination's server copies each blob (S3 ``CopyObject``, GCS rewrite;
-  :mod:`objckpt.storage.server_copy`) and only request heads cross the
+  :mod:`objckpt.storage.copy.server`) and only request heads cross the
   client's link. A blob is copied only once the source's listing holds it at
   the size its index object declares (a size is a claim until the store confirms
   it: a mismatch is an ``IntegrityError`` naming the blob, before any request
@@ -48,8 +48,8 @@ from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsEr
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, human_bytes
 from objckpt.progress import start as start_progress
-from objckpt.storage import server_copy
 from objckpt.storage.base import Store
+from objckpt.storage.copy import server as server_copy
 from objckpt.tools.server_side import ServerSide
 from objckpt.tools.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
 from objckpt.transfer import runtime

@@ -15,7 +15,7 @@ from typing import Any
 
 from objckpt.core.format import BlobEntry
 from objckpt.errors import IntegrityError, StoreError
-from objckpt.storage import server_copy
+from objckpt.storage.copy import server as server_copy
 from objckpt.transfer.engine import TransferEngine
 
 log = logging.getLogger("objckpt")
@@ -25,7 +25,7 @@ class ServerSide:
     """The server-side half of one copy: the copier, the first copy made alone, the fallback.
 
     ``active`` while blobs go server-side. The first blob to copy is copied alone
-    (the others wait); a refusal (:func:`objckpt.storage.server_copy.refusal`) ends
+    (the others wait); a refusal (:func:`objckpt.storage.copy.server.refusal`) ends
     ``active`` for the whole checkpoint, with one warning. Once one copy has
     succeeded, every error is the copy's error.
     """

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from objckpt.storage.phase import DEVICE_ALIGNMENT
+
 _M_MMAP_THRESHOLD = -3
 _done = False
 _lock = threading.Lock()
@@ -48,11 +50,6 @@ def _mallopt(param: int, value: int) -> bool:
     except (OSError, AttributeError):
         return False
 
-
-# XLA's CPU client adopts a host buffer without copying it when the buffer is
-# aligned to this many bytes (less aligned ones are copied). On accelerators the
-# transfer is a DMA either way.
-DEVICE_ALIGNMENT = 64
 
 # Buffers this large get their own anonymous mapping (page-aligned, zero-filled).
 _MAPPED_MIN = 1 << 20
@@ -183,32 +180,3 @@ def _libc_madvise() -> Any:
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
     return madvise
-
-
-# Larger than glibc's largest dynamic mmap threshold (32 MiB): a probe this size
-# gets a fresh mapping, where large responses land, and not a chunk that memory
-# freed earlier in the process's life left in the heap at another phase. Neither
-# probe touches its pages: np.empty leaves them alone, and ``bytes`` of a size is
-# a calloc, which takes a mapping's zeros.
-_PROBE_BYTES = 64 << 20
-
-
-@functools.cache
-def bytes_phase() -> int:
-    """Where a large new ``bytes`` object's data starts past a 64-byte boundary.
-
-    Stores built on Python clients (fsspec) return responses as ``bytes``;
-    knowing the phase lets restore start a read early so the bytes land aligned.
-    """
-    return _phase(bytes(_PROBE_BYTES))
-
-
-@functools.cache
-def malloc_phase() -> int:
-    """Where a large ``malloc`` result starts past a 64-byte boundary (what native
-    clients such as obstore get for their response buffers)."""
-    return _phase(np.empty(_PROBE_BYTES, dtype=np.uint8))
-
-
-def _phase(buffer: Any) -> int:
-    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data) % DEVICE_ALIGNMENT

@@ -14,10 +14,10 @@ adapter adds:
   ``pipe_file(mode="create")`` is check-then-write (racy), so unknown
   filesystems only get ``supports_create = True`` if they override it.
 * **Errors by type and status code**, never by message text (see
-  :mod:`objckpt.storage.error_map`). Messages name the object's full URL
+  :mod:`objckpt.storage.errors`). Messages name the object's full URL
   (the root URL, credentials stripped, plus the key).
 * **Local reads stay inside the root**: on a local filesystem every read,
-  ``head``, write and delete goes through :mod:`objckpt.storage.local`, which
+  ``head``, write and delete goes through :mod:`objckpt.storage.fsspec.posix`, which
   refuses a key whose path resolves outside the store's root through a
   symbolic link (:class:`StorePermissionError`) and reads only regular files
   (a FIFO is a :class:`StoreError` at once, not a read that blocks).
@@ -25,8 +25,9 @@ adapter adds:
 :class:`FsspecStore` holds what every filesystem shares (validation, timeouts,
 error mapping, the generic fsspec calls); one subclass per filesystem objckpt
 knows overrides only the steps that differ: :class:`S3FsspecStore`,
-:class:`MemoryFsspecStore` here, :class:`~objckpt.storage.fsspec_gcs.GcsFsspecStore`
-and :class:`~objckpt.storage.fsspec_local.LocalFsspecStore`. :func:`for_filesystem`
+:class:`MemoryFsspecStore` here, :class:`~objckpt.storage.fsspec.gcs.GcsFsspecStore`
+and :class:`~objckpt.storage.fsspec.local.LocalFsspecStore`.
+:func:`objckpt.storage.fsspec.factory.for_filesystem`
 picks the class for a filesystem, once, when the store is opened.
 """
 
@@ -35,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import inspect
-import sys
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -43,21 +43,15 @@ from typing import Any, TypeVar
 from fsspec import AbstractFileSystem
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.dirfs import DirFileSystem
-from fsspec.implementations.local import LocalFileSystem
-from fsspec.implementations.memory import MemoryFileSystem
 
 from objckpt.errors import ObjectNotFoundError, StoreError, TransientStoreError
-from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
-from objckpt.storage.error_map import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
-from objckpt.storage.error_map import http_status as _http_status
-from objckpt.storage.error_map import map_error
-from objckpt.storage.http_stream import HttpRangeReader, stream_range
-from objckpt.storage.streaming import ReadSink
+from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode
+from objckpt.storage.errors import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
+from objckpt.storage.errors import http_status as _http_status
+from objckpt.storage.errors import map_error
+from objckpt.storage.http.reader import HttpRangeReader, StreamingStore
 from objckpt.storage.urls import check_relative as _check_relative
 from objckpt.storage.urls import redact_url
-
-# Re-exported: these lived here before error_map/urls were split out.
-__all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "FsspecStore", "map_error", "redact_url"]
 
 T = TypeVar("T")
 
@@ -146,11 +140,11 @@ def _epoch(info: dict[str, Any]) -> float | None:
 # -------------------------------------------------------------------- the store
 
 
-class FsspecStore(Store):
+class FsspecStore(StreamingStore):
     """A :class:`Store` rooted at ``path`` on the fsspec filesystem ``fs``.
 
     This class is the generic strategy, for filesystems objckpt has no
-    subclass for; :func:`for_filesystem` builds the right class for ``fs``.
+    subclass for; :func:`objckpt.storage.fsspec.factory.for_filesystem` builds the right class for ``fs``.
 
     Args:
         fs: Any fsspec filesystem instance; shared by :meth:`child` stores.
@@ -165,7 +159,7 @@ class FsspecStore(Store):
             then uses ``pipe_file(mode="create")``; the subclasses always can).
         range_reader: Streams ranged reads (:meth:`get_range_streamed`) over
             plain HTTP, for a filesystem whose paths it knows (gcsfs's:
-            :class:`objckpt.storage.gcs_stream.GCSRangeReader`); shared by
+            :class:`objckpt.storage.http.gcs.GCSRangeReader`); shared by
             :meth:`child` stores.
     """
 
@@ -188,8 +182,7 @@ class FsspecStore(Store):
         self.request_timeout = float(request_timeout)
         self._async = _uses_async(fs)
         self.supports_create = self._atomic_create(atomic_create)
-        self._range_reader = range_reader
-        self.streams_reads = range_reader is not None
+        self._use_range_reader(range_reader)
 
     # ------------------------------------------------------------------ helpers
 
@@ -249,7 +242,7 @@ class FsspecStore(Store):
     async def fs_call(self, what: str, name: str, *args: Any) -> Any:
         """The filesystem's method ``name`` on paths as it spells them, under the request
         timeout, errors mapped: for verbs the store does not wrap (``cp_file``, ``info``), which
-        server-side copies use (:mod:`objckpt.storage.server_copy`)."""
+        server-side copies use (:mod:`objckpt.storage.copy.server`)."""
         try:
             return await self._fs(what, name, *args)
         except _PROGRAMMING_ERRORS:
@@ -302,14 +295,6 @@ class FsspecStore(Store):
         await self._fs(what, "rm_file", self._path(key))
 
     # -------------------------------------------------------------------- reads
-
-    async def get_range_streamed(self, key: str, *, start: int, end: int, sink: ReadSink) -> int:
-        """Hand the bytes to ``sink`` as they arrive with the range reader when there is
-        one (see :mod:`objckpt.storage.streaming`); else read, then hand over."""
-        reader = self._range_reader
-        if reader is None or end <= start:
-            return await super().get_range_streamed(key, start=start, end=end, sink=sink)
-        return await stream_range(reader, self, key, start=start, end=end, sink=sink)
 
     async def head(self, key: str) -> ObjectInfo:
         _check_relative(key, "key", allow_empty=False, allow_partial=False)
@@ -426,13 +411,6 @@ class FsspecStore(Store):
         clone.url = self._url(sub)
         return clone
 
-    async def close(self) -> None:
-        """Close the range reader's connections and let its threads go. The
-        filesystem's connection pool is released when the filesystem is collected.
-        A store (or a :meth:`child`, which shares the reader) used after this opens new ones."""
-        if self._range_reader is not None:
-            self._range_reader.close()
-
 
 # ------------------------------------------------------------ per filesystem
 
@@ -467,28 +445,3 @@ def _memory_put(fs: AbstractFileSystem, path: str, data: bytes | memoryview, cre
         if create and fs.exists(path):
             raise FileExistsError(path)
         fs.pipe_file(path, bytes(data))
-
-
-def store_class(fs: AbstractFileSystem) -> type[FsspecStore]:
-    """The :class:`FsspecStore` class that serves ``fs``: its own, else the generic one."""
-    s3fs = sys.modules.get("s3fs")
-    if s3fs is not None and isinstance(fs, s3fs.S3FileSystem):
-        return S3FsspecStore
-    gcsfs_core = sys.modules.get("gcsfs.core")
-    if gcsfs_core is not None and isinstance(fs, gcsfs_core.GCSFileSystem):
-        from objckpt.storage.fsspec_gcs import GcsFsspecStore  # it builds on this module
-
-        return GcsFsspecStore
-    if isinstance(fs, LocalFileSystem):
-        from objckpt.storage.fsspec_local import LocalFsspecStore  # it builds on this module
-
-        return LocalFsspecStore
-    if isinstance(fs, MemoryFileSystem):
-        return MemoryFsspecStore
-    return FsspecStore
-
-
-def for_filesystem(fs: AbstractFileSystem, path: str, **kwargs: Any) -> FsspecStore:
-    """A store rooted at ``path`` on ``fs``, of the class that serves ``fs``
-    (:func:`store_class`); ``kwargs`` as for :class:`FsspecStore`."""
-    return store_class(fs)(fs, path, **kwargs)

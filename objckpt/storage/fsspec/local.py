@@ -1,6 +1,6 @@
 """The fsspec store on local disk: atomic writes, and every path kept inside the root.
 
-Each step that touches a file goes through :mod:`objckpt.storage.local`, run
+Each step that touches a file goes through :mod:`objckpt.storage.fsspec.posix`, run
 on a worker thread: writes land through a temporary file and one atomic
 rename or link, reads open only regular files, and a key whose path resolves
 outside the store's root through a symbolic link is refused. Its refusals
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from objckpt.errors import StoreError, StorePermissionError
-from objckpt.storage import local as _local
 from objckpt.storage.base import ObjectInfo
-from objckpt.storage.fsspec_store import FsspecStore
+from objckpt.storage.fsspec import posix as _local
+from objckpt.storage.fsspec.store import FsspecStore
 
 T = TypeVar("T")
 
@@ -34,7 +34,7 @@ class LocalFsspecStore(FsspecStore):
         return _local.is_temp_name(rel)
 
     async def _local(self, what: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run one of :mod:`objckpt.storage.local`'s functions on this store's root directory;
+        """Run one of :mod:`objckpt.storage.fsspec.posix`'s functions on this store's root directory;
         its refusals (a path leading out of the root, a file that is not regular) name the
         key and the root."""
         try:

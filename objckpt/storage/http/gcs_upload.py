@@ -5,7 +5,7 @@ body that it builds by concatenating the metadata and the payload: a fresh
 copy of every byte saved. The JSON API's ``uploadType=media`` takes the
 payload as the body itself, so the staging buffer goes to the socket as is.
 Same endpoint and errors as gcsfs's; the same credential
-(:class:`objckpt.storage.gcs_auth.GoogleToken`, shared with gcsfs). Only for
+(:class:`objckpt.storage.auth.gcs.GoogleToken`, shared with gcsfs). Only for
 overwrites: create-if-absent (the manifest, small) stays on ``pipe_file``,
 because fake-gcs-server ignores ``ifGenerationMatch=0`` on media uploads (a
 second create succeeds there) though GCS honours it.
@@ -13,7 +13,7 @@ second create succeeds there) though GCS honours it.
 The request is aiohttp's (the HTTP protocol, proxies through ``HTTPS_PROXY``/
 ``NO_PROXY`` with ``trust_env``, TLS with the store's CA context); this module
 only builds the request, owns the session and maps the response status to
-objckpt's errors (:func:`objckpt.storage.http_stream.status_error`). Uploads
+objckpt's errors (:func:`objckpt.storage.http.reader.status_error`). Uploads
 make one attempt each: the transfer engine is the one retry layer.
 
 The body goes to aiohttp as :class:`SlicedBody`, not as one buffer: on Python
@@ -35,9 +35,9 @@ from urllib.parse import quote
 import aiohttp
 import aiohttp.payload
 
-from objckpt.storage.gcs_auth import GoogleToken
-from objckpt.storage.gcs_stream import error_reason
-from objckpt.storage.http_stream import status_error
+from objckpt.storage.auth.gcs import GoogleToken
+from objckpt.storage.http.gcs import error_reason
+from objckpt.storage.http.reader import status_error
 
 SLICE = 1 << 20
 _ERROR_BODY_LIMIT = 2048  # bytes of an error response kept for its reason
@@ -92,7 +92,7 @@ class MediaUploader:
         """Write ``data`` as object ``name`` of ``bucket``, replacing it.
 
         Raises:
-            StoreError: by status as :func:`~objckpt.storage.http_stream.status_error` maps it
+            StoreError: by status as :func:`~objckpt.storage.http.reader.status_error` maps it
                 (``what`` names the object); aiohttp's connection errors and timeouts pass
                 through, for the store to map.
         """

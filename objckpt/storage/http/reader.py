@@ -12,13 +12,13 @@ cache (docs/PERFORMANCE.md has the measurements).
 How: ``http.client`` over one keep-alive connection per worker thread, the
 body received with ``recv_into`` (no copy in user space). Subclasses say how
 an object's path becomes a request and how it is authorized (S3: a URL
-presigned by obstore, :mod:`objckpt.storage.s3_stream`; GCS: a bearer token
-from google-auth, :mod:`objckpt.storage.gcs_stream`); nothing here signs.
+presigned by obstore, :mod:`objckpt.storage.http.s3`; GCS: a bearer token
+from google-auth, :mod:`objckpt.storage.http.gcs`); nothing here signs.
 
 TLS and proxies are the standard library's: an ``https://`` endpoint is
 verified against the context given (a custom CA bundle) or the system roots,
 and a proxy named by ``HTTPS_PROXY``/``HTTP_PROXY`` (unless ``NO_PROXY``
-matches) is used as a ``CONNECT`` tunnel (:mod:`objckpt.storage.network`).
+matches) is used as a ``CONNECT`` tunnel (:mod:`objckpt.storage.http.network`).
 
 Timeouts and cancellation: the socket has the request timeout (a stalled
 server fails the read), and a caller that gives up (its own deadline, or a
@@ -29,6 +29,7 @@ reach a message or a log.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import http.client
@@ -36,12 +37,12 @@ import socket
 import ssl
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
 from urllib.parse import urlsplit
 
 from objckpt.errors import ObjectNotFoundError, StoreError, StorePermissionError, TransientStoreError
-from objckpt.storage.error_map import TRANSIENT_STATUS, transient_error
-from objckpt.storage.network import proxy_for
+from objckpt.storage.base import Store
+from objckpt.storage.errors import TRANSIENT_STATUS, transient_error
+from objckpt.storage.http.network import proxy_for
 from objckpt.storage.streaming import STREAM_PIECE, ReadSink, piece_size
 from objckpt.storage.urls import check_relative
 
@@ -84,7 +85,7 @@ class HttpRangeReader:
         host: Connect to this host instead of the endpoint's (S3 virtual-hosted buckets).
         timeout: Socket timeout, seconds (connect and each receive).
         ssl_context: Verifies an ``https://`` endpoint (a custom CA bundle's,
-            :func:`objckpt.storage.network.ssl_context`); the system roots by default.
+            :func:`objckpt.storage.http.network.ssl_context`); the system roots by default.
     """
 
     def __init__(
@@ -286,29 +287,55 @@ def status_error(status: int, code: str, what: str) -> StoreError:
     return StoreError(message)
 
 
-class StreamingStore(Protocol):
-    """What :func:`stream_range` needs of a store that holds an :class:`HttpRangeReader`."""
+class StreamingStore(Store):
+    """A store whose ranged reads stream through an :class:`HttpRangeReader` when it holds one.
+
+    The one place a store's ``get_range_streamed`` chooses between its reader and the
+    contract's fallback (read, then hand over), shared by the fsspec and obstore stores.
+    Subclasses call :meth:`_use_range_reader` when they open, and say how a key becomes
+    the reader's object path (``_path``) and a URL in messages (``_url``).
+    """
 
     request_timeout: float
+    _range_reader: HttpRangeReader | None = None
 
-    def _path(self, key: str) -> str: ...
+    def _use_range_reader(self, reader: HttpRangeReader | None) -> None:
+        """Stream ranged reads through ``reader`` (None: the contract's fallback); its
+        :meth:`~objckpt.storage.base.Store.child` stores share it."""
+        self._range_reader = reader
+        self.streams_reads = reader is not None
 
-    def _url(self, key: str) -> str: ...
+    @abc.abstractmethod
+    def _path(self, key: str) -> str:
+        """The object path of ``key`` that the reader requests."""
 
+    @abc.abstractmethod
+    def _url(self, key: str) -> str:
+        """The URL of ``key`` that messages name (credentials stripped)."""
 
-async def stream_range(
-    reader: HttpRangeReader, store: StreamingStore, key: str, *, start: int, end: int, sink: ReadSink
-) -> int:
-    """A store's ``get_range_streamed`` through ``reader``: bytes ``[start, end)`` of ``key``
-    (the store's object path to the reader, its URL in messages), under the store's request
-    timeout (a :class:`TransientStoreError` past it)."""
-    check_relative(key, "key", allow_empty=False, allow_partial=False)
-    url = store._url(key)
-    if start < 0:
-        raise ValueError(f"invalid byte range start {start} for {url}")
-    what = f"get {url} bytes [{start}, {end})"
-    timeout = store.request_timeout
-    try:
-        return await asyncio.wait_for(reader.read_streamed(store._path(key), start, end - start, sink, what), timeout)
-    except TimeoutError as exc:
-        raise TransientStoreError(f"{what} timed out after {timeout:g} s") from exc
+    async def get_range_streamed(self, key: str, *, start: int, end: int, sink: ReadSink) -> int:
+        """Hand bytes ``[start, end)`` to ``sink`` as they arrive through the range reader
+        when there is one (see :mod:`objckpt.storage.streaming`), under the store's request
+        timeout (a :class:`TransientStoreError` past it); else read, then hand over."""
+        reader = self._range_reader
+        if reader is None or end <= start:
+            return await super().get_range_streamed(key, start=start, end=end, sink=sink)
+        check_relative(key, "key", allow_empty=False, allow_partial=False)
+        url = self._url(key)
+        if start < 0:
+            raise ValueError(f"invalid byte range start {start} for {url}")
+        what = f"get {url} bytes [{start}, {end})"
+        timeout = self.request_timeout
+        try:
+            return await asyncio.wait_for(
+                reader.read_streamed(self._path(key), start, end - start, sink, what), timeout
+            )
+        except TimeoutError as exc:
+            raise TransientStoreError(f"{what} timed out after {timeout:g} s") from exc
+
+    async def close(self) -> None:
+        """Close the range reader's connections and let its threads go; the client's own
+        connections are released when it is collected. A store (or a :meth:`child`, which
+        shares the reader) used after this opens new ones."""
+        if self._range_reader is not None:
+            self._range_reader.close()

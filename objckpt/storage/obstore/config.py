@@ -27,7 +27,7 @@ Translated for ``s3://`` (s3fs names):
   ``AWS_REGION``/``AWS_DEFAULT_REGION``;
 * every other credential source through ``source``, which the registry
   resolves with botocore's precedence before translating
-  (:func:`objckpt.storage.credentials.resolve_s3_source`): web identity,
+  (:func:`objckpt.storage.auth.credentials.resolve_s3_source`): web identity,
   container and instance-metadata credentials as obstore configuration (obstore
   fetches and refreshes them), profiles and shared files (static keys,
   assume-role, SSO, ``credential_process``) as a credential provider over botocore.
@@ -175,7 +175,7 @@ def translate_s3(url: str, options: Mapping[str, Any], environ: Mapping[str, str
         options: s3fs storage options, without objckpt's own (``request_timeout``...).
         environ: Usually ``os.environ``.
         source: Where the credentials come from when the options name none
-            (:class:`objckpt.storage.credentials.S3Source`); without it, only
+            (:class:`objckpt.storage.auth.credentials.S3Source`); without it, only
             the environment's static keys are translated and profile files are not.
 
     Raises:

@@ -1,4 +1,4 @@
-"""Ranged S3 GETs streamed to a sink (:mod:`objckpt.storage.http_stream` says why).
+"""Ranged S3 GETs streamed to a sink (:mod:`objckpt.storage.http.reader` says why).
 
 Each GET goes to a URL that obstore presigns (``obstore.sign``, AWS Signature
 Version 4 in the query string) with the credentials its store resolved,
@@ -21,8 +21,8 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from objckpt.errors import StoreError
-from objckpt.storage.error_map import map_obstore_error
-from objckpt.storage.http_stream import HttpRangeReader
+from objckpt.storage.errors import map_obstore_error
+from objckpt.storage.http.reader import HttpRangeReader
 
 #: How long a presigned URL stays valid: it is used at once, so this only has
 #: to outlast a slow connect; S3 caps it at the credentials' own expiry anyway.

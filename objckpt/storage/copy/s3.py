@@ -8,7 +8,7 @@ transfer engine: timeout, retries, concurrency). A multipart copy holds at most
 records at once, however large the size it is given. Nothing here signs a request:
 the protocol is botocore's. Written here: the sequence of calls (create, parts,
 complete, abort on failure). Whether to copy server-side at all is decided in
-:mod:`objckpt.storage.server_copy`.
+:mod:`objckpt.storage.copy.server`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from objckpt.errors import StoreError
-from objckpt.storage.error_map import PROGRAMMING_ERRORS, map_error
+from objckpt.storage.errors import PROGRAMMING_ERRORS, map_error
 
 if TYPE_CHECKING:
-    from objckpt.storage.obstore_config import NativeSpec
+    from objckpt.storage.obstore.config import NativeSpec
 
 #: Objects larger than this are copied in parts (``UploadPartCopy``) by :class:`S3Copier`;
 #: S3 copies at most 5 GiB in one ``CopyObject``.
@@ -71,7 +71,7 @@ class S3Copier:
     """Server-side copies into an obstore S3 store, with botocore (obstore copies only
     within one bucket).
 
-    The client is built from the store's :class:`~objckpt.storage.obstore_config.NativeSpec`:
+    The client is built from the store's :class:`~objckpt.storage.obstore.config.NativeSpec`:
     endpoint, region, path or virtual-host addressing, CA trust, requester-pays, and
     credentials from the same source (static keys; the store's credential provider,
     through botocore's refreshable credentials; instance metadata through botocore's

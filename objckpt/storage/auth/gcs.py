@@ -1,8 +1,8 @@
 """One refreshable Google credential per GCS store, shared by gcsfs and objckpt's fast paths.
 
 A ``gs://`` store makes requests three ways: through gcsfs, through the
-streamed range reader (:mod:`objckpt.storage.gcs_stream`) and through media
-uploads (:mod:`objckpt.storage.gcs_upload`). All three authorize with the same
+streamed range reader (:mod:`objckpt.storage.http.gcs`) and through media
+uploads (:mod:`objckpt.storage.http.gcs_upload`). All three authorize with the same
 ``google.auth`` credentials object, built here once from gcsfs's ``token``
 storage option, so there is one access token per store and it is refreshed
 once when it nears expiry, whoever notices first.

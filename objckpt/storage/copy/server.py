@@ -2,7 +2,7 @@
 
 Copying a checkpoint from one bucket to another of the same provider need not
 pull every byte down to the client and push it back up: S3 copies an object
-with ``CopyObject`` (``UploadPartCopy`` parts above :data:`~objckpt.storage.s3_copy.MULTIPART_COPY_THRESHOLD`;
+with ``CopyObject`` (``UploadPartCopy`` parts above :data:`~objckpt.storage.copy.s3.MULTIPART_COPY_THRESHOLD`;
 one ``CopyObject`` takes at most 5 GiB), GCS with ``rewriteTo``. Only request
 and response heads cross the client's link.
 
@@ -20,7 +20,7 @@ Who does the copy is the destination's client: for the native S3 store
 (obstore, which copies only within one bucket) a botocore S3 client built
 from the store's own configuration (:class:`S3Copier`: the same endpoint,
 region, addressing, CA trust and credentials, refreshed through the store's
-own credential provider, in :mod:`objckpt.storage.s3_copy`); for s3fs and
+own credential provider, in :mod:`objckpt.storage.copy.s3`); for s3fs and
 gcsfs stores their filesystem's ``cp_file`` (:class:`FsspecCopier`: s3fs's ``CopyObject``, gcsfs's rewrite
 loop). Each request is one attempt under the caller's ``call`` (the transfer
 engine: timeout, retries, concurrency); botocore's own retries are off.
@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from objckpt.errors import ObjectNotFoundError, StoreError, StorePermissionError
 from objckpt.storage.base import Store
-from objckpt.storage.error_map import http_status
-from objckpt.storage.s3_copy import BucketKey, Call, S3Copier, single_part_etag
+from objckpt.storage.copy.s3 import BucketKey, Call, S3Copier, single_part_etag
+from objckpt.storage.errors import http_status
 
 if TYPE_CHECKING:
-    from objckpt.storage.obstore_config import NativeSpec
+    from objckpt.storage.obstore.config import NativeSpec
 
 #: HTTP statuses of a copy the server refuses to make for these stores (it will not
 #: get better by retrying): a bad or unsupported request, or a method the server lacks.
@@ -106,17 +106,17 @@ def account_of(store: Store) -> CopyAccount | None:
     """The account a server-side copy would act as for ``store`` (or the store inside a
     ``RetryingStore``); None when the store cannot copy server-side."""
     store = getattr(store, "inner", store)
-    obstore_store = sys.modules.get("objckpt.storage.obstore_store")
+    obstore_store = sys.modules.get("objckpt.storage.obstore.store")
     if obstore_store is not None and isinstance(store, obstore_store.ObstoreStore):
         spec = store.native_spec
         if spec is None or spec.kind != "s3":
             return None  # local disk; obstore's GCS client (only on request) is not used to copy
         who = _spec_credentials(spec)
         return None if who is None else CopyAccount("s3", _endpoint(spec.endpoint), who)
-    fsspec_store = sys.modules.get("objckpt.storage.fsspec_store")
+    fsspec_store = sys.modules.get("objckpt.storage.fsspec.store")
     if fsspec_store is not None and isinstance(store, fsspec_store.S3FsspecStore):
         return _s3fs_account(store.fs)
-    fsspec_gcs = sys.modules.get("objckpt.storage.fsspec_gcs")
+    fsspec_gcs = sys.modules.get("objckpt.storage.fsspec.gcs")
     if fsspec_gcs is not None and isinstance(store, fsspec_gcs.GcsFsspecStore):
         return _gcsfs_account(store.fs)
     return None
@@ -185,7 +185,7 @@ def _key_id(access_key_id: str) -> str:
 
 def _spec_credentials(spec: NativeSpec) -> str | None:
     """The credential source of an obstore S3 configuration
-    (:func:`objckpt.storage.credentials.resolve_s3_source` decided it)."""
+    (:func:`objckpt.storage.auth.credentials.resolve_s3_source` decided it)."""
     config = spec.config
     if config.get("skip_signature"):
         return "anonymous"

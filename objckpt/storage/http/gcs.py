@@ -1,10 +1,10 @@
-"""Ranged GCS GETs streamed to a sink (:mod:`objckpt.storage.http_stream` says why).
+"""Ranged GCS GETs streamed to a sink (:mod:`objckpt.storage.http.reader` says why).
 
 Objects are read through the JSON API's media download
 (``/download/storage/v1/b/BUCKET/o/OBJECT?alt=media`` with a ``Range``
 header), the URL gcsfs itself reads from, so it works wherever gcsfs does
 (GCS, its emulators). Requests carry the store's bearer token
-(:class:`objckpt.storage.gcs_auth.GoogleToken`, the credential gcsfs shares)
+(:class:`objckpt.storage.auth.gcs.GoogleToken`, the credential gcsfs shares)
 or none for anonymous access. Only these GETs go this way; every other
 request, including reads that become arrays, goes through the store's client.
 Requester-pays buckets (whose billed project rides on every request) are not
@@ -18,13 +18,13 @@ import ssl
 from typing import Protocol
 from urllib.parse import quote
 
-from objckpt.storage.http_stream import HttpRangeReader
+from objckpt.storage.http.reader import HttpRangeReader
 
 GCS_ENDPOINT = "https://storage.googleapis.com"
 
 
 class BearerSource(Protocol):
-    """Where a request's auth headers come from (:class:`~objckpt.storage.gcs_auth.GoogleToken`)."""
+    """Where a request's auth headers come from (:class:`~objckpt.storage.auth.gcs.GoogleToken`)."""
 
     def headers(self) -> dict[str, str]: ...
 

@@ -21,13 +21,13 @@ Choices, and why:
   ``put_parts`` hands obstore a list of buffers, which it sends as one body
   without joining them: a save uploads array bytes where they lie.
 * **Streamed ranged reads** (``get_range_streamed``, S3): URLs presigned by
-  obstore and sent by :mod:`objckpt.storage.s3_stream`, so
+  obstore and sent by :mod:`objckpt.storage.http.s3`, so
   restore can scatter each few MiB of a read it copies out of while they
   are in cache (:mod:`objckpt.storage.streaming` says why).
 * **Multipart only for large puts** (> 64 MiB by default, 16 MiB parts):
   blobs are ~32 MiB and one PUT is the cheapest request. Create-if-absent is
   always a single-request PUT: GCS ignores preconditions on XML multipart.
-* **Errors by class** (:func:`~objckpt.storage.error_map.map_obstore_error`).
+* **Errors by class** (:func:`~objckpt.storage.errors.map_obstore_error`).
   A range starting at or past the end of an object is an error to obstore
   (an HTTP 416); here it reads as ``b""``, like every other store.
 * **Keys**: one obstore store per bucket; :meth:`child` stores share it
@@ -44,15 +44,14 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import obstore as obs
 
 from objckpt.errors import ObjectNotFoundError, ThrottledError, TransientStoreError
-from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode, Store
-from objckpt.storage.error_map import PROGRAMMING_ERRORS, map_obstore_error
-from objckpt.storage.http_stream import HttpRangeReader, stream_range
-from objckpt.storage.network import ssl_context
-from objckpt.storage.obstore_config import NativeSpec
-from objckpt.storage.s3_stream import S3RangeReader
-from objckpt.storage.streaming import ReadSink
+from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode
+from objckpt.storage.errors import PROGRAMMING_ERRORS, map_obstore_error
+from objckpt.storage.http.network import ssl_context
+from objckpt.storage.http.reader import HttpRangeReader, StreamingStore
+from objckpt.storage.http.s3 import S3RangeReader
+from objckpt.storage.obstore.config import NativeSpec
+from objckpt.storage.phase import malloc_phase
 from objckpt.storage.urls import check_relative, redact_url
-from objckpt.transfer.buffers import malloc_phase
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, GCSConfig, RetryConfig, S3Config
@@ -89,7 +88,7 @@ def _epoch(value: Any) -> float | None:
     return None
 
 
-class ObstoreStore(Store):
+class ObstoreStore(StreamingStore):
     """A :class:`Store` rooted at ``prefix`` inside one obstore store.
 
     Args:
@@ -107,7 +106,7 @@ class ObstoreStore(Store):
         range_reader: Streams ranged GETs (:meth:`get_range_streamed`; see
             :func:`range_reader`), shared by :meth:`child` stores.
         native_spec: The configuration ``store`` was built from (:func:`open_spec`), which
-            server-side copies read (:mod:`objckpt.storage.server_copy`); None for a local store.
+            server-side copies read (:mod:`objckpt.storage.copy.server`); None for a local store.
     """
 
     reads_in_place = True  # object_store sizes one buffer from Content-Length and fills it
@@ -140,8 +139,7 @@ class ObstoreStore(Store):
         self.multipart_threshold = int(multipart_threshold)
         self.multipart_chunk_size = int(multipart_chunk_size)
         self.multipart_concurrency = int(multipart_concurrency)
-        self._range_reader = range_reader
-        self.streams_reads = range_reader is not None
+        self._use_range_reader(range_reader)
         self.native_spec = native_spec
 
     # ------------------------------------------------------------------ helpers
@@ -151,7 +149,7 @@ class ObstoreStore(Store):
 
     def bucket_object(self, key: str) -> tuple[str, str] | None:
         """``(bucket, object name)`` of ``key``, for server-side copies
-        (:class:`objckpt.storage.server_copy.BucketObjects`); None for a local store."""
+        (:class:`objckpt.storage.copy.server.BucketObjects`); None for a local store."""
         spec = self.native_spec
         return None if spec is None else (spec.bucket, self._path(key))
 
@@ -212,14 +210,6 @@ class ObstoreStore(Store):
                 return memoryview(b"")
             raise
         return memoryview(data)
-
-    async def get_range_streamed(self, key: str, *, start: int, end: int, sink: ReadSink) -> int:
-        """Hand the bytes to ``sink`` as they arrive with the range reader when there is
-        one (see :mod:`objckpt.storage.streaming`); else read, then hand over."""
-        reader = self._range_reader
-        if reader is None or end <= start:
-            return await super().get_range_streamed(key, start=start, end=end, sink=sink)
-        return await stream_range(reader, self, key, start=start, end=end, sink=sink)
 
     def response_phase(self) -> int | None:
         """Where large responses start past a 64-byte boundary
@@ -308,13 +298,6 @@ class ObstoreStore(Store):
         clone.url = self._url(sub)
         return clone
 
-    async def close(self) -> None:
-        """Close the range reader's connections and let its threads go. obstore's own
-        connections are released when its store is collected. A store (or a
-        :meth:`child`, which shares the reader) used after this opens new ones."""
-        if self._range_reader is not None:
-            self._range_reader.close()
-
 
 # ------------------------------------------------------------------ factories
 
@@ -372,11 +355,11 @@ def open_spec(spec: NativeSpec, url: str, *, request_timeout: float = DEFAULT_RE
 
 def range_reader(spec: NativeSpec, store: Any, request_timeout: float) -> HttpRangeReader | None:
     """A reader that streams ranged GETs of an S3 ``spec``'s bucket, each presigned by ``store``
-    with whatever credentials it resolved (:mod:`objckpt.storage.s3_stream`).
+    with whatever credentials it resolved (:mod:`objckpt.storage.http.s3`).
 
     None for requester-pays buckets (a presigned URL carries no
     ``x-amz-request-payer``) and for other kinds. (``gs://`` opens with gcsfs by
-    default, which streams through :mod:`objckpt.storage.gcs_stream`.)
+    default, which streams through :mod:`objckpt.storage.http.gcs`.)
     """
     config = spec.config
     if spec.kind != "s3" or config.get("request_payer"):

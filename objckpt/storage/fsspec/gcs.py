@@ -8,14 +8,14 @@ from fsspec import AbstractFileSystem
 
 from objckpt.errors import BucketNotFoundError, ObjectNotFoundError
 from objckpt.storage.base import ObjectInfo
-from objckpt.storage.error_map import PROGRAMMING_ERRORS
-from objckpt.storage.fsspec_store import FsspecStore
-from objckpt.storage.gcs_upload import MediaUploader
+from objckpt.storage.errors import PROGRAMMING_ERRORS
+from objckpt.storage.fsspec.store import FsspecStore
+from objckpt.storage.http.gcs_upload import MediaUploader
 
 
 class GcsFsspecStore(FsspecStore):
     """gcsfs: create-if-absent is ``ifGenerationMatch=0``; with an ``uploader``, bulk writes
-    send the buffer as the body (:class:`~objckpt.storage.gcs_upload.MediaUploader`), else
+    send the buffer as the body (:class:`~objckpt.storage.http.gcs_upload.MediaUploader`), else
     they go through gcsfs's ``pipe_file``; listings filter server-side.
 
     gcsfs answers a listing of a bucket that does not exist as it answers an empty

@@ -3,7 +3,7 @@
 gcsfs serves every GCS store objckpt opens by default (the registry says
 why). Around it, this module sets up what a real deployment needs: the one
 refreshable Google credential that gcsfs and objckpt's fast paths share
-(:mod:`objckpt.storage.gcs_auth`), a CA bundle that every request trusts, the
+(:mod:`objckpt.storage.auth.gcs`), a CA bundle that every request trusts, the
 streamed range reader and media uploader, and gcsfs making one attempt per
 request so that the engine's retries and throttle see each refusal. That
 last switch uses a gcsfs internal, so it is pinned to the releases it was
@@ -14,13 +14,15 @@ keeps its own retries.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import os
 import types
 from typing import Any
 
 from objckpt.storage.base import Store
-from objckpt.storage.registry import _display, _pop_timeout, _preflight, _require, scheme_of
+from objckpt.storage.opening import pop_timeout, preflight, require
+from objckpt.storage.urls import redact_url, scheme_of
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ def open_gcsfs(url: str, **storage_options: Any) -> Store:
 
     gcsfs and objckpt's fast paths (streamed reads, media uploads) share one
     refreshable Google credential built from the ``token`` option
-    (:mod:`objckpt.storage.gcs_auth`); a ``token`` it cannot load, and
+    (:mod:`objckpt.storage.auth.gcs`); a ``token`` it cannot load, and
     requester-pays buckets, leave the store to gcsfs alone. The fast paths go
     to the endpoint resolved here: ``endpoint_url``, else
     ``STORAGE_EMULATOR_HOST``, else ``https://storage.googleapis.com`` (or its
@@ -51,13 +53,13 @@ def open_gcsfs(url: str, **storage_options: Any) -> Store:
     ``gcsfs.core.GCSFileSystem`` is used rather than gcsfs's experimental
     zonal-bucket subclass, whose bucket probe hangs 60 s against emulators.
     """
-    from objckpt.storage import gcs_auth
-    from objckpt.storage.fsspec_store import for_filesystem
+    from objckpt.storage.auth import gcs as gcs_auth
+    from objckpt.storage.fsspec.factory import for_filesystem
 
-    _require("gcsfs", scheme_of(url) or "gs")
+    require("gcsfs", scheme_of(url) or "gs")
     gcsfs_core = importlib.import_module("gcsfs.core")
     options = dict(storage_options)
-    store_kw = _pop_timeout(options)
+    store_kw = pop_timeout(options)
     ca_file = options.pop("ca_bundle", None) or os.environ.get("REQUESTS_CA_BUNDLE") or None
     endpoint = options.get("endpoint_url")
     emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
@@ -66,7 +68,7 @@ def open_gcsfs(url: str, **storage_options: Any) -> Store:
             emulator = f"http://{emulator}"
         options["endpoint_url"] = endpoint = emulator
         options.setdefault("token", "anon")
-    _preflight("check_gcs_credentials", url, options)
+    preflight("check_gcs_credentials", url, options)
     token = gcs_auth.load_token(
         options.get("token"),
         url=url,
@@ -92,7 +94,7 @@ def open_gcsfs(url: str, **storage_options: Any) -> Store:
     _one_attempt_per_request(fs)
     path = fs._strip_protocol(url).rstrip("/")
     if not path:
-        raise ValueError(f"GCS URL needs a bucket: {_display(url)!r}")
+        raise ValueError(f"GCS URL needs a bucket: {redact_url(url)!r}")
     if token is None or options.get("requester_pays") or (not endpoint and _gcs_client_cert()):
         return for_filesystem(fs, path, url=url, **store_kw)
     return for_filesystem(fs, path, url=url, **store_kw, **_gcs_fast_paths(endpoint, token, ca_file, store_kw))
@@ -104,7 +106,7 @@ def _trusting_connector(ca_file: str) -> Any:
     import aiohttp
     import fsspec.asyn
 
-    from objckpt.storage import network
+    from objckpt.storage.http import network
 
     context = network.ssl_context(ca_file)
 
@@ -116,9 +118,9 @@ def _trusting_connector(ca_file: str) -> Any:
 
 def _gcs_fast_paths(endpoint: str | None, token: Any, ca_file: str | None, store_kw: dict[str, Any]) -> dict[str, Any]:
     """The streamed range reader and the media uploader of a gcsfs store, sharing ``token``."""
-    from objckpt.storage import network
-    from objckpt.storage.gcs_stream import GCSRangeReader
-    from objckpt.storage.gcs_upload import MediaUploader
+    from objckpt.storage.http import network
+    from objckpt.storage.http.gcs import GCSRangeReader
+    from objckpt.storage.http.gcs_upload import MediaUploader
 
     universe = os.environ.get("GOOGLE_CLOUD_UNIVERSE_DOMAIN") or "googleapis.com"
     base = str(endpoint or f"https://storage.{universe}").rstrip("/")

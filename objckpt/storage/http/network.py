@@ -2,7 +2,7 @@
 
 The stores' own clients (obstore, botocore, aiohttp under gcsfs) each read
 these settings their own way; objckpt's streamed readers
-(:mod:`objckpt.storage.http_stream`) and its GCS uploads read them here, the
+(:mod:`objckpt.storage.http.reader`) and its GCS uploads read them here, the
 same way curl, requests and the AWS and Google SDKs do, so one environment
 configures every path:
 
