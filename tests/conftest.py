@@ -6,8 +6,10 @@ fake-gcs-server) or one kind directly (``memory_store``, ``local_store``,
 ``s3_store``, ``gcs_store``). Each gives a :class:`StoreTarget` with a fresh,
 unique ``.url`` and the ``.storage_options`` to pass along with it.
 
-The servers start once per session, only when a test first needs them.
+The servers start once per session, only when a test first needs them (under
+pytest-xdist, once per worker: each worker is a session with servers on free ports).
 Select kinds with markers: ``-m "not s3 and not gcs"`` runs without servers.
+``-m quick`` is the inner-loop tier (``./tests/run.sh --quick``): see :data:`QUICK_MODULES`.
 
 The real cloud path has kinds of its own: ``s3-https`` and ``gcs-https``
 (the same servers behind a TLS front whose test CA the options trust),
@@ -49,6 +51,23 @@ from backends import CredentialServer, GCSService, S3Service, TestCA, TlsFront  
 from backends.proxy import FaultProxy  # noqa: E402
 
 STORE_KINDS = ("memory", "local", "s3", "gcs")
+# The quick tier (``-m quick``): these modules' tests that need no server (pure planning, the
+# format, the import graph) plus QUICK_TESTS, one end-to-end save/restore per store kind.
+# tests/test_test_tiers.py checks that every name here still names a test.
+QUICK_MODULES = frozenset(
+    {
+        "test_architecture.py",
+        "test_errors.py",
+        "test_format.py",
+        "test_format_v1_compat.py",
+        "test_hardening_format.py",
+        "test_layouts_manifest_io.py",
+        "test_plan.py",
+        "test_registry.py",
+        "test_tree.py",
+    }
+)
+QUICK_TESTS = frozenset({"test_roundtrip.py::test_round_trip_every_dtype_and_sharding"})
 # The example plugin is a separate package with its own tests, which need it installed:
 # test_storage_conformance.py runs them in a pytest of their own, as the plugin's repository would.
 collect_ignore = ["plugin_example"]
@@ -60,13 +79,42 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark tests by the servers they need, however they reach them."""
+    """Mark tests by the servers they need, however they reach them; mark the quick tier;
+    keep each module whose tests share a module-scoped fixture on one xdist worker."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if names & {"s3_service", "s3_store", "s3_tls", "aws_metadata"}:
             item.add_marker(pytest.mark.s3)
         if names & {"gcs_service", "gcs_store", "gcs_tls", "gcs_bearer_proxy"}:
             item.add_marker(pytest.mark.gcs)
+        if _is_quick(item):
+            item.add_marker(pytest.mark.quick)
+        if _shares_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+def _is_quick(item: pytest.Item) -> bool:
+    if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in QUICK_TESTS:
+        return True
+    needs_server = item.get_closest_marker("s3") or item.get_closest_marker("gcs")
+    return item.path.name in QUICK_MODULES and not needs_server
+
+
+def _shares_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module-, class- or package-scoped fixture.
+
+    Such a fixture is set up once per worker that runs one of the module's tests (a server of
+    its own, a child process, a saved checkpoint): the module's tests go to one worker
+    (``--dist loadgroup``) so that it is set up once, as in a serial run.
+    """
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        fixturedef.scope in ("module", "class", "package")
+        for fixturedefs in info.name2fixturedefs.values()
+        for fixturedef in fixturedefs
+    )
 
 
 @dataclass(frozen=True)
