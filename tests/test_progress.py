@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import logging
+import subprocess
+import sys
 import threading
 import time
 
@@ -171,3 +173,17 @@ def test_terminal_bar_draws_with_tqdm():
     last = text.rsplit("\r", 1)[-1]
     assert "100%" in last and "100M/100M" in last and "B/s" in last, last
     assert human_bytes(1023) == "1023 B" and human_bytes(1536) == "1.5 KiB" and human_bytes(3 * 2**40) == "3.0 TiB"
+
+
+def test_tqdm_loads_only_when_a_bar_is_drawn():
+    """The library and the command line import progress; only a bar on a terminal brings tqdm."""
+    code = (
+        "import io, sys; from objckpt import progress;"
+        " assert progress.callback_for(True, io.StringIO()) is None;"
+        " print('tqdm' in sys.modules, end=' ');"
+        " t = io.StringIO(); t.isatty = lambda: True;"
+        " progress.callback_for(True, t)(progress.Progress('cp', 'u', 1, 2, finished=True));"
+        " print('tqdm' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"], out

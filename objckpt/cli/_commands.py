@@ -16,7 +16,7 @@ from objckpt.options import Options
 from objckpt.progress import human_bytes
 from objckpt.roots.layout import resolve_step_url
 from objckpt.roots.listing import group_checkpoints, root_steps
-from objckpt.roots.sweep import delete_checkpoint, delete_objects, unreferenced_objects
+from objckpt.roots.sweep import collect, delete_checkpoint
 from objckpt.saving.live_markers import committed_save_id, explain, live_markers
 from objckpt.tools.copy import copy
 from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
@@ -333,15 +333,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     refuse_a_checkpoint(store)
     found = runtime.run_sync(
-        unreferenced_objects(
+        collect(
             store,
             grace=args.grace_seconds,
             manifest_size_limit=options.manifest_size_limit,
             lease=args.lease_seconds,
+            dry_run=args.dry_run,
         )
     )
-    if not args.dry_run:
-        runtime.run_sync(delete_objects(store, [o.key for o in found]))
     total = sum(o.size for o in found)
     verb = "would delete" if args.dry_run else "deleted"
     if args.json:

@@ -34,7 +34,7 @@ from objckpt.restoring.locations import Location, as_locations
 from objckpt.roots.layout import step_dir
 from objckpt.roots.listing import committed_steps, list_steps
 from objckpt.roots.orbax_steps import delete_orbax_step, is_orbax_step, orbax_metrics, orbax_step_at
-from objckpt.roots.sweep import delete_checkpoint, delete_objects, unreferenced_objects
+from objckpt.roots.sweep import collect, delete_checkpoint
 from objckpt.storage import Store
 from objckpt.tools.inspect import CheckpointInfo, inspect
 from objckpt.transfer import runtime
@@ -366,9 +366,7 @@ class CheckpointManager:
     async def _gc_root(self, store: Store, grace: float) -> list[str]:
         limit = self.options.manifest_size_limit
         lease = self.options.live_marker_lease
-        found = await unreferenced_objects(store, grace=grace, manifest_size_limit=limit, lease=lease)
-        doomed = [o.key for o in found]
-        await delete_objects(store, doomed)
+        doomed = [o.key for o in await collect(store, grace=grace, manifest_size_limit=limit, lease=lease)]
         if doomed:
             log.info("objckpt gc deleted %d unreferenced objects under %s", len(doomed), store.url)
         return doomed

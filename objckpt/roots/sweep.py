@@ -1,13 +1,13 @@
-"""Deleting checkpoints under a manager root (one, or all of them), and finding what gc may
-delete: never a step a save is writing into.
+"""Deleting checkpoints under a manager root (one, or all of them), and gc: never a step a
+save is writing into.
 
 A checkpoint is deleted manifest first (it stops existing at once), then the rest;
-gc deletes objects under ``step_*/`` that no committed manifest references once
-they are older than a grace period. Both look for live-save markers
-(:mod:`objckpt.saving.live_markers`) in an order that keeps a save in flight safe
-(see :func:`unreferenced_objects`). :func:`delete_root` keeps the same order for
-every checkpoint under a root at once (``objckpt rm --recursive``). Used by
-:class:`~objckpt.manager.checkpoint_manager.CheckpointManager`, its replicas,
+gc (:func:`collect`) deletes objects under ``step_*/`` that no committed manifest
+references once they are older than a grace period. Both look for live-save
+markers (:mod:`objckpt.saving.live_markers`) in an order that keeps a save in
+flight safe (see :func:`unreferenced_objects`). :func:`delete_root` keeps the same
+order for every checkpoint under a root at once (``objckpt rm --recursive``). Used
+by :class:`~objckpt.manager.checkpoint_manager.CheckpointManager`, its replicas,
 ``objckpt rm`` and ``objckpt gc``; no JAX.
 """
 
@@ -108,6 +108,17 @@ async def unreferenced_objects(
             continue
         doomed.extend(o for o in candidates if o.key not in referenced)
     return doomed
+
+
+async def collect(
+    store: Store, *, grace: float, manifest_size_limit: int, lease: float = LEASE, dry_run: bool = False
+) -> list[ObjectInfo]:
+    """gc of the manager root ``store``: the :func:`unreferenced_objects`, deleted (unless
+    ``dry_run``); returns them."""
+    found = await unreferenced_objects(store, grace=grace, manifest_size_limit=manifest_size_limit, lease=lease)
+    if not dry_run:
+        await delete_objects(store, [o.key for o in found])
+    return found
 
 
 async def _referenced(store: Store, head: str, manifest_size_limit: int) -> set[str] | None:
