@@ -23,11 +23,9 @@ from objckpt.core.format import ARRAY_KINDS, Manifest
 from objckpt.core.format.v2 import require_digest
 from objckpt.core.plan import ReadRequest
 from objckpt.core.tree import build, flatten_target, unflatten_target
-from objckpt.errors import (
-    CheckpointNotFoundError,
-    CoordinationError,
-)
-from objckpt.in_flight import save_in_flight
+from objckpt.errors import CoordinationError
+from objckpt.layouts.native import NativeCheckpoint
+from objckpt.layouts.registry import open_checkpoint
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, reporting
@@ -60,7 +58,6 @@ from objckpt.transfer.engine import (
     close_store,
     opened_store,
 )
-from objckpt.layouts.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 
@@ -129,7 +126,8 @@ def restore(
 
     An Orbax checkpoint (an item directory, or a ``CheckpointManager`` step with
     one item or a ``default`` one) restores the same way, read through
-    tensorstore (``pip install 'objckpt[orbax]'``): see :mod:`objckpt.orbax`.
+    tensorstore (``pip install 'objckpt[orbax]'``): the layouts registry
+    (:func:`objckpt.layouts.registry.open_checkpoint`) opens it with Orbax's reader.
 
     Raises:
         CheckpointNotFoundError, FormatError, IntegrityError, TargetMismatchError
@@ -145,24 +143,10 @@ def restore(
         locations = [Location(str(url), storage_options), *as_locations(replicas, storage_options, primary=str(url))]
         return _restore_nearest(locations, target, partial, read_once, options, stats, progress, cast)
     with opened_store(url, storage_options, options, stats) as store, runtime.collection_paused(options.pause_gc):
-        try:
-            manifest = _read_manifest(store, options)
-        except CheckpointNotFoundError:
-            from objckpt.orbax import orbax_item_at
-            from objckpt.orbax.restore import restore_orbax
-
-            parent = _parent_store(str(url), storage_options)
-            try:
-                item = orbax_item_at(store, parent)
-            finally:
-                if parent is not None:
-                    close_store(parent)
-            if item is None:
-                raise
-            return restore_orbax(
-                item, target, storage_options=storage_options, partial=partial, options=options, stats=stats, cast=cast
-            )
-        return _restore(store, manifest, target, partial, read_once, options, stats, progress, cast)
+        checkpoint = open_checkpoint(store, options=options, storage_options=storage_options, look_above=True)
+        if not isinstance(checkpoint, NativeCheckpoint):  # another layout (Orbax): its reader restores itself
+            return checkpoint.restore(target, partial=partial, options=options, stats=stats, cast=cast)
+        return _restore(store, checkpoint.manifest, target, partial, read_once, options, stats, progress, cast)
 
 
 def _restore_nearest(
@@ -186,19 +170,6 @@ def _restore_nearest(
     finally:
         for opened in stores:
             close_store(opened)
-
-
-def _parent_store(url: str, storage_options: dict[str, Any] | None) -> Any:
-    """The store one level above ``url`` (for Orbax's step metadata), or None at a bucket's root."""
-    from objckpt.storage import from_url
-
-    head, sep, tail = url.rstrip("/").rpartition("/")
-    if not sep or not tail or head.endswith(":/") or head.endswith(":"):
-        return None
-    try:
-        return from_url(head, **(storage_options or {}))
-    except (ValueError, OSError):
-        return None
 
 
 def _restore(
@@ -269,19 +240,6 @@ def _restore(
         treedef,
         [build(subtrees[path], lambda i: values[i]) if path in subtrees else values[index[path]] for path, _ in flat],
     )
-
-
-def _read_manifest(store: Any, options: Options) -> Manifest:
-    """The checkpoint's manifest; when there is none, say so, and whether a save to it is still running here."""
-    try:
-        return runtime.run_sync(read_manifest(store, size_limit=options.manifest_size_limit))
-    except CheckpointNotFoundError as e:
-        if not save_in_flight(store.url):
-            raise
-        raise CheckpointNotFoundError(
-            f"{e}; a save_async to this URL is still running in this process:"
-            " call .result() on its handle (CheckpointManager: .wait()) before restoring it"
-        ) from None
 
 
 def _fetch_then_share(

@@ -18,18 +18,20 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from objckpt.core.checksum import damage
 from objckpt.core.format import BlobEntry, Manifest, Piece
 from objckpt.core.format.v2 import require_digest
-from objckpt.errors import CheckpointNotFoundError, StoreError
+from objckpt.errors import StoreError
+from objckpt.layouts.base import VerifyProblem, VerifyReport
+from objckpt.layouts.native import NativeCheckpoint
+from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import MiB, Options
-from objckpt.progress import ProgressArg, human_bytes, reporting
+from objckpt.progress import ProgressArg, reporting
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store, run_in_order
-from objckpt.layouts.manifest_io import read_checkpoint  # which checks the whole tiling
 
 log = logging.getLogger("objckpt")
 
@@ -40,102 +42,17 @@ READ_CHUNK = 8 * MiB
 
 PieceRef = tuple[str, Piece]  # (leaf path, piece)
 
-
-@dataclass(frozen=True)
-class VerifyProblem:
-    """One thing wrong with a checkpoint.
-
-    Attributes:
-        kind: ``missing``, ``short``, ``size`` (longer than the manifest says),
-            ``checksum``, ``sha256`` (the crc32c matches, the SHA-256 of a
-            checkpoint saved with ``Options.digest`` does not: bytes changed on
-            purpose) or ``unreadable``.
-        blob: the blob's key, relative to the checkpoint.
-        message: one line naming everything needed to find it.
-        leaf: the leaf path, for a checksum or sha256 mismatch.
-        start, end: the byte range ``[start, end)`` in the blob, for a checksum or sha256 mismatch.
-    """
-
-    kind: str
-    blob: str
-    message: str
-    leaf: str | None = None
-    start: int | None = None
-    end: int | None = None
-
-    def __str__(self) -> str:
-        return self.message
-
-
-@dataclass
-class VerifyReport:
-    """What :func:`verify` found.
-
-    Attributes:
-        url: the checkpoint.
-        problems: every problem found, sorted by blob and byte offset; empty when ``ok``.
-        blobs, pieces: how many were checked.
-        bytes_read: bytes read from the store.
-        requests, retries: store requests issued, and how many were retries.
-        checksum_retries: pieces read again after a checksum mismatch (a mismatch
-            that a re-read cures was a bit flipped in flight, not a problem).
-        seconds: wall time.
-        format: ``"objckpt"``, or ``"orbax"`` for an Orbax checkpoint, whose arrays are
-            read and decoded chunk by chunk (:mod:`objckpt.orbax.verify`; Orbax stores
-            no checksums): ``arrays`` counts them, ``blobs`` and ``pieces`` are 0.
-    """
-
-    url: str
-    problems: list[VerifyProblem] = field(default_factory=list)
-    blobs: int = 0
-    pieces: int = 0
-    bytes_read: int = 0
-    requests: int = 0
-    retries: int = 0
-    checksum_retries: int = 0
-    seconds: float = 0.0
-    format: str = "objckpt"
-    arrays: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def summary(self) -> str:
-        status = "OK" if self.ok else f"FAILED, {len(self.problems)} problem(s)"
-        if self.format == "orbax":
-            from objckpt.orbax.verify import CHECKS
-
-            return (
-                f"verify {self.url}: {status}; Orbax checkpoint, {self.arrays} arrays ({CHECKS}),"
-                f" {human_bytes(self.bytes_read)} read in {self.seconds:.2f} s"
-            )
-        return (
-            f"verify {self.url}: {status}; {self.blobs} blobs, {self.pieces} pieces,"
-            f" {human_bytes(self.bytes_read)} read in {self.seconds:.2f} s"
-        )
-
-    def __str__(self) -> str:
-        return "\n".join([self.summary(), *(f"  {p}" for p in self.problems)])
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "ok": self.ok,
-            "problems": [
-                {"kind": p.kind, "blob": p.blob, "leaf": p.leaf, "start": p.start, "end": p.end, "message": p.message}
-                for p in self.problems
-            ],
-            "blobs": self.blobs,
-            "pieces": self.pieces,
-            "bytes_read": self.bytes_read,
-            "requests": self.requests,
-            "retries": self.retries,
-            "checksum_retries": self.checksum_retries,
-            "seconds": self.seconds,
-            "format": self.format,
-            "arrays": self.arrays,
-        }
+__all__ = [
+    "READ_CHUNK",
+    "VerifyProblem",
+    "VerifyReport",
+    "check_blob",
+    "check_pieces",
+    "pieces_by_blob",
+    "read_blob",
+    "recheck",
+    "verify",
+]
 
 
 def verify(
@@ -158,9 +75,9 @@ def verify(
             be quick, and an exception it raises is logged once, never failing
             the verification. ``False``/``None``: nothing.
 
-    An Orbax checkpoint (an item, or a step of Orbax's ``CheckpointManager``) is
-    verified as far as it can be: every chunk of every array is read and decoded
-    (:mod:`objckpt.orbax.verify`; Orbax stores no checksums).
+    Another layout's checkpoint (an Orbax item, or a step of Orbax's ``CheckpointManager``)
+    is verified by its reader as far as it can be (Orbax's: every chunk of every array
+    read and decoded; Orbax stores no checksums): ``report.checks`` says what was checked.
 
     Returns:
         A :class:`VerifyReport` listing every problem (``report.ok`` when none).
@@ -175,18 +92,12 @@ def verify(
     stats = TransferStats()
     started = time.perf_counter()
     with opened_store(url, storage_options, options, stats) as store:
-        try:
-            manifest = runtime.run_sync(read_checkpoint(store, size_limit=options.manifest_size_limit))
-        except CheckpointNotFoundError:
-            from objckpt.orbax import orbax_item_at
-            from objckpt.orbax.verify import verify_orbax
-
-            item = orbax_item_at(store)
-            if item is None:
-                raise
-            report = verify_orbax(item, storage_options, options, stats, progress)
+        checkpoint = open_checkpoint(store, options=options, storage_options=storage_options)
+        if not isinstance(checkpoint, NativeCheckpoint):  # another layout (Orbax): its reader checks what it can
+            report = checkpoint.verify(options, stats, progress)
             log.info("objckpt %s", report.summary())
             return report
+        manifest = runtime.run_sync(checkpoint.read_whole())  # which checks the whole tiling
         require_digest(manifest, options.digest, store.url)
         total, base = sum(b.size for b in manifest.blobs), stats.bytes_read
         with reporting(progress, "verify", store.url, total, lambda: stats.bytes_read - base, stats):
