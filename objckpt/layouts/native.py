@@ -12,7 +12,7 @@ here and in :mod:`objckpt.layouts.manifest_io`, nowhere else.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from objckpt.core.boxes import Box
 from objckpt.core.format import LeafEntry, Manifest
@@ -51,10 +51,16 @@ class NativeCheckpoint:
         """The manifest with the pieces read so far (all of them for version 1)."""
         return self._manifest
 
+    @property
+    def pieces_on_demand(self) -> bool:
+        """The root lists index objects whose pieces are read when needed (version 2), rather
+        than every piece (version 1): a restore reads the ones it needs and checks they cover it."""
+        return bool(self._manifest.indexes)
+
     def info(self) -> CheckpointInfo:
         return info_from_manifest(self.url, self._manifest)
 
-    async def read_needed(self, boxes: dict[int, Iterable[Box]]) -> Manifest:
+    async def read_needed(self, boxes: Mapping[int, Iterable[Box]]) -> Manifest:
         """The manifest with the pieces that cover ``boxes`` (global boxes by leaf index).
 
         Version 2: reads the index objects of the processes that wrote those boxes,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from objckpt.core.checksum import is_sha256_hex
@@ -304,7 +304,7 @@ def writers_of(manifest: Manifest, leaf: int, boxes: Iterable[Box]) -> set[int]:
     return out
 
 
-def leaves_by_writer(manifest: Manifest, boxes: dict[int, Iterable[Box]]) -> dict[int, set[int]]:
+def leaves_by_writer(manifest: Manifest, boxes: Mapping[int, Iterable[Box]]) -> dict[int, set[int]]:
     """For the boxes a reader needs (by leaf), which leaves it needs from each process's index object."""
     out: dict[int, set[int]] = {}
     for leaf, wanted in boxes.items():
