@@ -1,9 +1,11 @@
 """Reading a checkpoint's manifest, and (format version 2) the index objects it lists, from a store.
 
-The I/O steps before any plan. A restore reads the root and the index objects
-of the processes that wrote what it needs (:func:`read_indexes`); tools that
-look at a whole checkpoint (``verify``, ``cp``, ``gc``, ``inspect``) read them
-all (:func:`read_checkpoint`).
+The I/O steps before any plan, behind :class:`~objckpt.layouts.native.NativeCheckpoint`.
+A restore reads the root and the index objects of the processes that wrote what
+it needs (:func:`read_indexes`); tools that look at a whole checkpoint
+(``verify``, ``cp``, ``gc``) read them all (:func:`read_every_piece`,
+:func:`read_checkpoint`); ``inspect`` and the manager's metrics read the root alone
+(:func:`read_manifest`).
 """
 
 from __future__ import annotations
@@ -162,7 +164,12 @@ async def read_checkpoint(store: Store, *, size_limit: int) -> Manifest:
     (:func:`check_whole_tiling`), so every reader of a whole checkpoint (``cp``,
     ``verify``, ``gc``) refuses what ``verify`` refuses, one box listed twice included.
     """
-    manifest = await read_manifest(store, size_limit=size_limit)
+    return await read_every_piece(store, await read_manifest(store, size_limit=size_limit), size_limit=size_limit)
+
+
+async def read_every_piece(store: Store, manifest: Manifest, *, size_limit: int) -> Manifest:
+    """``manifest`` with the pieces of every index object not read yet, checked to tile
+    each leaf exactly (:func:`check_whole_tiling`)."""
     manifest = await read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=size_limit)
     check_whole_tiling(manifest)
     return manifest

@@ -18,7 +18,7 @@ from objckpt.core.boxes import Box
 from objckpt.core.format import LeafEntry, Manifest
 from objckpt.core.format.v2 import leaves_by_writer
 from objckpt.layouts.base import CheckpointInfo, LeafInfo
-from objckpt.layouts.manifest_io import check_whole_tiling, read_indexes, read_manifest
+from objckpt.layouts.manifest_io import read_every_piece, read_indexes, read_manifest
 from objckpt.storage import Store
 
 FORMAT = "objckpt"
@@ -88,9 +88,7 @@ class NativeCheckpoint:
     async def read_whole(self) -> Manifest:
         """The manifest with every piece and blob, checked to tile each leaf exactly
         (what ``verify``, ``cp`` and ``gc`` read)."""
-        every = range(len(self._manifest.indexes))
-        self._manifest = await read_indexes(self.store, self._manifest, every, size_limit=self._size_limit)
-        check_whole_tiling(self._manifest)
+        self._manifest = await read_every_piece(self.store, self._manifest, size_limit=self._size_limit)
         return self._manifest
 
 
