@@ -11,8 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.saving import api as saving_api
-from objckpt.storage import from_url
+from objckpt.storage import from_url, register_store
 from objckpt.transfer import runtime
 
 
@@ -83,16 +82,26 @@ def test_saving_over_a_committed_checkpoint_is_refused(any_store):
     np.testing.assert_array_equal(restored["params"]["w"], np.asarray(_tree(1)["params"]["w"]))
 
 
-def test_racing_saves_commit_exactly_one(any_store, monkeypatch):
+def _blind_to_committed(store):
+    """``store``, whose HEAD of the manifest always says "not found": a save's early existence
+    check (``saving.pipeline.check_destination``) lets it through whatever is committed."""
+    head = store.head
+
+    async def blind_head(key):
+        if key == "manifest.json":
+            raise FileNotFoundError(key)
+        return await head(key)
+
+    store.head = blind_head
+    return store
+
+
+def test_racing_saves_commit_exactly_one(any_store):
     """Both get past the early existence check; create-if-absent on the manifest picks one."""
     so = any_store.storage_options
-
-    async def never_exists(store):
-        return False
-
-    monkeypatch.setattr(saving_api, "_exists", never_exists)
-    first = objckpt.save_async(any_store.url, _tree(1), storage_options=so)
-    second = objckpt.save_async(any_store.url, _tree(2), storage_options=so)
+    register_store("racing", lambda url, **options: _blind_to_committed(from_url(any_store.url, **options)))
+    first = objckpt.save_async("racing://either", _tree(1), storage_options=so)
+    second = objckpt.save_async("racing://either", _tree(2), storage_options=so)
     outcomes = []
     for handle in (first, second):
         try:

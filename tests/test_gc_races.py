@@ -25,7 +25,7 @@ from objckpt.cli._main import main as cli_main
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import IntegrityError, ObjectNotFoundError, SaveInProgressError, StoreError
 from objckpt.roots.listing import group_checkpoints
-from objckpt.saving.api import _Commit
+from objckpt.saving.commit import Commit
 from objckpt.storage import ObjectInfo
 from objckpt.storage.fsspec.store import FsspecStore
 from objckpt.transfer import runtime
@@ -110,13 +110,13 @@ def test_gc_with_no_grace_beside_a_slow_save_never_breaks_its_commit(kind, reque
 def _delete_a_blob_before_the_commit(monkeypatch: pytest.MonkeyPatch, *, truncate: bool = False) -> list[str]:
     """Make one blob vanish (or shrink) after every upload finished, right before the commit check.
 
-    Format v2: each process HEADs its own blobs (``_Commit._check_own_blobs``) right
+    Format v2: each process HEADs its own blobs (``Commit._check_own_blobs``) right
     before it writes its index object; the tampering lands just before those HEADs.
     """
     victims: list[str] = []
-    original = _Commit._check_own_blobs
+    original = Commit._check_own_blobs
 
-    async def tampered(self: _Commit, blobs: dict[str, int]) -> None:
+    async def tampered(self: Commit, blobs: dict[str, int]) -> None:
         key = sorted(blobs)[1]
         victims.append(key)
         if truncate:
@@ -125,7 +125,7 @@ def _delete_a_blob_before_the_commit(monkeypatch: pytest.MonkeyPatch, *, truncat
             await self.store.delete(key)
         await original(self, blobs)
 
-    monkeypatch.setattr(_Commit, "_check_own_blobs", tampered)
+    monkeypatch.setattr(Commit, "_check_own_blobs", tampered)
     return victims
 
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from backends.proxy import FaultProxy
 from objckpt.errors import ThrottledError, TransientStoreError
-from objckpt.saving.api import _Commit
+from objckpt.saving.commit import Commit
 from objckpt.storage import from_url
 from objckpt.storage.errors import map_error
 from objckpt.storage.http.reader import status_error
@@ -270,14 +270,14 @@ def _save_and_restore(proxy, options, s3_service, tree, caplog, monkeypatch, *, 
     opts = objckpt.Options(blob_size=1 << 20, read_chunk=1 << 20, adaptive_concurrency=adaptive)
     url = s3_service.url(f"throttle/{uuid.uuid4().hex[:8]}")
     at_check: list[int] = []
-    original = _Commit._check_own_blobs
+    original = Commit._check_own_blobs
 
-    async def check(self: _Commit, blobs: dict[str, int]) -> None:
+    async def check(self: Commit, blobs: dict[str, int]) -> None:
         at_check.append(proxy.stats.throttled)
         await original(self, blobs)
         at_check.append(proxy.stats.throttled)
 
-    monkeypatch.setattr(_Commit, "_check_own_blobs", check)
+    monkeypatch.setattr(Commit, "_check_own_blobs", check)
     before = proxy.stats.throttled
     objckpt.save(url, tree, storage_options=options, options=opts)
     saved = proxy.stats.throttled - before

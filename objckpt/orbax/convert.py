@@ -60,12 +60,12 @@ from objckpt.orbax.tensorstore_io import (
     open_leaf,
 )
 from objckpt.progress import ProgressArg, finish_from_caller, start
-from objckpt.saving.api import _exists, _make_engine
-from objckpt.saving.commit import _Commit
-from objckpt.saving.live_markers import LiveMarker, marker_key
-from objckpt.saving.upload import PieceRecord, snapshot_and_upload
+from objckpt.saving import pipeline
+from objckpt.saving.commit import Save
+from objckpt.saving.upload import PieceRecord
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferStats, opened_store
+from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store
+from objckpt.transfer.handle import opened
 
 log = logging.getLogger("objckpt")
 
@@ -136,7 +136,7 @@ def convert_orbax_steps(
     """Convert the steps of an Orbax ``CheckpointManager`` root (all, or ``steps``) into
     objckpt's manager layout under ``dst_root``. Steps already committed there are left
     as they are (None in the result): rerunning after a failure resumes."""
-    from objckpt.manager.checkpoint_manager import step_dir
+    from objckpt.roots.layout import step_dir
 
     options = options or Options()
     found = orbax_steps(src_root, src_storage_options, options)
@@ -163,7 +163,7 @@ def convert_orbax_steps(
 def orbax_steps(root: str, storage_options: dict[str, Any] | None, options: Options) -> list[int]:
     """The committed steps of an Orbax ``CheckpointManager`` root (``<step>/_CHECKPOINT_METADATA``)."""
     with opened_store(root, storage_options, options) as store:
-        listed = runtime.run_sync(store.inner.list(""))
+        listed = runtime.run_sync(store.list(""))
     steps = set()
     for info in listed:
         head, sep, rest = info.key.partition("/")
@@ -186,14 +186,9 @@ def _convert(
     transfer = TransferStats()
     with (
         kvstore_for(item.url, src_options) as (kvstore, context_spec),
-        opened_store(dst, dst_options, options, transfer) as store,
+        opened(dst, dst_options, options, transfer) as handle,
     ):
-        if not store.supports_create:
-            raise StoreError(
-                f"{store.url}: this store cannot create objects only-if-absent, so it cannot take a commit"
-            )
-        if runtime.run_sync(_exists(store)):
-            raise CheckpointExistsError(f"a committed checkpoint already exists at {store.url}")
+        pipeline.check_destination(handle)
         context = ts.Context(context_spec)
         in_flight: list[tuple[_Slab, BoxRead]] = []  # the group being read
         waiter = Waiter(
@@ -219,13 +214,13 @@ def _convert(
         groups = _groups(slabs, group_bytes, chunks)
         save_id = _save_id(item)
         coordinator = get_coordinator()
-        engine = runtime.run_sync(_make_engine(store.inner, options, transfer))
-        marker = LiveMarker(store, marker_key(save_id, coordinator.process_index), lease=options.live_marker_lease)
-        runtime.run_sync(marker.begin())
+        save = pipeline.begin(
+            handle, coordinator=coordinator, tag=operation_tag("convert", handle.url), save_id=save_id
+        )
         total = sum(math.prod(int(n) for n in a.shape) * numpy_dtype(a.dtype).itemsize for a in converted.values())
-        reporter = start(progress, "convert", store.url, total, lambda: transfer.bytes_written, transfer)
+        reporter = start(progress, "convert", handle.url, total, lambda: transfer.bytes_written, transfer)
         records: list[PieceRecord] = []
-        present = {info.key: info.size for info in runtime.run_sync(store.inner.list(""))}
+        present = {info.key: info.size for info in runtime.run_sync(handle.store.list(""))}
         try:
             seq = 0
             host_pieces = [_string_piece(i, text) for i, text in strings.items() if text]
@@ -238,34 +233,30 @@ def _convert(
                 in_flight[:] = _start_reads(ts, arrays, chunks, group or [])
                 blobs = plan_blobs(pieces, blob_size=options.blob_size, key=_keys(save_id, seq))
                 seq += len(blobs)
-                records.extend(_upload_missing(blobs, present, store.inner, engine, options, stats))
+                records.extend(_upload_missing(blobs, present, save, stats))
             if host_pieces:  # no arrays at all: the strings alone
                 blobs = plan_blobs(host_pieces, blob_size=options.blob_size, key=_keys(save_id, 0))
-                records.extend(_upload_missing(blobs, present, store.inner, engine, options, stats))
+                records.extend(_upload_missing(blobs, present, save, stats))
         except BaseException:
             for _, read in in_flight:
                 read.cancel()
             finish_from_caller(reporter, complete=False)
-            runtime.run_sync(marker.end())
+            pipeline.abandon(save)
             raise
         _check_complete(item, entries, converted, records)
-        commit = _Commit(
-            store=store,
-            engine=engine,
-            coordinator=coordinator,
-            tag=operation_tag("convert", store.url),
-            save_id=save_id,
+        done: concurrent.futures.Future[list[PieceRecord]] = concurrent.futures.Future()
+        done.set_result(records)
+        commit = pipeline.commit(
+            save,
+            [done],
             skeleton=skeleton,
             entries=entries,
             meshes=tuple(MeshTable().meshes),
             metadata={"converted_from": item.url, "orbax_created": item.created},
-            options=options,
-            marker=marker,
+            started=started,
         )
-        done: concurrent.futures.Future[list[PieceRecord]] = concurrent.futures.Future()
-        done.set_result(records)
         try:
-            runtime.run_sync(commit.run([done], started))
+            runtime.run_sync(commit)
         finally:
             finish_from_caller(reporter, complete=True)
     stats.leaves = len(entries)
@@ -301,26 +292,25 @@ def _check_complete(
             )
 
 
-def _upload_missing(
-    blobs: list[Any], present: dict[str, int], store: Any, engine: Any, options: Options, stats: ConvertStats
-) -> list[PieceRecord]:
+def _upload_missing(blobs: list[Any], present: dict[str, int], save: Save, stats: ConvertStats) -> list[PieceRecord]:
     """Upload ``blobs``, except those an earlier run left at the destination intact
     (right size, and the same bytes as the blob staged from the source); their records."""
     records: list[PieceRecord] = []
     missing = []
+    engine, digest = save.handle.engine, save.handle.options.digest
     for blob in blobs:
-        kept = _kept(blob, store, options.digest) if present.get(blob.key) == blob.size else None
+        kept = _kept(blob, engine, digest) if present.get(blob.key) == blob.size else None
         if kept is None:
             missing.append(blob)
         else:
             records.extend(kept)
             stats.blobs_kept += 1
-    for future in snapshot_and_upload(missing, engine, options, hold_uploads=False):
+    for future in pipeline.upload(save, missing, hold_uploads=False):
         records.extend(future.result())
     return records
 
 
-def _kept(blob: Any, store: Any, digest: str | None) -> list[PieceRecord] | None:
+def _kept(blob: Any, engine: TransferEngine, digest: str | None) -> list[PieceRecord] | None:
     """The records of ``blob`` if the object already at its key holds exactly its bytes, else None
     (with each piece's SHA-256 when ``digest``: ``Options.digest``)."""
     staged = np.zeros(blob.size, dtype=np.uint8)
@@ -329,7 +319,7 @@ def _kept(blob: Any, store: Any, digest: str | None) -> list[PieceRecord] | None
         view = staged[placed.offset : placed.offset + piece.nbytes].view(piece.source[0].dtype).reshape(piece.shape)
         copy_piece_into(piece, view)
     try:
-        existing = runtime.run_sync(store.get(blob.key))
+        existing = runtime.run_sync(engine.get(blob.key))
     except (ObjectNotFoundError, StoreError):
         return None
     if bytes(existing) != staged.tobytes():

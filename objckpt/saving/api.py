@@ -35,25 +35,19 @@ from typing import Any, TypeVar
 
 from objckpt import in_flight
 from objckpt.core.boxes import MeshTable
-from objckpt.core.format import MANIFEST_KEY, LeafEntry
+from objckpt.core.format import LeafEntry
 from objckpt.core.metadata import to_json_value
 from objckpt.core.plan import blob_key, packing_order, plan_blobs
 from objckpt.core.tree import flatten
-from objckpt.errors import (
-    CheckpointExistsError,
-    StoreError,
-)
 from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, finish_from_caller, start
+from objckpt.saving import pipeline
 from objckpt.saving.classify import classify
-from objckpt.saving.commit import _Commit
-from objckpt.saving.live_markers import LiveMarker, marker_key
-from objckpt.saving.upload import snapshot_and_upload
-from objckpt.storage import Store
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import tune_malloc
-from objckpt.transfer.engine import RetryingStore, TransferEngine, TransferStats, close_store, open_store
+from objckpt.transfer.engine import TransferStats
+from objckpt.transfer.handle import Handle
 
 T = TypeVar("T")
 log = logging.getLogger("objckpt")
@@ -161,20 +155,17 @@ def _start(
     options = options or Options()
     if options.tune_malloc:
         tune_malloc()
-    stats = TransferStats()
-    store = open_store(url, storage_options, options, stats)
+    handle = Handle.open(url, storage_options, options)
     try:
-        return _begin(store, tree, options, stats, metadata, progress, entered, hold_uploads=hold_uploads)
+        return _begin(handle, tree, metadata, progress, entered, hold_uploads=hold_uploads)
     except BaseException:
-        close_store(store)
+        handle.close()
         raise
 
 
 def _begin(
-    store: RetryingStore,
+    handle: Handle,
     tree: Any,
-    options: Options,
-    stats: TransferStats,
     metadata: dict[str, Any] | None,
     progress: ProgressArg,
     entered: float,
@@ -182,16 +173,11 @@ def _begin(
     hold_uploads: bool,
 ) -> SaveHandle:
     """:func:`_start` on an open store, which the commit closes once it ends (``entered``: when the call began)."""
-    if not store.supports_create:
-        raise StoreError(
-            f"{store.url}: this store cannot create objects only-if-absent, so a commit could overwrite"
-            " another writer's checkpoint; use a store that supports it (S3, GCS, local disk, memory)"
-        )
+    options, stats = handle.options, handle.stats
     coordinator = get_coordinator()
-    tag = operation_tag("save", store.url)
+    tag = operation_tag("save", handle.url)
     metadata = to_json_value(dict(metadata or {}), "metadata")
-    if runtime.run_sync(_exists(store)):  # the retrying store bounds it
-        raise CheckpointExistsError(f"a committed checkpoint already exists at {store.url}")
+    pipeline.check_destination(handle)
 
     leaves, skeleton = flatten(tree)
     entries: list[LeafEntry] = []
@@ -211,44 +197,38 @@ def _begin(
         key=lambda seq: blob_key(save_id, coordinator.process_index, seq),
     )
 
-    engine = runtime.run_sync(_make_engine(store.inner, options, stats))
-    marker = LiveMarker(store, marker_key(save_id, coordinator.process_index), lease=options.live_marker_lease)
-    runtime.run_sync(marker.begin())  # before the first blob, so deleters see it first
+    save = pipeline.begin(handle, coordinator=coordinator, tag=tag, save_id=save_id)
     started = time.perf_counter()
     reporter = None
     try:
         total = sum(b.size for b in blobs)
-        reporter = start(progress, "save", store.url, total, lambda: stats.bytes_written, stats)
-        uploads = snapshot_and_upload(blobs, engine, options, hold_uploads=hold_uploads)
+        reporter = start(progress, "save", handle.url, total, lambda: stats.bytes_written, stats)
+        uploads = pipeline.upload(save, blobs, hold_uploads=hold_uploads)
     except BaseException:
         finish_from_caller(reporter, complete=False)
-        runtime.run_sync(marker.end())
+        pipeline.abandon(save)
         raise
     seconds_blocked = time.perf_counter() - entered
-    commit = _Commit(
-        store=store,
-        engine=engine,
-        coordinator=coordinator,
-        tag=tag,
-        save_id=save_id,
+    commit = pipeline.commit(
+        save,
+        uploads,
         skeleton=skeleton,
         entries=entries,
         meshes=tuple(meshes.meshes),
         metadata=metadata,
-        options=options,
-        marker=marker,
+        started=started,
     )
-    future = runtime.submit(_then_close(closing(commit.run(uploads, started), reporter), store))
-    in_flight.track(store.url, future)
-    return SaveHandle(future, stats, seconds_blocked, store.url)
+    future = runtime.submit(_then_close(closing(commit, reporter), handle))
+    in_flight.track(handle.url, future)
+    return SaveHandle(future, stats, seconds_blocked, handle.url)
 
 
-async def _then_close(run: Awaitable[T], store: Store) -> T:
-    """Await ``run``, then close ``store``, however ``run`` ends."""
+async def _then_close(run: Awaitable[T], handle: Handle) -> T:
+    """Await ``run``, then close ``handle``'s store, however ``run`` ends."""
     try:
         return await run
     finally:
-        await store.close()
+        await handle.aclose()
 
 
 def _shared_save_id(coordinator: Coordinator, tag: str, timeout: float) -> str:
@@ -261,16 +241,3 @@ def _shared_save_id(coordinator: Coordinator, tag: str, timeout: float) -> str:
     """
     mine = uuid.uuid4().hex.encode() if coordinator.is_primary else None
     return coordinator.broadcast(f"{tag}/save_id", mine, timeout=timeout).decode()
-
-
-async def _exists(store: Store) -> bool:
-    try:
-        await store.head(MANIFEST_KEY)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-async def _make_engine(store: Store, options: Options, stats: TransferStats) -> TransferEngine:
-    # Built on the I/O loop so its semaphore belongs to that loop.
-    return TransferEngine.from_options(store, options, stats)

@@ -18,10 +18,19 @@ import datetime
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from objckpt.core.checksum import crc32c, sha256_hex
-from objckpt.core.format import FORMAT_VERSION, MANIFEST_KEY, IndexRef, LeafEntry, Manifest, manifest_to_json, parse_manifest
+from objckpt.core.format import (
+    FORMAT_VERSION,
+    MANIFEST_KEY,
+    IndexRef,
+    LeafEntry,
+    Manifest,
+    manifest_to_json,
+    parse_manifest,
+)
 from objckpt.core.format.index import index_key, index_to_json
 from objckpt.core.layout import Mesh
 from objckpt.errors import (
@@ -33,45 +42,49 @@ from objckpt.errors import (
     StoreError,
 )
 from objckpt.multihost import Coordinator
-from objckpt.options import Options
 from objckpt.saving.live_markers import LiveMarker
 from objckpt.saving.upload import PieceRecord
-from objckpt.storage import Store
-from objckpt.transfer.engine import TransferEngine
+from objckpt.transfer.handle import Handle
 
 log = logging.getLogger("objckpt")
 
 
-class _Commit:
+@dataclass(frozen=True)
+class Save:
+    """One save being written (:func:`objckpt.saving.pipeline.begin`): where, by which process,
+    under which id and coordination tag, and the live-save marker that keeps deleters off it."""
+
+    handle: Handle
+    coordinator: Coordinator
+    tag: str
+    save_id: str
+    marker: LiveMarker
+
+
+class Commit:
     """The background half of a save: wait for uploads, write this process's index, commit."""
 
     def __init__(
         self,
+        save: Save,
         *,
-        store: Store,
-        engine: TransferEngine,
-        coordinator: Coordinator,
-        tag: str,
-        save_id: str,
         skeleton: dict[str, Any],
         entries: list[LeafEntry],
         meshes: tuple[Mesh, ...],
         metadata: dict[str, Any],
-        options: Options,
-        marker: LiveMarker,
     ) -> None:
-        self.store = store
-        self.engine = engine
-        self.coordinator = coordinator
-        self.tag = tag
-        self.save_id = save_id
+        self.store = save.handle.store
+        self.engine = save.handle.engine
+        self.options = save.handle.options
+        self.coordinator = save.coordinator
+        self.tag = save.tag
+        self.save_id = save.save_id
+        self.marker = save.marker
         self.skeleton = skeleton
         self.entries = entries
         self.meshes = meshes
         self.metadata = metadata
-        self.options = options
-        self.marker = marker
-        self.index_key = index_key(save_id, coordinator.process_index)
+        self.index_key = index_key(save.save_id, save.coordinator.process_index)
 
     async def run(self, uploads: list[concurrent.futures.Future[list[PieceRecord]]], started: float) -> None:
         """Wait for the uploads, commit or abort, then delete this process's live-save marker."""
@@ -151,11 +164,10 @@ class _Commit:
             ObjectNotFoundError: a blob is missing (deleted while the save ran); no manifest is written.
             IntegrityError: a blob has another size than was written.
         """
-        inner = self.engine.store
 
         async def size(key: str) -> int | None:
             try:
-                info = await self.engine.call(f"HEAD {inner.url}/{key}", lambda: inner.head(key))
+                info = await self.engine.head(key)
             except FileNotFoundError:
                 return None
             return info.size

@@ -4,7 +4,7 @@ A synchronous save to a store that sends a body of parts (``Store.put_parts``)
 uploads contiguous host shards where they lie; everything else is copied off the
 devices into staging buffers (:mod:`objckpt.saving.staging`) first. Each upload
 checksums its pieces off the loop thread and PUTs with the transfer engine's
-retries; the commit (:mod:`objckpt.saving.api`) waits for their piece records.
+retries; the commit (:mod:`objckpt.saving.commit`) waits for their piece records.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from objckpt.options import Options
 from objckpt.saving.staging import StagingPool
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine
+from objckpt.transfer.handle import Handle
 
 PieceRecord = tuple[int, Piece]  # (leaf index, stored piece)
 
 
 def snapshot_and_upload(
-    blobs: list[BlobPlan], engine: TransferEngine, options: Options, *, hold_uploads: bool
+    blobs: list[BlobPlan], handle: Handle, *, hold_uploads: bool
 ) -> list[concurrent.futures.Future[list[PieceRecord]]]:
     """The blocking phase: send each blob in place or fill its staging buffer, hand it to the uploader.
 
@@ -42,6 +43,7 @@ def snapshot_and_upload(
     :mod:`objckpt.saving.staging` for why), except for blobs it sends in place.
     Stops early if an upload has already failed.
     """
+    engine, options = handle.engine, handle.options
     limit = options.memory_budget if hold_uploads else min(options.memory_budget, options.staging_pool)
     pool = StagingPool(limit, capacity=max((b.size for b in blobs), default=0))
     failed = threading.Event()
@@ -55,7 +57,7 @@ def snapshot_and_upload(
         open_gate()
     # A synchronous save may send array bytes straight from the arrays (it
     # returns only after its uploads end), when the store sends a body of parts.
-    in_place = not hold_uploads and getattr(engine.store, "puts_parts", False)
+    in_place = not hold_uploads and handle.traits.puts_parts
     futures: list[concurrent.futures.Future[list[PieceRecord]]] = []
     try:
         _fill_blobs(blobs, engine, pool, failed, gate, open_gate, futures, in_place=in_place, options=options)

@@ -45,6 +45,7 @@ from typing import Any
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import MANIFEST_KEY, BlobEntry, Manifest, manifest_to_json, parse_manifest
 from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsError, StoreError
+from objckpt.layouts.manifest_io import read_checkpoint
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, human_bytes
 from objckpt.progress import start as start_progress
@@ -53,8 +54,8 @@ from objckpt.storage.copy import server as server_copy
 from objckpt.tools.server_side import ServerSide
 from objckpt.tools.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store
-from objckpt.layouts.manifest_io import read_checkpoint
+from objckpt.transfer.engine import TransferEngine, TransferStats
+from objckpt.transfer.handle import Handle, opened
 
 log = logging.getLogger("objckpt")
 
@@ -186,10 +187,10 @@ def copy(
     options = options or Options()
     src_stats, dst_stats = TransferStats(), TransferStats()
     with (
-        opened_store(src_url, src_storage_options, options, src_stats) as src,
-        opened_store(dst_url, dst_storage_options, options, dst_stats) as dst,
+        opened(src_url, src_storage_options, options, src_stats) as src,
+        opened(dst_url, dst_storage_options, options, dst_stats) as dst,
     ):
-        copying = _copy_stores(src, dst, options, verify_existing, server_side, progress, src_stats, dst_stats)
+        copying = _copy_stores(src, dst, verify_existing, server_side, progress)
         return runtime.run_sync(copying)
 
 
@@ -205,8 +206,9 @@ async def copy_stores_async(
     """:func:`copy` between two open stores, on objckpt's I/O loop (the caller closes them).
 
     Args:
-        src, dst: stores opened with :func:`objckpt.transfer.engine.open_store`
-            (``RetryingStore``: each one's ``inner`` store does the bulk requests).
+        src, dst: open stores (:func:`objckpt.transfer.engine.open_store`'s, or any other,
+            which gets ``options``' retries); each is one :class:`~objckpt.transfer.handle.Handle`
+            of the copy, whose engine does the bulk requests.
         options, verify_existing, server_side: as for :func:`copy`.
         writes: filled, once the source's checkpoint is read and before anything is
             written, with the keys of the objects the copy writes at the destination
@@ -217,9 +219,8 @@ async def copy_stores_async(
         As :func:`copy`; a destination that holds a committed checkpoint raises
         :class:`DestinationCommittedError`, whose ``same`` says whether it is this one.
     """
-    return await _copy_stores(
-        src, dst, options, verify_existing, server_side, None, TransferStats(), TransferStats(), writes
-    )
+    source, target = Handle.of(src, options, TransferStats()), Handle.of(dst, options, TransferStats())
+    return await _copy_stores(source, target, verify_existing, server_side, None, writes)
 
 
 async def committed_save_id(store: Store, options: Options) -> str | None:
@@ -236,19 +237,17 @@ async def committed_save_id(store: Store, options: Options) -> str | None:
 
 
 async def _copy_stores(
-    src: Any,
-    dst: Any,
-    options: Options,
+    src: Handle,
+    dst: Handle,
     verify_existing: bool,
     server_side: bool,
     progress: ProgressArg,
-    src_stats: TransferStats,
-    dst_stats: TransferStats,
     writes: set[str] | None = None,
 ) -> CopyStats:
-    """The copy between open stores, with its figures, on the I/O loop."""
+    """The copy between open stores, with its figures, on the I/O loop (the options: the source's)."""
     started = time.perf_counter()
-    manifest = await read_checkpoint(src, size_limit=options.manifest_size_limit)
+    options, src_stats, dst_stats = src.options, src.stats, dst.stats
+    manifest = await read_checkpoint(src.store, size_limit=options.manifest_size_limit)
     if writes is not None:
         writes.update(b.key for b in manifest.blobs)
         writes.update(r.key for r in manifest.indexes)
@@ -259,7 +258,7 @@ async def _copy_stores(
         return min(moved, stats.bytes_total)
 
     reporter = start_progress(progress, "cp", dst.url, stats.bytes_total, done, src_stats, dst_stats)
-    copying = _copy(src, dst, manifest, options, stats, src_stats, dst_stats, verify_existing, server_side)
+    copying = _copy(src, dst, manifest, stats, verify_existing, server_side)
     try:
         await closing(copying, reporter)
     finally:
@@ -274,36 +273,34 @@ async def _copy_stores(
 
 
 async def _copy(
-    src: Any,
-    dst: Any,
+    src: Handle,
+    dst: Handle,
     manifest: Manifest,
-    options: Options,
     stats: CopyStats,
-    src_stats: TransferStats,
-    dst_stats: TransferStats,
     verify_existing: bool,
     server_side: bool,
 ) -> None:
-    if not dst.supports_create:
+    if not dst.traits.supports_create:
         raise StoreError(f"{dst.url} cannot create-if-absent atomically, so a copy there could not commit safely")
-    await _refuse_committed(dst, manifest, options)
-
-    def engine(store: Any, counters: TransferStats) -> TransferEngine:
-        return TransferEngine.from_options(store.inner, options, counters)
-
-    source, target = engine(src, src_stats), engine(dst, dst_stats)
-    present = {o.key: o.size for o in await dst.list()}
+    options, src_stats, dst_stats = src.options, src.stats, dst.stats
+    await _refuse_committed(dst.store, manifest, options)
+    source, target = src.engine, dst.engine
+    present = {o.key: o.size for o in await dst.store.list()}
     by_blob = pieces_by_blob(manifest)
     chunk = min(READ_CHUNK, options.copied_read_limit(streamed=False))
     reads = options.retry.checksum_reads
     if server_side:
         copier, why_not = await asyncio.to_thread(
-            server_copy.plan, src, dst, request_timeout=options.request_timeout, concurrency=options.max_concurrency
+            server_copy.plan,
+            src.bulk,
+            dst.bulk,
+            request_timeout=options.request_timeout,
+            concurrency=options.max_concurrency,
         )
     else:
         copier, why_not = None, "server_side=False"
     # The sizes the source's store confirms; a server-side copy is planned only from these.
-    source_sizes = {o.key: o.size for o in await src.list()} if copier is not None else {}
+    source_sizes = {o.key: o.size for o in await src.store.list()} if copier is not None else {}
     server = ServerSide(copier, why_not, src, dst, target, source_sizes)
 
     def copied(blob: BlobEntry, on_server: bool) -> None:
@@ -359,7 +356,7 @@ async def _copy(
         server.close()
         stats.method, stats.streamed_because = _method(stats, server)
     await _copy_indexes(source, target, src, manifest)
-    await _commit(target, dst, manifest, options)
+    await _commit(target, dst.store, manifest, options)
 
 
 def _method(stats: CopyStats, server: ServerSide) -> tuple[str, str]:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from objckpt.core.format import BlobEntry
 from objckpt.errors import IntegrityError, StoreError
 from objckpt.storage.copy import server as server_copy
 from objckpt.transfer.engine import TransferEngine
+from objckpt.transfer.handle import Handle
 
 log = logging.getLogger("objckpt")
 
@@ -34,8 +34,8 @@ class ServerSide:
         self,
         copier: server_copy.Copier | None,
         why_not: str,
-        src: Any,
-        dst: Any,
+        src: Handle,
+        dst: Handle,
         target: TransferEngine,
         source_sizes: dict[str, int],
     ) -> None:
@@ -109,11 +109,11 @@ class ServerSide:
         return True
 
     async def _copy(self, copier: server_copy.Copier, blob: BlobEntry) -> None:
-        source = server_copy.source_location(self._src, blob.key)
+        source = server_copy.source_location(self._src.bulk, blob.key)
         await copier.copy(source, blob.key, blob.size, self._target.call)
 
     async def _check_size(self, blob: BlobEntry) -> None:
-        info = await self._target.call(f"HEAD {self._dst.url}/{blob.key}", lambda: self._dst.inner.head(blob.key))
+        info = await self._target.head(blob.key)
         if info.size != blob.size:
             raise IntegrityError(
                 f"server-side copy of {self._src.url}/{blob.key} is {info.size} bytes at {self._dst.url},"
@@ -128,8 +128,8 @@ class ServerSide:
         if copier is None:
             return None
         try:
-            theirs = await copier.checksum(server_copy.source_location(self._src, key), self._target.call)
-            ours = await copier.checksum(server_copy.source_location(self._dst, key), self._target.call)
+            theirs = await copier.checksum(server_copy.source_location(self._src.bulk, key), self._target.call)
+            ours = await copier.checksum(server_copy.source_location(self._dst.bulk, key), self._target.call)
         except StoreError as e:
             if not self._fall_back(e):
                 raise

@@ -31,7 +31,8 @@ from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import MiB, Options
 from objckpt.progress import ProgressArg, reporting
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store, run_in_order
+from objckpt.transfer.engine import TransferEngine, TransferStats, run_in_order
+from objckpt.transfer.handle import Handle, opened
 
 log = logging.getLogger("objckpt")
 
@@ -91,7 +92,8 @@ def verify(
     options = options or Options()
     stats = TransferStats()
     started = time.perf_counter()
-    with opened_store(url, storage_options, options, stats) as store:
+    with opened(url, storage_options, options, stats) as handle:
+        store = handle.store
         checkpoint = open_checkpoint(store, options=options, storage_options=storage_options)
         if not isinstance(checkpoint, NativeCheckpoint):  # another layout (Orbax): its reader checks what it can
             report = checkpoint.verify(options, stats, progress)
@@ -101,7 +103,7 @@ def verify(
         require_digest(manifest, options.digest, store.url)
         total, base = sum(b.size for b in manifest.blobs), stats.bytes_read
         with reporting(progress, "verify", store.url, total, lambda: stats.bytes_read - base, stats):
-            problems = runtime.run_sync(_verify(store, manifest, options, stats))
+            problems = runtime.run_sync(_verify(handle, manifest))
     report = VerifyReport(
         url=store.url,
         problems=problems,
@@ -117,9 +119,9 @@ def verify(
     return report
 
 
-async def _verify(store: Any, manifest: Manifest, options: Options, stats: TransferStats) -> list[VerifyProblem]:
-    engine = TransferEngine.from_options(store.inner, options, stats)
-    present = {o.key: o.size for o in await store.list()}
+async def _verify(handle: Handle, manifest: Manifest) -> list[VerifyProblem]:
+    engine, options = handle.engine, handle.options
+    present = {o.key: o.size for o in await handle.store.list()}
     by_blob = pieces_by_blob(manifest)
     chunk = min(READ_CHUNK, options.copied_read_limit(streamed=False))
     problems: list[VerifyProblem] = []

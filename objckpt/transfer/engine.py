@@ -274,6 +274,10 @@ class RetryingStore(Store):
             self.inner.child(subpath), retry=self._retry, request_timeout=self._timeout, stats=self.stats
         )
 
+    def with_policy(self, *, retry: RetryConfig, request_timeout: float) -> RetryingStore:
+        """The same store (and counters) under another retry policy and timeout."""
+        return RetryingStore(self.inner, retry=retry, request_timeout=request_timeout, stats=self.stats)
+
     async def close(self) -> None:
         await self.inner.close()
 
@@ -415,6 +419,10 @@ class TransferEngine:
         data = await self.call(f"GET {self.store.url}/{key}", lambda: self.store.get(key))
         self.stats.add(bytes_read=len(data))
         return data
+
+    async def head(self, key: str) -> ObjectInfo:
+        """One object's size and metadata, in the operation's window (a HEAD counts as a request)."""
+        return await self.call(f"HEAD {self.store.url}/{key}", lambda: self.store.head(key))
 
     async def for_each(
         self,
