@@ -16,7 +16,7 @@ depend on pytest.
 import pytest
 
 # Before the import below: failed checks in the suite then say what they compared.
-pytest.register_assert_rewrite("objckpt.testing.store")
+pytest.register_assert_rewrite("objckpt.testing.store", "objckpt.testing.reads")
 
 from objckpt.testing.store import StoreConformance  # noqa: E402
 

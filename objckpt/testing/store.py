@@ -6,8 +6,9 @@ to the store only through the :class:`~objckpt.storage.Store` verbs, so it
 holds for any backend: round trips, ranges (exclusive end, short at the end),
 atomic create-if-absent under contention, overwrite, delete, recursive
 listing by string prefix, ``head``, the one missing-object error,
-:meth:`~objckpt.storage.Store.child` roots, key validation, and URLs and
-messages free of credentials.
+:meth:`~objckpt.storage.Store.child` roots, key validation, URLs and
+messages free of credentials, and (:class:`~objckpt.testing.reads.ReadConformance`)
+the buffer and streamed reads restore uses and the capabilities the store declares.
 
 Needs ``pytest`` (imported here, never by ``import objckpt``).
 """
@@ -17,30 +18,20 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Coroutine, Mapping
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import pytest
 
 from objckpt.errors import ObjckptError, ObjectExistsError, ObjectNotFoundError
 from objckpt.storage import ByteRange, ObjectInfo, Store, from_url
-
-T = TypeVar("T")
+from objckpt.testing.helpers import payload, run
+from objckpt.testing.reads import ReadConformance
 
 __all__ = ["StoreConformance", "payload"]
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run one coroutine to completion on a fresh event loop."""
-    return asyncio.run(coro)
-
-
-def payload(n: int, seed: int = 0) -> bytes:
-    """``n`` bytes covering every byte value (no text-only transports here)."""
-    return bytes((i * 131 + seed * 7 + (i >> 8)) % 256 for i in range(n))
-
-
-class StoreConformance:
+class StoreConformance(ReadConformance):
     """What every :class:`Store` must do.
 
     A subclass names the store under test in one of three ways, simplest first:
