@@ -47,7 +47,7 @@ from objckpt.core.tree import flatten
 from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ObjectNotFoundError, StoreError
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
-from objckpt.orbax.layout import OrbaxItem, numpy_dtype
+from objckpt.orbax.layout import OrbaxItem, numpy_dtype, orbax_item_at
 from objckpt.orbax.tensorstore_io import (
     READ_CHUNKS,
     BoxRead,
@@ -113,8 +113,6 @@ def convert_orbax(
         CheckpointExistsError: ``dst`` already holds a committed checkpoint.
         FormatError: ``src`` holds what objckpt cannot read (named).
     """
-    from objckpt.orbax import orbax_item_at
-
     options = options or Options()
     with opened_store(src, src_storage_options, options) as source:
         item = orbax_item_at(source)

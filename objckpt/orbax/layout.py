@@ -309,12 +309,11 @@ def numpy_dtype(dtype: Any) -> np.dtype:
 
 
 def orbax_item_at(store: Any, parent: Any = None) -> OrbaxItem | None:
-    """The Orbax item at ``store`` (an objckpt store, or one wrapping it as ``.inner``),
-    or None when nothing Orbax wrote is there; ``parent``, the store one level up,
-    lets an item that is no pytree be named as such (see :func:`read_item`)."""
-    inner = getattr(store, "inner", store)
+    """The Orbax item at ``store`` (any objckpt store: a retrying one gives the metadata
+    reads its timeouts and retries), or None when nothing Orbax wrote is there; ``parent``,
+    the store one level up, lets an item that is no pytree be named as such (see :func:`read_item`)."""
     try:
-        return runtime.run_sync(read_item(inner, inner.url, parent))
+        return runtime.run_sync(read_item(store, store.url, parent))
     except CheckpointNotFoundError:
         return None
 
