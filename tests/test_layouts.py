@@ -196,9 +196,10 @@ def test_a_layout_from_an_entry_point_is_found(
 def test_a_layout_whose_module_is_missing_is_skipped(memory_store: Any, caplog: pytest.LogCaptureFixture) -> None:
     register_layout("gone", "b1_no_such_module_anywhere:open")
     try:
-        with pytest.raises(CheckpointNotFoundError):
-            _open(memory_store.url)
-        assert "layout 'gone' is not available" in caplog.text
+        for _ in range(2):
+            with pytest.raises(CheckpointNotFoundError):
+                _open(memory_store.url)
+        assert caplog.text.count("layout 'gone' is not available") == 1
     finally:
         registry._registered.pop("gone", None)
 

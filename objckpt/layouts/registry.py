@@ -42,6 +42,7 @@ BUILTIN_LAYOUTS: dict[str, str] = {
 
 _registered: dict[str, str | LayoutOpener] = {}
 _loaded: dict[str, LayoutOpener] = {}
+_unavailable: dict[str, list[str | LayoutOpener | None]] = {}  # what failed to import, by name (warned once)
 _lock = threading.Lock()
 
 Checkpoint = NativeCheckpoint | ForeignReader
@@ -139,7 +140,12 @@ def _opener(name: str) -> LayoutOpener | None:
         else:
             opener = spec
     except ModuleNotFoundError as e:
-        log.warning("objckpt: layout %r is not available (%s); prefixes in it are not recognised", name, e)
+        with _lock:
+            first = spec not in _unavailable.setdefault(name, [])
+            if first:
+                _unavailable[name].append(spec)
+        if first:
+            log.warning("objckpt: layout %r is not available (%s); prefixes in it are not recognised", name, e)
         return None
     with _lock:
         _loaded[name] = opener
