@@ -52,6 +52,18 @@ class StoreTraits:
             puts_parts=bool(store.puts_parts),
         )
 
+    @classmethod
+    def beneath(cls, store: RetryingStore) -> StoreTraits:
+        """The traits of the store beneath ``store``'s retrying layer: ``supports_create`` as
+        that layer read it when it was made (it repeats that one), the others read here."""
+        bulk = store.inner
+        return cls(
+            supports_create=bool(store.supports_create),
+            reads_in_place=bool(bulk.reads_in_place),
+            streams_reads=bool(bulk.streams_reads),
+            puts_parts=bool(bulk.puts_parts),
+        )
+
 
 def bulk_of(store: Store) -> Store:
     """The store beneath ``store``'s retrying layer (``store`` itself when it has none): the one an
@@ -80,7 +92,7 @@ class Handle:
         self.url = store.url
         self.options = options
         self.stats = stats
-        self.traits = StoreTraits.of(self.bulk)
+        self.traits = StoreTraits.beneath(store)
         # The engine's asyncio objects are made on first use, on the loop that uses them.
         self.engine = TransferEngine.from_options(self.bulk, options, stats)
 
