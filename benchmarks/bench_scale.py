@@ -11,11 +11,11 @@ Save side (host 1; host 0, the primary, separately): plan CPU seconds, pieces,
 blobs and bytes per PUT, its index object, the report it sends the primary, and
 the primary's commit (decode every report, build and encode the root manifest).
 Restore side, for one host of each target mesh: strict parse of the root, the
-jobs, the index objects the layouts name (``restoring.indexes.read_needed_indexes``
+leaf plans, the index objects the layouts name (``restoring.indexes.read_needed_indexes``
 on an in-memory store of the index objects), the read plan (``restoring.fetch.plan``), the
 exact-coverage check; CPU seconds, metadata bytes read, extra peak memory
-(tracemalloc, a second run), GETs per 16 MiB and read amplification. The jobs
-are made for the host's 4 devices with ``make_job(..., devices=...)``, which
+(tracemalloc, a second run), GETs per 16 MiB and read amplification. The plans
+are made for the host's 4 devices with ``plan_leaf(..., devices=...)``, which
 looks those devices up in JAX's global index map (cached per sharding and
 shape, as the addressable map a real host asks for is), so the figure is what
 a real host pays.
@@ -315,14 +315,15 @@ class IndexStore:
 
 def restore_plan(root: bytes, targets: list[Any], devices: frozenset[Any], store: IndexStore) -> dict[str, Any]:
     """One host's restore up to its reads, with ``objckpt.restoring.api``'s own steps: parse the
-    root, make the jobs, read the index objects the layouts name (``read_needed_indexes``: only
+    root, plan the leaves, read the index objects the layouts name (``read_needed_indexes``: only
     the leaves it needs from each), plan the reads (``restoring.fetch.plan``), check coverage; the CPU seconds
     of each (of every thread: the index reads run on objckpt's I/O thread)."""
     from objckpt.core.format import parse_manifest
+    from objckpt.layouts.native import NativeCheckpoint
     from objckpt.options import Options
     from objckpt.restoring.fetch import plan as _plan
     from objckpt.restoring.indexes import read_needed_indexes
-    from objckpt.restoring.jobs import make_job, uncovered
+    from objckpt.restoring.leaf_plan import plan_leaf
 
     options = Options()
     clock = [time.process_time()]
@@ -334,18 +335,20 @@ def restore_plan(root: bytes, targets: list[Any], devices: frozenset[Any], store
 
     manifest = parse_manifest(root, size_limit=options.manifest_size_limit)
     lap("parse_root")
-    jobs = {i: make_job(manifest.leaves[i], t, devices=devices) for i, t in enumerate(targets)}
+    plans = {i: plan_leaf(manifest.leaves[i], t, devices=devices) for i, t in enumerate(targets)}
     lap("make_jobs")
-    manifest = read_needed_indexes(store, manifest, jobs, options)
+    checkpoint = NativeCheckpoint(store, manifest, size_limit=options.manifest_size_limit)
+    manifest = read_needed_indexes(checkpoint, plans)
+    plans = {i: p.with_entry(manifest.leaves[i]) for i, p in plans.items()}
     lap("indexes")
-    requests = _plan(manifest, jobs, options, streamed=True)
+    requests = _plan(manifest, plans, options, streamed=True)
     lap("plan")
-    gaps = {i: box for i, job in jobs.items() if (box := uncovered(job)) is not None}
+    gaps = {i: box for i, p in plans.items() if (box := p.uncovered()) is not None}
     lap("coverage")
     return {
         "processes": set(manifest.loaded),
         "requests": requests,
-        "jobs": jobs,
+        "plans": plans,
         "gaps": gaps,
         "phases": phases,
         "cpu_s": clock[-1] - clock[0],
@@ -355,9 +358,9 @@ def restore_plan(root: bytes, targets: list[Any], devices: frozenset[Any], store
 def writers_needed(manifest: Any, targets: list[Any], devices: frozenset[Any]) -> set[int]:
     """The processes whose index objects a host of these devices reads (untimed: to know which to build)."""
     from objckpt.core.format.v2 import leaves_by_writer
-    from objckpt.restoring.jobs import make_job
+    from objckpt.restoring.leaf_plan import plan_leaf
 
-    boxes = {i: make_job(manifest.leaves[i], t, devices=devices).read_boxes for i, t in enumerate(targets)}
+    boxes = {i: plan_leaf(manifest.leaves[i], t, devices=devices).read_boxes for i, t in enumerate(targets)}
     return set(leaves_by_writer(manifest, boxes))
 
 
@@ -462,11 +465,11 @@ def run_child(n: int, layouts: list[str], layers: int, repeats: int = 2) -> dict
                 del again
             if got["gaps"]:  # restore would read every index object, then call the checkpoint malformed
                 raise AssertionError(f"{layout} → {name}: uncovered boxes {list(got['gaps'].items())[:3]}")
-            requests, jobs = got["requests"], got["jobs"]
+            requests, plans = got["requests"], got["plans"]
             needed = sum(
-                math.prod(b - a for a, b in zip(*box)) * job.dtype.itemsize
-                for job in jobs.values()
-                for box in job.read_boxes
+                math.prod(b - a for a, b in zip(*box)) * p.dtype.itemsize
+                for p in plans.values()
+                for box in p.read_boxes
             )
             read = sum(r.length for r in requests)
             pieces_read = sum(part.piece.length for r in requests for part in r.parts)
@@ -490,7 +493,7 @@ def run_child(n: int, layouts: list[str], layers: int, repeats: int = 2) -> dict
                 "piece_bytes_read": pieces_read,
                 "piece_amplification": pieces_read / needed if needed else 1.0,
             }
-            del got, requests, jobs
+            del got, requests, plans
             tracemalloc.start()  # a second run, traced: tracing slows allocation, so not timed
             try:
                 tracemalloc.reset_peak()

@@ -9,6 +9,7 @@ only for leaves that stay in host memory; and a store closes what it opened
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import re
@@ -24,12 +25,13 @@ import pytest
 from helpers import assert_tree_bit_exact, random_array
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from restore_seams import paths, restore_with
 
 import objckpt
-from objckpt.restoring import api as restore_module
-from objckpt.restoring import arena as prefault
-from objckpt.restoring import fetch as fetch_module
-from objckpt.restoring import jobs as leaf_jobs
+from objckpt.restoring.arena import AssemblyArena
+from objckpt.restoring.landing import HostMemory
+from objckpt.storage import from_url
+from objckpt.storage.phase import bytes_phase
 from objckpt.transfer import buffers as memory
 
 
@@ -72,22 +74,27 @@ def _where(kind: str, s3_store, local_store) -> tuple[str, dict | None]:
     return target.url, target.storage_options
 
 
+class _Inside:
+    """Whether the GC was on inside each restore, seen from its progress callback (called on
+    objckpt's I/O thread while it reads and once when the reads end)."""
+
+    def __init__(self) -> None:
+        self.restores: list[set[bool]] = []
+
+    def watch(self):
+        seen: set[bool] = set()
+        self.restores.append(seen)
+        return lambda _: seen.add(gc.isenabled())
+
+
 @pytest.fixture
 def spies(monkeypatch):
     """``(mallopt_calls, inside)``: every ``mallopt`` objckpt makes (none reach libc; the
-    process counts as fresh), and whether the GC was on each time a restore planned."""
+    process counts as fresh), and an :class:`_Inside` for the restores to report to."""
     mallopt_calls: list[tuple[int, int]] = []
     monkeypatch.setattr(memory, "_mallopt", lambda param, value: mallopt_calls.append((param, value)) or True)
     monkeypatch.setattr(memory, "_done", False)
-    inside: list[bool] = []
-    real_plan = restore_module.plan
-
-    def spying(*args, **kwargs):
-        inside.append(gc.isenabled())
-        return real_plan(*args, **kwargs)
-
-    monkeypatch.setattr(restore_module, "plan", spying)
-    return mallopt_calls, inside
+    return mallopt_calls, _Inside()
 
 
 @pytest.mark.parametrize("kind", ["s3", "local"])
@@ -100,10 +107,12 @@ def test_by_default_the_collector_and_malloc_are_left_alone(kind, s3_store, loca
     with _gc_sampled() as samples:
         objckpt.save(url, tree, storage_options=storage_options)
         same = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-        assert_tree_bit_exact(tree, objckpt.restore(url, same, storage_options=storage_options))
-        assert_tree_bit_exact(tree, objckpt.restore(url, _resharded(tree), storage_options=storage_options))
+        out = objckpt.restore(url, same, storage_options=storage_options, progress=inside.watch())
+        assert_tree_bit_exact(tree, out)
+        out = objckpt.restore(url, _resharded(tree), storage_options=storage_options, progress=inside.watch())
+        assert_tree_bit_exact(tree, out)
     assert samples and all(samples), f"the GC was off in {samples.count(False)} of {len(samples)} samples"
-    assert inside == [True, True]
+    assert inside.restores == [{True}, {True}]
     assert mallopt_calls == []
 
 
@@ -116,17 +125,36 @@ def test_the_options_turn_the_techniques_on(s3_store, spies):
     objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options, options=tuned)
     assert mallopt_calls == [(-3, 1 << 20)]  # M_MMAP_THRESHOLD, 1 MiB
     assert gc.isenabled()  # the save leaves the collector alone
-    out = objckpt.restore(s3_store.url, _resharded(tree), storage_options=s3_store.storage_options, options=tuned)
+    out = objckpt.restore(
+        s3_store.url, _resharded(tree), storage_options=s3_store.storage_options, options=tuned, progress=inside.watch()
+    )
     assert_tree_bit_exact(tree, out)
-    assert inside == [False] and gc.isenabled()  # paused inside, given back after
+    assert inside.restores == [{False}] and gc.isenabled()  # paused inside, given back after
     assert mallopt_calls == [(-3, 1 << 20)]  # once per process
 
 
+class _AskedForAlignment:
+    """A store that counts the times restore asks where its responses land (its phase hint,
+    answered as restore would answer for it: the store's own hint, else a ``bytes`` object's)."""
+
+    def __init__(self, inner, used: dict[str, int]) -> None:
+        self.inner = inner
+        self.used = used
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def response_phase(self):
+        self.used["alignment"] += 1
+        hint = getattr(self.inner, "response_phase", None)
+        return hint() if hint is not None else bytes_phase()
+
+
 @pytest.mark.parametrize("where", ["s3", "memory"])
-def test_leaves_bound_for_an_accelerator_get_plain_buffers(where, s3_store, monkeypatch):
-    """Off the CPU backend (simulated: no leaf stays in host memory) a restore onto another
-    sharding makes no prefaulted arena, faults nothing in, allocates no aligned buffers and
-    starts no read early; onto the CPU backend it does all of these."""
+def test_leaves_bound_for_an_accelerator_get_plain_buffers(where, s3_store):
+    """Off the CPU backend (simulated: plans that say no leaf stays in host memory) a
+    restore onto another sharding makes no prefaulted arena, faults nothing in, allocates
+    no aligned buffers and starts no read early; onto the CPU backend it does all of these."""
     used: dict[str, int] = {"mapped": 0, "fault_in": 0, "aligned": 0, "alignment": 0}
 
     def counting(name, real):
@@ -136,26 +164,28 @@ def test_leaves_bound_for_an_accelerator_get_plain_buffers(where, s3_store, monk
 
         return wrapped
 
-    monkeypatch.setattr(prefault, "mapped_buffer", counting("mapped", prefault.mapped_buffer))
-    monkeypatch.setattr(leaf_jobs, "fault_in", counting("fault_in", leaf_jobs.fault_in))
-    monkeypatch.setattr(leaf_jobs, "aligned_arrays", counting("aligned", leaf_jobs.aligned_arrays))
-    alignment = fetch_module.ResponseAlignment
-    monkeypatch.setattr(alignment, "of", classmethod(counting("alignment", alignment.of.__func__)))
-    monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 1 << 20)  # "big" is placed box by box
+    host = HostMemory(
+        arrays=counting("aligned", memory.aligned_arrays),
+        fault_in=counting("fault_in", memory.fault_in),
+        arena=lambda leaves: AssemblyArena(leaves, mapped=counting("mapped", memory.mapped_buffer)),
+    )
     url = s3_store.url if where == "s3" else "memory://guest/plain"
     options = s3_store.storage_options if where == "s3" else None
     tree = _tree()
     objckpt.save(url, tree, storage_options=options)
+    store = _AskedForAlignment(from_url(url, **(options or {})), used)
 
-    assert_tree_bit_exact(tree, objckpt.restore(url, _resharded(tree), storage_options=options))
+    def restored(**kwargs):  # "big" is placed box by box
+        out = restore_with(store, paths(_resharded(tree)), memory=host, whole_leaf_bytes=1 << 20, **kwargs)
+        return {k: out[f"['{k}']"] for k in tree}
+
+    assert_tree_bit_exact(tree, restored())
     on_cpu = dict(used)
     assert all(on_cpu.values()), on_cpu
 
-    for module in (leaf_jobs, fetch_module):
-        monkeypatch.setattr(module, "stays_on_host", lambda job: False)
     used.update(dict.fromkeys(used, 0))
     prefaulting = {t for t in threading.enumerate() if t.name == "objckpt-prefault"}
-    out = objckpt.restore(url, _resharded(tree), storage_options=options)
+    out = restored(replan=lambda plan: dataclasses.replace(plan, on_host=False))
     assert_tree_bit_exact(tree, out)
     assert used == {"mapped": 0, "fault_in": 0, "aligned": 0, "alignment": 0}
     assert {t for t in threading.enumerate() if t.name == "objckpt-prefault"} <= prefaulting

@@ -129,7 +129,7 @@ def test_orbax_restore_checks_host_memory_before_reading(
     naming the leaf before a byte is allocated (it allocated and returned the array before); a
     header beyond any machine's memory is the same error, not numpy's bare MemoryError."""
     small = _item(tmp_path / "small", [64 << 20], [1 << 20])
-    monkeypatch.setattr("objckpt.restoring.jobs.physical_memory", lambda: 128 << 20)
+    monkeypatch.setattr("objckpt.restoring.host_memory.physical_memory", lambda: 128 << 20)
     tracemalloc.start()
     try:
         with pytest.raises(HostMemoryError, match=r"leaf \['x'\] \(float32\[67108864\]\) of the Orbax .* 256.0 MiB"):

@@ -42,7 +42,7 @@ from objckpt.orbax.tensorstore_io import (
     kvstore_for,
     open_leaf,
 )
-from objckpt.restoring import jobs
+from objckpt.restoring import host_memory
 from objckpt.restoring.casts import cast_values, check_cast
 from objckpt.restoring.host_memory import refuse_over_limit
 from objckpt.restoring.target_shardings import on_saved_orbax_shardings
@@ -84,7 +84,7 @@ def restore_orbax(
             if i in arrays:
                 _check_target(item.leaves[i], arrays[i], t, cast)
         boxes = {i: _boxes(selection[i], tuple(int(n) for n in a.shape)) for i, a in arrays.items()}
-        _check_host_memory(item, selection, arrays, boxes, jobs.physical_memory())  # before any read
+        _check_host_memory(item, selection, arrays, boxes, host_memory.physical_memory())  # before any read
         try:
             values = _read_all(ts, item, selection, arrays, boxes, options, stats, cast, waiter, pending)
         finally:
@@ -138,7 +138,7 @@ def _check_host_memory(
     limit: int | None,
 ) -> None:
     """Refuse, before any read, a restore needing more host memory than ``limit`` bytes, as
-    :func:`objckpt.restoring.jobs.check_host_memory` does for objckpt checkpoints: a leaf
+    :func:`objckpt.restoring.leaf_plan.check_host_memory` does for objckpt checkpoints: a leaf
     that stays in host memory needs all its boxes, one bound for other devices its largest
     box; each leaf must fit, and the leaves staying in host memory together. The sizes
     come from zarr headers, which can declare any shape.

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from objckpt.core.format import ARRAY_KINDS, Manifest
+from objckpt.core.format import ARRAY_KINDS
 from objckpt.core.format.v2 import require_digest
 from objckpt.core.plan import ReadRequest
 from objckpt.core.tree import build, flatten_target, unflatten_target
@@ -31,20 +31,15 @@ from objckpt.options import Options
 from objckpt.progress import ProgressArg, reporting
 from objckpt.restoring.casts import CASTS
 from objckpt.restoring.fetch import fetch, plan
+from objckpt.restoring.host_memory import physical_memory
 from objckpt.restoring.indexes import check_coverage, read_needed_indexes
-from objckpt.restoring.jobs import (
-    LeafJob,
-    check_host_memory,
-    make_job,
-    physical_memory,
-    reserve_assembled,
-)
+from objckpt.restoring.landing import Landing
+from objckpt.restoring.leaf_plan import check_host_memory, plan_leaf
 from objckpt.restoring.locations import (
     Location,
     as_locations,
     choose_locations,
-    failover_options,
-    failover_store,
+    failover_handle,
     open_locations,
 )
 from objckpt.restoring.read_once import Designator, share
@@ -53,11 +48,10 @@ from objckpt.restoring.target_shardings import on_saved_shardings
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import tune_malloc
 from objckpt.transfer.engine import (
-    RetryingStore,
     TransferStats,
     close_store,
-    opened_store,
 )
+from objckpt.transfer.handle import Handle, opened
 
 log = logging.getLogger("objckpt")
 
@@ -142,11 +136,11 @@ def restore(
     if replicas:
         locations = [Location(str(url), storage_options), *as_locations(replicas, storage_options, primary=str(url))]
         return _restore_nearest(locations, target, partial, read_once, options, stats, progress, cast)
-    with opened_store(url, storage_options, options, stats) as store, runtime.collection_paused(options.pause_gc):
-        checkpoint = open_checkpoint(store, options=options, storage_options=storage_options, look_above=True)
+    with opened(url, storage_options, options, stats) as handle, runtime.collection_paused(options.pause_gc):
+        checkpoint = open_checkpoint(handle.store, options=options, storage_options=storage_options, look_above=True)
         if not isinstance(checkpoint, NativeCheckpoint):  # another layout (Orbax): its reader restores itself
             return checkpoint.restore(target, partial=partial, options=options, stats=stats, cast=cast)
-        return _restore(store, checkpoint.manifest, target, partial, read_once, options, stats, progress, cast)
+        return _restore(handle, checkpoint, target, partial, read_once, progress, cast)
 
 
 def _restore_nearest(
@@ -164,59 +158,59 @@ def _restore_nearest(
     try:
         with runtime.collection_paused(options.pause_gc):
             manifest, usable = runtime.run_sync(choose_locations(stores, options))
-            store = failover_store(usable, options, stats)
-            engine_options = failover_options(options, len(usable))
-            return _restore(store, manifest, target, partial, read_once, engine_options, stats, progress, cast)
+            handle = failover_handle(usable, options, stats)
+            checkpoint = NativeCheckpoint(handle.store, manifest, size_limit=options.manifest_size_limit)
+            return _restore(handle, checkpoint, target, partial, read_once, progress, cast)
     finally:
         for opened in stores:
             close_store(opened)
 
 
 def _restore(
-    store: RetryingStore,
-    manifest: Manifest,
+    handle: Handle,
+    checkpoint: NativeCheckpoint,
     target: Any,
     partial: bool,
     read_once: bool,
-    options: Options,
-    stats: TransferStats,
     progress: ProgressArg,
     cast: str,
 ) -> Any:
-    """:func:`restore` from an open store (the arguments as there, defaults filled in)."""
+    """:func:`restore` through an open store's handle (its options and counters the restore's)
+    and the checkpoint opened there (the other arguments as there)."""
+    store, options, stats = handle.store, handle.options, handle.stats
     started = time.perf_counter()
+    manifest = checkpoint.manifest
     require_digest(manifest, options.digest, store.url)
     selection, subtrees = select(manifest, target, partial)
     selection = on_saved_shardings(manifest, selection)
     read_once = read_once and jax.process_count() > 1
     designator = Designator(options.split_replicas_above)
-    jobs = {
-        i: make_job(manifest.leaves[i], t, read_once=read_once, unsafe_cast=cast == "unsafe", designator=designator)
+    plans = {
+        i: plan_leaf(manifest.leaves[i], t, read_once=read_once, unsafe_cast=cast == "unsafe", designator=designator)
         for i, t in sorted(selection.items())
         if manifest.leaves[i].kind in ARRAY_KINDS
     }
-    check_host_memory(jobs, physical_memory())  # before any read: sizes come from the manifest
-    if manifest.version != 1:
-        manifest = read_needed_indexes(store, manifest, jobs, options)
-    reserve_assembled(jobs)  # maps memory on a thread while this one plans
-    requests = plan(manifest, jobs, options, streamed=store.inner.streams_reads)
-    if manifest.version != 1:
-        requests = check_coverage(
-            store,
-            manifest,
-            jobs,
-            requests,
-            options,
-            lambda m, j: plan(m, j, options, streamed=store.inner.streams_reads),
+    check_host_memory(plans, physical_memory())  # before any read: sizes come from the manifest
+    if checkpoint.pieces_on_demand:
+        manifest = read_needed_indexes(checkpoint, plans)
+        plans = {i: p.with_entry(manifest.leaves[i]) for i, p in plans.items()}
+    landing = Landing(plans)
+    landing.reserve_arena()  # maps memory on a thread while this one plans
+    requests = plan(manifest, plans, options, streamed=handle.traits.streams_reads)
+    if checkpoint.pieces_on_demand:
+        plans, requests = check_coverage(
+            checkpoint, plans, requests, lambda m, p: plan(m, p, options, streamed=handle.traits.streams_reads)
         )
+        landing = landing if plans is landing.plans else landing.replanned(plans)
     base = stats.bytes_read
     total = sum(r.length for r in requests)
     with reporting(progress, "restore", store.url, total, lambda: stats.bytes_read - base, stats):
         if read_once:
-            _fetch_then_share(store.inner, requests, jobs, options, stats)
+            results = _fetch_then_share(handle, requests, landing)
         else:
-            runtime.run_sync(fetch(store.inner, requests, jobs, options, stats))
-    values = {i: (jobs[i].result if i in jobs else inline_value(manifest.leaves[i], t)) for i, t in selection.items()}
+            runtime.run_sync(fetch(handle, requests, landing))
+            results = dict(landing.results())
+    values = {i: (results[i] if i in results else inline_value(manifest.leaves[i], t)) for i, t in selection.items()}
     seconds = time.perf_counter() - started
     stats.seconds = seconds
     log.info(
@@ -242,25 +236,24 @@ def _restore(
     )
 
 
-def _fetch_then_share(
-    store: Any, requests: list[ReadRequest], jobs: dict[int, LeafJob], options: Options, stats: TransferStats
-) -> None:
-    """Read-once: fetch this process's share, agree that every process succeeded, then share.
+def _fetch_then_share(handle: Handle, requests: list[ReadRequest], landing: Landing) -> dict[int, Any]:
+    """Read-once: fetch this process's share, agree that every process succeeded, then share;
+    returns each leaf's value.
 
     The status exchange (with a timeout) comes before the collective, which has
     none: a process that failed to read must not leave the others in a collective.
     """
     coordinator = get_coordinator()
-    tag = operation_tag("restore", store.url)
+    tag = operation_tag("restore", handle.url)
     error: BaseException | None = None
     try:
-        runtime.run_sync(fetch(store, requests, jobs, options, stats))
+        runtime.run_sync(fetch(handle, requests, landing))
     except BaseException as e:
         error = e
     try:
         if error is not None:  # only failures are sent: nothing per process when all went well
             coordinator.publish(f"{tag}/failed", f"{type(error).__name__}: {error}"[:2000].encode())
-        coordinator.barrier(f"{tag}/fetched", timeout=options.barrier_timeout)
+        coordinator.barrier(f"{tag}/fetched", timeout=handle.options.barrier_timeout)
         statuses = coordinator.collect(f"{tag}/failed")
     except CoordinationError:
         coordinator.forget(tag)
@@ -270,9 +263,11 @@ def _fetch_then_share(
         raise error
     failed = [f"process {p}: {s.decode()}" for p, s in sorted(statuses.items())]
     if failed:
-        raise CoordinationError(f"restore of {store.url} failed elsewhere: {'; '.join(failed)}")
-    for i in sorted(jobs):  # same order on every process: the collectives must line up
-        job = jobs[i]
-        if job.designated is not None:
-            assert isinstance(job.sharding, NamedSharding)
-            job.result = share(job.result, job.sharding)
+        raise CoordinationError(f"restore of {handle.url} failed elsewhere: {'; '.join(failed)}")
+    results = dict(landing.results())
+    for i in sorted(landing.plans):  # same order on every process: the collectives must line up
+        leaf = landing.plans[i]
+        if leaf.designated is not None:
+            assert isinstance(leaf.sharding, NamedSharding)
+            results[i] = share(results[i], leaf.sharding)
+    return results

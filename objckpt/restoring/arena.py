@@ -2,7 +2,7 @@
 
 A restore onto another sharding copies every byte into target boxes that no
 saved piece equals. For a small leaf (one buffer for all its boxes, see
-:mod:`objckpt.restoring.jobs`) a buffer made when the leaf's first piece lands takes
+:mod:`objckpt.restoring.landing`) a buffer made when the leaf's first piece lands takes
 a page fault on each first write, inside the copy, on a thread holding the GIL.
 A restore onto the same sharding pays those faults in the store client's own
 threads (the response buffers become the arrays), off the GIL.
@@ -20,7 +20,7 @@ map memory just then (new threads' stacks, the allocator's first arenas).
 Leaves are grouped into mappings of at most :data:`GROUP_BYTES`, so freeing
 some restored leaves can free memory while others live on. Leaves whose boxes
 all equal saved pieces are left out: their responses become the arrays. So
-are leaves bound for an accelerator (:func:`objckpt.restoring.jobs.stays_on_host`).
+are leaves bound for an accelerator (:attr:`objckpt.restoring.leaf_plan.LeafPlan.stays_on_host`).
 The memory is what those leaves' buffers would hold anyway, only taken a
 little earlier.
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -49,10 +49,23 @@ class AssemblyArena:
     ``leaves`` gives, per key, its boxes and dtype; the work starts at once,
     and :meth:`buffers` waits for it. The thread also makes the arrays
     themselves (thousands on a small model), which then cost the threads that
-    copy into them only a dict lookup.
+    copy into them only a dict lookup. ``group_bytes``, ``mapped`` (makes a
+    mapping of n bytes) and ``touch`` (faults a mapping's pages in) default to
+    :data:`GROUP_BYTES`, :func:`~objckpt.transfer.buffers.mapped_buffer` and
+    :func:`~objckpt.transfer.buffers.touch_pages`.
     """
 
-    def __init__(self, leaves: Iterable[tuple[int, list[Box], np.dtype]]) -> None:
+    def __init__(
+        self,
+        leaves: Iterable[tuple[int, list[Box], np.dtype]],
+        *,
+        group_bytes: int = GROUP_BYTES,
+        mapped: Callable[[int], np.ndarray] = mapped_buffer,
+        touch: Callable[[np.ndarray], object] = touch_pages,
+    ) -> None:
+        self._group_bytes = group_bytes
+        self._mapped = mapped
+        self._touch = touch
         self._leaves = list(leaves)
         self._buffers: dict[int, dict[Box, np.ndarray]] = {}
         self._ready = {key: threading.Event() for key, _, _ in self._leaves}  # per leaf: its mapping is in
@@ -66,13 +79,13 @@ class AssemblyArena:
             for key, boxes, dtype in self._leaves:
                 shapes = [tuple(b - a for a, b in zip(*box)) for box in boxes]
                 offsets, total = aligned_layout(shapes, dtype)
-                if groups[-1] and size + total > GROUP_BYTES:
+                if groups[-1] and size + total > self._group_bytes:
                     groups.append([])
                     size = 0
                 groups[-1].append((key, boxes, shapes, dtype, [size + o for o in offsets], total))
                 size += total
             for group in groups:  # in the leaves' order, each handed out as soon as its pages are in
-                memory = mapped_buffer(sum(leaf[-1] for leaf in group))
+                memory = self._mapped(sum(leaf[-1] for leaf in group))
                 made = {}
                 for key, boxes, shapes, dtype, offsets, _ in group:
                     itemsize = np.dtype(dtype).itemsize
@@ -80,7 +93,7 @@ class AssemblyArena:
                         box: memory[at : at + math.prod(shape) * itemsize].view(dtype).reshape(shape)
                         for box, shape, at in zip(boxes, shapes, offsets)
                     }
-                touch_pages(memory)  # nobody has these arrays yet: their events are set below
+                self._touch(memory)  # nobody has these arrays yet: their events are set below
                 self._buffers.update(made)
                 for key in made:
                     self._ready[key].set()

@@ -7,10 +7,22 @@ failing an allocation (or the machine) midway.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from objckpt.errors import HostMemoryError
 from objckpt.progress import human_bytes
+
+
+def physical_memory() -> int | None:
+    """The machine's physical memory in bytes (``SC_PHYS_PAGES`` × ``SC_PAGE_SIZE``), None where
+    the OS does not say. Not what is free now: a restore larger than the machine cannot succeed,
+    while one larger than what is free may still fit once the page cache gives way."""
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return pages * size if pages > 0 and size > 0 else None
 
 
 def refuse_over_limit(needs: Iterable[tuple[str, str, int, bool]], limit: int | None, *, of: str = "") -> None:

@@ -37,12 +37,13 @@ from objckpt.errors import (
     StorePermissionError,
     TransientStoreError,
 )
+from objckpt.layouts.manifest_io import read_manifest
 from objckpt.options import Options
 from objckpt.storage.base import ObjectInfo, PutMode, Store
 from objckpt.storage.streaming import ReadSink
 from objckpt.storage.urls import scheme_of
 from objckpt.transfer.engine import RetryingStore, TransferStats, open_store
-from objckpt.layouts.manifest_io import read_manifest
+from objckpt.transfer.handle import Handle, bulk_of
 
 log = logging.getLogger("objckpt")
 
@@ -108,11 +109,9 @@ class Probe:
 def probing_store(store: RetryingStore, options: Options) -> RetryingStore:
     """``store`` asked with a probe's short budget (:data:`PROBE_ATTEMPTS` attempts, each within
     :data:`PROBE_TIMEOUT_S`): where another location can answer instead, a dead one costs seconds."""
-    return RetryingStore(
-        store.inner,
+    return store.with_policy(
         retry=replace(options.retry, max_attempts=PROBE_ATTEMPTS),
         request_timeout=min(options.request_timeout, PROBE_TIMEOUT_S),
-        stats=store.stats,
     )
 
 
@@ -313,7 +312,7 @@ class FailoverStore(Store):
 
 def failover_of(store: Store) -> FailoverStore | None:
     """The :class:`FailoverStore` under ``store`` (itself, or the one a retrying store wraps), if any."""
-    inner = store.inner if isinstance(store, RetryingStore) else store
+    inner = bulk_of(store)
     return inner if isinstance(inner, FailoverStore) else None
 
 
@@ -332,25 +331,21 @@ def open_locations(locations: Sequence[Location], options: Options, stats: Trans
     return opened
 
 
-def failover_store(probes: Sequence[Probe], options: Options, stats: TransferStats) -> RetryingStore:
-    """The store a restore reads through: the usable locations nearest first, behind the usual retries.
+def failover_handle(probes: Sequence[Probe], options: Options, stats: TransferStats) -> Handle:
+    """The handle a restore reads through: the usable locations nearest first, behind the usual
+    retries, with ``options`` for a failover (:func:`failover_options`).
 
-    Requests to one location keep ``options.request_timeout``; the retrying layer
-    above allows one timeout per location, so a failover within a call is not cut short.
+    Requests to one location keep ``options.request_timeout``; the retrying layer and the
+    engine above allow one timeout per location, so a failover within a call is not cut short.
     """
-    stores = [p.store.inner for p in probes]
+    stores = [bulk_of(p.store) for p in probes]
     failover = FailoverStore(
         stores,
         request_timeout=options.request_timeout,
         failures_to_leave=options.retry.max_attempts,
         stats=stats,
     )
-    return RetryingStore(
-        failover,
-        retry=options.retry,
-        request_timeout=failover_options(options, len(stores)).request_timeout,
-        stats=stats,
-    )
+    return Handle.of(failover, failover_options(options, len(stores)), stats)
 
 
 def failover_options(options: Options, locations: int) -> Options:
@@ -365,8 +360,8 @@ __all__ = [
     "as_locations",
     "choose_locations",
     "failover_of",
+    "failover_handle",
     "failover_options",
-    "failover_store",
     "open_locations",
     "probing_store",
 ]

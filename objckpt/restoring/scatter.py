@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-from objckpt.core.boxes import Box, box_to_slices
+from objckpt.core.boxes import Box
 from objckpt.core.checksum import crc32c, crc32c_combine
 from objckpt.core.plan import PACKING_SLACK, ReadPart, ReadRequest, intersect
 from objckpt.errors import ChecksumMismatchError, IntegrityError
-from objckpt.restoring.jobs import LeafJob, allocate, fault_in_fresh, meets_of, wait_for_arena
+from objckpt.restoring.landing import Landing
+from objckpt.restoring.leaf_plan import LeafPlan
 from objckpt.storage.streaming import STREAM_PIECE
 from objckpt.transfer.engine import TransferEngine, run_in_order
 
@@ -44,15 +44,13 @@ _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 async def stream_read(
     engine: TransferEngine,
     request: ReadRequest,
-    jobs: dict[int, LeafJob],
+    landing: Landing,
     url: str,
-    lock: threading.Lock,
     chunk: int,
-    copy_lock: threading.Lock | None = None,
     *,
     parallel: int,
 ) -> int:
-    """One copied read, streamed into its boxes; how many bytes arrived.
+    """One copied read, streamed into its boxes in ``landing``; how many bytes arrived.
 
     A read longer than ``chunk`` plus ``PACKING_SLACK`` goes out as spans of
     about ``chunk`` bytes, at most ``parallel`` at once, cut as they are
@@ -60,26 +58,26 @@ async def stream_read(
     shorter than the read) is the last one started. If one fails, the others
     are cancelled and waited for (a stream stops writing once its call
     returns). Fewer bytes only if the blob is shorter; then nothing was checked
-    past the shortfall. ``copy_lock``, shared by every read of a restore, takes
-    turns at runs of small pieces (see :class:`ScatterSink`).
+    past the shortfall.
     """
+    plans = landing.plans
     for part in request.parts:
         if part.piece.length == 0 and part.piece.crc32c != 0:  # in the manifest, not the blob: no re-read cures it
-            raise IntegrityError(f"{_mismatch(part, jobs, url)} (an empty piece with a non-zero crc32c)")
+            raise IntegrityError(f"{_mismatch(part, plans, url)} (an empty piece with a non-zero crc32c)")
         if part.piece.length == 0 and part.piece.sha256 not in (None, _EMPTY_SHA256):
-            raise IntegrityError(f"{_mismatch(part, jobs, url, 'sha256')} (an empty piece with another sha256)")
+            raise IntegrityError(f"{_mismatch(part, plans, url, 'sha256')} (an empty piece with another sha256)")
 
     async def stream(sink: ScatterSink) -> int:
         first, last = sink.span
         return await engine.get_range_streamed(request.blob, request.start + first, request.start + last, sink)
 
     if request.length <= chunk + PACKING_SLACK:
-        return await stream(ScatterSink(request, jobs, url, lock, None, copy_lock))
+        return await stream(ScatterSink(request, landing, url))
     sinks: list[ScatterSink] = []
 
     def started() -> Iterator[ScatterSink]:
-        for span in iter_spans(request, jobs, chunk):
-            sinks.append(ScatterSink(request, jobs, url, lock, span, copy_lock))
+        for span in iter_spans(request, plans, chunk):
+            sinks.append(ScatterSink(request, landing, url, span))
             yield sinks[-1]
 
     def short(sink: ScatterSink, got: int) -> bool:
@@ -91,11 +89,11 @@ async def stream_read(
         got += n
         if short(sink, n):
             return got  # the blob ended inside this span
-    _check_shared_parts(request, sinks, jobs, url)
+    _check_shared_parts(request, sinks, plans, url)
     return got
 
 
-def iter_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> Iterator[Span]:
+def iter_spans(request: ReadRequest, plans: Mapping[int, LeafPlan], chunk: int) -> Iterator[Span]:
     """Cut a read into spans of about ``chunk`` bytes, each cut between rows of a piece.
 
     A cut inside a piece is moved back to a multiple of the step along the
@@ -118,7 +116,7 @@ def iter_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> It
                 if piece.sha256 is not None:
                     cut = part.offset if part.offset > previous else part.offset + piece.length
                     break
-                itemsize = jobs[part.leaf].dtype.itemsize
+                itemsize = plans[part.leaf].dtype.itemsize
                 step = _strides(piece.shape, itemsize)[_slab_axis(piece.shape, itemsize, STREAM_PIECE, 0)]
                 cut = part.offset + at // step * step
                 break
@@ -132,14 +130,15 @@ def iter_spans(request: ReadRequest, jobs: dict[int, LeafJob], chunk: int) -> It
 class ScatterSink:
     """Consumes one span of a planned read (a :class:`~objckpt.storage.streaming.ReadSink`).
 
-    Runs on the store's receiving thread; ``lock`` guards the leaves' buffer
-    maps, which other reads' threads share. Completion (placing boxes,
-    finishing leaves) is left to :func:`objckpt.restoring.jobs.complete` once the
-    whole read has arrived. A piece wholly inside the span is checked here;
+    Runs on the store's receiving thread and writes through ``landing``
+    (:meth:`~objckpt.restoring.landing.Landing.boxes_met`,
+    :meth:`~objckpt.restoring.landing.Landing.copy`); counting the pieces
+    (placing boxes, finishing leaves) is left to
+    :meth:`~objckpt.restoring.landing.Landing.count` once the whole read has arrived. A piece wholly inside the span is checked here;
     the checksums of a piece cut by the span's ends are kept in ``shared``.
 
-    A receive of whole small pieces holds ``copy_lock`` (shared by all the
-    restore's sinks) while it copies them. Why: numpy lets go of the GIL for
+    A receive of whole small pieces holds the landing's ``copy_lock`` (shared
+    by all the restore's sinks) while it copies them. Why: numpy lets go of the GIL for
     every strided copy of more than 500 elements, so two threads that each
     copy a few KiB at a time hand the GIL back and forth on every copy
     (three times the CPU of one thread: docs/PERFORMANCE.md). Slabs of large pieces copy MiBs at a time and go without it, so their
@@ -149,17 +148,15 @@ class ScatterSink:
     def __init__(
         self,
         request: ReadRequest,
-        jobs: dict[int, LeafJob],
+        landing: Landing,
         url: str,
-        lock: threading.Lock,
         span: Span | None = None,
-        copy_lock: threading.Lock | None = None,
     ) -> None:
         self.request = request
-        self.jobs = jobs
+        self.landing = landing
+        self.plans = landing.plans
         self.url = url
-        self.lock = lock
-        self.copy_lock = copy_lock or threading.Lock()
+        self.copy_lock = landing.copy_lock
         self.span = span or (0, request.length)
         first, last = self.span
         self._parts = sorted(
@@ -186,7 +183,7 @@ class ScatterSink:
         at = position - part.offset
         if at == 0 and part.piece.length <= limit:
             return self._whole_pieces(position, limit)
-        itemsize = self.jobs[part.leaf].dtype.itemsize
+        itemsize = self.plans[part.leaf].dtype.itemsize
         axis, length = _slab(part.piece.shape, itemsize, at, min(limit, part.piece.length - at))
         self._planned = (position, axis, length)
         return length
@@ -234,19 +231,19 @@ class ScatterSink:
     def _receive_whole(self, part: ReadPart, data: memoryview) -> None:
         """A whole piece in one go: check it and copy it into each box it meets."""
         piece = part.piece
-        job = self.jobs[part.leaf]
-        meets = self._allocated(part)
+        dtype = self.plans[part.leaf].dtype
+        meets = self.landing.boxes_met(part.leaf, piece)
         self._crc = crc32c(data)
         self._hash = hashlib.sha256(data) if piece.sha256 is not None else None
-        _copy(job, meets, np.frombuffer(data, dtype=job.dtype).reshape(piece.shape), piece.start)
+        self.landing.copy(part.leaf, meets, np.frombuffer(data, dtype=dtype).reshape(piece.shape), piece.start)
         self._end_part(part)
 
     def _receive_slab(self, part: ReadPart, position: int, data: memoryview) -> None:
         """Whole rows of one piece (a slab along some axis), the rest of this receive."""
         piece = part.piece
-        job = self.jobs[part.leaf]
+        plan = self.plans[part.leaf]
         at = position - part.offset
-        meets = self._allocated(part)
+        meets = self.landing.boxes_met(part.leaf, piece)
         self._crc = crc32c(data, self._crc)
         if piece.sha256 is not None:
             if self._hash is None:
@@ -254,30 +251,15 @@ class ScatterSink:
             self._hash.update(data)
         planned_position, axis, length = self._planned
         if planned_position != position or length != len(data):
-            axis, length = _slab(piece.shape, job.dtype.itemsize, at, len(data))
+            axis, length = _slab(piece.shape, plan.dtype.itemsize, at, len(data))
             if length != len(data):
-                raise ValueError(f"{len(data)} bytes at byte {at} of a piece of leaf {job.entry.path} are not a slab")
-        start, stop = _slab_box(piece.start, piece.shape, job.dtype.itemsize, at, axis, length)
-        source = np.frombuffer(data, dtype=job.dtype).reshape(tuple(b - a for a, b in zip(start, stop)))
+                raise ValueError(f"{len(data)} bytes at byte {at} of a piece of leaf {plan.entry.path} are not a slab")
+        start, stop = _slab_box(piece.start, piece.shape, plan.dtype.itemsize, at, axis, length)
+        source = np.frombuffer(data, dtype=plan.dtype).reshape(tuple(b - a for a, b in zip(start, stop)))
         overlaps = [(box, overlap) for box, in_piece in meets if (overlap := intersect(start, stop, *in_piece))]
-        _copy(job, overlaps, source, start)
+        self.landing.copy(part.leaf, overlaps, source, start)
         if position + len(data) == min(part.offset + piece.length, self.span[1]):
             self._end_part(part)
-
-    def _allocated(self, part: ReadPart) -> list[tuple[Box, Box]]:
-        """The boxes a part meets (with their overlaps), their buffers made if missing.
-
-        Looked at without the lock first: a box's buffer, once made, stays until
-        the box is complete, which needs this very part.
-        """
-        job = self.jobs[part.leaf]
-        meets = meets_of(job, part.piece)
-        if not all(box in job.buffers for box, _ in meets):
-            wait_for_arena(job)
-            with self.lock:
-                fresh = allocate(job, [box for box, _ in meets], for_pieces=True)
-            fault_in_fresh(fresh)
-        return meets
 
     def _current(self, position: int) -> ReadPart | None:
         """The part that ``position`` falls in or precedes (None: past the last)."""
@@ -294,9 +276,9 @@ class ScatterSink:
         ends = min(part.offset + part.piece.length, last) - part.offset
         if begins == 0 and ends == part.piece.length:
             if self._crc != part.piece.crc32c:
-                raise _mismatch(part, self.jobs, self.url)
+                raise _mismatch(part, self.plans, self.url)
             if part.piece.sha256 is not None and (self._hash is None or self._hash.hexdigest() != part.piece.sha256):
-                raise _mismatch(part, self.jobs, self.url, "sha256")
+                raise _mismatch(part, self.plans, self.url, "sha256")
         else:
             self.shared[id(part)] = (begins, ends - begins, self._crc)
         self._k += 1
@@ -304,34 +286,30 @@ class ScatterSink:
         self._hash = None
 
 
-def _copy(job: LeafJob, overlaps: list[tuple[Box, Box]], source: np.ndarray, origin: tuple[int, ...]) -> None:
-    """Copy each (box, overlap) of ``source`` (whose first element sits at ``origin``) into that box's buffer."""
-    for box, (start, stop) in overlaps:
-        job.buffers[box][box_to_slices(start, stop, origin=box[0])] = source[box_to_slices(start, stop, origin=origin)]
-
-
-def _check_shared_parts(request: ReadRequest, sinks: list[ScatterSink], jobs: dict[int, LeafJob], url: str) -> None:
+def _check_shared_parts(
+    request: ReadRequest, sinks: list[ScatterSink], plans: Mapping[int, LeafPlan], url: str
+) -> None:
     """Combine, in order, the checksums of each piece that several spans received."""
     for part in request.parts:
         runs = sorted(s.shared[id(part)] for s in sinks if id(part) in s.shared)
         if not runs:
             continue
         if part.piece.sha256 is not None:  # iter_spans never cuts such a piece
-            raise IntegrityError(f"{_mismatch(part, jobs, url, 'sha256')} (cut between spans: cannot be hashed)")
+            raise IntegrityError(f"{_mismatch(part, plans, url, 'sha256')} (cut between spans: cannot be hashed)")
         crc, covered = 0, 0
         for begins, length, run_crc in runs:
             if begins != covered:
-                raise _mismatch(part, jobs, url)  # cannot happen unless a span lost bytes
+                raise _mismatch(part, plans, url)  # cannot happen unless a span lost bytes
             crc = crc32c_combine(crc, run_crc, length)
             covered += length
         if covered != part.piece.length or crc != part.piece.crc32c:
-            raise _mismatch(part, jobs, url)
+            raise _mismatch(part, plans, url)
 
 
-def _mismatch(part: ReadPart, jobs: dict[int, LeafJob], url: str, what: str = "checksum") -> ChecksumMismatchError:
+def _mismatch(part: ReadPart, plans: Mapping[int, LeafPlan], url: str, what: str = "checksum") -> ChecksumMismatchError:
     piece = part.piece
     return ChecksumMismatchError(
-        f"{what} mismatch in leaf {jobs[part.leaf].entry.path}: blob {url}/{piece.blob}"
+        f"{what} mismatch in leaf {plans[part.leaf].entry.path}: blob {url}/{piece.blob}"
         f" bytes [{piece.offset}, {piece.offset + piece.length})"
     )
 

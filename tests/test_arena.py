@@ -1,5 +1,8 @@
 """Prefaulted memory for the small leaves a restore assembles (``objckpt.restoring.arena``).
 
+End-to-end cases run restore's steps through their seams (:mod:`restore_seams`), the
+arena's mapping and page-touching functions passed in, not patched.
+
 Their boxes are cut from mappings made on a thread while restore plans, so the
 copies into them take no page faults; leaves whose responses become the arrays
 get none, and a mapping that fails leaves the leaves to buffers of their own.
@@ -16,11 +19,13 @@ import pytest
 from helpers import assert_tree_bit_exact, random_array
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from restore_seams import paths, restore_with
 
 import objckpt
-from objckpt.restoring import arena as prefault
 from objckpt.restoring.arena import AssemblyArena
-from objckpt.transfer.buffers import DEVICE_ALIGNMENT
+from objckpt.restoring.landing import HostMemory
+from objckpt.storage import from_url
+from objckpt.transfer.buffers import DEVICE_ALIGNMENT, fault_in, mapped_buffer, touch_pages
 
 
 def _boxes(rows: int, cols: int, cut_rows: int, cut_cols: int):
@@ -28,28 +33,32 @@ def _boxes(rows: int, cols: int, cut_rows: int, cut_cols: int):
     return [((i * r, j * c), ((i + 1) * r, (j + 1) * c)) for i in range(cut_rows) for j in range(cut_cols)]
 
 
-def _recording(monkeypatch) -> list[int]:
+def _recording():
+    """(the sizes of the mappings made, a ``mapped`` for an arena that records them)."""
     sizes: list[int] = []
-    real = prefault.mapped_buffer
 
     def recording(nbytes):
         sizes.append(nbytes)
-        return real(nbytes)
+        return mapped_buffer(nbytes)
 
-    monkeypatch.setattr(prefault, "mapped_buffer", recording)
-    return sizes
+    return sizes, recording
+
+
+def _restored(url, storage_options, target, **kwargs):
+    """``target``'s leaves restored from ``url`` through restore's seams (:func:`restore_with`)."""
+    out = restore_with(from_url(url, **(storage_options or {})), paths(target), **kwargs)
+    return {k: out[f"['{k}']"] for k in target}
 
 
 def test_arena_arrays_are_aligned_disjoint_grouped_and_already_faulted(monkeypatch):
-    monkeypatch.setattr(prefault, "GROUP_BYTES", 1 << 20)
-    sizes = _recording(monkeypatch)
+    sizes, recording = _recording()
     from objckpt.transfer import buffers as memory
 
     populated: list[int] = []
     monkeypatch.setattr(memory, "_populate", lambda b: populated.append(b.nbytes) or True)
     leaves = [(k, _boxes(256, 96 + 8 * k, 2, 4), np.dtype(np.float32)) for k in range(6)]  # ~100 KiB each... ×4
     leaves.append((9, _boxes(1024, 512, 1, 1), np.dtype(np.float32)))  # 2 MiB: a mapping of its own
-    arena = AssemblyArena(leaves)
+    arena = AssemblyArena(leaves, group_bytes=1 << 20, mapped=recording)
     made = {key: arena.buffers(key) for key, _, _ in leaves}
     assert len(sizes) >= 2 and max(sizes) >= 2 << 20 and all(size <= 2 << 20 for size in sizes)
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
@@ -91,7 +100,7 @@ def test_pages_go_in_by_writes_not_madvise(monkeypatch):
     assert faults < 64, f"{faults} page faults in a touched buffer of {nbytes} bytes"
 
 
-def test_the_arrays_are_not_handed_out_while_pages_go_in_by_writes(monkeypatch):
+def test_the_arrays_are_not_handed_out_while_pages_go_in_by_writes():
     """Writes of zeros would overwrite bytes already copied in: nobody may have the arrays yet."""
     touching = threading.Event()
     release = threading.Event()
@@ -100,8 +109,7 @@ def test_the_arrays_are_not_handed_out_while_pages_go_in_by_writes(monkeypatch):
         touching.set()
         release.wait(30)
 
-    monkeypatch.setattr(prefault, "touch_pages", slow_touch)
-    arena = AssemblyArena([(1, _boxes(1024, 1024, 2, 4), np.dtype(np.float32))])
+    arena = AssemblyArena([(1, _boxes(1024, 1024, 2, 4), np.dtype(np.float32))], touch=slow_touch)
     got: list = []
     waiter = threading.Thread(target=lambda: got.append(arena.buffers(1)))
     try:
@@ -115,13 +123,8 @@ def test_the_arrays_are_not_handed_out_while_pages_go_in_by_writes(monkeypatch):
     assert got and got[0] is not None
 
 
-def test_a_leaf_is_handed_out_once_its_own_mapping_is_in_not_the_whole_arena(monkeypatch):
+def test_a_leaf_is_handed_out_once_its_own_mapping_is_in_not_the_whole_arena():
     """The first reads need the first leaves: they must not wait for every later mapping's pages."""
-    for thread in threading.enumerate():  # an earlier test's arena would call the patched touch_pages too
-        if thread.name == "objckpt-prefault":
-            thread.join(30)
-    monkeypatch.setattr(prefault, "GROUP_BYTES", 1 << 20)
-    real_touch = prefault.touch_pages
     touches: list[int] = []  # mappings are touched one after another, on the arena's thread
     second_started = threading.Event()
     release = threading.Event()
@@ -131,12 +134,11 @@ def test_a_leaf_is_handed_out_once_its_own_mapping_is_in_not_the_whole_arena(mon
         if len(touches) == 2:
             second_started.set()
             release.wait(30)
-        real_touch(buffer)
+        touch_pages(buffer)
 
-    monkeypatch.setattr(prefault, "touch_pages", second_waits)
     first = (1, _boxes(512, 512, 2, 2), np.dtype(np.float32))  # 1 MiB each: a mapping of its own
     later = (2, _boxes(512, 512, 2, 2), np.dtype(np.float32))
-    arena = AssemblyArena([first, later])
+    arena = AssemblyArena([first, later], group_bytes=1 << 20, touch=second_waits)
     early: list = []
     late: list = []
     reader = threading.Thread(target=lambda: early.append(arena.buffers(1)))
@@ -175,25 +177,24 @@ def _target(tree, spec):
 
 
 @pytest.mark.parametrize("where", ["s3", "memory"])
-def test_only_assembled_leaves_get_prefaulted_memory_and_become_it(where, s3_store, monkeypatch):
+def test_only_assembled_leaves_get_prefaulted_memory_and_become_it(where, s3_store):
     """Onto another sharding the small leaves' device arrays are the prefaulted memory
     itself (CPU backend); onto boxes equal to the saved pieces nothing is mapped."""
     mappings: list[np.ndarray] = []
-    real_map = prefault.mapped_buffer
 
     def keeping(nbytes):
-        mappings.append(real_map(nbytes))
+        mappings.append(mapped_buffer(nbytes))
         return mappings[-1]
 
-    monkeypatch.setattr(prefault, "mapped_buffer", keeping)
+    memory = HostMemory(arena=lambda leaves: AssemblyArena(leaves, mapped=keeping))
     tree = _small_tree()
     url = s3_store.url if where == "s3" else "memory://prefault/small"
     options = s3_store.storage_options if where == "s3" else None
     objckpt.save(url, tree, storage_options=options)
     same = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-    assert_tree_bit_exact(tree, objckpt.restore(url, same, storage_options=options))
+    assert_tree_bit_exact(tree, _restored(url, options, same, memory=memory))
     assert not mappings
-    out = objckpt.restore(url, _target(tree, P("a", "b")), storage_options=options)
+    out = _restored(url, options, _target(tree, P("a", "b")), memory=memory)
     assert_tree_bit_exact(tree, out)
     assert len(mappings) == 1
     low = mappings[0].ctypes.data
@@ -203,14 +204,14 @@ def test_only_assembled_leaves_get_prefaulted_memory_and_become_it(where, s3_sto
             assert low <= shard.data.unsafe_buffer_pointer() < high, f"{k} was not restored into the mapping"
 
 
-def test_a_failed_mapping_leaves_the_leaves_buffers_of_their_own(memory_store, monkeypatch):
+def test_a_failed_mapping_leaves_the_leaves_buffers_of_their_own(memory_store):
     def failing(nbytes, **kwargs):
         raise MemoryError(f"cannot map {nbytes} bytes")
 
-    monkeypatch.setattr(prefault, "mapped_buffer", failing)
+    memory = HostMemory(arena=lambda leaves: AssemblyArena(leaves, mapped=failing))
     tree = _small_tree()
     objckpt.save(memory_store.url, tree)
-    assert_tree_bit_exact(tree, objckpt.restore(memory_store.url, _target(tree, P("b", "a"))))
+    assert_tree_bit_exact(tree, _restored(memory_store.url, None, _target(tree, P("b", "a")), memory=memory))
 
 
 def test_fault_in_takes_a_fresh_mapping_4_mib_at_a_time_and_leaves_heap_buffers(monkeypatch):
@@ -233,26 +234,23 @@ def test_fault_in_takes_a_fresh_mapping_4_mib_at_a_time_and_leaves_heap_buffers(
 
 
 @pytest.mark.parametrize("where", ["s3", "memory"])
-def test_large_leaf_boxes_are_faulted_in_before_pieces_are_copied_into_them(where, s3_store, monkeypatch):
+def test_large_leaf_boxes_are_faulted_in_before_pieces_are_copied_into_them(where, s3_store):
     """Onto another sharding, every box buffer of a leaf placed box by box is faulted in once,
     whether the read is streamed (S3) or lands whole (memory), and becomes the device array."""
-    from objckpt.restoring import jobs as leaf_jobs
-
-    monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 1 << 20)  # so a 4 MiB leaf goes box by box
     faulted: list[tuple[int, int]] = []
-    real_fault_in = leaf_jobs.fault_in
 
     def recording(buffer):
         faulted.append((buffer.ctypes.data, buffer.nbytes))
-        return real_fault_in(buffer)
+        return fault_in(buffer)
 
-    monkeypatch.setattr(leaf_jobs, "fault_in", recording)
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     tree = {"w": jax.device_put(random_array((1024, 1024), np.float32, 3), NamedSharding(mesh, P("x", "y")))}
     url = s3_store.url if where == "s3" else "memory://prefault/large"
     options = s3_store.storage_options if where == "s3" else None
     objckpt.save(url, tree, storage_options=options)
-    out = objckpt.restore(url, _target(tree, P("a", "b")), storage_options=options)  # 8 boxes of 512 x 256
+    out = _restored(  # 8 boxes of 512 x 256; a 4 MiB leaf goes box by box over 1 MiB
+        url, options, _target(tree, P("a", "b")), memory=HostMemory(fault_in=recording), whole_leaf_bytes=1 << 20
+    )
     assert_tree_bit_exact(tree, out)
     shards = sorted((s.data.unsafe_buffer_pointer(), 512 * 256 * 4) for s in out["w"].addressable_shards)
     assert sorted(faulted) == shards

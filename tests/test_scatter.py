@@ -1,10 +1,11 @@
 """Streamed reads scattered into target boxes slab by slab (``objckpt.restoring.scatter``).
 
-The memory store is made to stream (its default ``get_range_streamed`` hands a
-whole body over in the sink's pieces), with pieces far smaller than the
+A memory store is wrapped to stream (:class:`restore_seams.StreamingStore`
+hands a whole body over in the sink's pieces), with pieces far smaller than the
 library's, so that slabs run along every axis and long reads split into spans
-cut through pieces. The real S3 server's streaming is covered in
-``test_s3_read_into.py``.
+cut through pieces; restore's steps run on it through their seams
+(:func:`restore_seams.restore_with`). The real S3 server's streaming is covered
+in ``test_s3_stream.py``.
 """
 
 from __future__ import annotations
@@ -17,45 +18,24 @@ import pytest
 from helpers import assert_tree_bit_exact, full_manifest, random_array
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from restore_seams import StreamingStore, paths, restore_with
 
 import objckpt
-import objckpt.restoring.scatter as stream_scatter
-import objckpt.storage.base as store_base
 from objckpt.core.checksum import crc32c, crc32c_combine
 from objckpt.core.plan import ReadPart, ReadRequest
 from objckpt.errors import TransientStoreError
-from objckpt.restoring.jobs import make_job
+from objckpt.restoring.landing import Landing
+from objckpt.restoring.leaf_plan import plan_leaf
+from objckpt.restoring.scatter import iter_spans
 from objckpt.storage import from_url
-from objckpt.storage.fsspec.store import FsspecStore
+from objckpt.storage.streaming import STREAM_PIECE
 from objckpt.transfer import runtime
 
 
-def streamed_stores(monkeypatch):
-    """Memory stores stream (in the library's pieces unless STREAM_PIECE is patched too)."""
-    real_init = FsspecStore.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        self.streams_reads = True  # with no reader: the default get_range_streamed hands bodies over
-
-    monkeypatch.setattr(FsspecStore, "__init__", init)
-
-
-@pytest.fixture
-def streaming(monkeypatch):
-    """Memory stores stream, 1 KiB at a time."""
-    streamed_stores(monkeypatch)
-    monkeypatch.setattr(store_base, "STREAM_PIECE", 1024)
-    monkeypatch.setattr(stream_scatter, "STREAM_PIECE", 1024)
-    calls: list[tuple[str, int, int]] = []
-    real = FsspecStore.get_range_streamed
-
-    async def recording(self, key, *, start, end, sink):
-        calls.append((key, start, end))
-        return await real(self, key, start=start, end=end, sink=sink)
-
-    monkeypatch.setattr(FsspecStore, "get_range_streamed", recording)
-    return calls
+def restored(store, target, **kwargs):
+    """``target``'s leaves restored from ``store`` through restore's seams, keyed as in ``target``."""
+    out = restore_with(store, paths(target), **kwargs)
+    return {k: out[f"['{k}']"] for k in target}
 
 
 def _tree():
@@ -84,14 +64,16 @@ def _resharded_target(tree):
 
 
 @pytest.mark.parametrize("read_chunk", [32 << 20, 3000])  # one GET per read; long reads cut into spans
-def test_streamed_reads_land_bit_exact_on_another_sharding(memory_store, streaming, read_chunk):
+def test_streamed_reads_land_bit_exact_on_another_sharding(memory_store, read_chunk):
     tree = _tree()
     objckpt.save(memory_store.url, tree)
     target = _resharded_target(tree)
-    out = objckpt.restore(memory_store.url, target, options=objckpt.Options(read_chunk=read_chunk))
+    store = StreamingStore(from_url(memory_store.url))
+    out = restored(store, target, options=objckpt.Options(read_chunk=read_chunk))
     assert_tree_bit_exact(tree, out)
     for k in tree:
         assert out[k].sharding == target[k].sharding
+    streaming = store.calls
     assert streaming, "no read was streamed"
     if read_chunk == 3000:
         manifest = full_manifest(from_url(memory_store.url))
@@ -114,37 +96,35 @@ def _corrupt(url, path, k, at):
     return piece
 
 
-def test_a_corrupt_byte_in_a_streamed_piece_is_named(memory_store, streaming):
+def test_a_corrupt_byte_in_a_streamed_piece_is_named(memory_store):
     tree = _tree()
     objckpt.save(memory_store.url, tree)
     # A byte in the last slab: the piece is checked once every slab is in.
     piece = _corrupt(memory_store.url, "['wide']", 0, lambda p: p.length - 3)
     for chunk in (32 << 20, 3000):  # checked whole, and combined from spans
+        store = StreamingStore(from_url(memory_store.url))
         with pytest.raises(objckpt.IntegrityError, match=r"\['wide'\].*" + piece.blob):
-            objckpt.restore(memory_store.url, _resharded_target(tree), options=objckpt.Options(read_chunk=chunk))
+            restored(store, _resharded_target(tree), options=objckpt.Options(read_chunk=chunk))
 
 
-def test_a_stream_cut_short_is_retried_from_the_start(memory_store, streaming, monkeypatch):
+def test_a_stream_cut_short_is_retried_from_the_start(memory_store):
     """A retry starts the sink over: the checksum it had begun in the failed attempt
     is forgotten (kept, it would not match the piece's)."""
     tree = _tree()
     objckpt.save(memory_store.url, tree)
     failed: list[str] = []
-    streamed = FsspecStore.get_range_streamed  # the recording one
 
-    async def cut_once(self, key, *, start, end, sink):
+    async def cut_once(store, key, start, end, sink):
         if end - start > 2048 and not failed:
             failed.append(key)
-            body = await self.get_range_buffer(key, start=start, end=end)
+            body = await store.get_range_buffer(key, start=start, end=end)
             sink.begin()
             first = sink.next_size(0, 1024)
             sink.receive(0, body[:first])  # a first slab, then the connection drops
             raise TransientStoreError("connection reset mid-body")
-        return await streamed(self, key, start=start, end=end, sink=sink)
 
-    monkeypatch.setattr(FsspecStore, "get_range_streamed", cut_once)
     stats = objckpt.TransferStats()
-    out = objckpt.restore(memory_store.url, _resharded_target(tree), stats=stats)
+    out = restored(StreamingStore(from_url(memory_store.url), before=cut_once), _resharded_target(tree), stats=stats)
     assert failed and stats.retries >= 1
     assert_tree_bit_exact(tree, out)
 
@@ -167,35 +147,33 @@ def _small_target(tree):
     }
 
 
-def test_small_pieces_are_received_many_at_a_time(memory_store, monkeypatch):
+def test_small_pieces_are_received_many_at_a_time(memory_store):
     """With the library's piece size, one receive carries many whole pieces and the gaps
     between them; each is still checked and scattered on its own."""
-    streamed_stores(monkeypatch)
     sizes: list[int] = []
-    real = stream_scatter.ScatterSink.receive
 
-    def recording(self, offset, data):
-        sizes.append(len(data))
-        return real(self, offset, data)
+    async def recording(store, key, start, end, sink):  # what each receive is handed
+        real = sink.receive
+        sink.receive = lambda offset, data: sizes.append(len(data)) or real(offset, data)
 
-    monkeypatch.setattr(stream_scatter.ScatterSink, "receive", recording)
     tree = _small_leaves()
     objckpt.save(memory_store.url, tree)
     manifest = full_manifest(from_url(memory_store.url))
     pieces = [p for leaf in manifest.leaves for p in leaf.pieces]
-    out = objckpt.restore(memory_store.url, _small_target(tree))
+    store = StreamingStore(from_url(memory_store.url), piece=STREAM_PIECE, before=recording)
+    out = restored(store, _small_target(tree))
     assert_tree_bit_exact(tree, out)
     assert len(sizes) < len(pieces) // 4, "small pieces were received one by one"
     assert max(sizes) > 8 * max(p.length for p in pieces)
 
 
-def test_a_corrupt_byte_among_many_pieces_received_at_once_is_named(memory_store, monkeypatch):
-    streamed_stores(monkeypatch)
+def test_a_corrupt_byte_among_many_pieces_received_at_once_is_named(memory_store):
     tree = _small_leaves()
     objckpt.save(memory_store.url, tree)
     piece = _corrupt(memory_store.url, "['w13']", 1, lambda p: 5)
+    store = StreamingStore(from_url(memory_store.url), piece=STREAM_PIECE)
     with pytest.raises(objckpt.IntegrityError, match=r"\['w13'\].*" + piece.blob):
-        objckpt.restore(memory_store.url, _small_target(tree))
+        restored(store, _small_target(tree))
 
 
 def test_spans_are_cut_between_rows_of_a_piece(memory_store):
@@ -205,8 +183,8 @@ def test_spans_are_cut_between_rows_of_a_piece(memory_store):
     (piece,) = manifest.leaves[0].pieces
     request = ReadRequest(piece.blob, piece.offset, piece.offset + piece.length, (ReadPart(0, piece, 0),))
     target = {"w": jax.ShapeDtypeStruct((100, 300), np.float32, sharding=tree["w"].sharding)}
-    jobs = {0: make_job(manifest.leaves[0], target["w"])}
-    spans = list(stream_scatter.iter_spans(request, jobs, 10_000))
+    plans = {0: plan_leaf(manifest.leaves[0], target["w"])}
+    spans = list(iter_spans(request, plans, 10_000))
     assert spans[0][0] == 0 and spans[-1][1] == piece.length
     assert all(a == b for (_, a), (b, _) in zip(spans, spans[1:]))  # contiguous
     assert all(first % 1200 == 0 for first, _ in spans)  # each starts on a row
@@ -221,23 +199,21 @@ def test_crc32c_combine_matches_the_whole(a, b):
     assert crc32c_combine(crc32c(first), crc32c(second), b) == crc32c(first + second)
 
 
-def test_runs_of_whole_pieces_hold_the_copy_lock_and_slabs_do_not(memory_store, streaming, monkeypatch):
+def test_runs_of_whole_pieces_hold_the_copy_lock_and_slabs_do_not(memory_store):
     """Receives that start with a whole piece copy under the restore's shared copy lock
     (numpy's per-copy GIL release makes threads copying small pieces at once trade the
     GIL on every copy); slabs of a piece that spans several receives go without it."""
-    held: list[tuple[bool, bool]] = []  # (a run of whole pieces, lock held)
-    real = stream_scatter.ScatterSink._receive
+    held: list[tuple[bool, bool]] = []  # (a copy of a whole piece, lock held)
 
-    def recording(self, base, data):
-        part = self._current(base)
-        whole = part is not None and part.offset >= base and part.offset + part.piece.length <= base + len(data)
-        held.append((whole, self.copy_lock.locked()))
-        return real(self, base, data)
+    class Recording(Landing):
+        def copy(self, i, overlaps, source, origin):
+            pieces = {p.start: p.shape for p in self.plans[i].entry.pieces}
+            held.append((pieces.get(origin) == source.shape, self.copy_lock.locked()))
+            super().copy(i, overlaps, source, origin)
 
-    monkeypatch.setattr(stream_scatter.ScatterSink, "_receive", recording)
     tree = _tree()
     objckpt.save(memory_store.url, tree)
-    out = objckpt.restore(memory_store.url, _resharded_target(tree))
+    out = restored(StreamingStore(from_url(memory_store.url)), _resharded_target(tree), landing=Recording)
     assert_tree_bit_exact(tree, out)
     assert {whole for whole, _ in held} == {True, False}, "expected both whole pieces and slabs"
     assert all(locked == whole for whole, locked in held)

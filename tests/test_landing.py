@@ -1,9 +1,12 @@
-"""Restore's host buffers: aligned, and on the CPU backend the device arrays themselves.
+"""Where restore's bytes land (``objckpt.restoring.landing``): host buffers that are aligned,
+and on the CPU backend the device arrays themselves.
 
 A large ranged read is started a few spare bytes early so the piece lands on a
 64-byte boundary in the store client's own buffer; that buffer then becomes the
 box's array with no copy. These tests pin the pieces that make it work and
-check that it never reads a byte of a piece it was not asked for.
+check that it never reads a byte of a piece it was not asked for. Tests of the
+landing's internals drive restore's steps through their seams
+(:mod:`restore_seams`): the landing's memory and devices, the plans, the store.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ import pytest
 from helpers import assert_tree_bit_exact, count_reads, full_manifest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from restore_seams import paths, restore_with
 
 import objckpt
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.plan import ALIGN, PACKING_SLACK, SPACER
-from objckpt.restoring import api as restore_module
-from objckpt.restoring import fetch as fetch_module
+from objckpt.restoring.arena import AssemblyArena
+from objckpt.restoring.landing import Devices, HostMemory
 from objckpt.storage import from_url
 from objckpt.storage.obstore.store import ObstoreStore
 from objckpt.transfer import runtime
@@ -55,15 +59,14 @@ def test_arrays_cut_from_one_buffer_are_aligned_and_disjoint():
 
 
 @pytest.mark.parametrize("where", ["s3", "memory"])
-def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where, s3_store, monkeypatch):
+def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where, s3_store):
     """Buffers that saved pieces fill are not cleared first: poison them and check that
     a restore onto another sharding (small leaves in one buffer each, large ones box
     by box; streamed from S3, buffered from memory) overwrites every byte."""
-    from objckpt.restoring import arena as prefault
-    from objckpt.restoring import jobs as leaf_jobs
+    from objckpt.transfer.buffers import touch_pages
 
-    real = leaf_jobs.aligned_arrays
-    real_touch = prefault.touch_pages
+    real = aligned_arrays
+    real_touch = touch_pages
     uncleared = []
     prefaulted = []
 
@@ -80,9 +83,7 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
         buffer[...] = 0xFF
         prefaulted.append(buffer)
 
-    monkeypatch.setattr(leaf_jobs, "aligned_arrays", poisoned)
-    monkeypatch.setattr(prefault, "touch_pages", poisoned_touch)
-    monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 1 << 20)  # "w" and "v" are placed box by box
+    memory = HostMemory(arrays=poisoned, arena=lambda leaves: AssemblyArena(leaves, touch=poisoned_touch))
     tree, values = _big_tree()
     rng = np.random.default_rng(5)
     for i in range(6):  # and some small leaves, each placed whole
@@ -96,7 +97,9 @@ def test_uncleared_target_buffers_are_wholly_written_onto_another_sharding(where
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P("x", "y") if v.ndim == 2 else P()))
         for k, v in values.items()
     }
-    out = objckpt.restore(url, target, storage_options=options)
+    store = from_url(url, **(options or {}))
+    out = restore_with(store, paths(target), memory=memory, whole_leaf_bytes=1 << 20)  # "w", "v" box by box
+    out = {k: out[f"['{k}']"] for k in target}
     assert len(uncleared) >= 16  # the boxes of "w" and "v"
     assert len(prefaulted) == 1  # the small leaves' boxes, made ahead in one mapping
     for k, v in values.items():
@@ -150,6 +153,20 @@ def _big_tree():
     return tree, values
 
 
+class _SkewedPhase:
+    """An open store whose phase hint (``response_phase``) is off by ``by`` bytes."""
+
+    def __init__(self, inner, by: int) -> None:
+        self.inner = inner
+        self.by = by
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def response_phase(self):
+        return (self.inner.response_phase() + self.by) % DEVICE_ALIGNMENT
+
+
 def _adoption_report(
     url: str, storage_options: dict, *, hint_off_by: int = 0, restores: int = 1, tune_malloc: bool = False
 ) -> dict:
@@ -159,33 +176,29 @@ def _adoption_report(
     ``tune_malloc`` is passed on to the restores (``Options.tune_malloc``)."""
     tree, _ = _big_tree()
     objckpt.save(url, tree, storage_options=storage_options)
-    allocated: list[str] = []
-    real_allocate, real_phase = fetch_module.allocate, ObstoreStore.response_phase
+    copied_boxes: list[tuple[int, ...]] = []
 
-    def counting_allocate(job, boxes=None, **kwargs):
-        allocated.extend(job.entry.path for _ in (boxes if boxes is not None else job.read_boxes))
-        return real_allocate(job, boxes, **kwargs)
+    def counting(shapes, dtype, *, zeroed=True):  # the landing's buffers for boxes it copies into
+        copied_boxes.extend(shape for shape in shapes if shape == (256, 1024))  # a box of "w" or "v"
+        return aligned_arrays(shapes, dtype, zeroed=zeroed)
 
-    fetch_module.allocate = counting_allocate
-    ObstoreStore.response_phase = lambda self: (real_phase(self) + hint_off_by) % DEVICE_ALIGNMENT
+    store = _SkewedPhase(from_url(url, **storage_options), hint_off_by)
     copied, misaligned = [], []
-    try:
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-        for _ in range(restores):
-            allocated.clear()
-            options = objckpt.Options(tune_malloc=tune_malloc)
-            out = objckpt.restore(url, target, storage_options=storage_options, options=options)
-            assert_tree_bit_exact(tree, out)
-            copied.append(sum(path in ("['w']", "['v']") for path in allocated))
-            misaligned.append(
-                sum(
-                    shard.data.unsafe_buffer_pointer() % DEVICE_ALIGNMENT != 0
-                    for name in ("w", "v")
-                    for shard in out[name].addressable_shards
-                )
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    for _ in range(restores):
+        copied_boxes.clear()
+        options = objckpt.Options(tune_malloc=tune_malloc)
+        out = restore_with(store, paths(target), options=options, memory=HostMemory(arrays=counting))
+        out = {k: out[f"['{k}']"] for k in target}
+        assert_tree_bit_exact(tree, out)
+        copied.append(len(copied_boxes))
+        misaligned.append(
+            sum(
+                shard.data.unsafe_buffer_pointer() % DEVICE_ALIGNMENT != 0
+                for name in ("w", "v")
+                for shard in out[name].addressable_shards
             )
-    finally:
-        fetch_module.allocate, ObstoreStore.response_phase = real_allocate, real_phase
+        )
     return {"copied": copied, "misaligned": misaligned}
 
 
@@ -193,7 +206,7 @@ def _adoption_in_a_fresh_process(s3_store, **kwargs) -> dict:
     code = (
         "import json, sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_restore_buffers import _adoption_report\n"
+        "from test_landing import _adoption_report\n"
         "args = json.load(sys.stdin)\n"
         "print('REPORT', json.dumps(_adoption_report(args['url'], args['storage_options'], **args['kwargs'])))\n"
     )
@@ -304,7 +317,7 @@ def test_restore_onto_another_sharding_copies_and_stays_exact(s3_store, monkeypa
     assert not whole, f"copied reads fetched whole instead of streamed: {whole}"
 
 
-def test_streamed_reads_have_a_window_of_their_own_not_the_buffered_reads_one(s3_store, monkeypatch):
+def test_streamed_reads_have_a_window_of_their_own_not_the_buffered_reads_one(s3_store):
     """Streamed reads hold a few MiB each, not their length: Options.streamed_window bounds
     the bytes they ask for at once (never more, and several reads when it holds several),
     whatever read_window, which bounds reads that hold buffers of their length."""
@@ -316,26 +329,32 @@ def test_streamed_reads_have_a_window_of_their_own_not_the_buffered_reads_one(s3
     objckpt.save(s3_store.url, tree, **options, options=objckpt.Options(blob_size=512 << 10))
     open_reads: list[int] = []
     most: list[tuple[int, int]] = []  # (reads, bytes) streamed at once, at each start
-    real = fetch_module.stream_read
 
-    async def counting(engine, request, *args, **kwargs):
-        open_reads.append(request.length)
-        most.append((len(open_reads), sum(open_reads)))
-        try:
-            return await real(engine, request, *args, **kwargs)
-        finally:
-            open_reads.remove(request.length)
+    class Counting:  # the store, counting the streamed reads open at once (one GET per read here)
+        def __init__(self, inner):
+            self.inner = inner
 
-    monkeypatch.setattr(fetch_module, "stream_read", counting)
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        async def get_range_streamed(self, key, *, start, end, sink):
+            open_reads.append(end - start)
+            most.append((len(open_reads), sum(open_reads)))
+            try:
+                return await self.inner.get_range_streamed(key, start=start, end=end, sink=sink)
+            finally:
+                open_reads.remove(end - start)
+
+    store = Counting(from_url(s3_store.url, **s3_store.storage_options))
+    assert store.streams_reads
     other = jax.make_mesh((2, 4), ("x", "y"))
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P("x", "y"))) for k, v in values.items()
     }
     for window in (700 << 10, 3 << 20):
         most.clear()
-        out = objckpt.restore(
-            s3_store.url, target, **options, options=objckpt.Options(streamed_window=window, read_window=64 << 10)
-        )
+        out = restore_with(store, paths(target), options=objckpt.Options(streamed_window=window, read_window=64 << 10))
+        out = {k: out[f"['{k}']"] for k in target}
         for k, v in values.items():
             np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
         assert len(most) >= 8, most  # a read per blob at least
@@ -492,34 +511,30 @@ def _many_small_leaves(url: str) -> tuple[dict, dict]:
     return values, shardings
 
 
-def _count_placements(monkeypatch) -> dict[str, list[int]]:
-    """Record restore's transfers to devices: per-box ``device_put`` calls (arrays in each)
-    and whole-leaf ``make_array_from_callback`` calls."""
-    from objckpt.restoring import jobs as leaf_jobs
-
+def _counting_devices() -> tuple[Devices, dict[str, list[int]]]:
+    """A landing's devices that record its transfers: per-box ``device_put`` calls (arrays in
+    each) and whole-leaf ``make_array_from_callback`` calls."""
     calls: dict[str, list[int]] = {"device_put": [], "whole_leaf": []}
-    real_put, real_whole = leaf_jobs.jax.device_put, leaf_jobs.jax.make_array_from_callback
 
     def counting_put(x, device=None, **kwargs):
         calls["device_put"].append(len(x) if isinstance(x, list) else 1)
-        return real_put(x, device, **kwargs)
+        return jax.device_put(x, device, **kwargs)
 
     def counting_whole(shape, sharding, callback, *args, **kwargs):
         calls["whole_leaf"].append(1)
-        return real_whole(shape, sharding, callback, *args, **kwargs)
+        return jax.make_array_from_callback(shape, sharding, callback, *args, **kwargs)
 
-    monkeypatch.setattr(leaf_jobs.jax, "device_put", counting_put)
-    monkeypatch.setattr(leaf_jobs.jax, "make_array_from_callback", counting_whole)
-    return calls
+    return Devices(put=counting_put, from_callback=counting_whole), calls
 
 
-def test_small_leaves_go_to_their_devices_in_one_transfer_each(monkeypatch):
+def test_small_leaves_go_to_their_devices_in_one_transfer_each():
     """A small model: each small leaf is placed whole, in one transfer, once it is
     complete (not box by box), and lands exact on its devices."""
     values, shardings = _many_small_leaves("memory://restore-buffers/whole")
-    calls = _count_placements(monkeypatch)
+    devices, calls = _counting_devices()
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in values.items()}
-    out = objckpt.restore("memory://restore-buffers/whole", target)
+    out = restore_with(from_url("memory://restore-buffers/whole"), paths(target), devices=devices)
+    out = {k: out[f"['{k}']"] for k in target}
     for k, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
         assert out[k].sharding == shardings[k]
@@ -527,17 +542,21 @@ def test_small_leaves_go_to_their_devices_in_one_transfer_each(monkeypatch):
     assert calls == {"device_put": [], "whole_leaf": [1] * 60}, calls
 
 
-def test_large_leaves_go_box_by_box_in_batched_transfers(monkeypatch):
+def test_large_leaves_go_box_by_box_in_batched_transfers():
     """Leaves over ``WHOLE_LEAF_BYTES`` are placed as their boxes complete: one
     batched ``device_put`` per read at most, never one per box, and exact."""
-    from objckpt.restoring import jobs as leaf_jobs
-
-    monkeypatch.setattr(leaf_jobs, "WHOLE_LEAF_BYTES", 0)  # every leaf here is "large"
     values, shardings = _many_small_leaves("memory://restore-buffers/batched")
-    calls = _count_placements(monkeypatch)
+    devices, calls = _counting_devices()
     stats = objckpt.TransferStats()
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in values.items()}
-    out = objckpt.restore("memory://restore-buffers/batched", target, stats=stats)
+    out = restore_with(
+        from_url("memory://restore-buffers/batched"),
+        paths(target),
+        stats=stats,
+        devices=devices,
+        whole_leaf_bytes=0,  # every leaf here is "large"
+    )
+    out = {k: out[f"['{k}']"] for k in target}
     for k, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
         assert out[k].sharding == shardings[k]
@@ -546,7 +565,7 @@ def test_large_leaves_go_box_by_box_in_batched_transfers(monkeypatch):
     assert len(calls["device_put"]) <= stats.requests, f"{calls} for {stats.requests} reads"
 
 
-def test_pause_gc_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
+def test_pause_gc_pauses_the_garbage_collector_and_gives_it_back():
     """With ``Options(pause_gc=True)`` a restore defers full collections (they walk the
     caller's whole heap), and leaves the collector as it found it, also after an error and
     when the caller had it off. By default the collector is left alone."""
@@ -555,19 +574,16 @@ def test_pause_gc_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
     url = "memory://restore-buffers/gc"
     objckpt.save(url, {"a": np.arange(10, dtype=np.float32)})
     paused = objckpt.Options(pause_gc=True)
-    seen = []
-    real = restore_module.plan
 
-    def spying(*args, **kwargs):
-        seen.append(gc.isenabled())
-        return real(*args, **kwargs)
+    def inside(options=None) -> set[bool]:  # whether the collector was on, seen from the restore's progress
+        seen: list[bool] = []
+        out = objckpt.restore(url, options=options, progress=lambda _: seen.append(gc.isenabled()))
+        np.testing.assert_array_equal(out["a"], np.arange(10, dtype=np.float32))
+        return set(seen)
 
-    monkeypatch.setattr(restore_module, "plan", spying)
     assert gc.isenabled()
-    np.testing.assert_array_equal(objckpt.restore(url)["a"], np.arange(10, dtype=np.float32))
-    assert seen == [True] and gc.isenabled()  # the default: nothing process-wide changes
-    np.testing.assert_array_equal(objckpt.restore(url, options=paused)["a"], np.arange(10, dtype=np.float32))
-    assert seen == [True, False] and gc.isenabled()
+    assert inside() == {True} and gc.isenabled()  # the default: nothing process-wide changes
+    assert inside(paused) == {False} and gc.isenabled()
     with pytest.raises(objckpt.CheckpointNotFoundError):
         objckpt.restore("memory://restore-buffers/none", options=paused)
     assert gc.isenabled()

@@ -1,0 +1,308 @@
+"""What restore does for one leaf, decided before any byte moves: a frozen, pure plan.
+
+A :class:`LeafPlan` says which target boxes this process fills, on which
+devices, which saved pieces meet each box (and where), which boxes are
+assembled from parts rather than equal to one saved piece, and how the leaf is
+finished (box by box as boxes complete, or whole). It is built from the leaf's
+manifest entry and its target alone (:func:`plan_leaf`): no I/O, no buffers,
+and no device memory, so planning can be tested and benchmarked at pod scale.
+Everything that changes while the bytes land lives in
+:class:`objckpt.restoring.landing.Landing`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from objckpt.core.boxes import Box, needed_boxes
+from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.format import LeafEntry, Piece
+from objckpt.core.pieces import find_overlap
+from objckpt.core.plan import BoxIndex
+from objckpt.errors import TargetMismatchError
+from objckpt.restoring.casts import check_cast
+from objckpt.restoring.host_memory import refuse_over_limit
+from objckpt.restoring.read_once import Designator
+from objckpt.restoring.read_once import supported as read_once_supported
+
+#: A sharded leaf with more bytes than this on this process goes to its devices
+#: box by box as boxes complete; a smaller one in one transfer when it is done,
+#: since placing arrays one at a time costs per array. Holding a small leaf's
+#: host buffers until it completes costs nothing on the CPU backend (the buffers
+#: become the device arrays) and at most this much per leaf elsewhere.
+WHOLE_LEAF_BYTES = 16 << 20
+
+#: (box, piece ∩ box) for each box a piece meets.
+Meets = list[tuple[Box, Box]]
+
+
+@dataclass(frozen=True)
+class LeafPlan:
+    """One leaf's restore, as planned: its boxes, the pieces it reads, how it is finished.
+
+    The piece-side facts (:attr:`pieces`, :attr:`meets`, :attr:`box_pieces`,
+    :attr:`assembled`) are computed from :attr:`entry` on first use and kept:
+    restore starts mapping memory for assembled leaves before it works them out
+    (:meth:`objckpt.restoring.landing.Landing.reserve_arena`), and a format-2
+    restore learns a leaf's pieces only after reading index objects
+    (:meth:`with_entry`).
+    """
+
+    entry: LeafEntry
+    dtype: np.dtype  # saved dtype
+    out_dtype: np.dtype | None  # cast to this when it differs
+    sharding: jax.sharding.Sharding | None  # None → host numpy
+    devices_by_box: Mapping[Box, list[Any]]
+    key_sharding: Any = None  # typed PRNG keys: where to put the wrapped keys
+    designated: Mapping[Box, list[tuple[Box, Any]]] | None = None  # read-once: each box's slabs and their reader
+    unsafe_cast: bool = False  # cast="unsafe": numpy's astype, values unchecked
+    whole_leaf_bytes: int = WHOLE_LEAF_BYTES
+    on_host: bool = True  # see stays_on_host
+
+    @property
+    def stays_on_host(self) -> bool:
+        """Whether the leaf's restored boxes stay in host memory: a numpy result, or devices
+        that are the host's (the CPU backend, where a device array is host memory).
+
+        Only such leaves get restore's host-memory techniques (buffers in aligned private
+        mappings, pages faulted in ahead, :mod:`objckpt.restoring.arena`): their buffers are the
+        result, so how their pages are made and touched is what the restore pays for. A leaf
+        bound for an accelerator gets plain numpy buffers, copied to its devices by DMA.
+        """
+        return self.on_host
+
+    @property
+    def places_boxes(self) -> bool:
+        """Plain sharded leaves: each box's buffer becomes its devices' arrays (placed as it
+        completes, or with the whole leaf, see :attr:`places_early`)."""
+        return self.sharding is not None and self.designated is None
+
+    @functools.cached_property
+    def places_early(self) -> bool:
+        """Whether complete boxes go to their devices before the leaf is done (see :data:`WHOLE_LEAF_BYTES`)."""
+        local_bytes = sum(math.prod(b - a for a, b in zip(*box)) for box in self.read_boxes) * self.dtype.itemsize
+        return self.places_boxes and local_bytes > self.whole_leaf_bytes
+
+    @functools.cached_property
+    def casts(self) -> bool:
+        """Whether the leaf's values are cast to another dtype once landed."""
+        return self.out_dtype is not None and self.out_dtype != self.dtype
+
+    @functools.cached_property
+    def read_boxes(self) -> list[Box]:
+        """Boxes this process fetches: all it needs, or with read-once only the slabs designated to its devices."""
+        if self.designated is None:
+            return list(self.devices_by_box)
+        return [
+            slab
+            for box, devices in self.devices_by_box.items()
+            for slab, device in self.designated[box]
+            if device in devices
+        ]
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the leaf needs at once on this process: every box it reads when they stay
+        in host memory (:attr:`stays_on_host`), else its largest box (boxes go to their devices,
+        and their host buffers are freed, as they complete)."""
+        sizes = [math.prod(b - a for a, b in zip(*box)) * self.dtype.itemsize for box in self.read_boxes]
+        if not sizes:
+            return 0
+        return sum(sizes) if self.on_host else max(sizes)
+
+    @functools.cached_property
+    def _pieces(self) -> tuple[list[Piece], dict[tuple[Any, Any], Meets], dict[Box, int]]:
+        boxes = self.read_boxes
+        index = BoxIndex(boxes)
+        counts = {box: 0 for box in boxes}
+        meets: dict[tuple[Any, Any], Meets] = {}
+        needed = []
+        for piece in self.entry.pieces:
+            met = index.meeting(piece.start, piece.stop)
+            if met:
+                meets[(piece.start, piece.stop)] = met
+                for box, _ in met:
+                    counts[box] += 1
+                needed.append(piece)
+        return needed, meets, counts
+
+    @functools.cached_property
+    def pieces(self) -> list[Piece]:
+        """The saved pieces this process reads for the leaf (those meeting a box it reads)."""
+        return self._pieces[0]
+
+    @functools.cached_property
+    def meets(self) -> dict[tuple[Any, Any], Meets]:
+        """Per planned piece (by its (start, stop)): (box, piece ∩ box) for each box it meets.
+
+        Landing, scattering and counting a piece look them up rather than
+        intersecting it with every box again (a small model has ~1,300 pieces).
+        """
+        return self._pieces[1]
+
+    @functools.cached_property
+    def box_pieces(self) -> dict[Box, int]:
+        """Per box read: how many planned pieces meet it (what landing counts down)."""
+        return self._pieces[2]
+
+    @functools.cached_property
+    def assembled(self) -> list[Box]:
+        """Boxes no single planned piece equals (filled from parts, never adopted)."""
+        exact = {(piece.start, piece.stop) for piece in self.pieces}
+        counts = self.box_pieces
+        return [box for box in self.read_boxes if box not in exact and counts[box]]
+
+    @functools.cached_property
+    def needs_assembly(self) -> bool:
+        """Some box read is not exactly one saved piece (:meth:`Landing.reserve_arena` says why it matters).
+
+        Looks at the entry's pieces only, not :attr:`pieces`: it is asked before planning them.
+        """
+        saved = {(piece.start, piece.stop) for piece in self.entry.pieces}
+        return any(box not in saved for box in self.read_boxes)
+
+    def meets_of(self, piece: Piece) -> Meets:
+        """(box, piece ∩ box) for each box that a planned piece meets."""
+        return self.meets[(piece.start, piece.stop)]
+
+    def whole_box(self, piece: Piece) -> bool:
+        """A piece that is exactly one box of a leaf placed box by box, with no cast."""
+        return self.places_boxes and self.box_pieces.get((piece.start, piece.stop)) == 1 and not self.casts
+
+    def with_entry(self, entry: LeafEntry) -> LeafPlan:
+        """The same plan for ``entry``'s pieces (a format-2 leaf, once its index rows are read)."""
+        return dataclasses.replace(self, entry=entry)
+
+    def uncovered(self) -> Box | None:
+        """A box that the planned pieces do not cover exactly (holes or overlaps), or None.
+
+        A box is covered when the parts of the pieces that meet it add up to its
+        volume and no two overlap: the exact-coverage check that stands in, per
+        box read, for a check of the whole tiling (which would need every
+        process's index object). Two pieces with the same box share one entry of
+        :attr:`meets` but both count in :attr:`box_pieces`: a duplicate is an
+        overlap too.
+        """
+        counts = self.box_pieces
+        parts: dict[Box, list[_Part]] = {box: [] for box in counts}
+        for meets in self.meets.values():
+            for box, (start, stop) in meets:
+                parts[box].append(_Part(start, stop))
+        for box, found in parts.items():
+            if len(found) != counts[box]:
+                return box
+            if len(found) == 1 and (found[0].start, found[0].stop) == box:
+                continue  # one piece, exactly the box
+            volume = math.prod(b - a for a, b in zip(*box))
+            if sum(math.prod(b - a for a, b in zip(p.start, p.stop)) for p in found) != volume:
+                return box
+            if find_overlap(found) is not None:
+                return box
+        return None
+
+    def overlapping(self, box: Box) -> tuple[Piece, Piece] | None:
+        """Two planned pieces that overlap inside ``box`` (one box listed twice included), or
+        None: what names the pieces when :meth:`uncovered` finds a box."""
+        meets = self.meets
+        parts = [_Part(*cut, p) for p in self.entry.pieces for b, cut in meets.get((p.start, p.stop), ()) if b == box]
+        pair = find_overlap(parts)
+        return None if pair is None else (pair[0].piece, pair[1].piece)
+
+
+@dataclass(frozen=True)
+class _Part:
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    piece: Piece | None = None
+
+
+def plan_leaf(
+    entry: LeafEntry,
+    target: Any,
+    *,
+    read_once: bool = False,
+    unsafe_cast: bool = False,
+    devices: frozenset[Any] | None = None,
+    designator: Designator | None = None,
+    whole_leaf_bytes: int = WHOLE_LEAF_BYTES,
+) -> LeafPlan:
+    """The plan restoring ``entry`` onto ``target`` (see :func:`objckpt.restore` for the target forms).
+
+    ``devices``: plan for these devices instead of this process's (planning benchmarks
+    stand in for one host of a pod). ``designator``: with ``read_once``, the restore's
+    (one for all its leaves, so the bytes each process reads balance across leaves).
+    ``whole_leaf_bytes``: see :data:`WHOLE_LEAF_BYTES`.
+
+    Raises:
+        TargetMismatchError: the shape differs, the sharding does not fit, or
+            (unless ``unsafe_cast``) the target dtype is a cast that loses values.
+    """
+    dtype = dtype_from_name(entry.dtype or "")
+    assert dtype is not None and entry.shape is not None  # validated by the reader
+    shape = entry.shape
+    full = ((0,) * len(shape), shape)
+    if entry.prng_impl is not None:  # keys are tiny: rebuild on the host, then place them
+        key_sharding = (
+            getattr(target, "sharding", None) if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)) else None
+        )
+        return LeafPlan(entry, dtype, None, None, {full: []}, key_sharding=key_sharding)
+    if not isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+        return LeafPlan(entry, dtype, None, None, {full: []}, unsafe_cast=unsafe_cast)
+    if tuple(target.shape) != shape:
+        raise TargetMismatchError(
+            f"leaf {entry.path}: target shape {tuple(target.shape)} does not match saved shape {shape}"
+        )
+    if entry.kind in ("str", "bytes"):
+        raise TargetMismatchError(f"leaf {entry.path}: saved a {entry.kind}, the target asks for an array")
+    sharding = getattr(target, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    out_dtype = np.dtype(target.dtype)
+    if not unsafe_cast:
+        check_cast(entry.path, dtype, out_dtype)
+    try:
+        devices_by_box = needed_boxes(sharding, shape, devices)
+    except Exception as e:
+        raise TargetMismatchError(f"leaf {entry.path}: sharding {sharding} does not fit shape {shape}: {e}") from None
+    on_host = all(device.platform == "cpu" for boxed in devices_by_box.values() for device in boxed)
+    designated = None
+    if read_once and isinstance(sharding, NamedSharding) and read_once_supported(sharding, out_dtype):
+        designated = (designator or Designator(1 << 20)).designate(sharding, shape, dtype.itemsize)
+    return LeafPlan(
+        entry,
+        dtype,
+        out_dtype,
+        sharding,
+        devices_by_box,
+        designated=designated,
+        unsafe_cast=unsafe_cast,
+        whole_leaf_bytes=whole_leaf_bytes,
+        on_host=on_host,
+    )
+
+
+def check_host_memory(plans: Mapping[int, LeafPlan], limit: int | None) -> None:
+    """Refuse, before any read, a restore that needs more host memory than ``limit`` bytes.
+
+    Each leaf's :attr:`LeafPlan.host_bytes` must fit, and so must the leaves that
+    stay in host memory, together. Why before: the sizes come from the manifest,
+    and a hostile (or mistaken) one declares a leaf of petabytes; failing at once,
+    naming the leaf, beats failing an allocation (or the machine) midway.
+
+    Raises:
+        HostMemoryError: naming the leaf (or the largest leaves) and both sizes.
+    """
+    refuse_over_limit(
+        (
+            (plan.entry.path, f"{plan.entry.dtype}{list(plan.entry.shape or ())}", plan.host_bytes, plan.on_host)
+            for plan in plans.values()
+        ),
+        limit,
+    )
