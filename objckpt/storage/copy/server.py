@@ -103,9 +103,8 @@ class Copier(Protocol):
 
 
 def account_of(store: Store) -> CopyAccount | None:
-    """The account a server-side copy would act as for ``store`` (or the store inside a
-    ``RetryingStore``); None when the store cannot copy server-side."""
-    store = getattr(store, "inner", store)
+    """The account a server-side copy would act as for ``store`` (a store itself, not a retrying
+    layer around one: an operation's handle gives its ``bulk`` store); None when it cannot copy server-side."""
     obstore_store = sys.modules.get("objckpt.storage.obstore.store")
     if obstore_store is not None and isinstance(store, obstore_store.ObstoreStore):
         spec = store.native_spec
@@ -128,7 +127,6 @@ def plan(src: Store, dst: Store, *, request_timeout: float, concurrency: int) ->
     Blocking (it may build a botocore client and ask a credential provider for its key
     id): call it off the event loop. The caller closes the copier.
     """
-    src, dst = getattr(src, "inner", src), getattr(dst, "inner", dst)
     a, b = account_of(src), account_of(dst)
     if a is None or b is None:
         side = src.url if a is None else dst.url
@@ -167,8 +165,8 @@ def refusal(error: BaseException) -> str | None:
 
 def source_location(store: Store, key: str) -> BucketKey:
     """``(bucket, object name)`` of ``key`` in ``store`` (one :func:`account_of` accepts)."""
-    inner: Any = getattr(store, "inner", store)
-    location = inner.bucket_object(key)
+    copier_of: Any = store  # an S3 or GCS store (bucket_object is theirs, not the contract's)
+    location = copier_of.bucket_object(key)
     if location is None:
         raise StoreError(f"{store.url} has no buckets to copy from")
     return location
