@@ -68,6 +68,19 @@ QUICK_MODULES = frozenset(
     }
 )
 QUICK_TESTS = frozenset({"test_roundtrip.py::test_round_trip_every_dtype_and_sharding"})
+# Tests that hold the machine to a wall-clock bound of a second or two: ./tests/run.sh runs
+# them (``-m serial``) after the others, one at a time, not beside busy xdist workers.
+SERIAL_TESTS = frozenset(
+    {
+        "test_gcs_auth.py::test_every_refresh_request_has_a_timeout",
+        "test_no_credentials.py::test_gcs_without_credentials_fails_at_once_listing_the_sources",
+        "test_no_credentials.py::test_s3_without_credentials_fails_at_once_listing_the_sources",
+        "test_proxy.py::test_each_round_trip_takes_the_latency",
+        "test_s3_stream.py::test_a_read_given_up_hands_nothing_over_after_it_returns",
+        "test_watchdog.py::test_a_stalled_cycle_fails_within_its_budget_naming_the_last_progress",
+        "test_watchdog.py::test_slow_cycles_that_keep_progressing_outlast_the_budget_without_failing",
+    }
+)
 # The example plugin is a separate package with its own tests, which need it installed:
 # test_storage_conformance.py runs them in a pytest of their own, as the plugin's repository would.
 collect_ignore = ["plugin_example"]
@@ -89,12 +102,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.gcs)
         if _is_quick(item):
             item.add_marker(pytest.mark.quick)
+        if _test_name(item) in SERIAL_TESTS:
+            item.add_marker(pytest.mark.serial)
         if _shares_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
+def _test_name(item: pytest.Item) -> str:
+    """``module.py::function``, without the parameters."""
+    return f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+
+
 def _is_quick(item: pytest.Item) -> bool:
-    if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in QUICK_TESTS:
+    if _test_name(item) in QUICK_TESTS:
         return True
     needs_server = item.get_closest_marker("s3") or item.get_closest_marker("gcs")
     return item.path.name in QUICK_MODULES and not needs_server

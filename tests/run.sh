@@ -3,7 +3,8 @@
 # the local S3 and GCS servers from backends/ itself). Sets up .venv on first use.
 #
 #   ./tests/run.sh            everything, as CI runs it; pytest on OBJCKPT_TEST_WORKERS
-#                             processes (pytest-xdist, default 3; 0 runs in this process)
+#                             processes (pytest-xdist, default 3; 0: one process), then the
+#                             tests marked `serial` in one process
 #   ./tests/run.sh --quick    the inner loop: ruff, then the tests marked `quick` (pure planning
 #                             and format tests, one save/restore per store kind; conftest.py)
 #
@@ -24,5 +25,22 @@ fi
 echo "== ruff"; ruff check objckpt backends tests benchmarks
 echo "== mypy"; mypy objckpt
 echo "== checkov (terraform/)"; bash terraform/check.sh
+pytest=(python -m pytest -p no:cacheprovider)
+if [ "$workers" = 0 ] || printf '%s\n' "${args[@]}" | grep -q '^-m'; then
+  echo "== pytest"
+  exec "${pytest[@]}" "${args[@]}"
+fi
+# The tests marked `serial` (a wall-clock bound of a second or two) run after the others,
+# in one process, so that no busy worker beside them decides their outcome.
 echo "== pytest ($workers workers)"
-python -m pytest -p no:cacheprovider -n "$workers" --dist loadgroup "${args[@]}"
+rc=0
+"${pytest[@]}" -n "$workers" --dist loadgroup -m "not serial" "${args[@]}" || rc=$?
+echo "== pytest (serial)"
+serial_rc=0
+"${pytest[@]}" -m serial "${args[@]}" || serial_rc=$?
+# pytest's 5: the arguments selected no test in that run; a failure only if in both.
+if [ "$rc" = 5 ] && [ "$serial_rc" = 5 ]; then exit 5; fi
+[ "$rc" = 5 ] && rc=0
+[ "$serial_rc" = 5 ] && serial_rc=0
+[ "$rc" = 0 ] && rc=$serial_rc
+exit "$rc"

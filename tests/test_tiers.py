@@ -1,8 +1,9 @@
 """The quick tier (``./tests/run.sh --quick``) still selects what it promises.
 
-Test modules get renamed and split; a name in ``conftest.QUICK_MODULES`` or ``QUICK_TESTS``
-that no longer names a test would shrink the tier silently, so each one is checked here, and
-the tier's selection is collected the way run.sh makes it.
+Test modules get renamed and split; a name in ``conftest.QUICK_MODULES``, ``QUICK_TESTS`` or
+``SERIAL_TESTS`` that no longer names a test would shrink the tier (or let a timed test run
+beside busy workers) silently, so each one is checked here, and the quick tier's selection is
+collected the way run.sh makes it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import QUICK_MODULES, QUICK_TESTS, STORE_KINDS
+from tests.conftest import QUICK_MODULES, QUICK_TESTS, SERIAL_TESTS, STORE_KINDS
 
 TESTS = Path(__file__).resolve().parent
 
@@ -25,13 +26,13 @@ def _test_functions(path: Path) -> set[str]:
     return {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
 
 
-def test_every_quick_name_names_a_test() -> None:
+def test_every_quick_and_serial_name_names_a_test() -> None:
     missing = [name for name in sorted(QUICK_MODULES) if not _test_functions(TESTS / name)]
-    for entry in sorted(QUICK_TESTS):
+    for entry in sorted(QUICK_TESTS | SERIAL_TESTS):
         module, function = entry.split("::")
         if function not in _test_functions(TESTS / module):
             missing.append(entry)
-    assert not missing, f"tests/conftest.py's quick tier names tests that are gone: {missing}"
+    assert not missing, f"tests/conftest.py's quick or serial set names tests that are gone: {missing}"
 
 
 # A pytest plugin that prints each selected test with the server markers it carries.
