@@ -226,13 +226,13 @@ class Saver:
             for blob in blobs
             for placed in blob.pieces
         ]
-        sizes: dict[str, int] = {}  # as saving.api._blob_sizes: where each blob's last piece ends
+        sizes: dict[str, int] = {}  # as saving.commit._blob_sizes: where each blob's last piece ends
         for _, p in records:
             sizes[p.blob] = max(sizes.get(p.blob, 0), p.offset + p.length)
         started = time.process_time()
         index = index_to_json(SAVE_ID, host, records, sizes)
         encode_cpu = time.process_time() - started
-        report = {  # as saving.api._Commit._write_index returns it, sent as json.dumps(...).encode()
+        report = {  # as saving.commit.Commit._write_index returns it, sent as json.dumps(...).encode()
             "key": index_key(SAVE_ID, host),
             "size": len(index),
             "crc32c": crc32c(index),
@@ -264,7 +264,7 @@ class Saver:
         return json.dumps(doc).encode()
 
     def manifest(self, skeleton: dict[str, Any], reports: dict[int, bytes] | None) -> Any:
-        """The root manifest as ``_Commit._commit_or_abort`` builds it (``reports`` None: placeholders,
+        """The root manifest as ``Commit._commit_or_abort`` builds it (``reports`` None: placeholders,
         enough for ``writers_of``, which reads only the leaves' layouts)."""
         from objckpt.core.format import FORMAT_VERSION, IndexRef, Manifest
 
