@@ -3,7 +3,7 @@
 :func:`plan` turns the pieces each leaf's plan reads into coalesced ranged reads;
 :func:`fetch` runs them through the operation's :class:`~objckpt.transfer.engine.TransferEngine`
 as a sliding window under the memory budget, each landing as its mode says
-(:func:`~objckpt.restoring.landing.landing_mode`, decided once per read): streamed
+(:func:`~objckpt.restoring.modes.landing_mode`, decided once per read): streamed
 into its boxes as it arrives (:mod:`objckpt.restoring.scatter`), or read whole and
 landed (:meth:`~objckpt.restoring.landing.Landing.land`), a piece whose bytes
 arrive aligned becoming its box's buffer without a copy. Every piece is checked
@@ -22,9 +22,10 @@ from objckpt.core.plan import ReadRequest, plan_reads
 from objckpt.errors import IntegrityError
 from objckpt.options import Options
 from objckpt.restoring.aligned_reads import ResponseAlignment, read_aligned
-from objckpt.restoring.landing import Landing, Mode, landing_mode
+from objckpt.restoring.landing import Landing
 from objckpt.restoring.leaf_plan import LeafPlan
 from objckpt.restoring.locations import failover_of
+from objckpt.restoring.modes import Mode, landing_mode
 from objckpt.restoring.scatter import stream_read
 from objckpt.transfer.engine import AsyncByteBudget, reread_on_mismatch
 from objckpt.transfer.handle import Handle

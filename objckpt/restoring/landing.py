@@ -9,15 +9,14 @@ goes to its devices box by box as each box is whole, so host memory follows
 progress; a small one all at once when it is complete, because placing arrays
 one at a time costs per array (a small model has ~2,400 of them).
 
-How each read lands is decided once, before it is issued (:func:`landing_mode`):
-streamed into its boxes as it arrives (:mod:`objckpt.restoring.scatter`), read
-whole and copied, or read whole where its aligned pieces become their boxes'
-arrays without a copy (*adopted*).
+How each read lands is decided once, before it is issued
+(:func:`objckpt.restoring.modes.landing_mode`): streamed into its boxes as it
+arrives (:mod:`objckpt.restoring.scatter`, through :meth:`Landing.boxes_met` and
+:meth:`Landing.copy`), or read whole and landed (:meth:`Landing.land`).
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -31,43 +30,11 @@ from objckpt.core.checksum import damage
 from objckpt.core.format import LeafEntry
 from objckpt.core.plan import ReadRequest
 from objckpt.errors import ChecksumMismatchError, FormatError
-from objckpt.restoring.aligned_reads import ResponseAlignment, address
+from objckpt.restoring.aligned_reads import address
 from objckpt.restoring.arena import AssemblyArena
 from objckpt.restoring.casts import cast_values
 from objckpt.restoring.leaf_plan import LeafPlan, Meets
 from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_arrays, aligned_zeros, fault_in
-
-
-class Mode(enum.Enum):
-    """How one planned read lands (:func:`landing_mode`)."""
-
-    STREAMED = "streamed"  # scattered into its boxes as it arrives; holds a few MiB, not its length
-    COPIED = "copied"  # read whole into a buffer of its length, then copied into its boxes
-    ADOPTED = "adopted"  # read whole into the store client's buffer, which becomes its boxes' arrays
-
-
-def landing_mode(
-    request: ReadRequest, plans: Mapping[int, LeafPlan], *, streams_reads: bool, reads_in_place: bool
-) -> Mode:
-    """How ``request`` lands, from the store's traits and the read alone.
-
-    Adopted: the store fills its own buffer in place (``Store.reads_in_place``),
-    the read is large enough to land at a predictable phase, and every part is a
-    whole box placed box by box with no cast; such a read is no memory above the
-    restored arrays. Otherwise a store that streams (``Store.streams_reads``)
-    scatters the read as it arrives, and any other store's read is copied (a
-    part that happens to land aligned is still adopted: :meth:`Landing.land`).
-    """
-    if reads_in_place and may_adopt(request, plans):
-        return Mode.ADOPTED
-    return Mode.STREAMED if streams_reads else Mode.COPIED
-
-
-def may_adopt(request: ReadRequest, plans: Mapping[int, LeafPlan]) -> bool:
-    """Whether every part of a planned read can be adopted if its bytes land aligned."""
-    return request.length >= ResponseAlignment.LARGE and all(
-        plans[part.leaf].whole_box(part.piece) for part in request.parts
-    )
 
 
 @dataclass(frozen=True)
