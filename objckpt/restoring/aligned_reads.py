@@ -18,7 +18,8 @@ import numpy as np
 from objckpt.core.plan import PACKING_SLACK, ReadRequest
 from objckpt.storage.phase import bytes_phase
 from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_zeros
-from objckpt.transfer.engine import TransferEngine, run_in_order
+from objckpt.transfer.engine import TransferEngine
+from objckpt.transfer.ordered import run_in_order
 
 
 @runtime_checkable
@@ -99,7 +100,7 @@ async def read_aligned(
     blob) is a single GET, started a few bytes early when that lands the bytes
     aligned (:class:`ResponseAlignment`). A longer one goes out as sub-range
     GETs of ``chunk`` bytes, at most ``parallel`` at once, each started only
-    when there is room (:func:`objckpt.transfer.engine.run_in_order`): the first that
+    when there is room (:func:`objckpt.transfer.ordered.run_in_order`): the first that
     comes back short (the blob is shorter than the read) is the last, so a
     manifest that declares more bytes than the blob holds costs only the bytes
     there are. The parts are joined before any checksum is checked, since a

@@ -35,7 +35,8 @@ from objckpt.errors import ChecksumMismatchError, IntegrityError
 from objckpt.restoring.landing import Landing
 from objckpt.restoring.leaf_plan import LeafPlan
 from objckpt.storage.streaming import STREAM_PIECE
-from objckpt.transfer.engine import TransferEngine, run_in_order
+from objckpt.transfer.engine import TransferEngine
+from objckpt.transfer.ordered import run_in_order
 
 Span = tuple[int, int]  # [first, last) bytes of a read's body
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()

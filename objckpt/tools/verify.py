@@ -31,8 +31,9 @@ from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import MiB, Options
 from objckpt.progress import ProgressArg, reporting
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferEngine, TransferStats, run_in_order
+from objckpt.transfer.engine import TransferEngine, TransferStats
 from objckpt.transfer.handle import Handle, opened
+from objckpt.transfer.ordered import run_in_order
 
 log = logging.getLogger("objckpt")
 
@@ -155,7 +156,7 @@ async def read_blob(engine: TransferEngine, key: str, size: int, *, chunk: int) 
     """The first ``size`` bytes of blob ``key`` by concurrent ranged reads.
 
     Returns fewer bytes only if the object is shorter. The ranges are started
-    a few at a time (:func:`objckpt.transfer.engine.run_in_order`) and the first that
+    a few at a time (:func:`objckpt.transfer.ordered.run_in_order`) and the first that
     comes back short ends the read, so ``size`` (the manifest's word) costs
     only the bytes the object has. Raises what the store raises
     (``ObjectNotFoundError`` for a missing blob).
