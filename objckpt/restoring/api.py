@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -133,26 +134,29 @@ def restore(
     stats = stats if stats is not None else TransferStats()
     if options.tune_malloc:
         tune_malloc()
+    asked = _Asked(target, partial, read_once, progress, cast)
     if replicas:
         locations = [Location(str(url), storage_options), *as_locations(replicas, storage_options, primary=str(url))]
-        return _restore_nearest(locations, target, partial, read_once, options, stats, progress, cast)
+        return _restore_nearest(locations, asked, options, stats)
     with opened(url, storage_options, options, stats) as handle, runtime.collection_paused(options.pause_gc):
         checkpoint = open_checkpoint(handle.store, options=options, storage_options=storage_options, look_above=True)
         if not isinstance(checkpoint, NativeCheckpoint):  # another layout (Orbax): its reader restores itself
             return checkpoint.restore(target, partial=partial, options=options, stats=stats, cast=cast)
-        return _restore(handle, checkpoint, target, partial, read_once, progress, cast)
+        return _restore(handle, checkpoint, asked)
 
 
-def _restore_nearest(
-    locations: list[Location],
-    target: Any,
-    partial: bool,
-    read_once: bool,
-    options: Options,
-    stats: TransferStats,
-    progress: ProgressArg,
-    cast: str,
-) -> Any:
+@dataclass(frozen=True)
+class _Asked:
+    """What a :func:`restore` call asks for, whichever locations serve it."""
+
+    target: Any
+    partial: bool
+    read_once: bool
+    progress: ProgressArg
+    cast: str
+
+
+def _restore_nearest(locations: list[Location], asked: _Asked, options: Options, stats: TransferStats) -> Any:
     """:func:`restore` with replicas: the nearest location holding the checkpoint, then the next ones."""
     stores = open_locations(locations, options, stats)
     try:
@@ -160,30 +164,23 @@ def _restore_nearest(
             manifest, usable = runtime.run_sync(choose_locations(stores, options))
             handle = failover_handle(usable, options, stats)
             checkpoint = NativeCheckpoint(handle.store, manifest, size_limit=options.manifest_size_limit)
-            return _restore(handle, checkpoint, target, partial, read_once, progress, cast)
+            return _restore(handle, checkpoint, asked)
     finally:
         for opened in stores:
             close_store(opened)
 
 
-def _restore(
-    handle: Handle,
-    checkpoint: NativeCheckpoint,
-    target: Any,
-    partial: bool,
-    read_once: bool,
-    progress: ProgressArg,
-    cast: str,
-) -> Any:
+def _restore(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked) -> Any:
     """:func:`restore` through an open store's handle (its options and counters the restore's)
-    and the checkpoint opened there (the other arguments as there)."""
+    and the checkpoint opened there."""
     store, options, stats = handle.store, handle.options, handle.stats
+    target, partial, cast = asked.target, asked.partial, asked.cast
     started = time.perf_counter()
     manifest = checkpoint.manifest
     require_digest(manifest, options.digest, store.url)
     selection, subtrees = select(manifest, target, partial)
     selection = on_saved_shardings(manifest, selection)
-    read_once = read_once and jax.process_count() > 1
+    read_once = asked.read_once and jax.process_count() > 1
     designator = Designator(options.split_replicas_above)
     plans = {
         i: plan_leaf(manifest.leaves[i], t, read_once=read_once, unsafe_cast=cast == "unsafe", designator=designator)
@@ -204,7 +201,7 @@ def _restore(
         landing = landing if plans is landing.plans else landing.replanned(plans)
     base = stats.bytes_read
     total = sum(r.length for r in requests)
-    with reporting(progress, "restore", store.url, total, lambda: stats.bytes_read - base, stats):
+    with reporting(asked.progress, "restore", store.url, total, lambda: stats.bytes_read - base, stats):
         if read_once:
             results = _fetch_then_share(handle, requests, landing)
         else:
