@@ -31,7 +31,6 @@ from objckpt.core.plan import ALIGN, PACKING_SLACK, SPACER
 from objckpt.restoring.arena import AssemblyArena
 from objckpt.restoring.landing import Devices, HostMemory
 from objckpt.storage import from_url
-from objckpt.storage.obstore.store import ObstoreStore
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_arrays, aligned_zeros, host_buffer
 
@@ -277,43 +276,47 @@ def test_only_stores_that_give_a_phase_hint_are_asked_for_one(monkeypatch, tmp_p
     assert ResponseAlignment.of(plain).phase == bytes_phase()
 
 
-def _recording_streams(monkeypatch) -> list[tuple[str, int, int]]:
-    """Record the ranged reads S3 stores stream (``get_range_streamed``)."""
-    streamed: list[tuple[str, int, int]] = []
-    real = ObstoreStore.get_range_streamed
+class _Recording:
+    """An open store that records the ranges it streams (``streamed``) and those it reads whole
+    (``buffered``), as (key, start, end of the bytes that came)."""
 
-    async def recording(self, key, *, start, end, sink):
-        n = await real(self, key, start=start, end=end, sink=sink)
-        streamed.append((key, start, start + n))
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.streamed: list[tuple[str, int, int]] = []
+        self.buffered: list[tuple[str, int, int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def get_range_buffer(self, key, *, start, end):
+        data = await self.inner.get_range_buffer(key, start=start, end=end)
+        self.buffered.append((key, start, start + len(data)))
+        return data
+
+    async def get_range_streamed(self, key, *, start, end, sink):
+        n = await self.inner.get_range_streamed(key, start=start, end=end, sink=sink)
+        self.streamed.append((key, start, start + n))
         return n
 
-    monkeypatch.setattr(ObstoreStore, "get_range_streamed", recording)
-    return streamed
 
-
-def test_restore_onto_another_sharding_copies_and_stays_exact(s3_store, monkeypatch):
+def test_restore_onto_another_sharding_copies_and_stays_exact(s3_store):
     """Its copied reads are streamed (scattered as they arrive, no buffer per response)."""
     tree, values = _big_tree()
     objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options)
-    streamed = _recording_streams(monkeypatch)
-    buffered = count_reads(monkeypatch)
+    store = _Recording(from_url(s3_store.url, **s3_store.storage_options))
     other = jax.make_mesh((2, 4), ("x", "y"))
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P("x", "y") if v.ndim == 2 else P()))
         for k, v in values.items()
     }  # boxes of 512 x 512, each assembled from parts of two saved 256 x 1024 ones
     window = 2 << 20
-    out = objckpt.restore(
-        s3_store.url,
-        target,
-        storage_options=s3_store.storage_options,
-        options=objckpt.Options(read_window=window, max_read_size=1 << 20),
-    )
+    out = restore_with(store, paths(target), options=objckpt.Options(read_window=window, max_read_size=1 << 20))
+    out = {k: out[f"['{k}']"] for k in target}
     for k, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v)
         assert out[k].sharding == target[k].sharding
-    assert sum(end - start for _, start, end in streamed) >= values["w"].nbytes + values["v"].nbytes
-    whole = [r for store in buffered for r in store.reads if r not in streamed and r[0].endswith(".blob")]
+    assert sum(end - start for _, start, end in store.streamed) >= values["w"].nbytes + values["v"].nbytes
+    whole = [r for r in store.buffered if r not in store.streamed and r[0].endswith(".blob")]
     assert not whole, f"copied reads fetched whole instead of streamed: {whole}"
 
 
@@ -366,7 +369,7 @@ def test_streamed_reads_have_a_window_of_their_own_not_the_buffered_reads_one(s3
             assert reads == 1, f"{reads} reads at once in a window of {window} bytes"
 
 
-def test_small_whole_boxes_are_streamed_and_copied_exact(s3_store, monkeypatch):
+def test_small_whole_boxes_are_streamed_and_copied_exact(s3_store):
     """Reads too small to adopt hold whole boxes; streamed, each is copied into its box
     slab by slab (a box is placed only once its read has completed)."""
     mesh = jax.make_mesh((4, 2), ("data", "model"))
@@ -378,15 +381,11 @@ def test_small_whole_boxes_are_streamed_and_copied_exact(s3_store, monkeypatch):
     objckpt.save(
         s3_store.url, tree, storage_options=s3_store.storage_options, options=objckpt.Options(blob_size=256 << 10)
     )
-    streamed = _recording_streams(monkeypatch)
+    store = _Recording(from_url(s3_store.url, **s3_store.storage_options))
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in values.items()}
-    out = objckpt.restore(
-        s3_store.url,
-        target,
-        storage_options=s3_store.storage_options,
-        options=objckpt.Options(read_window=1 << 20, max_read_size=64 << 10),
-    )
-    assert sum(end - start for _, start, end in streamed) >= sum(v.nbytes for v in values.values())
+    out = restore_with(store, paths(target), options=objckpt.Options(read_window=1 << 20, max_read_size=64 << 10))
+    out = {k: out[f"['{k}']"] for k in target}
+    assert sum(end - start for _, start, end in store.streamed) >= sum(v.nbytes for v in values.values())
     for k, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
 
