@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
-from objckpt.core.boxes import Box
 from objckpt.core.format import LeafEntry, Manifest
 from objckpt.core.format.v2 import leaves_by_writer
 from objckpt.layouts.base import CheckpointInfo, LeafInfo
 from objckpt.layouts.manifest_io import read_every_piece, read_indexes, read_manifest
 from objckpt.storage import Store
+
+if TYPE_CHECKING:
+    from objckpt.core.boxes import Box  # JAX: never imported at run time here (objckpt ls/rm run without it)
 
 FORMAT = "objckpt"
 
