@@ -11,8 +11,8 @@ import objckpt
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import CheckpointNotFoundError, FormatError
 from objckpt.layouts import manifest_io
-from objckpt.transfer import runtime
 from objckpt.layouts.manifest_io import read_manifest
+from objckpt.transfer import runtime
 
 
 class _Counting:
