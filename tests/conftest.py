@@ -21,6 +21,7 @@ gives a test the bare environment of a fresh cloud VM.
 
 from __future__ import annotations
 
+import ast
 import os
 
 # 8 CPU devices for sharding tests; must be set before JAX is first imported.
@@ -91,9 +92,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gcs: needs the local GCS server (fake-gcs-server)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark tests by the servers they need, however they reach them; mark the quick tier;
-    keep each module whose tests share a module-scoped fixture on one xdist worker."""
+    """Mark tests by the servers they need, however they reach them; mark the quick and serial sets."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if names & {"s3_service", "s3_store", "s3_tls", "aws_metadata"}:
@@ -104,8 +105,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.quick)
         if _test_name(item) in SERIAL_TESTS:
             item.add_marker(pytest.mark.serial)
-        if _shares_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 def _test_name(item: pytest.Item) -> str:
@@ -120,21 +119,42 @@ def _is_quick(item: pytest.Item) -> bool:
     return item.path.name in QUICK_MODULES and not needs_server
 
 
-def _shares_module_fixture(item: pytest.Item) -> bool:
-    """Whether ``item`` uses a module-, class- or package-scoped fixture.
+def modules_sharing_a_fixture() -> frozenset[str]:
+    """The test modules that define a module-, class- or package-scoped fixture.
 
-    Such a fixture is set up once per worker that runs one of the module's tests (a server of
-    its own, a child process, a saved checkpoint): the module's tests go to one worker
-    (``--dist loadgroup``) so that it is set up once, as in a serial run.
+    Such a fixture (a server of its own, a child process, a saved checkpoint) is set up once
+    in each worker that runs one of its tests. Read from the source, since the xdist
+    controller schedules node ids before any worker has collected.
     """
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return False
-    return any(
-        fixturedef.scope in ("module", "class", "package")
-        for fixturedefs in info.name2fixturedefs.values()
-        for fixturedef in fixturedefs
-    )
+    found = set()
+    for path in Path(__file__).parent.glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("pytest.fixture", "fixture"):
+                scopes = [kw.value for kw in node.keywords if kw.arg == "scope"]
+                if any(isinstance(v, ast.Constant) and v.value in ("module", "class", "package") for v in scopes):
+                    found.add(path.name)
+    return frozenset(found)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` as ./tests/run.sh asks for it: each test is its own unit of work,
+    except that a module sharing a module-scoped fixture goes to one worker whole, so that the
+    fixture is set up once, as in a serial run. (pytest-xdist's own ``xdist_group`` marks no
+    longer reach its scheduler under pytest 9.2: it rewrites a node id attribute pytest 9.2
+    no longer reads.)"""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    grouped = modules_sharing_a_fixture()
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if Path(path).name in grouped else nodeid
+
+    return ModuleFixtureScheduling(config, log)
 
 
 @dataclass(frozen=True)

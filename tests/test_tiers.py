@@ -1,4 +1,5 @@
-"""The quick tier (``./tests/run.sh --quick``) still selects what it promises.
+"""The test tiers: ``./tests/run.sh --quick`` selects what it promises, and run.sh's xdist
+schedule keeps a module's shared fixture on one worker.
 
 Test modules get renamed and split; a name in ``conftest.QUICK_MODULES``, ``QUICK_TESTS`` or
 ``SERIAL_TESTS`` that no longer names a test would shrink the tier (or let a timed test run
@@ -14,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import QUICK_MODULES, QUICK_TESTS, SERIAL_TESTS, STORE_KINDS
+from tests.conftest import QUICK_MODULES, QUICK_TESTS, SERIAL_TESTS, STORE_KINDS, modules_sharing_a_fixture
 
 TESTS = Path(__file__).resolve().parent
 
@@ -63,3 +64,25 @@ def test_the_quick_tier_is_server_free_tests_plus_one_round_trip_per_store(tmp_p
     on_servers = sorted(i for i, servers in items.items() if servers != "-" and i not in end_to_end)
     assert not on_servers, f"the quick tier starts servers beyond its round trips: {on_servers}"
     assert len(items) > 100, sorted(items)  # the planning and format tests, not only the round trips
+
+
+def test_a_module_sharing_a_module_fixture_runs_on_one_xdist_worker() -> None:
+    """run.sh's ``--dist loadgroup`` (conftest.pytest_xdist_make_scheduler): test_proxy.py's tests
+    share a module-scoped upstream server, so they all go to one worker."""
+    assert "test_proxy.py" in modules_sharing_a_fixture()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v"]
+        + ["tests/test_proxy.py", "tests/test_tree.py"],
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    workers: dict[str, set[str]] = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("[gw") and " PASSED " in line:
+            worker, module = line.split("]")[0][1:], line.split(" PASSED ")[1].split("::")[0]
+            workers.setdefault(module, set()).add(worker)
+    assert len(workers["tests/test_proxy.py"]) == 1, workers
+    assert len(set().union(*workers.values())) == 2, workers  # both workers had work
