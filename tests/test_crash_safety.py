@@ -17,8 +17,8 @@ from helpers import ProgressWatchdog
 
 import objckpt
 from objckpt.core.format import MANIFEST_KEY
-from objckpt.transfer import runtime
 from objckpt.layouts.manifest_io import read_checkpoint, read_manifest
+from objckpt.transfer import runtime
 
 CHILD = Path(__file__).with_name("crash_child.py")
 TRIALS = int(os.environ.get("OBJCKPT_CRASH_TRIALS", "30"))

@@ -34,9 +34,9 @@ import re
 import time
 
 from objckpt.errors import ObjectNotFoundError
+from objckpt.layouts.manifest_io import read_manifest
 from objckpt.storage import ObjectInfo, Store
 from objckpt.transfer.engine import missing_bucket
-from objckpt.layouts.manifest_io import read_manifest
 
 log = logging.getLogger("objckpt")
 
