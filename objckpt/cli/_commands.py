@@ -12,6 +12,7 @@ from objckpt.cli._output import dump, iso_time, table, utc_time
 from objckpt.cli._stores import UsageError, options_from_args
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
+from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import Options
 from objckpt.progress import human_bytes
 from objckpt.roots.layout import resolve_step_url
@@ -22,7 +23,7 @@ from objckpt.tools.copy import copy
 from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
 from objckpt.tools.verify import verify
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import open_store
+from objckpt.transfer.engine import close_store, open_store
 
 
 def _options(args: argparse.Namespace) -> Options:
@@ -216,6 +217,9 @@ def cmd_cp(args: argparse.Namespace) -> int:
     args.src = _step_url(args, args.src, "src")
     if args.steps is not None:
         return _cp_steps(args, src_options, dst_options)
+    layout = _layout_of(args.src, src_options, _options(args))
+    if layout not in (None, "objckpt"):  # another library's checkpoint: converted into objckpt's format
+        return _convert(args, src_options, dst_options, layout)
     try:
         stats: Any = copy(
             args.src,
@@ -227,28 +231,44 @@ def cmd_cp(args: argparse.Namespace) -> int:
             server_side=not getattr(args, "no_server_side", False),
             progress=args.progress,
         )
-    except CheckpointNotFoundError as missing:
-        if root_steps(args.src, src_options):
+    except CheckpointNotFoundError:
+        if layout is None and root_steps(args.src, src_options):  # a manager root: its steps
             return copy_root(args, src_options, dst_options, steps=_parse_steps(args.steps), options=_options(args))
-        from objckpt.orbax.convert import convert_orbax
-
-        try:
-            converted = convert_orbax(
-                args.src,
-                args.dst,
-                src_storage_options=src_options,
-                dst_storage_options=dst_options,
-                options=_options(args),
-                progress=args.progress,
-            )
-        except CheckpointNotFoundError:
-            raise missing from None
-        return _print_conversion(args, [converted])
+        raise
     if args.json:
         dump(stats.to_dict())
     else:
         print(stats.summary())
     return 0
+
+
+def _layout_of(url: str, storage_options: dict[str, Any], options: Options) -> str | None:
+    """What the prefix at ``url`` holds, as :func:`objckpt.layouts.open_checkpoint` decides:
+    ``"objckpt"``, another layout's name (``"orbax"``), or None when no layout recognises it."""
+    store = open_store(url, storage_options, options)
+    try:
+        return open_checkpoint(store, options=options, storage_options=storage_options).format
+    except CheckpointNotFoundError:
+        return None
+    finally:
+        close_store(store)
+
+
+def _convert(args: argparse.Namespace, src_options: dict[str, Any], dst_options: dict[str, Any], layout: str) -> int:
+    """``cp SRC DST`` where SRC is another library's checkpoint: converted (Orbax's: objckpt.convert_orbax)."""
+    if layout != "orbax":
+        raise UsageError(f"{args.src} is a {layout} checkpoint: objckpt cp converts Orbax's only")
+    from objckpt.orbax.convert import convert_orbax
+
+    converted = convert_orbax(
+        args.src,
+        args.dst,
+        src_storage_options=src_options,
+        dst_storage_options=dst_options,
+        options=_options(args),
+        progress=args.progress,
+    )
+    return _print_conversion(args, [converted])
 
 
 def _cp_steps(args: argparse.Namespace, src_options: dict[str, Any], dst_options: dict[str, Any]) -> int:

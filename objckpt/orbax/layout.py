@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from jax.tree_util import DictKey, SequenceKey, keystr
 
 from objckpt.errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError
 from objckpt.transfer import runtime
@@ -230,7 +229,9 @@ def _leaf(url: str, entry: Any, shardings: dict[str, dict[str, Any]], entries: i
 
 
 def _path(keys: list[Any]) -> str:
-    return keystr(tuple(SequenceKey(k) if isinstance(k, int) else DictKey(k) for k in keys))
+    """The leaf's path as ``jax.tree_util.keystr`` spells it (``['a'][0]``), without importing JAX:
+    finding an Orbax checkpoint (``objckpt cp``, ``ls``) needs none."""
+    return "".join(f"[{k!r}]" for k in keys)
 
 
 def _index(key: Any) -> int | None:

@@ -17,10 +17,7 @@ from typing import Any
 
 from objckpt.layouts.base import CheckpointInfo, OpenRequest, VerifyReport
 from objckpt.options import Options
-from objckpt.orbax.inspect import inspect_orbax
 from objckpt.orbax.layout import OrbaxItem, orbax_item_at
-from objckpt.orbax.restore import restore_orbax
-from objckpt.orbax.verify import verify_orbax
 from objckpt.progress import ProgressArg
 from objckpt.storage import Store, from_url
 from objckpt.transfer.engine import TransferStats, close_store
@@ -51,14 +48,20 @@ class OrbaxReader:
 
     def info(self) -> CheckpointInfo:
         """Leaves, dtypes, shapes and saved shardings, from the metadata and the zarr headers."""
+        from objckpt.orbax.inspect import inspect_orbax  # tensorstore and JAX load when arrays are read
+
         return inspect_orbax(self.item, self.storage_options, self.options)
 
     def verify(self, options: Options, stats: TransferStats, progress: ProgressArg) -> VerifyReport:
         """Every chunk of every array read and decoded (Orbax stores no checksums to compare)."""
+        from objckpt.orbax.verify import verify_orbax
+
         return verify_orbax(self.item, self.storage_options, options, stats, progress)
 
     def restore(self, target: Any, *, partial: bool, options: Options, stats: TransferStats, cast: str) -> Any:
         """The item's tree, or the ``target``'s part of it (arguments as :func:`objckpt.restore`'s)."""
+        from objckpt.orbax.restore import restore_orbax
+
         return restore_orbax(
             self.item,
             target,
