@@ -69,6 +69,9 @@ QUICK_MODULES = frozenset(
     }
 )
 QUICK_TESTS = frozenset({"test_roundtrip.py::test_round_trip_every_dtype_and_sharding"})
+# Modules with module-scoped fixtures cheap enough to set up in each worker (test_cli.py: an
+# environment dict and one small save) and long enough to need spreading over the workers.
+SPREAD_MODULES = frozenset({"test_cli.py"})
 # Tests that hold the machine to a wall-clock bound of a second or two: ./tests/run.sh runs
 # them (``-m serial``) after the others, one at a time, not beside busy xdist workers.
 SERIAL_TESTS = frozenset(
@@ -140,14 +143,14 @@ def modules_sharing_a_fixture() -> frozenset[str]:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup`` as ./tests/run.sh asks for it: each test is its own unit of work,
     except that a module sharing a module-scoped fixture goes to one worker whole, so that the
-    fixture is set up once, as in a serial run. (pytest-xdist's own ``xdist_group`` marks no
+    fixture is set up once, as in a serial run (but for SPREAD_MODULES). (pytest-xdist's own ``xdist_group`` marks no
     longer reach its scheduler under pytest 9.2: it rewrites a node id attribute pytest 9.2
     no longer reads.)"""
     if config.getoption("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    grouped = modules_sharing_a_fixture()
+    grouped = modules_sharing_a_fixture() - SPREAD_MODULES
 
     class ModuleFixtureScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -1,10 +1,9 @@
 """The test tiers: ``./tests/run.sh --quick`` selects what it promises, and run.sh's xdist
 schedule keeps a module's shared fixture on one worker.
 
-Test modules get renamed and split; a name in ``conftest.QUICK_MODULES``, ``QUICK_TESTS`` or
-``SERIAL_TESTS`` that no longer names a test would shrink the tier (or let a timed test run
-beside busy workers) silently, so each one is checked here, and the quick tier's selection is
-collected the way run.sh makes it.
+Test modules get renamed and split; a name in ``conftest.QUICK_MODULES``, ``QUICK_TESTS``,
+``SERIAL_TESTS`` or ``SPREAD_MODULES`` that no longer names a test would change a tier silently,
+so each one is checked here, and the quick tier's selection is collected the way run.sh makes it.
 """
 
 from __future__ import annotations
@@ -15,7 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import QUICK_MODULES, QUICK_TESTS, SERIAL_TESTS, STORE_KINDS, modules_sharing_a_fixture
+from tests.conftest import (
+    QUICK_MODULES,
+    QUICK_TESTS,
+    SERIAL_TESTS,
+    SPREAD_MODULES,
+    STORE_KINDS,
+    modules_sharing_a_fixture,
+)
 
 TESTS = Path(__file__).resolve().parent
 
@@ -27,13 +33,13 @@ def _test_functions(path: Path) -> set[str]:
     return {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
 
 
-def test_every_quick_and_serial_name_names_a_test() -> None:
-    missing = [name for name in sorted(QUICK_MODULES) if not _test_functions(TESTS / name)]
+def test_every_name_in_the_tiers_names_a_test() -> None:
+    missing = [name for name in sorted(QUICK_MODULES | SPREAD_MODULES) if not _test_functions(TESTS / name)]
     for entry in sorted(QUICK_TESTS | SERIAL_TESTS):
         module, function = entry.split("::")
         if function not in _test_functions(TESTS / module):
             missing.append(entry)
-    assert not missing, f"tests/conftest.py's quick or serial set names tests that are gone: {missing}"
+    assert not missing, f"tests/conftest.py's tiers name tests that are gone: {missing}"
 
 
 # A pytest plugin that prints each selected test with the server markers it carries.
