@@ -72,6 +72,9 @@ QUICK_TESTS = frozenset({"test_roundtrip.py::test_round_trip_every_dtype_and_sha
 # Modules with module-scoped fixtures cheap enough to set up in each worker (test_cli.py: an
 # environment dict and one small save) and long enough to need spreading over the workers.
 SPREAD_MODULES = frozenset({"test_cli.py"})
+# Modules with the longest tests (minutes of multi-process and fault-injection cycles): under
+# xdist they are handed out first, so that no worker starts one while the others run dry.
+LONG_MODULES = frozenset({"test_crash_safety.py", "test_docs.py", "test_faults.py", "test_multihost.py"})
 # Tests that hold the machine to a wall-clock bound of a second or two: ./tests/run.sh runs
 # them (``-m serial``) after the others, one at a time, not beside busy xdist workers.
 SERIAL_TESTS = frozenset(
@@ -108,6 +111,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.quick)
         if _test_name(item) in SERIAL_TESTS:
             item.add_marker(pytest.mark.serial)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and orders, alike
+        items.sort(key=lambda item: item.path.name not in LONG_MODULES)
 
 
 def _test_name(item: pytest.Item) -> str:

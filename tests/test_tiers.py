@@ -2,8 +2,9 @@
 schedule keeps a module's shared fixture on one worker.
 
 Test modules get renamed and split; a name in ``conftest.QUICK_MODULES``, ``QUICK_TESTS``,
-``SERIAL_TESTS`` or ``SPREAD_MODULES`` that no longer names a test would change a tier silently,
-so each one is checked here, and the quick tier's selection is collected the way run.sh makes it.
+``SERIAL_TESTS``, ``SPREAD_MODULES`` or ``LONG_MODULES`` that no longer names a test would
+change a tier silently, so each one is checked here, and the quick tier's selection is
+collected the way run.sh makes it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import (
+    LONG_MODULES,
     QUICK_MODULES,
     QUICK_TESTS,
     SERIAL_TESTS,
@@ -34,7 +36,7 @@ def _test_functions(path: Path) -> set[str]:
 
 
 def test_every_name_in_the_tiers_names_a_test() -> None:
-    missing = [name for name in sorted(QUICK_MODULES | SPREAD_MODULES) if not _test_functions(TESTS / name)]
+    missing = [name for name in sorted(QUICK_MODULES | SPREAD_MODULES | LONG_MODULES) if not _test_functions(TESTS / name)]
     for entry in sorted(QUICK_TESTS | SERIAL_TESTS):
         module, function = entry.split("::")
         if function not in _test_functions(TESTS / module):
