@@ -12,9 +12,11 @@
 set -euo pipefail
 . "$(dirname "$0")/../.ci/setup-env"
 quick=0
+marks=0  # the caller selects by marker (-m): one run, on the workers
 args=()
 for arg in "$@"; do
   if [ "$arg" = "--quick" ]; then quick=1; else args+=("$arg"); fi
+  case "$arg" in -m*) marks=1 ;; esac
 done
 workers="${OBJCKPT_TEST_WORKERS:-3}"
 if [ "$quick" = 1 ]; then
@@ -26,9 +28,13 @@ echo "== ruff"; ruff check objckpt backends tests benchmarks
 echo "== mypy"; mypy objckpt
 echo "== checkov (terraform/)"; bash terraform/check.sh
 pytest=(python -m pytest -p no:cacheprovider)
-if [ "$workers" = 0 ] || printf '%s\n' "${args[@]}" | grep -q '^-m'; then
+if [ "$workers" = 0 ]; then
   echo "== pytest"
   exec "${pytest[@]}" "${args[@]}"
+fi
+if [ "$marks" = 1 ]; then
+  echo "== pytest ($workers workers)"
+  exec "${pytest[@]}" -n "$workers" --dist loadgroup "${args[@]}"
 fi
 # The tests marked `serial` (a wall-clock bound of a second or two) run after the others,
 # in one process, so that no busy worker beside them decides their outcome.
