@@ -1,0 +1,108 @@
+"""The markdown tables of ``bench_scale``: the save side per device count, and each target's
+worst and median host against issue #54's limits (✗ where the worst host misses one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.scale.state import LAYERS, TARGETS
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _mib(x: float) -> str:
+    return f"{x / MiB:.2f} MiB"
+
+
+Row = tuple[str, str, Callable[[Any], str], str | None, Callable[[Any], bool] | None]
+
+# (label, field, format, target text, passes); target None: information only.
+SAVE_ROWS: list[Row] = [
+    ("state", "state_bytes", lambda v: f"{v / 1e12:.2f} TB", None, None),
+    ("leaves / processes", "leaves", str, None, None),
+    ("save plan CPU-s (host 1)", "save_plan_cpu_s", lambda v: f"{v:.3f}", "≤ 1", lambda v: v <= 1),
+    ("save plan CPU-s (host 0, primary)", "save_plan_cpu_s_primary", lambda v: f"{v:.3f}", "≤ 1", lambda v: v <= 1),
+    ("pieces / blobs (host 1)", "save_pieces", str, None, None),
+    ("bytes per PUT (host 1)", "bytes_per_put", _mib, "≥ 16 MiB", lambda v: v >= 16 * MiB),
+    ("index object (host 1)", "index_bytes", lambda v: f"{v / KiB:.0f} KiB", None, None),
+    ("index encode CPU-s (host 1)", "index_encode_cpu_s", lambda v: f"{v:.3f}", None, None),
+    ("coordination bytes / process", "coordination_bytes", lambda v: f"{v} B", "≤ 4 KiB", lambda v: v <= 4 * KiB),
+    ("primary commit CPU-s", "commit_cpu_s", lambda v: f"{v:.3f}", "≤ 5", lambda v: v <= 5),
+    ("root manifest", "root_bytes", _mib, "≤ 16 MiB", lambda v: v <= 16 * MiB),
+]
+
+
+def restore_rows(target: str, cpu_limit: float = 2.0) -> list[Row]:
+    """Issue #54's limits for one target (``cpu_limit``: its parse + plan CPU-s per host)."""
+    same = target == "same"
+    return [
+        ("index objects read", "index_objects_read", str, None, None),
+        ("metadata read", "metadata_bytes", _mib, "≤ 64 MiB", lambda v: v <= 64 * MiB),
+        ("parse+plan CPU-s", "parse_plan_cpu_s", lambda v: f"{v:.2f}", f"≤ {cpu_limit:g}", lambda v: v <= cpu_limit),
+        ("extra peak", "extra_peak_mib", lambda v: f"{v:.0f} MiB", "≤ 256 MiB", lambda v: v <= 256),
+        (
+            "GETs / 16 MiB",
+            "gets_per_16mib",
+            lambda v: f"{v:.2f}",
+            "≤ 1" if same else "≤ 4",
+            (lambda v: v <= 1) if same else (lambda v: v <= 4),
+        ),
+        (
+            "bytes fetched ÷ needed",
+            "amplification",
+            lambda v: f"{v:.2f}",
+            "1.0" if same else "≤ 1.5",
+            (lambda v: round(v, 4) == 1.0) if same else (lambda v: v <= 1.5),
+        ),
+    ]
+
+
+def passes(record: dict[str, Any]) -> dict[str, bool]:
+    """Per bounded figure of a target record: whether its worst host meets the limit."""
+    rows = restore_rows(record["target_mesh"], record.get("cpu_limit_s", 2.0))
+    return {key: ok(record["worst"][key]) for _, key, _, _, ok in rows if ok is not None}
+
+
+def markdown(records: list[dict[str, Any]], layout: str) -> str:
+    """One layout's tables: the save side by device count, then per target and figure the worst
+    host (its id) / the median host at each device count."""
+    mine = [r for r in records if r["layout"] == layout]
+    counts = sorted({r["devices"] for r in mine})
+    find = {(r["devices"], r["target_mesh"]): r for r in mine}
+    head = " | ".join(f"{n} devices" for n in counts)
+    lines = [f"### {layout}", "", f"| save side | {head} | target |", "|---|" + "---:|" * len(counts) + "---|"]
+    for label, key, fmt, goal, ok in SAVE_ROWS:
+        cells = []
+        for n in counts:
+            r = find.get((n, None))
+            if r is None or key not in r:
+                cells.append("n/a")
+                continue
+            text = fmt(r[key])
+            if key == "leaves":
+                text = f"{r[key]} / {r['processes']}"
+            elif key == "save_pieces":
+                text = f"{r[key]} / {r['save_blobs']}"
+            cells.append(text + (" ✗" if ok is not None and not ok(r[key]) else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {goal or ''} |")
+    lines += ["", f"| target: worst host (id) / median | {head} | target |", "|---|" + "---:|" * len(counts) + "---|"]
+    for target in TARGETS:
+        some = next((r for r in mine if r["target_mesh"] == target and "worst" in r), None)
+        limit = some.get("cpu_limit_s", 2.0) if some else 2.0
+        for label, key, fmt, goal, ok in restore_rows(target, limit):
+            cells = []
+            for n in counts:
+                r = find.get((n, target))
+                if r is None or "worst" not in r:
+                    cells.append("n/a")
+                    continue
+                worst, median = r["worst"][key], r["median"][key]
+                mark = " ✗" if ok is not None and not ok(worst) else ""
+                cells.append(f"{fmt(worst)}{mark} (h{r['worst_host'][key]}) / {fmt(median)}")
+            lines.append(f"| {target}: {label} | " + " | ".join(cells) + f" | {goal or ''} |")
+    measured = sorted({str(r.get("layers_measured")) for r in mine if r["target_mesh"] is None})
+    fitted = any(r.get("extrapolated") for r in mine)
+    note = f" (of {LAYERS}; extrapolated to {LAYERS} on a straight line)" if fitted else f" (of {LAYERS})"
+    lines += ["", f"Layers measured: {', '.join(measured)}{note}."]
+    return "\n".join(lines)
