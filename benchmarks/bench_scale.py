@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.scale.hosts import extrapolate, host_devices, measure_host, sample_hosts, summarize, writers_needed
-from benchmarks.scale.report import markdown
+from benchmarks.scale.report import docs_table, markdown
 from benchmarks.scale.save import SAVE_ID, Saver
 from benchmarks.scale.state import (
     DEVICES_PER_HOST,
@@ -234,7 +234,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "scale.json")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per child")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--table", type=Path, help="print docs/PERFORMANCE.md's table from this results file")
     args = parser.parse_args(argv)
+    if args.table:
+        print(docs_table(json.loads(args.table.read_text()), max(int(x) for x in args.devices.split(",") if x)))
+        return
     counts = [int(x) for x in args.devices.split(",") if x]
     layouts = [x for x in args.layouts.split(",") if x]
     if unknown := set(layouts) - set(LAYOUTS):

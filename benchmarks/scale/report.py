@@ -106,3 +106,37 @@ def markdown(records: list[dict[str, Any]], layout: str) -> str:
     note = f" (of {LAYERS}; extrapolated to {LAYERS} on a straight line)" if fitted else f" (of {LAYERS})"
     lines += ["", f"Layers measured: {', '.join(measured)}{note}."]
     return "\n".join(lines)
+
+
+def docs_table(records: list[dict[str, Any]], devices: int) -> str:
+    """docs/PERFORMANCE.md's "Pod scale" table: at ``devices``, per target and layout the worst
+    host's figure / the median host's (the worst host's id), each marked pass or FAIL."""
+    from benchmarks.scale.state import TARGET_TEXT
+
+    find = {(r["layout"], r["target_mesh"]): r for r in records if r["devices"] == devices}
+    keys = ("index_objects_read", "metadata_bytes", "parse_plan_cpu_s", "gets_per_16mib", "amplification")
+    keys += ("extra_peak_mib",)
+    head = "index objects read | metadata read | parse + plan CPU-s | GETs per 16 MiB | fetched ÷ needed | extra peak"
+    lines = [
+        f"| target (hosts: sampled / all) | layout | {head} |",
+        "|---|---|" + "---|" * len(keys),
+        "| limit | | | ≤ 64 MiB | ≤ 2 (≤ 5 params onto 1 host) | ≤ 4 (same mesh ≤ 1) | ≤ 1.5 (same mesh 1.0) "
+        "| ≤ 256 MiB |",
+    ]
+    for target in TARGETS:
+        for layout in ("unstacked", "stacked"):
+            r = find.get((layout, target))
+            if r is None or "worst" not in r:
+                continue
+            rows = {key: (fmt, ok) for _, key, fmt, _, ok in restore_rows(target, r.get("cpu_limit_s", 2.0))}
+            cells = []
+            for key in keys:
+                fmt, ok = rows[key]
+                text = f"{fmt(r['worst'][key])} / {fmt(r['median'][key])} (h{r['worst_host'][key]})"
+                if ok is not None:
+                    text += " pass" if ok(r["worst"][key]) else " **FAIL**"
+                cells.append(text)
+            fitted = f", {LAYERS} extrapolated from {r['layers_measured']}" if r.get("extrapolated") else ""
+            label = f"{TARGET_TEXT[target]} ({len(r['sample'])} / {r['restore_hosts']})"
+            lines.append(f"| {label} | {layout}{fitted} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
