@@ -12,6 +12,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+from source_scan import parse_source
+
 PACKAGE = Path(__file__).resolve().parents[1] / "objckpt"
 
 # Lowest first. A module's layer is its first dotted component below ``objckpt``.
@@ -43,7 +45,7 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path, name: str) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parse_source(path.read_text(), filename=str(path))
     is_pkg = path.name == "__init__.py"
     found: set[str] = set()
     for node in ast.walk(tree):

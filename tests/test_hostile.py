@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from source_scan import parse_source
 
 from objckpt.core.format import BlobEntry, LeafEntry, Manifest, Piece, check_blob_key, manifest_to_json, parse_manifest
 from objckpt.errors import FormatError
@@ -144,7 +145,7 @@ FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "mar
 def test_library_never_imports_a_code_executing_deserialiser():
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = parse_source(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             names = []
             if isinstance(node, ast.Import):
