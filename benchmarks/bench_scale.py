@@ -23,7 +23,7 @@ that process's save); the root lists every other process with host 1's figures (
 size by symmetry).
 
     python -m benchmarks.bench_scale [--devices 64,512,4096] [--layouts unstacked,stacked]
-        [--out benchmarks/results/scale.json] [--layers 126] [--fit unstacked=2,8] [--repeats 2]
+        [--out benchmarks/results/scale.json] [--layers 126] [--fit unstacked=2,8] [--repeats 2] [--jobs 2]
 
 ``--fit LAYOUT=A,B`` runs LAYOUT at A and at B layers and fits each additive figure (bytes,
 CPU-s, requests, memory) to a straight line in the number of layers, reported at
@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each CPU figure (the least is kept)")
     parser.add_argument("--out", type=Path, default=RESULTS / "scale.json")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per child")
+    parser.add_argument("--jobs", type=int, default=1, help="children run at once (CPU figures are per process)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--table", type=Path, help="print docs/PERFORMANCE.md's table from this results file")
     args = parser.parse_args(argv)
@@ -264,12 +266,19 @@ def main(argv: list[str] | None = None) -> None:
             r.setdefault("child_wall_s", result["wall_s"])
         return list(result["records"])
 
+    runs: list[tuple[int, tuple[str, ...], int]] = []
+    for n in counts:
+        if full := tuple(x for x in layouts if x not in fits):
+            runs.append((n, full, args.layers))
+        runs += [(n, (name,), layers) for name, pair in fits.items() for layers in pair]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each child is a process of its own
+        done = dict(zip(runs, pool.map(lambda run: child(run[0], list(run[1]), run[2]), runs)))
     records: list[dict[str, Any]] = []
     for n in counts:
-        if full := [x for x in layouts if x not in fits]:
-            records.extend(child(n, full, args.layers))
+        if full := tuple(x for x in layouts if x not in fits):
+            records.extend(done[(n, full, args.layers)])
         for name, (a, b) in fits.items():
-            records.extend(extrapolate(child(n, [name], a), child(n, [name], b), args.layers))
+            records.extend(extrapolate(done[(n, (name,), a)], done[(n, (name,), b)], args.layers))
     for layout in layouts:
         print(markdown(records, layout) + "\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -220,6 +220,9 @@ def extrapolate(low: list[dict[str, Any]], high: list[dict[str, Any]], layers: i
     out = []
     for b in high:
         a = by_key[(b["devices"], b["layout"], b["target_mesh"])]
+        if "skipped" in b:
+            out.append(dict(b, layers=layers, extrapolated=True))
+            continue
         la, lb = a["layers_measured"], b["layers_measured"]
 
         def fit(x: float, y: float, la: int = la, lb: int = lb) -> float:
@@ -227,9 +230,6 @@ def extrapolate(low: list[dict[str, Any]], high: list[dict[str, Any]], layers: i
             return round(v) if isinstance(x, int) and isinstance(y, int) else v
 
         r = dict(b, layers=layers, layers_measured=[la, lb], extrapolated=True)
-        if "skipped" in b:
-            out.append(r)
-            continue
         if b["target_mesh"] is None:
             r.update({k: fit(a[k], b[k]) for k in SAVE_LINEAR})
         else:
