@@ -179,9 +179,11 @@ def test_fewer_layers_extrapolate_on_a_straight_line_and_say_so() -> None:
         target["hosts"] = [_host(0, layers, 0.01), _host(15, layers, 0.03)]
         for h in target["hosts"]:
             h.update(gets_per_16mib=2.0, amplification=2.0, piece_amplification=2.0)
-        return [summarize(target)]
+        skipped = {"devices": 64, "layout": "unstacked", "target_mesh": "data3", "skipped": "does not fit"}
+        return [summarize(target), skipped]
 
-    (fitted,) = extrapolate(run(2), run(8), 126)
+    fitted, skipped = extrapolate(run(2), run(8), 126)
+    assert skipped["skipped"] and skipped["extrapolated"] is True
     assert fitted["extrapolated"] is True and fitted["layers"] == 126 and fitted["layers_measured"] == [2, 8]
     assert fitted["worst"]["metadata_bytes"] == 1000 + 100 * 126
     assert fitted["worst_host"]["parse_plan_cpu_s"] == 15
