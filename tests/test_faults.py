@@ -65,7 +65,7 @@ def test_proxy_injects_every_kind(proxied_s3, s3_service):
 @pytest.mark.timeout(0)  # a budget per cycle instead (ProgressWatchdog): slow on a loaded machine is no hang
 def test_twenty_cycles_with_five_percent_mixed_faults_are_bit_exact(proxied_s3, s3_service):
     proxy, storage_options = proxied_s3
-    options = objckpt.Options(request_timeout=8, blob_size=16 << 20)
+    options = objckpt.Options(request_timeout=4, blob_size=16 << 20)
     proxy.set_faults(0.05, FAULT_KINDS)
     retries = 0
     with ProgressWatchdog(stall_seconds=120) as watchdog:
