@@ -44,6 +44,8 @@ from objckpt.restoring.locations import (
     open_locations,
 )
 from objckpt.restoring.read_once import Designator, share
+from objckpt.restoring.read_sharding import plan_read_shardings
+from objckpt.restoring.reshard import devices_can_reshard, fetch_agreed, reshard
 from objckpt.restoring.selection import inline_value, select
 from objckpt.restoring.target_shardings import on_saved_shardings
 from objckpt.transfer import runtime
@@ -182,9 +184,12 @@ def _restore(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked) -> Any
     selection = on_saved_shardings(manifest, selection)
     read_once = asked.read_once and jax.process_count() > 1
     designator = Designator(options.split_replicas_above)
+    # Leaves whose target boxes cut the saved pieces are read on the saved layout, then resharded.
+    reads = {} if read_once or not devices_can_reshard() else plan_read_shardings(manifest, selection)
+    planned = {i: reads[i].read_target(t) if i in reads else t for i, t in selection.items()}
     plans = {
         i: plan_leaf(manifest.leaves[i], t, read_once=read_once, unsafe_cast=cast == "unsafe", designator=designator)
-        for i, t in sorted(selection.items())
+        for i, t in sorted(planned.items())
         if manifest.leaves[i].kind in ARRAY_KINDS
     }
     check_host_memory(plans, physical_memory())  # before any read: sizes come from the manifest
@@ -205,8 +210,14 @@ def _restore(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked) -> Any
         if read_once:
             results = _fetch_then_share(handle, requests, landing)
         else:
-            runtime.run_sync(fetch(handle, requests, landing))
+            fetched = lambda: runtime.run_sync(fetch(handle, requests, landing))  # noqa: E731
+            if reads:  # every process reshards the same leaves: all must have read theirs first
+                fetch_agreed(fetched, handle.url, options.barrier_timeout)
+            else:
+                fetched()
             results = dict(landing.results())
+    if reads:
+        results = reshard(results, reads, stats)
     values = {i: (results[i] if i in results else inline_value(manifest.leaves[i], t)) for i, t in selection.items()}
     seconds = time.perf_counter() - started
     stats.seconds = seconds

@@ -180,7 +180,9 @@ class ReadPlanner:
         found = self._choices.get(key)
         if found is None:
             spec = named_spec(sharding, len(grid.shape))
-            found = self._choices[key] = choose(grid, self.mesh(sharding.mesh), spec, threshold=self._threshold)
+            mesh = sharding.mesh
+            assert isinstance(mesh, jax.sharding.Mesh)  # plan_read_shardings passes concrete meshes only
+            found = self._choices[key] = choose(grid, self.mesh(mesh), spec, threshold=self._threshold)
         return found
 
     def mesh(self, mesh: jax.sharding.Mesh) -> Mesh:

@@ -50,6 +50,9 @@ class TransferStats:
     bytes_written: int = 0
     bytes_read: int = 0
     objects_written: int = 0
+    #: bytes a restore moved between devices, received by this process's devices: leaves read on the
+    #: saved layout and resharded to their targets there (objckpt.restoring.reshard)
+    device_bytes_moved: int = 0
     seconds: float = 0.0  # wall time of the whole operation, set when it ends
     #: bytes read from each location, by URL, when a restore reads from several (replicas)
     bytes_by_location: dict[str, int] = field(default_factory=dict)

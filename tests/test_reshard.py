@@ -1,0 +1,112 @@
+"""Restores that read a leaf on the saved layout and reshard it on the devices (objckpt.restoring.reshard),
+in one process on 8 CPU devices through the local S3 server. Stand-in hosts (2 devices each, by device id)
+make the cost model see the cuts a pod would; the reads and the reshard are real."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import objckpt
+from objckpt.restoring import api, read_sharding
+
+SHAPE = (64, 32)
+
+
+def _saved_mesh() -> Mesh:
+    return jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=jax.devices()[:8])
+
+
+def _fsdp_minor() -> Mesh:
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4).T, ("fsdp", "tensor"))
+
+
+TARGETS = {
+    # name: (target sharding, resharded with hosts of 2 devices)
+    "swapped axes": (lambda: NamedSharding(_saved_mesh(), P("tensor", "fsdp")), True),
+    "fsdp minor device order": (lambda: NamedSharding(_fsdp_minor(), P("fsdp", "tensor")), False),
+    "P(None, 'tensor') on tensor=8": (
+        lambda: NamedSharding(jax.make_mesh((8,), ("tensor",), devices=jax.devices()[:8]), P(None, "tensor")),
+        True,
+    ),
+}
+
+
+@pytest.fixture
+def stand_in_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restore's read-sharding choice sees hosts of 2 devices (device id // 2), as 4 processes would."""
+    planner = functools.partial(
+        read_sharding.plan_read_shardings, planner=read_sharding.ReadPlanner(process_of=lambda d: d.id // 2)
+    )
+    monkeypatch.setattr(api, "plan_read_shardings", planner)
+
+
+def _save(s3_store, host: np.ndarray) -> None:
+    array = jax.device_put(host, NamedSharding(_saved_mesh(), P("fsdp", "tensor")))
+    objckpt.save(s3_store.url, {"w": array, "b": jnp.arange(8.0)}, storage_options=s3_store.storage_options)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_a_restore_onto_a_cutting_target_reads_on_the_saved_layout_and_is_bit_exact(
+    s3_store, stand_in_hosts, name: str
+) -> None:
+    host = (np.arange(np.prod(SHAPE), dtype=np.float32) * 0.37 % 251).reshape(SHAPE)
+    _save(s3_store, host)
+    make, resharded = TARGETS[name]
+    sharding = make()
+    stats = objckpt.TransferStats()
+    out = objckpt.restore(
+        s3_store.url,
+        {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=sharding), "b": None},
+        storage_options=s3_store.storage_options,
+        stats=stats,
+    )
+    w = out["w"]
+    assert w.sharding == sharding
+    for shard in w.addressable_shards:
+        assert np.asarray(shard.data).tobytes() == host[shard.index].tobytes()
+    assert (stats.device_bytes_moved > 0) == resharded
+    needed = host.nbytes + 8 * 4  # one process: its devices need every byte
+    assert stats.bytes_read <= 1.5 * needed
+
+
+@pytest.mark.s3
+def test_the_read_sharding_keeps_the_target_dtype(s3_store, stand_in_hosts) -> None:
+    host = np.random.default_rng(0).normal(size=SHAPE).astype(np.float32)
+    _save(s3_store, host)
+    sharding = NamedSharding(_saved_mesh(), P("tensor", "fsdp"))
+    stats = objckpt.TransferStats()
+    w = objckpt.restore(
+        s3_store.url,
+        {"w": jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16, sharding=sharding)},
+        storage_options=s3_store.storage_options,
+        stats=stats,
+        partial=True,
+    )["w"]
+    assert w.dtype == jnp.bfloat16 and w.sharding == sharding and stats.device_bytes_moved > 0
+    np.testing.assert_array_equal(np.asarray(w), host.astype(jnp.bfloat16))
+
+
+@pytest.mark.s3
+def test_one_process_reads_directly(s3_store) -> None:
+    # One host holds every device: reading the target's boxes fetches nothing it does not need.
+    host = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+    _save(s3_store, host)
+    sharding = NamedSharding(_saved_mesh(), P("tensor", "fsdp"))
+    stats = objckpt.TransferStats()
+    w = objckpt.restore(
+        s3_store.url,
+        {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=sharding)},
+        storage_options=s3_store.storage_options,
+        stats=stats,
+        partial=True,
+    )["w"]
+    assert stats.device_bytes_moved == 0
+    assert np.asarray(w).tobytes() == host.tobytes()
