@@ -60,8 +60,26 @@ class Options:
     """Tuning for save and restore.
 
     Attributes:
-        blob_size: target object size; small leaves are packed together, large
-            shards split. 32 MiB balances request overhead against parallelism.
+        blob_size: the smallest object a save writes, and the largest piece:
+            small leaves are packed together, large shards are cut into pieces
+            of at most this, which restores read (or runs of them up to
+            ``read_chunk``). 32 MiB balances request overhead against parallelism.
+            A save's blobs are larger only when it is large (see ``blobs_per_save``).
+        max_blob_size: the largest object a save writes (each is one PUT, so a
+            failed one resends at most this). Blobs are also held to a quarter of
+            the staging memory (``memory_budget`` for ``save_async``,
+            ``staging_pool`` for ``save``), so larger blobs never hold more memory.
+            Below ``blob_size``, ``blob_size`` wins.
+        blobs_per_save: how many blobs a whole save aims at, all its processes
+            together, because stores limit requests per second (a new GCS bucket
+            about 1,000 writes/s, S3 3,500 PUTs/s per prefix). Each process decides
+            alone: it packs its own bytes into about ``blobs_per_save`` / process
+            count blobs, rounded up to a multiple of ``blob_size`` and held
+            between ``blob_size`` and ``max_blob_size``
+            (:func:`objckpt.saving.blob_sizing.blob_size_for`). Small saves keep
+            ``blob_size``; a 5.7 TB save from 1,024 processes makes ~5 GiB per
+            process into 32 blobs of 128–192 MiB instead of ~170 of 32 MiB.
+            Restores read the same pieces either way.
         max_concurrency: requests in flight at once per operation, at most.
         adaptive_concurrency: when the store answers 429 or 503 SlowDown, halve
             the requests in flight (once per round) and widen them again by one
@@ -134,6 +152,8 @@ class Options:
     """
 
     blob_size: int = 32 * MiB
+    max_blob_size: int = 256 * MiB
+    blobs_per_save: int = 32_768
     max_concurrency: int = 32
     adaptive_concurrency: bool = True
     memory_budget: int = field(default_factory=_default_memory_budget)
@@ -156,6 +176,8 @@ class Options:
     def __post_init__(self) -> None:
         for name in (
             "blob_size",
+            "max_blob_size",
+            "blobs_per_save",
             "max_concurrency",
             "memory_budget",
             "staging_pool",
@@ -168,6 +190,10 @@ class Options:
             value = getattr(self, name)
             if value is not None and value <= 0:  # only max_read_size may be None (pick by store)
                 raise ValueError(f"Options.{name} must be positive, got {value!r}")
+        if self.max_blob_size > 5 * GiB:
+            raise ValueError(
+                f"Options.max_blob_size must be at most 5 GiB (S3's single PUT), got {self.max_blob_size!r}"
+            )
         if self.coalesce_gap < 0:
             raise ValueError(f"Options.coalesce_gap must be >= 0, got {self.coalesce_gap!r}")
         if self.digest not in (None, *DIGESTS):

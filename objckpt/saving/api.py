@@ -43,6 +43,7 @@ from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, finish_from_caller, start
 from objckpt.saving import pipeline
+from objckpt.saving.blob_sizing import save_blob_size, split_pieces
 from objckpt.saving.classify import classify
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import tune_malloc
@@ -191,9 +192,14 @@ def _begin(
         owned.extend(pieces)
     owned.sort(key=packing_order)
     save_id = _shared_save_id(coordinator, tag, options.barrier_timeout)
+    # Pieces stay at most options.blob_size, whatever the blob size: restores read pieces.
+    owned = split_pieces(owned, max_bytes=options.blob_size)
+    blob_size = save_blob_size(
+        options, sum(p.nbytes for p in owned), processes=coordinator.process_count, hold_uploads=hold_uploads
+    )
     blobs = plan_blobs(
         owned,
-        blob_size=options.blob_size,
+        blob_size=blob_size,
         key=lambda seq: blob_key(save_id, coordinator.process_index, seq),
     )
 

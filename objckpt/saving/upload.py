@@ -22,6 +22,7 @@ from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import Piece
 from objckpt.core.plan import BlobPlan
 from objckpt.options import Options
+from objckpt.saving.blob_sizing import staging_limit
 from objckpt.saving.staging import StagingPool
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine
@@ -44,8 +45,9 @@ def snapshot_and_upload(
     Stops early if an upload has already failed.
     """
     engine, options = handle.engine, handle.options
-    limit = options.memory_budget if hold_uploads else min(options.memory_budget, options.staging_pool)
-    pool = StagingPool(limit, capacity=max((b.size for b in blobs), default=0))
+    pool = StagingPool(
+        staging_limit(options, hold_uploads=hold_uploads), capacity=max((b.size for b in blobs), default=0)
+    )
     failed = threading.Event()
     gate: concurrent.futures.Future[None] = concurrent.futures.Future()
 

@@ -24,8 +24,10 @@ Choices, and why:
   obstore and sent by :mod:`objckpt.storage.http.s3`, so
   restore can scatter each few MiB of a read it copies out of while they
   are in cache (:mod:`objckpt.storage.streaming` says why).
-* **Multipart only for large puts** (> 64 MiB by default, 16 MiB parts):
-  blobs are ~32 MiB and one PUT is the cheapest request. Create-if-absent is
+* **Multipart only past S3's single-PUT limit** (> 5 GiB by default, 16 MiB
+  parts): a multipart upload of N parts is N + 2 requests, and stores limit
+  requests per second, which is why large saves write larger blobs
+  (``Options.max_blob_size``, at most 5 GiB): each stays one PUT. Create-if-absent is
   always a single-request PUT: GCS ignores preconditions on XML multipart.
 * **Errors by class** (:func:`~objckpt.storage.errors.map_obstore_error`).
   A range starting at or past the end of an object is an error to obstore
@@ -58,8 +60,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-#: Puts larger than this use a multipart upload (never for create-if-absent).
-DEFAULT_MULTIPART_THRESHOLD = 64 * 1024 * 1024
+#: Puts larger than this use a multipart upload (never for create-if-absent): S3's largest single PUT.
+DEFAULT_MULTIPART_THRESHOLD = 5 * 1024 * 1024 * 1024
 #: Part size of a multipart upload (S3 allows 5 MiB to 5 GiB).
 DEFAULT_MULTIPART_CHUNK_SIZE = 16 * 1024 * 1024
 #: Parts of one multipart upload in flight at once.
