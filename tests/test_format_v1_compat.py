@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.core.format import MANIFEST_KEY
+from objckpt.core.format import FORMAT_VERSION, MANIFEST_KEY
 from objckpt.transfer import runtime
 
 SMALL_BLOBS = objckpt.Options(blob_size=64 * 1024)
@@ -46,7 +46,7 @@ def _save_as_v1(target, tree, **kwargs):
     objckpt.save(target.url, tree, storage_options=target.storage_options, options=SMALL_BLOBS, **kwargs)
     store = target.open()
     v2 = full_manifest(store)
-    assert v2.version == 2 and v2.indexes
+    assert v2.version == FORMAT_VERSION and v2.indexes
     rewrite_as_v1(store)
     doc = json.loads(runtime.run_sync(store.get(MANIFEST_KEY)))
     assert doc["version"] == 1 and "indexes" not in doc and doc["blobs"]
@@ -127,14 +127,14 @@ def test_gc_keeps_a_v1_step_beside_a_v2_one_and_removes_only_orphans(memory_stor
     one, two = mgr.store.child("step_0000000001"), mgr.store.child("step_0000000002")
     rewrite_as_v1(one)
     kept = {f"step_0000000001/{k}" for k in _keys(one)} | {f"step_0000000002/{k}" for k in _keys(two)}
-    assert any(k.endswith(".index") for k in kept)  # step 2's, format v2
+    assert any(k.endswith(".index") for k in kept)  # step 2's, today's format
     # what a save that died after its uploads leaves beside each step: a blob and an index object
     orphans = {f"step_{s:010d}/{k}" for s in (1, 2) for k in ("ab/deadbeef-p0-000000.blob", "cd/deadbeef-p0.index")}
     for key in orphans:
         runtime.run_sync(mgr.store.put(key, b"x" * 100))
     assert sorted(mgr.gc(grace_seconds=0)) == sorted(orphans)
     assert set(_keys(mgr.store)) == kept and mgr.steps() == [1, 2]
-    assert mgr.inspect(1).format_version == 1 and mgr.inspect(2).format_version == 2
+    assert mgr.inspect(1).format_version == 1 and mgr.inspect(2).format_version == FORMAT_VERSION
     for step, tree in trees.items():
         assert_tree_bit_exact(tree, mgr.restore(step, tree))
     assert mgr.gc(grace_seconds=0) == []

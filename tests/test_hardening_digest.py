@@ -26,6 +26,7 @@ from objckpt.restoring import locations
 from objckpt.transfer import runtime
 
 DIGEST = objckpt.Options(digest="sha256")
+DIGEST_V2 = objckpt.Options(digest="sha256", format_version=2)  # the tests that read JSON index objects
 
 
 def _mesh():
@@ -119,7 +120,7 @@ def _saved(target, options=DIGEST):
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_digest_save_records_sha256_and_root_pins_index_objects(kind, store_target_factory):
     target = store_target_factory(kind)
-    url = _saved(target)
+    url = _saved(target, DIGEST_V2)
     store = target.open()
     root = json.loads(runtime.run_sync(store.get(MANIFEST_KEY)))
     manifest = full_manifest(store)
@@ -145,7 +146,7 @@ def test_digest_off_writes_todays_format(store_target_factory):
     """No digest asked: no ``sha256`` field anywhere, and such a checkpoint still restores; asking
     for a digest when restoring or verifying it is refused (a copy's root could have dropped it)."""
     target = store_target_factory("local")
-    url = _saved(target, objckpt.Options())
+    url = _saved(target, objckpt.Options(format_version=2))
     store = target.open()
     root = json.loads(runtime.run_sync(store.get(MANIFEST_KEY)))
     assert all("sha256" not in ref for ref in root["indexes"])
@@ -163,7 +164,7 @@ def test_index_object_and_root_must_agree_on_digests(store_target_factory):
     """A root that pins its index objects by SHA-256 refuses an index object without digests
     (and a root without pins refuses one with them): neither half can be dropped alone."""
     target = store_target_factory("local")
-    url = _saved(target)
+    url = _saved(target, DIGEST_V2)
     store = target.open()
     root = json.loads(runtime.run_sync(store.get(MANIFEST_KEY)))
     ref = root["indexes"][0]
@@ -287,7 +288,7 @@ def test_forged_index_object_keeping_size_and_crc32c_is_refused(kind, store_targ
     and toggles hex digits of other pieces' digests until the index object's crc32c (and size)
     match the root's again: only the root's SHA-256 of the index object tells."""
     target = store_target_factory(kind)
-    url = _saved(target)
+    url = _saved(target, DIGEST_V2)
     store = target.open()
     piece, _ = _w_piece(store)
     blob = bytes(runtime.run_sync(store.get(piece.blob)))

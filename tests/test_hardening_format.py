@@ -1,5 +1,7 @@
 """Format v2 index objects under hostile inputs (issue 51, items 7-9), through what a user calls.
 
+Saves here write version 2 (``Options(format_version=2)``); version 3's: test_format_v3.py.
+
 Each test saves a real small checkpoint (on the S3 server and on ``file://``), then rewrites
 its index objects or its root with the checksums the root pins recomputed, so that only the
 rule under test is broken:
@@ -28,6 +30,7 @@ from objckpt.core.checksum import crc32c
 from objckpt.core.format.index import index_key
 from objckpt.errors import CheckpointNotFoundError, FormatError
 from objckpt.layouts.manifest_io import INDEX_READS_AT_ONCE
+from objckpt.options import Options
 from objckpt.transfer import engine, runtime
 
 KINDS = ["local", "s3"]
@@ -64,7 +67,8 @@ def _rewrite_index(store, edit, process: int = 0) -> None:
 
 
 def _saved(target, tree) -> None:
-    objckpt.save(target.url, tree, storage_options=target.storage_options)
+    """A version 2 save: these tests rewrite its JSON index objects (version 3's: test_format_v3.py)."""
+    objckpt.save(target.url, tree, storage_options=target.storage_options, options=Options(format_version=2))
 
 
 def _restore(target, *args):

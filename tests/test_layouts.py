@@ -39,9 +39,9 @@ def _open(url: str) -> Any:
     return open_checkpoint(from_url(url), options=Options())
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_open_checkpoint_reads_objckpt_by_the_root_version(memory_store: Any, version: int) -> None:
-    objckpt.save(memory_store.url, TREE)
+    objckpt.save(memory_store.url, TREE, options=Options(format_version=max(2, version)))
     if version == 1:
         rewrite_as_v1(from_url(memory_store.url))
     reader = _open(memory_store.url)
@@ -245,7 +245,7 @@ def test_restore_inspect_and_verify_read_the_root_once(memory_store: Any, versio
 
 
 def _split_across_two_index_objects(url: str) -> None:
-    """Rewrite a one-process v2 checkpoint as two index objects, leaf ``b``'s pieces in the second,
+    """Rewrite a one-process v2 or v3 checkpoint as two index objects, leaf ``b``'s pieces in the second,
     while every leaf's layout says process 0 wrote it: the reader's choice of index objects misses ``b``."""
     import dataclasses
 
@@ -254,6 +254,7 @@ def _split_across_two_index_objects(url: str) -> None:
     from objckpt.core.checksum import crc32c
     from objckpt.core.format import ARRAY_KINDS, IndexRef, manifest_to_json
     from objckpt.core.format.index import index_key, index_to_json
+    from objckpt.core.format.index3 import index3_encode
 
     store = from_url(url)
     whole = full_manifest(store)
@@ -266,10 +267,15 @@ def _split_across_two_index_objects(url: str) -> None:
     refs = []
     for process, records in enumerate(split):
         blobs = {p.blob: sizes[p.blob] for _, p in records}
-        data = index_to_json(whole.save_id, process, records, blobs)
         key = index_key(whole.save_id, process)
+        if whole.version >= 3:
+            encoded = index3_encode(whole.save_id, process, records, blobs)
+            data, head = encoded.data, encoded.head
+        else:
+            data, head = index_to_json(whole.save_id, process, records, blobs), 0
         runtime.run_sync(store.put(key, data, mode="overwrite"))
-        refs.append(IndexRef(key, len(data), crc32c(data), len(blobs), sum(blobs.values())))
+        pinned = data[:head] if head else data
+        refs.append(IndexRef(key, len(data), crc32c(pinned), len(blobs), sum(blobs.values()), None, head))
     leaves = tuple(
         dataclasses.replace(leaf, pieces=(), layout={"processes": [0]} if leaf.kind in ARRAY_KINDS else None)
         for leaf in whole.leaves
@@ -278,10 +284,11 @@ def _split_across_two_index_objects(url: str) -> None:
     runtime.run_sync(store.put(MANIFEST_KEY, manifest_to_json(root), mode="overwrite"))
 
 
+@pytest.mark.parametrize("version", [2, 3])
 def test_pieces_the_chosen_index_objects_miss_are_read_from_every_index_object(
-    memory_store: Any, caplog: pytest.LogCaptureFixture
+    memory_store: Any, caplog: pytest.LogCaptureFixture, version: int
 ) -> None:
-    objckpt.save(memory_store.url, TREE)
+    objckpt.save(memory_store.url, TREE, options=Options(format_version=version))
     _split_across_two_index_objects(memory_store.url)
     reader = _open(memory_store.url)
     assert isinstance(reader, NativeCheckpoint) and reader.pieces_on_demand

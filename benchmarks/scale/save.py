@@ -60,7 +60,8 @@ class Saver:
         from objckpt.core.checksum import crc32c
         from objckpt.core.dtypes import dtype_name
         from objckpt.core.format import LeafEntry
-        from objckpt.core.format.index import index_key, index_to_json
+        from objckpt.core.format.index import index_key
+        from objckpt.core.format.index3 import index3_encode
         from objckpt.core.pieces import Piece
         from objckpt.core.plan import blob_key, packing_order, plan_blobs
 
@@ -108,14 +109,16 @@ class Saver:
         for _, p in records:
             sizes[p.blob] = max(sizes.get(p.blob, 0), p.offset + p.length)
         started = time.process_time()
-        index = index_to_json(SAVE_ID, host, records, sizes)
+        encoded = index3_encode(SAVE_ID, host, records, sizes)  # format version 3: a head, then frames
+        index = encoded.data
         encode_cpu = time.process_time() - started
         report = {  # as saving.commit.Commit._write_index returns it, sent as json.dumps(...).encode()
             "key": index_key(SAVE_ID, host),
             "size": len(index),
-            "crc32c": crc32c(index),
+            "crc32c": crc32c(index[: encoded.head]),
             "blobs": len(sizes),
             "blob_bytes": sum(sizes.values()),
+            "head": encoded.head,
         }
         found = self.plans[host] = {
             "plan_cpu_s": plan_cpu,
@@ -153,7 +156,8 @@ class Saver:
             errors = [p for p, d in docs.items() if "error" in d]
             assert not errors
             refs = [
-                IndexRef(d["key"], d["size"], d["crc32c"], d["blobs"], d["blob_bytes"]) for _, d in sorted(docs.items())
+                IndexRef(d["key"], d["size"], d["crc32c"], d["blobs"], d["blob_bytes"], None, d["head"])
+                for _, d in sorted(docs.items())
             ]
         return Manifest(
             save_id=SAVE_ID,
@@ -167,4 +171,5 @@ class Saver:
             meshes=tuple(self.meshes),
             indexes=tuple(refs),
             slab_bytes=self.options.split_replicas_above,
+            shared_save_id=True,
         )

@@ -17,8 +17,10 @@ from typing import TypeVar
 
 from objckpt.core.format import ARRAY_KINDS, MANIFEST_KEY, Manifest, parse_manifest
 from objckpt.core.format.index import IndexDoc, merge_indexes, parse_index
+from objckpt.core.format.index3 import LeafTable
 from objckpt.core.pieces import check_tiling
 from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError
+from objckpt.layouts.index3_io import MANIFEST_READS, read_index3
 from objckpt.storage import Store
 
 #: Index objects read at once.
@@ -32,10 +34,6 @@ R = TypeVar("R")
 # saved on every restore, which counts from another region). A longer manifest is sized with a HEAD,
 # and refused if over the limit, before more than this is read.
 FIRST_READ = 8 << 20
-
-
-#: Reads of a manifest that does not parse, the first included, before it is called malformed.
-MANIFEST_READS = 5
 
 
 async def read_manifest(store: Store, *, size_limit: int, reads: int = MANIFEST_READS) -> Manifest:
@@ -98,11 +96,21 @@ async def read_indexes(
 
     Each is checked against the root's size and crc32c and parsed strictly; one
     that fails is read again (as :func:`read_manifest` does) before it is a
-    :class:`FormatError` naming it.
+    :class:`FormatError` naming it. Version 3: only each one's head and the frames
+    that hold the kept leaves are read (:func:`objckpt.layouts.index3_io.read_index3`).
     """
     wanted = sorted(set(processes) - manifest.loaded)
     if manifest.version == 1 or not wanted:
         return manifest
+    if manifest.version >= 3:
+        table = LeafTable(manifest)
+
+        async def one3(process: int) -> IndexDoc:
+            kept = None if leaves is None else leaves.get(process, set())
+            return await read_index3(store, manifest, process, table, size_limit=size_limit, leaves=kept)
+
+        docs = await _each(wanted, one3, parallel=INDEX_READS_AT_ONCE)
+        return merge_indexes(manifest, sorted(docs, key=lambda d: d.process))
 
     async def one(process: int) -> IndexDoc:
         ref = manifest.indexes[process]

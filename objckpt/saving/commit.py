@@ -23,7 +23,6 @@ from typing import Any
 
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import (
-    FORMAT_VERSION,
     MANIFEST_KEY,
     IndexRef,
     LeafEntry,
@@ -32,6 +31,7 @@ from objckpt.core.format import (
     parse_manifest,
 )
 from objckpt.core.format.index import index_key, index_to_json
+from objckpt.core.format.index3 import index3_encode
 from objckpt.core.layout import Mesh
 from objckpt.errors import (
     CheckpointExistsError,
@@ -191,17 +191,26 @@ class Commit:
         """Write this process's index object; its key, size and crc32c (and SHA-256 with
         ``Options.digest``), to report."""
         digest = self.options.digest is not None
-        data = index_to_json(self.save_id, self.coordinator.process_index, records, blobs, digest=digest)
+        process = self.coordinator.process_index
+        head = 0  # version 3: the root pins the head (which pins each frame), not the whole object
+        if self.options.format_version >= 3:
+            encoded = index3_encode(self.save_id, process, records, blobs, digest=digest)
+            data, head = encoded.data, encoded.head
+        else:
+            data = index_to_json(self.save_id, process, records, blobs, digest=digest)
         await self.engine.put(self.index_key, data)
+        pinned = data[:head] if head else data
         report: dict[str, Any] = {
             "key": self.index_key,
             "size": len(data),
-            "crc32c": crc32c(data),
+            "crc32c": crc32c(pinned),
             "blobs": len(blobs),
             "blob_bytes": sum(blobs.values()),
         }
+        if head:
+            report["head"] = head
         if digest:
-            report["sha256"] = sha256_hex(data)
+            report["sha256"] = sha256_hex(pinned)
         return report
 
     async def _commit_or_abort(self, reports: dict[int, bytes]) -> bytes:
@@ -219,9 +228,12 @@ class Commit:
         if len({"sha256" in d for d in docs.values()}) > 1:
             why = "the processes disagree on Options.digest (some index objects have digests, others not)"
             return json.dumps({"status": "aborted", "why": why}).encode()
+        if len({"head" in d for d in docs.values()} | {self.options.format_version >= 3}) > 1:
+            why = "the processes disagree on Options.format_version"
+            return json.dumps({"status": "aborted", "why": why}).encode()
         manifest = self._manifest(
             [
-                IndexRef(d["key"], d["size"], d["crc32c"], d["blobs"], d["blob_bytes"], d.get("sha256"))
+                IndexRef(d["key"], d["size"], d["crc32c"], d["blobs"], d["blob_bytes"], d.get("sha256"), d.get("head", 0))
                 for _, d in sorted(docs.items())
             ]
         )
@@ -251,7 +263,7 @@ class Commit:
             blobs=(),
             num_processes=self.coordinator.process_count,
             metadata=self.metadata,
-            version=FORMAT_VERSION,
+            version=self.options.format_version,
             meshes=self.meshes,
             indexes=tuple(indexes),
             slab_bytes=self.options.split_replicas_above,

@@ -44,7 +44,8 @@ from typing import Any
 
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import MANIFEST_KEY, BlobEntry, Manifest, manifest_to_json, parse_manifest
-from objckpt.errors import CheckpointExistsError, IntegrityError, ObjectExistsError, StoreError
+from objckpt.core.format.index3 import parse_index3
+from objckpt.errors import CheckpointExistsError, FormatError, IntegrityError, ObjectExistsError, StoreError
 from objckpt.layouts.manifest_io import read_checkpoint
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, human_bytes
@@ -370,10 +371,16 @@ def _method(stats: CopyStats, server: ServerSide) -> tuple[str, str]:
 
 
 async def _copy_indexes(source: TransferEngine, target: TransferEngine, src: Any, manifest: Manifest) -> None:
-    """Format version 2: copy each process's index object as is (the root holds its crc32c, and SHA-256 if any)."""
-    for ref in manifest.indexes:
+    """Formats 2 and 3: copy each process's index object as is (the root holds its crc32c, and SHA-256 if
+    any; version 3: of its head, which pins every frame, each checked and decoded before the copy)."""
+    for process, ref in enumerate(manifest.indexes):
         data = await source.get(ref.key)
-        if len(data) != ref.size or crc32c(data) != ref.crc32c or ref.sha256 not in (None, sha256_hex(data)):
+        if manifest.version >= 3:
+            try:
+                parse_index3(data, manifest, process)
+            except FormatError as e:
+                raise IntegrityError(f"{e} (copying from {src.url}); nothing was committed") from None
+        elif len(data) != ref.size or crc32c(data) != ref.crc32c or ref.sha256 not in (None, sha256_hex(data)):
             raise IntegrityError(f"index object {src.url}/{ref.key} does not match the manifest; nothing was committed")
         await target.put(ref.key, data)
 

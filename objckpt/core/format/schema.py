@@ -29,8 +29,9 @@ from objckpt.core.strict import fields, is_int, need
 from objckpt.errors import FormatError
 
 FORMAT_NAME = "objckpt"
-FORMAT_VERSION = 2  # what saves write
-READ_VERSIONS = (1, 2)  # what readers take
+FORMAT_VERSION = 3  # what saves write (Options.format_version)
+WRITE_VERSIONS = (2, 3)  # what saves can write
+READ_VERSIONS = (1, 2, 3)  # what readers take
 MANIFEST_KEY = "manifest.json"
 
 ARRAY_KINDS = ("array", "ndarray", "str", "bytes")  # leaves whose data lives in blobs
@@ -80,7 +81,7 @@ class BlobEntry:
 
 
 class IndexRef(NamedTuple):
-    """Version 2: one process's index object, as the root manifest lists it.
+    """Versions 2 and 3: one process's index object, as the root manifest lists it.
 
     A named tuple, not a dataclass (as :class:`Piece`): a root may list a million.
     """
@@ -90,7 +91,8 @@ class IndexRef(NamedTuple):
     crc32c: int
     blobs: int = 0  # how many blobs the process wrote
     blob_bytes: int = 0  # and their bytes
-    sha256: str | None = None  # hex SHA-256 of the index object (saves with Options.digest)
+    sha256: str | None = None  # hex SHA-256 of the index object (version 3: of its head) (Options.digest)
+    head: int = 0  # version 3: the byte length of the index object's head (crc32c and sha256 cover it alone)
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class Manifest:
     @property
     def num_blobs(self) -> int:
         """Blobs in the checkpoint (from the root alone in version 2)."""
-        return sum(r.blobs for r in self.indexes) if self.version == 2 else len(self.blobs)
+        return sum(r.blobs for r in self.indexes) if self.version >= 2 else len(self.blobs)
 
     def with_pieces(self, pieces: dict[int, list[Piece]], blobs: dict[str, int], processes: set[int]) -> Manifest:
         """This manifest with more pieces (by leaf) and blobs, read from the index objects of ``processes``."""

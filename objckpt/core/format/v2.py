@@ -42,6 +42,7 @@ from objckpt.errors import FormatError
 
 _ALL_OR_NONE = "every index object has a sha256 or none does"
 _AXIS_NAME_MAX = 256
+_HEAD_MIN = 12  # a version 3 head's magic and length
 
 
 # ----------------------------------------------------------------------------- root
@@ -57,7 +58,7 @@ def root_to_json(manifest: Manifest) -> bytes:
         leaves.append(doc)
     doc = {
         "format": FORMAT_NAME,
-        "version": 2,
+        "version": manifest.version,
         "save_id": manifest.save_id,
         **({"shared_save_id": True} if manifest.shared_save_id else {}),
         "created": manifest.created,
@@ -66,7 +67,7 @@ def root_to_json(manifest: Manifest) -> bytes:
         "tree": manifest.tree,
         "slab_bytes": manifest.slab_bytes,
         "meshes": [m.to_json() for m in manifest.meshes],
-        "indexes": [_ref_to_json(r) for r in manifest.indexes],
+        "indexes": [_ref_to_json(r, manifest.version) for r in manifest.indexes],
         "leaves": leaves,
     }
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
@@ -77,17 +78,24 @@ def require_digest(manifest: Manifest, digest: str | None, url: str) -> None:
 
     Why: whoever can rewrite a copy's root could otherwise drop the digests.
     """
-    if digest is not None and (manifest.version != 2 or any(r.sha256 is None for r in manifest.indexes)):
+    if digest is not None and (manifest.version < 2 or any(r.sha256 is None for r in manifest.indexes)):
         raise FormatError(f"checkpoint {url} has no {digest} digests; Options(digest={digest!r}) requires them")
 
 
-def _ref_to_json(ref: IndexRef) -> dict[str, Any]:
+def _ref_to_json(ref: IndexRef, version: int) -> dict[str, Any]:
     out = {"key": ref.key, "size": ref.size, "crc32c": ref.crc32c, "blobs": ref.blobs, "blob_bytes": ref.blob_bytes}
+    if version >= 3:
+        out["head"] = ref.head
     return out if ref.sha256 is None else {**out, "sha256": ref.sha256}
 
 
 def root_from_doc(doc: dict[str, Any]) -> Manifest:
-    """A version 2 root manifest (``format`` and ``version`` already checked)."""
+    """A version 2 or 3 root manifest (``format`` and ``version`` already checked).
+
+    Version 3 is version 2 with each ``indexes`` entry's ``head`` (the byte length of its
+    index object's head, which its ``crc32c`` and ``sha256`` cover) and ``shared_save_id``
+    required."""
+    version = doc["version"]
     fields(
         doc,
         "(top level)",
@@ -108,6 +116,7 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
     )
     check_header(doc)
     need(doc.get("shared_save_id", True) is True, "'shared_save_id'", "must be true when present")
+    need(version == 2 or "shared_save_id" in doc, "'shared_save_id'", "required in version 3")
     processes = doc["num_processes"]
     need(is_int(doc["slab_bytes"]) and doc["slab_bytes"] >= 0, "'slab_bytes'", "must be a non-negative integer")
     need(isinstance(doc["meshes"], list), "'meshes'", "must be a list")
@@ -117,11 +126,12 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
         "'indexes'",
         f"must list one index object per process ({processes})",
     )
-    indexes: list[IndexRef] = _fast_refs(doc["indexes"]) or []
+    indexes: list[IndexRef] = _fast_refs(doc["indexes"], version) or []
+    extra = {"head"} if version >= 3 else set()
     seen: set[str] = set()
     for p, raw in enumerate(() if indexes else doc["indexes"]):  # the checks again, naming what is wrong
         where = f"'indexes[{p}]'"
-        fields(raw, where, {"key", "size", "crc32c", "blobs", "blob_bytes"}, {"sha256"})
+        fields(raw, where, {"key", "size", "crc32c", "blobs", "blob_bytes", *extra}, {"sha256"})
         key = raw["key"]
         need(isinstance(key, str) and check_blob_key(key), f"{where}.key", f"unsafe key {key!r}")
         need(key not in seen, f"{where}.key", f"index object {key!r} listed twice")
@@ -133,7 +143,13 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
         sha = raw.get("sha256")
         need(sha is None or is_sha256_hex(sha), f"{where}.sha256", "must be 64 lowercase hex digits")
         need(not indexes or (sha is None) == (indexes[0].sha256 is None), f"{where}.sha256", _ALL_OR_NONE)
-        indexes.append(IndexRef(key, raw["size"], raw["crc32c"], raw["blobs"], raw["blob_bytes"], sha))
+        head = raw.get("head", 0)
+        need(
+            not extra or (is_int(head) and _HEAD_MIN <= head <= raw["size"]),
+            f"{where}.head",
+            f"must be an integer from {_HEAD_MIN} to the object's size",
+        )
+        indexes.append(IndexRef(key, raw["size"], raw["crc32c"], raw["blobs"], raw["blob_bytes"], sha, head))
     leaves = parse_leaves(doc["leaves"], None)
     checked: set[str] = set()  # layouts (with their shape) already found good: most leaves share a few
     for i, leaf in enumerate(leaves):
@@ -151,7 +167,7 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
         blobs=(),
         num_processes=processes,
         metadata=doc["metadata"],
-        version=2,
+        version=version,
         meshes=meshes,
         indexes=tuple(indexes),
         slab_bytes=doc["slab_bytes"],
@@ -163,7 +179,7 @@ _REF_FIELDS = frozenset({"key", "size", "crc32c", "blobs", "blob_bytes"})
 _REF_FIELDS_SHA = _REF_FIELDS | {"sha256"}
 
 
-def _fast_refs(raws: list[Any]) -> list[IndexRef] | None:
+def _fast_refs(raws: list[Any], version: int) -> list[IndexRef] | None:
     """The root's ``indexes`` if every entry passes the checks of :func:`root_from_doc`, else None.
 
     Why twice (as :func:`_fast_row`): a root may list a million index objects, and
@@ -173,6 +189,8 @@ def _fast_refs(raws: list[Any]) -> list[IndexRef] | None:
         return None
     first = raws[0]
     expected = _REF_FIELDS_SHA if type(first) is dict and "sha256" in first else _REF_FIELDS
+    if version >= 3:
+        expected = expected | {"head"}
     seen: set[str] = set()
     out: list[IndexRef] = []
     for raw in raws:
@@ -197,8 +215,11 @@ def _fast_refs(raws: list[Any]) -> list[IndexRef] | None:
         sha = raw.get("sha256")
         if sha is not None and not is_sha256_hex(sha):
             return None
+        head = raw.get("head", 0)
+        if version >= 3 and (type(head) is not int or not _HEAD_MIN <= head <= size):
+            return None
         seen.add(key)
-        out.append(IndexRef(key, size, crc, blobs, blob_bytes, sha))
+        out.append(IndexRef(key, size, crc, blobs, blob_bytes, sha, head))
     return out
 
 

@@ -1,0 +1,453 @@
+"""Format version 3 index objects: a small head, then zlib frames of columnar rows, read in part.
+
+A version 2 index object is one JSON document holding every row of every leaf,
+so a reader that needs a few leaves of many processes (params only, onto one
+inference host) downloads and parses all their rows. A version 3 index object
+starts with a head (magic, length, strict JSON: its blobs and a table of frames)
+that the root pins by its length and checksum; each frame holds the rows of a
+run of leaves, compressed, and the head pins each frame by its checksum. A
+reader fetches the head, then only the frames of the leaves it needs, checks
+each frame's checksum before it decompresses it (to exactly its declared
+length: no zip bombs) and validates every row with numpy before it builds a
+:class:`Piece` for the wanted ones. See ``docs/FORMAT.md`` ("version 3"). No I/O.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import struct
+import zlib
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from objckpt.core.checksum import crc32c, is_sha256_hex, sha256_hex
+from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.format.index import INDEX_FORMAT, IndexDoc, index_key
+from objckpt.core.format.schema import ARRAY_KINDS, Manifest, check_blob_key
+from objckpt.core.pieces import Piece
+from objckpt.core.strict import fields, is_int, need, strict_json
+from objckpt.errors import FormatError
+
+MAGIC = b"OBJCKIX3"
+_PREFIX = len(MAGIC) + 4  # the magic, then the JSON's byte length (u32 little-endian)
+#: A frame's rows are cut at the first leaf boundary past this many uncompressed bytes (a leaf with
+#: more rows than fit is cut between rows): ~600 rank-2 rows, a few KiB compressed.
+FRAME_TARGET = 32 << 10
+#: The largest frame a reader decompresses (writers stay near FRAME_TARGET).
+FRAME_LIMIT = 16 << 20
+#: Blob sizes and piece bytes stay below this, so every sum of two fits an int64.
+BYTES_LIMIT = 1 << 62
+_FIXED = 20  # bytes per row before its coordinates: leaf u32, blob u32, offset u64, crc32c u32
+_SHA = 32
+
+
+class Frame(NamedTuple):
+    """One frame as the head lists it: leaves ``first..last``, at ``offset`` in the object."""
+
+    first: int
+    last: int
+    offset: int
+    length: int
+    raw_length: int
+    rows: int
+    crc32c: int
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A version 3 index object's bytes and its head's byte length (the root records both)."""
+
+    data: bytes
+    head: int
+
+
+@dataclass(frozen=True)
+class Head:
+    """An index object's head, read and checked against the root."""
+
+    process: int
+    keys: list[str]
+    sizes: list[int]
+    frames: list[Frame]
+
+    @property
+    def blobs(self) -> dict[str, int]:
+        return dict(zip(self.keys, self.sizes))
+
+    def frames_for(self, leaves: Collection[int] | None) -> list[int]:
+        """The positions of the frames holding rows of ``leaves`` (None: every frame)."""
+        if leaves is None:
+            return list(range(len(self.frames)))
+        lasts = [f.last for f in self.frames]
+        out: set[int] = set()
+        for leaf in leaves:
+            k = bisect.bisect_left(lasts, leaf)
+            while k < len(self.frames) and self.frames[k].first <= leaf:
+                out.add(k)
+                k += 1
+        return sorted(out)
+
+
+class LeafTable:
+    """Per leaf of a root, what row checks need, as arrays: rank (-1: no stored data), shape
+    (padded), itemsize. Built once per read, shared by every index object."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        n = len(manifest.leaves)
+        self.rank = np.full(n, -1, dtype=np.int64)
+        self.itemsize = np.zeros(n, dtype=np.int64)
+        ranks = [len(leaf.shape or ()) for leaf in manifest.leaves]
+        self.shape = np.zeros((n, max(ranks, default=0)), dtype=np.int64)
+        for i, leaf in enumerate(manifest.leaves):
+            if leaf.kind in ARRAY_KINDS and leaf.dtype is not None:
+                dtype = dtype_from_name(leaf.dtype)
+                assert dtype is not None
+                shape = leaf.shape or ()
+                if any(s >= BYTES_LIMIT for s in shape):
+                    continue  # no box of it fits a blob (each extent below 2**62 keeps the sums in int64)
+                self.rank[i], self.itemsize[i] = len(shape), dtype.itemsize
+                self.shape[i, : len(shape)] = shape
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def index3_encode(
+    save_id: str,
+    process: int,
+    records: Iterable[tuple[int, Piece]],
+    blobs: dict[str, int],
+    *,
+    digest: bool = False,
+    frame_target: int = FRAME_TARGET,
+) -> Encoded:
+    """A version 3 index object: ``records`` are (leaf, piece); ``blobs`` each blob's key and size.
+
+    ``digest``: with each piece's SHA-256 (``Options.digest``), which every piece must have.
+    """
+    keys = sorted(blobs)
+    position = {k: n for n, k in enumerate(keys)}
+    rows = sorted(records, key=lambda r: r[0])
+    if digest:
+        missing = [p for _, p in rows if p.sha256 is None]
+        if missing:
+            raise ValueError(f"piece of blob {missing[0].blob} at byte {missing[0].offset} has no sha256")
+    cuts = _cuts(rows, frame_target, digest)
+    bodies: list[bytes] = []
+    table: list[list[Any]] = []
+    for a, b in zip(cuts, cuts[1:]):
+        raw = _columns(rows[a:b], position, digest)
+        body = zlib.compress(raw, 6)
+        entry: list[Any] = [rows[a][0], rows[b - 1][0], 0, len(body), len(raw), b - a, crc32c(body)]
+        if digest:
+            entry.append(sha256_hex(body))
+        bodies.append(body)
+        table.append(entry)
+    doc: dict[str, Any] = {
+        "format": INDEX_FORMAT,
+        "version": 3,
+        "save_id": save_id,
+        "process": process,
+        "blobs": [[k, blobs[k]] for k in keys],
+        "frames": table,
+    }
+    # Offsets are absolute: the head's length depends on their digits, so settle it first.
+    head_len = 0
+    while True:
+        offset = head_len
+        for entry, body in zip(table, bodies):
+            entry[2] = offset
+            offset += len(body)
+        text = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        if _PREFIX + len(text) == head_len:
+            break
+        head_len = _PREFIX + len(text)
+    return Encoded(MAGIC + struct.pack("<I", len(text)) + text + b"".join(bodies), head_len)
+
+
+def _cuts(rows: list[tuple[int, Piece]], target: int, digest: bool) -> list[int]:
+    """Where frames start: at leaf boundaries past ``target`` raw bytes, or between the rows of a long leaf."""
+    cuts = [0]
+    size = 0
+    for n, (leaf, piece) in enumerate(rows):
+        row = _FIXED + 16 * len(piece.start) + (_SHA if digest else 0)
+        new_leaf = n > 0 and rows[n - 1][0] != leaf
+        if n > cuts[-1] and size + row > target and (new_leaf or size >= target):
+            cuts.append(n)
+            size = 0
+        size += row
+    if rows:
+        cuts.append(len(rows))
+    return cuts
+
+
+def _columns(rows: list[tuple[int, Piece]], position: dict[str, int], digest: bool) -> bytes:
+    """A frame's uncompressed bytes: the columns, byte-planar (all first bytes, then all second
+    bytes...: the high bytes of small numbers line up as runs of zeros), leaves as deltas."""
+    leaf = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+    delta = np.diff(leaf, prepend=leaf[0]).astype("<i4")
+    blob = np.fromiter((position[r[1].blob] for r in rows), dtype="<u4", count=len(rows))
+    offset = np.fromiter((r[1].offset for r in rows), dtype="<u8", count=len(rows))
+    crc = np.fromiter((r[1].crc32c for r in rows), dtype="<u4", count=len(rows))
+    coords = np.array([v for _, p in rows for v in (*p.start, *p.stop)], dtype="<i8")
+    parts = [_planar(delta), _planar(blob), _planar(offset), crc.tobytes(), _planar(coords)]
+    if digest:
+        parts.append(b"".join(bytes.fromhex(p.sha256 or "") for _, p in rows))
+    return b"".join(parts)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def parse_head(data: bytes, manifest: Manifest, process: int) -> Head:
+    """The head of ``process``'s index object (``data``: at least its first ``head`` bytes),
+    checked against the root: length, crc32c (and SHA-256), save_id, process, blobs, and a
+    frame table that covers the rest of the object exactly.
+
+    Raises:
+        FormatError: naming the index object and the field.
+    """
+    ref = manifest.indexes[process]
+    doc_name = f"index object {ref.key}"
+    head = data[: ref.head]
+    if len(head) != ref.head or ref.head < _PREFIX:
+        raise FormatError(f"{doc_name} is truncated: its head is {ref.head} bytes, {len(head)} were read")
+    if head[: len(MAGIC)] != MAGIC:
+        raise FormatError(f"{doc_name} does not start with the version 3 magic {MAGIC!r}")
+    if crc32c(head) != ref.crc32c:
+        raise FormatError(f"{doc_name} head does not match its crc32c in the manifest")
+    if ref.sha256 is not None and sha256_hex(head) != ref.sha256:
+        raise FormatError(f"{doc_name} head does not match its sha256 in the manifest (its crc32c does)")
+    (length,) = struct.unpack_from("<I", head, len(MAGIC))
+    need(_PREFIX + length == ref.head, "(head)", f"JSON of {length} bytes in a head of {ref.head}", doc_name)
+    doc = strict_json(head[_PREFIX:], doc_name)
+    fields(doc, "(top level)", {"format", "version", "save_id", "process", "blobs", "frames"}, set(), doc_name)
+    need(doc["format"] == INDEX_FORMAT, "'format'", f"must be {INDEX_FORMAT!r}", doc_name)
+    need(doc["version"] == 3 and is_int(doc["version"]), "'version'", "must be 3", doc_name)
+    need(
+        doc["save_id"] == manifest.save_id,
+        "'save_id'",
+        f"{str(doc['save_id'])[:200]!r} is not the manifest's {manifest.save_id!r} (an index object of another save)",
+        doc_name,
+    )
+    need(index_key(manifest.save_id, process) == ref.key, "'save_id'", "does not name this index object", doc_name)
+    need(doc["process"] == process and is_int(doc["process"]), "'process'", f"must be {process}", doc_name)
+    keys, sizes = _blobs(doc["blobs"], doc_name)
+    need(
+        len(keys) == ref.blobs and sum(sizes) == ref.blob_bytes,
+        "'blobs'",
+        f"{len(keys)} blobs of {sum(sizes)} bytes, the manifest says {ref.blobs} of {ref.blob_bytes}",
+        doc_name,
+    )
+    frames = _frames(doc["frames"], ref.head, ref.size, len(manifest.leaves), ref.sha256 is not None, doc_name)
+    return Head(process, keys, sizes, frames)
+
+
+def _blobs(raw: Any, doc_name: str) -> tuple[list[str], list[int]]:
+    need(isinstance(raw, list) and len(raw) < 2**32, "'blobs'", "must be a list", doc_name)
+    keys: list[str] = []
+    sizes: list[int] = []
+    seen: set[str] = set()
+    for n, b in enumerate(raw):
+        where = f"'blobs[{n}]'"
+        need(isinstance(b, list) and len(b) == 2, where, "must be [key, size]", doc_name)
+        key, size = b
+        need(isinstance(key, str) and check_blob_key(key), where, f"unsafe blob key {key!r}", doc_name)
+        need(is_int(size) and 0 <= size < BYTES_LIMIT, where, "size must be an integer in [0, 2**62)", doc_name)
+        need(key not in seen, where, f"duplicate blob {key!r}", doc_name)
+        seen.add(key)
+        keys.append(key)
+        sizes.append(size)
+    return keys, sizes
+
+
+def _frames(raw: Any, head: int, size: int, leaves: int, digest: bool, doc_name: str) -> list[Frame]:
+    need(isinstance(raw, list), "'frames'", "must be a list", doc_name)
+    width = 8 if digest else 7
+    out: list[Frame] = []
+    offset, last = head, 0
+    for n, f in enumerate(raw):
+        where = f"'frames[{n}]'"
+        need(
+            isinstance(f, list) and len(f) == width and all(is_int(v) and v >= 0 for v in f[:7]),
+            where,
+            f"must be {width} fields: first_leaf, last_leaf, offset, length, raw_length, rows, crc32c"
+            + (", sha256" if digest else ""),
+            doc_name,
+        )
+        frame = Frame(*f)
+        need(
+            frame.first <= frame.last < leaves,
+            where,
+            f"leaves {frame.first}..{frame.last} not in the manifest",
+            doc_name,
+        )
+        need(
+            frame.first >= last, where, f"leaf {frame.first} after leaf {last}: frames must be in leaf order", doc_name
+        )
+        need(frame.offset == offset, where, f"offset {frame.offset}, the previous frame ends at {offset}", doc_name)
+        need(frame.length >= 1 and offset + frame.length <= size, where, "bytes beyond the object", doc_name)
+        need(1 <= frame.rows and frame.rows * _FIXED <= frame.raw_length <= FRAME_LIMIT, where, "bad size", doc_name)
+        need(frame.crc32c < 2**32, where, "crc32c must be a 32-bit integer", doc_name)
+        need(not digest or is_sha256_hex(frame.sha256), where, "sha256 must be 64 lowercase hex digits", doc_name)
+        out.append(frame)
+        offset, last = offset + frame.length, frame.last
+    need(offset == size, "'frames'", f"end at byte {offset}, the object is {size} bytes", doc_name)
+    return out
+
+
+def decode_frame(
+    head: Head,
+    k: int,
+    body: bytes,
+    table: LeafTable,
+    doc_name: str,
+    keep: Collection[int] | None = None,
+) -> dict[int, list[Piece]]:
+    """Frame ``k``'s rows of the leaves ``keep`` (None: all), by leaf, after checking every row.
+
+    Raises:
+        FormatError: naming the index object, the frame and what is wrong.
+    """
+    f = head.frames[k]
+    where = f"frame {k} (bytes [{f.offset}, {f.offset + f.length}))"
+
+    def bad(what: str) -> FormatError:
+        return FormatError(f"{doc_name} {where}: {what}")
+
+    if len(body) != f.length:
+        raise bad(f"{len(body)} bytes were read, the head says {f.length}")
+    if crc32c(body) != f.crc32c:
+        raise bad("does not match its crc32c in the head")
+    if f.sha256 is not None and sha256_hex(body) != f.sha256:
+        raise bad("does not match its sha256 in the head (its crc32c does)")
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(body, f.raw_length)
+    except zlib.error as e:
+        raise bad(f"not a zlib stream ({e})") from None
+    if len(raw) != f.raw_length or not inflate.eof or inflate.unconsumed_tail or inflate.unused_data:
+        raise bad(f"does not decompress to exactly {f.raw_length} bytes")
+    n = f.rows
+    delta = _unplanar(raw, 0, n, "<i4").astype(np.int64)
+    blob = _unplanar(raw, 4 * n, n, "<u4")
+    offset = _unplanar(raw, 8 * n, n, "<u8")
+    crc = np.frombuffer(raw, "<u4", n, 16 * n)
+    if delta[0] != 0 or (delta[1:] < 0).any():
+        raise bad(f"rows must be sorted by leaf (row {int(np.argmax(delta < 0))} goes back)")
+    leaf = np.cumsum(delta) + f.first
+    if leaf[-1] != f.last:
+        raise bad(f"rows must run from leaf {f.first} to leaf {f.last}, not to {int(leaf[-1])}")
+    rank = table.rank[leaf]
+    if (rank < 0).any():
+        raise bad(f"row {int(np.argmax(rank < 0))} names leaf {int(leaf[rank < 0][0])}, which has no stored data")
+    width = 2 * rank
+    digest = f.sha256 is not None
+    count = int(width.sum())
+    if _FIXED * n + 8 * count + (_SHA * n if digest else 0) != f.raw_length:
+        raise bad(f"{f.raw_length} bytes do not hold {n} rows of these leaves")
+    if (blob >= len(head.keys)).any():
+        raise bad(f"row {int(np.argmax(blob >= len(head.keys)))}: blob position not in 'blobs'")
+    coords = _unplanar(raw, _FIXED * n, count, "<i8")
+    starts = np.concatenate(([0], np.cumsum(width)[:-1]))
+    length = table.itemsize[leaf].copy()
+    groups: list[tuple[np.ndarray, np.ndarray | None]] = []
+    for r in np.unique(rank).tolist():
+        sel = np.flatnonzero(rank == r)
+        if r == 0:
+            groups.append((sel, None))
+            continue
+        box = coords[starts[sel][:, None] + np.arange(2 * r)]
+        lo, hi, dims = box[:, :r], box[:, r:], table.shape[leaf[sel], :r]
+        ok = (lo >= 0) & (lo < hi) & (hi <= dims)
+        if not ok.all():
+            row = int(sel[np.flatnonzero(~ok.all(axis=1))[0]])
+            raise bad(f"row {row}: box outside leaf {int(leaf[row])}'s shape (or empty)")
+        extent = hi - lo
+        if (np.prod(extent.astype(np.float64), axis=1) * table.itemsize[leaf[sel]] >= BYTES_LIMIT).any():
+            raise bad("a box of more than 2**62 bytes")
+        length[sel] *= np.prod(extent, axis=1)
+        groups.append((sel, box))
+    size = np.asarray(head.sizes, dtype=np.int64)[blob]
+    fits = offset <= size.astype(np.uint64)
+    fits[fits] = offset[fits].astype(np.int64) + length[fits] <= size[fits]
+    if not fits.all():
+        row = int(np.argmax(~fits))
+        raise bad(f"row {row}: bytes beyond blob {head.keys[int(blob[row])]!r}")
+    shas = np.frombuffer(raw, np.uint8, _SHA * n, f.raw_length - _SHA * n).reshape(n, _SHA) if digest else None
+    wanted = None if keep is None else np.isin(leaf, np.fromiter(keep, dtype=np.int64, count=len(keep)))
+    out: dict[int, list[Piece]] = {}
+    for sel, box in groups:
+        if wanted is not None:
+            mask = wanted[sel]
+            sel, box = sel[mask], (None if box is None else box[mask])
+        if len(sel):
+            _build(out, sel, box, leaf, head.keys, blob, offset, length, crc, shas)
+    return out
+
+
+def _planar(a: np.ndarray) -> bytes:
+    """``a``'s bytes, byte-planar: byte ``j`` of value ``i`` at ``j * len(a) + i``."""
+    return np.ascontiguousarray(a.view(np.uint8).reshape(len(a), a.itemsize).T).tobytes()
+
+
+def _unplanar(raw: bytes, offset: int, count: int, dtype: str) -> np.ndarray:
+    """The ``count`` values of ``dtype`` stored byte-planar at ``raw[offset:]``."""
+    width = np.dtype(dtype).itemsize
+    planes = np.frombuffer(raw, np.uint8, count * width, offset).reshape(width, count)
+    return np.ascontiguousarray(planes.T).view(dtype).reshape(count)
+
+
+def _build(
+    out: dict[int, list[Piece]],
+    sel: np.ndarray,
+    box: np.ndarray | None,
+    leaf: np.ndarray,
+    keys: list[str],
+    *columns: np.ndarray | None,
+) -> None:
+    """Pieces of the rows ``sel`` (one rank; ``box``: their starts then stops), appended by leaf."""
+    blob, offset, length, crc, shas = columns
+    assert blob is not None and offset is not None and length is not None and crc is not None
+    if box is None:
+        starts: Any = [()] * len(sel)
+        stops: Any = starts
+    else:
+        r = box.shape[1] // 2
+        starts = map(tuple, box[:, :r].tolist())
+        stops = map(tuple, box[:, r:].tolist())
+    names = map(keys.__getitem__, blob[sel].tolist())
+    args = [starts, stops, names, offset[sel].tolist(), length[sel].tolist(), crc[sel].tolist()]
+    if shas is not None:
+        args.append([bytes(d).hex() for d in shas[sel]])
+    pieces = list(map(Piece, *args))
+    leaves = leaf[sel]
+    bounds = [0, *(np.flatnonzero(np.diff(leaves)) + 1).tolist(), len(sel)]
+    for a, b in zip(bounds, bounds[1:]):
+        out.setdefault(int(leaves[a]), []).extend(pieces[a:b])
+
+
+def parse_index3(data: bytes, manifest: Manifest, process: int, *, leaves: Collection[int] | None = None) -> IndexDoc:
+    """A whole version 3 index object (head and every frame) checked and read: what ``cp`` checks
+    before it copies one, and what tests read. ``leaves``: keep only the rows of these.
+
+    Raises:
+        FormatError: naming the index object and the field or frame.
+    """
+    ref = manifest.indexes[process]
+    doc_name = f"index object {ref.key}"
+    if len(data) != ref.size:
+        raise FormatError(f"{doc_name} is {len(data)} bytes, the manifest says {ref.size}")
+    head = parse_head(data, manifest, process)
+    table = LeafTable(manifest)
+    pieces: dict[int, list[Piece]] = {}
+    for k in head.frames_for(None):
+        f = head.frames[k]
+        for leaf, found in decode_frame(head, k, data[f.offset : f.offset + f.length], table, doc_name, leaves).items():
+            pieces.setdefault(leaf, []).extend(found)
+    return IndexDoc(process, head.blobs, pieces)

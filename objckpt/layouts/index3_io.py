@@ -1,0 +1,115 @@
+"""Reading one format version 3 index object in part: its head, then only the frames a reader needs.
+
+The I/O half of :mod:`objckpt.core.format.index3` (which checks and decodes the
+bytes): one ranged GET for the head (the root gives its length; a small object
+is read whole in that one GET), then the frames that hold the wanted leaves, as
+few ranged GETs as their positions allow. A read that fails its checks is read
+again, up to :data:`MANIFEST_READS` reads, before it is a :class:`FormatError`
+naming the object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+
+from objckpt.core.format import Manifest
+from objckpt.core.format.index import IndexDoc
+from objckpt.core.format.index3 import Head, LeafTable, decode_frame, parse_head
+from objckpt.core.pieces import Piece
+from objckpt.errors import FormatError
+from objckpt.storage import Store
+
+#: Reads of an index object that fails its checks, the first included, before it is called malformed.
+MANIFEST_READS = 5
+#: An index object no larger than this is read whole with its head (one GET, not two).
+WHOLE_BELOW = 64 << 10
+#: Frames closer than this are read in one GET (the bytes between are read and dropped).
+FRAME_GAP = 16 << 10
+#: The largest GET of frames.
+FRAME_READ = 8 << 20
+
+
+async def read_index3(
+    store: Store,
+    manifest: Manifest,
+    process: int,
+    table: LeafTable,
+    *,
+    size_limit: int,
+    leaves: Collection[int] | None = None,
+) -> IndexDoc:
+    """Process ``process``'s index object: its blobs and the pieces of ``leaves`` (None: all).
+
+    Raises:
+        FormatError: the object is missing, larger than ``size_limit``, or fails a check
+            (head, a frame's checksum or size, a row) on every one of its reads.
+    """
+    ref = manifest.indexes[process]
+    doc_name = f"index object {ref.key}"
+    if ref.size > size_limit:
+        raise FormatError(f"{doc_name} is {ref.size} bytes, over the limit of {size_limit}")
+    for attempt in range(1, MANIFEST_READS + 1):
+        try:
+            return await _read_once(store, manifest, process, table, leaves, doc_name)
+        except FileNotFoundError:
+            raise FormatError(
+                f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
+            ) from None
+        except FormatError as e:
+            if attempt >= MANIFEST_READS:
+                raise FormatError(f"{e} (the same over {MANIFEST_READS} reads)") from None
+            stats = getattr(store, "stats", None)
+            if stats is not None:
+                stats.add(checksum_retries=1)
+    raise AssertionError("unreachable")
+
+
+async def _read_once(
+    store: Store,
+    manifest: Manifest,
+    process: int,
+    table: LeafTable,
+    leaves: Collection[int] | None,
+    doc_name: str,
+) -> IndexDoc:
+    ref = manifest.indexes[process]
+    whole = ref.size <= WHOLE_BELOW
+    first = await store.get_range(ref.key, start=0, end=ref.size if whole else ref.head)
+    head = parse_head(first, manifest, process)
+    picks = head.frames_for(leaves)
+    pieces: dict[int, list[Piece]] = {}
+    if not picks:
+        return IndexDoc(process, head.blobs, pieces)
+    if whole:
+        bodies = [first[head.frames[k].offset : head.frames[k].offset + head.frames[k].length] for k in picks]
+    else:
+        bodies = await _fetch_frames(store, ref.key, head, picks)
+    for k, body in zip(picks, bodies):
+        for leaf, found in decode_frame(head, k, body, table, doc_name, leaves).items():
+            pieces.setdefault(leaf, []).extend(found)
+    return IndexDoc(process, head.blobs, pieces)
+
+
+async def _fetch_frames(store: Store, key: str, head: Head, picks: list[int]) -> list[bytes]:
+    """The bytes of frames ``picks`` (ascending), read as coalesced ranged GETs in parallel."""
+    runs: list[list[int]] = []
+    for k in picks:
+        f = head.frames[k]
+        if runs:
+            last = head.frames[runs[-1][-1]]
+            begin = head.frames[runs[-1][0]].offset
+            end = last.offset + last.length
+            if f.offset - end <= FRAME_GAP and f.offset + f.length - begin <= FRAME_READ:
+                runs[-1].append(k)
+                continue
+        runs.append([k])
+
+    async def run(ks: list[int]) -> list[bytes]:
+        begin = head.frames[ks[0]].offset
+        end = head.frames[ks[-1]].offset + head.frames[ks[-1]].length
+        data = await store.get_range(key, start=begin, end=end)
+        return [data[head.frames[k].offset - begin : head.frames[k].offset - begin + head.frames[k].length] for k in ks]
+
+    got = await asyncio.gather(*(run(ks) for ks in runs))
+    return [body for part in got for body in part]
