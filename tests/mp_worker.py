@@ -66,6 +66,10 @@ def spec_for(name: str, mesh: jax.sharding.Mesh, remap: dict[str, Any]) -> P:
 
 
 def mesh_of(job: dict[str, Any]) -> jax.sharding.Mesh:
+    if job.get("minor_first"):  # the other device order: the first mesh axis minor in the device list
+        shape = tuple(job["mesh"])
+        devices = np.array(jax.devices()).reshape(shape[::-1]).T
+        return jax.sharding.Mesh(devices, tuple(job["axes"]))
     return jax.make_mesh(tuple(job["mesh"]), tuple(job["axes"]))
 
 
@@ -242,6 +246,9 @@ def restore() -> dict[str, Any]:
     )
     seconds = time.perf_counter() - started
     result: dict[str, Any] = {"bytes_read": stats.bytes_read, "mismatches": check(restored, target), "seconds": seconds}
+    if JOB.get("count_needed"):  # bytes this process's target boxes hold (each box once), and the reshard's
+        result["needed_bytes"] = needed_bytes(restored["params"])
+        result["device_bytes_moved"] = stats.device_bytes_moved
     if JOB.get("replicas"):
         result["bytes_by_location"] = stats.bytes_by_location
     if indexes is not None:
@@ -249,6 +256,16 @@ def restore() -> dict[str, Any]:
     if JOB.get("probe_keys"):
         result["leftover_keys"] = leftover_keys("restored")
     return result
+
+
+def needed_bytes(params: dict[str, Any]) -> int:
+    """Bytes of the distinct boxes the addressable shards of ``params`` hold (boxes do not overlap
+    unless equal: a NamedSharding's)."""
+    total = 0
+    for array in params.values():
+        boxes = {tuple((s.start, s.stop) for s in shard.index): shard.data.nbytes for shard in array.addressable_shards}
+        total += sum(boxes.values())
+    return total
 
 
 def run() -> dict[str, Any]:
@@ -304,6 +321,8 @@ def wait_for_survivors(timeout: float = 30) -> None:
 
 
 def main() -> None:
+    if "cpu_collectives" in JOB:  # JAX's CPU collectives (gloo by default), or none: a test's choice, never objckpt's
+        jax.config.update("jax_cpu_collectives_implementation", JOB["cpu_collectives"])
     if COUNT > 1:  # before any other JAX call
         jax.distributed.initialize(
             f"127.0.0.1:{os.environ['OBJCKPT_MP_PORT']}",
