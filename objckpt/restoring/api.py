@@ -121,6 +121,16 @@ def restore(
             anything is read. ``"unsafe"`` applies numpy's ``astype`` as is.
             ``None`` and numpy targets restore the saved dtype (no cast).
 
+    A leaf saved from a ``NamedSharding`` whose target boxes cut the saved pieces (the
+    mesh axes swapped, another device order, fewer or more devices on an axis) is read
+    on a sharding of the target's devices that lines up with the saved pieces, where that
+    makes the worst host fetch fewer bytes per byte it needs, then moved to the target
+    sharding on the devices with ``jax.device_put``, leaf by leaf
+    (:mod:`objckpt.restoring.read_sharding`, :mod:`objckpt.restoring.reshard`);
+    ``stats.device_bytes_moved`` counts the bytes this process's devices receive. With
+    several CPU processes this needs JAX's CPU collectives (on by default); with them
+    turned off such leaves are read directly.
+
     An Orbax checkpoint (an item directory, or a ``CheckpointManager`` step with
     one item or a ``default`` one) restores the same way, read through
     tensorstore (``pip install 'objckpt[orbax]'``): the layouts registry
