@@ -34,7 +34,7 @@ SECRET_KEY = "zz/secret.blob"  # not a hex prefix: never the folder of a saved b
 def _save_one_blob(root: Path) -> tuple[str, np.ndarray]:
     """Save a one-leaf checkpoint at ``root``; its one blob's key."""
     value = np.arange(1024, dtype=np.float32)
-    objckpt.save(str(root), {"w": value})
+    objckpt.save(str(root), {"w": value}, options=objckpt.Options(format_version=2))  # its JSON index is rewritten
     (blob,) = full_manifest(from_url(str(root))).blobs
     return blob.key, value
 

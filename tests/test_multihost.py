@@ -180,10 +180,10 @@ BIT_EXACT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(BIT_EXACT_CASES))
-def test_bit_exact_across_process_counts_in_format_v2_and_v1(s3_store, case):
+def test_bit_exact_across_process_counts_in_format_v3_and_v1(s3_store, case):
     (n, mesh, axes, per, remap), as_v2, as_v1 = BIT_EXACT_CASES[case]
     _ok(run_processes(n, _job("save", s3_store, mesh, axes, remap=remap), devices_per_process=per), n)
-    assert objckpt.inspect(s3_store.url, storage_options=s3_store.storage_options).format_version == 2
+    assert objckpt.inspect(s3_store.url, storage_options=s3_store.storage_options).format_version == 3
     _restore_everywhere(s3_store, [as_v2])
     store = s3_store.open()
     try:

@@ -91,7 +91,7 @@ def test_inspect_lists_every_leaf_without_reading_data(any_store, monkeypatch):
     assert [key for store in counting for key, _, _ in store.reads] == ["manifest.json"]  # the root alone
     assert info.total_bytes == 128 * 64 * 2 + 12 + len("run-1")
     assert info.metadata == {"lr": 0.1}
-    assert info.format_version == 2 and info.created
+    assert info.format_version == 3 and info.created
     blobs = [o.key for o in runtime.run_sync(any_store.open().list()) if o.key.endswith(".blob")]
     assert info.num_blobs == len(blobs) == len(full_manifest(any_store.open()).blobs) >= 1  # from the root alone
     assert info.tree["params"]["w"].shape == (128, 64)

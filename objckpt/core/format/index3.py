@@ -124,11 +124,12 @@ def index3_encode(
     blobs: dict[str, int],
     *,
     digest: bool = False,
-    frame_target: int = FRAME_TARGET,
+    frame_target: int | None = None,
 ) -> Encoded:
     """A version 3 index object: ``records`` are (leaf, piece); ``blobs`` each blob's key and size.
 
     ``digest``: with each piece's SHA-256 (``Options.digest``), which every piece must have.
+    ``frame_target``: the raw bytes a frame is cut past (:data:`FRAME_TARGET` when None).
     """
     keys = sorted(blobs)
     position = {k: n for n, k in enumerate(keys)}
@@ -137,7 +138,7 @@ def index3_encode(
         missing = [p for _, p in rows if p.sha256 is None]
         if missing:
             raise ValueError(f"piece of blob {missing[0].blob} at byte {missing[0].offset} has no sha256")
-    cuts = _cuts(rows, frame_target, digest)
+    cuts = _cuts(rows, FRAME_TARGET if frame_target is None else frame_target, digest)
     bodies: list[bytes] = []
     table: list[list[Any]] = []
     for a, b in zip(cuts, cuts[1:]):
