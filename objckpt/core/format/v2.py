@@ -1,4 +1,7 @@
-"""Format version 2: a root manifest of O(leaves + processes) and one index object per process.
+"""Format versions 2 and 3: a root manifest of O(leaves + processes) and one index object per process.
+
+Version 3's root is version 2's with each index object's head length (its index objects:
+:mod:`objckpt.core.format.index3`); this module reads and writes both.
 
 The root (``manifest.json``, still the commit marker, written last with
 create-if-absent) holds the tree, the leaf table, the meshes the leaves were
