@@ -12,6 +12,7 @@ side: the boxes a target sharding needs on this process's devices.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections import defaultdict
@@ -224,7 +225,29 @@ def needed_boxes(
     sharding: jax.sharding.Sharding, shape: tuple[int, ...], devices: frozenset[Any] | None = None
 ) -> dict[Box, list[Any]]:
     """Unique boxes this process needs for ``sharding``, each with its local devices
-    (``devices``: those devices instead of this process's; planning benchmarks stand in for one host of a pod)."""
+    (``devices``: those devices instead of this process's; planning benchmarks stand in for one host of a pod).
+
+    Computed once per (sharding, shape, devices): JAX's map of every device's index
+    costs O(devices) (milliseconds at 4,096 devices), and the hundreds of leaves of
+    a layer stack share their sharding and shape. Each call returns a new dict.
+    """
+    try:
+        found = _needed_boxes(sharding, tuple(shape), devices)
+    except TypeError:  # an unhashable sharding: nothing to share
+        found = _boxes_of(sharding, tuple(shape), devices)
+    return {box: list(boxed) for box, boxed in found}
+
+
+@functools.lru_cache(maxsize=256)
+def _needed_boxes(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...], devices: frozenset[Any] | None
+) -> tuple[tuple[Box, tuple[Any, ...]], ...]:
+    return _boxes_of(sharding, shape, devices)
+
+
+def _boxes_of(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...], devices: frozenset[Any] | None
+) -> tuple[tuple[Box, tuple[Any, ...]], ...]:
     boxes: dict[Box, list[Any]] = defaultdict(list)
     if devices is None:
         found = sharding.addressable_devices_indices_map(shape)
@@ -233,7 +256,7 @@ def needed_boxes(
         found = {d: every[d] for d in sorted(devices, key=lambda d: d.id) if d in every}
     for device, index in found.items():
         boxes[index_to_box(index, shape)].append(device)
-    return boxes
+    return tuple((box, tuple(boxed)) for box, boxed in boxes.items())
 
 
 def describe_sharding(sharding: jax.sharding.Sharding) -> dict[str, Any]:

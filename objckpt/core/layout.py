@@ -63,6 +63,12 @@ class Mesh:
     def _replica_cache(self) -> dict[tuple[Spec, Index], list[tuple[int, int]]]:
         return {}
 
+    @cached_property
+    def writer_cache(self) -> dict[tuple[object, ...], frozenset[int]]:
+        """:meth:`Grid.processes_for`'s answers that hold for any leaf (no replicated cell
+        met), by grid geometry and box: the leaves of a layer stack ask the same question."""
+        return {}
+
     def replicas(self, spec: Spec, cell: Index) -> list[tuple[int, int]]:
         """(device id, process) of every device holding ``cell`` of a leaf split by ``spec``, by device id."""
         key = (spec, cell)
@@ -164,12 +170,27 @@ class Grid:
         return _product(ranges)
 
     def processes_for(self, start: Index, stop: Index) -> set[int]:
-        """The processes that wrote any part of ``[start, stop)``."""
+        """The processes that wrote any part of ``[start, stop)``.
+
+        Where no cell the box meets is replicated, the answer does not depend on
+        the leaf (only replicated cells rotate their writers with it): it is kept
+        on the mesh for every leaf of the same shape, spec and itemsize.
+        """
+        key = (self.spec, self.shape, self.itemsize, self.slab_bytes, start, stop)
+        cache = self.mesh.writer_cache
+        found = cache.get(key)
+        if found is not None:
+            return set(found)
         out: set[int] = set()
+        any_leaf = True
         for cell in self.cells_meeting(start, stop):
+            if any_leaf and len(self.replicas(cell)) > 1:
+                any_leaf = False
             for (a, b), _, process in self.writers(cell):
                 if all(x0 < y1 and y0 < x1 for x0, x1, y0, y1 in zip(a, b, start, stop)):
                     out.add(process)
+        if any_leaf:
+            cache[key] = frozenset(out)
         return out
 
 

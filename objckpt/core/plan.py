@@ -18,9 +18,9 @@ import math
 import operator
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from objckpt.core.format import Piece
 
@@ -218,9 +218,22 @@ class BoxIndex:
     def __init__(self, boxes: Iterable[tuple[Index, Index]]) -> None:
         self.boxes = list(dict.fromkeys(boxes))
         self._axes = _grid_axes(self.boxes)
+        self._met: dict[tuple[Index, Index], list[tuple[tuple[Index, Index], tuple[Index, Index]]]] = {}
 
     def meeting(self, start: Index, stop: Index) -> list[tuple[tuple[Index, Index], tuple[Index, Index]]]:
-        """(box, box ∩ [start, stop)) for each box that meets ``[start, stop)``, in grid order."""
+        """(box, box ∩ [start, stop)) for each box that meets ``[start, stop)``, in grid order.
+
+        Memoized per ``(start, stop)``: the leaves of a layer stack share their boxes
+        and their pieces' geometry, so one index answers the same question once per
+        piece shape and place, not once per leaf. The list returned is shared: read it only.
+        """
+        key = (start, stop)
+        found = self._met.get(key)
+        if found is None:
+            found = self._met[key] = self._meeting(start, stop)
+        return found
+
+    def _meeting(self, start: Index, stop: Index) -> list[tuple[tuple[Index, Index], tuple[Index, Index]]]:
         if self._axes is None:
             return [(box, overlap) for box in self.boxes if (overlap := intersect(start, stop, *box)) is not None]
         combos: list[tuple[tuple[Index, Index], tuple[Index, Index]]] = [(((), ()), ((), ()))]
@@ -260,9 +273,13 @@ def pieces_needed(pieces: Sequence[Piece], boxes: Sequence[tuple[Index, Index]])
     return [p for p in pieces if index.meeting(p.start, p.stop)]
 
 
-@dataclass(frozen=True)
-class ReadPart:
-    """One piece inside a ranged read, at ``offset`` bytes into the response."""
+class ReadPart(NamedTuple):
+    """One piece inside a ranged read, at ``offset`` bytes into the response.
+
+    A named tuple, like :class:`~objckpt.core.pieces.Piece`: a pod-scale restore
+    plans one per piece it reads (hundreds of thousands for an inference host),
+    and a tuple is several times cheaper to build than a frozen dataclass.
+    """
 
     leaf: int
     piece: Piece
@@ -303,43 +320,60 @@ def plan_reads(
     ``max_kept_read_size`` plus ``PACKING_SLACK`` (a whole packed blob): fewer,
     larger GETs.
     """
-    free = _FreeSpace(layout)
     by_blob: dict[str, list[tuple[int, Piece]]] = defaultdict(list)
-    for leaf, piece in wanted:
-        by_blob[piece.blob].append((leaf, piece))
+    for item in wanted:
+        by_blob[item[1].blob].append(item)
+    free = _FreeSpace(layout, by_blob)
+    kept_limit = max(max_read_size, max_kept_read_size + PACKING_SLACK)
+    spaced = SPACER + ALIGN
     requests: list[ReadRequest] = []
     for blob, items in by_blob.items():
-        items.sort(key=lambda item: item[1].offset)
+        items.sort(key=_item_offset)
         group: list[tuple[int, Piece]] = []
         start = end = 0
         group_kept = False
-        for leaf, piece in items:
-            p_end = piece.offset + piece.length
-            gap = piece.offset - end
-            joins = gap <= coalesce_gap or (gap <= SPACER + ALIGN and free.between(blob, end, piece.offset))
+        for item in items:
+            leaf, piece = item
+            offset = piece.offset
+            p_end = offset + piece.length
+            gap = offset - end
             is_kept = kept is not None and kept(leaf, piece)
-            kept_limit = max(max_read_size, max_kept_read_size + PACKING_SLACK)
-            limit = kept_limit if group_kept and is_kept else max_read_size
-            if group and joins and max(end, p_end) - start <= limit:
-                group.append((leaf, piece))
-                end = max(end, p_end)
+            if (
+                group
+                and (gap <= coalesce_gap or (gap <= spaced and free.between(blob, end, offset)))
+                and (end if end > p_end else p_end) - start <= (kept_limit if group_kept and is_kept else max_read_size)
+            ):
+                group.append(item)
+                if p_end > end:
+                    end = p_end
                 group_kept = group_kept and is_kept
                 continue
             if group:
                 requests.append(_request(blob, start, end, group, free.before(blob, start)))
-            group, start, end, group_kept = [(leaf, piece)], piece.offset, p_end, is_kept
+            group, start, end, group_kept = [item], offset, p_end, is_kept
         if group:
             requests.append(_request(blob, start, end, group, free.before(blob, start)))
     return requests
 
 
-class _FreeSpace:
-    """Which bytes of each blob belong to no piece, from the checkpoint's layout."""
+def _item_offset(item: tuple[int, Piece]) -> int:
+    return item[1].offset
 
-    def __init__(self, layout: Iterable[Piece]) -> None:
+
+class _FreeSpace:
+    """Which bytes of each blob belong to no piece, from the checkpoint's layout.
+
+    Only the blobs in ``blobs`` (those read) are indexed: a host that reads few
+    blobs does not sort the pieces of every other.
+    """
+
+    def __init__(self, layout: Iterable[Piece], blobs: Container[str]) -> None:
         spans: dict[str, list[tuple[int, int]]] = defaultdict(list)
         for piece in layout:
-            spans[piece.blob].append((piece.offset, piece.offset + piece.length))
+            blob = piece.blob
+            if blob in blobs:
+                offset = piece.offset
+                spans[blob].append((offset, offset + piece.length))
         self._starts: dict[str, list[int]] = {}
         self._ends: dict[str, list[int]] = {}
         for blob, pairs in spans.items():
@@ -363,5 +397,5 @@ class _FreeSpace:
 
 
 def _request(blob: str, start: int, end: int, group: list[tuple[int, Piece]], slack: int = 0) -> ReadRequest:
-    parts = tuple(ReadPart(leaf, piece, piece.offset - start) for leaf, piece in group)
+    parts = tuple([ReadPart(leaf, piece, piece.offset - start) for leaf, piece in group])
     return ReadRequest(blob, start, end, parts, slack)

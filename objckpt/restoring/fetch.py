@@ -15,6 +15,7 @@ at the next location.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Mapping
 
 from objckpt.core.format import Manifest, Piece
@@ -35,14 +36,20 @@ def plan(manifest: Manifest, plans: Mapping[int, LeafPlan], options: Options, *,
     """The coalesced reads for ``plans`` (pure); ``streamed``: the store streams copied reads."""
     wanted: list[tuple[int, Piece]] = []
     for i, leaf in plans.items():
-        wanted.extend((i, p) for p in leaf.pieces)
-    layout = (piece for leaf in manifest.leaves for piece in leaf.pieces)
+        wanted.extend(zip(itertools.repeat(i), leaf.pieces))
+    # LeafPlan.whole_box, asked once per piece: the per-leaf half of it once per leaf.
+    whole = {i: leaf.box_pieces for i, leaf in plans.items() if leaf.places_boxes and not leaf.casts}
+
+    def kept(leaf: int, piece: Piece) -> bool:
+        counts = whole.get(leaf)
+        return counts is not None and counts.get((piece.start, piece.stop)) == 1
+
     return plan_reads(
         wanted,
         coalesce_gap=options.coalesce_gap,
         max_read_size=options.copied_read_limit(streamed=streamed),
-        layout=layout,
-        kept=lambda leaf, piece: plans[leaf].whole_box(piece),
+        layout=itertools.chain.from_iterable(leaf.pieces for leaf in manifest.leaves),
+        kept=kept,
         max_kept_read_size=options.read_chunk,
     )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -120,20 +121,14 @@ class LeafPlan:
         return sum(sizes) if self.on_host else max(sizes)
 
     @functools.cached_property
+    def _meeting(self) -> _Meeting:
+        return _meeting_of(tuple(self.read_boxes), tuple(map(_GEOMETRY, self.entry.pieces)))
+
+    @functools.cached_property
     def _pieces(self) -> tuple[list[Piece], dict[tuple[Any, Any], Meets], dict[Box, int]]:
-        boxes = self.read_boxes
-        index = BoxIndex(boxes)
-        counts = {box: 0 for box in boxes}
-        meets: dict[tuple[Any, Any], Meets] = {}
-        needed = []
-        for piece in self.entry.pieces:
-            met = index.meeting(piece.start, piece.stop)
-            if met:
-                meets[(piece.start, piece.stop)] = met
-                for box, _ in met:
-                    counts[box] += 1
-                needed.append(piece)
-        return needed, meets, counts
+        meeting = self._meeting
+        pieces = self.entry.pieces
+        return [pieces[k] for k in meeting.positions], meeting.meets, meeting.counts
 
     @functools.cached_property
     def pieces(self) -> list[Piece]:
@@ -192,7 +187,57 @@ class LeafPlan:
         :attr:`meets` but both count in :attr:`box_pieces`: a duplicate is an
         overlap too.
         """
-        counts = self.box_pieces
+        return self._meeting.uncovered
+
+    def overlapping(self, box: Box) -> tuple[Piece, Piece] | None:
+        """Two planned pieces that overlap inside ``box`` (one box listed twice included), or
+        None: what names the pieces when :meth:`uncovered` finds a box."""
+        meets = self.meets
+        parts = [_Part(*cut, p) for p in self.entry.pieces for b, cut in meets.get((p.start, p.stop), ()) if b == box]
+        pair = find_overlap(parts)
+        return None if pair is None else (pair[0].piece, pair[1].piece)
+
+
+@dataclass(frozen=True)
+class _Part:
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    piece: Piece | None = None
+
+
+#: A piece's geometry: its (start, stop), the first two fields of the named tuple.
+_GEOMETRY = operator.itemgetter(0, 1)
+
+
+class _Meeting:
+    """Which of a leaf's pieces meet which of its boxes, from their geometry alone.
+
+    Shared by every leaf with the same boxes read and the same piece geometry
+    (in order): a pod-scale state has hundreds of layers whose leaves share a
+    sharding and shape, so the pieces are met with the boxes, and the coverage
+    checked, once per kind of leaf rather than once per leaf. Read-only once built.
+    """
+
+    def __init__(self, boxes: tuple[Box, ...], geometry: tuple[Box, ...]) -> None:
+        index = _box_index(boxes)
+        counts = {box: 0 for box in boxes}
+        meets: dict[tuple[Any, Any], Meets] = {}
+        positions = []
+        for k, (start, stop) in enumerate(geometry):
+            met = index.meeting(start, stop)
+            if met:
+                meets[(start, stop)] = met
+                for box, _ in met:
+                    counts[box] += 1
+                positions.append(k)
+        self.positions: tuple[int, ...] = tuple(positions)
+        self.meets = meets
+        self.counts = counts
+
+    @functools.cached_property
+    def uncovered(self) -> Box | None:
+        """See :meth:`LeafPlan.uncovered`."""
+        counts = self.counts
         parts: dict[Box, list[_Part]] = {box: [] for box in counts}
         for meets in self.meets.values():
             for box, (start, stop) in meets:
@@ -209,20 +254,17 @@ class LeafPlan:
                 return box
         return None
 
-    def overlapping(self, box: Box) -> tuple[Piece, Piece] | None:
-        """Two planned pieces that overlap inside ``box`` (one box listed twice included), or
-        None: what names the pieces when :meth:`uncovered` finds a box."""
-        meets = self.meets
-        parts = [_Part(*cut, p) for p in self.entry.pieces for b, cut in meets.get((p.start, p.stop), ()) if b == box]
-        pair = find_overlap(parts)
-        return None if pair is None else (pair[0].piece, pair[1].piece)
+
+@functools.lru_cache(maxsize=256)
+def _box_index(boxes: tuple[Box, ...]) -> BoxIndex:
+    """One :class:`BoxIndex` per set of boxes (its answers are memoized, see :meth:`BoxIndex.meeting`)."""
+    return BoxIndex(boxes)
 
 
-@dataclass(frozen=True)
-class _Part:
-    start: tuple[int, ...]
-    stop: tuple[int, ...]
-    piece: Piece | None = None
+@functools.lru_cache(maxsize=64)
+def _meeting_of(boxes: tuple[Box, ...], geometry: tuple[Box, ...]) -> _Meeting:
+    """The :class:`_Meeting` of these boxes and piece geometry, built once while it is in use."""
+    return _Meeting(boxes, geometry)
 
 
 def plan_leaf(
