@@ -232,6 +232,13 @@ def save(counting: CountingClient | None) -> dict[str, Any]:
 
 def restore() -> dict[str, Any]:
     indexes = count_index_reads() if JOB.get("count_indexes") else None
+    if JOB.get("fail_fetch") == PROCESS:  # this process's reads fail: the others must not wait in a collective
+        from objckpt.restoring import api
+
+        async def broken(*args: Any, **kwargs: Any) -> None:
+            raise OSError("injected fetch failure")
+
+        api.fetch = broken  # type: ignore[assignment]
     stats = objckpt.TransferStats()
     target = target_tree(JOB)
     started = time.perf_counter()
@@ -277,6 +284,11 @@ def run() -> dict[str, Any]:
         if JOB.get("restore_after"):  # the same processes read it back (keys: a second operation tag)
             result["restore"] = restore()
         return result
+    if kind == "restore" and JOB.get("report_errors"):  # the error as the result: every process reaches the exit
+        try:
+            return restore()
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
     if kind == "restore":
         return restore()
     if kind == "orbax_save":  # what Orbax itself writes from several processes (tests/test_orbax_restore.py)

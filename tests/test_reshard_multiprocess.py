@@ -66,3 +66,14 @@ def test_without_cpu_collectives_restore_reads_directly(s3_store):
         assert r["mismatches"] == [], f"process {p}: {r['mismatches']}"
         assert r["device_bytes_moved"] == 0
         assert r["bytes_read"] > 1.5 * r["needed_bytes"], f"process {p}: {r}"  # whole pieces, half of each used
+
+
+def test_a_process_whose_reads_fail_never_leaves_the_others_in_the_reshard(s3_store):
+    _ok(run_processes(4, _job("save", s3_store, [4, 2], ["fsdp", "tensor"]), devices_per_process=2), 4)
+    mesh, axes, extra, _ = TARGETS["axes swapped"]
+    job = _job("restore", s3_store, mesh, axes, fail_fetch=1, report_errors=True, **extra)
+    results = _ok(run_processes(4, job, devices_per_process=2, timeout=120), 4)  # none hung until the deadline
+    assert results[1]["error"] == "OSError: injected fetch failure"
+    for p in (0, 2, 3):
+        assert results[p]["error"].startswith("CoordinationError: restore of"), results[p]
+        assert results[p]["error"].endswith("failed elsewhere: process 1: OSError: injected fetch failure")
