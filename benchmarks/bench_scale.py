@@ -11,8 +11,8 @@ from the library's own functions (grid layout, blob packing, index and root enco
 strict parsing, restore planning).
 
 Save side (host 1; host 0, the primary, separately): plan CPU seconds, pieces, blobs and
-bytes per PUT, its index object, the report it sends the primary, and the primary's commit
-(decode every report, build and encode the root manifest). Restore side, per target, for a
+bytes per PUT (blob sizes as a synchronous save picks them), the whole save's PUTs, its
+index object, the report it sends the primary, and the primary's commit (decode every report, build and encode the root manifest). Restore side, per target, for a
 sample of its hosts (``scale.hosts.sample_hosts``: hosts 0, 1, 8, three spread through the
 rest and the last two): index objects read, metadata bytes, parse + plan CPU-s, extra peak
 memory, GETs per 16 MiB and bytes fetched ÷ bytes the host's target boxes need; the WORST
@@ -136,6 +136,8 @@ def run_child(n: int, layouts: list[str], layers: int, repeats: int = 2) -> dict
             "save_pieces_primary": host0["pieces"],
             "save_blobs_primary": host0["blobs"],
             "bytes_per_put": host1["blob_bytes"] / max(1, host1["blobs"]),
+            # Every process's blobs (unplanned ones: host 1's count), index objects and live-save markers, and the root.
+            "save_puts": sum(saver.plans.get(p, host1)["blobs"] for p in range(processes)) + 2 * processes + 1,
             "index_bytes": len(host1["index"]),
             "index_bytes_primary": len(host0["index"]),
             "index_encode_cpu_s": host1["index_encode_cpu_s"],

@@ -232,6 +232,7 @@ def extrapolate(low: list[dict[str, Any]], high: list[dict[str, Any]], layers: i
         r = dict(b, layers=layers, layers_measured=[la, lb], extrapolated=True)
         if b["target_mesh"] is None:
             r.update({k: fit(a[k], b[k]) for k in SAVE_LINEAR})
+            r.pop("save_puts", None)  # not linear in layers: a process's blobs grow with its bytes
         else:
             hosts_a = {h["host"]: h for h in a["hosts"]}
             r["hosts"] = []

@@ -25,6 +25,7 @@ SAVE_ROWS: list[Row] = [
     ("save plan CPU-s (host 0, primary)", "save_plan_cpu_s_primary", lambda v: f"{v:.3f}", "≤ 1", lambda v: v <= 1),
     ("pieces / blobs (host 1)", "save_pieces", str, None, None),
     ("bytes per PUT (host 1)", "bytes_per_put", _mib, "≥ 16 MiB", lambda v: v >= 16 * MiB),
+    ("PUTs, whole save", "save_puts", lambda v: f"{v:,}", "≤ 50,000", lambda v: v <= 50_000),
     ("index object (host 1)", "index_bytes", lambda v: f"{v / KiB:.0f} KiB", None, None),
     ("index encode CPU-s (host 1)", "index_encode_cpu_s", lambda v: f"{v:.3f}", None, None),
     ("coordination bytes / process", "coordination_bytes", lambda v: f"{v} B", "≤ 4 KiB", lambda v: v <= 4 * KiB),

@@ -64,9 +64,10 @@ class Saver:
         from objckpt.core.format.index3 import index3_encode
         from objckpt.core.pieces import Piece
         from objckpt.core.plan import blob_key, packing_order, plan_blobs
+        from objckpt.saving.blob_sizing import save_blob_size, split_pieces
 
         shards = self.shards(host)  # outside the timed region: a real host reads them off its arrays
-        slab_bytes, blob_size = self.options.split_replicas_above, self.options.blob_size
+        slab_bytes = self.options.split_replicas_above
         plan_cpu = math.inf
         for _ in range(self.repeats if host <= 1 else 1):
             started = time.process_time()
@@ -85,7 +86,10 @@ class Saver:
                 assert grid is not None, f"{leaf.path}: not a grid"
                 entries.append(replace(entry, layout=grid[1]))
                 owned.extend(grid_pieces(i, grid[0], shards[i]))
-            owned.sort(key=packing_order)  # as saving.api does
+            owned.sort(key=packing_order)  # as saving.api does (a synchronous save's blob size)
+            owned = split_pieces(owned, max_bytes=self.options.blob_size)
+            host_bytes = sum(p.nbytes for p in owned)
+            blob_size = save_blob_size(self.options, host_bytes, processes=self.processes, hold_uploads=False)
             blobs = plan_blobs(owned, blob_size=blob_size, key=lambda seq: blob_key(SAVE_ID, host, seq))
             plan_cpu = min(plan_cpu, time.process_time() - started)
 
