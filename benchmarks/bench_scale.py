@@ -13,8 +13,9 @@ strict parsing, restore planning).
 Save side (host 1; host 0, the primary, separately): plan CPU seconds, pieces, blobs and
 bytes per PUT (blob sizes as a synchronous save picks them), the whole save's PUTs, its
 index object, the report it sends the primary, and the primary's commit (decode every
-report, build and encode the root manifest). Restore side, per target, for a sample of its hosts (``scale.hosts.sample_hosts``: hosts 0, 1, 8, three spread through the
-rest and the last two): index objects read, metadata bytes, parse + plan CPU-s, extra peak
+report, build and encode the root manifest). Restore side, per target, for a sample of
+its hosts (``scale.hosts.sample_hosts``: hosts 0, 1, 8, three spread through the rest and
+the last two): index objects read, metadata bytes, parse + plan CPU-s, extra peak
 memory, GETs per 16 MiB and bytes fetched ÷ bytes the host's target boxes need; the WORST
 host and the MEDIAN of the sample, and which host was worst (``scale/``).
 
