@@ -15,7 +15,7 @@ from collections.abc import Collection
 
 from objckpt.core.format import Manifest
 from objckpt.core.format.index import IndexDoc
-from objckpt.core.format.index3 import Head, LeafTable, decode_frame, parse_head
+from objckpt.core.format.index3 import Head, LeafTable, decode_frame, leaf_array, parse_head
 from objckpt.core.pieces import Piece
 from objckpt.errors import FormatError
 from objckpt.storage import Store
@@ -74,10 +74,11 @@ async def _read_once(
     doc_name: str,
 ) -> IndexDoc:
     ref = manifest.indexes[process]
+    wanted = None if leaves is None else leaf_array(leaves)
     whole = ref.size <= WHOLE_BELOW
     first = await store.get_range(ref.key, start=0, end=ref.size if whole else ref.head)
     head = parse_head(first, manifest, process)
-    picks = head.frames_for(leaves)
+    picks = head.frames_for(wanted)
     pieces: dict[int, list[Piece]] = {}
     if not picks:
         return IndexDoc(process, head.blobs, pieces)
@@ -86,7 +87,7 @@ async def _read_once(
     else:
         bodies = await _fetch_frames(store, ref.key, head, picks)
     for k, body in zip(picks, bodies):
-        for leaf, found in decode_frame(head, k, body, table, doc_name, leaves).items():
+        for leaf, found in decode_frame(head, k, body, table, doc_name, wanted).items():
             pieces.setdefault(leaf, []).extend(found)
     return IndexDoc(process, head.blobs, pieces)
 

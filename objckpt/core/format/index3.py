@@ -14,7 +14,8 @@ length: no zip bombs) and validates every row with numpy before it builds a
 
 from __future__ import annotations
 
-import bisect
+import functools
+import itertools
 import json
 import struct
 import zlib
@@ -79,18 +80,22 @@ class Head:
     def blobs(self) -> dict[str, int]:
         return dict(zip(self.keys, self.sizes))
 
-    def frames_for(self, leaves: Collection[int] | None) -> list[int]:
+    def frames_for(self, leaves: Collection[int] | np.ndarray | None) -> list[int]:
         """The positions of the frames holding rows of ``leaves`` (None: every frame)."""
         if leaves is None:
             return list(range(len(self.frames)))
-        lasts = [f.last for f in self.frames]
-        out: set[int] = set()
-        for leaf in leaves:
-            k = bisect.bisect_left(lasts, leaf)
-            while k < len(self.frames) and self.frames[k].first <= leaf:
-                out.add(k)
-                k += 1
-        return sorted(out)
+        wanted = leaf_array(leaves)
+        bounds = np.array([(f.first, f.last) for f in self.frames], dtype=np.int64).reshape(-1, 2)
+        hits = np.searchsorted(wanted, bounds[:, 1], "right") - np.searchsorted(wanted, bounds[:, 0], "left")
+        return np.flatnonzero(hits > 0).tolist()
+
+
+def leaf_array(leaves: Collection[int] | np.ndarray) -> np.ndarray:
+    """``leaves`` as a sorted int64 array (what :meth:`Head.frames_for` and :func:`decode_frame`
+    take; a reader of many index objects converts its set once)."""
+    if isinstance(leaves, np.ndarray):
+        return leaves
+    return np.sort(np.fromiter(leaves, dtype=np.int64, count=len(leaves)))
 
 
 class LeafTable:
@@ -308,7 +313,7 @@ def decode_frame(
     body: bytes,
     table: LeafTable,
     doc_name: str,
-    keep: Collection[int] | None = None,
+    keep: Collection[int] | np.ndarray | None = None,
 ) -> dict[int, list[Piece]]:
     """Frame ``k``'s rows of the leaves ``keep`` (None: all), by leaf, after checking every row.
 
@@ -381,7 +386,11 @@ def decode_frame(
         row = int(np.argmax(~fits))
         raise bad(f"row {row}: bytes beyond blob {head.keys[int(blob[row])]!r}")
     shas = np.frombuffer(raw, np.uint8, _SHA * n, f.raw_length - _SHA * n).reshape(n, _SHA) if digest else None
-    wanted = None if keep is None else np.isin(leaf, np.fromiter(keep, dtype=np.int64, count=len(keep)))
+    wanted = None
+    if keep is not None:
+        keep = leaf_array(keep)
+        at = np.minimum(np.searchsorted(keep, leaf), max(len(keep) - 1, 0))
+        wanted = keep[at] == leaf if len(keep) else np.zeros(n, dtype=bool)
     out: dict[int, list[Piece]] = {}
     for sel, box in groups:
         if wanted is not None:
@@ -404,6 +413,9 @@ def _unplanar(raw: bytes, offset: int, count: int, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(planes.T).view(dtype).reshape(count)
 
 
+_NEW_PIECE = functools.partial(tuple.__new__, Piece)
+
+
 def _build(
     out: dict[int, list[Piece]],
     sel: np.ndarray,
@@ -416,17 +428,16 @@ def _build(
     blob, offset, length, crc, shas = columns
     assert blob is not None and offset is not None and length is not None and crc is not None
     if box is None:
-        starts: Any = [()] * len(sel)
+        starts: Any = itertools.repeat(())
         stops: Any = starts
-    else:
+    else:  # zip makes the coordinate tuples in C, from one list per dimension
         r = box.shape[1] // 2
-        starts = map(tuple, box[:, :r].tolist())
-        stops = map(tuple, box[:, r:].tolist())
+        cols = box.T.tolist()
+        starts, stops = zip(*cols[:r]), zip(*cols[r:])
     names = map(keys.__getitem__, blob[sel].tolist())
-    args = [starts, stops, names, offset[sel].tolist(), length[sel].tolist(), crc[sel].tolist()]
-    if shas is not None:
-        args.append([bytes(d).hex() for d in shas[sel]])
-    pieces = list(map(Piece, *args))
+    digests = itertools.repeat(None) if shas is None else [bytes(d).hex() for d in shas[sel]]
+    rows = zip(starts, stops, names, offset[sel].tolist(), length[sel].tolist(), crc[sel].tolist(), digests)
+    pieces = list(map(_NEW_PIECE, rows))  # tuple.__new__: no Python frame per piece
     leaves = leaf[sel]
     bounds = [0, *(np.flatnonzero(np.diff(leaves)) + 1).tolist(), len(sel)]
     for a, b in zip(bounds, bounds[1:]):
