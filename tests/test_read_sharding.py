@@ -130,6 +130,8 @@ def test_the_bytes_moved_are_each_device_target_box_less_what_it_read() -> None:
         expected[p] = expected.get(p, 0) + (_volume(target[d]) - held) * 4
     assert choice.moved.tolist() == [expected[h] for h in choice.hosts]
     assert choice.host_moved(3) == expected[3]
+    host_3 = [d for d, p in zip(mesh.devices, mesh.processes) if p == 3]
+    assert choice.moved_to(host_3) == expected[3] and choice.moved_to(mesh.devices) == choice.moved_bytes
 
 
 def test_the_saved_sharding_itself_is_read_directly_at_one() -> None:

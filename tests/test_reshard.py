@@ -110,3 +110,28 @@ def test_one_process_reads_directly(s3_store) -> None:
     )["w"]
     assert stats.device_bytes_moved == 0
     assert np.asarray(w).tobytes() == host.tobytes()
+
+
+@pytest.mark.s3
+def test_other_devices_read_on_a_mesh_of_their_own_lined_up_with_the_saved_cells(s3_store, stand_in_hosts) -> None:
+    # Saved on devices 0-3, restored onto devices 4-7 in an order that gives each stand-in host every
+    # other column block (whole saved pieces: 2x its need): the read mesh is built over 4-7.
+    host = (np.arange(np.prod(SHAPE), dtype=np.float32) * 0.37 % 251).reshape(SHAPE)
+    saved = jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=jax.devices()[:4])
+    objckpt.save(
+        s3_store.url,
+        {"w": jax.device_put(host, NamedSharding(saved, P("fsdp", "tensor")))},
+        storage_options=s3_store.storage_options,
+    )
+    devices = jax.devices()
+    sharding = NamedSharding(Mesh(np.array([devices[k] for k in (4, 6, 5, 7)]), ("x",)), P(None, "x"))
+    stats = objckpt.TransferStats()
+    w = objckpt.restore(
+        s3_store.url,
+        {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=sharding)},
+        storage_options=s3_store.storage_options,
+        stats=stats,
+    )["w"]
+    assert w.sharding == sharding and stats.device_bytes_moved > 0
+    for shard in w.addressable_shards:
+        assert np.asarray(shard.data).tobytes() == host[shard.index].tobytes()

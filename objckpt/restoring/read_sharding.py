@@ -30,7 +30,7 @@ share. Pure: no I/O and no device memory.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +76,8 @@ class ReadChoice:
     fetched_direct: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     fetched_read: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     moved: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # bytes received per host
+    device_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the target's, in mesh order
+    device_moved: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # bytes received per device
 
     @property
     def amplification(self) -> float:
@@ -95,6 +97,12 @@ class ReadChoice:
         if not self.reshard or process not in self.hosts:
             return 0
         return int(self.moved[self.hosts.index(process)])
+
+    def moved_to(self, devices: Iterable[int]) -> int:
+        """Bytes the reshard brings to the devices with these ids (0 when read directly)."""
+        if not self.reshard:
+            return 0
+        return int(self.device_moved[np.isin(self.device_ids, np.fromiter(devices, np.int64))].sum())
 
 
 DIRECT = ReadChoice(False, 1.0, 1.0)
@@ -155,6 +163,8 @@ def choose(grid: Grid, target: Mesh, spec: Spec, *, threshold: float = RESHARD_A
         fetched,
         fetched_read,
         moved,
+        np.asarray(target.devices, np.int64),
+        moved_device,
     )
 
 

@@ -96,7 +96,7 @@ def reshard(
         if placed is not read:
             read.delete()
         out[i] = placed
-        moved += reads[i].choice.host_moved(here)
+        moved += reads[i].choice.moved_to(d.id for d in reads[i].target.mesh.devices.flat if d.process_index == here)
     if stats is not None and moved:
         stats.add(device_bytes_moved=moved)
     if reads:
