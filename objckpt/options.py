@@ -77,8 +77,9 @@ class Options:
             count blobs, rounded up to a multiple of ``blob_size`` and held
             between ``blob_size`` and ``max_blob_size``
             (:func:`objckpt.saving.blob_sizing.blob_size_for`). Small saves keep
-            ``blob_size``; a 5.7 TB save from 1,024 processes makes ~5 GiB per
-            process into 32 blobs of 128–192 MiB instead of ~170 of 32 MiB.
+            ``blob_size``; a 5.7 TB save from 1,024 processes (5.2 GiB each)
+            writes 128 MiB blobs (``save``: a quarter of the 512 MiB staging
+            pool) or 192 MiB ones (``save_async``) instead of 32 MiB ones.
             Restores read the same pieces either way.
         max_concurrency: requests in flight at once per operation, at most.
         adaptive_concurrency: when the store answers 429 or 503 SlowDown, halve
@@ -149,9 +150,6 @@ class Options:
             a checkpoint saved without it. Readers check the digests of any
             checkpoint that has them, whatever this says. None (the default):
             crc32c only, the format unchanged.
-        format_version: the checkpoint format a save writes: 3 (the default: index
-            objects a restore reads in part) or 2 (for readers of objckpt versions
-            that predate 3). Readers read 1, 2 and 3 whatever this says.
     """
 
     blob_size: int = 32 * MiB
@@ -175,7 +173,6 @@ class Options:
     tune_malloc: bool = False
     pause_gc: bool = False
     digest: str | None = None
-    format_version: int = 3
 
     def __post_init__(self) -> None:
         for name in (
@@ -202,8 +199,6 @@ class Options:
             raise ValueError(f"Options.coalesce_gap must be >= 0, got {self.coalesce_gap!r}")
         if self.digest not in (None, *DIGESTS):
             raise ValueError(f"Options.digest must be None or one of {', '.join(DIGESTS)}, got {self.digest!r}")
-        if self.format_version not in (2, 3) or type(self.format_version) is not int:
-            raise ValueError(f"Options.format_version must be 2 or 3, got {self.format_version!r}")
 
     def copied_read_limit(self, *, streamed: bool) -> int:
         """``max_read_size``, or its default for reads the store streams (``streamed``) or not."""

@@ -7,19 +7,23 @@ cold bucket's request budget; the same bytes in fewer, larger objects go in
 seconds. So a save aims at ``Options.blobs_per_save`` blobs in all: each of its
 ``P`` processes packs its own bytes into about ``blobs_per_save / P`` blobs
 (:func:`blob_size_for`). No process needs another's figures: blob keys are per
-process, and a reader takes each blob's size from the index object.
+process, and a reader takes each blob's size from the index object. The default,
+32,768, leaves room under 50,000 PUTs for what else a save writes (each process's
+index object and live-save marker, the root) and for blobs that packing leaves
+part-filled: 1,024 processes make about 32 blobs each.
 
 Bounds, and why:
 
 * ``Options.blob_size`` is the floor, and the largest piece: pieces are still cut
-  at it (:func:`split_pieces`), so a blob of larger size holds several of today's
-  pieces and a restore reads exactly what it read before (its GETs are pieces, or
-  runs of them up to ``Options.read_chunk``, never a whole blob because it is
-  one). Small saves stay at the floor: ``blobs_per_save`` blobs of 32 MiB are a
+  at it (:func:`split_pieces`), so a larger blob holds the same pieces as several
+  blobs of ``blob_size`` would, and a restore makes the same reads (its GETs are
+  pieces, or runs of them up to ``Options.read_chunk``; a blob's size sets none). Small saves stay at the floor: ``blobs_per_save`` blobs of 32 MiB are a
   terabyte.
-* ``Options.max_blob_size`` caps one object, so a failed PUT resends at most that
-  much and one PUT stays one request (the stores send blobs of up to this size in
-  a single request: S3's single-PUT limit is 5 GiB, GCS's 5 TiB).
+* ``Options.max_blob_size`` (256 MiB) caps one object, so a failed PUT resends at
+  most that much, and a PUT at a slow connection's 10 MB/s still ends well inside
+  ``Options.request_timeout``. Each blob is one request: the stores send objects
+  of up to 5 GiB (S3's single-PUT limit; GCS's is 5 TiB) in a single PUT, not as
+  a multipart upload of N + 2 requests.
 * A staged blob is held whole while its PUT runs (one body, one request), so one
   blob takes at most a quarter of the staging memory (:func:`staging_limit`): the
   save's buffers stay within ``Options.memory_budget`` (the staging pool holds
@@ -33,8 +37,9 @@ from collections.abc import Iterable
 from objckpt.core.plan import OwnedPiece, split_box
 from objckpt.options import Options
 
-#: A blob is at most this fraction's inverse of the staging memory: one being copied
-#: while the others upload (three, when blobs carry their few KiB of spacing).
+#: A blob takes at most 1/MIN_STAGED_BLOBS of the staging memory, so that the pool holds
+#: several at once (three: a blob may run a few KiB past its size), one being copied while
+#: the others upload.
 MIN_STAGED_BLOBS = 4
 
 
