@@ -150,6 +150,9 @@ class Options:
             a checkpoint saved without it. Readers check the digests of any
             checkpoint that has them, whatever this says. None (the default):
             crc32c only, the format unchanged.
+        format_version: the checkpoint format a save writes: 3 (the default: index
+            objects a restore reads in part) or 2 (for readers of objckpt versions
+            that predate 3). Readers read 1, 2 and 3 whatever this says.
     """
 
     blob_size: int = 32 * MiB
@@ -173,6 +176,7 @@ class Options:
     tune_malloc: bool = False
     pause_gc: bool = False
     digest: str | None = None
+    format_version: int = 3
 
     def __post_init__(self) -> None:
         for name in (
@@ -199,6 +203,8 @@ class Options:
             raise ValueError(f"Options.coalesce_gap must be >= 0, got {self.coalesce_gap!r}")
         if self.digest not in (None, *DIGESTS):
             raise ValueError(f"Options.digest must be None or one of {', '.join(DIGESTS)}, got {self.digest!r}")
+        if self.format_version not in (2, 3) or type(self.format_version) is not int:
+            raise ValueError(f"Options.format_version must be 2 or 3, got {self.format_version!r}")
 
     def copied_read_limit(self, *, streamed: bool) -> int:
         """``max_read_size``, or its default for reads the store streams (``streamed``) or not."""
