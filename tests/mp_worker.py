@@ -180,12 +180,18 @@ def count_index_reads() -> list[int]:
 
     read: list[int] = []
     original = manifest_io.parse_index
+    original3 = manifest_io.read_index3
 
     def parse(data: bytes, manifest: Any, process: int, **kwargs: Any) -> Any:
         read.append(process)
         return original(data, manifest, process, **kwargs)
 
+    async def read3(store: Any, manifest: Any, process: int, *args: Any, **kwargs: Any) -> Any:  # format v3
+        read.append(process)
+        return await original3(store, manifest, process, *args, **kwargs)
+
     manifest_io.parse_index = parse  # type: ignore[assignment]
+    manifest_io.read_index3 = read3  # type: ignore[assignment]
     return read
 
 
