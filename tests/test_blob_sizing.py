@@ -229,3 +229,37 @@ def test_larger_blobs_round_trip_and_restores_read_the_same_pieces(s3_store, mon
     for got in (reads, base_reads):  # every byte once, and only the spacing between joined pieces besides
         assert nbytes <= sum(b - a for _, a, b in got) <= nbytes + 128 * len(pieces)
     assert stats.requests <= base_stats.requests
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_each_of_two_processes_sizes_its_own_blobs_and_the_save_restores(s3_store):
+    """Two JAX processes, no coordination about sizes: each packs its own bytes into about
+    blobs_per_save / 2 blobs, pieces stay at the floor, and both read the save back bit-exact."""
+    from tests.multiprocess import run_processes
+
+    options = {"blob_size": FLOOR, "max_blob_size": 64 * FLOOR, "blobs_per_save": 8, "barrier_timeout": 60}
+    job = {
+        "kind": "save",
+        "restore_after": True,
+        "url": s3_store.url,
+        "storage_options": s3_store.storage_options,
+        "mesh": [2, 4],
+        "axes": ["data", "model"],
+        "scale": 8,
+        "options": options,
+    }
+    results = run_processes(2, job)
+    assert all(r is not None for r in results), results
+    assert all(r["restore"]["mismatches"] == [] for r in results), results
+
+    manifest = full_manifest(from_url(s3_store.url, **s3_store.storage_options))
+    pieces = [p for leaf in manifest.leaves for p in leaf.pieces]
+    assert pieces and all(p.length <= FLOOR for p in pieces)
+    for process in (0, 1):
+        mine = [b for b in manifest.blobs if f"-p{process}-" in b.key]
+        written = sum(p.length for p in pieces if f"-p{process}-" in p.blob)
+        size = blob_size_for(written, processes=2, floor=FLOOR, ceiling=64 * FLOOR, blobs_per_save=8)
+        assert size >= 8 * FLOOR  # the rule chose blobs well above the floor from this process's bytes
+        assert max(b.size for b in mine) <= size + PACKING_SLACK
+        assert len(mine) <= 4 + 2 < written // FLOOR  # about 8 / 2 blobs, where the floor makes dozens
