@@ -80,7 +80,7 @@ def test_cp_between_s3_locations_refuses_a_declared_blob_size_the_store_does_not
     s3_service.make_bucket(DST_BUCKET)
     src = s3_service.url(f"{_name()}/ckpt")
     so = s3_service.storage_options()
-    objckpt.save(src, _state(1), storage_options=so)
+    objckpt.save(src, _state(1), storage_options=so, options=objckpt.Options(format_version=2))  # JSON index
     store = from_url(src, **so)
     declared: dict[str, Any] = {}
 
