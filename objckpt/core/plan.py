@@ -325,6 +325,8 @@ def plan_reads(
         by_blob[item[1].blob].append(item)
     free = _FreeSpace(layout, by_blob)
     kept_limit = max(max_read_size, max_kept_read_size + PACKING_SLACK)
+    if kept_limit == max_read_size:
+        kept = None  # a kept read may grow no larger than any other: no need to ask
     spaced = SPACER + ALIGN
     requests: list[ReadRequest] = []
     for blob, items in by_blob.items():
@@ -360,6 +362,9 @@ def _item_offset(item: tuple[int, Piece]) -> int:
     return item[1].offset
 
 
+_PLACE = operator.attrgetter("blob", "offset", "length")
+
+
 class _FreeSpace:
     """Which bytes of each blob belong to no piece, from the checkpoint's layout.
 
@@ -368,18 +373,22 @@ class _FreeSpace:
     """
 
     def __init__(self, layout: Iterable[Piece], blobs: Container[str]) -> None:
-        spans: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        for piece in layout:
-            blob = piece.blob
-            if blob in blobs:
-                offset = piece.offset
-                spans[blob].append((offset, offset + piece.length))
         self._starts: dict[str, list[int]] = {}
         self._ends: dict[str, list[int]] = {}
-        for blob, pairs in spans.items():
-            pairs.sort()  # pieces never overlap, so their ends are sorted too
-            self._starts[blob] = [a for a, _ in pairs]
-            self._ends[blob] = [b for _, b in pairs]
+        starts, ends = self._starts, self._ends
+        for blob, offset, length in map(_PLACE, layout):
+            if blob in blobs:
+                found = starts.get(blob)
+                if found is None:
+                    found = starts[blob] = []
+                    ends[blob] = []
+                found.append(offset)
+                ends[blob].append(offset + length)
+        for blob, firsts in starts.items():
+            if any(map(operator.ge, firsts, firsts[1:])):  # index objects list a blob's pieces in order, mostly
+                pairs = sorted(zip(firsts, ends[blob]))  # pieces never overlap, so their ends are sorted too
+                starts[blob] = [a for a, _ in pairs]
+                ends[blob] = [b for _, b in pairs]
 
     def between(self, blob: str, a: int, b: int) -> bool:
         """True if no piece has a byte in ``[a, b)`` (False when the layout is unknown)."""

@@ -152,9 +152,7 @@ class LeafPlan:
     @functools.cached_property
     def assembled(self) -> list[Box]:
         """Boxes no single planned piece equals (filled from parts, never adopted)."""
-        exact = {(piece.start, piece.stop) for piece in self.pieces}
-        counts = self.box_pieces
-        return [box for box in self.read_boxes if box not in exact and counts[box]]
+        return list(self._meeting.assembled)
 
     @functools.cached_property
     def needs_assembly(self) -> bool:
@@ -230,9 +228,17 @@ class _Meeting:
                 for box, _ in met:
                     counts[box] += 1
                 positions.append(k)
+        self.boxes = boxes
+        self.geometry = geometry
         self.positions: tuple[int, ...] = tuple(positions)
         self.meets = meets
         self.counts = counts
+
+    @functools.cached_property
+    def assembled(self) -> tuple[Box, ...]:
+        """See :attr:`LeafPlan.assembled`."""
+        exact = {self.geometry[k] for k in self.positions}
+        return tuple(box for box in self.boxes if box not in exact and self.counts[box])
 
     @functools.cached_property
     def uncovered(self) -> Box | None:
