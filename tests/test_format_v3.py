@@ -383,3 +383,13 @@ def test_a_digest_save_pins_every_frame(store_target_factory):
     doc = json.loads(_get(store, ref["key"])[12 : ref["head"]])
     assert all(len(f) == 8 and len(f[7]) == 64 for f in doc["frames"])
     assert all(p.sha256 for leaf in full_manifest(store).leaves for p in leaf.pieces)
+
+
+@pytest.mark.parametrize("whole_below", [0, 1 << 20])
+def test_an_object_longer_than_the_root_says_is_refused(saved, monkeypatch, whole_below):
+    """Bytes after the last frame: read one byte past the declared size, with the last frame or whole."""
+    monkeypatch.setattr("objckpt.layouts.index3_io.WHOLE_BELOW", whole_below)
+    store = saved.open()
+    ref = _root(store)["indexes"][0]
+    runtime.run_sync(store.put(ref["key"], _get(store, ref["key"]) + b"\0"))
+    _refused(saved, f"index object {ref['key']} is longer than the {ref['size']} bytes the manifest says", ref["key"])

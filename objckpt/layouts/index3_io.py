@@ -76,7 +76,9 @@ async def _read_once(
     ref = manifest.indexes[process]
     wanted = None if leaves is None else leaf_array(leaves)
     whole = ref.size <= WHOLE_BELOW
-    first = await store.get_range(ref.key, start=0, end=ref.size if whole else ref.head)
+    first = await store.get_range(ref.key, start=0, end=ref.size + 1 if whole else ref.head)
+    if len(first) > ref.size:  # one byte more than the root says tells a longer object
+        raise FormatError(f"{doc_name} is longer than the {ref.size} bytes the manifest says")
     head = parse_head(first, manifest, process)
     picks = head.frames_for(wanted)
     pieces: dict[int, list[Piece]] = {}
@@ -85,15 +87,16 @@ async def _read_once(
     if whole:
         bodies = [first[head.frames[k].offset : head.frames[k].offset + head.frames[k].length] for k in picks]
     else:
-        bodies = await _fetch_frames(store, ref.key, head, picks)
+        bodies = await _fetch_frames(store, ref.key, head, picks, doc_name)
     for k, body in zip(picks, bodies):
         for leaf, found in decode_frame(head, k, body, table, doc_name, wanted).items():
             pieces.setdefault(leaf, []).extend(found)
     return IndexDoc(process, head.blobs, pieces)
 
 
-async def _fetch_frames(store: Store, key: str, head: Head, picks: list[int]) -> list[bytes]:
-    """The bytes of frames ``picks`` (ascending), read as coalesced ranged GETs in parallel."""
+async def _fetch_frames(store: Store, key: str, head: Head, picks: list[int], doc_name: str) -> list[bytes]:
+    """The bytes of frames ``picks`` (ascending), read as coalesced ranged GETs in parallel; the
+    GET of the object's last frame asks one byte more, to tell an object longer than the root says."""
     runs: list[list[int]] = []
     for k in picks:
         f = head.frames[k]
@@ -109,7 +112,10 @@ async def _fetch_frames(store: Store, key: str, head: Head, picks: list[int]) ->
     async def run(ks: list[int]) -> list[bytes]:
         begin = head.frames[ks[0]].offset
         end = head.frames[ks[-1]].offset + head.frames[ks[-1]].length
-        data = await store.get_range(key, start=begin, end=end)
+        tail = ks[-1] == len(head.frames) - 1
+        data = await store.get_range(key, start=begin, end=end + tail)
+        if len(data) > end - begin:
+            raise FormatError(f"{doc_name} is longer than the {end} bytes the manifest says")
         return [data[head.frames[k].offset - begin : head.frames[k].offset - begin + head.frames[k].length] for k in ks]
 
     got = await asyncio.gather(*(run(ks) for ks in runs))
