@@ -393,3 +393,46 @@ def test_an_object_longer_than_the_root_says_is_refused(saved, monkeypatch, whol
     ref = _root(store)["indexes"][0]
     runtime.run_sync(store.put(ref["key"], _get(store, ref["key"]) + b"\0"))
     _refused(saved, f"index object {ref['key']} is longer than the {ref['size']} bytes the manifest says", ref["key"])
+
+
+# ----------------------------------------------------------------------------- the codec alone
+
+
+def _codec_manifest(data: bytes, head: int, leaves, digest: str | None = None):
+    from objckpt.core.format import IndexRef, LeafEntry, Manifest
+    from objckpt.core.format.index import index_key
+
+    save_id = "5" * 32
+    sha = None if digest is None else __import__("hashlib").sha256(data[:head]).hexdigest()
+    ref = IndexRef(index_key(save_id, 0), len(data), crc32c(data[:head]), 2, 2 << 20, sha, head)
+    entries = tuple(LeafEntry(f"['l{i}']", "array", "float32", shape) for i, shape in enumerate(leaves))
+    tree = {"t": "list", "c": [{"t": "leaf", "i": i} for i in range(len(leaves))]}
+    return Manifest(save_id, "now", tree, entries, (), version=3, indexes=(ref,), shared_save_id=True)
+
+
+@pytest.mark.parametrize("digest", [None, "sha256"])
+def test_rows_of_every_rank_round_trip_and_a_long_leaf_spans_frames(digest):
+    from objckpt.core.format.index3 import index3_encode, parse_head, parse_index3
+    from objckpt.core.pieces import Piece
+
+    shapes = [(), (64,), (600, 4, 2), (8, 8)]
+    blobs = {"aa/x-p0-000000.blob": 1 << 20, "bb/x-p0-000001.blob": 1 << 20}
+    sha = "ab" * 32 if digest else None
+    records = [(0, Piece((), (), "aa/x-p0-000000.blob", 0, 4, 7, sha))]
+    records += [(1, Piece((i * 8,), (i * 8 + 8,), "bb/x-p0-000001.blob", 64 * i, 32, i, sha)) for i in range(8)]
+    records += [
+        (2, Piece((i, 0, 0), (i + 1, 4, 2), "aa/x-p0-000000.blob", 64 + 64 * i, 32, i, sha)) for i in range(600)
+    ]
+    records += [(3, Piece((0, 0), (8, 8), "bb/x-p0-000001.blob", 4096, 256, 9, sha))]
+    encoded = index3_encode("5" * 32, 0, records[::-1], blobs, digest=digest is not None, frame_target=4096)
+    manifest = _codec_manifest(encoded.data, encoded.head, shapes, digest)
+    head = parse_head(encoded.data, manifest, 0)
+    assert len(head.frames) >= 5 and [f for f in head.frames if f.first == f.last == 2][1:]  # leaf 2 spans frames
+    assert head.frames_for([0]) == [0] and head.frames_for([3]) == [len(head.frames) - 1]
+    assert len(head.frames_for([2])) >= 3
+    doc = parse_index3(encoded.data, manifest, 0)
+    assert {leaf: sorted(ps) for leaf, ps in doc.pieces.items()} == {
+        leaf: sorted(p for i, p in records if i == leaf) for leaf in range(4)
+    }
+    part = parse_index3(encoded.data, manifest, 0, leaves={1, 3})
+    assert sorted(part.pieces) == [1, 3] and len(part.pieces[1]) == 8
