@@ -15,9 +15,12 @@ bytes per PUT (blob sizes as a synchronous save picks them), the whole save's PU
 index object, the report it sends the primary, and the primary's commit (decode every
 report, build and encode the root manifest). Restore side, per target, for a sample of
 its hosts (``scale.hosts.sample_hosts``: hosts 0, 1, 8, three spread through the rest and
-the last two): index objects read, metadata bytes, parse + plan CPU-s, extra peak
-memory, GETs per 16 MiB and bytes fetched ÷ bytes the host's target boxes need; the WORST
-host and the MEDIAN of the sample, and which host was worst (``scale/``).
+the last two), through restore's own steps as they are now (leaves whose target boxes cut
+the saved pieces read on the saved layout and resharded on the devices:
+``restoring.read_sharding``): index objects read, metadata bytes, parse + plan CPU-s,
+extra peak memory, GETs per 16 MiB, bytes fetched ÷ bytes the host's target boxes need,
+and beside them the bytes the reshard moves into the host's devices from others; the
+WORST host and the MEDIAN of the sample, and which host was worst (``scale/``).
 
 Only the index objects of the processes some sampled host reads are built (by planning
 that process's save); the root lists every other process with host 1's figures (the same
@@ -25,6 +28,7 @@ size by symmetry).
 
     python -m benchmarks.bench_scale [--devices 64,512,4096] [--layouts unstacked,stacked]
         [--out benchmarks/results/scale.json] [--layers 126] [--fit unstacked=2,8] [--repeats 2] [--jobs 2]
+        [--targets same,swapped,...]
 
 ``--fit LAYOUT=A,B`` runs LAYOUT at A and at B layers and fits each additive figure (bytes,
 CPU-s, requests, memory) to a straight line in the number of layers, reported at
@@ -69,8 +73,11 @@ RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_child(n: int, layouts: list[str], layers: int, repeats: int = 2) -> dict[str, Any]:
-    """Every figure at ``n`` forced CPU devices: one record per (layout, target), save side first.
+def run_child(
+    n: int, layouts: list[str], layers: int, repeats: int = 2, targets: tuple[str, ...] = TARGETS
+) -> dict[str, Any]:
+    """Every figure at ``n`` forced CPU devices: one record per (layout, target of ``targets``),
+    save side first.
 
     CPU times are the least of ``repeats`` runs (other work on the machine only ever adds to them).
     """
@@ -100,13 +107,15 @@ def run_child(n: int, layouts: list[str], layers: int, repeats: int = 2) -> dict
         provisional = saver.manifest(skeleton, None)
         restores = {}
         for name, target in targets_at(n).items():
-            if target is None:
+            if target is None or name not in targets:
                 continue
             wanted = target_leaves(target, layout, layers)
             sample = sample_hosts(target.hosts)
             restores[name] = (target, wanted, sample)
             for h in sample:
-                for p in writers_needed(provisional, wanted, host_devices(by_id, h, target.devices_per_host)):
+                for p in writers_needed(
+                    provisional, wanted, host_devices(by_id, h, target.devices_per_host), target.devices_per_host
+                ):
                     saver.plan(p)
 
         # The primary's commit: decode every report, build the root, encode it.
@@ -156,7 +165,7 @@ def run_child(n: int, layouts: list[str], layers: int, repeats: int = 2) -> dict
         objects = {index_key(SAVE_ID, p): plan["index"] for p, plan in saver.plans.items()}
         del saver, built
 
-        for name in TARGETS:
+        for name in targets:
             if name not in restores:
                 records.append({"devices": n, "layout": layout, "target_mesh": name, "skipped": "does not fit"})
                 continue
@@ -164,7 +173,8 @@ def run_child(n: int, layouts: list[str], layers: int, repeats: int = 2) -> dict
             hosts = []
             for h in sample:
                 try:
-                    got = measure_host(root, wanted, host_devices(by_id, h, target.devices_per_host), objects, repeats)
+                    devices = host_devices(by_id, h, target.devices_per_host)
+                    got = measure_host(root, wanted, devices, objects, repeats, per_host=target.devices_per_host)
                 except AssertionError as e:
                     raise AssertionError(f"{layout} → {name}, host {h}: {e}") from None
                 hosts.append({"host": h, **got})
@@ -194,7 +204,9 @@ def run_child(n: int, layouts: list[str], layers: int, repeats: int = 2) -> dict
     return {"devices": n, "wall_s": time.perf_counter() - wall, "records": records}
 
 
-def spawn_child(n: int, layouts: list[str], layers: int, *, timeout: float, repeats: int = 2) -> dict[str, Any]:
+def spawn_child(
+    n: int, layouts: list[str], layers: int, *, timeout: float, repeats: int = 2, targets: tuple[str, ...] = TARGETS
+) -> dict[str, Any]:
     """``run_child`` in a fresh Python with ``n`` forced CPU devices; killed (its whole group) on timeout."""
     env = dict(
         os.environ,
@@ -204,6 +216,7 @@ def spawn_child(n: int, layouts: list[str], layers: int, *, timeout: float, repe
     )
     argv = [sys.executable, "-m", "benchmarks.bench_scale", "--child", "--devices", str(n)]
     argv += ["--layouts", ",".join(layouts), "--layers", str(layers), "--repeats", str(repeats)]
+    argv += ["--targets", ",".join(targets)]
     proc = subprocess.Popen(
         argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -238,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "scale.json")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per child")
     parser.add_argument("--jobs", type=int, default=1, help="children run at once (CPU figures are per process)")
+    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated target meshes")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--table", type=Path, help="print docs/PERFORMANCE.md's table from this results file")
     args = parser.parse_args(argv)
@@ -248,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     layouts = [x for x in args.layouts.split(",") if x]
     if unknown := set(layouts) - set(LAYOUTS):
         parser.error(f"unknown layouts {sorted(unknown)}")
+    targets = tuple(x for x in args.targets.split(",") if x)
+    if unknown := set(targets) - set(TARGETS):
+        parser.error(f"unknown targets {sorted(unknown)}")
     if any(n < 8 or n % 8 for n in counts):
         parser.error("device counts must be multiples of 8")
     fits: dict[str, tuple[int, int]] = {}
@@ -259,11 +276,11 @@ def main(argv: list[str] | None = None) -> None:
         fits[name] = (a, b)
     if args.child:
         (n,) = counts
-        print("RESULT " + json.dumps(run_child(n, layouts, args.layers, args.repeats)), flush=True)
+        print("RESULT " + json.dumps(run_child(n, layouts, args.layers, args.repeats, targets)), flush=True)
         return
 
     def child(n: int, runs: list[str], layers: int) -> list[dict[str, Any]]:
-        result = spawn_child(n, runs, layers, timeout=args.timeout, repeats=args.repeats)
+        result = spawn_child(n, runs, layers, timeout=args.timeout, repeats=args.repeats, targets=targets)
         print(f"{n} devices, {','.join(runs)}, {layers} layers: {result['wall_s']:.1f} s", file=sys.stderr, flush=True)
         for r in result["records"]:
             r.setdefault("child_wall_s", result["wall_s"])

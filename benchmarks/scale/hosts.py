@@ -36,17 +36,23 @@ class IndexStore:
         return data
 
 
-def restore_plan(root: bytes, targets: dict[int, Any], devices: frozenset[Any], store: IndexStore) -> dict[str, Any]:
-    """One host's restore up to its reads, with ``objckpt.restoring.api``'s own steps: parse the
-    root, plan the leaves, read the index objects the layouts name (``read_needed_indexes``: only
-    the leaves it needs from each), plan the reads (``restoring.fetch.plan``), check coverage; the CPU seconds
-    of each (of every thread: the index reads run on objckpt's I/O thread)."""
+def restore_plan(
+    root: bytes, targets: dict[int, Any], devices: frozenset[Any], store: IndexStore, *, per_host: int
+) -> dict[str, Any]:
+    """One host's restore up to its reads, with ``objckpt.restoring.api._restore``'s own steps:
+    parse the root, choose the leaves read on the saved layout and resharded on the devices
+    (``plan_read_shardings``, hosts of ``per_host`` devices by id), plan each leaf on its read
+    sharding (those) or its target, read the index objects the layouts name
+    (``read_needed_indexes``: only the leaves it needs from each), plan the reads
+    (``restoring.fetch.plan``), check coverage; the CPU seconds of each (of every thread: the
+    index reads run on objckpt's I/O thread)."""
     from objckpt.core.format import parse_manifest
     from objckpt.layouts.native import NativeCheckpoint
     from objckpt.options import Options
     from objckpt.restoring.fetch import plan as _plan
     from objckpt.restoring.indexes import read_needed_indexes
     from objckpt.restoring.leaf_plan import plan_leaf
+    from objckpt.restoring.read_sharding import ReadPlanner, plan_read_shardings
 
     options = Options()
     clock = [time.process_time()]
@@ -58,9 +64,14 @@ def restore_plan(root: bytes, targets: dict[int, Any], devices: frozenset[Any], 
 
     manifest = parse_manifest(root, size_limit=options.manifest_size_limit)
     lap("parse_root")
-    plans = {i: plan_leaf(manifest.leaves[i], t, devices=devices) for i, t in targets.items()}
+    planner = ReadPlanner(process_of=lambda d: d.id // per_host)
+    reads = plan_read_shardings(manifest, targets, planner=planner)
+    lap("read_shardings")
+    planned = {i: reads[i].read_target(t) if i in reads else t for i, t in targets.items()}
+    plans = {i: plan_leaf(manifest.leaves[i], t, devices=devices) for i, t in sorted(planned.items())}
     lap("make_jobs")
-    checkpoint = NativeCheckpoint(store, manifest, size_limit=options.manifest_size_limit)
+    # IndexStore has the one method index reads use (get_range), not a whole Store.
+    checkpoint = NativeCheckpoint(store, manifest, size_limit=options.manifest_size_limit)  # type: ignore[arg-type]
     manifest = read_needed_indexes(checkpoint, plans)
     plans = {i: p.with_entry(manifest.leaves[i]) for i, p in plans.items()}
     lap("indexes")
@@ -70,21 +81,46 @@ def restore_plan(root: bytes, targets: dict[int, Any], devices: frozenset[Any], 
     lap("coverage")
     return {
         "processes": set(manifest.loaded),
+        "manifest": manifest,
         "requests": requests,
         "plans": plans,
+        "reads": reads,
         "gaps": gaps,
         "phases": phases,
         "cpu_s": clock[-1] - clock[0],
     }
 
 
-def writers_needed(manifest: Any, targets: dict[int, Any], devices: frozenset[Any]) -> set[int]:
-    """The processes whose index objects a host of these devices reads (untimed: to know which to build)."""
+def writers_needed(manifest: Any, targets: dict[int, Any], devices: frozenset[Any], per_host: int) -> set[int]:
+    """The processes whose index objects a host of these devices reads, its resharded leaves
+    planned on their read shardings as restore plans them (untimed: to know which to build)."""
     from objckpt.core.format.v2 import leaves_by_writer
     from objckpt.restoring.leaf_plan import plan_leaf
+    from objckpt.restoring.read_sharding import ReadPlanner, plan_read_shardings
 
-    boxes = {i: plan_leaf(manifest.leaves[i], t, devices=devices).read_boxes for i, t in targets.items()}
+    reads = plan_read_shardings(manifest, targets, planner=ReadPlanner(process_of=lambda d: d.id // per_host))
+    planned = {i: reads[i].read_target(t) if i in reads else t for i, t in targets.items()}
+    boxes = {i: plan_leaf(manifest.leaves[i], t, devices=devices).read_boxes for i, t in planned.items()}
     return set(leaves_by_writer(manifest, boxes))
+
+
+def box_bytes(boxes: Any, itemsize: int) -> int:
+    """Bytes of ``boxes`` ((start, stop) pairs)."""
+    return sum(math.prod(b - a for a, b in zip(*box)) * itemsize for box in boxes)
+
+
+def needed_bytes(got: dict[str, Any], devices: frozenset[Any], per_host: int) -> int:
+    """Bytes of the host's devices' TARGET boxes: a resharded leaf's from its choice (the union
+    of the host's target boxes, the read boxes are other ones), every other leaf's from its plan."""
+    host = next(iter(devices)).id // per_host
+    reads, total = got["reads"], 0
+    for i, p in got["plans"].items():
+        if i in reads:
+            choice = reads[i].choice
+            total += int(choice.needed[choice.hosts.index(host)])
+        else:
+            total += box_bytes(p.read_boxes, p.dtype.itemsize)
+    return total
 
 
 # ----------------------------------------------------------------------------- the sample of hosts
@@ -98,6 +134,7 @@ WORST_OF = (
     "gets_per_16mib",
     "amplification",
     "piece_amplification",
+    "moved_bytes",
 )
 
 
@@ -116,39 +153,47 @@ def host_devices(by_id: dict[int, Any], host: int, per_host: int) -> frozenset[A
 
 
 def measure_host(
-    root: bytes, targets: dict[int, Any], devices: frozenset[Any], objects: dict[str, bytes], repeats: int
+    root: bytes,
+    targets: dict[int, Any],
+    devices: frozenset[Any],
+    objects: dict[str, bytes],
+    repeats: int,
+    *,
+    per_host: int,
 ) -> dict[str, Any]:
     """One host's figures: CPU the least of ``repeats`` runs, extra peak memory from one more
-    (traced: tracing slows allocation, so not timed)."""
+    (traced: tracing slows allocation, so not timed). Bytes needed are those of the host's
+    devices' target boxes; bytes fetched those of its planned reads; bytes moved those the
+    reshard brings to its devices from other devices (resharded leaves only)."""
     store = IndexStore(objects)
-    got = restore_plan(root, targets, devices, store)
+    got = restore_plan(root, targets, devices, store, per_host=per_host)
     for _ in range(repeats - 1):
-        again = restore_plan(root, targets, devices, IndexStore(objects))
+        again = restore_plan(root, targets, devices, IndexStore(objects), per_host=per_host)
         if again["cpu_s"] < got["cpu_s"]:
             got["cpu_s"], got["phases"] = again["cpu_s"], again["phases"]
         del again
     if got["gaps"]:  # restore would read every index object, then call the checkpoint malformed
         raise AssertionError(f"uncovered boxes {list(got['gaps'].items())[:3]}")
-    requests, plans = got["requests"], got["plans"]
-    needed = sum(
-        math.prod(b - a for a, b in zip(*box)) * p.dtype.itemsize for p in plans.values() for box in p.read_boxes
-    )
+    requests, reads = got["requests"], got["reads"]
+    ids = [d.id for d in devices]
     record = {
         "index_objects_read": len(got["processes"]),
         "metadata_bytes": len(root) + store.bytes_read,
         "parse_plan_cpu_s": got["cpu_s"],
         "phases_cpu_s": got["phases"],
         "requests": len(requests),
-        "needed_bytes": needed,
+        "needed_bytes": needed_bytes(got, devices, per_host),
         "read_bytes": sum(r.length for r in requests),
         # Without the spacing between pieces that a read may span (free bytes, see plan.SPACER).
         "piece_bytes_read": sum(part.piece.length for r in requests for part in r.parts),
+        "moved_bytes": sum(r.choice.moved_to(ids) for r in reads.values()),
+        "resharded_leaves": len(reads),
     }
-    del got, requests, plans
+    del got, requests, reads
     tracemalloc.start()
     try:
         tracemalloc.reset_peak()
-        again = restore_plan(root, targets, devices, IndexStore(objects))
+        again = restore_plan(root, targets, devices, IndexStore(objects), per_host=per_host)
         record["extra_peak_mib"] = tracemalloc.get_traced_memory()[1] / MiB
     finally:
         tracemalloc.stop()
@@ -176,8 +221,8 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         record["worst"][key] = record[key] = worst[key]
         record["worst_host"][key] = worst["host"]
         record["median"][key] = statistics.median(values)
-    for key in ("requests", "needed_bytes", "read_bytes"):
-        record[key] = max(h[key] for h in hosts)
+    for key in ("requests", "needed_bytes", "read_bytes", "resharded_leaves"):
+        record[key] = max(h.get(key, 0) for h in hosts)
     return record
 
 
@@ -208,6 +253,7 @@ HOST_LINEAR = (
     "needed_bytes",
     "read_bytes",
     "piece_bytes_read",
+    "moved_bytes",
 )
 
 
@@ -240,6 +286,8 @@ def extrapolate(low: list[dict[str, Any]], high: list[dict[str, Any]], layers: i
                 ha = hosts_a[hb["host"]]
                 h = dict(hb, **{k: fit(ha[k], hb[k]) for k in HOST_LINEAR})
                 h["index_objects_read"] = max(ha["index_objects_read"], hb["index_objects_read"])
+                if "resharded_leaves" in hb:  # a count of leaves: on the same line as they are
+                    h["resharded_leaves"] = fit(ha["resharded_leaves"], hb["resharded_leaves"])
                 r["hosts"].append(with_ratios(h))
             summarize(r)
         out.append(r)
