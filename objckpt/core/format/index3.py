@@ -36,8 +36,10 @@ from objckpt.errors import FormatError
 MAGIC = b"OBJCKIX3"
 _PREFIX = len(MAGIC) + 4  # the magic, then the JSON's byte length (u32 little-endian)
 #: A frame's rows are cut at the first leaf boundary past this many uncompressed bytes (a leaf with
-#: more rows than fit is cut between rows): ~600 rank-2 rows, a few KiB compressed.
-FRAME_TARGET = 32 << 10
+#: more rows than fit is cut between rows): ~2,500 rank-2 rows, ~16 KiB compressed. Measured on the
+#: 405B state's index objects at 4,096 devices (params only from all 1,024): 32 KiB frames read
+#: 27.5 MiB in 16.8 CPU-s, 128 KiB ones 25.4 MiB in 13.5 (better compression, fewer frames).
+FRAME_TARGET = 128 << 10
 #: The largest frame a reader decompresses (writers stay near FRAME_TARGET).
 FRAME_LIMIT = 16 << 20
 #: Blob sizes and piece bytes stay below this, so every sum of two fits an int64.
