@@ -17,7 +17,6 @@ import functools
 import math
 import operator
 import zlib
-from collections import defaultdict
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -320,48 +319,57 @@ def plan_reads(
     ``max_kept_read_size`` plus ``PACKING_SLACK`` (a whole packed blob): fewer,
     larger GETs.
     """
-    by_blob: dict[str, list[tuple[int, Piece]]] = defaultdict(list)
-    for item in wanted:
-        by_blob[item[1].blob].append(item)
+    # Per blob, its pieces' leaves and the pieces, side by side: no pair is kept per piece
+    # (a pod-scale restore plans hundreds of thousands; each kept object is more for the
+    # garbage collector to walk).
+    by_blob: dict[str, tuple[list[int], list[Piece]]] = {}
+    for leaf, piece in wanted:
+        found = by_blob.get(piece.blob)
+        if found is None:
+            found = by_blob[piece.blob] = ([], [])
+        found[0].append(leaf)
+        found[1].append(piece)
     free = _FreeSpace(layout, by_blob)
     kept_limit = max(max_read_size, max_kept_read_size + PACKING_SLACK)
     if kept_limit == max_read_size:
         kept = None  # a kept read may grow no larger than any other: no need to ask
     spaced = SPACER + ALIGN
     requests: list[ReadRequest] = []
-    for blob, items in by_blob.items():
-        items.sort(key=_item_offset)
-        group: list[tuple[int, Piece]] = []
+    for blob, (leaves, pieces) in by_blob.items():
+        offsets = list(map(_OFFSET, pieces))
+        order: Iterable[int] = range(len(pieces))
+        if any(map(operator.gt, offsets, offsets[1:])):
+            order = sorted(order, key=offsets.__getitem__)  # stable, as sorting the pieces by offset
+        group: list[int] = []
         start = end = 0
         group_kept = False
-        for item in items:
-            leaf, piece = item
-            offset = piece.offset
+        for k in order:
+            piece = pieces[k]
+            offset = offsets[k]
             p_end = offset + piece.length
             gap = offset - end
-            is_kept = kept is not None and kept(leaf, piece)
+            is_kept = kept is not None and kept(leaves[k], piece)
             if (
                 group
                 and (gap <= coalesce_gap or (gap <= spaced and free.between(blob, end, offset)))
                 and (end if end > p_end else p_end) - start <= (kept_limit if group_kept and is_kept else max_read_size)
             ):
-                group.append(item)
+                group.append(k)
                 if p_end > end:
                     end = p_end
                 group_kept = group_kept and is_kept
                 continue
             if group:
-                requests.append(_request(blob, start, end, group, free.before(blob, start)))
-            group, start, end, group_kept = [item], offset, p_end, is_kept
+                parts = tuple([ReadPart(leaves[j], pieces[j], offsets[j] - start) for j in group])
+                requests.append(ReadRequest(blob, start, end, parts, free.before(blob, start)))
+            group, start, end, group_kept = [k], offset, p_end, is_kept
         if group:
-            requests.append(_request(blob, start, end, group, free.before(blob, start)))
+            parts = tuple([ReadPart(leaves[j], pieces[j], offsets[j] - start) for j in group])
+            requests.append(ReadRequest(blob, start, end, parts, free.before(blob, start)))
     return requests
 
 
-def _item_offset(item: tuple[int, Piece]) -> int:
-    return item[1].offset
-
-
+_OFFSET = operator.attrgetter("offset")
 _PLACE = operator.attrgetter("blob", "offset", "length")
 
 
@@ -403,8 +411,3 @@ class _FreeSpace:
             return 0
         i = bisect.bisect_right(self._ends[blob], offset)
         return offset - (self._ends[blob][i - 1] if i else 0)
-
-
-def _request(blob: str, start: int, end: int, group: list[tuple[int, Piece]], slack: int = 0) -> ReadRequest:
-    parts = tuple([ReadPart(leaf, piece, piece.offset - start) for leaf, piece in group])
-    return ReadRequest(blob, start, end, parts, slack)

@@ -34,9 +34,7 @@ from objckpt.transfer.handle import Handle
 
 def plan(manifest: Manifest, plans: Mapping[int, LeafPlan], options: Options, *, streamed: bool) -> list[ReadRequest]:
     """The coalesced reads for ``plans`` (pure); ``streamed``: the store streams copied reads."""
-    wanted: list[tuple[int, Piece]] = []
-    for i, leaf in plans.items():
-        wanted.extend(zip(itertools.repeat(i), leaf.pieces))
+    wanted = itertools.chain.from_iterable(zip(itertools.repeat(i), leaf.pieces) for i, leaf in plans.items())
     # LeafPlan.whole_box, asked once per piece: the per-leaf half of it once per leaf.
     whole = {i: leaf.box_pieces for i, leaf in plans.items() if leaf.places_boxes and not leaf.casts}
 
