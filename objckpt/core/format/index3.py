@@ -432,10 +432,14 @@ def _build(
     if box is None:
         starts: Any = itertools.repeat(())
         stops: Any = starts
-    else:  # zip makes the coordinate tuples in C, from one list per dimension
+    else:  # one pair of coordinate tuples per distinct box (leaves of one shape and sharding repeat them)
         r = box.shape[1] // 2
-        cols = box.T.tolist()
-        starts, stops = zip(*cols[:r]), zip(*cols[r:])
+        rows = np.ascontiguousarray(box).view(np.dtype((np.void, 16 * r))).ravel()
+        distinct, inverse = np.unique(rows, return_inverse=True)
+        cols = distinct.view(box.dtype).reshape(-1, 2 * r).T.tolist()  # zip makes the tuples in C
+        firsts, lasts = list(zip(*cols[:r])), list(zip(*cols[r:]))
+        at = inverse.ravel().tolist()
+        starts, stops = map(firsts.__getitem__, at), map(lasts.__getitem__, at)
     names = map(keys.__getitem__, blob[sel].tolist())
     digests = itertools.repeat(None) if shas is None else [bytes(d).hex() for d in shas[sel]]
     rows = zip(starts, stops, names, offset[sel].tolist(), length[sel].tolist(), crc[sel].tolist(), digests)
