@@ -434,8 +434,8 @@ def _build(
         stops: Any = starts
     else:  # one pair of coordinate tuples per distinct box (leaves of one shape and sharding repeat them)
         r = box.shape[1] // 2
-        rows = np.ascontiguousarray(box).view(np.dtype((np.void, 16 * r))).ravel()
-        distinct, inverse = np.unique(rows, return_inverse=True)
+        boxes = np.ascontiguousarray(box).view(np.dtype((np.void, 16 * r))).ravel()
+        distinct, inverse = np.unique(boxes, return_inverse=True)
         cols = distinct.view(box.dtype).reshape(-1, 2 * r).T.tolist()  # zip makes the tuples in C
         firsts, lasts = list(zip(*cols[:r])), list(zip(*cols[r:]))
         at = inverse.ravel().tolist()
