@@ -89,8 +89,7 @@ async def _read_once(
     else:
         bodies = await _fetch_frames(store, ref.key, head, picks, doc_name)
     for k, body in zip(picks, bodies):
-        for leaf, found in decode_frame(head, k, body, table, doc_name, wanted).items():
-            pieces.setdefault(leaf, []).extend(found)
+        decode_frame(head, k, body, table, doc_name, wanted, pieces)
     return IndexDoc(process, head.blobs, pieces)
 
 

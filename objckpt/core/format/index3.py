@@ -316,8 +316,10 @@ def decode_frame(
     table: LeafTable,
     doc_name: str,
     keep: Collection[int] | np.ndarray | None = None,
+    out: dict[int, list[Piece]] | None = None,
 ) -> dict[int, list[Piece]]:
-    """Frame ``k``'s rows of the leaves ``keep`` (None: all), by leaf, after checking every row.
+    """Frame ``k``'s rows of the leaves ``keep`` (None: all), by leaf, after checking every row;
+    added to ``out`` when given (a reader of several frames collects them in one dict).
 
     Raises:
         FormatError: naming the index object, the frame and what is wrong.
@@ -393,7 +395,7 @@ def decode_frame(
         keep = leaf_array(keep)
         at = np.minimum(np.searchsorted(keep, leaf), max(len(keep) - 1, 0))
         wanted = keep[at] == leaf if len(keep) else np.zeros(n, dtype=bool)
-    out: dict[int, list[Piece]] = {}
+    out = {} if out is None else out
     for sel, box in groups:
         if wanted is not None:
             mask = wanted[sel]
@@ -466,6 +468,5 @@ def parse_index3(data: bytes, manifest: Manifest, process: int, *, leaves: Colle
     pieces: dict[int, list[Piece]] = {}
     for k in head.frames_for(None):
         f = head.frames[k]
-        for leaf, found in decode_frame(head, k, data[f.offset : f.offset + f.length], table, doc_name, leaves).items():
-            pieces.setdefault(leaf, []).extend(found)
+        decode_frame(head, k, data[f.offset : f.offset + f.length], table, doc_name, leaves, pieces)
     return IndexDoc(process, head.blobs, pieces)
