@@ -1,11 +1,13 @@
-"""objckpt's own layout (format versions 1 and 2), read as a :class:`NativeCheckpoint`.
+"""objckpt's own layout (format versions 1, 2 and 3), read as a :class:`NativeCheckpoint`.
 
 The root manifest says the version. Version 1 holds every piece in the root;
 version 2 lists one index object per saving process, read on demand: a restore
 reads those of the processes that wrote the boxes it needs
 (:meth:`NativeCheckpoint.read_needed`), the tools that look at a whole
 checkpoint (``verify``, ``cp``, ``gc``) read them all
-(:meth:`NativeCheckpoint.read_whole`). Which reads a version needs is decided
+(:meth:`NativeCheckpoint.read_whole`). Version 3 lists them too; a restore reads
+of each only its head and the frames of the leaves it needs
+(:mod:`objckpt.layouts.index3_io`). Which reads a version needs is decided
 here and in :mod:`objckpt.layouts.manifest_io`, nowhere else.
 """
 
