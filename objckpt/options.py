@@ -150,6 +150,16 @@ class Options:
             a checkpoint saved without it. Readers check the digests of any
             checkpoint that has them, whatever this says. None (the default):
             crc32c only, the format unchanged.
+        reshard: restore a leaf whose target boxes cut the saved pieces (mesh axes
+            swapped, another device order, another device count) by reading it on a
+            sharding of the target's devices lined up with the saved pieces and moving
+            it to the target sharding on the devices, where that makes the host that
+            fetches most read fewer bytes (:mod:`objckpt.restoring.read_sharding`).
+            Device memory then holds one leaf beyond the restored ones while it moves.
+            False reads every leaf directly onto its target sharding (whole saved
+            pieces, up to many times the bytes needed where the target cuts them), for
+            jobs whose devices cannot hold one extra leaf. Every process of a restore
+            must pass the same value: the processes that reshard join a collective.
         format_version: the checkpoint format a save writes: 3 (the default: index
             objects a restore reads in part) or 2 (for readers of objckpt versions
             that predate 3). Readers read 1, 2 and 3 whatever this says.
@@ -176,6 +186,7 @@ class Options:
     tune_malloc: bool = False
     pause_gc: bool = False
     digest: str | None = None
+    reshard: bool = True
     format_version: int = 3
 
     def __post_init__(self) -> None:

@@ -14,9 +14,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from objckpt.core.layout import Grid, Mesh
-from objckpt.restoring.read_sharding import REPLICA_AXIS, ReadPlanner, choose
+from objckpt.restoring import read_sharding
+from objckpt.restoring.read_sharding import REPLICA_AXIS, RESHARD_MIN_SAVED, ReadPlanner, choose
 
 SLAB = 1 << 10
+
+
+@pytest.fixture(autouse=True)
+def no_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leaves here are a few KiB: the cost model is checked without the floor, which its own tests set."""
+    monkeypatch.setattr(read_sharding, "RESHARD_MIN_SAVED", 0)
 
 
 def _mesh(axes, ids, per_host):
@@ -189,3 +196,36 @@ def test_the_choice_is_the_same_on_every_call_and_cached() -> None:
     assert read.device_set == target.device_set
     assert read.spec == P("fsdp", "tensor")
     assert [d.id for d in read.mesh.devices.flat] == list(saved.devices)
+
+
+@pytest.mark.parametrize("case", ["fsdp minor, tensor=8", "swapped axes"])
+def test_a_leaf_is_resharded_only_when_it_saves_the_busiest_host_a_mebibyte(case: str) -> None:
+    mesh, spec = CASES[case]
+    small = choose(_grid(SAVED, LAYERS, SHAPE), mesh, spec, min_saved=RESHARD_MIN_SAVED)  # 8 KiB: bytes saved < 1 MiB
+    assert small.direct_amplification > 1.5 and not small.reshard and small.amplification == small.direct_amplification
+    assert small.moved_bytes == 0
+    large = choose(_grid(SAVED, LAYERS, (4096, 2048)), mesh, spec, min_saved=RESHARD_MIN_SAVED)  # 32 MiB
+    assert large.reshard and large.amplification <= 1.0
+    assert int(large.fetched_direct.max()) - int(large.fetched_read.max()) >= RESHARD_MIN_SAVED
+
+
+def test_a_small_leaf_read_many_times_over_is_resharded_anyway() -> None:
+    # Thin row pieces (fsdp=32) with the axes swapped: each host needs 2 of 64 columns and reads all 64 (16x).
+    saved = _mesh([("fsdp", 32), ("tensor", 2)], range(64), per_host=2)
+    grid = _grid(saved, LAYERS, (64, 64))
+    choice = choose(grid, saved, SWAPPED, min_saved=RESHARD_MIN_SAVED)
+    assert choice.direct_amplification == 16.0 > read_sharding.RESHARD_ALWAYS_ABOVE
+    assert choice.reshard and choice.read_amplification == 1.0
+    assert not choose(grid, saved, SWAPPED, min_saved=RESHARD_MIN_SAVED, always_above=32.0).reshard
+
+
+def test_the_floor_is_read_when_the_planner_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The module constant, read at call time: every process of a job sees the same one.
+    devices = jax.devices()[:8]
+    saved = Mesh((("fsdp", 4), ("tensor", 2)), tuple(d.id for d in devices), tuple(d.id // 2 for d in devices))
+    target = NamedSharding(jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=devices), P("tensor", "fsdp"))
+    grid = _grid(saved, LAYERS, (64, 32))
+    assert ReadPlanner(process_of=lambda d: d.id // 2).choose(grid, target).reshard
+    monkeypatch.setattr(read_sharding, "RESHARD_MIN_SAVED", 1 << 20)
+    assert not ReadPlanner(process_of=lambda d: d.id // 2).choose(grid, target).reshard
+    assert ReadPlanner(process_of=lambda d: d.id // 2, min_saved=0).choose(grid, target).reshard

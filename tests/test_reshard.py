@@ -14,7 +14,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.restoring import api, read_sharding
+from objckpt.core import boxes
+from objckpt.restoring import api, leaf_plan, read_sharding
 
 SHAPE = (64, 32)
 
@@ -40,9 +41,11 @@ TARGETS = {
 
 @pytest.fixture
 def stand_in_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Restore's read-sharding choice sees hosts of 2 devices (device id // 2), as 4 processes would."""
+    """Restore's read-sharding choice sees hosts of 2 devices (device id // 2), as 4 processes would,
+    and no floor (the leaves here are a few KiB)."""
     planner = functools.partial(
-        read_sharding.plan_read_shardings, planner=read_sharding.ReadPlanner(process_of=lambda d: d.id // 2)
+        read_sharding.plan_read_shardings,
+        planner=read_sharding.ReadPlanner(process_of=lambda d: d.id // 2, min_saved=0),
     )
     monkeypatch.setattr(api, "plan_read_shardings", planner)
 
@@ -135,3 +138,53 @@ def test_other_devices_read_on_a_mesh_of_their_own_lined_up_with_the_saved_cells
     assert w.sharding == sharding and stats.device_bytes_moved > 0
     for shard in w.addressable_shards:
         assert np.asarray(shard.data).tobytes() == host[shard.index].tobytes()
+
+
+@pytest.mark.s3
+def test_reshard_off_reads_every_leaf_directly(s3_store, stand_in_hosts, monkeypatch) -> None:
+    host = (np.arange(np.prod(SHAPE), dtype=np.float32) * 0.37 % 251).reshape(SHAPE)
+    _save(s3_store, host)
+    sharding = NamedSharding(_saved_mesh(), P("tensor", "fsdp"))
+    target = {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=sharding)}
+    planned = []
+    plan = api.plan_read_shardings
+    monkeypatch.setattr(api, "plan_read_shardings", lambda *a, **k: planned.append(plan(*a, **k)) or planned[-1])
+    for reshard in (True, False):
+        stats = objckpt.TransferStats()
+        w = objckpt.restore(
+            s3_store.url,
+            target,
+            storage_options=s3_store.storage_options,
+            stats=stats,
+            partial=True,
+            options=objckpt.Options(reshard=reshard),
+        )["w"]
+        assert w.sharding == sharding and np.asarray(w).tobytes() == host.tobytes()
+        assert (stats.device_bytes_moved > 0) == reshard
+    assert len(planned) == 1 and list(planned[0]) == [1]  # off: not even planned
+
+
+@pytest.mark.s3
+def test_planning_caches_are_empty_once_a_restore_ends(s3_store, stand_in_hosts, monkeypatch) -> None:
+    # objckpt is a guest in the training process: no box index, piece geometry or target sharding
+    # (with its mesh) stays cached after the restore that used it.
+    host = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+    _save(s3_store, host)
+    caches = (leaf_plan._box_index, leaf_plan._meeting_of, boxes._needed_boxes)
+    held = []
+    clear = api.clear_planning_caches
+    monkeypatch.setattr(
+        api, "clear_planning_caches", lambda: held.append([c.cache_info().currsize for c in caches]) or clear()
+    )
+    target = {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=NamedSharding(_saved_mesh(), P("tensor", "fsdp")))}
+    target["b"] = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(_saved_mesh(), P()))
+    objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options)
+    assert len(held) == 1 and all(n > 0 for n in held[0]), held  # used while it planned
+    assert [c.cache_info().currsize for c in caches] == [0, 0, 0]
+    with pytest.raises(objckpt.TargetMismatchError):  # emptied on failure too
+        objckpt.restore(
+            s3_store.url,
+            {"w": jax.ShapeDtypeStruct((64, 31), jnp.float32, sharding=target["w"].sharding), "b": target["b"]},
+            storage_options=s3_store.storage_options,
+        )
+    assert len(held) == 2 and [c.cache_info().currsize for c in caches] == [0, 0, 0]

@@ -8,6 +8,11 @@ to a minimum slab size, so under data parallelism every host uploads a share and
 no byte is written twice across the job. Any other sharding falls back to
 scanning every device's index (the same rule, computed globally). Restore
 side: the boxes a target sharding needs on this process's devices.
+
+:func:`needed_boxes` keeps its answers in a cache of at most 256 entries, each a
+target sharding (and with it its mesh and devices) and its boxes here: objckpt
+is a guest in the training process, so restore empties it when it ends
+(:func:`forget_needed_boxes`) and keeps no user's mesh alive between calls.
 """
 
 from __future__ import annotations
@@ -236,6 +241,11 @@ def needed_boxes(
     except TypeError:  # an unhashable sharding: nothing to share
         found = _boxes_of(sharding, tuple(shape), devices)
     return {box: list(boxed) for box, boxed in found}
+
+
+def forget_needed_boxes() -> None:
+    """Empty :func:`needed_boxes`'s cache (restore calls it when it ends: see the module's docstring)."""
+    _needed_boxes.cache_clear()
 
 
 @functools.lru_cache(maxsize=256)

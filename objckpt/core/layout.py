@@ -44,7 +44,10 @@ class Mesh:
     Compared and hashed by identity: a manifest's leaves share their mesh
     object, which caches the replicas of each cell it was asked about (a
     replicated norm on 4,096 devices has 4,096 of them, and hundreds of leaves
-    share that answer).
+    share that answer) and :meth:`Grid.processes_for`'s answers. Both caches hold
+    one entry per distinct question (cell, or geometry and box) and live as long
+    as the mesh, that is as the manifest read for one restore or save: nothing is
+    kept between calls.
     """
 
     axes: tuple[tuple[str, int], ...]

@@ -211,7 +211,9 @@ class BoxIndex:
     (each axis cut into disjoint intervals, every combination present), so a
     bisect per axis finds the intervals a box spans and only those boxes are
     looked at. Boxes that are not a grid (a read-once subset, say) are tested
-    one by one.
+    one by one. Its memo of answers (:meth:`meeting`) grows with the distinct
+    pieces asked about and lives as long as the index: restore keeps its indexes
+    in a cache it empties when it ends (:mod:`objckpt.restoring.leaf_plan`).
     """
 
     def __init__(self, boxes: Iterable[tuple[Index, Index]]) -> None:

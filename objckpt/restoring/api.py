@@ -35,7 +35,7 @@ from objckpt.restoring.fetch import fetch, plan
 from objckpt.restoring.host_memory import physical_memory
 from objckpt.restoring.indexes import check_coverage, read_needed_indexes
 from objckpt.restoring.landing import Landing
-from objckpt.restoring.leaf_plan import check_host_memory, plan_leaf
+from objckpt.restoring.leaf_plan import check_host_memory, clear_planning_caches, plan_leaf
 from objckpt.restoring.locations import (
     Location,
     as_locations,
@@ -46,6 +46,7 @@ from objckpt.restoring.locations import (
 from objckpt.restoring.read_once import Designator, share
 from objckpt.restoring.read_sharding import plan_read_shardings
 from objckpt.restoring.reshard import devices_can_reshard, fetch_agreed, reshard
+from objckpt.restoring.items import finish_items
 from objckpt.restoring.selection import inline_value, select
 from objckpt.restoring.target_shardings import on_saved_shardings
 from objckpt.transfer import runtime
@@ -129,7 +130,8 @@ def restore(
     (:mod:`objckpt.restoring.read_sharding`, :mod:`objckpt.restoring.reshard`);
     ``stats.device_bytes_moved`` counts the bytes this process's devices receive. With
     several CPU processes this needs JAX's CPU collectives (on by default); with them
-    turned off such leaves are read directly.
+    turned off, or ``Options(reshard=False)`` (the same on every process), such leaves
+    are read directly.
 
     An Orbax checkpoint (an item directory, or a ``CheckpointManager`` step with
     one item or a ``default`` one) restores the same way, read through
@@ -184,7 +186,19 @@ def _restore_nearest(locations: list[Location], asked: _Asked, options: Options,
 
 def _restore(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked) -> Any:
     """:func:`restore` through an open store's handle (its options and counters the restore's)
-    and the checkpoint opened there."""
+    and the checkpoint opened there.
+
+    The caches planning shares between leaves are emptied when it ends, whatever the outcome:
+    objckpt is a guest in the training process (:mod:`objckpt.restoring.leaf_plan`).
+    """
+    try:
+        return _restore_leaves(handle, checkpoint, asked)
+    finally:
+        clear_planning_caches()
+
+
+def _restore_leaves(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked) -> Any:
+    """:func:`_restore`'s work."""
     store, options, stats = handle.store, handle.options, handle.stats
     target, partial, cast = asked.target, asked.partial, asked.cast
     started = time.perf_counter()
@@ -195,7 +209,8 @@ def _restore(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked) -> Any
     read_once = asked.read_once and jax.process_count() > 1
     designator = Designator(options.split_replicas_above)
     # Leaves whose target boxes cut the saved pieces are read on the saved layout, then resharded.
-    reads = {} if read_once or not devices_can_reshard() else plan_read_shardings(manifest, selection)
+    resharding = options.reshard and not read_once and devices_can_reshard()
+    reads = plan_read_shardings(manifest, selection) if resharding else {}
     planned = {i: reads[i].read_target(t) if i in reads else t for i, t in selection.items()}
     plans = {
         i: plan_leaf(manifest.leaves[i], t, read_once=read_once, unsafe_cast=cast == "unsafe", designator=designator)
@@ -229,6 +244,7 @@ def _restore(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked) -> Any
     if reads:
         results = reshard(results, reads, stats)
     values = {i: (results[i] if i in results else inline_value(manifest.leaves[i], t)) for i, t in selection.items()}
+    values = finish_items(handle, manifest, selection, values)  # PerProcess values, stateful objects
     seconds = time.perf_counter() - started
     stats.seconds = seconds
     log.info(

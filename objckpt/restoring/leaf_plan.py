@@ -8,6 +8,15 @@ manifest entry and its target alone (:func:`plan_leaf`): no I/O, no buffers,
 and no device memory, so planning can be tested and benchmarked at pod scale.
 Everything that changes while the bytes land lives in
 :class:`objckpt.restoring.landing.Landing`.
+
+Plans of leaves with the same boxes and piece geometry share their work
+through two caches, bounded by entry counts (256 :class:`BoxIndex`, each with
+its memo of the piece geometries it met, and 64 shared meetings, each holding
+its pieces' geometry) and scoped to one restore: objckpt is a guest in the
+training process, so :func:`clear_planning_caches` (which restore calls when it
+ends, with :func:`objckpt.core.boxes.forget_needed_boxes`) empties them, and no
+piece list, box index or target sharding outlives the call that planned it.
+Planning called directly (benchmarks) keeps them up to those bounds.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from objckpt.core.boxes import Box, needed_boxes
+from objckpt.core.boxes import Box, forget_needed_boxes, needed_boxes
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format import LeafEntry, Piece
 from objckpt.core.pieces import find_overlap
@@ -259,6 +268,16 @@ class _Meeting:
             if find_overlap(found) is not None:
                 return box
         return None
+
+
+def clear_planning_caches() -> None:
+    """Empty the caches restore planning shares between leaves (see the module's docstring).
+
+    Safe at any time: a plan already made keeps what it uses; the next plan builds afresh.
+    """
+    _box_index.cache_clear()
+    _meeting_of.cache_clear()
+    forget_needed_boxes()
 
 
 @functools.lru_cache(maxsize=256)

@@ -19,12 +19,17 @@ The read sharding is
   saved cells), the devices left over a minor replication axis.
 
 The choice is a cost model, per leaf: the worst host's bytes fetched ÷ bytes its
-devices need, reading directly and reading the read sharding. It is computed by
+devices need, reading directly and reading the read sharding, with a floor: a
+leaf is resharded only when that saves the host that fetches most at least
+:data:`RESHARD_MIN_SAVED` bytes (or reading it directly fetches more than
+:data:`RESHARD_ALWAYS_ABOVE` times what is needed). It is computed by
 arithmetic from global facts only (the saved grid, the target sharding, each
 device's process), so every process makes the same choice with no messaging,
 per dimension and with numpy over hosts rather than per device box in Python;
 answers are cached per (saved grid, target sharding), which hundreds of leaves
-share. Pure: no I/O and no device memory.
+share, in a :class:`ReadPlanner` that lives for one restore call (nothing here is
+kept between restores: the planner, and with it the meshes and shardings it
+built, goes when the call ends). Pure: no I/O and no device memory.
 """
 
 from __future__ import annotations
@@ -45,6 +50,16 @@ from objckpt.core.layout import Grid, Mesh, Spec, leading_slabs, slab_count
 
 #: Read directly while the worst host fetches at most this many times the bytes it needs.
 RESHARD_ABOVE = 1.1
+
+#: Reshard a leaf only when it saves the host that fetches most at least this many bytes. A
+#: reshard is a collective (one ``jax.device_put`` every process joins, and a round of device
+#: traffic); for a leaf of a few KiB that costs more than the bytes it saves, which on a
+#: store are one round trip's worth at most. Read at call time (tests lower it).
+RESHARD_MIN_SAVED = 1 << 20
+
+#: ... unless reading directly fetches more than this many times the bytes needed: then the
+#: waste adds up over many small leaves (a layer stack's biases), so they are resharded anyway.
+RESHARD_ALWAYS_ABOVE = 8.0
 
 #: Axis names of a read sharding built over the target's devices (dimension k splits on ``read<k>``).
 READ_AXIS = "read"
@@ -121,13 +136,26 @@ class Resharded:
         return jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=self.read)
 
 
-def choose(grid: Grid, target: Mesh, spec: Spec, *, threshold: float = RESHARD_ABOVE) -> ReadChoice:
+def choose(
+    grid: Grid,
+    target: Mesh,
+    spec: Spec,
+    *,
+    threshold: float = RESHARD_ABOVE,
+    min_saved: int | None = None,
+    always_above: float | None = None,
+) -> ReadChoice:
     """The choice for a leaf saved as ``grid``, restored split by ``spec`` on ``target`` (pure).
 
     ``target``: the target mesh as a :class:`~objckpt.core.layout.Mesh` (device ids in mesh
-    order and each one's process). Reshards when the direct worst host exceeds ``threshold``
-    and the read sharding's worst host is lower.
+    order and each one's process). Reshards when the direct worst host exceeds ``threshold``,
+    the read sharding's worst host is lower, and the most any host fetches falls by at least
+    ``min_saved`` bytes (default :data:`RESHARD_MIN_SAVED`) or the direct worst host exceeds
+    ``always_above`` (default :data:`RESHARD_ALWAYS_ABOVE`). Global facts only: every process
+    gets the same answer.
     """
+    min_saved = RESHARD_MIN_SAVED if min_saved is None else min_saved
+    always_above = RESHARD_ALWAYS_ABOVE if always_above is None else always_above
     shape = grid.shape
     if not shape or math.prod(shape) == 0 or len(spec) != len(shape):
         return DIRECT
@@ -152,8 +180,10 @@ def choose(grid: Grid, target: Mesh, spec: Spec, *, threshold: float = RESHARD_A
     moved = np.zeros(len(hosts), np.int64)
     np.add.at(moved, np.searchsorted(np.asarray(hosts), np.asarray(target.processes)), moved_device)
     via_read = _worst(fetched_read, needed)
+    saved = int(fetched.max(initial=0)) - int(fetched_read.max(initial=0))  # on the host that fetches most
+    worth = saved >= min_saved or direct > always_above
     return ReadChoice(
-        via_read < direct,
+        via_read < direct and worth,
         direct,
         via_read,
         read_mesh,
@@ -173,13 +203,25 @@ class ReadPlanner:
 
     ``process_of``: a device's process (default its ``process_index``; planning benchmarks
     with forced CPU devices in one process stand in for many hosts with another rule, as
-    :class:`objckpt.core.boxes.MeshTable` takes). Meshes and answers are cached: the leaves
-    of a model share a few (saved grid, target sharding) pairs.
+    :class:`objckpt.core.boxes.MeshTable` takes). ``threshold``, ``min_saved`` and
+    ``always_above``: see :func:`choose`. Meshes and answers are cached: the leaves of a
+    model share a few (saved grid, target sharding) pairs. The caches hold one entry per
+    distinct pair (and per distinct mesh), grow only while the planner lives, and keep
+    the target shardings' meshes alive with it: make one per restore.
     """
 
-    def __init__(self, process_of: Callable[[Any], int] | None = None, *, threshold: float = RESHARD_ABOVE) -> None:
+    def __init__(
+        self,
+        process_of: Callable[[Any], int] | None = None,
+        *,
+        threshold: float = RESHARD_ABOVE,
+        min_saved: int | None = None,
+        always_above: float | None = None,
+    ) -> None:
         self._process_of = process_of or (lambda device: int(device.process_index))
         self._threshold = threshold
+        self._min_saved = min_saved
+        self._always_above = always_above
         self._meshes: dict[Any, Mesh] = {}
         self._choices: dict[tuple[Any, ...], ReadChoice] = {}
         self._shardings: dict[tuple[Any, ...], NamedSharding] = {}
@@ -192,7 +234,14 @@ class ReadPlanner:
             spec = named_spec(sharding, len(grid.shape))
             mesh = sharding.mesh
             assert isinstance(mesh, jax.sharding.Mesh)  # plan_read_shardings passes concrete meshes only
-            found = self._choices[key] = choose(grid, self.mesh(mesh), spec, threshold=self._threshold)
+            found = self._choices[key] = choose(
+                grid,
+                self.mesh(mesh),
+                spec,
+                threshold=self._threshold,
+                min_saved=self._min_saved,
+                always_above=self._always_above,
+            )
         return found
 
     def mesh(self, mesh: jax.sharding.Mesh) -> Mesh:
@@ -230,7 +279,8 @@ def plan_read_shardings(
 
     Only leaves saved as a grid (format version 2, from a ``NamedSharding``) restored onto a
     ``NamedSharding`` on a concrete mesh qualify; PRNG keys, host numpy targets and every
-    other leaf are read directly. Every process gets the same answer.
+    other leaf are read directly. Every process gets the same answer. ``planner``: a new
+    :class:`ReadPlanner` (its caches go with this call) unless given.
     """
     planner = planner or ReadPlanner()
     out: dict[int, Resharded] = {}
