@@ -27,6 +27,7 @@ from objckpt.errors import (
 )
 
 if TYPE_CHECKING:
+    from objckpt.core.items import Json, PerProcess, Stateful
     from objckpt.manager.checkpoint_manager import CheckpointManager
     from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
     from objckpt.options import Options, RetryConfig
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
 #: ``import objckpt`` — and with it the ``objckpt`` command, whose ``--help``, ``ls``,
 #: ``rm``, ``gc``, ``cp`` and ``verify`` make no arrays — does not pay for importing JAX.
 _LAZY = {
+    "Json": "objckpt.core.items",
+    "PerProcess": "objckpt.core.items",
+    "Stateful": "objckpt.core.items",
     "CheckpointManager": "objckpt.manager.checkpoint_manager",
     "KeepBest": "objckpt.manager.retention",
     "KeepEvery": "objckpt.manager.retention",
@@ -103,6 +107,7 @@ __all__ = [
     "FormatError",
     "HostMemoryError",
     "IntegrityError",
+    "Json",
     "KeepBest",
     "KeepEvery",
     "KeepLast",
@@ -110,11 +115,13 @@ __all__ = [
     "Location",
     "ObjckptError",
     "Options",
+    "PerProcess",
     "Progress",
     "RetentionPolicy",
     "RetryConfig",
     "SaveHandle",
     "SaveInProgressError",
+    "Stateful",
     "StorageOptionError",
     "StoreError",
     "StoreNotAvailableError",

@@ -34,6 +34,7 @@ from objckpt.restoring.casts import CASTS
 from objckpt.restoring.fetch import fetch, plan
 from objckpt.restoring.host_memory import physical_memory
 from objckpt.restoring.indexes import check_coverage, read_needed_indexes
+from objckpt.restoring.items import finish_items
 from objckpt.restoring.landing import Landing
 from objckpt.restoring.leaf_plan import check_host_memory, clear_planning_caches, plan_leaf
 from objckpt.restoring.locations import (
@@ -46,7 +47,6 @@ from objckpt.restoring.locations import (
 from objckpt.restoring.read_once import Designator, share
 from objckpt.restoring.read_sharding import plan_read_shardings
 from objckpt.restoring.reshard import devices_can_reshard, fetch_agreed, reshard
-from objckpt.restoring.items import finish_items
 from objckpt.restoring.selection import inline_value, select
 from objckpt.restoring.target_shardings import on_saved_shardings
 from objckpt.transfer import runtime

@@ -3,18 +3,21 @@
 A target names leaves by key path; ``None`` at a saved subtree stands for the
 whole subtree (host numpy in plain containers), and ``partial`` lets a target
 leave saved leaves out, which are then not read at all. Inline leaves (Python
-scalars, strings) come from the manifest itself.
+scalars, ``Json`` documents) come from the manifest itself; a target's items
+(``Json()``, ``PerProcess()``, stateful objects) must name a saved item of their kind.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 from typing import Any
 
 import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey, keystr
 
-from objckpt.core.format import LeafEntry, Manifest
+from objckpt.core.format import ITEM_KINDS, LeafEntry, Manifest
+from objckpt.core.items import UNSET, Json, PerProcess, is_item
 from objckpt.core.tree import KeyEntry, check_names, find_subtree, flatten_target, leaf_indices
 from objckpt.errors import TargetMismatchError
 
@@ -39,7 +42,28 @@ def select(manifest: Manifest, target: Any, partial: bool) -> tuple[dict[int, An
         if not hints:
             raise
         raise TargetMismatchError(f"{e}; did you mean {', '.join(hints)}?") from None
-    return {index[path]: value for path, value in flat} | covered, subtrees
+    chosen = {index[path]: value for path, value in flat} | covered
+    for i, value in chosen.items():
+        check_item_target(manifest.leaves[i], value)
+    return chosen, subtrees
+
+
+def check_item_target(entry: LeafEntry, target: Any) -> None:
+    """Refuse a target item of another kind than the saved leaf: ``Json()`` asks for a ``json``
+    leaf, ``PerProcess()`` for a ``per_process`` one, a stateful object for what one saves
+    (``json`` or ``bytes``); an array target cannot take an item."""
+    saved = entry.kind
+    if type(target) is Json:
+        ok, asked = saved == "json", "a Json item"
+    elif type(target) is PerProcess:
+        ok, asked = saved == "per_process", "a PerProcess item"
+    elif is_item(target):
+        ok, asked = saved in ("json", "bytes"), f"a stateful {type(target).__qualname__}"
+    else:
+        ok, asked = saved not in ITEM_KINDS or not isinstance(target, (jax.ShapeDtypeStruct, jax.Array)), "an array"
+    if not ok:
+        what = {"json": "a Json item", "per_process": "a PerProcess item"}.get(saved, f"a {saved} leaf")
+        raise TargetMismatchError(f"leaf {entry.path}: saved {what}, the target asks for {asked}")
 
 
 def did_you_mean(manifest: Manifest, target: Any, missing: set[str]) -> list[str]:
@@ -130,6 +154,10 @@ def inline_value(entry: LeafEntry, target: Any) -> Any:
     A 0-d array target (what ``jax.eval_shape`` makes of a Python number) gets the number as
     a 0-d array of the target's dtype, on the target's sharding when it has one.
     """
+    if entry.kind == "json":
+        return copy.deepcopy(entry.value)  # the caller's to change: not the manifest's own
+    if entry.kind == "per_process":
+        return UNSET  # read from the store (objckpt.restoring.items)
     if not isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
         return entry.value
     if entry.kind == "none" or tuple(target.shape) != ():

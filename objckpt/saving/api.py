@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from objckpt import in_flight
 from objckpt.core.boxes import MeshTable
-from objckpt.core.format import LeafEntry
+from objckpt.core.format import ITEM_KINDS, LeafEntry
 from objckpt.core.metadata import to_json_value
 from objckpt.core.plan import blob_key, packing_order, plan_blobs
 from objckpt.core.tree import flatten
@@ -97,7 +97,9 @@ def save(
         url: ``s3://bucket/prefix``, ``gs://...``, ``file:///abs/path``, an absolute
             path, ``memory://...`` or any URL of a registered store.
         tree: any pytree of jax.Arrays (any sharding), numpy arrays, int, float,
-            bool, str, bytes and None.
+            bool, str, bytes and None, and items: ``objckpt.Json(doc)``,
+            ``objckpt.PerProcess(value)`` (each process its own) and objects with
+            ``state_dict()``/``load_state_dict()`` (:class:`objckpt.Stateful`).
         storage_options: passed to the store (fsspec-style: ``key``, ``secret``,
             ``endpoint_url``, ``client_kwargs``, ``token``, ...).
         options: tuning (:class:`objckpt.Options`).
@@ -190,6 +192,9 @@ def _begin(
         )
         entries.append(entry)
         owned.extend(pieces)
+    items = [e.path for e in entries if e.kind in ITEM_KINDS]
+    if items and options.format_version < 3:
+        raise ValueError(f"leaf {items[0]}: Json, PerProcess and stateful items need Options(format_version=3)")
     owned.sort(key=packing_order)
     save_id = _shared_save_id(coordinator, tag, options.barrier_timeout)
     # Pieces stay at most options.blob_size, whatever the blob size: restores read pieces.

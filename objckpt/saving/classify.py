@@ -3,6 +3,10 @@
 jax.Arrays keep their sharding and are written by their owners; numpy arrays,
 ``str`` and ``bytes`` are written once, by the primary process, as uint8 or
 typed data; ``int``/``float``/``bool``/``None`` live inline in the manifest.
+Items (:mod:`objckpt.core.items`): a ``Json`` document lives inline in the
+manifest; each process writes its own ``PerProcess`` value as one host piece,
+which the commit moves out of the index into the root's leaf entry; a
+``Stateful`` object is saved as its ``state_dict()`` (bytes by the primary, else JSON).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import numpy as np
 from objckpt.core.boxes import MeshTable, describe_sharding, grid_of, grid_pieces, local_shards, owned_pieces
 from objckpt.core.dtypes import dtype_name
 from objckpt.core.format import LeafEntry
+from objckpt.core.items import UNSET, Json, PerProcess, encode_value, is_item, json_document, state_of
 from objckpt.core.plan import OwnedPiece
 from objckpt.core.tree import Leaf
 from objckpt.errors import DeletedArrayError
@@ -31,6 +36,8 @@ def classify(
     value = leaf.value
     if value is None:
         return LeafEntry(leaf.path, "none"), []
+    if is_item(value):
+        return _item(index, leaf.path, value, is_primary)
     if isinstance(value, bool):
         return LeafEntry(leaf.path, "bool", value=value), []
     if isinstance(value, int):
@@ -76,6 +83,26 @@ def classify(
 
 
 _PRIMARY = {"processes": [0]}  # host data is written by the primary
+
+
+def _item(index: int, path: str, item: object, is_primary: bool) -> tuple[LeafEntry, list[OwnedPiece]]:
+    """The entry and pieces of a ``Json``, ``PerProcess`` or ``Stateful`` leaf."""
+    if type(item) is PerProcess:
+        if item.value is UNSET:
+            raise ValueError(f"leaf {path}: PerProcess() without a value stands for a saved one; it cannot be saved")
+        data, encoding = encode_value(item.value, path)
+        entry = LeafEntry(path, "per_process", value={"encoding": encoding, "length": len(data)})
+        return entry, _host_pieces(index, np.frombuffer(data, dtype=np.uint8), True)  # every process: its own
+    if type(item) is Json:
+        if item.value is UNSET:
+            raise ValueError(f"leaf {path}: Json() without a value stands for a saved one; it cannot be saved")
+        state = state_of(item.value, path)
+    else:
+        state = state_of(item, path)
+        if isinstance(state, (bytes, bytearray, memoryview)):
+            data = np.frombuffer(bytes(state), dtype=np.uint8)
+            return LeafEntry(path, "bytes", "uint8", data.shape, layout=_PRIMARY), _host_pieces(index, data, is_primary)
+    return LeafEntry(path, "json", value=json_document(state, path)[0]), []
 
 
 def _array_pieces(

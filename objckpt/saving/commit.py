@@ -7,7 +7,9 @@ barrier the primary reads those reports, writes the root ``manifest.json`` with
 create-if-absent, and publishes the outcome; each process releases the save's
 coordinator keys once it has read it, the last one deleting them. Nothing a
 process sends or reads grows with the size of the job but the primary's
-O(processes) list of reports.
+O(processes) list of reports. A process's ``PerProcess`` values ride in its report
+(where each lies in its blobs: a few dozen bytes each), and the primary lists them in
+the root's leaf table, in process order.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import datetime
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from objckpt.core.checksum import crc32c, sha256_hex
@@ -103,7 +105,10 @@ class Commit:
                 raise StoreError(f"save to {self.store.url} was not committed: {self.marker.lapse_error()}")
             blobs = _blob_sizes(records)
             await self._check_own_blobs(blobs)
-            report = await self._write_index(records, blobs)
+            values, indexed = self._own_values(records)
+            report = await self._write_index(indexed, blobs)
+            if values:
+                report["items"] = values
         except BaseException as e:  # report to peers before raising, so nobody waits for us
             local_error = e
             report = {"error": f"{type(e).__name__}: {e}"[:2000]}
@@ -187,6 +192,42 @@ class Commit:
                     " written; no manifest was written"
                 )
 
+    def _own_values(self, records: list[PieceRecord]) -> tuple[dict[str, dict[str, Any]], list[PieceRecord]]:
+        """This process's ``per_process`` values (by leaf index, as the root lists them), and the
+        records that go into its index object (all the others).
+
+        A value is one piece of one of this process's blobs; the report carries where it lies,
+        so the root, not the index object, says where each process's value is.
+        """
+        items = {i: e for i, e in enumerate(self.entries) if e.kind == "per_process"}
+        if not items:
+            return {}, records
+        mine: dict[int, list[Any]] = {i: [] for i in items}
+        indexed = []
+        for record in records:
+            (mine[record[0]] if record[0] in mine else indexed).append(record)
+        values = {}
+        for i, pieces in mine.items():
+            local = items[i].value
+            if len(pieces) > 1:
+                raise ValueError(
+                    f"leaf {items[i].path}: this process's value ({local['length']} bytes) is larger than"
+                    " Options.blob_size and was cut into pieces; raise Options.blob_size or save it as an array"
+                )
+            ref: dict[str, Any] = {"encoding": local["encoding"], "length": local["length"], "crc32c": 0}
+            if pieces:
+                piece = pieces[0][1]
+                ref.update(blob=piece.blob, offset=piece.offset, crc32c=piece.crc32c)
+            values[str(i)] = ref
+        return values, indexed
+
+    def _with_values(self, docs: dict[int, dict[str, Any]]) -> list[LeafEntry]:
+        """The leaf table with each ``per_process`` leaf's values from every process's report."""
+        return [
+            replace(e, value=tuple(docs[p]["items"][str(i)] for p in sorted(docs))) if e.kind == "per_process" else e
+            for i, e in enumerate(self.entries)
+        ]
+
     async def _write_index(self, records: list[PieceRecord], blobs: dict[str, int]) -> dict[str, Any]:
         """Write this process's index object; its key, size and crc32c (and SHA-256 with
         ``Options.digest``), to report."""
@@ -232,10 +273,13 @@ class Commit:
             why = "the processes disagree on Options.format_version"
             return json.dumps({"status": "aborted", "why": why}).encode()
         manifest = self._manifest(
+            self._with_values(docs),
             [
-                IndexRef(d["key"], d["size"], d["crc32c"], d["blobs"], d["blob_bytes"], d.get("sha256"), d.get("head", 0))
+                IndexRef(
+                    d["key"], d["size"], d["crc32c"], d["blobs"], d["blob_bytes"], d.get("sha256"), d.get("head", 0)
+                )
                 for _, d in sorted(docs.items())
-            ]
+            ],
         )
         try:
             await self.engine.put(MANIFEST_KEY, manifest_to_json(manifest), mode="create")
@@ -254,12 +298,12 @@ class Commit:
         except Exception:
             return False
 
-    def _manifest(self, indexes: list[IndexRef]) -> Manifest:
+    def _manifest(self, entries: list[LeafEntry], indexes: list[IndexRef]) -> Manifest:
         return Manifest(
             save_id=self.save_id,
             created=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
             tree=self.skeleton,
-            leaves=tuple(self.entries),
+            leaves=tuple(entries),
             blobs=(),
             num_processes=self.coordinator.process_count,
             metadata=self.metadata,

@@ -17,12 +17,14 @@ field. This module does no I/O.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.items import ENCODINGS, JSON_MAX_BYTES, PER_PROCESS_MAX_BYTES
 from objckpt.core.layout import Mesh
 from objckpt.core.pieces import Piece, _fast_piece, _piece_from_json, check_tiling
 from objckpt.core.strict import fields, is_int, need
@@ -36,6 +38,7 @@ MANIFEST_KEY = "manifest.json"
 
 ARRAY_KINDS = ("array", "ndarray", "str", "bytes")  # leaves whose data lives in blobs
 INLINE_KINDS = ("int", "float", "bool", "none")  # leaves stored in the manifest itself
+ITEM_KINDS = ("json", "per_process")  # version 3: named non-array items (objckpt.core.items)
 BLOB_KEY = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*(/[A-Za-z0-9_\-][A-Za-z0-9_.\-]*)*$")
 _MAX_RANK = 64
 Index = tuple[int, ...]
@@ -47,7 +50,10 @@ class LeafEntry:
     """One leaf of the saved tree.
 
     ``kind`` is ``array`` (a jax.Array), ``ndarray`` (numpy), ``str``/``bytes``
-    (stored as uint8 data), or an inline ``int``/``float``/``bool``/``none``.
+    (stored as uint8 data), an inline ``int``/``float``/``bool``/``none``, or (version 3)
+    an item: ``json`` (``value`` the document) or ``per_process`` (``value`` each
+    process's ``{"encoding", "length", "crc32c"[, "blob", "offset"]}``, in process order;
+    while a save runs, this process's ``{"encoding", "length"}``).
     """
 
     path: str
@@ -162,6 +168,8 @@ def leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:
             out["sharding"] = leaf.sharding
     elif leaf.kind == "float":
         out["value"] = float(leaf.value).hex()
+    elif leaf.kind == "per_process":
+        out["processes"] = list(leaf.value)
     elif leaf.kind != "none":
         out["value"] = leaf.value
     return out
@@ -180,12 +188,17 @@ def check_header(doc: dict[str, Any]) -> None:
     need(isinstance(doc["leaves"], list), "'leaves'", "must be a list")
 
 
-def parse_leaves(raw_leaves: list[Any], blobs: dict[str, int] | None) -> list[LeafEntry]:
-    """The leaf table, paths unique, checked against the tree; ``blobs`` None: version 2 (no pieces)."""
+def parse_leaves(
+    raw_leaves: list[Any], blobs: dict[str, int] | None, *, processes: int | None = None
+) -> list[LeafEntry]:
+    """The leaf table, paths unique, checked against the tree; ``blobs`` None: version 2 (no pieces).
+
+    ``processes`` (version 3: the root's ``num_processes``) admits the item kinds.
+    """
     leaves = []
     seen_paths: set[str] = set()
     for i, raw in enumerate(raw_leaves):
-        leaf = _leaf_from_json(raw, f"'leaves[{i}]'", blobs)
+        leaf = _leaf_from_json(raw, f"'leaves[{i}]'", blobs, processes)
         need(leaf.path not in seen_paths, f"'leaves[{i}]'.path", f"duplicate leaf path {leaf.path!r}")
         seen_paths.add(leaf.path)
         leaves.append(leaf)
@@ -199,12 +212,17 @@ def check_blob_key(key: str) -> bool:
     return all(part not in (".", "..") for part in key.split("/"))
 
 
-def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int] | None) -> LeafEntry:
+def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int] | None, processes: int | None) -> LeafEntry:
     """One leaf; version 1 (``blobs`` given) lists its pieces, version 2 may give its ``layout``
-    (checked by :mod:`objckpt.core.format.v2`, which knows the meshes)."""
+    (checked by :mod:`objckpt.core.format.v2`, which knows the meshes); version 3
+    (``processes`` given) may hold items."""
     need(isinstance(raw, dict), where, "must be an object")
     kind = raw.get("kind")
-    need(kind in ARRAY_KINDS + INLINE_KINDS, f"{where}.kind", f"unknown kind {kind!r}")
+    known = ARRAY_KINDS + INLINE_KINDS + (ITEM_KINDS if processes is not None else ())
+    need(kind in known, f"{where}.kind", f"unknown kind {kind!r}")
+    if kind in ITEM_KINDS:
+        assert processes is not None
+        return _item_from_json(raw, where, kind, processes)
     if kind in ARRAY_KINDS and blobs is None:
         fields(raw, where, {"path", "kind", "dtype", "shape"}, {"sharding", "layout"})
     elif kind in ARRAY_KINDS:
@@ -259,6 +277,49 @@ def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int] | None) -> LeafE
     )
     check_tiling(pieces, tuple(shape), f"{where}.pieces")
     return LeafEntry(path, kind, raw["dtype"], tuple(shape), pieces, sharding=sharding)
+
+
+def _item_from_json(raw: dict[str, Any], where: str, kind: str, processes: int) -> LeafEntry:
+    """A ``json`` or ``per_process`` leaf (version 3), every error naming the leaf's path."""
+    fields(raw, where, {"path", "kind", "value" if kind == "json" else "processes"})
+    path = raw["path"]
+    need(isinstance(path, str) and len(path) <= 4096, f"{where}.path", "must be a string")
+    if kind == "json":
+        size = len(json.dumps(raw["value"], separators=(",", ":")).encode())
+        need(
+            size <= JSON_MAX_BYTES,
+            f"{where}.value",
+            f"leaf {path}: a JSON document of {size} bytes, over the {JSON_MAX_BYTES}-byte cap",
+        )
+        return LeafEntry(path, kind, value=raw["value"])
+    values = raw["processes"]
+    need(
+        isinstance(values, list) and len(values) == processes,
+        f"{where}.processes",
+        f"leaf {path}: must list one value per process ({processes})",
+    )
+    for p, ref in enumerate(values):
+        at = f"{where}.processes[{p}]"
+        need(isinstance(ref, dict), at, f"leaf {path}: must be an object")
+        stored = isinstance(ref.get("length"), int) and ref["length"] > 0
+        fields(ref, at, {"encoding", "length", "crc32c", *(("blob", "offset") if stored else ())})
+        need(ref["encoding"] in ENCODINGS, f"{at}.encoding", f"leaf {path}: unknown encoding {ref['encoding']!r}")
+        need(
+            is_int(ref["length"]) and 0 <= ref["length"] <= PER_PROCESS_MAX_BYTES,
+            f"{at}.length",
+            f"leaf {path}: must be an integer from 0 to {PER_PROCESS_MAX_BYTES}",
+        )
+        need(is_int(ref["crc32c"]) and 0 <= ref["crc32c"] < 2**32, f"{at}.crc32c", f"leaf {path}: not a crc32c")
+        need(stored or ref["crc32c"] == 0, f"{at}.crc32c", f"leaf {path}: an empty value's crc32c is 0")
+        if stored:
+            blob = ref["blob"]
+            need(isinstance(blob, str) and check_blob_key(blob), f"{at}.blob", f"leaf {path}: unsafe key {blob!r}")
+            need(
+                is_int(ref["offset"]) and 0 <= ref["offset"] < 2**62,
+                f"{at}.offset",
+                f"leaf {path}: must be a non-negative integer",
+            )
+    return LeafEntry(path, kind, value=tuple(values))
 
 
 def check_tree_leaves(tree: dict[str, Any], n_leaves: int) -> None:

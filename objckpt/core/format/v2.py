@@ -32,6 +32,7 @@ from objckpt.core.format.schema import (
     BLOB_KEY,
     FORMAT_NAME,
     IndexRef,
+    LeafEntry,
     Manifest,
     check_blob_key,
     check_header,
@@ -153,7 +154,8 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
             f"must be an integer from {_HEAD_MIN} to the object's size",
         )
         indexes.append(IndexRef(key, raw["size"], raw["crc32c"], raw["blobs"], raw["blob_bytes"], sha, head))
-    leaves = parse_leaves(doc["leaves"], None)
+    leaves = parse_leaves(doc["leaves"], None, processes=processes if version >= 3 else None)
+    _check_items(leaves, indexes)
     checked: set[str] = set()  # layouts (with their shape) already found good: most leaves share a few
     for i, leaf in enumerate(leaves):
         if leaf.layout is not None:
@@ -224,6 +226,21 @@ def _fast_refs(raws: list[Any], version: int) -> list[IndexRef] | None:
         seen.add(key)
         out.append(IndexRef(key, size, crc, blobs, blob_bytes, sha, head))
     return out
+
+
+def _check_items(leaves: list[LeafEntry], indexes: list[IndexRef]) -> None:
+    """Each process's value of a ``per_process`` leaf lies within the bytes of the blobs that
+    process wrote (its index object's ``blob_bytes``): a hostile root cannot point a read past them."""
+    for i, leaf in enumerate(leaves):
+        if leaf.kind != "per_process":
+            continue
+        for p, ref in enumerate(leaf.value):
+            need(
+                ref["length"] == 0 or ref["offset"] + ref["length"] <= indexes[p].blob_bytes,
+                f"'leaves[{i}]'.processes[{p}]",
+                f"leaf {leaf.path}: bytes [{ref.get('offset')}, {ref.get('offset', 0) + ref['length']}) lie outside"
+                f" the {indexes[p].blob_bytes} bytes process {p} wrote",
+            )
 
 
 def _mesh_from_json(raw: Any, where: str, processes: int) -> Mesh:

@@ -1,0 +1,184 @@
+"""Named non-array items of a saved tree: :class:`Json`, :class:`PerProcess` and :class:`Stateful` objects.
+
+A training job's state is more than its arrays: the run's configuration, each
+process's data-iterator position, objects with a serialisation of their own.
+These classes mark such values anywhere in a pytree (they are pytree leaves):
+
+- ``Json(value)``: a JSON document, kept inline in the root manifest (``kind
+  "json"``), shown by ``inspect``, restorable without reading any blob.
+- ``PerProcess(value)``: every process saves its own value (bytes, str or a
+  JSON document) and each process restores its own (``kind "per_process"``);
+  ``PerProcess(all=True)`` in a target returns every process's value, in
+  saved process order.
+- any object with ``state_dict()`` / ``load_state_dict(state)``
+  (:class:`Stateful`): saved as what ``state_dict()`` returns (bytes as a
+  ``bytes`` leaf, anything else as JSON); restored by calling the target
+  object's ``load_state_dict``. Never pickle: the object serialises itself.
+
+In a restore target, ``Json()`` and ``PerProcess()`` (no value) stand for what
+was saved; a target item holding a :class:`Stateful` object gets it loaded.
+This module holds the markers and the value ↔ bytes rules; no I/O, no JAX.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol, runtime_checkable
+
+from objckpt.core.metadata import to_json_value
+
+#: The largest JSON document a ``json`` leaf holds (encoded, UTF-8); readers refuse larger.
+JSON_MAX_BYTES = 1 << 20
+#: The largest value one process saves in a ``per_process`` leaf; readers refuse larger.
+PER_PROCESS_MAX_BYTES = 64 << 20
+#: How a ``per_process`` value is stored: raw bytes, UTF-8 text, or a UTF-8 JSON document.
+ENCODINGS = ("bytes", "str", "json")
+
+
+class _Unset:
+    """The value of a target's ``Json()`` / ``PerProcess()``: whatever was saved."""
+
+    def __repr__(self) -> str:
+        return "<saved>"
+
+
+UNSET: Any = _Unset()
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object that saves and restores itself (PyTorch DCP's protocol).
+
+    ``state_dict()`` returns ``bytes`` or a JSON value (dict, list, str, int,
+    float, bool, None; numpy scalars become numbers). On restore the target's
+    object gets ``load_state_dict(state)`` with what was saved and is returned
+    in the restored tree.
+    """
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class Json:
+    """A JSON document in the tree, stored inline in the root manifest.
+
+    Args:
+        value: the document (dict, list, str, number, bool, None; tuples become lists,
+            numpy scalars numbers) or a :class:`Stateful` object whose state is JSON.
+            Left out in a restore target: stands for what was saved.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any = UNSET) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Json({self.value!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Json and self.value == other.value
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class PerProcess:
+    """A value every process saves for itself (a data iterator's state, a host's RNG).
+
+    Args:
+        value: this process's value: ``bytes``, ``str``, a JSON value or a
+            :class:`Stateful` object. Left out in a restore target: this process's
+            own saved value.
+        all: in a restore target, the list of every process's value, in saved
+            process order (to re-split a data pipeline over another number of processes).
+    """
+
+    __slots__ = ("value", "all")
+
+    def __init__(self, value: Any = UNSET, *, all: bool = False) -> None:  # noqa: A002 (the issue's public name)
+        if all and value is not UNSET and not isinstance(value, Stateful):
+            raise ValueError("PerProcess(all=True) is a restore target: it takes no value")
+        self.value = value
+        self.all = all
+
+    def __repr__(self) -> str:
+        return "PerProcess(all=True)" if self.all else f"PerProcess({self.value!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is PerProcess and (self.value, self.all) == (other.value, other.all)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def is_item(value: Any) -> bool:
+    """Whether a tree leaf is one of this module's items (a marker or a :class:`Stateful` object)."""
+    return type(value) in (Json, PerProcess) or (not isinstance(value, type) and isinstance(value, Stateful))
+
+
+def state_of(value: Any, path: str) -> Any:
+    """What a saved value stands for: a :class:`Stateful` object's ``state_dict()``, else the value."""
+    if isinstance(value, Stateful) and not isinstance(value, type):
+        state = value.state_dict()
+        if isinstance(state, Stateful):
+            raise TypeError(f"leaf {path}: state_dict() returned another stateful object")
+        return state
+    return value
+
+
+def json_document(value: Any, path: str) -> tuple[Any, bytes]:
+    """``value`` as plain JSON, and its encoding; refused when it has no JSON form or is too large.
+
+    Raises:
+        TypeError: a part of ``value`` has no JSON form (its key path named).
+        ValueError: the encoded document is over :data:`JSON_MAX_BYTES`.
+    """
+    try:
+        plain = to_json_value(value, path)
+    except TypeError as e:
+        raise TypeError(f"leaf {path}: not a JSON document: {e}") from None
+    encoded = json.dumps(plain, separators=(",", ":"), allow_nan=False).encode()
+    if len(encoded) > JSON_MAX_BYTES:
+        raise ValueError(
+            f"leaf {path}: the JSON document is {len(encoded)} bytes, over the {JSON_MAX_BYTES}-byte cap of a"
+            " Json item (store large data as arrays or bytes)"
+        )
+    return plain, encoded
+
+
+def encode_value(value: Any, path: str) -> tuple[bytes, str]:
+    """One process's value of a ``PerProcess`` item as (bytes, encoding)."""
+    state = state_of(value, path)
+    if isinstance(state, (bytes, bytearray, memoryview)):
+        data, encoding = bytes(state), "bytes"
+    elif isinstance(state, str):
+        data, encoding = state.encode(), "str"
+    else:
+        data, encoding = json_document(state, path)[1], "json"
+    if len(data) > PER_PROCESS_MAX_BYTES:
+        raise ValueError(f"leaf {path}: this process's value is {len(data)} bytes, over {PER_PROCESS_MAX_BYTES}")
+    return data, encoding
+
+
+def decode_value(data: bytes, encoding: str) -> Any:
+    """The inverse of :func:`encode_value` (``encoding`` already checked).
+
+    Raises:
+        ValueError: the bytes are not valid UTF-8 or JSON for their encoding.
+    """
+    if encoding == "bytes":
+        return data
+    if encoding == "str":
+        return data.decode()
+    return json.loads(data)
+
+
+def load_into(target: Any, state: Any) -> Any:
+    """What a restore returns for a target item given its saved ``state``: a
+    :class:`Stateful` target (or one inside the marker) gets ``load_state_dict(state)``
+    and is returned; any other target gets ``state`` itself."""
+    holder = target.value if type(target) in (Json, PerProcess) else target
+    if isinstance(holder, Stateful) and not isinstance(holder, type):
+        holder.load_state_dict(state)
+        return holder
+    return state
