@@ -180,3 +180,11 @@ def operation_tag(kind: str, url: str) -> str:
         _counters[base] += 1
         n = _counters[base]
     return f"objckpt/{kind}/{zlib.crc32(url.encode()):08x}/{n}"
+
+
+def preemption_service_running() -> bool:
+    """Whether JAX's preemption sync service runs in this process: ``jax.distributed.initialize``
+    started it (``jax_enable_preemption_service``, on by default) and installed its SIGTERM handler."""
+    from jax._src import distributed  # private API: isolated to this module
+
+    return distributed.global_state.preemption_sync_manager is not None

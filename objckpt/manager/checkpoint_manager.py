@@ -12,6 +12,11 @@ save in flight; the save's commit also checks its blobs are all there.
 
 At most one save is in flight per manager: ``save`` first waits for the
 previous one and re-raises its error, so errors are never lost.
+
+Which steps save is the manager's :class:`~objckpt.manager.save_policy.SavePolicy`
+(``save_interval_steps``, ``save_on_steps``, ``final_step``, ``min_interval_seconds``,
+``continuous``) plus preemption (:mod:`objckpt.manager.preemption`): ``save(step, ...)``
+saves only when :meth:`CheckpointManager.should_save` says so, unless ``force=True``.
 """
 
 from __future__ import annotations
@@ -20,15 +25,18 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.metadata import to_json_value
 from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
 from objckpt.layouts.manifest_io import read_manifest
+from objckpt.manager.preemption import Preemption
 from objckpt.manager.replication import ReplicaStatus, Replicator
 from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
+from objckpt.manager.save_policy import SavePolicy
 from objckpt.options import Options
 from objckpt.restoring.locations import Location, as_locations
 from objckpt.roots.layout import step_dir
@@ -47,6 +55,8 @@ if TYPE_CHECKING:
 # root's layout, listing and deletion (objckpt.roots: `objckpt rm`, `gc`) run without JAX.
 
 log = logging.getLogger("objckpt")
+
+_now = time.monotonic  # the clock of min_interval_seconds (tests replace it)
 
 
 class CheckpointManager:
@@ -77,6 +87,34 @@ class CheckpointManager:
             what was cut off is caught up by the next manager on the same roots.
         delete_orbax_steps: let retention rank and delete Orbax's steps under the root
             with objckpt's own; by default it neither counts nor deletes them.
+        save_interval_steps: :meth:`save` saves steps that are multiples of N
+            (Orbax's ``save_interval_steps``).
+        save_on_steps: and these steps (Orbax's ``save_on_steps``).
+        final_step: and the loop's last step, so a run ending between intervals keeps it.
+        min_interval_seconds: and once this many seconds have passed since the previous
+            save started; with ``continuous``, the least time between saves.
+        continuous: and whenever no save is in flight: the next save starts as soon as
+            the previous one has committed, so steps are as dense as the store allows.
+        catch_sigterm: in a single process, install a SIGTERM handler (from the main
+            thread) that turns the signal into a preemption notice instead of an exit;
+            :meth:`close` puts the previous handler back. Off by default: the manager
+            changes no signal handler unless asked. A multi-process job needs no flag:
+            ``jax.distributed.initialize`` starts JAX's preemption service, which
+            receives SIGTERM.
+
+    With none of the five save rules, every step saves. Whatever the rules, the step at
+    which a preemption notice has reached every process saves (:meth:`reached_preemption`);
+    ``save(step, ..., force=True)`` saves any step. A preempted loop::
+
+        mgr = objckpt.CheckpointManager(url, save_interval_steps=1000, final_step=num_steps - 1)
+        start = mgr.latest_step()
+        state = mgr.restore(start, abstract_state) if start is not None else init_state()
+        for step in range(0 if start is None else start + 1, num_steps):
+            state = train_step(state)
+            mgr.save(step, state)              # saves when should_save(step): interval, final, preemption
+            if mgr.reached_preemption(step):   # every process saved this step and it committed
+                break
+        mgr.close()                            # waits for the last save; then exit 0
 
     Without any retention argument nothing is ever deleted. The latest committed step is
     always kept. Steps Orbax's ``CheckpointManager`` committed under the root are steps
@@ -99,6 +137,12 @@ class CheckpointManager:
         replicas: Sequence[str | Location] | None = None,
         replication_timeout: float = 600.0,
         delete_orbax_steps: bool = False,
+        save_interval_steps: int | None = None,
+        save_on_steps: Iterable[int] | None = None,
+        final_step: int | None = None,
+        min_interval_seconds: float | None = None,
+        continuous: bool = False,
+        catch_sigterm: bool = False,
     ) -> None:
         self.root_url = str(root_url).rstrip("/")
         self.storage_options = dict(storage_options or {})
@@ -124,6 +168,17 @@ class CheckpointManager:
         self._pending: concurrent.futures.Future[None] | None = None
         self._metrics: dict[int, dict[str, Any]] = {}
         self._closed = False
+        self.save_policy = SavePolicy.of(
+            save_interval_steps=save_interval_steps,
+            save_on_steps=save_on_steps,
+            final_step=final_step,
+            min_interval_seconds=min_interval_seconds,
+            continuous=continuous,
+        )
+        self._last_save_started = _now()
+        self._decided: tuple[int, bool] | None = None  # (step, should_save) of the last step asked
+        self._preempted: tuple[int, bool] | None = None  # (step, reached_preemption) likewise
+        self._preemption = Preemption(catch_sigterm=catch_sigterm, process_count=self._coordinator.process_count)
         self.replicas = as_locations(replicas, self.storage_options, primary=self.root_url)
         self.replication_timeout = replication_timeout
         self._replicator: Replicator | None = None
@@ -141,6 +196,57 @@ class CheckpointManager:
     def step_url(self, step: int) -> str:
         return f"{self.root_url}/{step_dir(step)}"
 
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` saves: by the save rules or because it is the preemption sync point.
+
+        Every process gets the same answer: the step rules and JAX's sync point are the
+        same everywhere, and the time and continuous rules are the primary process's
+        decision, sent to the others (one key-value exchange through JAX's coordination
+        service per step asked, only with ``min_interval_seconds`` or ``continuous``).
+        The answer is kept for the step, so ``should_save(step)`` then ``save(step, ...)``
+        decide once.
+        """
+        if self._decided is not None and self._decided[0] == step:
+            return self._decided[1]
+        decision = self.reached_preemption(step) or self.save_policy.by_step(step)
+        if not decision and self.save_policy.is_dynamic:
+            decision = self._decide_dynamic()
+        self._decided = (step, decision)
+        return decision
+
+    def _decide_dynamic(self) -> bool:
+        local = self.save_policy.dynamic(
+            now=_now(), last_save_started=self._last_save_started, saving=self.is_saving_in_progress()
+        )
+        coordinator = self._coordinator
+        if coordinator.process_count == 1:
+            return local
+        from objckpt.multihost import operation_tag
+
+        tag = operation_tag("should_save", self.root_url)
+        mine = (b"1" if local else b"0") if coordinator.is_primary else None
+        try:
+            return coordinator.broadcast(f"{tag}/decision", mine, timeout=self.options.barrier_timeout) == b"1"
+        finally:
+            coordinator.release(tag)
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption notice has reached every process and ``step`` is where they all save.
+
+        Multi-process: :func:`jax.experimental.multihost_utils.reached_preemption_sync_point`
+        (call it, or :meth:`should_save` / :meth:`save`, at every step on every process).
+        One process: the first step asked after SIGTERM, with ``catch_sigterm=True``.
+        A save of that step waits for its commit, so the loop may stop right after it.
+        """
+        if self._preempted is None or self._preempted[0] != step:
+            self._preempted = (step, self._preemption.reached(step))
+        return self._preempted[1]
+
+    def is_saving_in_progress(self) -> bool:
+        """Whether a save (its commit, then its retention pass) is still in flight."""
+        pending = self._pending
+        return pending is not None and not pending.done()
+
     def save(
         self,
         step: int,
@@ -149,8 +255,10 @@ class CheckpointManager:
         metrics: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         wait: bool = False,
-    ) -> SaveHandle:
-        """Start saving ``tree`` as ``step``; returns after the device→host copy.
+        force: bool = False,
+    ) -> bool:
+        """Save ``tree`` as ``step`` if :meth:`should_save` says so (always with ``force=True``);
+        returns whether it saved. A save returns after the device→host copy.
 
         ``metrics`` and ``metadata`` may hold numpy and jax scalars (a jitted
         step's ``loss``); they are stored as JSON, NaN and infinities as the
@@ -158,17 +266,21 @@ class CheckpointManager:
         never ranks a non-finite metric).
 
         Waits for the previous save (and its retention pass) first, re-raising
-        its error if it failed. With ``wait=True`` also waits for this one. A step
-        Orbax committed under the root is a CheckpointExistsError.
+        its error if it failed. With ``wait=True``, or at the preemption sync point,
+        also waits for this one to commit. A step Orbax committed under the root is a
+        CheckpointExistsError. A step that does not save waits for nothing.
         """
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+        if not force and not self.should_save(step):
+            return False
         if self._orbax(step):
             raise CheckpointExistsError(f"step {step} is an Orbax step under {self.store.url}: save another step")
         metrics = to_json_value(dict(metrics or {}), "metrics")
         user_metadata = to_json_value(dict(metadata or {}), "metadata")
         with self._lock:
             self._wait_pending()
+            self._last_save_started = _now()
             full_metadata = {"objckpt.manager": {"step": step, "metrics": metrics}, **user_metadata}
             from objckpt.saving.api import save_async
 
@@ -180,9 +292,10 @@ class CheckpointManager:
                 metadata=full_metadata,
             )
             self._pending = runtime.submit(self._after_save(handle, step, metrics))
-        if wait:
+            self._decided = None
+        if wait or self.reached_preemption(step):
             self.wait()
-        return handle
+        return True
 
     async def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, Any]) -> None:
         await asyncio.wrap_future(handle._future)
@@ -220,6 +333,7 @@ class CheckpointManager:
                     log.warning("objckpt stopped replicating after %.0f s; behind: %s", wait, "; ".join(behind))
         finally:
             self._closed = True
+            self._preemption.close()
             try:
                 if self._replicator is not None:
                     self._replicator.close()
