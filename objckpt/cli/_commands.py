@@ -166,7 +166,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     rows = []
     for leaf in info.leaves.values():
-        if leaf.shape is None:
+        summary = leaf.item_summary()
+        if summary is not None:  # a Json or PerProcess item
+            size = sum(leaf.value) if leaf.kind == "per_process" else len(json.dumps(leaf.value).encode())
+            rows.append([leaf.path, leaf.kind, summary, human_bytes(size), "-"])
+        elif leaf.shape is None:
             rows.append([leaf.path, leaf.kind, f"= {leaf.value!r}", "-", "-"])
         else:
             dtype = leaf.dtype if leaf.kind in ("array", "ndarray") else leaf.kind

@@ -17,6 +17,7 @@ so that a layout's reader and the tools that print its results share them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -38,7 +39,20 @@ class LeafInfo:
     dtype: str | None
     nbytes: int
     sharding: dict[str, Any] | None = None
-    value: Any = None  # for inline leaves (int, float, bool, None)
+    value: Any = None  # inline leaves (int, float, bool, None): the value; json: the document;
+    # per_process: each process's value size in bytes, in process order
+
+    def item_summary(self, limit: int = 200) -> str | None:
+        """For an item, what ``inspect`` shows of it: a JSON document inline when its text is at
+        most ``limit`` characters (else its size), a ``PerProcess`` item's sizes; None otherwise."""
+        if self.kind == "json":
+            text = json.dumps(self.value, sort_keys=True)
+            return text if len(text) <= limit else f"<JSON document, {human_bytes(len(text.encode()))}>"
+        if self.kind == "per_process":
+            sizes = list(self.value or ())
+            shown = ", ".join(human_bytes(n) for n in sizes[:8]) + (", ..." if len(sizes) > 8 else "")
+            return f"{len(sizes)} process(es): {shown} ({human_bytes(sum(sizes))} in all)"
+        return None
 
     @property
     def key_type(self) -> str | None:
@@ -49,6 +63,9 @@ class LeafInfo:
         return f"key<{impl}>" if impl is not None else None
 
     def __str__(self) -> str:
+        summary = self.item_summary()
+        if summary is not None:
+            return f"{self.path}  {self.kind}: {summary}"
         if self.shape is None:
             return f"{self.path}  {self.kind} = {self.value!r}"
         if self.key_type is not None:

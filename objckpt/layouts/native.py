@@ -109,7 +109,8 @@ async def open_native(store: Store, *, size_limit: int) -> NativeCheckpoint:
 
 def leaf_info(entry: LeafEntry) -> LeafInfo:
     """What ``inspect`` shows of one saved leaf."""
-    return LeafInfo(entry.path, entry.kind, entry.shape, entry.dtype, entry.nbytes, entry.sharding, entry.value)
+    value = [ref["length"] for ref in entry.value] if entry.kind == "per_process" else entry.value
+    return LeafInfo(entry.path, entry.kind, entry.shape, entry.dtype, entry.nbytes, entry.sharding, value)
 
 
 def info_from_manifest(url: str, manifest: Manifest) -> CheckpointInfo:
