@@ -66,6 +66,12 @@ def spec_for(name: str, mesh: jax.sharding.Mesh, remap: dict[str, Any]) -> P:
 
 
 def mesh_of(job: dict[str, Any]) -> jax.sharding.Mesh:
+    if "devices" in job:  # these devices, in mesh order: [process, k] is that process's k-th device by id
+        local = {
+            p: sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(COUNT)
+        }
+        devices = np.array([local[p][k] for p, k in job["devices"]]).reshape(job["mesh"])
+        return jax.sharding.Mesh(devices, tuple(job["axes"]))
     if job.get("minor_first"):  # the other device order: the first mesh axis minor in the device list
         shape = tuple(job["mesh"])
         devices = np.array(jax.devices()).reshape(shape[::-1]).T
@@ -238,13 +244,28 @@ def save(counting: CountingClient | None) -> dict[str, Any]:
 
 def restore() -> dict[str, Any]:
     indexes = count_index_reads() if JOB.get("count_indexes") else None
+    from objckpt.restoring import api, read_sharding
+
     if JOB.get("fail_fetch") == PROCESS:  # this process's reads fail: the others must not wait in a collective
-        from objckpt.restoring import api
 
         async def broken(*args: Any, **kwargs: Any) -> None:
             raise OSError("injected fetch failure")
 
         api.fetch = broken  # type: ignore[assignment]
+    if "reshard_min_saved" in JOB:  # the floor under which a leaf is read directly (tests' leaves are small)
+        read_sharding.RESHARD_MIN_SAVED = JOB["reshard_min_saved"]
+    read_axes: list[list[str]] = []  # per resharded leaf, its read mesh's axis names
+    plan_reads = api.plan_read_shardings
+
+    def planned(*args: Any, **kwargs: Any) -> Any:
+        out = plan_reads(*args, **kwargs)
+        for _, read in sorted(out.items()):
+            assert read.choice.read_mesh is not None
+            read_axes.append([a for a, _ in read.choice.read_mesh.axes])
+        return out
+
+    if JOB.get("count_needed"):
+        api.plan_read_shardings = planned  # type: ignore[assignment]
     stats = objckpt.TransferStats()
     target = target_tree(JOB)
     started = time.perf_counter()
@@ -262,6 +283,7 @@ def restore() -> dict[str, Any]:
     if JOB.get("count_needed"):  # bytes this process's target boxes hold (each box once), and the reshard's
         result["needed_bytes"] = needed_bytes(restored["params"])
         result["device_bytes_moved"] = stats.device_bytes_moved
+        result["read_axes"] = read_axes
     if JOB.get("replicas"):
         result["bytes_by_location"] = stats.bytes_by_location
     if indexes is not None:
@@ -316,6 +338,10 @@ def run() -> dict[str, Any]:
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - started}
         return {"error": None, "seconds": time.monotonic() - started}
+    if kind == "training_loop":  # CheckpointManager's save policies and preemption (tests/preempt_worker.py)
+        from preempt_worker import training_loop
+
+        return training_loop(JOB, PROCESS)
     raise ValueError(f"unknown job kind {kind!r}")
 
 

@@ -18,6 +18,7 @@ LEAVES = {
     "norm": ((256,), "float32", [None]),
 }
 OPTIONS = {"blob_size": 1 << 20, "split_replicas_above": 1 << 14, "barrier_timeout": 60}
+FLOOR = {"reshard_min_saved": 0}  # the leaves are a few KiB: resharded without the 1 MiB floor
 
 TARGETS = {
     # name: (mesh, axes, extra job fields, resharded)
@@ -37,6 +38,7 @@ def _job(kind, store, mesh, axes, **extra):
         "leaves": LEAVES,
         "extras": False,
         "options": OPTIONS,
+        **FLOOR,
         **extra,
     }
 
@@ -77,3 +79,22 @@ def test_a_process_whose_reads_fail_never_leaves_the_others_in_the_reshard(s3_st
     for p in (0, 2, 3):
         assert results[p]["error"].startswith("CoordinationError: restore of"), results[p]
         assert results[p]["error"].endswith("failed elsewhere: process 1: OSError: injected fetch failure")
+
+
+def test_a_target_on_other_devices_reads_on_a_mesh_over_them_and_reshard_off_reads_directly(s3_store):
+    # Saved on a (4, 2) mesh of all 8 devices; restored onto tensor=4 over each process's first device, the
+    # processes in reverse order: not the saved mesh's devices, so the read sharding is a mesh built over the
+    # target's (axes read0, read1, read_replica), each process reading whole saved rows of pieces.
+    _ok(run_processes(4, _job("save", s3_store, [4, 2], ["fsdp", "tensor"]), devices_per_process=2), 4)
+    other = {"devices": [[3, 0], [2, 0], [1, 0], [0, 0]], "count_needed": True}
+    job = _job("restore", s3_store, [4], ["tensor"], **other)
+    for p, r in enumerate(_ok(run_processes(4, job, devices_per_process=2), 4)):
+        assert r["mismatches"] == [], f"process {p}: {r['mismatches']}"
+        assert r["read_axes"] == [["read0", "read1", "read_replica"]] * 2, f"process {p}: {r}"  # w and emb
+        assert r["device_bytes_moved"] > 0
+        assert r["bytes_read"] <= 1.5 * r["needed_bytes"], f"process {p}: {r}"
+    job = _job("restore", s3_store, [4], ["tensor"], **other, options={**OPTIONS, "reshard": False})
+    for p, r in enumerate(_ok(run_processes(4, job, devices_per_process=2), 4)):
+        assert r["mismatches"] == [], f"process {p}: {r['mismatches']}"
+        assert r["read_axes"] == [] and r["device_bytes_moved"] == 0
+        assert r["bytes_read"] > 1.5 * r["needed_bytes"], f"process {p}: {r}"  # whole pieces, half of each used
