@@ -5,7 +5,8 @@ Arrays come from the read plan and ``Json`` documents from the root itself
 values lie in the blobs of the processes that saved them, where the root's leaf
 entry says. This process reads its own value (the one saved by the process of its
 index), or every process's for a ``PerProcess(all=True)`` target: one ranged GET
-each, checked against its length and crc32c. Then a target item holding a
+each, checked against its length and crc32c (a mismatch is read again, as pieces are:
+``RetryConfig.checksum_reads``). Then a target item holding a
 :class:`objckpt.Stateful` object gets ``load_state_dict`` with what was saved.
 """
 
@@ -77,7 +78,8 @@ async def _read_one(handle: Handle, manifest: Manifest, leaf: int, process: int)
     length = ref["length"]
     data = b""
     where = f"leaf {entry.path}: process {process}'s value"
-    if length:
+    reads = handle.options.retry.checksum_reads
+    for attempt in range(reads if length else 0):  # a mismatch is read again: a bit flipped in flight
         blob, start = ref["blob"], ref["offset"]
         try:
             got = await handle.engine.get_range(blob, start, start + length)
@@ -88,10 +90,14 @@ async def _read_one(handle: Handle, manifest: Manifest, leaf: int, process: int)
             raise FormatError(
                 f"{where} lies outside blob {handle.url}/{blob}: [{start}, {start + length}) gave {len(data)} bytes"
             )
-        if crc32c(data) != ref["crc32c"]:
+        if crc32c(data) == ref["crc32c"]:
+            break
+        if attempt + 1 == reads:
             raise ChecksumMismatchError(
                 f"{where}: blob {handle.url}/{blob} bytes [{start}, {start + length}) do not match their crc32c"
+                f" (persisted over {reads} reads)"
             )
+        handle.stats.add(checksum_retries=1)
     try:
         return decode_value(data, ref["encoding"])
     except ValueError as e:

@@ -100,8 +100,8 @@ def _item(index: int, path: str, item: object, is_primary: bool) -> tuple[LeafEn
     else:
         state = state_of(item, path)
         if isinstance(state, (bytes, bytearray, memoryview)):
-            data = np.frombuffer(bytes(state), dtype=np.uint8)
-            return LeafEntry(path, "bytes", "uint8", data.shape, layout=_PRIMARY), _host_pieces(index, data, is_primary)
+            raw = np.frombuffer(bytes(state), dtype=np.uint8)
+            return LeafEntry(path, "bytes", "uint8", raw.shape, layout=_PRIMARY), _host_pieces(index, raw, is_primary)
     return LeafEntry(path, "json", value=json_document(state, path)[0]), []
 
 

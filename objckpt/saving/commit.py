@@ -203,7 +203,7 @@ class Commit:
         if not items:
             return {}, records
         mine: dict[int, list[Any]] = {i: [] for i in items}
-        indexed = []
+        indexed: list[PieceRecord] = []
         for record in records:
             (mine[record[0]] if record[0] in mine else indexed).append(record)
         values = {}
