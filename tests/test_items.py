@@ -273,3 +273,13 @@ def test_a_value_outside_its_blob_when_read(kind, store_target_factory, monkeypa
     runtime.run_sync(store.put("manifest.json", json.dumps(doc).encode()))
     with pytest.raises(objckpt.FormatError, match=r"leaf \['data'\]: process 0's value lies outside blob"):
         objckpt.restore(target.url, storage_options=target.storage_options)
+
+
+def test_copy_and_verify_keep_items(tmp_path):
+    """A PerProcess value lies in a blob its process's index object lists: cp copies it, verify passes."""
+    url, _ = _saved(tmp_path)
+    dst = str(tmp_path / "copy")
+    objckpt.copy(url, dst)
+    assert objckpt.verify(dst).ok
+    out = objckpt.restore(dst, {"config": objckpt.Json(), "data": objckpt.PerProcess()}, partial=True)
+    assert out == {"config": {"a": 1}, "data": b"abc"}

@@ -97,7 +97,7 @@ class PerProcess:
     __slots__ = ("value", "all")
 
     def __init__(self, value: Any = UNSET, *, all: bool = False) -> None:  # noqa: A002 (the issue's public name)
-        if all and value is not UNSET and not isinstance(value, Stateful):
+        if all and value is not UNSET and not is_stateful(value):
             raise ValueError("PerProcess(all=True) is a restore target: it takes no value")
         self.value = value
         self.all = all
@@ -111,16 +111,27 @@ class PerProcess:
     __hash__ = None  # type: ignore[assignment]
 
 
+def is_stateful(value: Any) -> bool:
+    """Whether ``value`` is a :class:`Stateful` object (its class has both methods).
+
+    Why not ``isinstance(value, Stateful)``: a protocol check costs microseconds, and every
+    leaf of every save and restore target is asked.
+    """
+    cls = type(value)
+    return hasattr(cls, "load_state_dict") and hasattr(cls, "state_dict") and not isinstance(value, type)
+
+
 def is_item(value: Any) -> bool:
     """Whether a tree leaf is one of this module's items (a marker or a :class:`Stateful` object)."""
-    return type(value) in (Json, PerProcess) or (not isinstance(value, type) and isinstance(value, Stateful))
+    cls = type(value)
+    return cls is Json or cls is PerProcess or is_stateful(value)
 
 
 def state_of(value: Any, path: str) -> Any:
     """What a saved value stands for: a :class:`Stateful` object's ``state_dict()``, else the value."""
-    if isinstance(value, Stateful) and not isinstance(value, type):
+    if is_stateful(value):
         state = value.state_dict()
-        if isinstance(state, Stateful):
+        if is_stateful(state):
             raise TypeError(f"leaf {path}: state_dict() returned another stateful object")
         return state
     return value
@@ -178,7 +189,7 @@ def load_into(target: Any, state: Any) -> Any:
     :class:`Stateful` target (or one inside the marker) gets ``load_state_dict(state)``
     and is returned; any other target gets ``state`` itself."""
     holder = target.value if type(target) in (Json, PerProcess) else target
-    if isinstance(holder, Stateful) and not isinstance(holder, type):
+    if is_stateful(holder):
         holder.load_state_dict(state)
         return holder
     return state
