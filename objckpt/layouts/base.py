@@ -51,7 +51,7 @@ class LeafInfo:
         if self.kind == "per_process":
             sizes = list(self.value or ())
             shown = ", ".join(human_bytes(n) for n in sizes[:8]) + (", ..." if len(sizes) > 8 else "")
-            return f"{len(sizes)} process(es): {shown} ({human_bytes(sum(sizes))} in all)"
+            return f"{len(sizes)} process(es): {shown}"
         return None
 
     @property
@@ -64,6 +64,8 @@ class LeafInfo:
 
     def __str__(self) -> str:
         summary = self.item_summary()
+        if summary is not None and self.kind == "per_process":
+            return f"{self.path}  {self.kind}: {summary} ({human_bytes(sum(self.value))} in all)"
         if summary is not None:
             return f"{self.path}  {self.kind}: {summary}"
         if self.shape is None:
