@@ -61,7 +61,8 @@ class Stateful(Protocol):
 
 
 class Json:
-    """A JSON document in the tree, stored inline in the root manifest.
+    """A JSON document in the tree, stored inline in the root manifest (the primary process's
+    value, as for every non-array leaf; each process's own: :class:`PerProcess`).
 
     Args:
         value: the document (dict, list, str, number, bool, None; tuples become lists,
