@@ -283,3 +283,16 @@ def test_copy_and_verify_keep_items(tmp_path):
     assert objckpt.verify(dst).ok
     out = objckpt.restore(dst, {"config": objckpt.Json(), "data": objckpt.PerProcess()}, partial=True)
     assert out == {"config": {"a": 1}, "data": b"abc"}
+
+
+def test_digests_pin_per_process_values(tmp_path):
+    url = str(tmp_path / "ck")
+    objckpt.save(url, {"data": objckpt.PerProcess(b"abc")}, options=objckpt.Options(digest="sha256"))
+    doc = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    ref = _leaf(doc, "['data']")["processes"][0]  # type: ignore[index]
+    assert len(ref["sha256"]) == 64
+    assert objckpt.restore(url, options=objckpt.Options(digest="sha256")) == {"data": b"abc"}
+    ref["sha256"] = "0" * 64
+    (tmp_path / "ck" / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(objckpt.ChecksumMismatchError, match=r"leaf \['data'\].*do not match their sha256"):
+        objckpt.restore(url)

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from objckpt.core.checksum import crc32c
+from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import Manifest
 from objckpt.core.items import PerProcess, decode_value, is_item, load_into
 from objckpt.errors import ChecksumMismatchError, FormatError, ObjectNotFoundError, TargetMismatchError
@@ -90,11 +90,14 @@ async def _read_one(handle: Handle, manifest: Manifest, leaf: int, process: int)
             raise FormatError(
                 f"{where} lies outside blob {handle.url}/{blob}: [{start}, {start + length}) gave {len(data)} bytes"
             )
-        if crc32c(data) == ref["crc32c"]:
+        wrong = "crc32c" if crc32c(data) != ref["crc32c"] else None
+        if wrong is None and "sha256" in ref and sha256_hex(data) != ref["sha256"]:
+            wrong = "sha256"
+        if wrong is None:
             break
         if attempt + 1 == reads:
             raise ChecksumMismatchError(
-                f"{where}: blob {handle.url}/{blob} bytes [{start}, {start + length}) do not match their crc32c"
+                f"{where}: blob {handle.url}/{blob} bytes [{start}, {start + length}) do not match their {wrong}"
                 f" (persisted over {reads} reads)"
             )
         handle.stats.add(checksum_retries=1)

@@ -218,6 +218,8 @@ class Commit:
             if pieces:
                 piece = pieces[0][1]
                 ref.update(blob=piece.blob, offset=piece.offset, crc32c=piece.crc32c)
+                if piece.sha256 is not None:  # Options.digest: the root pins these bytes too
+                    ref["sha256"] = piece.sha256
             values[str(i)] = ref
         return values, indexed
 

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from objckpt.core.checksum import is_sha256_hex
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.items import ENCODINGS, JSON_MAX_BYTES, PER_PROCESS_MAX_BYTES
 from objckpt.core.layout import Mesh
@@ -302,7 +303,9 @@ def _item_from_json(raw: dict[str, Any], where: str, kind: str, processes: int) 
         at = f"{where}.processes[{p}]"
         need(isinstance(ref, dict), at, f"leaf {path}: must be an object")
         stored = isinstance(ref.get("length"), int) and ref["length"] > 0
-        fields(ref, at, {"encoding", "length", "crc32c", *(("blob", "offset") if stored else ())})
+        fields(ref, at, {"encoding", "length", "crc32c", *(("blob", "offset") if stored else ())}, {"sha256"})
+        need(stored or "sha256" not in ref, f"{at}.sha256", f"leaf {path}: an empty value has no sha256")
+        need("sha256" not in ref or is_sha256_hex(ref["sha256"]), f"{at}.sha256", f"leaf {path}: not 64 lowercase hex")
         need(ref["encoding"] in ENCODINGS, f"{at}.encoding", f"leaf {path}: unknown encoding {ref['encoding']!r}")
         need(
             is_int(ref["length"]) and 0 <= ref["length"] <= PER_PROCESS_MAX_BYTES,
