@@ -296,3 +296,15 @@ def test_digests_pin_per_process_values(tmp_path):
     (tmp_path / "ck" / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(objckpt.ChecksumMismatchError, match=r"leaf \['data'\].*do not match their sha256"):
         objckpt.restore(url)
+
+
+def test_verify_checks_per_process_values(tmp_path):
+    url, doc = _saved(tmp_path)
+    ref = _leaf(doc, "['data']")["processes"][0]  # type: ignore[index]
+    path = tmp_path / "ck" / ref["blob"]
+    data = bytearray(path.read_bytes())
+    data[ref["offset"]] ^= 0xFF
+    path.write_bytes(bytes(data))
+    report = objckpt.verify(url)
+    assert not report.ok
+    assert any("['data']" in str(p) for p in report.problems), report.problems
