@@ -342,6 +342,10 @@ def run() -> dict[str, Any]:
         from preempt_worker import training_loop
 
         return training_loop(JOB, PROCESS)
+    if kind == "training_loop":  # CheckpointManager's save policies and preemption (tests/preempt_worker.py)
+        from preempt_worker import training_loop
+
+        return training_loop(JOB, PROCESS)
     raise ValueError(f"unknown job kind {kind!r}")
 
 
@@ -386,6 +390,8 @@ def main() -> None:
     sys.stderr.flush()
     if COUNT > 1 and JOB["kind"] == "save_with_victim":
         wait_for_survivors()
+    elif COUNT > 1 and JOB["kind"] == "training_loop":  # as a job ends: JAX's shutdown barrier, then disconnect
+        jax.distributed.shutdown()
     elif COUNT > 1:
         # Process 0 hosts the coordination service: leaving before the others are done kills them.
         from objckpt.multihost import get_coordinator

@@ -33,10 +33,12 @@ def run_processes(
     timeout: float = 180,
     devices_per_process: int = 4,
     stderr: list[str] | None = None,
+    returncodes: list[int] | None = None,
 ) -> list[dict[str, Any] | None]:
     """Run ``job`` in ``n`` processes; each one's parsed RESULT line (None if it printed none).
 
-    ``stderr``: a list to fill with each process's standard error, in process order.
+    ``stderr``: a list to fill with each process's standard error, in process order;
+    ``returncodes``: likewise with their exit statuses (negative: the signal that ended one).
     """
     port = free_port()
     procs = []
@@ -75,6 +77,8 @@ def run_processes(
     results: list[dict[str, Any] | None] = []
     if stderr is not None:
         stderr.extend(err for _, err in outputs)
+    if returncodes is not None:
+        returncodes.extend(proc.wait() for proc in procs)
     for out, err in outputs:
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
         results.append(json.loads(lines[-1][len("RESULT ") :]) if lines else None)
