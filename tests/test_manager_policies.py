@@ -208,7 +208,7 @@ def test_sigterm_to_a_single_process_loop_saves_that_step_and_exits_0(s3_store):
         "url": s3_store.url,
         "storage_options": s3_store.storage_options,
         "steps": 10_000,
-        "save_interval_steps": 1_000,
+        "save_interval_steps": 100_000,  # only step 0 by the interval, however slow the machine
         "catch_sigterm": True,
         "step_seconds": 0.01,
         "print_steps": True,
@@ -235,7 +235,7 @@ def test_sigterm_to_a_single_process_loop_saves_that_step_and_exits_0(s3_store):
     assert "previous handler ran" not in out
     result = json.loads([line for line in out.splitlines() if line.startswith("RESULT ")][-1][len("RESULT ") :])
     preempted = result["preempted"]
-    assert preempted is not None and 5 <= preempted < 1_000
+    assert preempted is not None and 5 <= preempted < 9_999
     assert result["saved"] == [0, preempted] and result["last"] == preempted
     assert result["catching_sigterm"] and result["handler_restored"]
     assert result["committed"] == [0, preempted]
@@ -252,7 +252,7 @@ def test_sigterm_to_one_of_four_processes_saves_the_same_step_everywhere(s3_stor
         "url": s3_store.url,
         "storage_options": s3_store.storage_options,
         "steps": 4_000,
-        "save_interval_steps": 1_000,
+        "save_interval_steps": 100_000,  # only step 0 by the interval, however slow the machine
         "sigterm_at": 20,
         "victim": 2,
         "step_seconds": 0.01,
@@ -264,7 +264,7 @@ def test_sigterm_to_one_of_four_processes_saves_the_same_step_everywhere(s3_stor
     preempted = {r["preempted"] for r in results}
     assert len(preempted) == 1 and None not in preempted
     step = preempted.pop()
-    assert 20 < step < 1_000
+    assert 20 < step < 3_999
     assert all(r["saved"] == [0, step] and r["last"] == step for r in results)
     assert all(r["committed"] == [0, step] for r in results)
     resumed = run_processes(4, {**job, "steps": step + 5, "sigterm_at": None}, timeout=240, devices_per_process=2)
