@@ -24,10 +24,8 @@ from objckpt.core.format import ARRAY_KINDS
 from objckpt.core.format.v2 import require_digest
 from objckpt.core.plan import ReadRequest
 from objckpt.core.tree import build, flatten_target, unflatten_target
-from objckpt.errors import CoordinationError
 from objckpt.layouts.native import NativeCheckpoint
 from objckpt.layouts.registry import open_checkpoint
-from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, reporting
 from objckpt.restoring.casts import CASTS
@@ -278,27 +276,12 @@ def _fetch_then_share(handle: Handle, requests: list[ReadRequest], landing: Land
     The status exchange (with a timeout) comes before the collective, which has
     none: a process that failed to read must not leave the others in a collective.
     """
-    coordinator = get_coordinator()
-    tag = operation_tag("restore", handle.url)
-    error: BaseException | None = None
-    try:
-        runtime.run_sync(fetch(handle, requests, landing))
-    except BaseException as e:
-        error = e
-    try:
-        if error is not None:  # only failures are sent: nothing per process when all went well
-            coordinator.publish(f"{tag}/failed", f"{type(error).__name__}: {error}"[:2000].encode())
-        coordinator.barrier(f"{tag}/fetched", timeout=handle.options.barrier_timeout)
-        statuses = coordinator.collect(f"{tag}/failed")
-    except CoordinationError:
-        coordinator.forget(tag)
-        raise
-    coordinator.release(tag)
-    if error is not None:
-        raise error
-    failed = [f"process {p}: {s.decode()}" for p, s in sorted(statuses.items())]
-    if failed:
-        raise CoordinationError(f"restore of {handle.url} failed elsewhere: {'; '.join(failed)}")
+    fetch_agreed(
+        lambda: runtime.run_sync(fetch(handle, requests, landing)),
+        handle.url,
+        handle.options.barrier_timeout,
+        operation="restore",
+    )
     results = dict(landing.results())
     for i in sorted(landing.plans):  # same order on every process: the collectives must line up
         leaf = landing.plans[i]

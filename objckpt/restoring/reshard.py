@@ -41,11 +41,13 @@ def devices_can_reshard() -> bool:
     return bool(jax.config.jax_cpu_collectives_implementation)  # type: ignore[attr-defined]
 
 
-def fetch_agreed(run: Callable[[], None], url: str, timeout: float) -> None:
+def fetch_agreed(run: Callable[[], None], url: str, timeout: float, *, operation: str = "reshard") -> None:
     """Run ``run()`` (this process's reads), then agree with the other processes that all succeeded.
 
-    Only failures are published (nothing per process when all went well); the barrier waits
-    at most ``timeout`` seconds.
+    Whatever collective follows (a reshard here, read-once's sharing) comes only after
+    this: a collective has no timeout. Only failures are published (nothing per process
+    when all went well); the barrier waits at most ``timeout`` seconds. ``operation``
+    names the keys and barrier (:func:`objckpt.multihost.operation_tag`).
 
     Raises:
         The error ``run`` raised here; CoordinationError naming the processes that failed
@@ -55,7 +57,7 @@ def fetch_agreed(run: Callable[[], None], url: str, timeout: float) -> None:
         run()
         return
     coordinator = get_coordinator()
-    tag = operation_tag("reshard", url)
+    tag = operation_tag(operation, url)
     error: BaseException | None = None
     try:
         run()
