@@ -18,10 +18,9 @@ from objckpt.core.format.index import IndexDoc
 from objckpt.core.format.index3 import Head, LeafTable, decode_frame, leaf_array, parse_head
 from objckpt.core.pieces import Piece
 from objckpt.errors import FormatError
+from objckpt.layouts.rereads import until_checked
 from objckpt.storage import Store
 
-#: Reads of an index object that fails its checks, the first included, before it is called malformed.
-MANIFEST_READS = 5
 #: An index object no larger than this is read whole with its head (one GET, not two).
 WHOLE_BELOW = 64 << 10
 #: Frames closer than this are read in one GET (the bytes between are read and dropped).
@@ -49,20 +48,12 @@ async def read_index3(
     doc_name = f"index object {ref.key}"
     if ref.size > size_limit:
         raise FormatError(f"{doc_name} is {ref.size} bytes, over the limit of {size_limit}")
-    for attempt in range(1, MANIFEST_READS + 1):
-        try:
-            return await _read_once(store, manifest, process, table, leaves, doc_name)
-        except FileNotFoundError:
-            raise FormatError(
-                f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
-            ) from None
-        except FormatError as e:
-            if attempt >= MANIFEST_READS:
-                raise FormatError(f"{e} (the same over {MANIFEST_READS} reads)") from None
-            stats = getattr(store, "stats", None)
-            if stats is not None:
-                stats.add(checksum_retries=1)
-    raise AssertionError("unreachable")
+    try:
+        return await until_checked(lambda: _read_once(store, manifest, process, table, leaves, doc_name), store)
+    except FileNotFoundError:
+        raise FormatError(
+            f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
+        ) from None
 
 
 async def _read_once(

@@ -20,7 +20,8 @@ from objckpt.core.format.index import IndexDoc, merge_indexes, parse_index
 from objckpt.core.format.index3 import LeafTable
 from objckpt.core.pieces import check_tiling
 from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError
-from objckpt.layouts.index3_io import MANIFEST_READS, read_index3
+from objckpt.layouts.index3_io import read_index3
+from objckpt.layouts.rereads import MANIFEST_READS, until_checked
 from objckpt.storage import Store
 
 #: Index objects read at once.
@@ -50,7 +51,7 @@ async def read_manifest(store: Store, *, size_limit: int, reads: int = MANIFEST_
         FormatError: the manifest is malformed on every read, or too large.
     """
     for attempt in range(1, reads + 1):
-        data = await _fetch(store, size_limit)
+        data = await _fetch(store, size_limit)  # a manifest over the limit is refused, not read again
         try:
             return parse_manifest(data, size_limit=size_limit)
         except FormatError as e:
@@ -114,23 +115,18 @@ async def read_indexes(
 
     async def one(process: int) -> IndexDoc:
         ref = manifest.indexes[process]
-        for attempt in range(1, MANIFEST_READS + 1):
-            try:  # never more than the root says (and one byte to tell a longer object)
-                data = await store.get_range(ref.key, start=0, end=min(ref.size, size_limit) + 1)
-            except FileNotFoundError:
-                raise FormatError(
-                    f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
-                ) from None
-            try:
-                kept = None if leaves is None else leaves.get(process, set())
-                return parse_index(data, manifest, process, size_limit=size_limit, leaves=kept)
-            except FormatError as e:
-                if attempt >= MANIFEST_READS:
-                    raise FormatError(f"{e} (the same over {MANIFEST_READS} reads)") from None
-                stats = getattr(store, "stats", None)
-                if stats is not None:
-                    stats.add(checksum_retries=1)
-        raise AssertionError("unreachable")
+        kept = None if leaves is None else leaves.get(process, set())
+
+        async def read() -> IndexDoc:  # never more than the root says (and one byte to tell a longer object)
+            data = await store.get_range(ref.key, start=0, end=min(ref.size, size_limit) + 1)
+            return parse_index(data, manifest, process, size_limit=size_limit, leaves=kept)
+
+        try:
+            return await until_checked(read, store)
+        except FileNotFoundError:
+            raise FormatError(
+                f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
+            ) from None
 
     docs = await _each(wanted, one, parallel=INDEX_READS_AT_ONCE)
     return merge_indexes(manifest, sorted(docs, key=lambda d: d.process))
