@@ -105,31 +105,35 @@ def test_items_alone_read_no_array_bytes(s3_store):
     assert stats.bytes_read >= 64 * 1024 * 4  # the counter counts: an array is read
 
 
-def test_per_process_on_two_processes_and_grain(s3_store, monkeypatch):
-    pytest.importorskip("grain")
+@pytest.mark.parametrize("count", [2, 4])
+def test_per_process_on_several_processes(s3_store, monkeypatch, count):
     monkeypatch.setattr(multiprocess, "WORKER", WORKER)
     so = s3_store.storage_options
     url = s3_store.url + "/items"
-    results = multiprocess.run_processes(2, {"kind": "items", "url": url, "storage_options": so})
-    assert results[0] is not None and results[1] is not None
+    results = multiprocess.run_processes(count, {"kind": "items", "url": url, "storage_options": so})
+    expected = [f"process {p} of {count}" * (p + 1) for p in range(count)]
     for p, result in enumerate(results):
-        assert result is not None
-        assert result["data"] == f"process {p} of 2" * (p + 1)
+        assert result is not None, f"process {p} gave no result"
+        assert result["data"] == expected[p]  # each process its own value
         assert result["rng"] == {"seed": 100 + p}
         assert result["config"] == {"lr": 0.1, "layers": [1, 2]}
-        assert result["all"] == ["process 0 of 2", "process 1 of 2" * 2]
-    # One process restoring what two saved: only every process's values, in saved order.
+        assert result["all"] == expected  # every process's, in saved process order
+    # One process restoring what several saved: only every process's values, in saved order.
     with pytest.raises(objckpt.TargetMismatchError) as e:
         objckpt.restore(url, {"data": objckpt.PerProcess()}, partial=True, storage_options=so)
-    assert "['data']" in str(e.value) and "saved by 2 processes, restored on 1" in str(e.value)
+    assert "['data']" in str(e.value) and f"saved by {count} processes, restored on 1" in str(e.value)
     assert "PerProcess(all=True)" in str(e.value)
     out = objckpt.restore(url, {"data": objckpt.PerProcess(all=True)}, partial=True, storage_options=so)
-    assert out["data"] == [b"process 0 of 2", b"process 1 of 2" * 2]
+    assert out["data"] == [v.encode() for v in expected]
     info = objckpt.inspect(url, storage_options=so)
-    assert info.leaves["['data']"].value == [14, 28]
+    assert info.leaves["['data']"].value == [len(v) for v in expected]
 
-    grain_url = s3_store.url + "/grain"
-    results = multiprocess.run_processes(2, {"kind": "grain", "url": grain_url, "storage_options": so, "seed": 5})
+
+def test_grain_iterator_state_on_two_processes(s3_store, monkeypatch):
+    monkeypatch.setattr(multiprocess, "WORKER", WORKER)
+    so = s3_store.storage_options
+    job = {"kind": "grain", "url": s3_store.url + "/grain", "storage_options": so, "seed": 5}
+    results = multiprocess.run_processes(2, job)
     seen = []
     for result in results:
         assert result is not None and result["step"] == 3
