@@ -312,3 +312,18 @@ def test_verify_checks_per_process_values(tmp_path):
     report = objckpt.verify(url)
     assert not report.ok
     assert any("['data']" in str(p) for p in report.problems), report.problems
+
+
+def test_stateful_objects_inside_items(tmp_path):
+    """``PerProcess(obj)`` saves each process's ``state_dict()``; ``Json(obj)`` one JSON state; a target
+    item holding an object gets it loaded and returns it."""
+    url = str(tmp_path / "ck")
+    objckpt.save(url, {"mine": objckpt.PerProcess(Blobby(b"\xffown")), "tok": objckpt.Json(Tokenizer({"z": 0}))})
+    raw = objckpt.restore(url)
+    assert raw == {"mine": b"\xffown", "tok": {"vocab": {"z": 0}, "size": 1}}
+    blob, tok = Blobby(), Tokenizer()
+    out = objckpt.restore(url, {"mine": objckpt.PerProcess(blob), "tok": objckpt.Json(tok)})
+    assert out["mine"] is blob and blob.data == b"\xffown"
+    assert out["tok"] is tok and tok.vocab == {"z": 0}
+    with pytest.raises(TypeError, match=r"leaf \['tok'\]: not a JSON document"):
+        objckpt.save(str(tmp_path / "b"), {"tok": objckpt.Json(Blobby(b"x"))})  # bytes state: not JSON
