@@ -327,3 +327,12 @@ def test_stateful_objects_inside_items(tmp_path):
     assert out["tok"] is tok and tok.vocab == {"z": 0}
     with pytest.raises(TypeError, match=r"leaf \['tok'\]: not a JSON document"):
         objckpt.save(str(tmp_path / "b"), {"tok": objckpt.Json(Blobby(b"x"))})  # bytes state: not JSON
+
+
+def test_per_process_items_fit_the_commit_report(tmp_path):
+    """Each process reports where its values lie through the coordinator (4 KiB a process): a
+    tree with more items than fit is refused, naming the way out; 20 fit."""
+    objckpt.save(str(tmp_path / "a"), {f"v{i}": objckpt.PerProcess(b"x") for i in range(20)})
+    with pytest.raises(ValueError, match="PerProcess items take .* one PerProcess"):
+        objckpt.save(str(tmp_path / "b"), {f"v{i}": objckpt.PerProcess(b"x") for i in range(40)})
+    assert not (tmp_path / "b" / "manifest.json").exists()

@@ -49,6 +49,9 @@ from objckpt.saving.upload import PieceRecord
 from objckpt.transfer.handle import Handle
 
 log = logging.getLogger("objckpt")
+#: The bytes of a commit report that the ``PerProcess`` values' locations may take (about 130
+#: each: some 20 items), so a report stays within the coordinator's 4 KiB per process.
+_ITEMS_REPORT_MAX = 3072
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,12 @@ class Commit:
                 if piece.sha256 is not None:  # Options.digest: the root pins these bytes too
                     ref["sha256"] = piece.sha256
             values[str(i)] = ref
+        size = len(json.dumps(values))
+        if size > _ITEMS_REPORT_MAX:
+            raise ValueError(
+                f"{len(values)} PerProcess items take {size} bytes of this process's commit report, over"
+                f" {_ITEMS_REPORT_MAX} (a report stays within 4 KiB): put them in one PerProcess (a dict of them)"
+            )
         return values, indexed
 
     def _with_values(self, docs: dict[int, dict[str, Any]]) -> list[LeafEntry]:
