@@ -342,10 +342,6 @@ def run() -> dict[str, Any]:
         from preempt_worker import training_loop
 
         return training_loop(JOB, PROCESS)
-    if kind == "training_loop":  # CheckpointManager's save policies and preemption (tests/preempt_worker.py)
-        from preempt_worker import training_loop
-
-        return training_loop(JOB, PROCESS)
     raise ValueError(f"unknown job kind {kind!r}")
 
 
