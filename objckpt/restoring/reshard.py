@@ -38,7 +38,7 @@ def devices_can_reshard() -> bool:
         return True
     if jax.default_backend() != "cpu":
         return True
-    return bool(jax.config.jax_cpu_collectives_implementation)  # type: ignore[attr-defined]
+    return bool(getattr(jax.config, "jax_cpu_collectives_implementation", None))  # absent in older JAX: read directly
 
 
 def fetch_agreed(run: Callable[[], None], url: str, timeout: float, *, operation: str = "reshard") -> None:
