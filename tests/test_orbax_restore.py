@@ -140,8 +140,9 @@ def test_manager_root_steps_and_named_items(tmp_path: Path, state: dict[str, Any
     _assert_same(out, state)
     with pytest.raises(FormatError, match="extra"):  # a JSON item is not a pytree of arrays
         objckpt.restore(f"{root}/20/extra")
-    with pytest.raises(FormatError, match=r"items extra, state"):
-        objckpt.restore(f"{root}/20")
+    whole = objckpt.restore(f"{root}/20")  # a Composite step: every item by name (tests/test_orbax_composite.py)
+    assert whole["extra"] == {"step": 20, "note": "x"}
+    _assert_same(whole["state"], _host(state))
 
     default_root = tmp_path / "default-run"
     with ocp.CheckpointManager(default_root) as manager:

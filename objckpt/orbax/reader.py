@@ -8,7 +8,9 @@ Orbax item directory, or a ``CheckpointManager`` step holding one item (besides
 its metrics) or a ``default`` one. An :class:`OrbaxReader` of that item then
 describes, verifies and restores it with this package's tensorstore readers
 (:mod:`objckpt.orbax.inspect`, :mod:`objckpt.orbax.verify`,
-:mod:`objckpt.orbax.restore`).
+:mod:`objckpt.orbax.restore`). A step of several items (a Composite) is read
+item by item (:mod:`objckpt.orbax.composite`,
+:class:`~objckpt.orbax.composite_reader.OrbaxCompositeReader`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any
 
 from objckpt.layouts.base import CheckpointInfo, OpenRequest, VerifyReport
 from objckpt.options import Options
-from objckpt.orbax.layout import OrbaxItem, orbax_item_at
+from objckpt.orbax.composite import OrbaxComposite, orbax_checkpoint_at
+from objckpt.orbax.composite_reader import OrbaxCompositeReader
+from objckpt.orbax.layout import OrbaxItem
 from objckpt.progress import ProgressArg
 from objckpt.storage import Store, from_url
 from objckpt.transfer.engine import TransferStats, close_store
@@ -73,8 +77,8 @@ class OrbaxReader:
         )
 
 
-def open_orbax(store: Store, request: OpenRequest) -> OrbaxReader | None:
-    """The reader of the Orbax item at ``store``, or None when nothing Orbax wrote is there.
+def open_orbax(store: Store, request: OpenRequest) -> OrbaxReader | OrbaxCompositeReader | None:
+    """The reader of the Orbax item or Composite step at ``store``, or None when nothing Orbax wrote is there.
 
     With ``request.look_above`` the prefix one level up is read too, so that an item
     directory written by a handler other than a pytree one (a step's JSON item) is a
@@ -85,10 +89,12 @@ def open_orbax(store: Store, request: OpenRequest) -> OrbaxReader | None:
     """
     parent = _parent_store(request.url, request.storage_options) if request.look_above else None
     try:
-        item = orbax_item_at(store, parent)
+        item = orbax_checkpoint_at(store, parent)
     finally:
         if parent is not None:
             close_store(parent)
+    if isinstance(item, OrbaxComposite):
+        return OrbaxCompositeReader(item, request.storage_options, request.options)
     return None if item is None else OrbaxReader(item, request.storage_options, request.options)
 
 
