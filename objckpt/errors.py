@@ -72,6 +72,11 @@ class CoordinationError(ObjckptError, TimeoutError):
     """Multi-host coordination failed: a barrier timed out or a peer reported failure."""
 
 
+class PeerCopyUnavailableError(ObjckptError, RuntimeError):
+    """A peer copy cannot run in this job: one process only, or CPU devices without JAX's
+    cross-process CPU collectives (``jax_cpu_collectives_implementation``, the user's setting)."""
+
+
 class ObjectNotFoundError(StoreError, FileNotFoundError):
     """One object (blob, manifest) is missing from the store."""
 
