@@ -47,7 +47,14 @@ from objckpt.core.tree import flatten
 from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ObjectNotFoundError, StoreError
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
-from objckpt.orbax.layout import OrbaxItem, numpy_dtype, orbax_item_at
+from objckpt.orbax.composite import OrbaxComposite, orbax_checkpoint_at
+from objckpt.orbax.composite_convert import (
+    CompositeParts,
+    composite_parts,
+    coordinator_for,
+    write_other_processes,
+)
+from objckpt.orbax.layout import OrbaxItem, numpy_dtype
 from objckpt.orbax.tensorstore_io import (
     READ_CHUNKS,
     BoxRead,
@@ -115,10 +122,13 @@ def convert_orbax(
     """
     options = options or Options()
     with opened_store(src, src_storage_options, options) as source:
-        item = orbax_item_at(source)
-    if item is None:
+        found = orbax_checkpoint_at(source)
+    if found is None:
         raise CheckpointNotFoundError(f"no Orbax checkpoint at {src}")
-    return _convert(item, dst, src_storage_options, dst_storage_options, options, progress)
+    if isinstance(found, OrbaxComposite):
+        item, parts = composite_parts(found, src_storage_options, options)
+        return _convert(item, dst, src_storage_options, dst_storage_options, options, progress, parts)
+    return _convert(found, dst, src_storage_options, dst_storage_options, options, progress)
 
 
 def convert_orbax_steps(
@@ -177,10 +187,12 @@ def _convert(
     dst_options: dict[str, Any] | None,
     options: Options,
     progress: ProgressArg,
+    parts: CompositeParts | None = None,
 ) -> ConvertStats:
+    """Convert ``item``; with ``parts``, the Composite step it is the PyTree item of (:mod:`objckpt.orbax.composite_convert`)."""
     ts = import_tensorstore()
     started = time.perf_counter()
-    stats = ConvertStats(src=item.url, dst=dst)
+    stats = ConvertStats(src=parts.url if parts else item.url, dst=dst)
     transfer = TransferStats()
     with (
         kvstore_for(item.url, src_options) as (kvstore, context_spec),
@@ -194,24 +206,34 @@ def _convert(
             describe_kvstore(kvstore),
             lambda: [future for _, read in in_flight for future in read.futures],
         )
-        by_path = {leaf.path: leaf for leaf in item.leaves if leaf.kind != "skipped"}
+        prefix = parts.prefix() if parts else ""
+        by_path = {prefix + leaf.path: leaf for leaf in item.leaves if leaf.kind != "skipped"}
         tree = item.skeleton(lambda i: None)
-        flat, skeleton = flatten(tree)
+        flat, skeleton = flatten(parts.tree(tree) if parts else tree)
         arrays = {
             i: open_leaf(ts, item, by_path[leaf.path], kvstore, context, waiter)
             for i, leaf in enumerate(flat)
-            if by_path[leaf.path].kind in ("array", "scalar")
+            if leaf.path in by_path and by_path[leaf.path].kind in ("array", "scalar")
         }
-        entries = [_entry(item, by_path[leaf.path], arrays.get(i), leaf.path, waiter) for i, leaf in enumerate(flat)]
-        strings = {i: item.strings[by_path[leaf.path].name] for i, leaf in enumerate(flat) if i not in arrays}
+        entries = [
+            _entry(item, by_path[leaf.path], arrays.get(i), leaf.path, waiter)
+            if leaf.path in by_path or parts is None
+            else parts.entry(leaf.path)  # a Composite's other items
+            for i, leaf in enumerate(flat)
+        ]
+        strings = {
+            i: item.strings[by_path[leaf.path].name]
+            for i, leaf in enumerate(flat)
+            if i not in arrays and leaf.path in by_path
+        }
         group_bytes = max(1, min(GROUP_BYTES, options.memory_budget // 4))
         converted = {i: a for i, a in arrays.items() if entries[i].kind == "ndarray"}
         chunks = {i: chunk_shape(a) for i, a in converted.items()}
         # Slabs and groups are generated as they are read: a header may declare any shape.
         slabs = itertools.chain.from_iterable(_slabs(i, a, group_bytes) for i, a in converted.items())
         groups = _groups(slabs, group_bytes, chunks)
-        save_id = _save_id(item)
-        coordinator = get_coordinator()
+        save_id = _save_id(item, parts)
+        coordinator = coordinator_for(parts, get_coordinator()) if parts else get_coordinator()
         save = pipeline.begin(
             handle, coordinator=coordinator, tag=operation_tag("convert", handle.url), save_id=save_id
         )
@@ -222,6 +244,7 @@ def _convert(
         try:
             seq = 0
             host_pieces = [_string_piece(i, text) for i, text in strings.items() if text]
+            host_pieces += parts.pieces(flat, 0) if parts else []
             group = next(groups, None)
             in_flight[:] = _start_reads(ts, arrays, chunks, group or [])
             while group is not None:
@@ -235,6 +258,8 @@ def _convert(
             if host_pieces:  # no arrays at all: the strings alone
                 blobs = plan_blobs(host_pieces, blob_size=options.blob_size, key=_keys(save_id, 0))
                 records.extend(_upload_missing(blobs, present, save, stats))
+            if parts:
+                write_other_processes(save, parts, flat, entries, blob_size=options.blob_size)
         except BaseException:
             for _, read in in_flight:
                 read.cancel()
@@ -250,7 +275,7 @@ def _convert(
             skeleton=skeleton,
             entries=entries,
             meshes=tuple(MeshTable().meshes),
-            metadata={"converted_from": item.url, "orbax_created": item.created},
+            metadata={"converted_from": stats.src, "orbax_created": item.created},
             started=started,
         )
         try:
@@ -345,9 +370,10 @@ def _keys(save_id: str, base: int) -> Any:
     return lambda n: blob_key(save_id, 0, base + n)
 
 
-def _save_id(item: OrbaxItem) -> str:
+def _save_id(item: OrbaxItem, parts: CompositeParts | None = None) -> str:
     """The same for the same source: a rerun rewrites the blobs a failed run left."""
-    identity = "\n".join([item.url, item.created, *(f"{leaf.path}={leaf.name}" for leaf in item.leaves)])
+    extra = [parts.identity()] if parts else []
+    identity = "\n".join([item.url, item.created, *(f"{leaf.path}={leaf.name}" for leaf in item.leaves), *extra])
     return hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 
