@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from objckpt.errors import CoordinationError, PeerCopyUnavailableError
-from objckpt.multihost import get_coordinator, operation_tag
+from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 
 CHUNK_BYTES = 64 << 20
 _MIN_TAIL = 4096
@@ -165,10 +165,9 @@ def exchange_with_peers(
     keepers = keeper_map(count, keeper_of)
     owner = keepers.index(here)
     data = _as_bytes(payload)
-    coordinator = get_coordinator()
-    tag = operation_tag("peer_copy", name)
+    keys = _Keys(get_coordinator(), operation_tag("peer_copy", name))
     try:
-        infos = _agree(coordinator, tag, "sizes", timeout, size=data.size, unavailable=unavailable, keepers=keepers)
+        infos = keys.agree("sizes", timeout, size=data.size, unavailable=unavailable, keepers=keepers)
         off: dict[str, list[int]] = {}
         for p, i in sorted(infos.items()):
             if i["unavailable"]:
@@ -190,14 +189,16 @@ def exchange_with_peers(
             received = None if sink is not None else bytearray(nbytes)
         except MemoryError as e:
             error = f"MemoryError: {e}"
-        _check(_agree(coordinator, tag, "ready", timeout, error=error), name)
+        _check(keys.agree("ready", timeout, error=error), name)
         into = _Receiver(nbytes, received, sink)
-        _transfer(data, largest, keepers, chunk_bytes, into)
-        _check(_agree(coordinator, tag, "done", timeout, error=into.error), name)
-    except BaseException:
-        coordinator.forget(tag)
-        raise
-    coordinator.release(tag)
+        try:
+            _transfer(data, largest, keepers, chunk_bytes, into)
+        except BaseException:  # the others may never reach the next barrier: nobody is left to release
+            keys.forget()
+            raise
+        _check(keys.agree("done", timeout, error=into.error), name)
+    finally:  # every outcome decided at a barrier is the same on every process: each one releases
+        keys.release()
     return PeerCopy(owner=owner, nbytes=nbytes, data=received)
 
 
@@ -210,13 +211,36 @@ def _as_bytes(payload: Payload) -> np.ndarray:
     return np.frombuffer(payload, dtype=np.uint8)
 
 
-def _agree(coordinator: Any, tag: str, step: str, timeout: float, **mine: Any) -> dict[int, dict[str, Any]]:
-    """Every process's ``mine``, once all have published theirs (a barrier with ``timeout``)."""
-    if "keepers" in mine:
-        mine["keepers"] = zlib.crc32(json.dumps(mine["keepers"]).encode())
-    coordinator.publish(f"{tag}/{step}", json.dumps(mine).encode())
-    coordinator.barrier(f"{tag}/{step}-barrier", timeout=timeout)  # not under the values
-    return {p: json.loads(v) for p, v in coordinator.collect(f"{tag}/{step}").items()}
+class _Keys:
+    """One exchange's keys in the coordination service: agreement steps, then released once
+    (or forgotten at once when a process may never come to release them)."""
+
+    def __init__(self, coordinator: Coordinator, tag: str) -> None:
+        self.coordinator = coordinator
+        self.tag = tag
+        self.closed = False
+
+    def agree(self, step: str, timeout: float, **mine: Any) -> dict[int, dict[str, Any]]:
+        """Every process's ``mine``, once all have published theirs (a barrier with ``timeout``)."""
+        if "keepers" in mine:
+            mine["keepers"] = zlib.crc32(json.dumps(mine["keepers"]).encode())
+        self.coordinator.publish(f"{self.tag}/{step}", json.dumps(mine).encode())
+        try:
+            self.coordinator.barrier(f"{self.tag}/{step}-barrier", timeout=timeout)  # not under the values
+        except CoordinationError:
+            self.forget()
+            raise
+        return {p: json.loads(v) for p, v in self.coordinator.collect(f"{self.tag}/{step}").items()}
+
+    def release(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.coordinator.release(self.tag)
+
+    def forget(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.coordinator.forget(self.tag)
 
 
 def _check(infos: dict[int, dict[str, Any]], name: str) -> None:
