@@ -26,7 +26,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from objckpt.core.format import MANIFEST_KEY
@@ -49,6 +49,7 @@ from objckpt.transfer import runtime
 from objckpt.transfer.engine import close_store, open_store
 
 if TYPE_CHECKING:
+    from objckpt.manager.tiers import Tiers, TierStatus
     from objckpt.saving.api import SaveHandle
 
 # Saving, restoring and multihost import JAX, so the methods that use them import them: the
@@ -101,6 +102,12 @@ class CheckpointManager:
             changes no signal handler unless asked. A multi-process job needs no flag:
             ``jax.distributed.initialize`` starts JAX's preemption service, which
             receives SIGTERM.
+        local, local_interval_steps, local_keep_last, peers, peer_of: the local tier
+            (docs/TIERS.md, :mod:`objckpt.manager.tiers`): a directory on this host where each
+            process saves its own shards every ``local_interval_steps`` steps, keeping the last
+            ``local_keep_last``, and with ``peers=1`` a copy of process ``peer_of(p, P)``'s
+            (default ``(p + P // 2) % P``); :meth:`latest_step` and :meth:`restore` then agree
+            on the newest step and the fastest tier holding it; :meth:`tier_status`.
 
     With none of the five save rules, every step saves. Whatever the rules, the step at
     which a preemption notice has reached every process saves (:meth:`reached_preemption`);
@@ -143,6 +150,11 @@ class CheckpointManager:
         min_interval_seconds: float | None = None,
         continuous: bool = False,
         catch_sigterm: bool = False,
+        local: Any = None,
+        local_interval_steps: int = 1,
+        local_keep_last: int = 2,
+        peers: int = 1,
+        peer_of: Callable[[int, int], int] | None = None,
     ) -> None:
         self.root_url = str(root_url).rstrip("/")
         self.storage_options = dict(storage_options or {})
@@ -182,6 +194,13 @@ class CheckpointManager:
         self.replicas = as_locations(replicas, self.storage_options, primary=self.root_url)
         self.replication_timeout = replication_timeout
         self._replicator: Replicator | None = None
+        self._tiers: Tiers | None = None
+        if local is not None:
+            from objckpt.manager.tiers import Tiers
+
+            timeout = self.options.barrier_timeout
+            args = (local, local_interval_steps, local_keep_last, peers, peer_of, self._coordinator, timeout)
+            self._tiers = Tiers(self.root_url, *args)
         if self.replicas and self._coordinator.is_primary:
             self._replicator = Replicator(
                 self.store,
@@ -272,8 +291,11 @@ class CheckpointManager:
         """
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+        local = self._tiers is not None and self._tiers.due(step)
+        if self._tiers is not None and local:
+            self._tiers.save(step, tree, {"objckpt.manager": {"step": step}})
         if not force and not self.should_save(step):
-            return False
+            return local
         if self._orbax(step):
             raise CheckpointExistsError(f"step {step} is an Orbax step under {self.store.url}: save another step")
         metrics = to_json_value(dict(metrics or {}), "metrics")
@@ -326,6 +348,8 @@ class CheckpointManager:
         """
         try:
             self.wait()
+            if self._tiers is not None:
+                self._tiers.close()
             if self._replicator is not None:
                 wait = self.replication_timeout if timeout is None else timeout
                 if not self._replicator.wait(wait):
@@ -363,8 +387,19 @@ class CheckpointManager:
         return list_steps(self.store, self.replicas, self.options, lambda store: committed_steps(store, orbax=True))
 
     def latest_step(self) -> int | None:
+        """The newest committed step; with a local tier, the newest step complete in some tier,
+        agreed by every process (so every process calls it)."""
+        if self._tiers is not None:
+            return self._tiers.latest_step(self.steps)
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def tier_status(self) -> TierStatus:
+        """What each tier holds as this process sees it: local steps, peer copies held, the
+        object store's steps, and where the last restore came from (needs ``local=``)."""
+        if self._tiers is None:
+            raise ValueError("this manager has no local tier (CheckpointManager(..., local=...))")
+        return self._tiers.status(self.steps())
 
     # ------------------------------------------------------------------ reading
 
@@ -372,10 +407,21 @@ class CheckpointManager:
         self, step: int | None = None, target: Any = None, *, partial: bool = False, cast: str = "checked"
     ) -> Any:
         """Restore ``step`` (the latest committed one by default); ``partial`` and ``cast`` as in
-        :func:`objckpt.restore`."""
+        :func:`objckpt.restore`. With a local tier, every process calls it: they agree on the step
+        and the fastest tier that serves every process (:mod:`objckpt.manager.tiers`)."""
+        if self._tiers is not None:
+            return self._tiers.restore(
+                step,
+                target,
+                partial=partial,
+                store_steps=self.steps,
+                from_store=lambda s: self._restore_store(s, target, partial, cast),
+            )
+        return self._restore_store(self._resolve(step), target, partial, cast)
+
+    def _restore_store(self, step: int, target: Any, partial: bool, cast: str) -> Any:
         from objckpt.restoring.api import restore
 
-        step = self._resolve(step)
         if self._orbax(step):  # through objckpt.orbax; Orbax steps are not replicated
             url, replicas = f"{self.root_url}/{step}", []
         else:
@@ -417,7 +463,8 @@ class CheckpointManager:
     def _resolve(self, step: int | None) -> int:
         if step is not None:
             return step
-        latest = self.latest_step()
+        steps = self.steps()
+        latest = steps[-1] if steps else None
         if latest is None:
             raise CheckpointNotFoundError(f"no committed step under {self.store.url}")
         return latest

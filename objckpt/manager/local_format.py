@@ -1,0 +1,212 @@
+"""The local tier's format: one process's own part of a step, in one data file and a manifest.
+
+A local step lives in ``<local>/process_<p>/step_<N>/`` (:mod:`objckpt.manager.local_tier`)
+and holds two files:
+
+- ``<save_id>.data``: the raw bytes of every box this process saved, back to back (each
+  box C-ordered, 64-byte aligned);
+- ``manifest.json``, written last (a temporary file renamed over it once the data file is
+  synced), so a torn save is a directory without a manifest and is never read.
+
+The manifest (``"format": "objckpt-local"``, version 1) names the step, the save id every
+process of the save shares, this process's index and the job's process count, the tree's
+skeleton (:func:`objckpt.core.tree.flatten`), and per leaf: its kind (``array``, ``ndarray``,
+``str``, ``bytes``, ``per_process``, ``json``, ``int``, ``float``, ``bool``, ``none``), dtype,
+global shape, inline value (scalars, JSON documents, a per-process value's encoding), and
+its boxes: ``start``, ``shape``, ``offset``, ``length``, ``crc32c``. A process holds every
+box its devices hold, each once, so a restart on the same devices reads nothing else.
+
+It is parsed as strictly as the object-store manifest (:mod:`objckpt.core.strict`): a
+local disk can be damaged too. No I/O here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.strict import fields, is_int, need, strict_json
+from objckpt.errors import FormatError
+
+FORMAT = "objckpt-local"
+VERSION = 1
+MANIFEST = "manifest.json"
+ALIGN = 64
+KINDS = ("array", "ndarray", "str", "bytes", "per_process", "json", "int", "float", "bool", "none")
+_DOC = "local-tier manifest"
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape)
+
+
+@dataclass(frozen=True)
+class LocalBox:
+    """One saved box of a leaf: where it sits in the global array and in the data file."""
+
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    crc32c: int = 0
+
+    def contains(self, start: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+        return all(s0 <= s and s + n <= s0 + n0 for s0, n0, s, n in zip(self.start, self.shape, start, shape))
+
+
+@dataclass(frozen=True)
+class LocalLeaf:
+    """One leaf of a local step: its kind, dtype and global shape, inline value, boxes."""
+
+    path: str
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] = ()
+    value: Any = None
+    boxes: tuple[LocalBox, ...] = ()
+    prng_impl: str | None = None
+
+
+@dataclass(frozen=True)
+class LocalManifest:
+    """A local step's manifest (see the module docstring)."""
+
+    step: int
+    save_id: str
+    process_index: int
+    process_count: int
+    data: str
+    data_size: int
+    tree: dict[str, Any]
+    leaves: tuple[LocalLeaf, ...]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "save_id": self.save_id,
+            "process_index": self.process_index,
+            "process_count": self.process_count,
+            "data": self.data,
+            "data_size": self.data_size,
+            "tree": self.tree,
+            "metadata": self.metadata,
+            "leaves": [_leaf_json(leaf) for leaf in self.leaves],
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _leaf_json(leaf: LocalLeaf) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind}
+    if leaf.dtype is not None:
+        out["dtype"] = leaf.dtype
+        out["shape"] = list(leaf.shape)
+    if leaf.value is not None:
+        out["value"] = leaf.value
+    if leaf.prng_impl is not None:
+        out["prng_impl"] = leaf.prng_impl
+    if leaf.boxes:
+        out["boxes"] = [[list(b.start), list(b.shape), b.offset, b.length, b.crc32c] for b in leaf.boxes]
+    return out
+
+
+def parse_local_manifest(data: bytes) -> LocalManifest:
+    """A local step's manifest from its bytes, every field checked.
+
+    Raises:
+        FormatError: not a local-tier manifest, another version, or a field out of place
+            (a box outside the data file, a length that does not match its shape and dtype).
+    """
+    doc = strict_json(data, _DOC)
+    fields(
+        doc,
+        "(root)",
+        {
+            "format",
+            "version",
+            "step",
+            "save_id",
+            "process_index",
+            "process_count",
+            "data",
+            "data_size",
+            "tree",
+            "leaves",
+        },
+        {"metadata"},
+        doc=_DOC,
+    )
+    need(doc["format"] == FORMAT, "format", f"not {FORMAT!r}", _DOC)
+    need(doc["version"] == VERSION, "version", f"version {doc['version']!r} is not {VERSION}", _DOC)
+    for name in ("step", "process_index", "process_count", "data_size"):
+        need(is_int(doc[name]) and doc[name] >= 0, name, "not a non-negative integer", _DOC)
+    need(doc["process_index"] < doc["process_count"], "process_index", "not below process_count", _DOC)
+    need(isinstance(doc["save_id"], str) and doc["save_id"].isalnum(), "save_id", "not an alphanumeric id", _DOC)
+    need(doc["data"] == f"{doc['save_id']}.data", "data", "not '<save_id>.data'", _DOC)
+    need(isinstance(doc["tree"], dict), "tree", "not an object", _DOC)
+    need(isinstance(doc["leaves"], list), "leaves", "not a list", _DOC)
+    metadata = doc.get("metadata", {})
+    need(isinstance(metadata, dict), "metadata", "not an object", _DOC)
+    leaves = tuple(_parse_leaf(raw, i, doc["data_size"]) for i, raw in enumerate(doc["leaves"]))
+    return LocalManifest(
+        step=doc["step"],
+        save_id=doc["save_id"],
+        process_index=doc["process_index"],
+        process_count=doc["process_count"],
+        data=doc["data"],
+        data_size=doc["data_size"],
+        tree=doc["tree"],
+        leaves=leaves,
+        metadata=metadata,
+    )
+
+
+def _parse_leaf(raw: Any, i: int, data_size: int) -> LocalLeaf:
+    where = f"leaves[{i}]"
+    fields(raw, where, {"path", "kind"}, {"dtype", "shape", "value", "boxes", "prng_impl"}, doc=_DOC)
+    need(isinstance(raw["path"], str), f"{where}.path", "not a string", _DOC)
+    kind = raw["kind"]
+    need(kind in KINDS, f"{where}.kind", f"{kind!r} is not one of {KINDS}", _DOC)
+    dtype, shape = raw.get("dtype"), tuple(raw.get("shape", ()))
+    itemsize = 0
+    if dtype is not None:
+        found = dtype_from_name(dtype) if isinstance(dtype, str) else None
+        need(found is not None, f"{where}.dtype", f"unknown dtype {dtype!r}", _DOC)
+        assert found is not None
+        itemsize = found.itemsize
+        need(all(is_int(n) and n >= 0 for n in shape), f"{where}.shape", "not a list of sizes", _DOC)
+    prng = raw.get("prng_impl")
+    need(prng is None or isinstance(prng, str), f"{where}.prng_impl", "not a string", _DOC)
+    boxes = []
+    for j, box in enumerate(raw.get("boxes", [])):
+        at = f"{where}.boxes[{j}]"
+        need(isinstance(box, list) and len(box) == 5, at, "not [start, shape, offset, length, crc32c]", _DOC)
+        start, bshape, offset, length, crc = box
+        ok = isinstance(start, list) and isinstance(bshape, list) and len(start) == len(bshape) == len(shape)
+        ok = ok and all(is_int(v) and v >= 0 for v in (*start, *bshape, offset, length, crc))
+        need(ok, at, "malformed box", _DOC)
+        need(all(s + n <= d for s, n, d in zip(start, bshape, shape)), at, "outside the leaf's shape", _DOC)
+        need(length == math.prod(bshape) * itemsize, at, "length does not match its shape and dtype", _DOC)
+        need(offset + length <= data_size, at, "past the end of the data file", _DOC)
+        boxes.append(LocalBox(tuple(start), tuple(bshape), offset, length, crc))
+    if kind == "per_process":
+        value = raw.get("value")
+        need(isinstance(value, dict) and value.get("encoding") in ("bytes", "str", "json"), where, "bad value", _DOC)
+        need(len(boxes) <= 1 and dtype == "uint8", where, "a per-process value is one uint8 box", _DOC)
+    return LocalLeaf(raw["path"], kind, dtype, shape, raw.get("value"), tuple(boxes), prng)
+
+
+def aligned(offset: int) -> int:
+    """``offset`` rounded up to the data file's box alignment."""
+    return -(-offset // ALIGN) * ALIGN
+
+
+def check_whole(manifest: LocalManifest) -> None:
+    """Refuse a manifest whose leaves' boxes overlap in the data file (a damaged or forged one)."""
+    spans = sorted((b.offset, b.offset + b.length) for leaf in manifest.leaves for b in leaf.boxes)
+    for (_, a1), (b0, _) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise FormatError(f"{_DOC} of step {manifest.step}: boxes overlap in {manifest.data} at byte {b0}")

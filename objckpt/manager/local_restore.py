@@ -1,0 +1,168 @@
+"""Restore a target from one local step, or say why this process's local tier cannot serve it.
+
+Each process reads only its own directory: for every device of the target sharding that is
+addressable here, the box it needs must lie inside a box this process saved; it is read
+from the data file, its crc32c checked, and put on its device. The global array is built
+from those per-device arrays (``jax.make_array_from_single_device_arrays``: no collective,
+so a process that cannot serve its part never leaves the others waiting).
+
+Anything this tier cannot answer exactly as the object store would is :class:`NotCovered`
+(the caller falls back to a slower tier): a target box no saved box holds, a dtype or
+shape that differs (the object store's restore casts and names mismatches), a leaf the
+step lacks, a ``PerProcess(all=True)`` target or a per-process value saved by another
+number of processes, a box whose checksum does not match.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from objckpt.core.boxes import index_to_box
+from objckpt.core.checksum import crc32c
+from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.items import PerProcess, decode_value, is_item, load_into
+from objckpt.core.tree import build, flatten_target, unflatten_target
+from objckpt.manager.local_format import LocalBox, LocalLeaf, LocalManifest
+from objckpt.transfer.buffers import host_buffer
+
+
+class NotCovered(Exception):
+    """This process's local step cannot serve the target; the message says why."""
+
+
+def restore_local(directory: Path, manifest: LocalManifest, target: Any, *, partial: bool = False) -> Any:
+    """``target`` (a pytree like :func:`objckpt.restore`'s, or None for host values) from the step in ``directory``.
+
+    Raises:
+        NotCovered: the step cannot serve this target here (see the module docstring).
+    """
+    with _Reader(directory / manifest.data, manifest) as reader:
+        if target is None:
+            values = [reader.value(leaf, None) for leaf in manifest.leaves]
+            return build(manifest.tree, lambda i: values[i])
+        flat, treedef = flatten_target(target)
+        by_path = {leaf.path: leaf for leaf in manifest.leaves}
+        missing = [path for path, _ in flat if path not in by_path]
+        if missing:
+            raise NotCovered(f"step {manifest.step} has no leaf {missing[0]}")
+        if not partial and len(flat) != len(by_path):
+            raise NotCovered(f"the target names {len(flat)} leaves, step {manifest.step} holds {len(by_path)}")
+        return unflatten_target(treedef, [reader.value(by_path[path], value) for path, value in flat])
+
+
+class _Reader:
+    """Reads saved boxes from the data file, each once, checking its crc32c."""
+
+    def __init__(self, path: Path, manifest: LocalManifest) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.file = open(path, "rb")
+        self.boxes: dict[tuple[str, int], np.ndarray] = {}
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+    def raw(self, leaf: LocalLeaf, box: LocalBox) -> np.ndarray:
+        """A saved box's bytes as its dtype and shape (read once per restore)."""
+        key = (leaf.path, box.offset)
+        if key not in self.boxes:
+            buffer = host_buffer(box.length, zeroed=False)
+            self.file.seek(box.offset)
+            if self.file.readinto(buffer.data) != box.length:
+                raise NotCovered(f"{self.path} is shorter than its manifest says (leaf {leaf.path})")
+            if crc32c(buffer) != box.crc32c:
+                raise NotCovered(f"{self.path}: leaf {leaf.path}'s box at {box.start} fails its crc32c")
+            dtype = dtype_from_name(leaf.dtype or "uint8")
+            assert dtype is not None
+            self.boxes[key] = buffer.view(dtype).reshape(box.shape)
+        return self.boxes[key]
+
+    def box(self, leaf: LocalLeaf, start: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+        """The global box ``start``/``shape`` of ``leaf``, from a saved box that holds it."""
+        for saved in leaf.boxes:
+            if saved.start == start and saved.shape == shape:
+                return self.raw(leaf, saved)
+        for saved in leaf.boxes:
+            if saved.contains(start, shape):
+                region = tuple(slice(s - s0, s - s0 + n) for s, s0, n in zip(start, saved.start, shape))
+                return np.ascontiguousarray(self.raw(leaf, saved)[region])
+        dtype = dtype_from_name(leaf.dtype or "uint8")
+        assert dtype is not None
+        out = np.empty(shape, dtype)
+        covered = 0
+        for saved in leaf.boxes:  # a leaf's saved boxes are disjoint: the pieces of one sharding
+            lo = [max(s, s0) for s, s0 in zip(start, saved.start)]
+            hi = [min(s + n, s0 + n0) for s, n, s0, n0 in zip(start, shape, saved.start, saved.shape)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            source = tuple(slice(a - s0, b - s0) for a, b, s0 in zip(lo, hi, saved.start))
+            out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))] = self.raw(leaf, saved)[source]
+            covered += math.prod(b - a for a, b in zip(lo, hi))
+        if covered == math.prod(shape):
+            return out
+        raise NotCovered(f"leaf {leaf.path}: no box saved here holds the box at {list(start)} of shape {list(shape)}")
+
+    def whole(self, leaf: LocalLeaf) -> np.ndarray:
+        return self.box(leaf, (0,) * len(leaf.shape), leaf.shape)
+
+    def value(self, leaf: LocalLeaf, target: Any) -> Any:
+        kind = leaf.kind
+        if kind == "array":
+            return self.array(leaf, target)
+        if kind in ("none", "int", "bool"):
+            out: Any = leaf.value
+        elif kind == "float":
+            out = float(leaf.value)
+        elif kind == "json":
+            out = leaf.value
+        elif kind == "per_process":
+            if type(target) is PerProcess and target.all:
+                raise NotCovered(f"leaf {leaf.path}: PerProcess(all=True) needs every process's value")
+            if self.manifest.process_count != jax.process_count():
+                raise NotCovered(
+                    f"leaf {leaf.path}: a per-process value saved by {self.manifest.process_count} processes"
+                )
+            data = self.whole(leaf).tobytes() if leaf.boxes else b""
+            out = decode_value(data, leaf.value["encoding"])
+        elif kind == "str":
+            out = self.whole(leaf).tobytes().decode() if leaf.boxes else ""
+        elif kind == "bytes":
+            out = self.whole(leaf).tobytes() if leaf.boxes else b""
+        else:  # ndarray
+            out = self.whole(leaf).copy()
+        return load_into(target, out) if is_item(target) else out
+
+    def array(self, leaf: LocalLeaf, target: Any) -> Any:
+        sharding = getattr(target, "sharding", None)
+        if sharding is None or not isinstance(sharding, jax.sharding.Sharding):
+            if isinstance(target, jax.ShapeDtypeStruct) or leaf.prng_impl:
+                raise NotCovered(f"leaf {leaf.path}: a target without a sharding")
+            return self.whole(leaf).copy()
+        key_shape = leaf.shape[:-1] if leaf.prng_impl else leaf.shape
+        if tuple(target.shape) != key_shape:
+            raise NotCovered(f"leaf {leaf.path}: the target's shape {tuple(target.shape)} is not {key_shape}")
+        if leaf.prng_impl:
+            if not jax.dtypes.issubdtype(target.dtype, jax.dtypes.prng_key):
+                raise NotCovered(f"leaf {leaf.path}: a PRNG key restored as {target.dtype}")
+            if not isinstance(sharding, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
+                raise NotCovered(f"leaf {leaf.path}: a PRNG key onto a {type(sharding).__name__}")
+        elif np.dtype(target.dtype) != dtype_from_name(leaf.dtype or ""):
+            raise NotCovered(f"leaf {leaf.path}: saved as {leaf.dtype}, the target is {target.dtype}")
+        shape = leaf.shape
+        arrays = []
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            start, stop = index_to_box(index, shape)
+            box_shape = tuple(b - a for a, b in zip(start, stop))
+            arrays.append(jax.device_put(self.box(leaf, tuple(start), box_shape), device))
+        out = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        if leaf.prng_impl:
+            return jax.random.wrap_key_data(out, impl=leaf.prng_impl)
+        return out

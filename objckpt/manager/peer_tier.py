@@ -1,0 +1,141 @@
+"""The local tier's peer copies, moved by :func:`objckpt.manager.peer_copy.exchange_with_peers`.
+
+After a local save, every process sends that step (its data file, then its manifest, then
+a 16-byte trailer: ``OBJCKPT1`` and the manifest's length) to its keeper, which writes it
+under ``process_<keeper>/peer/process_<owner>/step_<N>/`` in the local tier's own format,
+manifest last (:func:`send_to_keepers`). On a restore that finds a process's own copy
+missing, the keepers send the copies back the other way, each to its owner, which writes
+it into its own directory and restores locally (:func:`fetch_from_keepers`).
+
+Both are collectives: every process calls them together, sending an empty payload when it
+has nothing to send. The bytes travel through JAX's runtime only (the peer-copy module);
+what arrives is checked when it is read (the manifest strictly, every box by its crc32c).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from objckpt.errors import FormatError
+from objckpt.manager.local_format import MANIFEST, LocalManifest, parse_local_manifest
+from objckpt.manager.local_tier import LocalTier, commit_manifest, read_manifest
+from objckpt.manager.peer_copy import exchange_with_peers, keeper_map
+from objckpt.roots.layout import step_dir
+from objckpt.transfer.buffers import host_buffer
+
+log = logging.getLogger("objckpt")
+
+_MAGIC = b"OBJCKPT1"
+_TRAILER = struct.Struct("<8sQ")
+Keeper = Callable[[int, int], int]
+
+
+def payload_of(directory: Path) -> np.ndarray:
+    """The step in ``directory`` as one payload: data file, manifest, trailer."""
+    manifest_bytes = (directory / MANIFEST).read_bytes()
+    manifest = parse_local_manifest(manifest_bytes)
+    total = manifest.data_size + len(manifest_bytes) + _TRAILER.size
+    buffer = host_buffer(total, zeroed=False)
+    with open(directory / manifest.data, "rb") as f:
+        if f.readinto(buffer[: manifest.data_size].data) != manifest.data_size:
+            raise FormatError(f"{directory / manifest.data} is shorter than its manifest says")
+    end = manifest.data_size + len(manifest_bytes)
+    buffer[manifest.data_size : end] = np.frombuffer(manifest_bytes, np.uint8)
+    buffer[end:] = np.frombuffer(_TRAILER.pack(_MAGIC, len(manifest_bytes)), np.uint8)
+    return buffer
+
+
+class _Incoming:
+    """A sink writing received bytes to a file, then turned into a step directory under ``base``."""
+
+    def __init__(self, base: Path) -> None:
+        base.mkdir(parents=True, exist_ok=True)
+        self.base = base
+        self.path = base / f".incoming-{os.getpid()}"
+        self.file = open(self.path, "wb")
+        self.size = 0
+
+    def __call__(self, offset: int, chunk: memoryview) -> None:
+        self.file.seek(offset)
+        self.file.write(chunk)
+        self.size = max(self.size, offset + len(chunk))
+
+    def finish(self, nbytes: int) -> LocalManifest | None:
+        """Place what arrived (``nbytes``; 0: nothing was sent) as a step; its manifest."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        try:
+            if nbytes == 0:
+                return None
+            if nbytes < _TRAILER.size or self.size < nbytes:
+                raise FormatError(f"peer copy into {self.base}: {self.size} of {nbytes} bytes arrived")
+            with open(self.path, "r+b") as f:
+                f.seek(nbytes - _TRAILER.size)
+                magic, length = _TRAILER.unpack(f.read(_TRAILER.size))
+                if magic != _MAGIC or length > nbytes - _TRAILER.size:
+                    raise FormatError(f"peer copy into {self.base}: not a local-tier step")
+                f.seek(nbytes - _TRAILER.size - length)
+                manifest = parse_local_manifest(f.read(length))
+                f.truncate(manifest.data_size)
+            directory = self.base / step_dir(manifest.step)
+            directory.mkdir(parents=True, exist_ok=True)
+            os.replace(self.path, directory / manifest.data)
+            commit_manifest(directory, manifest)
+            read_manifest(directory)  # whole and consistent, or an error now
+            return manifest
+        finally:
+            if self.path.exists():
+                self.path.unlink()
+
+
+def send_to_keepers(tier: LocalTier, step: int | None, *, timeout: float, keeper_of: Keeper | None) -> int | None:
+    """Send this process's ``step`` (None or absent: nothing) to its keeper; keep what this process receives.
+
+    Returns the step received from the process this one keeps (None: it sent nothing).
+    """
+    directory = tier.step_dir(step) if step is not None else None
+    try:
+        payload = payload_of(directory) if directory is not None else np.zeros(0, np.uint8)
+    except (OSError, FormatError) as e:  # nothing to send: still take part
+        log.warning("objckpt peer copy: step %s of process %d is not sendable: %s", step, tier.process_index, e)
+        payload = np.zeros(0, np.uint8)
+    count = tier.process_count
+    keepers = keeper_map(count, keeper_of)
+    owner = keepers.index(tier.process_index)
+    incoming = _Incoming(tier.held_dir(owner))
+    copy = exchange_with_peers(payload, timeout=timeout, keeper_of=keeper_of, sink=incoming, name="local_tier")
+    manifest = incoming.finish(copy.nbytes)
+    tier.retain()
+    return manifest.step if manifest is not None else None
+
+
+def fetch_from_keepers(
+    tier: LocalTier, step: int, fetch: dict[int, int], *, timeout: float, keeper_of: Keeper | None
+) -> bool:
+    """Bring back, from their keepers, the copies of ``step`` that the processes in ``fetch`` lost.
+
+    ``fetch``: ``{owner: keeper}``. Every process calls this; a keeper sends its held copy to
+    its owner, everyone else an empty payload. Returns whether this process received its step.
+    """
+    count, here = tier.process_count, tier.process_index
+    keepers = keeper_map(count, keeper_of)
+    owner_of = {k: p for p, k in enumerate(keepers)}
+
+    def back(process: int, n: int) -> int:  # in reverse, a keeper "keeps" its owner
+        return owner_of[process]
+
+    mine = owner_of[here]
+    payload = np.zeros(0, np.uint8)
+    if fetch.get(mine) == here:
+        payload = payload_of(tier.held_dir(mine) / step_dir(step))
+    incoming = _Incoming(tier.own)
+    copy = exchange_with_peers(payload, timeout=timeout, keeper_of=back, sink=incoming, name="local_tier_back")
+    manifest = incoming.finish(copy.nbytes)
+    return manifest is not None and manifest.step == step

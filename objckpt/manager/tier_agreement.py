@@ -1,0 +1,178 @@
+"""Which step to restore, and from which tier: every process decides alike from what all hold.
+
+Each process publishes a small inventory through JAX's coordination service
+(:class:`objckpt.multihost.Coordinator`: key-value store and a barrier with a timeout):
+the complete steps in its own local directory (step → save id and the process count that
+saved it), the peer copies it holds (owner → step → save id), whether it can take part in
+a peer copy, and, from the primary only, the object store's committed steps. After the
+barrier every process reads every inventory and runs the same pure :func:`decide`, so all
+reach the same answer without another message.
+
+A step is
+
+- **local** when every process of this job holds it in its own directory with the same
+  save id (one save, not two runs that both reached the step) and the saved process count
+  is this job's;
+- **peer** when every process either holds it or its keeper holds its copy (same save id),
+  and every process can take part in a peer copy;
+- **store** when the object store has committed it.
+
+The step restored is the newest one in any tier (or the one asked for); the tiers to try
+for it are listed fastest first. "local" is also tried for a step the store holds when every
+process holds it locally but the process count differs: the restore itself then checks that
+each process's boxes cover its target (:mod:`objckpt.manager.local_restore`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from objckpt.errors import CoordinationError
+from objckpt.multihost import Coordinator, operation_tag
+
+LOCAL, PEER, STORE = "local", "peer", "store"
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What one process holds (see the module docstring)."""
+
+    process: int
+    own: dict[int, tuple[str, int]] = field(default_factory=dict)  # step: (save id, process count)
+    held: dict[int, dict[int, str]] = field(default_factory=dict)  # owner: {step: save id}
+    can_exchange: bool = False
+    store: list[int] | None = None  # the primary's listing of the object store
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "own": {str(s): list(v) for s, v in self.own.items()},
+                "held": {str(o): {str(s): i for s, i in steps.items()} for o, steps in self.held.items()},
+                "x": self.can_exchange,
+                "store": self.store,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, process: int, data: bytes) -> Inventory:
+        doc = json.loads(data)
+        return cls(
+            process,
+            own={int(s): (str(v[0]), int(v[1])) for s, v in doc["own"].items()},
+            held={int(o): {int(s): str(i) for s, i in steps.items()} for o, steps in doc["held"].items()},
+            can_exchange=bool(doc["x"]),
+            store=None if doc["store"] is None else [int(s) for s in doc["store"]],
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The step to restore (None: none anywhere) and the tiers to try for it, fastest first.
+
+    ``fetch``: for the peer tier, each process whose own copy is missing and the keeper
+    that holds it (``{owner: keeper}``); ``save_id``: the save the local and peer tiers hold.
+    """
+
+    step: int | None
+    tiers: tuple[str, ...] = ()
+    save_id: str | None = None
+    fetch: dict[int, int] = field(default_factory=dict)
+
+
+def _local(invs: dict[int, Inventory], count: int, step: int, *, strict: bool) -> str | None:
+    """The save id every process holds ``step`` under, if all do (and, ``strict``, saved by ``count`` processes)."""
+    ids = set()
+    for p in range(count):
+        got = invs[p].own.get(step) if p in invs else None
+        if got is None or (strict and got[1] != count):
+            return None
+        ids.add(got[0])
+    return ids.pop() if len(ids) == 1 else None
+
+
+def _peer(invs: dict[int, Inventory], count: int, step: int, keepers: list[int]) -> tuple[str, dict[int, int]] | None:
+    """The save id and ``{owner: keeper}`` fetches that make ``step`` whole through peer copies."""
+    if len(keepers) != count or not all(p in invs and invs[p].can_exchange for p in range(count)):
+        return None
+    for save_id in sorted({v[0] for i in invs.values() for s, v in i.own.items() if s == step and v[1] == count}):
+        fetch = {}
+        for p in range(count):
+            own = invs[p].own.get(step)
+            if own == (save_id, count):
+                continue
+            keeper = keepers[p]
+            if invs[keeper].held.get(p, {}).get(step) != save_id:
+                break
+            fetch[p] = keeper
+        else:
+            return save_id, fetch
+    return None
+
+
+def decide(invs: dict[int, Inventory], count: int, *, want: int | None, keepers: list[int] | None) -> Decision:
+    """The step and tiers every process takes (pure: the same inventories give the same answer).
+
+    ``want``: the step asked for (None: the newest in any tier); ``keepers``: the peer-copy
+    keeper of each process, or None when the manager keeps no peer copies.
+    """
+    store = {s for i in invs.values() if i.store is not None for s in i.store}
+    candidates = {s for i in invs.values() for s in i.own} | store
+    if want is not None:
+        candidates = {want}
+    for step in sorted(candidates, reverse=True):
+        tiers: list[str] = []
+        save_id = _local(invs, count, step, strict=True)
+        fetch: dict[int, int] = {}
+        if save_id is not None:
+            tiers.append(LOCAL)
+        elif keepers is not None and (peer := _peer(invs, count, step, keepers)) is not None:
+            save_id, fetch = peer
+            tiers.append(PEER)
+        if step in store:
+            relaxed = _local(invs, count, step, strict=False) if save_id is None else None
+            if relaxed is not None:
+                save_id = relaxed
+                tiers.append(LOCAL)
+            tiers.append(STORE)
+        if tiers or want is not None:
+            return Decision(step, tuple(tiers), save_id, fetch)
+    return Decision(None)
+
+
+def agree(coordinator: Coordinator, url: str, mine: Inventory, *, timeout: float) -> dict[int, Inventory]:
+    """Every process's inventory, once all have published theirs (one barrier with ``timeout``).
+
+    Raises:
+        CoordinationError: the barrier timed out, naming the processes that did not arrive.
+    """
+    if coordinator.process_count == 1:
+        return {mine.process: mine}
+    tag = operation_tag("tiers", url)
+    try:
+        coordinator.publish(f"{tag}/inventory", mine.to_json())
+        coordinator.barrier(f"{tag}/barrier", timeout=timeout)
+        out = {p: Inventory.from_json(p, v) for p, v in coordinator.collect(f"{tag}/inventory").items()}
+    except CoordinationError:
+        coordinator.forget(tag)
+        raise
+    coordinator.release(tag)
+    return out
+
+
+def all_succeeded(coordinator: Coordinator, url: str, error: str | None, *, timeout: float) -> dict[int, str]:
+    """Agree that every process succeeded at one tier; the failures by process (empty: all did)."""
+    if coordinator.process_count == 1:
+        return {coordinator.process_index: error} if error else {}
+    tag = operation_tag("tier_outcome", url)
+    try:
+        if error is not None:
+            coordinator.publish(f"{tag}/failed", error[:1000].encode())
+        coordinator.barrier(f"{tag}/barrier", timeout=timeout)
+        failed = {p: v.decode() for p, v in coordinator.collect(f"{tag}/failed").items()}
+    except CoordinationError:
+        coordinator.forget(tag)
+        raise
+    coordinator.release(tag)
+    return failed

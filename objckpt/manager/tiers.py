@@ -1,0 +1,317 @@
+"""The recovery tiers in front of a manager's object store: local, peer copy, then the store.
+
+:class:`Tiers` is what :class:`~objckpt.manager.checkpoint_manager.CheckpointManager`
+holds when it is given ``local=``:
+
+- **saving**: every ``local_interval_steps`` steps each process snapshots its own boxes
+  (the caller's thread, like ``save_async``'s blocking phase) and writes them to its local
+  directory in the background (:mod:`objckpt.manager.local_tier`). At most one local save
+  is in flight; the next one waits for it and re-raises its error. With ``peers=1`` the
+  step just written is sent to each process's keeper when the next local save starts, or
+  at :meth:`close` (:mod:`objckpt.manager.peer_tier`): a collective, in the caller's
+  thread, so it never runs beside the training step's own collectives.
+- **restoring**: every process publishes what it holds, all decide alike which step and
+  which tiers (:mod:`objckpt.manager.tier_agreement`), try them fastest first, and agree
+  after each that every process succeeded before moving on. Each process logs the tier
+  and the seconds it took; :attr:`Tiers.last_restore` keeps them.
+
+Every method here that agrees (``latest_step``, ``restore``, ``save`` with peers,
+``close`` with peers) is called by every process of the job, as the manager's are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from objckpt.errors import CheckpointNotFoundError, CoordinationError, FormatError, PeerCopyUnavailableError
+from objckpt.manager.local_restore import NotCovered, restore_local
+from objckpt.manager.local_tier import LocalTier, local_path, read_manifest, snapshot, step_dirs
+from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, agree, all_succeeded, decide
+from objckpt.multihost import Coordinator, operation_tag
+from objckpt.transfer import runtime
+
+log = logging.getLogger("objckpt")
+
+Keeper = Callable[[int, int], int]
+
+
+@dataclass(frozen=True)
+class TierRestore:
+    """Where a restore came from: the step, the tier (``"local"``, ``"peer"``, ``"store"``), seconds."""
+
+    step: int
+    tier: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TierStatus:
+    """What each tier holds, as this process sees it (:meth:`CheckpointManager.tier_status`).
+
+    ``local_steps``: complete steps in this process's local directory; ``torn_steps``: step
+    directories without a manifest (a save in flight or cut off); ``peer_held``: the steps of
+    other processes this one keeps (``{owner: steps}``); ``store_steps``: the object store's
+    committed steps; ``peers``: whether peer copies are being made.
+    """
+
+    process: int
+    local_dir: str
+    local_steps: list[int]
+    torn_steps: list[int]
+    local_bytes: int
+    peer_held: dict[int, list[int]]
+    store_url: str
+    store_steps: list[int]
+    peers: bool
+    last_restore: TierRestore | None = None
+
+
+class Tiers:
+    """A manager's local tier and peer copies (see the module docstring)."""
+
+    def __init__(
+        self,
+        root_url: str,
+        local: Any,
+        interval: int,
+        keep_last: int,
+        peers: int,
+        keeper_of: Keeper | None,
+        coordinator: Coordinator,
+        timeout: float,
+    ) -> None:
+        if interval < 1:
+            raise ValueError(f"local_interval_steps must be at least 1, got {interval}")
+        if peers not in (0, 1):
+            raise ValueError(f"peers must be 0 or 1 (one peer copy), got {peers}")
+        root = local_path(local)
+        if "://" not in root_url or root_url.startswith("file://"):
+            store_dir = local_path(root_url)
+            if root == store_dir or store_dir in root.parents:
+                raise ValueError(f"local={str(root)!r} is inside the manager's root {root_url}: gc would sweep it")
+        self.url = root_url
+        self.coordinator = coordinator
+        self.tier = LocalTier(root, coordinator.process_index, coordinator.process_count, keep_last)
+        self.interval = interval
+        self.keeper_of = keeper_of
+        self.timeout = timeout
+        self.peers = bool(peers) and coordinator.process_count > 1
+        if self.peers:
+            from objckpt.manager.peer_copy import peer_copy_unavailable
+
+            why = peer_copy_unavailable()
+            if why is not None:
+                log.warning("objckpt local tier: peer copies are off: %s", why)
+                self.peers = False
+        self.run_id = self._agree_run_id()
+        self._pending: concurrent.futures.Future[None] | None = None
+        self._unsent: int | None = None  # the step written here and not yet sent to the keeper
+        self.last_restore: TierRestore | None = None
+
+    def _agree_run_id(self) -> str:
+        """One id for this run's local saves, the primary's, on every process: a step two runs
+        both reached (a restart re-running it) is never taken for one save."""
+        mine = uuid.uuid4().hex.encode() if self.coordinator.is_primary else None
+        tag = operation_tag("local_tier", self.url)
+        try:
+            return self.coordinator.broadcast(f"{tag}/run", mine, timeout=self.timeout).decode()
+        finally:
+            self.coordinator.release(tag)
+
+    # ------------------------------------------------------------------ saving
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    def save(self, step: int, tree: Any, metadata: dict[str, Any]) -> float:
+        """Snapshot ``tree`` as local step ``step`` and write it in the background; the seconds blocked.
+
+        First waits for the previous local save (re-raising its error once the peer copy,
+        which every process takes part in, is done).
+        """
+        error = self._settle()
+        if error is not None:
+            raise error
+        started = time.perf_counter()
+        snap = snapshot(
+            tree,
+            step=step,
+            save_id=self.run_id,
+            process_index=self.tier.process_index,
+            process_count=self.tier.process_count,
+            metadata=metadata,
+        )
+        self._pending = runtime.submit(asyncio.to_thread(self._write, snap))
+        return time.perf_counter() - started
+
+    def _write(self, snap: Any) -> None:
+        started = time.perf_counter()
+        manifest = self.tier.write(snap)
+        self._unsent = manifest.step
+        log.info(
+            "objckpt local tier: step %d written by process %d (%d bytes) in %.3f s",
+            manifest.step,
+            self.tier.process_index,
+            manifest.data_size,
+            time.perf_counter() - started,
+        )
+
+    def _settle(self) -> BaseException | None:
+        """Wait for the local save in flight, then send the step written to the keepers; its error."""
+        pending, self._pending = self._pending, None
+        error: BaseException | None = None
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException as e:
+                error = e
+        if self.peers and pending is not None:  # every process alike: the same steps save locally
+            self._send(self._unsent if error is None else None)
+        self._unsent = None
+        return error
+
+    def _send(self, step: int | None) -> None:
+        from objckpt.manager.peer_tier import send_to_keepers
+
+        started = time.perf_counter()
+        try:
+            got = send_to_keepers(self.tier, step, timeout=self.timeout, keeper_of=self.keeper_of)
+        except (PeerCopyUnavailableError, CoordinationError, OSError, FormatError) as e:
+            log.warning("objckpt local tier: peer copy failed, peer copies are off from now: %s", e)
+            self.peers = False
+            return
+        log.info(
+            "objckpt local tier: peer copy of step %s sent, step %s received, in %.3f s",
+            step,
+            got,
+            time.perf_counter() - started,
+        )
+
+    def wait(self) -> None:
+        """Wait for the local save in flight (no peer copy); re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the local save in flight and send its step to the keepers; re-raise its error."""
+        error = self._settle()
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------ agreeing
+
+    def _inventory(self, store_steps: Callable[[], list[int]]) -> Inventory:
+        own = {s: (m.save_id, m.process_count) for s, m in self.tier.steps().items()}
+        held = {o: {s: m.save_id for s, m in steps.items()} for o, steps in self.tier.held().items()}
+        store = store_steps() if self.coordinator.is_primary else None
+        return Inventory(self.tier.process_index, own, held, self.peers, store)
+
+    def _decide(self, want: int | None, store_steps: Callable[[], list[int]]) -> Any:
+        self.wait()
+        invs = agree(self.coordinator, self.url, self._inventory(store_steps), timeout=self.timeout)
+        keepers = None
+        if self.peers:
+            from objckpt.manager.peer_copy import keeper_map
+
+            keepers = keeper_map(self.coordinator.process_count, self.keeper_of)
+        return decide(invs, self.coordinator.process_count, want=want, keepers=keepers)
+
+    def latest_step(self, store_steps: Callable[[], list[int]]) -> int | None:
+        """The newest step complete in some tier, the same on every process."""
+        return self._decide(None, store_steps).step  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(
+        self,
+        step: int | None,
+        target: Any,
+        *,
+        partial: bool,
+        store_steps: Callable[[], list[int]],
+        from_store: Callable[[int], Any],
+    ) -> Any:
+        """``step`` (None: the newest anywhere) from the fastest tier that serves every process."""
+        started = time.perf_counter()
+        decision = self._decide(step, store_steps)
+        if decision.step is None or not decision.tiers:
+            where = f"step {step}" if step is not None else "a step"
+            raise CheckpointNotFoundError(
+                f"{where} is in no tier: not in the local tier {self.tier.root} of every process"
+                f"{' nor in their peer copies' if self.peers else ''}, not committed under {self.url}"
+            )
+        why: list[str] = []
+        for tier in decision.tiers:
+            if tier == STORE:
+                out = from_store(decision.step)
+                return self._done(decision.step, STORE, started, out)
+            if tier == PEER and not self._fetch(decision):
+                why.append("peer: the copies could not be brought back")
+                continue
+            out, failed = self._try_local(decision, target, partial)
+            if not failed:
+                return self._done(decision.step, tier, started, out)
+            why.append(f"{tier}: " + "; ".join(f"process {p}: {e}" for p, e in sorted(failed.items())))
+            log.warning("objckpt: step %d not restored from the %s tier: %s", decision.step, tier, why[-1])
+        raise CheckpointNotFoundError(f"step {decision.step} could not be restored from any tier: {' | '.join(why)}")
+
+    def _fetch(self, decision: Any) -> bool:
+        from objckpt.manager.peer_tier import fetch_from_keepers
+
+        try:
+            fetch_from_keepers(self.tier, decision.step, decision.fetch, timeout=self.timeout, keeper_of=self.keeper_of)
+        except (PeerCopyUnavailableError, CoordinationError, OSError, FormatError) as e:
+            log.warning("objckpt: bringing step %d back from the peer copies failed: %s", decision.step, e)
+            return False
+        return True
+
+    def _try_local(self, decision: Any, target: Any, partial: bool) -> tuple[Any, dict[int, str]]:
+        out, error = None, None
+        try:
+            directory = self.tier.step_dir(decision.step)
+            manifest = read_manifest(directory)
+            if manifest.save_id != decision.save_id:
+                raise NotCovered(f"step {decision.step} here is another run's save")
+            out = restore_local(directory, manifest, target, partial=partial)
+        except (NotCovered, FormatError, OSError, ValueError, TypeError) as e:
+            error = f"{type(e).__name__}: {e}"
+        failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout)
+        return (None if failed else out), failed
+
+    def _done(self, step: int, tier: str, started: float, out: Any) -> Any:
+        seconds = time.perf_counter() - started
+        self.last_restore = TierRestore(step, tier, seconds)
+        log.info(
+            "objckpt: process %d restored step %d from the %s tier in %.3f s",
+            self.tier.process_index,
+            step,
+            tier,
+            seconds,
+        )
+        return out
+
+    def status(self, store_steps: list[int]) -> TierStatus:
+        own = self.tier.steps()
+        return TierStatus(
+            process=self.tier.process_index,
+            local_dir=str(self.tier.own),
+            local_steps=sorted(own),
+            torn_steps=sorted(s for s in step_dirs(self.tier.own) if s not in own),
+            local_bytes=self.tier.nbytes(),
+            peer_held={o: sorted(steps) for o, steps in self.tier.held().items()},
+            store_url=self.url,
+            store_steps=store_steps,
+            peers=self.peers,
+            last_restore=self.last_restore,
+        )
+
+
+__all__ = ["LOCAL", "PEER", "STORE", "TierRestore", "TierStatus", "Tiers"]

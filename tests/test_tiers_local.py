@@ -1,0 +1,319 @@
+"""The recovery tiers (issue 56): local tier, peer copy, object store; which step and tier a restart takes.
+
+The fault tests run 4 JAX processes x 2 CPU devices (tests/tiers_worker.py) against the local
+S3 server; every restore is checked bit for bit against the step it says it restored. The
+restart scenarios that need no killed process (a tier wiped, different newest steps) run
+their trials as rounds inside one job: damage, restart the manager, restore, train on,
+close. The SIGKILL scenarios need a fresh job per trial.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import objckpt
+from objckpt.manager.local_format import MANIFEST
+from objckpt.manager.local_restore import NotCovered, restore_local
+from objckpt.manager.local_tier import LocalTier, complete_steps, snapshot
+from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, decide
+from tests.multiprocess import free_port
+
+WORKER = Path(__file__).with_name("tiers_worker.py")
+KILL_TRIALS = int(os.environ.get("OBJCKPT_TIER_TRIALS", "2"))  # per SIGKILL test (a fresh 4-process job each)
+ROUNDS = int(os.environ.get("OBJCKPT_TIER_ROUNDS", "10"))  # per restart test (rounds inside one job)
+
+
+# ---------------------------------------------------------------------------- the decision (pure)
+
+
+def _inv(p: int, own: dict[int, str], *, count: int = 4, held: dict[int, dict[int, str]] | None = None) -> Inventory:
+    return Inventory(p, {s: (i, count) for s, i in own.items()}, held or {}, True, [0, 10] if p == 0 else None)
+
+
+def test_decide_takes_the_newest_step_in_the_fastest_tier_that_has_it_everywhere():
+    everywhere = {p: _inv(p, {10: "a", 15: "a"}) for p in range(4)}
+    assert decide(everywhere, 4, want=None, keepers=None).tiers == (LOCAL,)
+    assert decide(everywhere, 4, want=None, keepers=None).step == 15
+    assert decide(everywhere, 4, want=10, keepers=None).tiers == (LOCAL, STORE)
+    # process 2 lacks step 15: the newest complete everywhere is 10
+    uneven = {**everywhere, 2: _inv(2, {10: "a"})}
+    assert decide(uneven, 4, want=None, keepers=None).step == 10
+    # ...unless its keeper (process 0 with keepers 2 -> 0) holds its copy of 15
+    keepers = [2, 3, 0, 1]
+    held = {**uneven, 0: _inv(0, {10: "a", 15: "a"}, held={2: {15: "a"}})}
+    got = decide(held, 4, want=None, keepers=keepers)
+    assert (got.step, got.tiers, got.fetch) == (15, (PEER,), {2: 0})
+    # a copy of another save (another run that reached step 15) is not that step
+    other = {**uneven, 0: _inv(0, {10: "a", 15: "a"}, held={2: {15: "b"}})}
+    assert decide(other, 4, want=None, keepers=keepers).step == 10
+    # two runs that both reached 15: not one step
+    mixed = {**everywhere, 3: _inv(3, {10: "a", 15: "b"})}
+    assert decide(mixed, 4, want=None, keepers=None).step == 10
+
+
+def test_decide_falls_back_to_the_store_and_tries_local_on_another_process_count():
+    wiped = {p: _inv(p, {}) for p in range(4)}
+    assert decide(wiped, 4, want=None, keepers=[2, 3, 0, 1]) == decide(wiped, 4, want=10, keepers=None)
+    assert decide(wiped, 4, want=None, keepers=None).tiers == (STORE,)
+    # saved by 4 processes, restarted on 2: local only for a step the store holds too, and tried first
+    two = {p: _inv(p, {10: "a", 15: "a"}) for p in range(2)}
+    got = decide(two, 2, want=None, keepers=None)
+    assert (got.step, got.tiers) == (10, (LOCAL, STORE))
+    assert decide({p: _inv(p, {}) for p in range(4)}, 4, want=12, keepers=None).tiers == ()
+
+
+# ---------------------------------------------------------------------------- one process's tier
+
+
+def _tree(step: int) -> dict[str, Any]:
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step
+    return {
+        "w": jax.make_array_from_callback(w.shape, NamedSharding(mesh, P("a", "b")), lambda i: w[i]),
+        "b": jax.device_put(np.arange(8, dtype=np.int8) + step, NamedSharding(mesh, P())),
+        "data": objckpt.PerProcess(b"it=%d" % step),
+        "config": objckpt.Json({"step": step}),
+        "n": step,
+    }
+
+
+def test_a_torn_local_save_is_never_read_and_retention_removes_it(tmp_path):
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
+    for step in (1, 2, 3):
+        tier.write(snapshot(_tree(step), step=step, save_id="run1", process_index=0, process_count=1, metadata={}))
+    assert sorted(tier.steps()) == [2, 3]  # keep_last=2
+    snap = snapshot(_tree(4), step=4, save_id="run1", process_index=0, process_count=1, metadata={})
+    torn = tier.step_dir(4)
+    torn.mkdir()
+    (torn / "run1.data").write_bytes(bytes(snap.buffer)[: snap.manifest.data_size // 2])
+    assert sorted(tier.steps()) == [2, 3]  # data without a manifest: no step
+    (torn / MANIFEST).write_bytes(snap.manifest.to_json())  # a manifest whose data file is short
+    assert sorted(complete_steps(tier.own)) == [2, 3]
+    (torn / MANIFEST).unlink()
+    tier.retain()
+    assert not torn.exists() and sorted(tier.steps()) == [2, 3]
+
+
+def test_local_restore_reads_its_boxes_bit_exact_and_refuses_what_it_does_not_hold(tmp_path):
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
+    tree = _tree(7)
+    tier.write(snapshot(tree, step=7, save_id="run1", process_index=0, process_count=1, metadata={}))
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    target = {
+        "w": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=NamedSharding(mesh, P("y", "x"))),  # another layout
+        "b": jax.ShapeDtypeStruct((8,), np.int8, sharding=NamedSharding(mesh, P("x"))),
+        "data": objckpt.PerProcess(),
+        "config": objckpt.Json(),
+        "n": 0,
+    }
+    out = restore_local(tier.step_dir(7), tier.steps()[7], target)
+    assert np.asarray(out["w"]).tobytes() == np.asarray(tree["w"]).tobytes()
+    assert out["w"].sharding == target["w"].sharding
+    assert np.asarray(out["b"]).tobytes() == np.asarray(tree["b"]).tobytes()
+    assert (out["data"], out["config"], out["n"]) == (b"it=7", {"step": 7}, 7)
+    with pytest.raises(NotCovered, match="PerProcess"):
+        restore_local(tier.step_dir(7), tier.steps()[7], {**target, "data": objckpt.PerProcess(all=True)})
+    as_int = jax.ShapeDtypeStruct((64, 32), np.int32, sharding=target["w"].sharding)
+    with pytest.raises(NotCovered, match="saved as float32"):
+        restore_local(tier.step_dir(7), tier.steps()[7], {**target, "w": as_int})
+    data = tier.step_dir(7) / "run1.data"  # one flipped bit: the box's crc32c refuses it
+    raw = bytearray(data.read_bytes())
+    raw[1000] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(NotCovered, match="crc32c"):
+        restore_local(tier.step_dir(7), tier.steps()[7], target)
+
+
+def test_manager_restores_from_local_then_store_and_gc_leaves_the_local_tier_alone(s3_store, tmp_path, caplog):
+    local = tmp_path / "local"
+    mgr = objckpt.CheckpointManager(
+        s3_store.url,
+        storage_options=s3_store.storage_options,
+        save_interval_steps=10,
+        local=local,
+        local_interval_steps=5,
+    )
+    for step in range(13):
+        assert mgr.save(step, _tree(step)) == (step % 5 == 0)
+    mgr.wait()
+    mgr.close()
+    mgr = objckpt.CheckpointManager(s3_store.url, storage_options=s3_store.storage_options, local=str(local))
+    status = mgr.tier_status()
+    assert (status.local_steps, status.store_steps, status.peers) == ([5, 10], [0, 10], False)
+    assert mgr.latest_step() == 10
+    target = {**_tree(0), "data": objckpt.PerProcess(), "config": objckpt.Json()}
+    with caplog.at_level("INFO", logger="objckpt"):
+        out = mgr.restore(None, target)
+    assert mgr.tier_status().last_restore.tier == "local"  # type: ignore[union-attr]
+    assert "restored step 10 from the local tier" in caplog.text
+    assert np.asarray(out["w"]).tobytes() == np.asarray(_tree(10)["w"]).tobytes() and out["data"] == b"it=10"
+    before = sorted(p.relative_to(local) for p in local.rglob("*"))
+    mgr.gc(grace_seconds=0)
+    mgr.delete(0)
+    assert sorted(p.relative_to(local) for p in local.rglob("*")) == before  # gc and rm never reach it
+    out = mgr.restore(5, target)  # only local: the store never had step 5
+    assert mgr.tier_status().last_restore.tier == "local" and out["n"] == 5  # type: ignore[union-attr]
+    for p in (local / "process_0").iterdir():
+        p.rename(p.with_name("gone_" + p.name))  # the local tier lost: the store serves
+    out = mgr.restore(None, target)
+    assert mgr.tier_status().last_restore.tier == "store" and out["n"] == 10  # type: ignore[union-attr]
+    assert np.asarray(out["w"]).tobytes() == np.asarray(_tree(10)["w"]).tobytes()
+    with pytest.raises(objckpt.CheckpointNotFoundError, match="step 5"):
+        mgr.restore(5, target)
+    mgr.close()
+    with pytest.raises(ValueError, match="inside the manager's root"):
+        objckpt.CheckpointManager(str(tmp_path / "root"), local=tmp_path / "root" / "local")
+
+
+# ---------------------------------------------------------------------------- 4 processes
+
+
+def _launch(
+    n: int, job: dict[str, Any], *, timeout: float = 150, codes: list[int] | None = None
+) -> list[dict[str, Any] | None]:
+    """Run ``job`` in ``n`` worker processes of 2 CPU devices; each one's RESULT (None if none)."""
+    port = free_port()
+    procs = []
+    for p in range(n):
+        env = dict(
+            os.environ,
+            OBJCKPT_TIERS_JOB=json.dumps(job),
+            OBJCKPT_TIERS_PROCESS=str(p),
+            OBJCKPT_TIERS_COUNT=str(n),
+            OBJCKPT_TIERS_PORT=str(port),
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            PYTHONPATH=str(WORKER.parents[1]),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for proc in procs:
+            try:
+                outs.append(proc.communicate(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                outs.append(("", "timed out"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if codes is not None:
+        codes.extend(proc.returncode for proc in procs)
+    results = []
+    for out, err in outs:
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][7:]) if lines else None)
+        if not lines and codes is None:
+            sys.stderr.write(f"--- a worker printed no result; its stderr tail:\n{err[-3000:]}\n")
+    return results
+
+
+def _job(s3_store: Any, local: Path, **extra: Any) -> dict[str, Any]:
+    return {"url": s3_store.url, "storage_options": s3_store.storage_options, "local": str(local), **extra}
+
+
+def _restored(results: list[dict[str, Any] | None]) -> list[tuple[int, str]]:
+    """(step, tier) of each round, the same on every process, every restore bit-exact."""
+    assert all(r is not None for r in results), results
+    rounds = [r["rounds"] for r in results]  # type: ignore[index]
+    assert all(len(x) == len(rounds[0]) for x in rounds)
+    out = []
+    for k in range(len(rounds[0])):
+        got = {(x[k]["start"], x[k].get("tier")) for x in rounds}
+        assert len(got) == 1, f"round {k}: processes disagree: {got}"
+        assert all(not x[k].get("bad") for x in rounds), [x[k].get("bad") for x in rounds]
+        out.append(got.pop())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victims", ["every", "one"])
+def test_sigkill_mid_local_save_restores_the_previous_step(s3_store, tmp_path, victims):
+    """SIGKILL inside the local save of step 15 (half the data file, or data and half a manifest):
+    of every process, or of one while the others complete theirs. Step 15 is then not complete
+    everywhere, so every process restarts from step 10, from the local tier, bit-exact."""
+    for trial in range(KILL_TRIALS):
+        local = tmp_path / f"t{trial}" / "local"
+        kill = {"step": 15, "victims": [0, 1, 2, 3] if victims == "every" else [(trial + 1) % 4]}
+        kill["point"] = ("data", "manifest")[trial % 2]
+        store = s3_store.url + f"/t{trial}"
+        job = {**_job(s3_store, local), "url": store, "steps": 16, "local_interval": 5, "kill": kill}
+        codes: list[int] = []
+        first = _launch(4, job, codes=codes)
+        assert all(codes[p] == -signal.SIGKILL for p in kill["victims"]), codes
+        for p in kill["victims"]:
+            assert not (local / f"process_{p}" / "step_0000000015" / MANIFEST).exists()
+        survivors = [p for p in range(4) if p not in kill["victims"]]
+        if survivors:  # the others completed step 15 (or were stopped by JAX before: still not everywhere)
+            assert any(first[p] is not None for p in survivors) or codes
+        again = _launch(4, {**job, "kill": None, "steps": 1})
+        assert _restored(again) == [(10, "local")]
+
+
+@pytest.mark.slow
+def test_one_local_tier_wiped_restores_from_the_peer_copy(s3_store, tmp_path):
+    """Each round one process's whole local directory (its steps and the copies it keeps) is
+    gone; the others hold the newest step, and the lost process's keeper sends it back over
+    JAX's CPU collectives: local + peer, bit-exact. Then 5 more steps and a close (which
+    sends the newest step to the keepers again)."""
+    local = tmp_path / "local"
+    job = _job(s3_store, local, steps=11, local_interval=5, peers=1, cpu_collectives="gloo")
+    first = _restored(_launch(4, job))
+    assert first == [(None, None)]
+    results = _launch(4, {**job, "steps": 5, "rounds": ROUNDS, "damage": "wipe_one", "damage_first": True})
+    got = _restored(results)
+    assert got == [(10 + 5 * k, "peer") for k in range(ROUNDS)], got
+    assert all(r["rounds"][-1]["peers"] and r["rounds"][-1]["held"] for r in results)  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_all_local_tiers_wiped_restore_from_the_object_store(s3_store, tmp_path):
+    local = tmp_path / "local"
+    job = _job(s3_store, local, steps=11, local_interval=5, save_interval=5)
+    _restored(_launch(4, job))
+    got = _restored(_launch(4, {**job, "steps": 5, "rounds": ROUNDS, "damage": "wipe_all", "damage_first": True}))
+    assert got == [(10 + 5 * k, "store") for k in range(ROUNDS)], got
+
+
+@pytest.mark.slow
+def test_local_tiers_with_different_newest_steps_restore_the_newest_complete_everywhere(s3_store, tmp_path):
+    """Each round one process loses its newest local step (the store has only step 0): every
+    process restores the step before it, from the local tier."""
+    local = tmp_path / "local"
+    job = _job(s3_store, local, steps=11, local_interval=5)
+    _restored(_launch(4, job))
+    results = _launch(4, {**job, "steps": 10, "rounds": ROUNDS, "damage": "drop_newest_one", "damage_first": True})
+    got = _restored(results)
+    # round k restores the step before the newest (newest: 10, then 5 + 10 per round later)
+    assert got == [(5 + 5 * k, "local") for k in range(ROUNDS)], got
+
+
+@pytest.mark.slow
+def test_another_process_count_restores_from_the_object_store(s3_store, tmp_path):
+    local = tmp_path / "local"
+    job = _job(s3_store, local, steps=11, local_interval=5, save_interval=10)
+    _restored(_launch(4, job))
+    assert _restored(_launch(2, {**job, "steps": 1})) == [(10, "store")]

@@ -1,0 +1,191 @@
+"""One process of a local-tier test job (tests/test_tiers_local.py): train, save, crash, resume.
+
+Reads its job from OBJCKPT_TIERS_JOB (JSON), prints ``RESULT <json>`` and leaves with
+``os._exit``, so a dead peer never holds it in JAX's shutdown. The state after step ``s``
+is known exactly (every element of ``w`` is its index plus ``s + 1``; ``r``, replicated on
+every device, likewise; the per-process item names the process and the step), so a
+restore is checked bit for bit against the step it says it restored.
+
+A job runs ``rounds`` rounds. Each round first damages this process's local tier as the
+job's ``damage`` says (round 0 only with ``damage_first``), then opens a manager, restores
+the latest step (recording the step, the tier and whether every byte matched), trains
+``steps`` more steps saving through the manager, and closes it. ``kill`` makes the
+processes in ``victims`` SIGKILL themselves in the middle of the local save of one step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+PROCESS = int(os.environ["OBJCKPT_TIERS_PROCESS"])
+COUNT = int(os.environ["OBJCKPT_TIERS_COUNT"])
+JOB: dict[str, Any] = json.loads(os.environ["OBJCKPT_TIERS_JOB"])
+
+
+def _init() -> None:
+    import jax
+
+    if JOB.get("cpu_collectives"):  # the test's choice, never objckpt's
+        jax.config.update("jax_cpu_collectives_implementation", JOB["cpu_collectives"])
+    if COUNT > 1:
+        jax.distributed.initialize(
+            f"127.0.0.1:{os.environ['OBJCKPT_TIERS_PORT']}",
+            num_processes=COUNT,
+            process_id=PROCESS,
+            initialization_timeout=60,
+            heartbeat_timeout_seconds=10,
+            shutdown_timeout_seconds=5,
+        )
+
+
+def _state(step: int) -> dict[str, Any]:
+    """The exact state after ``step`` (-1: before the first)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import objckpt
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    rows = 32  # 8 devices (4 processes x 2) or 4: the same global state either way
+    w = np.arange(rows * 64, dtype=np.float32).reshape(rows, 64) + (step + 1)
+    r = np.arange(16, dtype=np.int32).reshape(4, 4) * 3 + (step + 1)
+    put = jax.make_array_from_callback
+    return {
+        "w": put(w.shape, NamedSharding(mesh, P("data")), lambda index: w[index]),
+        "r": put(r.shape, NamedSharding(mesh, P()), lambda index: r[index]),
+        "data": objckpt.PerProcess(f"process {PROCESS} after step {step}"),
+        "config": objckpt.Json({"lr": 0.5, "layers": [1, 2]}),
+        "step": step,
+    }
+
+
+def _target() -> dict[str, Any]:
+    import objckpt
+
+    state = _state(0)
+    return {**state, "data": objckpt.PerProcess(), "config": objckpt.Json()}
+
+
+def _exact(restored: dict[str, Any], step: int) -> list[str]:
+    import numpy as np
+
+    want = _state(step)
+    bad = []
+    for name in ("w", "r"):
+        got, exp = restored[name], want[name]
+        if got.sharding != exp.sharding:
+            bad.append(f"{name}: sharding {got.sharding}")
+        for a, b in zip(got.addressable_shards, exp.addressable_shards):
+            x, y = np.asarray(a.data), np.asarray(b.data)
+            if x.dtype != y.dtype or x.tobytes() != y.tobytes():
+                bad.append(f"{name}: shard {a.index} differs")
+    if restored["data"] != want["data"].value:
+        bad.append(f"data: {restored['data']!r}")
+    if restored["config"] != {"lr": 0.5, "layers": [1, 2]} or restored["step"] != step:
+        bad.append(f"config/step: {restored['config']!r} {restored['step']!r}")
+    return bad
+
+
+def _install_kill(kill: dict[str, Any]) -> None:
+    """SIGKILL this process inside the local save of ``kill["step"]``: while its data file is half
+    written (``point="data"``) or once it is written and the manifest half written (``"manifest"``)."""
+    from objckpt.manager import local_tier
+
+    if PROCESS not in kill["victims"]:
+        return
+    original = local_tier.write_step
+
+    def write_step(directory: Path, manifest: Any, data: Any, *, checksum: bool = True) -> Any:
+        if manifest.step != kill["step"]:
+            return original(directory, manifest, data, checksum=checksum)
+        directory.mkdir(parents=True, exist_ok=True)
+        view = memoryview(data).cast("B")
+        if kill["point"] == "data":
+            (directory / manifest.data).write_bytes(view[: manifest.data_size // 2])
+        else:
+            (directory / manifest.data).write_bytes(view[: manifest.data_size])
+            (directory / f".manifest.json.{manifest.save_id}.tmp").write_bytes(manifest.to_json()[:100])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    local_tier.write_step = write_step  # type: ignore[assignment]
+
+
+def _damage(round_: int) -> None:
+    """This process's part of the round's damage to the local tier."""
+    damage = JOB.get("damage")
+    mine = Path(JOB["local"]) / f"process_{PROCESS}"
+    victim = round_ % COUNT
+    if damage == "wipe_one" and PROCESS == victim or damage == "wipe_all":
+        shutil.rmtree(mine, ignore_errors=True)
+    if damage == "drop_newest_one" and PROCESS == victim:
+        steps = sorted(p for p in mine.glob("step_*") if (p / "manifest.json").exists())
+        if steps:
+            shutil.rmtree(steps[-1])
+
+
+def run() -> dict[str, Any]:
+    import jax
+
+    import objckpt
+
+    if JOB.get("kill"):
+        _install_kill(JOB["kill"])
+    rounds = []
+    for round_ in range(int(JOB.get("rounds", 1))):
+        if round_ > 0 or JOB.get("damage_first"):
+            _damage(round_)
+        mgr = objckpt.CheckpointManager(
+            JOB["url"],
+            storage_options=JOB.get("storage_options") or {},
+            options=objckpt.Options(barrier_timeout=float(JOB.get("barrier_timeout", 60))),
+            save_interval_steps=int(JOB.get("save_interval", 1000)),
+            local=JOB["local"],
+            local_interval_steps=int(JOB.get("local_interval", 5)),
+            local_keep_last=2,
+            peers=int(JOB.get("peers", 0)),
+        )
+        start = mgr.latest_step()
+        record: dict[str, Any] = {"start": start}
+        if start is not None:
+            restored = mgr.restore(start, _target())
+            record.update(tier=mgr.tier_status().last_restore.tier, bad=_exact(restored, start))  # type: ignore[union-attr]
+        first = 0 if start is None else start + 1
+        update = jax.jit(lambda x: x + 1)
+        state = _state(start if start is not None else -1)
+        w, r = state["w"], state["r"]
+        for step in range(first, first + int(JOB["steps"])):
+            w, r = update(w), update(r)
+            tree = {**_state(step), "w": w, "r": r}
+            mgr.save(step, tree)
+        mgr.close()
+        status = mgr.tier_status()
+        record.update(last=first + int(JOB["steps"]) - 1, local_steps=status.local_steps, held=status.peer_held)
+        record["peers"] = status.peers
+        rounds.append(record)
+    return {"rounds": rounds}
+
+
+def main() -> None:
+    _init()
+    try:
+        result = run()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
