@@ -3,7 +3,7 @@
 Jobs (``kind``):
 - ``exchange``: runs each of ``rounds`` in turn; a round gives every process's payload size
   (``sizes``), optionally a keeper list (``keepers``: process p's copy is kept by
-  ``keepers[p]``), ``chunk_bytes``, ``sink`` (take the bytes chunk by chunk), ``skip`` (these
+  ``keepers[p]``; ``keepers_of``: this process's own list, by process), ``chunk_bytes``, ``sink`` (take the bytes chunk by chunk), ``skip`` (these
   processes do not call), ``fail_sink`` (this process's sink raises at its second chunk) and
   ``timeout``. Each round reports this process's payload digest and what it received (owner,
   size, digest), or the error it raised.
@@ -35,7 +35,7 @@ def one_round(i: int, spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"sent": hashlib.sha256(mine).hexdigest()}
     if PROCESS in spec.get("skip", []):
         return out
-    keepers = spec.get("keepers")
+    keepers = spec.get("keepers_of", {}).get(str(PROCESS), spec.get("keepers"))
     kept = bytearray()
     calls = []
 

@@ -4,8 +4,8 @@
 by objckpt): payloads of different sizes per process, empty and a few MiB included, reach the
 right keeper bit-exact (SHA-256 of what was sent and what arrived), with the default keeper
 (half the job away) and a custom map, collected whole or through a sink. A sink that fails,
-a process that never calls, and CPU collectives turned off each end in an error on every
-process that names the cause, never a hang. The keeper-map and chunk rules are checked in
+processes that disagree on the keeper map, a process that never calls, and CPU collectives
+turned off each end in an error on every process that names the cause, never a hang. The keeper-map and chunk rules are checked in
 this process.
 """
 
@@ -105,6 +105,8 @@ def test_four_processes_default_and_custom_keepers_and_failures_named(monkeypatc
         {"sizes": [700_000, 2 * MIB, 5, 0], "keepers": ring, "chunk_bytes": 1 << 19, "sink": True},
         # Process 2's sink fails at its second chunk: it keeps taking part, and every process hears of it.
         {"sizes": [MIB] * 4, "chunk_bytes": 1 << 18, "sink": True, "fail_sink": 2},
+        # Process 1 uses the ring, the others the default: every process refuses before any transfer.
+        {"sizes": [10] * 4, "keepers_of": {"1": ring}},
         # Process 3 never calls: the others stop at the first barrier's timeout, naming it.
         {"sizes": [10] * 4, "skip": [3], "timeout": 3},
     ]
@@ -116,8 +118,13 @@ def test_four_processes_default_and_custom_keepers_and_failures_named(monkeypatc
         error = r["rounds"][3]["error"]
         assert error.startswith("CoordinationError: peer copy 'round3' failed: "), (p, error)
         assert error.endswith("process 2: OSError: injected disk full"), (p, error)
+    for p, r in enumerate(results):
+        error = r["rounds"][4]["error"]
+        assert error.startswith("CoordinationError: peer copy 'round4': processes "), (p, error)
+        assert error.endswith(f"use another keeper map than process {p}"), (p, error)
+        assert ("[1]" if p != 1 else "[0, 2, 3]") in error, (p, error)
     for p in (0, 1, 2):
-        error = results[p]["rounds"][4]["error"]
+        error = results[p]["rounds"][5]["error"]
         assert error.startswith("CoordinationError: barrier "), (p, error)
         assert "timed out after 3 s; processes that did not arrive: 3 " in error, (p, error)
 
