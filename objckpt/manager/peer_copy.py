@@ -18,13 +18,19 @@ Every process sends the same number of chunks of the same shapes (payloads are p
 the largest, in chunks of ``chunk_bytes``; the last one rounded up to a power of two so
 few shapes are ever compiled), so the collectives line up. At most two chunks are in
 flight (one being copied to the host while the next one moves), so device and host
-memory beyond the payloads stay within ``4 × chunk_bytes``.
+memory beyond the payloads stay within about four chunks.
 
 A collective has no timeout, so everything that can fail is decided before the first
 one: availability, sizes, the keeper map and the receive buffer are agreed at barriers,
 and a ``sink`` that fails mid-way stops being called but its process keeps taking part,
 reporting the failure at the closing barrier. A process that dies inside a transfer is
 detected by JAX's heartbeat, as for any collective.
+
+The transfers are device programs like a training step's, so every process must issue them
+in the same order relative to its other collectives: call :func:`exchange_with_peers` at the
+same point of every process's program (between steps, or from one background thread while
+no other thread launches collectives). Two processes that launch a step's collective and a
+peer-copy chunk in opposite orders wait on each other for ever.
 
 objckpt never turns JAX's CPU collectives on (``jax_cpu_collectives_implementation`` is the
 user's setting): without them, on CPU with several processes, :func:`peer_copy_unavailable`
@@ -132,7 +138,8 @@ def exchange_with_peers(
 ) -> PeerCopy:
     """Send this process's ``payload`` to its keeper; receive the payload of the process it keeps.
 
-    Every process of the job calls this together (same ``name``, ``keeper_of``, ``chunk_bytes``).
+    Every process of the job calls this together (same ``name``, ``keeper_of``, ``chunk_bytes``),
+    at the same point of its program relative to other collectives (see the module docstring).
 
     Args:
         payload: this process's bytes (any size, empty included): bytes, a memoryview, or a
