@@ -7,9 +7,9 @@ every device, likewise; the per-process item names the process and the step), so
 restore is checked bit for bit against the step it says it restored.
 
 A job runs ``rounds`` rounds. Each round first damages this process's local tier as the
-job's ``damage`` says (round 0 only with ``damage_first``), then opens a manager, restores
-the latest step (recording the step, the tier and whether every byte matched), trains
-``steps`` more steps saving through the manager, and closes it. ``kill`` makes the
+job's ``damage`` says (not round 0), then opens a manager, restores the latest step
+(recording the step, the tier and whether every byte matched), trains ``steps`` more steps
+(round 0: ``first_steps``) saving through the manager, and closes it. ``kill`` makes the
 processes in ``victims`` SIGKILL themselves in the middle of the local save of one step.
 """
 
@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,7 @@ def _target() -> dict[str, Any]:
     import objckpt
 
     state = _state(0)
-    return {**state, "data": objckpt.PerProcess(), "config": objckpt.Json()}
+    return {**state, "data": objckpt.PerProcess(all=bool(JOB.get("all_values"))), "config": objckpt.Json()}
 
 
 def _exact(restored: dict[str, Any], step: int) -> list[str]:
@@ -88,6 +89,8 @@ def _exact(restored: dict[str, Any], step: int) -> list[str]:
             x, y = np.asarray(a.data), np.asarray(b.data)
             if x.dtype != y.dtype or x.tobytes() != y.tobytes():
                 bad.append(f"{name}: shard {a.index} differs")
+    if JOB.get("all_values"):  # every process's value, as the job that saved them had them
+        want["data"].value = [f"process {p} after step {step}" for p in range(int(JOB["all_values"]))]
     if restored["data"] != want["data"].value:
         bad.append(f"data: {restored['data']!r}")
     if restored["config"] != {"lr": 0.5, "layers": [1, 2]} or restored["step"] != step:
@@ -114,6 +117,8 @@ def _install_kill(kill: dict[str, Any]) -> None:
         else:
             (directory / manifest.data).write_bytes(view[: manifest.data_size])
             (directory / f".manifest.json.{manifest.save_id}.tmp").write_bytes(manifest.to_json()[:100])
+        if PROCESS == 0 and len(kill["victims"]) > 1:
+            time.sleep(2)  # JAX's service lives in process 0: the others die by their own kill first
         os.kill(os.getpid(), signal.SIGKILL)
 
     local_tier.write_step = write_step  # type: ignore[assignment]
@@ -141,7 +146,7 @@ def run() -> dict[str, Any]:
         _install_kill(JOB["kill"])
     rounds = []
     for round_ in range(int(JOB.get("rounds", 1))):
-        if round_ > 0 or JOB.get("damage_first"):
+        if round_ > 0:
             _damage(round_)
         mgr = objckpt.CheckpointManager(
             JOB["url"],
@@ -158,17 +163,19 @@ def run() -> dict[str, Any]:
         if start is not None:
             restored = mgr.restore(start, _target())
             record.update(tier=mgr.tier_status().last_restore.tier, bad=_exact(restored, start))  # type: ignore[union-attr]
+        print("RESTORED " + json.dumps(record), flush=True)  # before a kill can come
         first = 0 if start is None else start + 1
+        steps = int(JOB["first_steps"] if round_ == 0 and "first_steps" in JOB else JOB["steps"])
         update = jax.jit(lambda x: x + 1)
         state = _state(start if start is not None else -1)
         w, r = state["w"], state["r"]
-        for step in range(first, first + int(JOB["steps"])):
+        for step in range(first, first + steps):
             w, r = update(w), update(r)
             tree = {**_state(step), "w": w, "r": r}
             mgr.save(step, tree)
         mgr.close()
         status = mgr.tier_status()
-        record.update(last=first + int(JOB["steps"]) - 1, local_steps=status.local_steps, held=status.peer_held)
+        record.update(last=first + steps - 1, local_steps=status.local_steps, held=status.peer_held)
         record["peers"] = status.peers
         rounds.append(record)
     return {"rounds": rounds}
