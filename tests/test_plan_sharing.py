@@ -44,7 +44,7 @@ def test_leaves_sharing_boxes_and_piece_geometry_meet_them_once(monkeypatch):
 
     monkeypatch.setattr(BoxIndex, "_meeting", counted)
     leaf_plan._box_index.cache_clear()  # other tests plan the same boxes
-    leaf_plan._meeting_of.cache_clear()
+    leaf_plan.clear_planning_caches()
     plans = [LeafPlan(_layer(k), F32, F32, "a sharding", BOXES) for k in range(50)]
     for k, plan in enumerate(plans):
         assert [p.blob for p in plan.pieces] == [f"b{k}"] * 4  # each leaf keeps its own pieces

@@ -170,21 +170,23 @@ def test_planning_caches_are_empty_once_a_restore_ends(s3_store, stand_in_hosts,
     # (with its mesh) stays cached after the restore that used it.
     host = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
     _save(s3_store, host)
-    caches = (leaf_plan._box_index, leaf_plan._meeting_of, boxes._needed_boxes)
+
+    def sizes() -> list[int]:
+        lru = (leaf_plan._box_index, boxes._needed_boxes)
+        return [*(c.cache_info().currsize for c in lru), len(leaf_plan._MEETINGS)]
+
     held = []
     clear = api.clear_planning_caches
-    monkeypatch.setattr(
-        api, "clear_planning_caches", lambda: held.append([c.cache_info().currsize for c in caches]) or clear()
-    )
+    monkeypatch.setattr(api, "clear_planning_caches", lambda: held.append(sizes()) or clear())
     target = {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=NamedSharding(_saved_mesh(), P("tensor", "fsdp")))}
     target["b"] = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(_saved_mesh(), P()))
     objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options)
     assert len(held) == 1 and all(n > 0 for n in held[0]), held  # used while it planned
-    assert [c.cache_info().currsize for c in caches] == [0, 0, 0]
+    assert sizes() == [0, 0, 0]
     with pytest.raises(objckpt.TargetMismatchError):  # emptied on failure too
         objckpt.restore(
             s3_store.url,
             {"w": jax.ShapeDtypeStruct((64, 31), jnp.float32, sharding=target["w"].sharding), "b": target["b"]},
             storage_options=s3_store.storage_options,
         )
-    assert len(held) == 2 and [c.cache_info().currsize for c in caches] == [0, 0, 0]
+    assert len(held) == 2 and sizes() == [0, 0, 0]

@@ -13,6 +13,7 @@ pod scale with no data.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import math
 import operator
@@ -292,12 +293,17 @@ class ReadRequest:
     blob: str
     start: int
     end: int
-    parts: tuple[ReadPart, ...]
+    parts: Sequence[ReadPart]  # a tuple, or parts built when asked (plan_rows.LazyParts)
     slack: int = 0  # bytes just before ``start`` that belong to no piece: free to read too
 
     @property
     def length(self) -> int:
         return self.end - self.start
+
+    def built(self) -> ReadRequest:
+        """This read with its parts as a tuple, built once: the read's parts are told apart by
+        identity while it lands (a lazily built part is a new object each time it is asked for)."""
+        return self if isinstance(self.parts, tuple) else dataclasses.replace(self, parts=tuple(self.parts))
 
 
 def plan_reads(

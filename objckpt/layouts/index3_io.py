@@ -15,7 +15,8 @@ from collections.abc import Collection
 
 from objckpt.core.format import Manifest
 from objckpt.core.format.index import IndexDoc
-from objckpt.core.format.index3 import Head, LeafTable, decode_frame, leaf_array, parse_head
+from objckpt.core.format.index3 import Head, LeafTable, add_frame, check_frame, decode_frame, leaf_array, parse_head
+from objckpt.core.format.rows import RowsBuilder
 from objckpt.core.pieces import Piece
 from objckpt.errors import FormatError
 from objckpt.layouts.rereads import until_checked
@@ -37,8 +38,12 @@ async def read_index3(
     *,
     size_limit: int,
     leaves: Collection[int] | None = None,
+    rows: RowsBuilder | None = None,
 ) -> IndexDoc:
     """Process ``process``'s index object: its blobs and the pieces of ``leaves`` (None: all).
+
+    ``rows``: the pieces go there as columns (added once every frame read has passed its
+    checks, so a read that is retried adds nothing twice), not into the document.
 
     Raises:
         FormatError: the object is missing, larger than ``size_limit``, or fails a check
@@ -49,7 +54,7 @@ async def read_index3(
     if ref.size > size_limit:
         raise FormatError(f"{doc_name} is {ref.size} bytes, over the limit of {size_limit}")
     try:
-        return await until_checked(lambda: _read_once(store, manifest, process, table, leaves, doc_name), store)
+        return await until_checked(lambda: _read_once(store, manifest, process, table, leaves, doc_name, rows), store)
     except FileNotFoundError:
         raise FormatError(
             f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
@@ -63,6 +68,7 @@ async def _read_once(
     table: LeafTable,
     leaves: Collection[int] | None,
     doc_name: str,
+    rows: RowsBuilder | None = None,
 ) -> IndexDoc:
     ref = manifest.indexes[process]
     wanted = None if leaves is None else leaf_array(leaves)
@@ -79,8 +85,14 @@ async def _read_once(
         bodies = [first[head.frames[k].offset : head.frames[k].offset + head.frames[k].length] for k in picks]
     else:
         bodies = await _fetch_frames(store, ref.key, head, picks, doc_name)
-    for k, body in zip(picks, bodies):
-        decode_frame(head, k, body, table, doc_name, wanted, pieces)
+    if rows is None:
+        for k, body in zip(picks, bodies):
+            decode_frame(head, k, body, table, doc_name, wanted, pieces)
+        return IndexDoc(process, head.blobs, pieces)
+    checked = [check_frame(head, k, body, table, doc_name, wanted) for k, body in zip(picks, bodies)]
+    base = rows.add_blobs(head.keys)
+    for frame in checked:
+        add_frame(rows, base, frame)
     return IndexDoc(process, head.blobs, pieces)
 
 

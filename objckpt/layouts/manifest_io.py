@@ -18,6 +18,7 @@ from typing import TypeVar
 from objckpt.core.format import ARRAY_KINDS, MANIFEST_KEY, Manifest, parse_manifest
 from objckpt.core.format.index import IndexDoc, merge_indexes, parse_index
 from objckpt.core.format.index3 import LeafTable
+from objckpt.core.format.rows import RowsBuilder
 from objckpt.core.pieces import check_tiling
 from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError
 from objckpt.layouts.index3_io import read_index3
@@ -88,8 +89,13 @@ async def read_indexes(
     *,
     size_limit: int,
     leaves: dict[int, set[int]] | None = None,
+    columnar: bool = False,
 ) -> Manifest:
     """``manifest`` with the pieces of the index objects of ``processes`` (those not read yet).
+
+    ``columnar``: version 3 leaves get their pieces as columns
+    (:class:`~objckpt.core.format.rows.LeafPieces`, what a restore plans from: no object per
+    piece) rather than as :class:`Piece` tuples (what the tools that check every piece take).
 
     ``leaves``: per process, keep only the pieces of these leaves (a restore needs
     a few leaves from most of the processes it reads: see
@@ -105,12 +111,16 @@ async def read_indexes(
         return manifest
     if manifest.version >= 3:
         table = LeafTable(manifest)
+        rows = RowsBuilder(digest=any(r.sha256 is not None for r in manifest.indexes)) if columnar else None
 
         async def one3(process: int) -> IndexDoc:
             kept = None if leaves is None else leaves.get(process, set())
-            return await read_index3(store, manifest, process, table, size_limit=size_limit, leaves=kept)
+            return await read_index3(store, manifest, process, table, size_limit=size_limit, leaves=kept, rows=rows)
 
         docs = await _each(wanted, one3, parallel=INDEX_READS_AT_ONCE)
+        if rows is not None:
+            blobs = {k: v for doc in docs for k, v in doc.blobs.items()}
+            return manifest.with_rows(rows.build(), blobs, {doc.process for doc in docs})
         return merge_indexes(manifest, sorted(docs, key=lambda d: d.process))
 
     async def one(process: int) -> IndexDoc:
@@ -188,4 +198,4 @@ def check_whole_tiling(manifest: Manifest) -> None:
         return
     for i, leaf in enumerate(manifest.leaves):
         if leaf.kind in ARRAY_KINDS and leaf.shape is not None:
-            check_tiling(leaf.pieces, leaf.shape, f"'leaves[{i}]' ({leaf.path}): pieces of all index objects")
+            check_tiling(tuple(leaf.pieces), leaf.shape, f"'leaves[{i}]' ({leaf.path}): pieces of all index objects")

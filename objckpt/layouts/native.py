@@ -76,7 +76,7 @@ class NativeCheckpoint:
             return self._manifest
         leaves = leaves_by_writer(self._manifest, boxes)
         self._manifest = await read_indexes(
-            self.store, self._manifest, leaves, size_limit=self._size_limit, leaves=leaves
+            self.store, self._manifest, leaves, size_limit=self._size_limit, leaves=leaves, columnar=True
         )
         return self._manifest
 
@@ -87,7 +87,7 @@ class NativeCheckpoint:
             self._manifest, leaves=_without_pieces(self._manifest.leaves), blobs=(), loaded=frozenset()
         )
         every = range(len(root.indexes))
-        self._manifest = await read_indexes(self.store, root, every, size_limit=self._size_limit)
+        self._manifest = await read_indexes(self.store, root, every, size_limit=self._size_limit, columnar=True)
         return self._manifest
 
     async def read_whole(self) -> Manifest:

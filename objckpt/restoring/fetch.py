@@ -18,8 +18,12 @@ import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Mapping
 
+import numpy as np
+
 from objckpt.core.format import Manifest, Piece
+from objckpt.core.format.rows import LeafPieces, Rows
 from objckpt.core.plan import ReadRequest, plan_reads
+from objckpt.core.plan_rows import plan_row_reads
 from objckpt.errors import IntegrityError
 from objckpt.options import Options
 from objckpt.restoring.aligned_reads import ResponseAlignment, read_aligned
@@ -33,7 +37,15 @@ from objckpt.transfer.handle import Handle
 
 
 def plan(manifest: Manifest, plans: Mapping[int, LeafPlan], options: Options, *, streamed: bool) -> list[ReadRequest]:
-    """The coalesced reads for ``plans`` (pure); ``streamed``: the store streams copied reads."""
+    """The coalesced reads for ``plans`` (pure); ``streamed``: the store streams copied reads.
+
+    Pieces held as columns (a version 3 restore's) are planned with numpy, in one pass over
+    every wanted row (:func:`objckpt.core.plan_rows.plan_row_reads`); pieces held as tuples
+    one by one (:func:`objckpt.core.plan.plan_reads`). Both apply the same rules.
+    """
+    rows = _rows_of(manifest, plans)
+    if rows is not None:
+        return _plan_rows(rows, plans, options, streamed=streamed)
     wanted = itertools.chain.from_iterable(zip(itertools.repeat(i), leaf.pieces) for i, leaf in plans.items())
     # LeafPlan.whole_box, asked once per piece: the per-leaf half of it once per leaf.
     whole = {i: leaf.box_pieces for i, leaf in plans.items() if leaf.places_boxes and not leaf.casts}
@@ -48,6 +60,54 @@ def plan(manifest: Manifest, plans: Mapping[int, LeafPlan], options: Options, *,
         max_read_size=options.copied_read_limit(streamed=streamed),
         layout=itertools.chain.from_iterable(leaf.pieces for leaf in manifest.leaves),
         kept=kept,
+        max_kept_read_size=options.read_chunk,
+    )
+
+
+def _rows_of(manifest: Manifest, plans: Mapping[int, LeafPlan]) -> Rows | None:
+    """The one :class:`Rows` every piece of ``manifest`` comes from, or None (tuples, or a mix)."""
+    found: Rows | None = None
+    for leaf in manifest.leaves:
+        pieces = leaf.pieces
+        if not pieces:
+            continue
+        if not isinstance(pieces, LeafPieces) or (found is not None and pieces.rows is not found):
+            return None
+        found = pieces.rows
+    for p in plans.values():
+        if p.pieces and not (isinstance(p.pieces, LeafPieces) and p.pieces.rows is found):
+            return None
+    return found
+
+
+def _plan_rows(rows: Rows, plans: Mapping[int, LeafPlan], options: Options, *, streamed: bool) -> list[ReadRequest]:
+    """:func:`plan` for pieces held as columns: the wanted rows, their leaves and which are kept."""
+    ats, leaves, kept = [], [], []
+    whole_ids: dict[int, np.ndarray] = {}  # per piece-box meeting (shared by a layer stack): the box ids kept
+    for i, p in plans.items():
+        pieces = p.pieces
+        if not pieces:
+            continue
+        assert isinstance(pieces, LeafPieces)
+        ats.append(pieces.at)
+        leaves.append(np.full(len(pieces), i, dtype=np.int32))
+        if p.places_boxes and not p.casts:
+            key = id(p.box_pieces)
+            ids = whole_ids.get(key)
+            if ids is None:
+                ids = whole_ids[key] = rows.boxes.ids_of(box for box, n in p.box_pieces.items() if n == 1)
+            kept.append(np.isin(pieces.box_ids, ids))
+        else:
+            kept.append(np.zeros(len(pieces), dtype=bool))
+    if not ats:
+        return []
+    return plan_row_reads(
+        rows,
+        np.concatenate(ats),
+        np.concatenate(leaves),
+        coalesce_gap=options.coalesce_gap,
+        max_read_size=options.copied_read_limit(streamed=streamed),
+        kept=np.concatenate(kept),
         max_kept_read_size=options.read_chunk,
     )
 
@@ -107,7 +167,9 @@ async def fetch(handle: Handle, requests: list[ReadRequest], landing: Landing) -
         await (here() if failover is None else failover.elsewhere_if_damaged(here))
 
     async def one(request: ReadRequest) -> None:
-        if modes[id(request)] is Mode.STREAMED:
+        mode = modes[id(request)]
+        request = request.built()  # its parts, built once for the read (LazyParts builds them on demand)
+        if mode is Mode.STREAMED:
             held = await streaming.acquire(request.length)
             try:
                 await checked(lambda: read_streamed(request))

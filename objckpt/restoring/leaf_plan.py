@@ -25,7 +25,8 @@ import dataclasses
 import functools
 import math
 import operator
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from jax.sharding import NamedSharding
 from objckpt.core.boxes import Box, forget_needed_boxes, needed_boxes
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format import LeafEntry, Piece
+from objckpt.core.format.rows import LeafPieces
 from objckpt.core.pieces import find_overlap
 from objckpt.core.plan import BoxIndex
 from objckpt.errors import TargetMismatchError
@@ -131,16 +133,18 @@ class LeafPlan:
 
     @functools.cached_property
     def _meeting(self) -> _Meeting:
-        return _meeting_of(tuple(self.read_boxes), tuple(map(_GEOMETRY, self.entry.pieces)))
+        return _meeting_of(tuple(self.read_boxes), self.entry.pieces)
 
     @functools.cached_property
-    def _pieces(self) -> tuple[list[Piece], dict[tuple[Any, Any], Meets], dict[Box, int]]:
+    def _pieces(self) -> tuple[Sequence[Piece], dict[tuple[Any, Any], Meets], dict[Box, int]]:
         meeting = self._meeting
         pieces = self.entry.pieces
+        if isinstance(pieces, LeafPieces):  # columns stay columns: the rows that meet a box
+            return pieces.take(np.asarray(meeting.positions, dtype=np.int64)), meeting.meets, meeting.counts
         return [pieces[k] for k in meeting.positions], meeting.meets, meeting.counts
 
     @functools.cached_property
-    def pieces(self) -> list[Piece]:
+    def pieces(self) -> Sequence[Piece]:
         """The saved pieces this process reads for the leaf (those meeting a box it reads)."""
         return self._pieces[0]
 
@@ -169,7 +173,7 @@ class LeafPlan:
 
         Looks at the entry's pieces only, not :attr:`pieces`: it is asked before planning them.
         """
-        saved = {(piece.start, piece.stop) for piece in self.entry.pieces}
+        saved = set(_geometry(self.entry.pieces))
         return any(box not in saved for box in self.read_boxes)
 
     def meets_of(self, piece: Piece) -> Meets:
@@ -214,6 +218,13 @@ class _Part:
 
 #: A piece's geometry: its (start, stop), the first two fields of the named tuple.
 _GEOMETRY = operator.itemgetter(0, 1)
+
+
+def _geometry(pieces: Sequence[Piece]) -> tuple[Box, ...]:
+    """Each piece's (start, stop), in order (from the columns' interned boxes when columns)."""
+    if isinstance(pieces, LeafPieces):
+        return pieces.geometry()
+    return tuple(map(_GEOMETRY, pieces))
 
 
 class _Meeting:
@@ -276,7 +287,7 @@ def clear_planning_caches() -> None:
     Safe at any time: a plan already made keeps what it uses; the next plan builds afresh.
     """
     _box_index.cache_clear()
-    _meeting_of.cache_clear()
+    _MEETINGS.clear()
     forget_needed_boxes()
 
 
@@ -286,10 +297,27 @@ def _box_index(boxes: tuple[Box, ...]) -> BoxIndex:
     return BoxIndex(boxes)
 
 
-@functools.lru_cache(maxsize=64)
-def _meeting_of(boxes: tuple[Box, ...], geometry: tuple[Box, ...]) -> _Meeting:
-    """The :class:`_Meeting` of these boxes and piece geometry, built once while it is in use."""
-    return _Meeting(boxes, geometry)
+#: Shared meetings, least recently used first (see the module's docstring for the bound).
+_MEETINGS: OrderedDict[tuple[tuple[Box, ...], Hashable], _Meeting] = OrderedDict()
+_MEETINGS_KEPT = 64
+
+
+def _meeting_of(boxes: tuple[Box, ...], pieces: Sequence[Piece]) -> _Meeting:
+    """The :class:`_Meeting` of these boxes and the pieces' geometry, built once while it is in use.
+
+    Keyed by the geometry's content: pieces held as columns by their count and coordinates'
+    bytes (:meth:`LeafPieces.geometry_key`, no tuple per piece), others by their boxes.
+    """
+    shape: Hashable = pieces.geometry_key() if isinstance(pieces, LeafPieces) else _geometry(pieces)
+    key = (boxes, shape)
+    found = _MEETINGS.get(key)
+    if found is not None:
+        _MEETINGS.move_to_end(key)
+        return found
+    found = _MEETINGS[key] = _Meeting(boxes, _geometry(pieces))
+    if len(_MEETINGS) > _MEETINGS_KEPT:
+        _MEETINGS.popitem(last=False)
+    return found
 
 
 def plan_leaf(

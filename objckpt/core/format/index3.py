@@ -28,6 +28,7 @@ import numpy as np
 from objckpt.core.checksum import crc32c, is_sha256_hex, sha256_hex
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format.index import INDEX_FORMAT, IndexDoc, index_key
+from objckpt.core.format.rows import RowsBuilder
 from objckpt.core.format.schema import ARRAY_KINDS, Manifest, check_blob_key
 from objckpt.core.pieces import Piece
 from objckpt.core.strict import fields, is_int, need, strict_json
@@ -309,6 +310,19 @@ def _frames(raw: Any, head: int, size: int, leaves: int, digest: bool, doc_name:
     return out
 
 
+class FrameRows(NamedTuple):
+    """A frame's checked rows of the wanted leaves, as columns: ``groups`` are (rows, boxes) per
+    rank (boxes: each row's starts then stops; None for rank 0)."""
+
+    leaf: np.ndarray
+    blob: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    crc: np.ndarray
+    shas: np.ndarray | None
+    groups: list[tuple[np.ndarray, np.ndarray | None]]
+
+
 def decode_frame(
     head: Head,
     k: int,
@@ -320,6 +334,38 @@ def decode_frame(
 ) -> dict[int, list[Piece]]:
     """Frame ``k``'s rows of the leaves ``keep`` (None: all), by leaf, after checking every row;
     added to ``out`` when given (a reader of several frames collects them in one dict).
+
+    Raises:
+        FormatError: naming the index object, the frame and what is wrong.
+    """
+    rows = check_frame(head, k, body, table, doc_name, keep)
+    out = {} if out is None else out
+    for sel, box in rows.groups:
+        _build(out, sel, box, rows.leaf, head.keys, rows.blob, rows.offset, rows.length, rows.crc, rows.shas)
+    return out
+
+
+def add_frame(builder: RowsBuilder, base: int, rows: FrameRows) -> None:
+    """A checked frame's wanted rows into ``builder`` (``base``: where its index object's blobs
+    start in the builder's list, :meth:`RowsBuilder.add_blobs`): columns, no piece objects."""
+    for sel, box in rows.groups:
+        coords = np.zeros((len(sel), 0), dtype=np.int64) if box is None else box
+        shas = None if rows.shas is None else rows.shas[sel]
+        builder.add(
+            base, rows.leaf[sel], coords, rows.blob[sel], rows.offset[sel], rows.length[sel], rows.crc[sel], shas
+        )
+
+
+def check_frame(
+    head: Head,
+    k: int,
+    body: bytes,
+    table: LeafTable,
+    doc_name: str,
+    keep: Collection[int] | np.ndarray | None = None,
+) -> FrameRows:
+    """Frame ``k`` checked (its checksums, its decompressed length, every row), with the rows of
+    the leaves ``keep`` (None: all) picked out.
 
     Raises:
         FormatError: naming the index object, the frame and what is wrong.
@@ -395,14 +441,14 @@ def decode_frame(
         keep = leaf_array(keep)
         at = np.minimum(np.searchsorted(keep, leaf), max(len(keep) - 1, 0))
         wanted = keep[at] == leaf if len(keep) else np.zeros(n, dtype=bool)
-    out = {} if out is None else out
+    picked: list[tuple[np.ndarray, np.ndarray | None]] = []
     for sel, box in groups:
         if wanted is not None:
             mask = wanted[sel]
             sel, box = sel[mask], (None if box is None else box[mask])
         if len(sel):
-            _build(out, sel, box, leaf, head.keys, blob, offset, length, crc, shas)
-    return out
+            picked.append((sel, box))
+    return FrameRows(leaf, blob, offset, length, crc, shas, picked)
 
 
 def _planar(a: np.ndarray) -> bytes:

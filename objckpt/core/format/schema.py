@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from objckpt.core.checksum import is_sha256_hex
 from objckpt.core.dtypes import dtype_from_name
@@ -30,6 +31,9 @@ from objckpt.core.layout import Mesh
 from objckpt.core.pieces import Piece, _fast_piece, _piece_from_json, check_tiling
 from objckpt.core.strict import fields, is_int, need
 from objckpt.errors import FormatError
+
+if TYPE_CHECKING:
+    from objckpt.core.format.rows import Rows
 
 FORMAT_NAME = "objckpt"
 FORMAT_VERSION = 3  # what saves write (Options.format_version)
@@ -61,7 +65,8 @@ class LeafEntry:
     kind: str
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
-    pieces: tuple[Piece, ...] = ()
+    # A tuple, or (a restore's version 3 leaves) columns read as a sequence: format.rows.LeafPieces.
+    pieces: Sequence[Piece] = ()
     value: Any = None
     sharding: dict[str, Any] | None = None
     layout: dict[str, Any] | None = (
@@ -135,7 +140,7 @@ class Manifest:
     def with_pieces(self, pieces: dict[int, list[Piece]], blobs: dict[str, int], processes: set[int]) -> Manifest:
         """This manifest with more pieces (by leaf) and blobs, read from the index objects of ``processes``."""
         leaves = tuple(
-            replace(leaf, pieces=leaf.pieces + tuple(pieces[i])) if i in pieces else leaf
+            replace(leaf, pieces=(*leaf.pieces, *pieces[i])) if i in pieces else leaf
             for i, leaf in enumerate(self.leaves)
         )
         known = {b.key: b.size for b in self.blobs}
@@ -143,6 +148,25 @@ class Manifest:
         return replace(
             self,
             leaves=leaves,
+            blobs=tuple(BlobEntry(k, s) for k, s in known.items()),
+            loaded=self.loaded | frozenset(processes),
+        )
+
+    def with_rows(self, rows: Rows, blobs: dict[str, int], processes: set[int]) -> Manifest:
+        """This manifest with the pieces of ``rows`` (columns, by leaf, see
+        :mod:`objckpt.core.format.rows`) and blobs, read from the index objects of ``processes``.
+        A leaf that already has pieces gets both as one tuple."""
+        leaves = []
+        for i, leaf in enumerate(self.leaves):
+            if i in rows.bounds:
+                found = rows.leaf(i)
+                leaf = replace(leaf, pieces=(*leaf.pieces, *found) if leaf.pieces else found)
+            leaves.append(leaf)
+        known = {b.key: b.size for b in self.blobs}
+        known.update(blobs)
+        return replace(
+            self,
+            leaves=tuple(leaves),
             blobs=tuple(BlobEntry(k, s) for k, s in known.items()),
             loaded=self.loaded | frozenset(processes),
         )

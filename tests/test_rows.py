@@ -1,0 +1,154 @@
+"""Pieces held as columns (objckpt.core.format.rows) and reads planned from them (core.plan_rows):
+the same pieces and the same reads as the tuple path, with no object per piece until one is asked for."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from objckpt.core.format.rows import LeafPieces, RowsBuilder
+from objckpt.core.pieces import Piece
+from objckpt.core.plan import ALIGN, SPACED_MIN, SPACER, plan_reads
+from objckpt.core.plan_rows import LazyParts, plan_row_reads
+
+pytestmark = pytest.mark.quick
+
+
+def _layout(rng: random.Random, blobs: int, leaves: int) -> dict[int, list[Piece]]:
+    """Random pieces of ``leaves`` rank-2 leaves packed into ``blobs`` blobs as saves pack them:
+    aligned, a spacer before large ones, leaves interleaved in each blob."""
+    out: dict[int, list[Piece]] = {i: [] for i in range(leaves)}
+    for b in range(blobs):
+        offset = SPACER
+        for _ in range(rng.randint(1, 40)):
+            leaf = rng.randrange(leaves)
+            rows, cols = rng.choice([(1, 4), (16, 64), (256, 1024), (1024, 1024), (3, 5)])
+            length = rows * cols * 4
+            offset = -(-offset // ALIGN) * ALIGN + (SPACER if length >= SPACED_MIN else 0)
+            offset += rng.choice([0, 0, 0, 64, 4096, 1 << 20])  # gaps of other writers' bytes
+            r0 = rng.randrange(10_000) * rows
+            out[leaf].append(
+                Piece((r0, 0), (r0 + rows, cols), f"{b:02x}/blob-{b}", offset, length, rng.randrange(2**32))
+            )
+            offset += length
+    return out
+
+
+def _rows(pieces: dict[int, list[Piece]], digest: bool = False):
+    keys = sorted({p.blob for found in pieces.values() for p in found})
+    builder = RowsBuilder(digest=digest)
+    base = builder.add_blobs(keys)
+    position = {k: n for n, k in enumerate(keys)}
+    for leaf, found in sorted(pieces.items(), reverse=True):  # rows arrive out of leaf order
+        if not found:
+            continue
+        coords = np.array([(*p.start, *p.stop) for p in found], dtype=np.int64)
+        sha = (
+            np.frombuffer(b"".join(bytes.fromhex(p.sha256 or "") for p in found), np.uint8).reshape(-1, 32)
+            if digest
+            else None
+        )
+        builder.add(
+            base,
+            np.full(len(found), leaf),
+            coords,
+            np.array([position[p.blob] for p in found]),
+            np.array([p.offset for p in found]),
+            np.array([p.length for p in found]),
+            np.array([p.crc32c for p in found], dtype=np.uint32),
+            sha,
+        )
+    return builder.build()
+
+
+def test_leaf_pieces_are_the_pieces_added() -> None:
+    pieces = _layout(random.Random(1), blobs=6, leaves=5)
+    rows = _rows(pieces)
+    for leaf, found in pieces.items():
+        view = rows.leaf(leaf)
+        assert isinstance(view, LeafPieces) and len(view) == len(found)
+        assert list(view) == found  # order within a leaf is kept, every field equal
+        if found:
+            assert view[0] == found[0] and view[-1] == found[-1]
+            assert list(view[1:3]) == found[1:3]
+            assert view.geometry() == tuple((p.start, p.stop) for p in found)
+    assert len(rows.boxes.boxes) == len({(p.start, p.stop) for f in pieces.values() for p in f})  # interned
+
+
+def test_leaf_pieces_keep_digests() -> None:
+    piece = Piece((0,), (4,), "aa/b", 64, 16, 7, "ab" * 32)
+    rows = _rows({0: [piece]}, digest=True)
+    assert list(rows.leaf(0)) == [piece]
+
+
+def test_geometry_keys_equal_for_equal_boxes_only() -> None:
+    a = [Piece((0, 0), (2, 4), "x/b", 64, 32, 1), Piece((2, 0), (4, 4), "x/b", 128, 32, 2)]
+    b = [p._replace(offset=p.offset + 1000, crc32c=9) for p in a]  # another layer: same boxes
+    c = [a[1], a[0]]  # the same boxes in another order
+    rows = _rows({0: a, 1: b, 2: c})
+    assert rows.leaf(0).geometry_key() == rows.leaf(1).geometry_key()
+    assert rows.leaf(0).geometry_key() != rows.leaf(2).geometry_key()
+
+
+def _as_tuples(requests):
+    return [(r.blob, r.start, r.end, r.slack, [tuple(part) for part in r.parts]) for r in requests]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_row_reads_are_the_tuple_path_reads(seed: int) -> None:
+    rng = random.Random(seed)
+    pieces = _layout(rng, blobs=rng.randint(1, 12), leaves=rng.randint(1, 8))
+    rows = _rows(pieces)
+    wanted = {leaf: [p for p in found if rng.random() < 0.7] for leaf, found in pieces.items()}
+    kept_leaves = {leaf for leaf in pieces if rng.random() < 0.5}
+    gap = rng.choice([0, 4096, 1 << 20])
+    limit = rng.choice([1 << 20, 8 << 20, 64 << 20])
+    kept_size = rng.choice([0, 16 << 20, 256 << 20])
+
+    def kept(leaf: int, piece: Piece) -> bool:
+        return leaf in kept_leaves and piece.crc32c % 3 != 0
+
+    expected = plan_reads(
+        ((leaf, p) for leaf, found in wanted.items() for p in found),
+        coalesce_gap=gap,
+        max_read_size=limit,
+        layout=(p for found in pieces.values() for p in found),
+        kept=kept,
+        max_kept_read_size=kept_size,
+    )
+    at, leaves, keep = [], [], []
+    for leaf, found in wanted.items():
+        view = rows.leaf(leaf)
+        chosen = {(p.blob, p.offset) for p in found}
+        picks = [k for k, p in enumerate(view) if (p.blob, p.offset) in chosen]
+        at.append(view.at[picks])
+        leaves.append(np.full(len(picks), leaf, dtype=np.int32))
+        keep.append(np.array([kept(leaf, view[k]) for k in picks], dtype=bool))
+    got = plan_row_reads(
+        rows,
+        np.concatenate(at),
+        np.concatenate(leaves),
+        coalesce_gap=gap,
+        max_read_size=limit,
+        kept=np.concatenate(keep),
+        max_kept_read_size=kept_size,
+    )
+    assert all(isinstance(r.parts, LazyParts) for r in got)
+    assert sorted(_as_tuples(got)) == sorted(_as_tuples(expected))
+
+
+def test_lazy_parts_index_like_a_tuple() -> None:
+    pieces = _layout(random.Random(3), blobs=2, leaves=2)
+    rows = _rows(pieces)
+    every = np.concatenate([rows.leaf(i).at for i in pieces])
+    leaves = np.concatenate([np.full(len(rows.leaf(i)), i, dtype=np.int32) for i in pieces])
+    (request, *_) = plan_row_reads(rows, every, leaves, coalesce_gap=1 << 30, max_read_size=1 << 40)
+    parts = list(request.parts)
+    assert len(parts) == len(request.parts) > 1
+    assert request.parts[0] == parts[0] and request.parts[-1] == parts[-1]
+    assert list(request.parts[1:]) == parts[1:]
+    assert parts[0].offset == 0 and all(p.offset == p.piece.offset - request.start for p in parts)
+    with pytest.raises(IndexError):
+        request.parts[len(parts)]
