@@ -78,6 +78,7 @@ class Config:
     layers: int = 6
     keep_last: int = 2
     min_saves: int = 2  # continuous keeps saving past `steps` until this many saves started
+    bracket: int = 20  # steps without checkpointing right before and after each run: its baseline
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -126,6 +127,19 @@ def vacuum(service: Any) -> None:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.01", timeout=300).read()
 
 
+def plain_steps(
+    state: dict[str, jax.Array], step: Callable[..., Any], m: jax.Array, n: int
+) -> tuple[dict[str, jax.Array], list[float]]:
+    """``n`` steps without checkpointing; the seconds of each."""
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        state, g = step(state, m)
+        g.block_until_ready()
+        times.append(time.perf_counter() - started)
+    return state, times
+
+
 def run_mode(
     mode: str,
     interval: int | None,
@@ -137,7 +151,10 @@ def run_mode(
     storage_options: dict[str, Any],
     server_pid: int | None = None,
 ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
-    """Train ``cfg.steps`` steps (rounded up to whole intervals) under one mode; returns the new state and the record."""
+    """Train ``cfg.steps`` steps (rounded up to whole intervals) under one mode, between two
+    brackets of ``cfg.bracket`` steps without checkpointing (the run's baseline, so that the load
+    the machine's other work adds drifts into the baseline too); returns the new state and the record."""
+    state, base_before = plain_steps(state, step, m, cfg.bracket)
     steps = cfg.steps if interval is None else -(-cfg.steps // interval) * interval
     mgr = None
     if mode == CONTINUOUS:
@@ -181,15 +198,18 @@ def run_mode(
         step_s.append(time.perf_counter() - started)
         i += 1
     loop_s = time.perf_counter() - t0
+    cpu_s, server_cpu_s = time.process_time() - cpu0, _server_cpu(server_pid) - server0
+    state, base_after = plain_steps(state, step, m, cfg.bracket)
     record = {
         "mode": mode,
         "interval": interval,
         "steps": steps,
         "steps_run": i,
         "loop_s": loop_s,
-        "cpu_s": time.process_time() - cpu0,
-        "server_cpu_s": _server_cpu(server_pid) - server0,
+        "cpu_s": cpu_s,
+        "server_cpu_s": server_cpu_s,
         "step_s": step_s,
+        "base_step_s": base_before + base_after,
         "saves": saves,
         "commits": commits,
     }
@@ -207,8 +227,9 @@ def _gaps(values: list[float]) -> list[float]:
     return [b - a for a, b in zip(values, values[1:])]
 
 
-def summarise_run(record: dict[str, Any], base_step_s: float) -> dict[str, Any]:
-    """One run's figures against the same round's baseline step time."""
+def summarise_run(record: dict[str, Any]) -> dict[str, Any]:
+    """One run's figures against its own baseline: the mean of its bracketing steps."""
+    base_step_s = statistics.mean(record["base_step_s"])
     per_step = record["loop_s"] / record["steps_run"]
     blocked = [s["wait_s"] + s["copy_s"] for s in record["saves"]]
     commit_steps = [c["step"] for c in record["commits"]]
@@ -216,6 +237,7 @@ def summarise_run(record: dict[str, Any], base_step_s: float) -> dict[str, Any]:
     extra = record["loop_s"] - base_step_s * record["steps_run"]
     return {
         "step_s": per_step,
+        "base_step_s": base_step_s,
         "overhead_pct": 100 * (per_step / base_step_s - 1),
         "commits": len(record["commits"]),
         "interval_steps": statistics.mean(_gaps(commit_steps)) if len(commit_steps) > 1 else None,
@@ -237,14 +259,20 @@ def _median(values: list[Any]) -> Any:
 
 
 def summarise(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per mode: the medians over rounds of each run's figures (each against its own round's baseline)."""
+    """Per mode: the medians over rounds of each run's figures (each against its own baseline);
+    ``none`` is the baselines themselves."""
     per_mode: dict[str, list[dict[str, Any]]] = {}
     for records in rounds:
-        base = next(r for r in records if r["mode"] == NONE)
-        base_step_s = base["loop_s"] / base["steps_run"]
         for r in records:
             key = _key(r["mode"], r["interval"])
-            per_mode.setdefault(key, []).append(summarise_run(r, base_step_s))
+            per_mode.setdefault(key, []).append(summarise_run(r))
+    if NONE not in per_mode:
+        per_mode[NONE] = [
+            {**{name: None for name in run}, "step_s": run["base_step_s"], "base_step_s": run["base_step_s"]}
+            | {"overhead_pct": 0.0, "commits": 0, "blocked_per_save_s": 0.0, "copy_per_save_s": 0.0}
+            for runs in list(per_mode.values())
+            for run in runs
+        ]
     modes = {}
     for key, runs in per_mode.items():
         cells = {name: _median([run[name] for run in runs]) for name in runs[0]}
@@ -297,7 +325,7 @@ def measure(
     intervals = list(cfg.intervals)
     rounds: list[list[dict[str, Any]]] = []
     for rnd in range(cfg.repeats):
-        plan: list[tuple[str, int | None]] = [(NONE, None), (CONTINUOUS, None)]
+        plan: list[tuple[str, int | None]] = [(CONTINUOUS, None)]
         if intervals:
             plan += [("interval", k) for k in intervals]
         if rnd > 0:  # round 0 runs continuous first: its interval sets K
@@ -335,8 +363,8 @@ def measure(
 def table(report: dict[str, Any]) -> str:
     """docs/PERFORMANCE.md's table from a report."""
     lines = [
-        "| mode | step overhead | commits | interval (steps) | interval (s) | blocked per save (s) | save to commit (s) | blocked share of overhead |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | step (s) | step overhead | commits | interval (steps) | interval (s) | blocked per save (s) | save to commit (s) | blocked share of overhead |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def num(v: Any, fmt: str) -> str:
@@ -345,7 +373,7 @@ def table(report: dict[str, Any]) -> str:
     for key, c in sorted(report["modes"].items(), key=lambda kv: _order(kv[0])):
         lo, hi = c["overhead_pct_range"]
         lines.append(
-            f"| {key} | {c['overhead_pct']:.1f}% ({lo:.1f}–{hi:.1f}) | {num(c['commits'], '.0f')} | "
+            f"| {key} | {c['step_s']:.3f} | {c['overhead_pct']:.1f}% ({lo:.1f}–{hi:.1f}) | {num(c['commits'], '.0f')} | "
             f"{num(c['interval_steps'], '.1f')} | {num(c['interval_s'], '.1f')} | {c['blocked_per_save_s']:.2f} | "
             f"{num(c['save_to_commit_s'], '.1f')} | {num(c['blocked_share'], '.0%')} |"
         )
