@@ -16,6 +16,7 @@ number of processes, a box whose checksum does not match.
 from __future__ import annotations
 
 import math
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,6 @@ from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.items import PerProcess, decode_value, is_item, load_into
 from objckpt.core.tree import build, flatten_target, unflatten_target
 from objckpt.manager.local_format import LocalBox, LocalLeaf, LocalManifest
-from objckpt.transfer.buffers import host_buffer
 
 
 class NotCovered(Exception):
@@ -55,28 +55,40 @@ def restore_local(directory: Path, manifest: LocalManifest, target: Any, *, part
         return unflatten_target(treedef, [reader.value(by_path[path], value) for path, value in flat])
 
 
+def _map(path: Path, size: int) -> np.ndarray:
+    """The data file as bytes: a private mapping of its pages (no copy: a box becomes its host
+    array, which the CPU backend may adopt as the device array; copy-on-write, so neither side
+    ever changes the other). Data files are never written again once their manifest is in place:
+    a step saved again gets a new file."""
+    if size == 0:
+        return np.zeros(0, np.uint8)
+    with open(path, "rb") as f:  # writable (a donated buffer may be written in place), never populated:
+        # populating a writable private mapping would copy every page; reading faults them in shared
+        mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return np.frombuffer(mapped, np.uint8)
+
+
 class _Reader:
     """Reads saved boxes from the data file, each once, checking its crc32c."""
 
     def __init__(self, path: Path, manifest: LocalManifest) -> None:
         self.path = path
         self.manifest = manifest
-        self.file = open(path, "rb")
+        self.data = _map(path, manifest.data_size)
         self.boxes: dict[tuple[str, int], np.ndarray] = {}
 
     def __enter__(self) -> _Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.file.close()
+        self.data = np.zeros(0, np.uint8)  # the arrays made from it keep the mapping alive
 
     def raw(self, leaf: LocalLeaf, box: LocalBox) -> np.ndarray:
-        """A saved box's bytes as its dtype and shape (read once per restore)."""
+        """A saved box's bytes as its dtype and shape (checked once per restore)."""
         key = (leaf.path, box.offset)
         if key not in self.boxes:
-            buffer = host_buffer(box.length, zeroed=False)
-            self.file.seek(box.offset)
-            if self.file.readinto(buffer.data) != box.length:
+            buffer = self.data[box.offset : box.offset + box.length]
+            if buffer.size != box.length:
                 raise NotCovered(f"{self.path} is shorter than its manifest says (leaf {leaf.path})")
             if crc32c(buffer) != box.crc32c:
                 raise NotCovered(f"{self.path}: leaf {leaf.path}'s box at {box.start} fails its crc32c")
