@@ -74,7 +74,9 @@ QUICK_TESTS = frozenset({"test_roundtrip.py::test_round_trip_every_dtype_and_sha
 SPREAD_MODULES = frozenset({"test_cli.py"})
 # Modules with the longest tests (minutes of multi-process and fault-injection cycles): under
 # xdist they are handed out first, so that no worker starts one while the others run dry.
-LONG_MODULES = frozenset({"test_crash_safety.py", "test_docs.py", "test_faults.py", "test_multihost.py"})
+LONG_MODULES = frozenset(
+    {"test_crash_safety.py", "test_docs.py", "test_faults.py", "test_multihost.py", "test_tiers_local.py"}
+)
 # Tests that hold the machine to a wall-clock bound of a second or two, and the twenty save/restore
 # cycles through the fault proxy (under three busy workers one save of them met a failing request
 # ten times in a row: 135 retries in 148 requests, left to look into): ./tests/run.sh runs them

@@ -102,12 +102,10 @@ class CheckpointManager:
             changes no signal handler unless asked. A multi-process job needs no flag:
             ``jax.distributed.initialize`` starts JAX's preemption service, which
             receives SIGTERM.
-        local, local_interval_steps, local_keep_last, peers, peer_of: the local tier
-            (docs/TIERS.md, :mod:`objckpt.manager.tiers`): a directory on this host where each
-            process saves its own shards every ``local_interval_steps`` steps, keeping the last
-            ``local_keep_last``, and with ``peers=1`` a copy of process ``peer_of(p, P)``'s
-            (default ``(p + P // 2) % P``); :meth:`latest_step` and :meth:`restore` then agree
-            on the newest step and the fastest tier holding it; :meth:`tier_status`.
+        local, local_interval_steps, local_keep_last, peers, peer_of: the recovery tiers
+            (docs/TIERS.md, :class:`~objckpt.manager.tiers.Tiers`): a directory on each host for
+            its processes' own shards every K steps (keeping the last N) and, with ``peers=1``,
+            another process's (``peer_of(p, P)``, default ``(p + P // 2) % P``).
 
     With none of the five save rules, every step saves. Whatever the rules, the step at
     which a preemption notice has reached every process saves (:meth:`reached_preemption`);
@@ -330,9 +328,11 @@ class CheckpointManager:
                 await self._replicator.deleted(deleted)
 
     def wait(self) -> None:
-        """Wait for the save in flight (and its retention pass); re-raise its error."""
+        """Wait for the save in flight (and its retention pass), and the local one; re-raise an error."""
         with self._lock:
             self._wait_pending()
+        if self._tiers is not None:
+            self._tiers.wait()
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -347,9 +347,12 @@ class CheckpointManager:
         no partial step there, and the next manager on the same roots catches up.
         """
         try:
-            self.wait()
-            if self._tiers is not None:
-                self._tiers.close()
+            try:
+                with self._lock:
+                    self._wait_pending()
+            finally:  # every process takes part in the last peer copy, whatever its own save did
+                if self._tiers is not None:
+                    self._tiers.close()
             if self._replicator is not None:
                 wait = self.replication_timeout if timeout is None else timeout
                 if not self._replicator.wait(wait):
@@ -395,8 +398,7 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def tier_status(self) -> TierStatus:
-        """What each tier holds as this process sees it: local steps, peer copies held, the
-        object store's steps, and where the last restore came from (needs ``local=``)."""
+        """What each tier holds here: local steps, peer copies, the store's steps, the last restore's tier."""
         if self._tiers is None:
             raise ValueError("this manager has no local tier (CheckpointManager(..., local=...))")
         return self._tiers.status(self.steps())
@@ -410,13 +412,8 @@ class CheckpointManager:
         :func:`objckpt.restore`. With a local tier, every process calls it: they agree on the step
         and the fastest tier that serves every process (:mod:`objckpt.manager.tiers`)."""
         if self._tiers is not None:
-            return self._tiers.restore(
-                step,
-                target,
-                partial=partial,
-                store_steps=self.steps,
-                from_store=lambda s: self._restore_store(s, target, partial, cast),
-            )
+            store = lambda s: self._restore_store(s, target, partial, cast)  # noqa: E731
+            return self._tiers.restore(step, target, partial=partial, store_steps=self.steps, from_store=store)
         return self._restore_store(self._resolve(step), target, partial, cast)
 
     def _restore_store(self, step: int, target: Any, partial: bool, cast: str) -> Any:

@@ -195,10 +195,10 @@ class Tiers:
         )
 
     def wait(self) -> None:
-        """Wait for the local save in flight (no peer copy); re-raise its error."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        """Wait for the local save in flight; re-raise its error. Its peer copy is still sent
+        when the next local save starts, or at :meth:`close`."""
+        if self._pending is not None:
+            self._pending.result()
 
     def close(self) -> None:
         """Wait for the local save in flight and send its step to the keepers; re-raise its error."""
