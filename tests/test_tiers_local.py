@@ -174,8 +174,26 @@ def test_manager_restores_from_local_then_store_and_gc_leaves_the_local_tier_alo
     with pytest.raises(objckpt.CheckpointNotFoundError, match="step 5"):
         mgr.restore(5, target)
     mgr.close()
-    with pytest.raises(ValueError, match="inside the manager's root"):
-        objckpt.CheckpointManager(str(tmp_path / "root"), local=tmp_path / "root" / "local")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"local": "ROOT/local"}, "inside the manager's root"),
+        ({"local": "s3://bucket/local"}, "a directory on this host"),
+        ({"local": "LOCAL", "local_interval_steps": 0}, "local_interval_steps must be at least 1, got 0"),
+        ({"local": "LOCAL", "local_keep_last": 0}, "local_keep_last must be at least 1, got 0"),
+        ({"local": "LOCAL", "peers": 2}, "peers must be 0 or 1"),
+    ],
+)
+def test_bad_local_tier_arguments_are_refused(tmp_path, kwargs, message):
+    root = tmp_path / "root"
+    kwargs = {
+        k: v.replace("ROOT", str(root)).replace("LOCAL", str(tmp_path / "l")) if isinstance(v, str) else v
+        for k, v in kwargs.items()
+    }
+    with pytest.raises(ValueError, match=message):
+        objckpt.CheckpointManager(str(root), **kwargs)
 
 
 # ---------------------------------------------------------------------------- 4 processes
