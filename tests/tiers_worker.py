@@ -117,11 +117,29 @@ def _install_kill(kill: dict[str, Any]) -> None:
         else:
             (directory / manifest.data).write_bytes(view[: manifest.data_size])
             (directory / f".manifest.json.{manifest.save_id}.tmp").write_bytes(manifest.to_json()[:100])
-        if PROCESS == 0 and len(kill["victims"]) > 1:
-            time.sleep(2)  # JAX's service lives in process 0: the others die by their own kill first
+        _killed(PROCESS).touch()
+        if PROCESS == 0:  # JAX's service lives in process 0: the other victims die by their own kill first
+            _wait_for_victims(kill)
         os.kill(os.getpid(), signal.SIGKILL)
 
     local_tier.write_step = write_step  # type: ignore[assignment]
+
+
+def _killed(process: int) -> Path:
+    """The marker a victim leaves just before it kills itself."""
+    markers = Path(JOB["local"]).parent / "killed"
+    markers.mkdir(parents=True, exist_ok=True)
+    return markers / f"{process}-{JOB['kill']['step']}"
+
+
+def _wait_for_victims(kill: dict[str, Any], timeout: float = 60) -> None:
+    """Wait until every other victim has reached its kill: a survivor (process 0 above all, where
+    JAX's coordination service runs) that left first would have JAX stop the victims before it."""
+    deadline = time.monotonic() + timeout
+    others = [p for p in kill["victims"] if p != PROCESS]
+    while not all(_killed(p).exists() for p in others) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)
 
 
 def _damage(round_: int) -> None:
@@ -178,6 +196,8 @@ def run() -> dict[str, Any]:
         record.update(last=first + steps - 1, local_steps=status.local_steps, held=status.peer_held)
         record["peers"] = status.peers
         rounds.append(record)
+    if JOB.get("kill") and PROCESS not in JOB["kill"]["victims"]:
+        _wait_for_victims(JOB["kill"])
     return {"rounds": rounds}
 
 

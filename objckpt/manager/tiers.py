@@ -104,8 +104,9 @@ class Tiers:
         self.timeout = timeout
         self.peers = bool(peers) and coordinator.process_count > 1
         if self.peers:
-            from objckpt.manager.peer_copy import peer_copy_unavailable
+            from objckpt.manager.peer_copy import keeper_map, peer_copy_unavailable
 
+            keeper_map(coordinator.process_count, keeper_of)  # a ValueError now, not at the first copy
             why = peer_copy_unavailable()
             if why is not None:
                 log.warning("objckpt local tier: peer copies are off: %s", why)
