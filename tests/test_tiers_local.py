@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.manager.local_format import MANIFEST
+from objckpt.errors import FormatError
+from objckpt.manager.local_format import MANIFEST, parse_local_manifest
 from objckpt.manager.local_restore import NotCovered, restore_local
 from objckpt.manager.local_tier import LocalTier, complete_steps, snapshot
 from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, decide
@@ -105,6 +106,36 @@ def test_a_torn_local_save_is_never_read_and_retention_removes_it(tmp_path):
     (torn / MANIFEST).unlink()
     tier.retain()
     assert not torn.exists() and sorted(tier.steps()) == [2, 3]
+
+
+def test_a_damaged_local_manifest_is_a_format_error_never_another_exception(tmp_path):
+    """Every field of a real local manifest replaced by each of a set of wrong values: the
+    strict parse answers FormatError or a valid manifest, never TypeError or KeyError."""
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
+    raw = tier.write(snapshot(_tree(1), step=1, save_id="run1", process_index=0, process_count=1, metadata={}))
+    doc = json.loads(raw.to_json())
+    wrong = [None, 1, -1, "x", [], {}, [1], 1.5, True, [[0]], {"encoding": "zzz"}, [-1], [[0, 0], [4, 4], 0, 64, "x"]]
+
+    def paths(node: Any, path: tuple[Any, ...] = ()) -> Any:
+        yield path
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in children:
+            yield from paths(child, (*path, key))
+
+    checked = 0
+    for path in [p for p in paths(doc) if p]:
+        for value in wrong:
+            mutated = json.loads(json.dumps(doc))
+            node = mutated
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = value
+            try:
+                parse_local_manifest(json.dumps(mutated).encode())
+            except FormatError:
+                pass
+            checked += 1
+    assert checked > 500
 
 
 def test_local_restore_reads_its_boxes_bit_exact_and_refuses_what_it_does_not_hold(tmp_path):

@@ -170,6 +170,8 @@ def _parse_leaf(raw: Any, i: int, data_size: int) -> LocalLeaf:
     need(isinstance(raw["path"], str), f"{where}.path", "not a string", _DOC)
     kind = raw["kind"]
     need(kind in KINDS, f"{where}.kind", f"{kind!r} is not one of {KINDS}", _DOC)
+    need(isinstance(raw.get("shape", []), list), f"{where}.shape", "not a list", _DOC)
+    need(isinstance(raw.get("boxes", []), list), f"{where}.boxes", "not a list", _DOC)
     dtype, shape = raw.get("dtype"), tuple(raw.get("shape", ()))
     itemsize = 0
     if dtype is not None:
