@@ -184,7 +184,7 @@ def run(job: dict[str, Any], log: Log) -> None:
             "opt": opt,
             "rng": key,
             "step": 0,
-            "data": b"",
+            "data": objckpt.PerProcess(),
             "config": objckpt.Json(),
         }
         out = mgr.restore(start, target)
@@ -211,7 +211,7 @@ def run(job: dict[str, Any], log: Log) -> None:
             "opt": opt,
             "rng": key,
             "step": step,
-            "data": iterator.get_state(),
+            "data": objckpt.PerProcess(iterator.get_state()),
             "config": objckpt.Json(job["config"]),
         }
         if mgr.save(step, state):  # waits for the previous save's commit first
