@@ -211,7 +211,29 @@ def main() -> None:
         os._exit(1)
     print("RESULT " + json.dumps(result), flush=True)
     sys.stderr.flush()
+    _linger()
     os._exit(0)
+
+
+def _linger(timeout: float = 30) -> None:
+    """Process 0 hosts JAX's coordination service: it stays until every other living process has
+    printed its result (each says so in the key-value store), or JAX would stop them first."""
+    if COUNT == 1:
+        return
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    victims = set(JOB["kill"]["victims"]) if JOB.get("kill") else set()
+    try:
+        if PROCESS != 0:
+            client.key_value_set(f"tiers_worker/done/{PROCESS}", "1")
+            return
+        others = len([p for p in range(1, COUNT) if p not in victims])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(client.key_value_dir_get("tiers_worker/done/")) < others:
+            time.sleep(0.05)
+    except Exception:  # the service is failing: nothing to wait for
+        pass
 
 
 if __name__ == "__main__":

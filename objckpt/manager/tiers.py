@@ -282,7 +282,7 @@ class Tiers:
             if manifest.save_id != decision.save_id:
                 raise NotCovered(f"step {decision.step} here is another run's save")
             out = restore_local(directory, manifest, target, partial=partial)
-        except (NotCovered, FormatError, OSError, ValueError, TypeError) as e:
+        except Exception as e:  # any failure here: report it, so no process waits for this one alone
             error = f"{type(e).__name__}: {e}"
         failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout)
         return (None if failed else out), failed
