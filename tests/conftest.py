@@ -75,7 +75,14 @@ SPREAD_MODULES = frozenset({"test_cli.py"})
 # Modules with the longest tests (minutes of multi-process and fault-injection cycles): under
 # xdist they are handed out first, so that no worker starts one while the others run dry.
 LONG_MODULES = frozenset(
-    {"test_crash_safety.py", "test_docs.py", "test_faults.py", "test_multihost.py", "test_tiers_local.py"}
+    {
+        "test_crash_safety.py",
+        "test_docs.py",
+        "test_faults.py",
+        "test_multihost.py",
+        "test_resume_sigkill.py",
+        "test_tiers_local.py",
+    }
 )
 # Tests that hold the machine to a wall-clock bound of a second or two, and the twenty save/restore
 # cycles through the fault proxy (under three busy workers one save of them met a failing request
