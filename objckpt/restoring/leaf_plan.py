@@ -140,7 +140,7 @@ class LeafPlan:
         meeting = self._meeting
         pieces = self.entry.pieces
         if isinstance(pieces, LeafPieces):  # columns stay columns: the rows that meet a box
-            return pieces.take(np.asarray(meeting.positions, dtype=np.int64)), meeting.meets, meeting.counts
+            return pieces.take(meeting.position_array), meeting.meets, meeting.counts
         return [pieces[k] for k in meeting.positions], meeting.meets, meeting.counts
 
     @functools.cached_property
@@ -253,6 +253,11 @@ class _Meeting:
         self.positions: tuple[int, ...] = tuple(positions)
         self.meets = meets
         self.counts = counts
+
+    @functools.cached_property
+    def position_array(self) -> np.ndarray:
+        """:attr:`positions` as an array (what pieces held as columns take)."""
+        return np.asarray(self.positions, dtype=np.int64)
 
     @functools.cached_property
     def assembled(self) -> tuple[Box, ...]:
