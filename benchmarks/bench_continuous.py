@@ -3,10 +3,12 @@ checkpoint interval each reaches (issue 55).
 
 A simulated training loop runs a jitted, donated step over a state of several float32 arrays
 (1 GiB by default) on a (4, 2) mesh of CPU devices: every step rewrites every array and does a
-fixed amount of matmul work. The loop runs (a) without checkpointing, the baseline step time,
-(b) under ``CheckpointManager(continuous=True)``, which starts the next save as soon as the
-previous one has committed, and (c) under ``save_interval_steps=K`` for several K (by default
-K = 0.5, 1 and 2 times the interval continuous reached in the first round). Saves go to the
+fixed amount of matmul work. The loop runs (a) without checkpointing, 20 steps right before
+and 20 right after every other run (that run's baseline: the load the machine's other work
+adds drifts within minutes), (b) under ``CheckpointManager(continuous=True)``, which starts
+the next save as soon as the previous one has committed, and (c) under
+``save_interval_steps=K`` for several K (by default K = 0.5, 1 and 2 times the interval
+continuous reached in the first round). Saves go to the
 local S3 server (SeaweedFS) through ``backends.proxy.FaultProxy`` at 10 ms RTT, each run to a
 fresh root with ``keep_last=2``.
 
@@ -15,19 +17,22 @@ flight) for ``--steps`` steps (rounded up to whole intervals), then keeps traini
 saves until the last save has committed, so every save's whole cost lies inside the timed
 steps. Reported per mode, medians over rounds (the order of the modes rotates each round):
 
-- step overhead: (wall seconds per step / the same round's baseline) - 1;
+- step overhead: (wall seconds per step / the run's baseline) - 1, and the training seconds
+  lost per save (the extra wall time over the saves);
 - checkpoints committed, the mean interval between commits in steps (of the saved step numbers)
   and in seconds;
 - blocking per save: the seconds the loop stood in ``save`` (the device-to-host copy, and with
   a fixed K shorter than a save, the wait for the previous one);
 - where the overhead went: blocking vs steps slowed by a save running beside them (the store
-  and the latency proxy share this machine's cores with the training step).
+  and the latency proxy share this machine's cores with the training step), and the store
+  server's CPU seconds per save.
 
 The save interval at continuous's overhead is interpolated linearly in 1/K between the measured
 intervals (overhead falls roughly as 1/K once K is longer than a save).
 
     python -m benchmarks.bench_continuous [--mib 1024] [--steps 160] [--repeats 3] [--rtt-ms 10]
     python -m benchmarks.bench_continuous --quick     # 256 MiB, 1 round, fewer steps (a look, not results)
+    python -m benchmarks.bench_continuous --report benchmarks/results/continuous.json   # summarise again
 
 Writes ``benchmarks/results/continuous.json`` (``continuous-quick.json`` with ``--quick``).
 """
@@ -248,6 +253,8 @@ def summarise_run(record: dict[str, Any]) -> dict[str, Any]:
             statistics.mean(c["t"] - s["t"] for c, s in zip(record["commits"], record["saves"])) if blocked else None
         ),
         "blocked_share": sum(blocked) / extra if blocked and extra > 0 else None,
+        "lost_per_save_s": extra / len(blocked) if blocked else None,
+        "server_cpu_per_save_s": record["server_cpu_s"] / len(blocked) if blocked else None,
         "cpu_s_per_step": record["cpu_s"] / record["steps_run"],
         "server_cpu_s_per_step": record["server_cpu_s"] / record["steps_run"],
     }
@@ -363,8 +370,9 @@ def measure(
 def table(report: dict[str, Any]) -> str:
     """docs/PERFORMANCE.md's table from a report."""
     lines = [
-        "| mode | step (s) | step overhead | commits | interval (steps) | interval (s) | blocked per save (s) | save to commit (s) | blocked share of overhead |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | step (s) | step overhead | commits | interval (steps) | interval (s) | blocked per save (s) "
+        "| training lost per save (s) | save to commit (s) | blocked share of loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def num(v: Any, fmt: str) -> str:
@@ -375,6 +383,7 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"| {key} | {c['step_s']:.3f} | {c['overhead_pct']:.1f}% ({lo:.1f}–{hi:.1f}) | {num(c['commits'], '.0f')} | "
             f"{num(c['interval_steps'], '.1f')} | {num(c['interval_s'], '.1f')} | {c['blocked_per_save_s']:.2f} | "
+            f"{num(c['lost_per_save_s'], '.1f')} | "
             f"{num(c['save_to_commit_s'], '.1f')} | {num(c['blocked_share'], '.0%')} |"
         )
     mt = report.get("match", {})
@@ -404,7 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--report", metavar="JSON", help="summarise a finished run's rounds again and print the table")
     args = parser.parse_args(argv)
+    if args.report:
+        kept = json.loads(Path(args.report).read_text())
+        kept.update(summarise(kept["rounds"]))
+        Path(args.report).write_text(json.dumps(kept, indent=1) + "\n")
+        print(table(kept))
+        return 0
     cfg = Config(
         mib=args.mib or (256 if args.quick else 1024),
         steps=args.steps or (60 if args.quick else 160),

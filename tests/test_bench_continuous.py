@@ -24,7 +24,13 @@ def report(s3_service: S3Service) -> Iterator[dict[str, Any]]:
             mib=8, leaves=4, steps=12, warmup=1, repeats=1, intervals=(3, 12), matmul=128, layers=1, bracket=2
         )
         roots = iter(range(100))
-        yield bench.measure(cfg, lambda: s3_service.url(f"bench-continuous/{next(roots)}"), so, log=lambda line: None)
+        yield bench.measure(
+            cfg,
+            lambda: s3_service.url(f"bench-continuous/{next(roots)}"),
+            so,
+            server_pid=s3_service.pid,
+            log=lambda line: None,
+        )
 
 
 def test_every_mode_is_reported_with_its_figures(report: dict[str, Any]) -> None:
@@ -36,9 +42,11 @@ def test_every_mode_is_reported_with_its_figures(report: dict[str, Any]) -> None
         assert cells["commits"] > 0, key
         assert cells["blocked_per_save_s"] > 0, key
         assert cells["save_to_commit_s"] > 0, key
+        assert cells["lost_per_save_s"] is not None and cells["server_cpu_per_save_s"] > 0, key
         lo, hi = cells["overhead_pct_range"]
         assert lo <= cells["overhead_pct"] <= hi
     assert "continuous_overhead_pct" in report["match"]
+    assert bench.summarise(report["rounds"])["modes"] == report["modes"]  # what --report recomputes
     table = bench.table(report)
     assert table.count("\n| ") == 4 and "| continuous |" in table
 
