@@ -1,0 +1,422 @@
+"""The recovery tier (issue 56): restart from the local tier, local + peer, or the object store,
+and what local saves cost a training loop.
+
+    python -m benchmarks.bench_tiers [--repeats 3] [--interval 20] [--step-s 1.0] [--quick]
+
+4 JAX processes × 2 CPU devices (JAX's CPU collectives on: the benchmark's choice, never
+objckpt's) hold the 1 GiB ``medium`` state of ``benchmarks/peers/workloads.py`` on a (4, 2)
+("data", "model") mesh, 2-D leaves ``P("data", "model")``, 1-D ones replicated. The object
+store is the local S3 (SeaweedFS, ``backends.launcher``) at 10 ms RTT through
+``backends.proxy.FaultProxy``; the local tier is a directory on this machine's disk.
+
+1. Setup: one ``CheckpointManager(..., local=, peers=1)`` saves step 0 to the object store and
+   the local tier (with its peer copies), and closes.
+2. Restarts, interleaved (the order rotates each repeat), ``--repeats`` of each: every process
+   opens a new manager and runs ``latest_step()`` + ``restore()`` until the state is on its
+   devices (``block_until_ready``); the figure is the slowest process's, timed from a barrier.
+   ``local``: the tiers as saved; ``peer``: process 0's local directory moved aside first (its
+   shards come back from the process that keeps its copy); ``store``: every process's local
+   directory moved aside. Each restore is checked bit for bit against the saved state, and
+   the tier each process reports (``tier_status().last_restore``) is recorded.
+3. Blocking, interleaved: ``objckpt.save_async(...).seconds_blocked`` beside the wall time of a
+   ``mgr.save(step)`` that saves locally only, with ``peers=1`` (which includes sending the
+   previous local step's peer copy: that is when the manager sends it) and ``peers=0``.
+4. Step time: segments of ``--interval`` training steps (a jitted ``x + 1`` over the state, then
+   ``--step-s`` seconds of sleep standing for the accelerator's compute, which leaves the host
+   idle as a real accelerator step would), without a local tier and with one
+   (``local_interval_steps=--interval``: one local save per segment; ``peers=1`` and ``peers=0``),
+   interleaved; the overhead is the median segment's extra seconds over the plain median, and
+   ``interval_for_5pct`` the interval at which those extra seconds per local save are 5 % (derived).
+
+Writes benchmarks/results/tiers.json (``--out``) and prints a table. ``--quick`` (64 MiB
+``small`` state, short steps, one repeat) checks the machinery, not the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results"
+PROCESSES, DEVICES = 4, 2
+PATHS = ("local", "peer", "store")
+MODES = ("plain", "local", "local_no_peer")
+TARGETS = {"local_vs_store": 5.0, "peer_vs_store": 3.0, "step_overhead": 0.05}
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def _values(shape: tuple[int, ...], index: tuple[slice, ...], seed: int) -> np.ndarray:
+    """Float32 values of the box ``index``: each element's global position plus ``seed``, exact in float32."""
+    grids = np.ix_(*(np.arange(s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape)))
+    flat = np.zeros((), np.int64)
+    for g, n in zip(grids, shape):
+        flat = flat * n + g
+    return ((flat + seed) % (1 << 24)).astype(np.float32)
+
+
+def _exact(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    for name, array in want.items():
+        if got[name].sharding != array.sharding:
+            return False
+        for a, b in zip(got[name].addressable_shards, array.addressable_shards):
+            if not np.array_equal(np.asarray(a.data), np.asarray(b.data)):
+                return False
+    return True
+
+
+def _worker(job: dict[str, Any], process: int) -> dict[str, Any]:
+    import functools
+
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import objckpt
+    from benchmarks.peers.workloads import get
+    from objckpt.multihost import get_coordinator
+
+    coordinator = get_coordinator()
+    barriers = iter(range(1 << 30))
+
+    def together() -> None:
+        coordinator.barrier(f"bench_tiers/{next(barriers)}", timeout=900)
+
+    leaves = get(job["workload"]).leaves
+    devices = np.array(sorted(jax.devices(), key=lambda d: d.id))
+    mesh = jax.sharding.Mesh(devices.reshape(4, 2), ("data", "model"))
+    shardings = [NamedSharding(mesh, P("data", "model") if len(leaf.shape) == 2 else P()) for leaf in leaves]
+    state = {
+        leaf.name: jax.make_array_from_callback(
+            leaf.shape, s, functools.partial(_values, leaf.shape, seed=leaf.seed & 0xFFFF)
+        )
+        for leaf, s in zip(leaves, shardings)
+    }
+    abstract = {
+        leaf.name: jax.ShapeDtypeStruct(leaf.shape, np.float32, sharding=s) for leaf, s in zip(leaves, shardings)
+    }
+    so = job["so"]
+    local = Path(job["local"])
+    mine, aside = local / f"process_{process}", local.parent / f"aside_{process}"
+
+    def manager(root: str, local_dir: Path, interval: int, save_interval: int, peers: int = 1) -> Any:
+        return objckpt.CheckpointManager(
+            root,
+            storage_options=so,
+            local=str(local_dir),
+            local_interval_steps=interval,
+            local_keep_last=2,
+            peers=peers,
+            save_interval_steps=save_interval,
+        )
+
+    out: dict[str, Any] = {"process": process, "bytes": sum(int(np.prod(leaf.shape)) * 4 for leaf in leaves)}
+    together()
+    started = time.perf_counter()
+    mgr = manager(job["url"], local, 1, 1)
+    mgr.save(0, state, wait=True)
+    mgr.close()
+    out["setup_s"] = time.perf_counter() - started
+
+    restores = []
+    for rep in range(job["repeats"]):
+        order = PATHS[rep % 3 :] + PATHS[: rep % 3]
+        for path in order:
+            moved = path == "store" or (path == "peer" and process == 0)
+            if moved:
+                mine.rename(aside)
+            together()
+            t0 = time.perf_counter()
+            mgr = manager(job["url"], local, 1, 1)
+            step = mgr.latest_step()
+            restored = mgr.restore(step, abstract)
+            jax.block_until_ready(restored)
+            seconds = time.perf_counter() - t0
+            last = mgr.tier_status().last_restore
+            mgr.close()
+            exact = _exact(restored, state)
+            del restored
+            if moved:
+                shutil.rmtree(mine, ignore_errors=True)
+                aside.rename(mine)
+            restores.append(
+                {
+                    "path": path,
+                    "rep": rep,
+                    "seconds": seconds,
+                    "tier": last.tier if last else None,
+                    "step": step,
+                    "exact": exact,
+                }
+            )
+            together()
+    out["restores"] = restores
+
+    # Blocking: save_async vs a local-only manager save, with and without peer copies (interleaved).
+    # Each manager's first local save (no peer copy of a previous one to send) is not measured.
+    blocking = []
+    managers = {peers: manager(job["url2"], local.parent / f"blocking{peers}", 1, 1 << 30, peers) for peers in (1, 0)}
+    for mgr in managers.values():
+        mgr.save(1, state)
+    for rep in range(job["repeats"]):
+        row: dict[str, Any] = {"rep": rep}
+        for what in ("async", 1, 0) if rep % 2 == 0 else (0, 1, "async"):
+            together()
+            if what == "async":
+                handle = objckpt.save_async(f"{job['url2']}/async_{rep}", state, storage_options=so)
+                row["save_async_blocked_s"] = handle.seconds_blocked
+                handle.result()
+                continue
+            name = "local" if what else "local_no_peer"
+            t0 = time.perf_counter()
+            managers[what].save(rep + 2, state)
+            row[f"{name}_blocked_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            managers[what].wait()
+            row[f"{name}_write_after_s"] = time.perf_counter() - t0
+        blocking.append(row)
+    for mgr in managers.values():
+        mgr.close()
+    out["blocking"] = blocking
+
+    # Step time: segments of `interval` steps, without a local tier, with one saving once per
+    # segment (peer copies on), and with one without peer copies.
+    interval, step_s = job["interval"], job["step_s"]
+    update = jax.jit(lambda tree: jax.tree.map(lambda x: x + 1, tree))
+    train = update(state)
+    jax.block_until_ready(train)
+    managers = {
+        peers: manager(job["url2"], local.parent / f"steps{peers}", interval, 1 << 30, peers) for peers in (1, 0)
+    }
+    for mgr in managers.values():
+        mgr.save(interval, train)  # the first local save sends no peer copy: not measured
+    step = 2 * interval
+    segments = []
+    for rep in range(job["repeats"]):
+        for mode in MODES[rep % 3 :] + MODES[: rep % 3]:
+            together()
+            t0 = time.perf_counter()
+            saves = []
+            for _ in range(interval):
+                train = update(train)
+                jax.block_until_ready(train)
+                if mode != "plain":
+                    s0 = time.perf_counter()
+                    if managers[int(mode == "local")].save(step, train):
+                        saves.append(time.perf_counter() - s0)
+                time.sleep(step_s)
+                step += 1
+            segments.append({"rep": rep, "mode": mode, "seconds": time.perf_counter() - t0, "save_calls_s": saves})
+    for mgr in managers.values():
+        mgr.close()
+    out["segments"] = segments
+    together()
+    return out
+
+
+def _worker_main() -> None:
+    import jax
+
+    job = json.loads(os.environ["BENCH_TIERS_JOB"])
+    process = int(os.environ["BENCH_TIERS_PROCESS"])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the benchmark's choice
+    jax.distributed.initialize(
+        f"127.0.0.1:{job['port']}", num_processes=PROCESSES, process_id=process, initialization_timeout=120
+    )
+    result = _worker(job, process)
+    print("RESULT " + json.dumps(result), flush=True)
+    from objckpt.multihost import get_coordinator
+
+    get_coordinator().barrier("bench_tiers/exit", timeout=120)
+    os._exit(0)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def summarise(results: list[dict[str, Any]], job: dict[str, Any]) -> dict[str, Any]:
+    """The report: per restore path and save measure, the slowest process per run, medians."""
+    restores: dict[str, Any] = {}
+    for path in PATHS:
+        runs = []
+        for rep in range(job["repeats"]):
+            per = [next(r for r in res["restores"] if (r["path"], r["rep"]) == (path, rep)) for res in results]
+            runs.append(
+                {
+                    "seconds": max(r["seconds"] for r in per),
+                    "tiers": sorted({str(r["tier"]) for r in per}),
+                    "step": per[0]["step"],
+                    "exact": all(r["exact"] for r in per),
+                }
+            )
+        restores[path] = {"median_s": statistics.median(r["seconds"] for r in runs), "runs": runs}
+    store_s = restores["store"]["median_s"]
+    keys = [f"{n}_{k}" for n in ("local", "local_no_peer") for k in ("blocked_s", "write_after_s")]
+    keys.append("save_async_blocked_s")
+    blocking = [{k: max(res["blocking"][rep][k] for res in results) for k in keys} for rep in range(job["repeats"])]
+    seg: dict[str, list[float]] = {mode: [] for mode in MODES}
+    save_calls: dict[str, list[float]] = {mode: [] for mode in MODES[1:]}
+    for rep in range(job["repeats"]):
+        for mode in MODES:
+            per = [next(s for s in res["segments"] if (s["rep"], s["mode"]) == (rep, mode)) for res in results]
+            seg[mode].append(max(s["seconds"] for s in per))
+            if mode != "plain":
+                save_calls[mode] += [max(calls) for calls in zip(*(s["save_calls_s"] for s in per))]
+    plain = statistics.median(seg["plain"])
+    plain_step = plain / job["interval"]
+    steps: dict[str, Any] = {
+        "interval": job["interval"],
+        "step_sleep_s": job["step_s"],
+        "plain_segment_s": plain,
+        "plain_step_s": plain_step,
+        "runs": seg,
+    }
+    for mode in MODES[1:]:
+        extra = statistics.median(seg[mode]) - plain  # seconds one local save adds
+        steps[mode] = {
+            "segment_s": statistics.median(seg[mode]),
+            "overhead": extra / plain,
+            "extra_s_per_local_save": extra,
+            "interval_for_5pct": max(1, math.ceil(extra / (TARGETS["step_overhead"] * plain_step))),
+            "save_call_s": statistics.median(save_calls[mode]) if save_calls[mode] else None,
+        }
+    report = {
+        "bytes": results[0]["bytes"],
+        "workload": job["workload"],
+        "processes": PROCESSES,
+        "devices_per_process": DEVICES,
+        "rtt_ms": job["rtt_ms"],
+        "repeats": job["repeats"],
+        "setup_s": max(r["setup_s"] for r in results),
+        "restore": restores,
+        "local_vs_store": store_s / restores["local"]["median_s"],
+        "peer_vs_store": store_s / restores["peer"]["median_s"],
+        "blocking": {**{k: statistics.median(b[k] for b in blocking) for k in keys}, "runs": blocking},
+        "steps": steps,
+    }
+    report["targets"] = {
+        "local_vs_store": report["local_vs_store"] >= TARGETS["local_vs_store"],
+        "peer_vs_store": report["peer_vs_store"] >= TARGETS["peer_vs_store"],
+        "local_blocks_no_longer": report["blocking"]["local_blocked_s"] <= report["blocking"]["save_async_blocked_s"],
+        "step_overhead": steps["local"]["overhead"] <= TARGETS["step_overhead"],
+    }
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    """docs/PERFORMANCE.md's table from a report."""
+    r, b, s = report["restore"], report["blocking"], report["steps"]
+    store = r["store"]["median_s"]
+    lines = [
+        f"| {report['bytes'] / 2**30:.2f} GiB, {report['processes']} processes × {report['devices_per_process']} devices, "
+        f"S3 at {report['rtt_ms']} ms | median of {report['repeats']} |",
+        "|---|---|",
+        f"| restart from the local tier | {r['local']['median_s']:.2f} s ({store / r['local']['median_s']:.1f}× faster) |",
+        f"| restart from local + peer (process 0's tier wiped) | {r['peer']['median_s']:.2f} s ({store / r['peer']['median_s']:.1f}× faster) |",
+        f"| restart from the object store | {store:.2f} s |",
+        f"| `save_async` blocks | {b['save_async_blocked_s']:.2f} s |",
+        f"| local save blocks (with the previous step's peer copy) | {b['local_blocked_s']:.2f} s |",
+        f"| local save blocks, `peers=0` | {b['local_no_peer_blocked_s']:.2f} s |",
+        f"| step time, no local tier | {s['plain_step_s']:.2f} s |",
+        f"| step-time overhead, local_interval_steps={s['interval']} | {100 * s['local']['overhead']:.1f} % "
+        f"(≤ 5 % from {s['local']['interval_for_5pct']} steps) |",
+        f"| the same, `peers=0` | {100 * s['local_no_peer']['overhead']:.1f} % "
+        f"(≤ 5 % from {s['local_no_peer']['interval_for_5pct']} steps) |",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--interval", type=int, default=20, help="local_interval_steps of the step-time segments")
+    parser.add_argument("--step-s", type=float, default=1.0, help="seconds of emulated accelerator compute per step")
+    parser.add_argument("--rtt-ms", type=int, default=10)
+    parser.add_argument("--workload", default="medium")
+    parser.add_argument("--quick", action="store_true", help="small state, short steps, one repeat")
+    parser.add_argument("--out", default=str(RESULTS / "tiers.json"))
+    parser.add_argument("--timeout", type=float, default=1500)
+    args = parser.parse_args()
+    if args.worker:
+        _worker_main()
+        return
+    if args.quick:
+        args.workload, args.repeats, args.interval, args.step_s = "small", 1, 3, 0.05
+    from backends.launcher import start_s3
+    from backends.proxy import FaultProxy
+    from tests.multiprocess import _kill_all, free_port
+
+    load = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="bench_tiers_"))
+    try:
+        with start_s3() as s3:
+            so = s3.storage_options()
+            port = int(s3.endpoint_url.rsplit(":", 1)[1])
+            proxy = FaultProxy("127.0.0.1", port, latency_ms=args.rtt_ms).start()
+            so = {**so, "client_kwargs": {**so["client_kwargs"], "endpoint_url": proxy.endpoint_url}}
+            run = uuid.uuid4().hex[:8]
+            job = {
+                "url": s3.url(f"tiers/{run}"),
+                "url2": s3.url(f"tiers/{run}-save"),
+                "so": so,
+                "local": str(work / "local"),
+                "workload": args.workload,
+                "repeats": args.repeats,
+                "interval": args.interval,
+                "step_s": args.step_s,
+                "rtt_ms": args.rtt_ms,
+                "port": free_port(),
+            }
+            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
+            env["PYTHONPATH"] = str(Path(__file__).parents[1])
+            env["BENCH_TIERS_JOB"] = json.dumps(job)
+            started = time.perf_counter()
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-m", "benchmarks.bench_tiers", "--worker"],
+                    env={**env, "BENCH_TIERS_PROCESS": str(p)},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+                for p in range(PROCESSES)
+            ]
+            try:
+                outputs = [proc.communicate(timeout=args.timeout) for proc in procs]
+            finally:
+                _kill_all(procs)
+                proxy.stop()
+            elapsed = time.perf_counter() - started
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results = []
+    for out, err in outputs:
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        if not lines:
+            raise SystemExit(f"a worker failed:\n{err[-4000:]}")
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
+    report = summarise(results, job)
+    report.update(load_before=load, load_after=os.getloadavg(), run_s=elapsed, quick=args.quick, per_process=results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(table(report))
+
+
+if __name__ == "__main__":
+    main()
