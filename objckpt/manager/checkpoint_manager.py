@@ -31,18 +31,18 @@ from typing import TYPE_CHECKING, Any
 
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.metadata import to_json_value
-from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
+from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError
 from objckpt.layouts.manifest_io import read_manifest
 from objckpt.manager.preemption import Preemption
 from objckpt.manager.replication import ReplicaStatus, Replicator
-from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepRecord, steps_to_delete
+from objckpt.manager.retention import RetentionPolicy, manager_policies
 from objckpt.manager.save_policy import SavePolicy
+from objckpt.manager.step_deletion import apply_retention, delete_step, gc_root
 from objckpt.options import Options
 from objckpt.restoring.locations import Location, as_locations
 from objckpt.roots.layout import step_dir
 from objckpt.roots.listing import committed_steps, list_steps
-from objckpt.roots.orbax_steps import delete_orbax_step, is_orbax_step, orbax_metrics, orbax_step_at
-from objckpt.roots.sweep import collect, delete_checkpoint
+from objckpt.roots.orbax_steps import orbax_metrics, orbax_step_at
 from objckpt.storage import Store
 from objckpt.tools.inspect import CheckpointInfo, inspect
 from objckpt.transfer import runtime
@@ -160,17 +160,14 @@ class CheckpointManager:
         self.gc_grace_seconds = gc_grace_seconds
         self.delete_orbax_steps = delete_orbax_steps
         self.store: Store = open_store(self.root_url, self.storage_options, self.options)
-        self.policies: list[RetentionPolicy] = list(policies or [])
-        if keep_last is not None:
-            self.policies.append(KeepLast(keep_last))
-        if keep_every is not None:
-            if keep_every <= 0:
-                raise ValueError(f"keep_every must be positive, got {keep_every}")
-            self.policies.append(KeepEvery(keep_every))
-        if keep_best is not None:
-            if not best_metric:
-                raise ValueError("keep_best needs best_metric")
-            self.policies.append(KeepBest(keep_best, best_metric, best_mode))
+        self.policies: list[RetentionPolicy] = manager_policies(
+            policies or [],
+            keep_last=keep_last,
+            keep_every=keep_every,
+            keep_best=keep_best,
+            best_metric=best_metric,
+            best_mode=best_mode,
+        )
         from objckpt.multihost import get_coordinator
 
         self._coordinator = get_coordinator()
@@ -469,30 +466,18 @@ class CheckpointManager:
     # ------------------------------------------------------------------ deleting
 
     async def _apply_retention(self) -> list[int]:
-        steps = await committed_steps(self.store, orbax=self.delete_orbax_steps)
-        needs_metrics = any(isinstance(p, KeepBest) for p in self.policies)
-        records = []
-        for s in steps:
-            metrics = (await asyncio.to_thread(self.metrics, s)) if needs_metrics else self._metrics.get(s, {})
-            records.append(StepRecord(s, metrics))
-        deleted = []
-        for step in steps_to_delete(records, self.policies):
-            try:
-                await self._delete_step(step)
-            except SaveInProgressError as e:  # a save's live marker in a committed step: gc's job later
-                log.warning("objckpt retention left step %d: %s", step, e)
-                continue
-            deleted.append(step)
-            log.info("objckpt retention deleted step %d under %s", step, self.store.url)
-        return deleted
+        return await apply_retention(
+            self.store,
+            self.policies,
+            orbax=self.delete_orbax_steps,
+            known_metrics=self._metrics,
+            metrics_of=self.metrics,
+            delete=self._delete_step,
+        )
 
     async def _delete_step(self, step: int) -> None:
-        """Manifest first (the step stops existing at once), then its blobs (an Orbax step: its commit files)."""
         self._metrics.pop(step, None)
-        if await is_orbax_step(self.store, step, f"{step_dir(step)}/{MANIFEST_KEY}"):
-            await delete_orbax_step(self.store, step)
-            return
-        await delete_checkpoint(self.store.child(step_dir(step)), lease=self.options.live_marker_lease)
+        await delete_step(self.store, step, lease=self.options.live_marker_lease)
 
     def delete(self, step: int) -> None:
         """Delete one step (manifest first), an Orbax step too.
@@ -522,9 +507,5 @@ class CheckpointManager:
         return doomed
 
     async def _gc_root(self, store: Store, grace: float) -> list[str]:
-        limit = self.options.manifest_size_limit
-        lease = self.options.live_marker_lease
-        doomed = [o.key for o in await collect(store, grace=grace, manifest_size_limit=limit, lease=lease)]
-        if doomed:
-            log.info("objckpt gc deleted %d unreferenced objects under %s", len(doomed), store.url)
-        return doomed
+        limit, lease = self.options.manifest_size_limit, self.options.live_marker_lease
+        return await gc_root(store, grace, manifest_size_limit=limit, lease=lease)

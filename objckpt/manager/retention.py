@@ -80,3 +80,32 @@ def steps_to_delete(steps: Sequence[StepRecord], policies: Sequence[RetentionPol
     for policy in policies:
         kept |= policy.keep(ordered)
     return [s.step for s in ordered if s.step not in kept]
+
+
+def manager_policies(
+    policies: Sequence[RetentionPolicy],
+    *,
+    keep_last: int | None,
+    keep_every: int | None,
+    keep_best: int | None,
+    best_metric: str | None,
+    best_mode: str,
+) -> list[RetentionPolicy]:
+    """A manager's policies: ``policies`` plus those its ``keep_*`` arguments name.
+
+    Raises:
+        ValueError: ``keep_every`` is not positive, ``keep_best`` has no ``best_metric``,
+            or ``best_mode`` is neither "max" nor "min".
+    """
+    out = list(policies)
+    if keep_last is not None:
+        out.append(KeepLast(keep_last))
+    if keep_every is not None:
+        if keep_every <= 0:
+            raise ValueError(f"keep_every must be positive, got {keep_every}")
+        out.append(KeepEvery(keep_every))
+    if keep_best is not None:
+        if not best_metric:
+            raise ValueError("keep_best needs best_metric")
+        out.append(KeepBest(keep_best, best_metric, best_mode))
+    return out
