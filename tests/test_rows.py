@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from objckpt.core import plan_rows
 from objckpt.core.format.rows import LeafPieces, RowsBuilder
 from objckpt.core.pieces import Piece
 from objckpt.core.plan import ALIGN, SPACED_MIN, SPACER, plan_reads
@@ -97,8 +98,9 @@ def _as_tuples(requests):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_row_reads_are_the_tuple_path_reads(seed: int) -> None:
+def test_row_reads_are_the_tuple_path_reads(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
+    monkeypatch.setattr(plan_rows, "CHUNK_ROWS", rng.choice([1, 5, 1 << 18]))  # planned in chunks of whole blobs
     pieces = _layout(rng, blobs=rng.randint(1, 12), leaves=rng.randint(1, 8))
     rows = _rows(pieces)
     wanted = {leaf: [p for p in found if rng.random() < 0.7] for leaf, found in pieces.items()}
@@ -118,21 +120,23 @@ def test_row_reads_are_the_tuple_path_reads(seed: int) -> None:
         kept=kept,
         max_kept_read_size=kept_size,
     )
-    at, leaves, keep = [], [], []
+    at, keep = [], []
     for leaf, found in wanted.items():
         view = rows.leaf(leaf)
         chosen = {(p.blob, p.offset) for p in found}
         picks = [k for k, p in enumerate(view) if (p.blob, p.offset) in chosen]
         at.append(view.at[picks])
-        leaves.append(np.full(len(picks), leaf, dtype=np.int32))
         keep.append(np.array([kept(leaf, view[k]) for k in picks], dtype=bool))
+    wanted_rows = np.zeros(len(rows), dtype=bool)
+    wanted_rows[np.concatenate(at)] = True
+    kept_rows = np.zeros(len(rows), dtype=bool)
+    kept_rows[np.concatenate(at)[np.concatenate(keep)]] = True
     got = plan_row_reads(
         rows,
-        np.concatenate(at),
-        np.concatenate(leaves),
+        wanted_rows,
         coalesce_gap=gap,
         max_read_size=limit,
-        kept=np.concatenate(keep),
+        kept=kept_rows,
         max_kept_read_size=kept_size,
     )
     assert all(isinstance(r.parts, LazyParts) for r in got)
@@ -142,9 +146,7 @@ def test_row_reads_are_the_tuple_path_reads(seed: int) -> None:
 def test_lazy_parts_index_like_a_tuple() -> None:
     pieces = _layout(random.Random(3), blobs=2, leaves=2)
     rows = _rows(pieces)
-    every = np.concatenate([rows.leaf(i).at for i in pieces])
-    leaves = np.concatenate([np.full(len(rows.leaf(i)), i, dtype=np.int32) for i in pieces])
-    (request, *_) = plan_row_reads(rows, every, leaves, coalesce_gap=1 << 30, max_read_size=1 << 40)
+    (request, *_) = plan_row_reads(rows, np.ones(len(rows), dtype=bool), coalesce_gap=1 << 30, max_read_size=1 << 40)
     parts = list(request.parts)
     assert len(parts) == len(request.parts) > 1
     assert request.parts[0] == parts[0] and request.parts[-1] == parts[-1]

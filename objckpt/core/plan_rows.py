@@ -12,7 +12,9 @@ and each read's parts (:class:`LazyParts`) are built only when the read lands. N
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import overload
 
@@ -25,27 +27,26 @@ _NEW_PART = functools.partial(tuple.__new__, ReadPart)
 
 
 class LazyParts(Sequence[ReadPart]):
-    """A read's parts: rows ``at`` of ``rows`` (of leaves ``leaves``), at their offsets less
-    ``start``; a read-only sequence that builds its :class:`ReadPart` objects when asked."""
+    """A read's parts: rows ``at`` of ``rows``, at their offsets less ``start``; a read-only
+    sequence that builds its :class:`ReadPart` objects when asked."""
 
-    __slots__ = ("rows", "at", "leaves", "start")
+    __slots__ = ("rows", "at", "start")
 
-    def __init__(self, rows: Rows, at: np.ndarray, leaves: np.ndarray, start: int) -> None:
+    def __init__(self, rows: Rows, at: np.ndarray, start: int) -> None:
         self.rows = rows
         self.at = at
-        self.leaves = leaves
         self.start = start
 
     def __len__(self) -> int:
         return len(self.at)
 
-    def _build(self, at: np.ndarray, leaves: np.ndarray) -> list[ReadPart]:
+    def _build(self, at: np.ndarray) -> list[ReadPart]:
         pieces = self.rows.pieces(at)
         offsets = (self.rows.offset[at] - self.start).tolist()
-        return list(map(_NEW_PART, zip(leaves.tolist(), pieces, offsets)))
+        return list(map(_NEW_PART, zip(self.rows.leaf_of(at).tolist(), pieces, offsets)))
 
     def __iter__(self) -> Iterator[ReadPart]:
-        return iter(self._build(self.at, self.leaves))
+        return iter(self._build(self.at))
 
     @overload
     def __getitem__(self, k: int) -> ReadPart: ...
@@ -53,91 +54,206 @@ class LazyParts(Sequence[ReadPart]):
     def __getitem__(self, k: slice) -> Sequence[ReadPart]: ...
     def __getitem__(self, k: int | slice) -> ReadPart | Sequence[ReadPart]:
         if isinstance(k, slice):
-            return self._build(self.at[k], self.leaves[k])
+            return self._build(self.at[k])
         if not -len(self.at) <= k < len(self.at):
             raise IndexError(k)
-        return self._build(self.at[[k]], self.leaves[[k]])[0]
+        return self._build(self.at[[k]])[0]
 
     def __repr__(self) -> str:
         return f"LazyParts({len(self)} parts)"
 
 
+#: Wanted rows planned at once: what bounds the planner's temporary arrays (a few bytes a row each).
+CHUNK_ROWS = 1 << 18
+
+
 def plan_row_reads(
     rows: Rows,
-    at: np.ndarray,
-    leaves: np.ndarray,
+    wanted: np.ndarray,
     *,
     coalesce_gap: int,
     max_read_size: int,
     kept: np.ndarray | None = None,
     max_kept_read_size: int = 0,
 ) -> list[ReadRequest]:
-    """Coalesce the pieces at rows ``at`` (of leaves ``leaves``, row by row) into ranged reads.
+    """Coalesce the pieces of the rows ``wanted`` (a mask over ``rows``) into ranged reads.
 
-    Every row of ``rows`` is the layout (which bytes belong to a piece); ``kept``: per wanted
-    row, whether the reader keeps its bytes as the array itself (see
-    :func:`objckpt.core.plan.plan_reads` for each rule).
+    Every row of ``rows`` is the layout (which bytes belong to a piece); ``kept`` (a mask over
+    ``rows``): the wanted rows whose bytes the reader keeps as the array itself (see
+    :func:`objckpt.core.plan.plan_reads` for each rule). The wanted rows are put in blob and
+    offset order once, then planned a chunk of whole blobs at a time.
     """
-    if not len(at):
+    if not wanted.any():
         return []
     kept_limit = max(max_read_size, max_kept_read_size + PACKING_SLACK)
-    if kept is None or kept_limit == max_read_size:
-        kept = np.zeros(len(at), dtype=bool)
+    keep = kept if kept is not None and kept_limit > max_read_size else np.zeros(len(rows), dtype=bool)
     layout = _layout_order(rows)
-    place = np.empty(len(rows), dtype=np.int64)
-    place[layout] = np.arange(len(rows), dtype=np.int64)
-    where = place[at]
-    order = np.argsort(where, kind="stable")
-    at, leaves, kept, where = at[order], leaves[order], kept[order], where[order]
-    del order, place
+    place = np.flatnonzero(wanted[layout])  # where each wanted row sits in the layout
+    if len(place) < 1 << 31:
+        place = place.astype(np.int32)
+    blobs = rows.blob[layout[place]]
+    requests: list[ReadRequest] = []
+    lo = 0
+    while lo < len(place):
+        hi = min(lo + CHUNK_ROWS, len(place))
+        if hi < len(place):  # end the chunk at a blob's end
+            hi = int(np.searchsorted(blobs, blobs[hi - 1], "right"))
+        _plan_chunk(rows, layout, place[lo:hi], keep, coalesce_gap, max_read_size, kept_limit, requests)
+        lo = hi
+    return requests
+
+
+def _plan_chunk(
+    rows: Rows,
+    layout: np.ndarray,
+    place: np.ndarray,
+    keep: np.ndarray,
+    coalesce_gap: int,
+    max_read_size: int,
+    kept_limit: int,
+    requests: list[ReadRequest],
+) -> None:
+    """The reads of wanted rows at layout positions ``place`` (whole blobs), appended to ``requests``."""
+    at = layout[place]
     blob = rows.blob[at]
     offset = rows.offset[at]
-    end = offset + rows.length[at]
-    # Free bytes before each wanted piece: back to the end of the piece before it in its blob.
-    before = layout[np.maximum(where - 1, 0)]
-    has_before = (where > 0) & (rows.blob[before] == blob)
-    slack = offset - np.where(has_before, rows.offset[before] + rows.length[before], 0)
-    del before, has_before
+    end = offset + rows.length(at)
     gap = offset[1:] - end[:-1]
-    adjacent = where[1:] == where[:-1] + 1  # nothing of the layout between them: the gap is free bytes
+    adjacent = place[1:] == place[:-1] + 1  # nothing of the layout between them: the gap is free bytes
     joins = (blob[1:] == blob[:-1]) & ((gap <= coalesce_gap) | ((gap <= SPACER + ALIGN) & adjacent))
-    del gap, adjacent, where
+    kept = keep[at]
+    n = len(at)
     runs = np.flatnonzero(~joins) + 1
-    firsts = [0, *runs.tolist()]
-    lasts = [*runs.tolist(), len(at)]
-    # Per wanted row: the first row at or after it that is not kept (len(at): none).
-    unkept = np.flatnonzero(~kept)
-    next_unkept: np.ndarray | None = None
-    if len(unkept):
-        first = np.searchsorted(unkept, np.arange(len(at)))
-        next_unkept = np.where(first < len(unkept), unkept[np.minimum(first, len(unkept) - 1)], len(at))
+    run_end = np.append(runs, n)[np.searchsorted(runs, np.arange(n), "right")]
+    jump = _jumps(blob, offset, end, kept, run_end, max_read_size, kept_limit)
+    if jump is None:
+        _plan_runs(rows, layout, place, at, blob, offset, end, kept, runs, max_read_size, kept_limit, requests)
+        return
     keys = rows.keys
-    requests: list[ReadRequest] = []
-    for a, b in zip(firsts, lasts):
-        reach = np.maximum.accumulate(end[a:b])  # a read's end so far (pieces never overlap: their ends)
+    s = 0
+    while s < n:  # one step per read: only the rows that start a read are looked at from Python
+        j = int(jump[s])
+        start = int(offset[s])
+        blob_s = int(blob[s])
+        slack = _slack(rows, layout, int(place[s]), blob_s, start)
+        requests.append(ReadRequest(keys[blob_s], start, int(end[j - 1]), LazyParts(rows, at[s:j], start), slack))
+        s = j
+
+
+def _jumps(
+    blob: np.ndarray,
+    offset: np.ndarray,
+    end: np.ndarray,
+    kept: np.ndarray,
+    run_end: np.ndarray,
+    max_read_size: int,
+    kept_limit: int,
+) -> np.ndarray | None:
+    """For every wanted row, where a read that starts at it ends (the first row it leaves out),
+    by the rules of :func:`objckpt.core.plan.plan_reads`, in a few numpy passes: None where the
+    shortcut does not hold (pieces out of order within a run, or offsets too large to combine).
+
+    Reads are then walked from row 0, one step per read. Within a run of rows that may join,
+    ends rise (pieces never overlap), so a read's end is its last piece's end and each limit
+    is one binary search over (blob, end) combined into one sorted key.
+    """
+    n = len(end)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    if int(end.max()) >= 1 << 40 or n >= 1 << 22:
+        return None
+    rank = np.concatenate(([0], np.cumsum(blob[1:] != blob[:-1])))  # blobs numbered in the chunk
+    key = (rank << 41) | end
+    if (key[1:] < key[:-1]).any():  # pieces that overlap: ends do not rise within a blob
+        return None
+    index = np.arange(n)
+
+    def first_past(limit: int) -> np.ndarray:  # per row s: the first row whose end passes offset[s] + limit
+        reach = np.minimum(offset + limit, (1 << 41) - 1)
+        return np.searchsorted(key, (rank << 41) | reach, "right")
+
+    by_size = np.minimum(np.maximum(first_past(max_read_size), index + 1), run_end)
+    if kept_limit == max_read_size or not kept.any():
+        return by_size
+    unkept = np.flatnonzero(~kept)
+    next_unkept = np.full(n, n)
+    if len(unkept):
+        after = np.searchsorted(unkept, index)
+        inside = after < len(unkept)
+        next_unkept[inside] = unkept[after[inside]]
+    k = np.minimum(next_unkept, run_end)  # the first row from s on that is not kept (or the run's end)
+    kept_end = np.minimum(first_past(kept_limit), k)
+    fits = kept_end >= k  # every kept piece from s fits: then pieces of any kind up to max_read_size
+    tail = np.minimum(np.maximum(first_past(max_read_size), k), run_end)
+    return np.where(k > index, np.where(fits, tail, np.maximum(kept_end, index + 1)), by_size)
+
+
+def _plan_runs(
+    rows: Rows,
+    layout: np.ndarray,
+    place: np.ndarray,
+    at: np.ndarray,
+    blob: np.ndarray,
+    offset: np.ndarray,
+    end: np.ndarray,
+    kept: np.ndarray,
+    runs: np.ndarray,
+    max_read_size: int,
+    kept_limit: int,
+    requests: list[ReadRequest],
+) -> None:
+    """:func:`_plan_chunk` read by read, each limit a bisection of its run's ends so far (any layout)."""
+    unkept = np.flatnonzero(~kept).tolist()  # wanted rows not kept, ascending
+    offsets, ends = offset.tolist(), end.tolist()
+    keys, blob_of = rows.keys, blob.tolist()
+    cuts = runs.tolist()
+    for a, b in zip([0, *cuts], [*cuts, len(at)]):
+        reach = list(itertools.accumulate(ends[a:b], max))  # a read's end so far
         s = a
         while s < b:
-            start = int(offset[s])
-            k = b if next_unkept is None else min(int(next_unkept[s]), b)
+            start = offsets[s]
+            k = bisect.bisect_left(unkept, s)
+            k = min(unkept[k], b) if k < len(unkept) else b  # the first piece from s on that is not kept
             if k > s:  # kept pieces first: a whole packed blob at most
-                j = s + int(np.searchsorted(reach[s - a : k - a], start + kept_limit, "right"))
+                j = a + bisect.bisect_right(reach, start + kept_limit, s - a, k - a)
                 if j < k:
                     j = max(j, s + 1)
                 else:  # every kept piece fits: then pieces of any kind up to max_read_size
-                    j = k + int(np.searchsorted(reach[k - a :], start + max_read_size, "right"))
+                    j = a + bisect.bisect_right(reach, start + max_read_size, k - a)
             else:
-                j = s + 1 + int(np.searchsorted(reach[s + 1 - a :], start + max_read_size, "right"))
-            stop = int(reach[j - 1 - a])
-            parts = LazyParts(rows, at[s:j], leaves[s:j], start)
-            requests.append(ReadRequest(keys[int(blob[s])], start, stop, parts, int(slack[s])))
+                j = a + bisect.bisect_right(reach, start + max_read_size, s + 1 - a)
+            requests.append(
+                ReadRequest(
+                    keys[blob_of[s]],
+                    start,
+                    reach[j - 1 - a],
+                    LazyParts(rows, at[s:j], start),
+                    _slack(rows, layout, int(place[s]), blob_of[s], start),
+                )
+            )
             s = j
-    return requests
+
+
+def _slack(rows: Rows, layout: np.ndarray, place: int, blob: int, offset: int) -> int:
+    """Free bytes just before the piece at layout position ``place``: back to the end of the
+    piece before it in its blob (or the blob's start)."""
+    if place > 0:
+        before = int(layout[place - 1])
+        if int(rows.blob[before]) == blob:
+            return offset - int(rows.offset[before] + rows.length(np.array([before]))[0])
+    return offset
 
 
 def _layout_order(rows: Rows) -> np.ndarray:
     """The rows in (blob, offset) order: one sort of a combined key where both fit it."""
     if not len(rows):
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int32)
     if int(rows.offset.max()) < 1 << 40 and len(rows.keys) < 1 << 22:
-        return np.argsort((rows.blob.astype(np.int64) << 40) | rows.offset, kind="stable")
-    return np.lexsort((rows.offset, rows.blob))
+        key = rows.blob.astype(np.int64)  # built in place: one temporary of 8 bytes a row
+        key <<= 40
+        key |= rows.offset
+        order = np.argsort(key)
+        del key
+    else:
+        order = np.lexsort((rows.offset, rows.blob))
+    return order.astype(np.int32) if len(order) < 1 << 31 else order

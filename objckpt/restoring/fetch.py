@@ -81,33 +81,28 @@ def _rows_of(manifest: Manifest, plans: Mapping[int, LeafPlan]) -> Rows | None:
 
 
 def _plan_rows(rows: Rows, plans: Mapping[int, LeafPlan], options: Options, *, streamed: bool) -> list[ReadRequest]:
-    """:func:`plan` for pieces held as columns: the wanted rows, their leaves and which are kept."""
-    ats, leaves, kept = [], [], []
+    """:func:`plan` for pieces held as columns: the wanted rows and which of them are kept."""
+    wanted = np.zeros(len(rows), dtype=bool)
+    kept = np.zeros(len(rows), dtype=bool)
     whole_ids: dict[int, np.ndarray] = {}  # per piece-box meeting (shared by a layer stack): the box ids kept
-    for i, p in plans.items():
+    for p in plans.values():
         pieces = p.pieces
         if not pieces:
             continue
         assert isinstance(pieces, LeafPieces)
-        ats.append(pieces.at)
-        leaves.append(np.full(len(pieces), i, dtype=np.int32))
+        wanted[pieces.at] = True
         if p.places_boxes and not p.casts:
             key = id(p.box_pieces)
             ids = whole_ids.get(key)
             if ids is None:
                 ids = whole_ids[key] = rows.boxes.ids_of(box for box, n in p.box_pieces.items() if n == 1)
-            kept.append(np.isin(pieces.box_ids, ids))
-        else:
-            kept.append(np.zeros(len(pieces), dtype=bool))
-    if not ats:
-        return []
+            kept[pieces.at[np.isin(pieces.box_ids, ids)]] = True
     return plan_row_reads(
         rows,
-        np.concatenate(ats),
-        np.concatenate(leaves),
+        wanted,
         coalesce_gap=options.coalesce_gap,
         max_read_size=options.copied_read_limit(streamed=streamed),
-        kept=np.concatenate(kept),
+        kept=kept,
         max_kept_read_size=options.read_chunk,
     )
 
