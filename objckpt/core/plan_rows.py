@@ -129,15 +129,27 @@ def _plan_chunk(
     if jump is None:
         _plan_runs(rows, layout, place, at, blob, offset, end, kept, runs, max_read_size, kept_limit, requests)
         return
-    keys = rows.keys
+    firsts = []  # the rows that start a read: one step per read, from Python
+    jumps = jump.tolist()
     s = 0
-    while s < n:  # one step per read: only the rows that start a read are looked at from Python
-        j = int(jump[s])
-        start = int(offset[s])
-        blob_s = int(blob[s])
-        slack = _slack(rows, layout, int(place[s]), blob_s, start)
-        requests.append(ReadRequest(keys[blob_s], start, int(end[j - 1]), LazyParts(rows, at[s:j], start), slack))
-        s = j
+    while s < n:
+        firsts.append(s)
+        s = jumps[s]
+    first = np.array(firsts, dtype=np.int64)
+    last = jump[first]
+    slack = _slacks(rows, layout, place[first], blob[first], offset[first])
+    keys = rows.keys
+    requests.extend(
+        ReadRequest(keys[b], start, stop, LazyParts(rows, at[a:j], start), free)
+        for a, j, b, start, stop, free in zip(
+            firsts,
+            last.tolist(),
+            blob[first].tolist(),
+            offset[first].tolist(),
+            end[last - 1].tolist(),
+            slack.tolist(),
+        )
+    )
 
 
 def _jumps(
@@ -237,11 +249,14 @@ def _plan_runs(
 def _slack(rows: Rows, layout: np.ndarray, place: int, blob: int, offset: int) -> int:
     """Free bytes just before the piece at layout position ``place``: back to the end of the
     piece before it in its blob (or the blob's start)."""
-    if place > 0:
-        before = int(layout[place - 1])
-        if int(rows.blob[before]) == blob:
-            return offset - int(rows.offset[before] + rows.length(np.array([before]))[0])
-    return offset
+    return int(_slacks(rows, layout, np.array([place]), np.array([blob]), np.array([offset]))[0])
+
+
+def _slacks(rows: Rows, layout: np.ndarray, place: np.ndarray, blob: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """:func:`_slack` of many pieces at once."""
+    before = layout[np.maximum(place - 1, 0)]
+    after_one = (place > 0) & (rows.blob[before] == blob)
+    return offset - np.where(after_one, rows.offset[before] + rows.length(before), 0)
 
 
 def _layout_order(rows: Rows) -> np.ndarray:

@@ -350,6 +350,9 @@ def add_frame(builder: RowsBuilder, base: int, rows: FrameRows) -> None:
     start in the builder's list, :meth:`RowsBuilder.add_blobs`): columns, no piece objects."""
     for sel, box in rows.groups:
         coords = np.zeros((len(sel), 0), dtype=np.int64) if box is None else box
+        if len(sel) == len(rows.leaf):  # every row of the frame: its columns as they are
+            builder.add(base, rows.leaf, coords, rows.blob, rows.offset, rows.length, rows.crc, rows.shas)
+            continue
         shas = None if rows.shas is None else rows.shas[sel]
         builder.add(
             base, rows.leaf[sel], coords, rows.blob[sel], rows.offset[sel], rows.length[sel], rows.crc[sel], shas
@@ -413,13 +416,16 @@ def check_frame(
     starts = np.concatenate(([0], np.cumsum(width)[:-1]))
     length = table.itemsize[leaf].copy()
     groups: list[tuple[np.ndarray, np.ndarray | None]] = []
-    for r in np.unique(rank).tolist():
-        sel = np.flatnonzero(rank == r)
+    uniform = int(rank[0]) if rank.min() == rank.max() else None  # one rank: the rows as they lie
+    for r in [uniform] if uniform is not None else np.unique(rank).tolist():
+        sel = np.arange(n) if uniform is not None else np.flatnonzero(rank == r)
         if r == 0:
             groups.append((sel, None))
             continue
-        box = coords[starts[sel][:, None] + np.arange(2 * r)]
-        lo, hi, dims = box[:, :r], box[:, r:], table.shape[leaf[sel], :r]
+        grid: np.ndarray = (
+            coords.reshape(n, 2 * r) if uniform is not None else coords[starts[sel][:, None] + np.arange(2 * r)]
+        )
+        lo, hi, dims = grid[:, :r], grid[:, r:], table.shape[leaf[sel], :r]
         ok = (lo >= 0) & (lo < hi) & (hi <= dims)
         if not ok.all():
             row = int(sel[np.flatnonzero(~ok.all(axis=1))[0]])
@@ -428,7 +434,7 @@ def check_frame(
         if (np.prod(extent.astype(np.float64), axis=1) * table.itemsize[leaf[sel]] >= BYTES_LIMIT).any():
             raise bad("a box of more than 2**62 bytes")
         length[sel] *= np.prod(extent, axis=1)
-        groups.append((sel, box))
+        groups.append((sel, grid))
     size = np.asarray(head.sizes, dtype=np.int64)[blob]
     fits = offset <= size.astype(np.uint64)
     fits[fits] = offset[fits].astype(np.int64) + length[fits] <= size[fits]
@@ -442,6 +448,8 @@ def check_frame(
         at = np.minimum(np.searchsorted(keep, leaf), max(len(keep) - 1, 0))
         wanted = keep[at] == leaf if len(keep) else np.zeros(n, dtype=bool)
     picked: list[tuple[np.ndarray, np.ndarray | None]] = []
+    if wanted is not None and wanted.all():
+        wanted = None
     for sel, box in groups:
         if wanted is not None:
             mask = wanted[sel]
