@@ -32,7 +32,6 @@ import asyncio
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 import uuid
@@ -326,7 +325,8 @@ def main() -> None:
     args = parser.parse_args()
     from backends.launcher import start_s3
     from backends.proxy import FaultProxy
-    from tests.multiprocess import _kill_all, free_port
+    from benchmarks.workers import run_workers
+    from tests.multiprocess import free_port
 
     rtts = [int(x) for x in args.rtts.split(",")]
     load = os.getloadavg()
@@ -347,34 +347,20 @@ def main() -> None:
             "gap": args.gap,
             "port": free_port(),
         }
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
-        env["PYTHONPATH"] = str(Path(__file__).parents[1])
-        env["BENCH_READS_JOB"] = json.dumps(job)
         started = time.perf_counter()
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.bench_reads", "--worker"],
-                env={**env, "BENCH_READS_PROCESS": str(p)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
-            for p in range(PROCESSES)
-        ]
         try:
-            outputs = [proc.communicate(timeout=args.timeout) for proc in procs]
+            results = run_workers(
+                "benchmarks.bench_reads",
+                job,
+                processes=PROCESSES,
+                devices=DEVICES,
+                env_prefix="BENCH_READS",
+                timeout=args.timeout,
+            )
         finally:
-            _kill_all(procs)
             for proxy in proxies.values():
                 proxy.stop()
         elapsed = time.perf_counter() - started
-    results = []
-    for out, err in outputs:
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        if not lines:
-            raise SystemExit(f"a worker failed:\n{err[-4000:]}")
-        results.append(json.loads(lines[-1][len("RESULT ") :]))
     report = _summarise(results, rtts)
     report.update(
         processes=PROCESSES,

@@ -40,8 +40,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -359,7 +357,8 @@ def main() -> None:
         args.workload, args.repeats, args.interval, args.step_s = "small", 1, 3, 0.05
     from backends.launcher import start_s3
     from backends.proxy import FaultProxy
-    from tests.multiprocess import _kill_all, free_port
+    from benchmarks.workers import run_workers
+    from tests.multiprocess import free_port
 
     load = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench_tiers_"))
@@ -382,35 +381,21 @@ def main() -> None:
                 "rtt_ms": args.rtt_ms,
                 "port": free_port(),
             }
-            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
-            env["PYTHONPATH"] = str(Path(__file__).parents[1])
-            env["BENCH_TIERS_JOB"] = json.dumps(job)
             started = time.perf_counter()
-            procs = [
-                subprocess.Popen(
-                    [sys.executable, "-m", "benchmarks.bench_tiers", "--worker"],
-                    env={**env, "BENCH_TIERS_PROCESS": str(p)},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,
-                )
-                for p in range(PROCESSES)
-            ]
             try:
-                outputs = [proc.communicate(timeout=args.timeout) for proc in procs]
+                results = run_workers(
+                    "benchmarks.bench_tiers",
+                    job,
+                    processes=PROCESSES,
+                    devices=DEVICES,
+                    env_prefix="BENCH_TIERS",
+                    timeout=args.timeout,
+                )
             finally:
-                _kill_all(procs)
                 proxy.stop()
             elapsed = time.perf_counter() - started
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    results = []
-    for out, err in outputs:
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        if not lines:
-            raise SystemExit(f"a worker failed:\n{err[-4000:]}")
-        results.append(json.loads(lines[-1][len("RESULT ") :]))
     report = summarise(results, job)
     report.update(load_before=load, load_after=os.getloadavg(), run_s=elapsed, quick=args.quick, per_process=results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
