@@ -26,6 +26,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def process_env(
+    process: int, count: int, port: int, devices: int, *, prefix: str = "OBJCKPT_MP", **extra: str
+) -> dict[str, str]:
+    """This process's environment plus what one worker needs: its rank, the process count and the
+    coordinator's port (``<prefix>_PROCESS``, ``_COUNT``, ``_PORT``), ``devices`` CPU devices, the
+    repository on PYTHONPATH, and ``extra`` (the job, under the name its worker reads)."""
+    return dict(
+        os.environ,
+        **{f"{prefix}_PROCESS": str(process), f"{prefix}_COUNT": str(count), f"{prefix}_PORT": str(port)},
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        PYTHONPATH=str(WORKER.parents[1]),
+        **extra,
+    )
+
+
 def run_processes(
     n: int,
     job: dict[str, Any],
@@ -34,27 +49,27 @@ def run_processes(
     devices_per_process: int = 4,
     stderr: list[str] | None = None,
     returncodes: list[int] | None = None,
+    stdout: list[str] | None = None,
+    worker: Path = WORKER,
+    env_prefix: str = "OBJCKPT_MP",
 ) -> list[dict[str, Any] | None]:
     """Run ``job`` in ``n`` processes; each one's parsed RESULT line (None if it printed none).
 
     ``stderr``: a list to fill with each process's standard error, in process order;
-    ``returncodes``: likewise with their exit statuses (negative: the signal that ended one).
+    ``returncodes``: likewise with their exit statuses (negative: the signal that ended one);
+    ``stdout``: likewise with their standard output. ``worker``: the script each process runs
+    (tests/mp_worker.py unless another worker is named), reading its job, rank, process count
+    and port from ``<env_prefix>_JOB``, ``_PROCESS``, ``_COUNT`` and ``_PORT``.
     """
     port = free_port()
     procs = []
     for pid in range(n):
-        env = dict(
-            os.environ,
-            OBJCKPT_MP_JOB=json.dumps(job),
-            OBJCKPT_MP_PROCESS=str(pid),
-            OBJCKPT_MP_COUNT=str(n),
-            OBJCKPT_MP_PORT=str(port),
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
-            PYTHONPATH=str(WORKER.parents[1]),
+        env = process_env(
+            pid, n, port, devices_per_process, prefix=env_prefix, **{f"{env_prefix}_JOB": json.dumps(job)}
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER)],
+                [sys.executable, str(worker)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env=env,
@@ -77,6 +92,8 @@ def run_processes(
     results: list[dict[str, Any] | None] = []
     if stderr is not None:
         stderr.extend(err for _, err in outputs)
+    if stdout is not None:
+        stdout.extend(out for out, _ in outputs)
     if returncodes is not None:
         returncodes.extend(proc.wait() for proc in procs)
     for out, err in outputs:

@@ -12,9 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +27,7 @@ from objckpt.manager.local_format import MANIFEST, parse_local_manifest
 from objckpt.manager.local_restore import NotCovered, restore_local
 from objckpt.manager.local_tier import LocalTier, complete_steps, snapshot
 from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, decide
-from tests.multiprocess import free_port
+from tests.multiprocess import run_processes
 
 WORKER = Path(__file__).with_name("tiers_worker.py")
 KILL_TRIALS = int(os.environ.get("OBJCKPT_TIER_TRIALS", "1"))  # per SIGKILL test (a fresh 4-process job each)
@@ -243,51 +240,22 @@ def _launch(
     ``codes``: filled with their exit statuses; ``restored``: with each one's RESTORED records
     (printed right after each restore, so a process killed later still tells what it restored).
     """
-    port = free_port()
-    procs = []
-    for p in range(n):
-        env = dict(
-            os.environ,
-            OBJCKPT_TIERS_JOB=json.dumps(job),
-            OBJCKPT_TIERS_PROCESS=str(p),
-            OBJCKPT_TIERS_COUNT=str(n),
-            OBJCKPT_TIERS_PORT=str(port),
-            XLA_FLAGS="--xla_force_host_platform_device_count=2",
-            PYTHONPATH=str(WORKER.parents[1]),
+    outs: list[str] = []
+    results = run_processes(
+        n,
+        job,
+        timeout=timeout,
+        devices_per_process=2,
+        returncodes=codes,
+        stdout=outs,
+        worker=WORKER,
+        env_prefix="OBJCKPT_TIERS",
+    )
+    if restored is not None:
+        restored.extend(
+            [json.loads(line[len("RESTORED ") :]) for line in out.splitlines() if line.startswith("RESTORED ")]
+            for out in outs
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-                text=True,
-                start_new_session=True,
-            )
-        )
-    deadline = time.monotonic() + timeout
-    outs = []
-    try:
-        for proc in procs:
-            try:
-                outs.append(proc.communicate(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                outs.append(("", "timed out"))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    if codes is not None:
-        codes.extend(proc.returncode for proc in procs)
-    results = []
-    for out, err in outs:
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        results.append(json.loads(lines[-1][7:]) if lines else None)
-        if restored is not None:
-            restored.append([json.loads(line[9:]) for line in out.splitlines() if line.startswith("RESTORED ")])
-        if not lines and codes is None:
-            sys.stderr.write(f"--- a worker printed no result; its stderr tail:\n{err[-3000:]}\n")
     return results
 
 
