@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 import objckpt
-from tests.multiprocess import free_port
+from tests.multiprocess import free_port, process_env
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 STEPS = 32
@@ -56,15 +56,7 @@ class Launch:
         self.procs: list[subprocess.Popen[bytes]] = []
         try:
             for p in range(n):
-                env = dict(
-                    os.environ,
-                    OBJCKPT_RESUME_JOB=json.dumps(job),
-                    OBJCKPT_MP_PROCESS=str(p),
-                    OBJCKPT_MP_COUNT=str(n),
-                    OBJCKPT_MP_PORT=str(port),
-                    XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                    PYTHONPATH=str(WORKER.parents[1]),
-                )
+                env = process_env(p, n, port, 2, OBJCKPT_RESUME_JOB=json.dumps(job))
                 group = self.procs[0].pid if self.procs else 0  # process 0 leads a new group
 
                 with open(self.outputs[p], "wb") as out:
