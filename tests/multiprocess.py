@@ -50,7 +50,7 @@ def run_processes(
     stderr: list[str] | None = None,
     returncodes: list[int] | None = None,
     stdout: list[str] | None = None,
-    worker: Path = WORKER,
+    worker: Path | None = None,
     env_prefix: str = "OBJCKPT_MP",
 ) -> list[dict[str, Any] | None]:
     """Run ``job`` in ``n`` processes; each one's parsed RESULT line (None if it printed none).
@@ -58,8 +58,9 @@ def run_processes(
     ``stderr``: a list to fill with each process's standard error, in process order;
     ``returncodes``: likewise with their exit statuses (negative: the signal that ended one);
     ``stdout``: likewise with their standard output. ``worker``: the script each process runs
-    (tests/mp_worker.py unless another worker is named), reading its job, rank, process count
-    and port from ``<env_prefix>_JOB``, ``_PROCESS``, ``_COUNT`` and ``_PORT``.
+    (unless one is named, this module's ``WORKER``, read at call time: tests monkeypatch it),
+    reading its job, rank, process count and port from ``<env_prefix>_JOB``, ``_PROCESS``,
+    ``_COUNT`` and ``_PORT``.
     """
     port = free_port()
     procs = []
@@ -69,7 +70,7 @@ def run_processes(
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(worker)],
+                [sys.executable, str(worker or WORKER)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env=env,
