@@ -61,23 +61,23 @@ class Source:
         return f"Source({self.n})"
 
 
-def loader() -> Any:
+def loader(process: int, count: int, seed: int) -> Any:
+    """A grain ``DataLoader`` over ``Source(64)``, shuffled by ``seed``, this ``process``'s shard of ``count``
+    (tests/orbax_composite_worker.py draws from the same one)."""
     import grain.python as gp
 
-    sampler = gp.IndexSampler(
-        64, shard_options=gp.ShardOptions(PROCESS, COUNT), shuffle=True, num_epochs=1, seed=JOB.get("seed", 0)
-    )
+    sampler = gp.IndexSampler(64, shard_options=gp.ShardOptions(process, count), shuffle=True, num_epochs=1, seed=seed)
     return gp.DataLoader(data_source=Source(64), sampler=sampler, operations=[gp.Batch(2)], worker_count=0)
 
 
 def grain_job() -> dict[str, Any]:
     so = JOB.get("storage_options") or {}
     url = JOB["url"]
-    it = iter(loader())
+    it = iter(loader(PROCESS, COUNT, JOB.get("seed", 0)))
     drawn = [next(it)["x"].tolist() for _ in range(3)]
     objckpt.save(url, {"step": 3, "data": objckpt.PerProcess(it.get_state())}, storage_options=so)
     uninterrupted = [next(it)["x"].tolist() for _ in range(4)]
-    resumed = iter(loader())  # a fresh iterator, as after a restart
+    resumed = iter(loader(PROCESS, COUNT, JOB.get("seed", 0)))  # a fresh iterator, as after a restart
     out = objckpt.restore(url, {"step": None, "data": objckpt.PerProcess()}, storage_options=so)
     resumed.set_state(out["data"])
     after = [next(resumed)["x"].tolist() for _ in range(4)]

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import mp_worker
 import numpy as np
+from items_worker import loader  # the grain DataLoader over Source(64) that test_items draws from
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -25,29 +26,6 @@ import objckpt
 
 PROCESS, COUNT, JOB = mp_worker.PROCESS, mp_worker.COUNT, mp_worker.JOB
 SHAPE = (64, 32)
-
-
-class Source:
-    """A small in-memory data source with a stable ``repr`` (grain keeps it in its state)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, int]:
-        return {"x": i * 7 % 101}
-
-    def __repr__(self) -> str:
-        return f"Source({self.n})"
-
-
-def loader(process: int, count: int, seed: int) -> Any:
-    import grain.python as gp
-
-    sampler = gp.IndexSampler(64, shard_options=gp.ShardOptions(process, count), shuffle=True, num_epochs=1, seed=seed)
-    return gp.DataLoader(data_source=Source(64), sampler=sampler, operations=[gp.Batch(2)], worker_count=0)
 
 
 def global_value() -> np.ndarray:

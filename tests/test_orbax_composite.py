@@ -72,7 +72,7 @@ def _same_arrays(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 def _loader(seed: int = 0) -> Any:
-    from orbax_composite_worker import Source
+    from items_worker import Source
 
     sampler = gp.IndexSampler(64, shard_options=gp.NoSharding(), shuffle=True, num_epochs=1, seed=seed)
     return gp.DataLoader(data_source=Source(64), sampler=sampler, operations=[gp.Batch(2)], worker_count=0)
