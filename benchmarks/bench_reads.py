@@ -228,20 +228,9 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _worker_main() -> None:
-    import jax
+    from benchmarks.workers import worker_main
 
-    job = json.loads(os.environ["BENCH_READS_JOB"])
-    process = int(os.environ["BENCH_READS_PROCESS"])
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the benchmark's choice
-    jax.distributed.initialize(
-        f"127.0.0.1:{job['port']}", num_processes=PROCESSES, process_id=process, initialization_timeout=120
-    )
-    result = _worker(job)
-    print("RESULT " + json.dumps(result), flush=True)
-    from objckpt.multihost import get_coordinator
-
-    get_coordinator().barrier("bench_reads/exit", timeout=120)
-    os._exit(0)
+    worker_main("BENCH_READS", PROCESSES, lambda job, process: _worker(job))
 
 
 # ----------------------------------------------------------------------------- driver

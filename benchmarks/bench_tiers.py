@@ -227,20 +227,9 @@ def _worker(job: dict[str, Any], process: int) -> dict[str, Any]:
 
 
 def _worker_main() -> None:
-    import jax
+    from benchmarks.workers import worker_main
 
-    job = json.loads(os.environ["BENCH_TIERS_JOB"])
-    process = int(os.environ["BENCH_TIERS_PROCESS"])
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the benchmark's choice
-    jax.distributed.initialize(
-        f"127.0.0.1:{job['port']}", num_processes=PROCESSES, process_id=process, initialization_timeout=120
-    )
-    result = _worker(job, process)
-    print("RESULT " + json.dumps(result), flush=True)
-    from objckpt.multihost import get_coordinator
-
-    get_coordinator().barrier("bench_tiers/exit", timeout=120)
-    os._exit(0)
+    worker_main("BENCH_TIERS", PROCESSES, _worker)
 
 
 # ----------------------------------------------------------------------------- driver
