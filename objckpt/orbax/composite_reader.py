@@ -20,10 +20,7 @@ import dataclasses
 import time
 from typing import Any
 
-import jax
-
 from objckpt.core.items import Json, PerProcess, is_item, load_into
-from objckpt.core.tree import check_names
 from objckpt.errors import TargetMismatchError
 from objckpt.layouts.base import CheckpointInfo, LeafInfo, VerifyProblem, VerifyReport
 from objckpt.options import Options
@@ -91,6 +88,8 @@ class OrbaxCompositeReader:
     def _per_process(
         self, name: str, item: PerProcessItem, target: Any, options: Options, stats: TransferStats
     ) -> bytes | list[bytes]:
+        import jax  # here, not at import: objckpt's CLI reads checkpoints without JAX
+
         every = type(target) is PerProcess and target.all
         if not every and jax.process_count() != item.count:
             raise TargetMismatchError(
@@ -106,6 +105,8 @@ class OrbaxCompositeReader:
     def info(self) -> CheckpointInfo:
         """Every item's leaves under its name: a PyTree's arrays (from their zarr headers),
         a JSON item's document, a grain item's file sizes by process."""
+        import jax  # here, not at import: objckpt's CLI reads checkpoints without JAX
+
         tree: dict[str, Any] = {}
         leaves: dict[str, LeafInfo] = {}
         total = 0
@@ -173,6 +174,8 @@ class OrbaxCompositeReader:
 
 def _paths(tree: Any) -> Any:
     """``tree`` with each :class:`LeafInfo` replaced by its path."""
+    import jax  # here, not at import: objckpt's CLI reads checkpoints without JAX
+
     return jax.tree.map(lambda info: info.path, tree, is_leaf=lambda x: isinstance(x, LeafInfo))
 
 
@@ -193,6 +196,8 @@ def _select(composite: OrbaxComposite, target: Any, partial: bool) -> dict[str, 
         )
     missing = [f"[{k!r}]" for k in target if k not in composite.items]
     unnamed = [f"[{k!r}]" for k in names if k not in target]
+    from objckpt.core.tree import check_names  # imports JAX: not at import (the CLI reads without it)
+
     check_names(missing, unnamed, partial=partial, what=f"the Orbax Composite checkpoint {composite.url}")
     for name, wanted in target.items():
         _check_kind(name, composite.items[name], wanted)
