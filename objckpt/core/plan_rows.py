@@ -163,7 +163,8 @@ def _jumps(
 ) -> np.ndarray | None:
     """For every wanted row, where a read that starts at it ends (the first row it leaves out),
     by the rules of :func:`objckpt.core.plan.plan_reads`, in a few numpy passes: None where the
-    shortcut does not hold (pieces out of order within a run, or offsets too large to combine).
+    shortcut does not hold (pieces that overlap in a blob, or ends too large to combine), and
+    :func:`_plan_runs` plans the chunk read by read.
 
     Reads are then walked from row 0, one step per read. Within a run of rows that may join,
     ends rise (pieces never overlap), so a read's end is its last piece's end and each limit
