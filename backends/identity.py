@@ -193,6 +193,12 @@ class CredentialServer:
     def _generation_end(self, generation: int) -> float:
         return self._start + (generation + 1) * self.lifetime_s
 
+    def seconds_to_rotation(self) -> float:
+        """Seconds until the next generation's credentials are served (a test that sleeps this
+        long plus a margin lands well inside a generation, never on its boundary)."""
+        now = time.time()
+        return self._generation_end(self._generation(now)) - now
+
     def current_aws_key(self) -> str:
         """The access key id served now."""
         if not self._aws_keys:

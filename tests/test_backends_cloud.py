@@ -277,7 +277,9 @@ def test_botocore_default_chain_resolves_served_keys_and_rotates(
         client = _s3_client(s3_rotating.endpoint_url, first.access_key, first.secret_key)
         client.put_object(Bucket=s3_rotating.bucket, Key=f"chain/{source}", Body=b"signed with served keys")
 
-        time.sleep(lifetime)
+        # A third into the next generation: both fetches below see the same, unexpired keys
+        # (at a boundary, keys fetched just before it lapse before botocore looks at them).
+        time.sleep(server.seconds_to_rotation() + lifetime / 3)
         if source == "imds":
             # botocore stretches a short IMDS expiry by 12-20 min (static stability), so the
             # same credentials object may not refresh yet: a new session resolves afresh.
