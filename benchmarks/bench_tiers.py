@@ -19,8 +19,9 @@ store is the local S3 (SeaweedFS, ``backends.launcher``) at 10 ms RTT through
    directory moved aside. Each restore is checked bit for bit against the saved state, and
    the tier each process reports (``tier_status().last_restore``) is recorded.
 3. Blocking, interleaved: ``objckpt.save_async(...).seconds_blocked`` beside the wall time of a
-   ``mgr.save(step)`` that saves locally only, with ``peers=1`` (which includes sending the
-   previous local step's peer copy: that is when the manager sends it) and ``peers=0``.
+   ``mgr.save(step)`` that saves locally only, with ``peers=1`` and ``peers=0`` (the write and
+   the peer copy run in the background after it returns; their seconds are recorded as
+   ``*_write_after_s``).
 4. Step time: segments of ``--interval`` training steps (a jitted ``x + 1`` over the state, then
    ``--step-s`` seconds of sleep standing for the accelerator's compute, which leaves the host
    idle as a real accelerator step would), without a local tier and with one
@@ -316,7 +317,7 @@ def table(report: dict[str, Any]) -> str:
         f"| restart from local + peer (process 0's tier wiped) | {r['peer']['median_s']:.2f} s ({store / r['peer']['median_s']:.1f}× faster) |",
         f"| restart from the object store | {store:.2f} s |",
         f"| `save_async` blocks | {b['save_async_blocked_s']:.2f} s |",
-        f"| local save blocks (with the previous step's peer copy) | {b['local_blocked_s']:.2f} s |",
+        f"| local save blocks, `peers=1` | {b['local_blocked_s']:.2f} s |",
         f"| local save blocks, `peers=0` | {b['local_no_peer_blocked_s']:.2f} s |",
         f"| step time, no local tier | {s['plain_step_s']:.2f} s |",
         f"| step-time overhead, local_interval_steps={s['interval']} | {100 * s['local']['overhead']:.1f} % "

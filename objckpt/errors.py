@@ -73,8 +73,8 @@ class CoordinationError(ObjckptError, TimeoutError):
 
 
 class PeerCopyUnavailableError(ObjckptError, RuntimeError):
-    """A peer copy cannot run in this job: one process only, or CPU devices without JAX's
-    cross-process CPU collectives (``jax_cpu_collectives_implementation``, the user's setting)."""
+    """A peer copy cannot run in this job: one process only, or JAX's transfer server
+    (``jax.experimental.transfer``) does not start on this process's devices."""
 
 
 class ObjectNotFoundError(StoreError, FileNotFoundError):

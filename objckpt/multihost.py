@@ -58,6 +58,13 @@ class Coordinator:
         assert value is not None
         return value
 
+    def await_value(self, name: str, process: int, *, timeout: float) -> bytes:
+        """What ``process`` published under ``name``, once it has (CoordinationError after ``timeout``)."""
+        key = f"{name}/{process}"
+        if key not in self._values:
+            raise CoordinationError(f"process {process} published nothing under {name!r}")
+        return self._values[key]
+
     def release(self, tag: str) -> None:
         """This process is done with every key under ``tag``; the last one to say so deletes them."""
         self._values = {k: v for k, v in self._values.items() if not k.startswith(f"{tag}/")}
@@ -134,6 +141,26 @@ class _JaxCoordinator(Coordinator):
             raise CoordinationError(
                 f"no word from the primary process on {name!r} within {timeout:g} s ({e})"
             ) from None
+
+
+    def await_value(self, name: str, process: int, *, timeout: float) -> bytes:
+        try:
+            return self._client.blocking_key_value_get_bytes(f"{name}/{process}", int(timeout * 1000))  # type: ignore[attr-defined,no-any-return]
+        except Exception as e:
+            raise CoordinationError(
+                f"no word from process {process} on {name!r} within {timeout:g} s ({e})"
+            ) from None
+
+
+def coordinator_host() -> str | None:
+    """The host part of ``jax.distributed``'s coordinator address (None: not initialised)."""
+    from jax._src import distributed  # private API: isolated to this module
+
+    address = distributed.global_state.coordinator_address
+    if not address:
+        return None
+    host = address.rsplit(":", 1)[0]
+    return host.strip("[]")
 
 
 def _named_in(message: str, count: int) -> list[int]:

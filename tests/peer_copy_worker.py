@@ -5,7 +5,7 @@ Jobs (``kind``):
   (``sizes``), optionally a keeper list (``keepers``: process p's copy is kept by
   ``keepers[p]``; ``keepers_of``: this process's own list, by process), ``chunk_bytes``, ``sink`` (take the bytes chunk by chunk), ``skip`` (these
   processes do not call), ``fail_sink`` (this process's sink raises at its second chunk) and
-  ``timeout``. Each round reports this process's payload digest and what it received (owner,
+  ``timeout``; ``as`` sends the payload as bytes or as three segments. Each round reports this process's payload digest and what it received (owner,
   size, digest), or the error it raised.
 - ``throughput``: ``mib`` MiB per process exchanged ``repeat`` times after one warm-up; the
   seconds of each.
@@ -30,6 +30,16 @@ def payload(process: int, size: int, round_: int) -> np.ndarray:
     return np.random.default_rng([process, round_]).integers(0, 256, size, dtype=np.uint8)
 
 
+def _shaped(mine: np.ndarray, how: str | None) -> Any:
+    """The payload as the round sends it: an array, bytes, or three segments (cut at odd places)."""
+    if how == "bytes":
+        return mine.tobytes()
+    if how == "segments":
+        a, b = mine.size // 3, mine.size // 3 + 12345
+        return [mine[:a], mine[a:b].tobytes(), mine[b:]]
+    return mine
+
+
 def one_round(i: int, spec: dict[str, Any]) -> dict[str, Any]:
     mine = payload(PROCESS, spec["sizes"][PROCESS], i)
     out: dict[str, Any] = {"sent": hashlib.sha256(mine).hexdigest()}
@@ -48,7 +58,7 @@ def one_round(i: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     try:
         got = exchange_with_peers(
-            mine if spec.get("as") != "bytes" else mine.tobytes(),
+            _shaped(mine, spec.get("as")),
             timeout=spec.get("timeout", 60),
             keeper_of=None if keepers is None else (lambda p, n: keepers[p]),
             chunk_bytes=spec.get("chunk_bytes", 64 << 20),

@@ -185,10 +185,13 @@ def run() -> dict[str, Any]:
         first = 0 if start is None else start + 1
         steps = int(JOB["first_steps"] if round_ == 0 and "first_steps" in JOB else JOB["steps"])
         update = jax.jit(lambda x: x + 1)
+        total = jax.jit(lambda x: x.sum())  # over every process's shards: a cross-process collective
         state = _state(start if start is not None else -1)
         w, r = state["w"], state["r"]
         for step in range(first, first + steps):
             w, r = update(w), update(r)
+            if JOB.get("collective_steps"):  # a step with a collective while the peer copy may run beside it
+                float(total(w))
             tree = {**_state(step), "w": w, "r": r}
             mgr.save(step, tree)
         mgr.close()

@@ -35,13 +35,18 @@ class NotCovered(Exception):
     """This process's local step cannot serve the target; the message says why."""
 
 
-def restore_local(directory: Path, manifest: LocalManifest, target: Any, *, partial: bool = False) -> Any:
+def restore_local(
+    directory: Path, manifest: LocalManifest, target: Any, *, partial: bool = False, data: np.ndarray | None = None
+) -> Any:
     """``target`` (a pytree like :func:`objckpt.restore`'s, or None for host values) from the step in ``directory``.
+
+    ``data``: the step's data file already in memory (a copy just brought back from a peer),
+    read instead of the file; every box is still checked by its crc32c.
 
     Raises:
         NotCovered: the step cannot serve this target here (see the module docstring).
     """
-    with _Reader(directory / manifest.data, manifest) as reader:
+    with _Reader(directory / manifest.data, manifest, data) as reader:
         if target is None:
             values = [reader.value(leaf, None) for leaf in manifest.leaves]
             return build(manifest.tree, lambda i: values[i])
@@ -71,10 +76,10 @@ def _map(path: Path, size: int) -> np.ndarray:
 class _Reader:
     """Reads saved boxes from the data file, each once, checking its crc32c."""
 
-    def __init__(self, path: Path, manifest: LocalManifest) -> None:
+    def __init__(self, path: Path, manifest: LocalManifest, data: np.ndarray | None = None) -> None:
         self.path = path
         self.manifest = manifest
-        self.data = _map(path, manifest.data_size)
+        self.data = _map(path, manifest.data_size) if data is None else data
         self.boxes: dict[tuple[str, int], np.ndarray] = {}
 
     def __enter__(self) -> _Reader:

@@ -1,4 +1,4 @@
-"""Peer copy: each process hands its local-tier bytes to one other process, over JAX's devices.
+"""Peer copy: each process hands its local-tier bytes to one other process, through JAX's runtime.
 
 The local tier keeps every process's own shards on its own host; losing that host's disk
 would lose them. :func:`exchange_with_peers` gives each process's bytes to a *keeper* in
@@ -6,60 +6,54 @@ another failure domain (by default process ``(p + P // 2) % P``), so a restart t
 one host still restores from the local tiers, the missing host's bytes coming from its
 keeper.
 
-The bytes move with JAX's own runtime, never a protocol of our own: one device per
-process forms a mesh, and a jitted ``shard_map`` of ``jax.lax.ppermute`` sends each
-process's chunk to its keeper (ICI/DCN on accelerators, JAX's CPU collectives, gloo or
-MPI, on CPU). The coordination service carries only a few bytes per process: the sizes,
-whether this process can take part, and a checksum of the keeper map, agreed at a barrier
-with a timeout that names the processes that did not arrive. Its key-value store is never
-used for the payload: it is built for small messages.
+The bytes move with JAX's own transfer service, never a protocol of our own:
+``jax.experimental.transfer`` (the runtime's DCN transfer server, one per process, started
+on the first exchange). A process offers each chunk of its payload as a device array under
+an id (``await_pull``) and its keeper pulls it from there; the transfer is point to point
+and is not a device program, so it runs beside the training step's collectives in any
+order, from a background thread. At most ``_WINDOW`` chunks of a payload are offered at a
+time: the keeper acknowledges each chunk it has taken through the coordination service, so
+device and host memory beyond the payloads stay within a few chunks.
 
-Every process sends the same number of chunks of the same shapes (payloads are padded to
-the largest, in chunks of ``chunk_bytes``; the last one rounded up to a power of two so
-few shapes are ever compiled), so the collectives line up. At most two chunks are in
-flight (one being copied to the host while the next one moves), so device and host
-memory beyond the payloads stay within about four chunks.
-
-A collective has no timeout, so everything that can fail is decided before the first
-one: availability, sizes, the keeper map and the receive buffer are agreed at barriers,
-and a ``sink`` that fails mid-way stops being called but its process keeps taking part,
-reporting the failure at the closing barrier. A process that dies inside a transfer is
-detected by JAX's heartbeat, as for any collective.
-
-The transfers are device programs like a training step's, so every process must issue them
-in the same order relative to its other collectives: call :func:`exchange_with_peers` at the
-same point of every process's program (between steps, or from one background thread while
-no other thread launches collectives). Two processes that launch a step's collective and a
-peer-copy chunk in opposite orders wait on each other for ever.
-
-objckpt never turns JAX's CPU collectives on (``jax_cpu_collectives_implementation`` is the
-user's setting): without them, on CPU with several processes, :func:`peer_copy_unavailable`
-says why and :func:`exchange_with_peers` raises :class:`~objckpt.errors.PeerCopyUnavailableError`,
-so a manager can turn its peer copy off.
+The coordination service carries only a few bytes per process: each transfer server's
+address, the sizes, whether this process can take part, a checksum of the keeper map and
+the acknowledgements, agreed at barriers with a timeout that names the processes that did
+not arrive. Its key-value store is never used for the payload: it is built for small
+messages. Every wait has a timeout (the pulls, the offers, the acknowledgements), so a
+process that dies mid-copy ends the exchange with an error on every process, never a hang.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import datetime
 import functools
+import hashlib
 import json
+import socket
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 
 from objckpt.errors import CoordinationError, PeerCopyUnavailableError
-from objckpt.multihost import Coordinator, get_coordinator, operation_tag
+from objckpt.multihost import Coordinator, coordinator_host, get_coordinator, operation_tag
+from objckpt.transfer.buffers import host_buffer
 
-CHUNK_BYTES = 64 << 20
-_MIN_TAIL = 4096
-_AXIS = "peers"
+CHUNK_BYTES = 32 << 20
+_MIN_CHUNK = 4096
+_WINDOW = 4  # chunks offered ahead of the keeper's acknowledgements
+_TRANSPORTS = 4  # sockets per transfer server: one stream does not fill a host's link
+_TRANSFER_BYTES = (
+    16 << 20
+)  # the server's unit of work per socket (measured: 4 x 16 MiB moves ~1 GB/s on loopback, 1 x 256 MiB ~0.45)
 
 Payload = bytes | bytearray | memoryview | np.ndarray
+Payloads = Payload | Sequence[Payload]  # several segments, sent as one payload in order
 Sink = Callable[[int, memoryview], None]
 
 
@@ -73,7 +67,7 @@ class PeerCopy:
 
     owner: int
     nbytes: int
-    data: bytearray | None
+    data: np.ndarray | None
 
 
 def default_keeper(process: int, count: int) -> int:
@@ -114,21 +108,20 @@ def keeper_map(count: int, keeper_of: Callable[[int, int], int] | None = None) -
 def peer_copy_unavailable() -> str | None:
     """Why this process cannot take part in a peer copy, or None when it can.
 
-    One process: nothing to exchange with. CPU devices need JAX's cross-process CPU
-    collectives (``jax_cpu_collectives_implementation``, the user's setting).
+    One process: nothing to exchange with. Otherwise JAX's transfer server must start on this
+    process's devices (``jax.experimental.transfer``; absent from old JAX releases).
     """
     if jax.process_count() == 1:
         return "a single process has no peer"
-    if jax.default_backend() == "cpu" and not getattr(jax.config, "jax_cpu_collectives_implementation", None):
-        return (
-            "JAX's CPU collectives are off (jax_cpu_collectives_implementation is unset): CPU devices of "
-            "several processes cannot exchange bytes; set it (e.g. 'gloo') before jax.distributed.initialize"
-        )
+    try:
+        _server()
+    except Exception as e:  # an old JAX, or a backend without a transfer server
+        return f"JAX's transfer server does not start here ({type(e).__name__}: {e})"
     return None
 
 
 def exchange_with_peers(
-    payload: Payload,
+    payload: Payloads,
     *,
     timeout: float,
     keeper_of: Callable[[int, int], int] | None = None,
@@ -138,17 +131,18 @@ def exchange_with_peers(
 ) -> PeerCopy:
     """Send this process's ``payload`` to its keeper; receive the payload of the process it keeps.
 
-    Every process of the job calls this together (same ``name``, ``keeper_of``, ``chunk_bytes``),
-    at the same point of its program relative to other collectives (see the module docstring).
+    Every process of the job calls this together (same ``name``, ``keeper_of``), from one
+    thread at a time (any thread: the transfer is not a device program).
 
     Args:
         payload: this process's bytes (any size, empty included): bytes, a memoryview, or a
-            contiguous numpy array (a ``np.memmap`` of a file is read a chunk at a time).
-        timeout: seconds each agreement barrier waits for every process.
+            contiguous numpy array (a ``np.memmap`` of a file is read a chunk at a time), or a
+            list of them, sent one after the other as one payload (no copy to join them).
+        timeout: seconds each agreement barrier, pull, offer or acknowledgement waits.
         keeper_of: ``keeper_of(p, P)`` is the process that keeps process ``p``'s copy; a
             permutation with no fixed point. Default :func:`default_keeper`.
-        chunk_bytes: the bytes moved per collective (device and host memory stay within
-            four chunks beyond the payloads).
+        chunk_bytes: the bytes offered per transfer (device and host memory stay within a
+            few chunks beyond the payloads).
         sink: if given, called as ``sink(offset, chunk)`` in offset order with the received
             bytes instead of collecting them; ``chunk`` is valid during the call only.
         name: names the barriers (with a per-process count, like every objckpt operation).
@@ -157,24 +151,25 @@ def exchange_with_peers(
         The owner's bytes (``data``), or ``data=None`` when a ``sink`` took them.
 
     Raises:
-        PeerCopyUnavailableError: some process cannot take part (one process only, CPU
-            collectives off); every process raises it, naming them.
+        PeerCopyUnavailableError: some process cannot take part (one process only, no
+            transfer server); every process raises it, naming them.
         CoordinationError: a barrier timed out (naming who did not arrive), the processes
             disagree on the keeper map, or a process failed (naming it and its error).
         ValueError: ``keeper_of`` is not a permutation without fixed points.
     """
-    if chunk_bytes < _MIN_TAIL:
-        raise ValueError(f"peer copy: chunk_bytes must be at least {_MIN_TAIL}, got {chunk_bytes}")
+    if chunk_bytes < _MIN_CHUNK:
+        raise ValueError(f"peer copy: chunk_bytes must be at least {_MIN_CHUNK}, got {chunk_bytes}")
     unavailable = peer_copy_unavailable()
     count, here = jax.process_count(), jax.process_index()
     if count == 1:
         raise PeerCopyUnavailableError(f"peer copy: {unavailable}")
     keepers = keeper_map(count, keeper_of)
     owner = keepers.index(here)
-    data = _as_bytes(payload)
+    data = _Segments(payload)
     keys = _Keys(get_coordinator(), operation_tag("peer_copy", name))
     try:
-        infos = keys.agree("sizes", timeout, size=data.size, unavailable=unavailable, keepers=keepers)
+        address = _server().address() if unavailable is None else None
+        infos = keys.agree("sizes", timeout, size=data.size, unavailable=unavailable, keepers=keepers, address=address)
         off: dict[str, list[int]] = {}
         for p, i in sorted(infos.items()):
             if i["unavailable"]:
@@ -189,17 +184,17 @@ def exchange_with_peers(
                 f"peer copy {name!r}: processes {differ} use another keeper map than process {here}"
             )
         nbytes = infos[owner]["size"]
-        largest = max(i["size"] for i in infos.values())
-        received: bytearray | None = None
+        received: np.ndarray | None = None
         error: str | None = None
-        try:
-            received = None if sink is not None else bytearray(nbytes)
-        except MemoryError as e:
-            error = f"MemoryError: {e}"
+        try:  # not zero-filled: every byte is written as it arrives (pages fault in then, not here)
+            received = None if sink is not None else host_buffer(nbytes, zeroed=False)
+        except (MemoryError, OSError) as e:
+            error = f"{type(e).__name__}: {e}"
         _check(keys.agree("ready", timeout, error=error), name)
         into = _Receiver(nbytes, received, sink)
+        link = _Link(keys, here, owner, keepers[here], infos[owner]["address"], chunk_bytes, timeout)
         try:
-            _transfer(data, largest, keepers, chunk_bytes, into)
+            link.run(data, into)
         except BaseException:  # the others may never reach the next barrier: nobody is left to release
             keys.forget()
             raise
@@ -216,6 +211,25 @@ def _as_bytes(payload: Payload) -> np.ndarray:
             raise ValueError("peer copy: a numpy payload must be C-contiguous")
         return payload.reshape(-1).view(np.uint8)
     return np.frombuffer(payload, dtype=np.uint8)
+
+
+class _Segments:
+    """A payload made of one or more buffers, read by offset as if it were one."""
+
+    def __init__(self, payload: Payloads) -> None:
+        parts: Sequence[Payload] = payload if isinstance(payload, (list, tuple)) else [payload]  # type: ignore[list-item]
+        self.parts = [_as_bytes(p) for p in parts]
+        self.starts = np.cumsum([0] + [p.size for p in self.parts]).tolist()
+        self.size = int(self.starts[-1])
+
+    def read(self, offset: int, size: int) -> np.ndarray:
+        """``size`` bytes from ``offset``: a view when they lie in one segment, else joined."""
+        pieces = []
+        for part, start in zip(self.parts, self.starts):
+            lo, hi = max(offset, start), min(offset + size, start + part.size)
+            if lo < hi:
+                pieces.append(part[lo - start : hi - start])
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 class _Keys:
@@ -261,9 +275,9 @@ def _check(infos: dict[int, dict[str, Any]], name: str) -> None:
 class _Receiver:
     """Takes the received chunks: into the buffer, or to the sink until it fails (then drops them)."""
 
-    def __init__(self, nbytes: int, buffer: bytearray | None, sink: Sink | None) -> None:
+    def __init__(self, nbytes: int, buffer: np.ndarray | None, sink: Sink | None) -> None:
         self.nbytes = nbytes
-        self.buffer = memoryview(buffer) if buffer is not None else None
+        self.buffer = buffer
         self.sink = sink
         self.error: str | None = None
 
@@ -271,66 +285,109 @@ class _Receiver:
         n = max(0, min(chunk.size, self.nbytes - offset))
         if n == 0 or self.error is not None:
             return
-        view = chunk[:n].data
         if self.buffer is not None:
-            self.buffer[offset : offset + n] = view
+            np.copyto(self.buffer[offset : offset + n], chunk[:n])  # releases the GIL: pulls go on beside it
             return
+        view = chunk[:n].data
         assert self.sink is not None
         try:
             self.sink(offset, view)
-        except Exception as e:  # kept, not raised: the other processes wait for this one's collectives
+        except Exception as e:  # kept, not raised: the keeper goes on taking (and acknowledging) chunks
             self.error = f"{type(e).__name__}: {e}"[:1000]
 
 
-def _chunks(largest: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """(offset, padded size) of every chunk: full ones, then a tail rounded up to a power of two."""
-    out = [(off, chunk_bytes) for off in range(0, largest - chunk_bytes + 1, chunk_bytes)]
-    done = len(out) * chunk_bytes
-    if done < largest:
-        out.append((done, min(chunk_bytes, max(_MIN_TAIL, 1 << (largest - done - 1).bit_length()))))
-    return out
-
-
-def _transfer(data: np.ndarray, largest: int, keepers: list[int], chunk_bytes: int, into: _Receiver) -> None:
-    """Move every chunk to its keeper, two in flight: chunk k+1 is sent before chunk k is taken."""
-    mesh = _mesh()
-    device = mesh.devices[jax.process_index()]
-    sharding = NamedSharding(mesh, P(_AXIS))
-    send = _sender(mesh, tuple(keepers))
-    pending: tuple[int, jax.Array] | None = None
-    for offset, size in _chunks(largest, chunk_bytes):
-        piece = data[offset : offset + size]
-        if piece.size < size:  # past this process's end: zeros, never stale memory
-            piece = np.concatenate([piece, np.zeros(size - piece.size, np.uint8)])
-        local = jax.device_put(piece.reshape(1, size), device)
-        moved = send(jax.make_array_from_single_device_arrays((len(keepers), size), sharding, [local]))
-        if pending is not None:
-            _take(into, *pending)
-        pending = (offset, moved)
-    if pending is not None:
-        _take(into, *pending)
-
-
-def _take(into: _Receiver, offset: int, moved: jax.Array) -> None:
-    shard = moved.addressable_shards[0].data
-    into.take(offset, np.asarray(shard).reshape(-1))
-    moved.delete()
-
-
-def _mesh() -> Mesh:
-    """One device per process (its lowest id), in process order: the peer-copy mesh."""
-    first: dict[int, Any] = {}
-    for d in jax.devices():
-        if d.process_index not in first or d.id < first[d.process_index].id:
-            first[d.process_index] = d
-    return Mesh(np.array([first[p] for p in sorted(first)]), (_AXIS,))
-
-
 @functools.cache
-def _sender(mesh: Mesh, keepers: tuple[int, ...]) -> Callable[[jax.Array], jax.Array]:
-    perm = [(p, k) for p, k in enumerate(keepers)]
+def _server() -> Any:
+    """This process's transfer server, started once on its first local device's client."""
+    from jax.experimental import transfer
 
-    def body(x: jax.Array) -> jax.Array:
-        return jax.lax.ppermute(x, _AXIS, perm)
+    host = _this_host()
+    client = jax.local_devices()[0].client
+    return transfer.start_transfer_server(
+        client, f"{host}:0", [f"{host}:0"] * _TRANSPORTS, transfer_size=_TRANSFER_BYTES
+    )
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS)))  # type: ignore[no-any-return]
+
+def _this_host() -> str:
+    """The address other hosts reach this one at: the interface that faces the coordinator."""
+    coordinator = coordinator_host()
+    if coordinator is None or coordinator in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1" if coordinator != "::1" else "[::1]"
+    family = socket.AF_INET6 if ":" in coordinator else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:  # connect() on UDP sends nothing
+        probe.connect((coordinator, 9))
+        host = str(probe.getsockname()[0])
+    return f"[{host}]" if family == socket.AF_INET6 else host
+
+
+class _Link:
+    """One exchange's transfers for this process: its chunks offered to its keeper, a window
+    at a time, and its owner's chunks pulled, each acknowledged once taken."""
+
+    def __init__(
+        self, keys: _Keys, here: int, owner: int, keeper: int, owner_address: str, chunk_bytes: int, timeout: float
+    ) -> None:
+        self.keys = keys
+        self.here, self.owner, self.keeper = here, owner, keeper
+        self.owner_address = owner_address
+        self.chunk_bytes = chunk_bytes
+        self.timeout = timeout
+        self.device = jax.local_devices()[0]
+
+    def _id(self, sender: int, k: int) -> int:
+        """The transfer id of ``sender``'s chunk ``k`` in this exchange (the same on both ends)."""
+        digest = hashlib.blake2b(f"{self.keys.tag}/{sender}/{k}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
+
+    def _deadline(self) -> datetime.datetime:
+        return datetime.datetime.now() + datetime.timedelta(seconds=self.timeout)
+
+    def run(self, data: _Segments, into: _Receiver) -> None:
+        """Offer ``data`` to the keeper (a helper thread) while pulling the owner's ``into.nbytes``
+        (this thread, ``_WINDOW`` pulls in flight). Chunk k is offered once the keeper has taken chunk
+        k - ``_WINDOW``; each chunk pulled is acknowledged once taken."""
+        with concurrent.futures.ThreadPoolExecutor(1 + _WINDOW, thread_name_prefix="objckpt-peer") as pool:
+            offering = pool.submit(self._offer, data)
+            try:
+                self._pull(into, pool)
+            finally:
+                offering.result()
+
+    def _offer(self, data: _Segments) -> None:
+        server = _server()
+        mine = _spans(data.size, self.chunk_bytes)
+        for k, (offset, size) in enumerate(mine):
+            if k >= _WINDOW:
+                self._await_ack(k - _WINDOW)
+            chunk = jax.device_put(data.read(offset, size), self.device)
+            server.await_pull(self._id(self.here, k), [chunk], timeout=self._deadline())
+        for k in range(max(0, len(mine) - _WINDOW), len(mine)):  # the keeper has taken every chunk
+            self._await_ack(k)
+
+    def _pull(self, into: _Receiver, pool: concurrent.futures.Executor) -> None:
+        theirs = _spans(into.nbytes, self.chunk_bytes)
+        if not theirs:
+            return
+        connection = _server().connect(self.owner_address)
+
+        def pull(k: int) -> jax.Array:
+            spec = jax.ShapeDtypeStruct((theirs[k][1],), np.uint8, sharding=SingleDeviceSharding(self.device))
+            [got] = connection.pull(self._id(self.owner, k), [spec], timeout=self._deadline())
+            return got  # type: ignore[no-any-return]
+
+        inflight = {k: pool.submit(pull, k) for k in range(min(_WINDOW, len(theirs)))}
+        for k, (offset, _) in enumerate(theirs):
+            got = inflight.pop(k).result()
+            into.take(offset, np.asarray(got))
+            del got
+            self.keys.coordinator.publish(f"{self.keys.tag}/ack{k}", b"1")
+            if k + _WINDOW < len(theirs):  # waits in the pool until the owner offers it (after this ack)
+                inflight[k + _WINDOW] = pool.submit(pull, k + _WINDOW)
+
+    def _await_ack(self, k: int) -> None:
+        self.keys.coordinator.await_value(f"{self.keys.tag}/ack{k}", self.keeper, timeout=self.timeout)
+
+
+def _spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(offset, size) of every chunk of a payload of ``nbytes``: full ones, then the rest."""
+    return [(off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]

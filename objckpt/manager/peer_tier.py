@@ -4,10 +4,11 @@ After a local save, every process sends that step (its data file, then its manif
 a 16-byte trailer: ``OBJCKPT1`` and the manifest's length) to its keeper, which writes it
 under ``process_<keeper>/peer/process_<owner>/step_<N>/`` in the local tier's own format,
 manifest last (:func:`send_to_keepers`). On a restore that finds a process's own copy
-missing, the keepers send the copies back the other way, each to its owner, which writes
-it into its own directory and restores locally (:func:`fetch_from_keepers`).
+missing, the keepers send the copies back the other way, each to its owner, which restores
+from the bytes in memory (:func:`fetch_from_keepers`) and writes them into its own
+directory afterwards, in the background (:func:`keep_received`).
 
-Both are collectives: every process calls them together, sending an empty payload when it
+Every process calls them together, sending an empty payload when it
 has nothing to send. The bytes travel through JAX's runtime only (the peer-copy module);
 what arrives is checked when it is read (the manifest strictly, every box by its crc32c).
 """
@@ -18,16 +19,16 @@ import logging
 import os
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from objckpt.errors import FormatError
 from objckpt.manager.local_format import MANIFEST, LocalManifest, parse_local_manifest
-from objckpt.manager.local_tier import LocalTier, commit_manifest, read_manifest
+from objckpt.manager.local_tier import LocalTier, commit_manifest, read_manifest, write_step
 from objckpt.manager.peer_copy import exchange_with_peers, keeper_map
 from objckpt.roots.layout import step_dir
-from objckpt.transfer.buffers import host_buffer
 
 log = logging.getLogger("objckpt")
 
@@ -36,19 +37,45 @@ _TRAILER = struct.Struct("<8sQ")
 Keeper = Callable[[int, int], int]
 
 
-def payload_of(directory: Path) -> np.ndarray:
-    """The step in ``directory`` as one payload: data file, manifest, trailer."""
+def payload_of(directory: Path) -> list[np.ndarray]:
+    """The step in ``directory`` as one payload in two segments: the data file (mapped, read as it is
+    sent), then the manifest and the trailer."""
     manifest_bytes = (directory / MANIFEST).read_bytes()
     manifest = parse_local_manifest(manifest_bytes)
-    total = manifest.data_size + len(manifest_bytes) + _TRAILER.size
-    buffer = host_buffer(total, zeroed=False)
-    with open(directory / manifest.data, "rb") as f:
-        if f.readinto(buffer[: manifest.data_size].data) != manifest.data_size:
-            raise FormatError(f"{directory / manifest.data} is shorter than its manifest says")
-    end = manifest.data_size + len(manifest_bytes)
-    buffer[manifest.data_size : end] = np.frombuffer(manifest_bytes, np.uint8)
-    buffer[end:] = np.frombuffer(_TRAILER.pack(_MAGIC, len(manifest_bytes)), np.uint8)
-    return buffer
+    path = directory / manifest.data
+    if path.stat().st_size < manifest.data_size:
+        raise FormatError(f"{path} is shorter than its manifest says")
+    data = np.memmap(path, np.uint8, "r", shape=(manifest.data_size,)) if manifest.data_size else np.zeros(0, np.uint8)
+    tail = manifest_bytes + _TRAILER.pack(_MAGIC, len(manifest_bytes))
+    return [data, np.frombuffer(tail, np.uint8)]
+
+
+@dataclass(frozen=True)
+class Received:
+    """A process's own step, brought back from its keeper: its manifest and its data file's bytes."""
+
+    manifest: LocalManifest
+    data: np.ndarray
+
+
+def unpack(payload: np.ndarray, where: str) -> Received:
+    """A payload (data file, manifest, trailer) as its manifest and data; FormatError if it is not one."""
+    if payload.size < _TRAILER.size:
+        raise FormatError(f"peer copy from {where}: {payload.size} bytes is not a local-tier step")
+    magic, length = _TRAILER.unpack(payload[-_TRAILER.size :].tobytes())
+    if magic != _MAGIC or length > payload.size - _TRAILER.size:
+        raise FormatError(f"peer copy from {where}: not a local-tier step")
+    end = payload.size - _TRAILER.size
+    manifest = parse_local_manifest(payload[end - length : end].tobytes())
+    if manifest.data_size > end - length:
+        raise FormatError(f"peer copy from {where}: {end - length} data bytes, its manifest says {manifest.data_size}")
+    return Received(manifest, payload[: manifest.data_size])
+
+
+def keep_received(tier: LocalTier, received: Received) -> None:
+    """Write a step brought back from the keeper into this process's own directory, manifest last."""
+    write_step(tier.step_dir(received.manifest.step), received.manifest, received.data, checksum=False)
+    tier.retain()
 
 
 class _Incoming:
@@ -102,10 +129,10 @@ def send_to_keepers(tier: LocalTier, step: int | None, *, timeout: float, keeper
     """
     directory = tier.step_dir(step) if step is not None else None
     try:
-        payload = payload_of(directory) if directory is not None else np.zeros(0, np.uint8)
+        payload = payload_of(directory) if directory is not None else []
     except (OSError, FormatError) as e:  # nothing to send: still take part
         log.warning("objckpt peer copy: step %s of process %d is not sendable: %s", step, tier.process_index, e)
-        payload = np.zeros(0, np.uint8)
+        payload = []
     count = tier.process_count
     keepers = keeper_map(count, keeper_of)
     owner = keepers.index(tier.process_index)
@@ -118,11 +145,12 @@ def send_to_keepers(tier: LocalTier, step: int | None, *, timeout: float, keeper
 
 def fetch_from_keepers(
     tier: LocalTier, step: int, fetch: dict[int, int], *, timeout: float, keeper_of: Keeper | None
-) -> bool:
+) -> Received | None:
     """Bring back, from their keepers, the copies of ``step`` that the processes in ``fetch`` lost.
 
     ``fetch``: ``{owner: keeper}``. Every process calls this; a keeper sends its held copy to
-    its owner, everyone else an empty payload. Returns whether this process received its step.
+    its owner, everyone else an empty payload. Returns this process's step, in memory (None:
+    it was sent nothing).
     """
     count, here = tier.process_count, tier.process_index
     keepers = keeper_map(count, keeper_of)
@@ -132,10 +160,13 @@ def fetch_from_keepers(
         return owner_of[process]
 
     mine = owner_of[here]
-    payload = np.zeros(0, np.uint8)
+    payload: list[np.ndarray] = []
     if fetch.get(mine) == here:
         payload = payload_of(tier.held_dir(mine) / step_dir(step))
-    incoming = _Incoming(tier.own)
-    copy = exchange_with_peers(payload, timeout=timeout, keeper_of=back, sink=incoming, name="local_tier_back")
-    manifest = incoming.finish(copy.nbytes)
-    return manifest is not None and manifest.step == step
+    copy = exchange_with_peers(payload, timeout=timeout, keeper_of=back, name="local_tier_back")
+    if copy.nbytes == 0 or copy.data is None:
+        return None
+    received = unpack(copy.data, f"process {keepers[here]}")
+    if received.manifest.step != step:
+        raise FormatError(f"peer copy from process {keepers[here]}: step {received.manifest.step}, not {step}")
+    return received

@@ -5,11 +5,10 @@ holds when it is given ``local=``:
 
 - **saving**: every ``local_interval_steps`` steps each process snapshots its own boxes
   (the caller's thread, like ``save_async``'s blocking phase) and writes them to its local
-  directory in the background (:mod:`objckpt.manager.local_tier`). At most one local save
-  is in flight; the next one waits for it and re-raises its error. With ``peers=1`` the
-  step just written is sent to each process's keeper when the next local save starts, or
-  at :meth:`close` (:mod:`objckpt.manager.peer_tier`): a collective, in the caller's
-  thread, so it never runs beside the training step's own collectives.
+  directory in the background (:mod:`objckpt.manager.local_tier`). With ``peers=1`` the same
+  background job then sends the step to the process's keeper (:mod:`objckpt.manager.peer_tier`:
+  JAX's transfer server, not a device program, so it runs beside the training step). At
+  most one local save is in flight; the next one waits for it and re-raises its error.
 - **restoring**: every process publishes what it holds, all decide alike which step and
   which tiers (:mod:`objckpt.manager.tier_agreement`), try them fastest first, and agree
   after each that every process succeeded before moving on. Each process logs the tier
@@ -113,7 +112,6 @@ class Tiers:
                 self.peers = False
         self.run_id = self._agree_run_id()
         self._pending: concurrent.futures.Future[None] | None = None
-        self._unsent: int | None = None  # the step written here and not yet sent to the keeper
         self.last_restore: TierRestore | None = None
 
     def _agree_run_id(self) -> str:
@@ -132,14 +130,12 @@ class Tiers:
         return step % self.interval == 0
 
     def save(self, step: int, tree: Any, metadata: dict[str, Any]) -> float:
-        """Snapshot ``tree`` as local step ``step`` and write it in the background; the seconds blocked.
+        """Snapshot ``tree`` as local step ``step``, then write it and send it to the keeper in
+        the background; the seconds blocked.
 
-        First waits for the previous local save (re-raising its error once the peer copy,
-        which every process takes part in, is done).
+        First waits for the previous local save and its peer copy (re-raising its error).
         """
-        error = self._settle()
-        if error is not None:
-            raise error
+        self.wait()
         started = time.perf_counter()
         snap = snapshot(
             tree,
@@ -149,13 +145,19 @@ class Tiers:
             process_count=self.tier.process_count,
             metadata=metadata,
         )
-        self._pending = runtime.submit(asyncio.to_thread(self._write, snap))
+        self._pending = runtime.submit(asyncio.to_thread(self._write_and_send, snap))
         return time.perf_counter() - started
 
-    def _write(self, snap: Any) -> None:
+    def _write_and_send(self, snap: Any) -> None:
+        """Write the step here, then (with peers) send it to the keeper, whatever the write did:
+        every process takes part in every peer copy, an empty one when its write failed."""
         started = time.perf_counter()
-        manifest = self.tier.write(snap)
-        self._unsent = manifest.step
+        try:
+            manifest = self.tier.write(snap)
+        except BaseException:
+            if self.peers:
+                self._send(None)
+            raise
         log.info(
             "objckpt local tier: step %d written by process %d (%d bytes) in %.3f s",
             manifest.step,
@@ -163,20 +165,8 @@ class Tiers:
             manifest.data_size,
             time.perf_counter() - started,
         )
-
-    def _settle(self) -> BaseException | None:
-        """Wait for the local save in flight, then send the step written to the keepers; its error."""
-        pending, self._pending = self._pending, None
-        error: BaseException | None = None
-        if pending is not None:
-            try:
-                pending.result()
-            except BaseException as e:
-                error = e
-        if self.peers and pending is not None:  # every process alike: the same steps save locally
-            self._send(self._unsent if error is None else None)
-        self._unsent = None
-        return error
+        if self.peers:
+            self._send(manifest.step)
 
     def _send(self, step: int | None) -> None:
         from objckpt.manager.peer_tier import send_to_keepers
@@ -196,16 +186,14 @@ class Tiers:
         )
 
     def wait(self) -> None:
-        """Wait for the local save in flight; re-raise its error. Its peer copy is still sent
-        when the next local save starts, or at :meth:`close`."""
-        if self._pending is not None:
-            self._pending.result()
+        """Wait for the local save in flight and its peer copy; re-raise the save's error (once)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def close(self) -> None:
-        """Wait for the local save in flight and send its step to the keepers; re-raise its error."""
-        error = self._settle()
-        if error is not None:
-            raise error
+        """Wait for the local save in flight and its peer copy; re-raise its error."""
+        self.wait()
 
     # ------------------------------------------------------------------ agreeing
 
@@ -254,36 +242,60 @@ class Tiers:
             if tier == STORE:
                 out = from_store(decision.step)
                 return self._done(decision.step, STORE, started, out)
-            if tier == PEER and not self._fetch(decision):
-                why.append("peer: the copies could not be brought back")
-                continue
-            out, failed = self._try_local(decision, target, partial)
+            received, fetch_error = self._fetch(decision) if tier == PEER else (None, None)
+            out, failed = self._try_local(decision, target, partial, received, fetch_error)
             if not failed:
+                if received is not None:  # restored from memory: now into this process's own directory
+                    self._pending = runtime.submit(asyncio.to_thread(self._keep, received))
                 return self._done(decision.step, tier, started, out)
             why.append(f"{tier}: " + "; ".join(f"process {p}: {e}" for p, e in sorted(failed.items())))
             log.warning("objckpt: step %d not restored from the %s tier: %s", decision.step, tier, why[-1])
         raise CheckpointNotFoundError(f"step {decision.step} could not be restored from any tier: {' | '.join(why)}")
 
-    def _fetch(self, decision: Any) -> bool:
+    def _fetch(self, decision: Any) -> tuple[Any, str | None]:
+        """This process's lost step brought back from its keeper (None if it lost none), or why not.
+
+        Every process takes part; a failure is returned, not raised, so every process still
+        reaches the agreement on the outcome (:meth:`_try_local`)."""
         from objckpt.manager.peer_tier import fetch_from_keepers
 
         try:
-            fetch_from_keepers(self.tier, decision.step, decision.fetch, timeout=self.timeout, keeper_of=self.keeper_of)
+            received = fetch_from_keepers(
+                self.tier, decision.step, decision.fetch, timeout=self.timeout, keeper_of=self.keeper_of
+            )
         except (PeerCopyUnavailableError, CoordinationError, OSError, FormatError) as e:
             log.warning("objckpt: bringing step %d back from the peer copies failed: %s", decision.step, e)
-            return False
-        return True
+            return None, f"the copy could not be brought back: {type(e).__name__}: {e}"
+        if received is None and self.tier.process_index in decision.fetch:
+            return None, f"process {decision.fetch[self.tier.process_index]} sent no copy of step {decision.step}"
+        return received, None
 
-    def _try_local(self, decision: Any, target: Any, partial: bool) -> tuple[Any, dict[int, str]]:
-        out, error = None, None
+    def _keep(self, received: Any) -> None:
+        """Write a step brought back from the keeper into this process's own directory (a failure is logged:
+        the restore it served has succeeded)."""
+        from objckpt.manager.peer_tier import keep_received
+
         try:
-            directory = self.tier.step_dir(decision.step)
-            manifest = read_manifest(directory)
-            if manifest.save_id != decision.save_id:
-                raise NotCovered(f"step {decision.step} here is another run's save")
-            out = restore_local(directory, manifest, target, partial=partial)
-        except Exception as e:  # any failure here: report it, so no process waits for this one alone
-            error = f"{type(e).__name__}: {e}"
+            keep_received(self.tier, received)
+        except OSError as e:
+            log.warning("objckpt local tier: the step brought back from the keeper was not kept: %s", e)
+
+    def _try_local(
+        self, decision: Any, target: Any, partial: bool, received: Any = None, fetch_error: str | None = None
+    ) -> tuple[Any, dict[int, str]]:
+        """Restore from this process's step (``received``: its copy brought back, in memory), then agree
+        with every process that each one succeeded: ``{process: error}`` of those that did not."""
+        out, error = None, fetch_error
+        if error is None:
+            try:
+                directory = self.tier.step_dir(decision.step)
+                manifest = received.manifest if received is not None else read_manifest(directory)
+                if manifest.save_id != decision.save_id:
+                    raise NotCovered(f"step {decision.step} here is another run's save")
+                data = received.data if received is not None else None
+                out = restore_local(directory, manifest, target, partial=partial, data=data)
+            except Exception as e:  # any failure here: report it, so no process waits for this one alone
+                error = f"{type(e).__name__}: {e}"
         failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout)
         return (None if failed else out), failed
 
