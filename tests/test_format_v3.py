@@ -24,6 +24,7 @@ import objckpt
 from objckpt.core.checksum import crc32c
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.format import index3 as ix
+from objckpt.core.format import index3_encode as ix_encode
 from objckpt.errors import FormatError, IntegrityError
 from objckpt.options import Options
 from objckpt.transfer import runtime
@@ -127,7 +128,7 @@ def test_format_version_is_checked():
 
 
 def test_a_partial_restore_reads_the_head_and_only_the_frames_it_needs(store_target_factory, monkeypatch):
-    monkeypatch.setattr(ix, "FRAME_TARGET", SMALL_FRAMES)
+    monkeypatch.setattr(ix_encode, "FRAME_TARGET", SMALL_FRAMES)
     target = store_target_factory("s3")
     tree = _tree(300)
     _save(target, tree)
@@ -147,7 +148,7 @@ def test_a_partial_restore_reads_the_head_and_only_the_frames_it_needs(store_tar
 
 
 def test_a_whole_restore_reads_every_frame(store_target_factory, monkeypatch):
-    monkeypatch.setattr(ix, "FRAME_TARGET", SMALL_FRAMES)
+    monkeypatch.setattr(ix_encode, "FRAME_TARGET", SMALL_FRAMES)
     target = store_target_factory("memory")
     tree = _tree(30)
     _save(target, tree)
@@ -228,7 +229,7 @@ def _rows(store) -> tuple[dict, list, list]:
 
 
 def _frame(rows, keys) -> tuple[int, int, int, bytes, int]:
-    raw = ix._columns(rows, {k: n for n, k in enumerate(keys)}, False)
+    raw = ix_encode._columns(rows, {k: n for n, k in enumerate(keys)}, False)
     return rows[0][0], rows[-1][0], len(rows), raw, len(raw)
 
 
@@ -412,7 +413,8 @@ def _codec_manifest(data: bytes, head: int, leaves, digest: str | None = None):
 
 @pytest.mark.parametrize("digest", [None, "sha256"])
 def test_rows_of_every_rank_round_trip_and_a_long_leaf_spans_frames(digest):
-    from objckpt.core.format.index3 import index3_encode, parse_head, parse_index3
+    from objckpt.core.format.index3 import parse_head, parse_index3
+    from objckpt.core.format.index3_encode import index3_encode
     from objckpt.core.pieces import Piece
 
     shapes = [(), (64,), (600, 4, 2), (8, 8)]

@@ -254,7 +254,7 @@ def _split_across_two_index_objects(url: str) -> None:
     from objckpt.core.checksum import crc32c
     from objckpt.core.format import ARRAY_KINDS, IndexRef, manifest_to_json
     from objckpt.core.format.index import index_key, index_to_json
-    from objckpt.core.format.index3 import index3_encode
+    from objckpt.core.format.index3_encode import index3_encode
 
     store = from_url(url)
     whole = full_manifest(store)

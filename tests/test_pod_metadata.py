@@ -10,7 +10,7 @@ only the frames of the params' rows: the metadata it reads is bounded by arithme
 params' row count, and the pieces it builds are exactly the params' pieces.
 
 A few layers make index objects of ~10 KiB, which the library reads whole with their head (one
-GET: ``index3_io.WHOLE_BELOW``) and whose rows fit one frame (``index3.FRAME_TARGET``). The
+GET: ``index3_io.WHOLE_BELOW``) and whose rows fit one frame (``index3_encode.FRAME_TARGET``). The
 child scales both down (frames of 4 KiB, no whole reads) so the objects have the proportions of
 the 405B state's (~600 KiB, ~20 frames each) and the partial reads are what is counted.
 
@@ -43,14 +43,14 @@ def child(layers: int) -> dict[str, Any]:
     from benchmarks.scale.hosts import IndexStore, host_devices, restore_plan
     from benchmarks.scale.save import SAVE_ID, Saver
     from benchmarks.scale.state import make_mesh, state_tree, target_leaves, targets_at
-    from objckpt.core.format import index3, manifest_to_json, parse_manifest
+    from objckpt.core.format import index3, index3_encode, manifest_to_json, parse_manifest
     from objckpt.core.format.index import index_key
     from objckpt.core.format.index3 import _FIXED, parse_index3
     from objckpt.core.tree import flatten
     from objckpt.layouts import index3_io
 
     assert len(jax.devices()) == DEVICES, len(jax.devices())
-    index3.FRAME_TARGET = FRAME_TARGET  # read at call time by index3_encode
+    index3_encode.FRAME_TARGET = FRAME_TARGET  # read at call time by index3_encode()
     index3_io.WHOLE_BELOW = 0  # and by read_index3: every object read in part
     by_id = {d.id: d for d in jax.devices()}
     leaves, skeleton = flatten(state_tree(make_mesh((DEVICES // 8, 8)), "unstacked", layers))

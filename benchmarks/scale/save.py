@@ -61,7 +61,7 @@ class Saver:
         from objckpt.core.dtypes import dtype_name
         from objckpt.core.format import LeafEntry
         from objckpt.core.format.index import index_key
-        from objckpt.core.format.index3 import index3_encode
+        from objckpt.core.format.index3_encode import index3_encode
         from objckpt.core.pieces import Piece
         from objckpt.core.plan import blob_key, packing_order, plan_blobs
         from objckpt.saving.blob_sizing import save_blob_size, split_pieces

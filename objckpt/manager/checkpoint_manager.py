@@ -36,7 +36,7 @@ from objckpt.layouts.manifest_io import read_manifest
 from objckpt.manager.preemption import Preemption
 from objckpt.manager.replication import ReplicaStatus, Replicator
 from objckpt.manager.retention import RetentionPolicy, manager_policies
-from objckpt.manager.save_policy import SavePolicy
+from objckpt.manager.save_policy import SavePolicy, primary_decides
 from objckpt.manager.step_deletion import apply_retention, delete_step, gc_root
 from objckpt.options import Options
 from objckpt.restoring.locations import Location, as_locations
@@ -232,17 +232,7 @@ class CheckpointManager:
         local = self.save_policy.dynamic(
             now=_now(), last_save_started=self._last_save_started, saving=self.is_saving_in_progress()
         )
-        coordinator = self._coordinator
-        if coordinator.process_count == 1:
-            return local
-        from objckpt.multihost import operation_tag
-
-        tag = operation_tag("should_save", self.root_url)
-        mine = (b"1" if local else b"0") if coordinator.is_primary else None
-        try:
-            return coordinator.broadcast(f"{tag}/decision", mine, timeout=self.options.barrier_timeout) == b"1"
-        finally:
-            coordinator.release(tag)
+        return primary_decides(self._coordinator, self.root_url, local, timeout=self.options.barrier_timeout)
 
     def reached_preemption(self, step: int) -> bool:
         """Whether a preemption notice has reached every process and ``step`` is where they all save.

@@ -5,7 +5,7 @@ whether a save is still in flight; it does no I/O. The manager asks it once per 
 (:meth:`objckpt.CheckpointManager.should_save`), adds the preemption notice
 (:mod:`objckpt.manager.preemption`), and in a multi-process job has the primary
 process decide the parts that depend on time or on the save in flight and tell the
-others, so every process takes the same decision.
+others (:func:`primary_decides`), so every process takes the same decision.
 
 The names are Orbax's where Orbax has one (``save_interval_steps``, ``save_on_steps``,
 continuous checkpointing with a minimum interval): a migrated loop keeps its meaning.
@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from objckpt.multihost import Coordinator
 
 
 @dataclass
@@ -105,3 +109,18 @@ class SavePolicy:
         if self.continuous:
             return not saving and elapsed
         return self.min_interval_seconds is not None and elapsed
+
+
+def primary_decides(coordinator: Coordinator, root_url: str, local: bool, *, timeout: float) -> bool:
+    """The primary process's ``local`` decision, on every process (one key-value exchange
+    through the coordination service; one process: ``local``)."""
+    if coordinator.process_count == 1:
+        return local
+    from objckpt.multihost import operation_tag
+
+    tag = operation_tag("should_save", root_url)
+    mine = (b"1" if local else b"0") if coordinator.is_primary else None
+    try:
+        return coordinator.broadcast(f"{tag}/decision", mine, timeout=timeout) == b"1"
+    finally:
+        coordinator.release(tag)

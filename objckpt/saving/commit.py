@@ -33,7 +33,7 @@ from objckpt.core.format import (
     parse_manifest,
 )
 from objckpt.core.format.index import index_key, index_to_json
-from objckpt.core.format.index3 import index3_encode
+from objckpt.core.format.index3_encode import index3_encode
 from objckpt.core.layout import Mesh
 from objckpt.errors import (
     CheckpointExistsError,

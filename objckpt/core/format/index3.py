@@ -9,17 +9,17 @@ run of leaves, compressed, and the head pins each frame by its checksum. A
 reader fetches the head, then only the frames of the leaves it needs, checks
 each frame's checksum before it decompresses it (to exactly its declared
 length: no zip bombs) and validates every row with numpy before it builds a
-:class:`Piece` for the wanted ones. See ``docs/FORMAT.md`` ("version 3"). No I/O.
+:class:`Piece` for the wanted ones. See ``docs/FORMAT.md`` ("version 3"). No I/O. The writer is
+:mod:`objckpt.core.format.index3_encode`.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import json
 import struct
 import zlib
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -36,12 +36,7 @@ from objckpt.errors import FormatError
 
 MAGIC = b"OBJCKIX3"
 _PREFIX = len(MAGIC) + 4  # the magic, then the JSON's byte length (u32 little-endian)
-#: A frame's rows are cut at the first leaf boundary past this many uncompressed bytes (a leaf with
-#: more rows than fit is cut between rows): ~2,500 rank-2 rows, ~16 KiB compressed. Measured on the
-#: 405B state's index objects at 4,096 devices (params only from all 1,024): 32 KiB frames read
-#: 27.5 MiB in 16.8 CPU-s, 128 KiB ones 25.4 MiB in 13.5 (better compression, fewer frames).
-FRAME_TARGET = 128 << 10
-#: The largest frame a reader decompresses (writers stay near FRAME_TARGET).
+#: The largest frame a reader decompresses (writers stay near ``index3_encode.FRAME_TARGET``).
 FRAME_LIMIT = 16 << 20
 #: Blob sizes and piece bytes stay below this, so every sum of two fits an int64.
 BYTES_LIMIT = 1 << 62
@@ -60,14 +55,6 @@ class Frame(NamedTuple):
     rows: int
     crc32c: int
     sha256: str | None = None
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """A version 3 index object's bytes and its head's byte length (the root records both)."""
-
-    data: bytes
-    head: int
 
 
 @dataclass(frozen=True)
@@ -120,94 +107,6 @@ class LeafTable:
                     continue  # no box of it fits a blob (each extent below 2**62 keeps the sums in int64)
                 self.rank[i], self.itemsize[i] = len(shape), dtype.itemsize
                 self.shape[i, : len(shape)] = shape
-
-
-# ----------------------------------------------------------------------------- writing
-
-
-def index3_encode(
-    save_id: str,
-    process: int,
-    records: Iterable[tuple[int, Piece]],
-    blobs: dict[str, int],
-    *,
-    digest: bool = False,
-    frame_target: int | None = None,
-) -> Encoded:
-    """A version 3 index object: ``records`` are (leaf, piece); ``blobs`` each blob's key and size.
-
-    ``digest``: with each piece's SHA-256 (``Options.digest``), which every piece must have.
-    ``frame_target``: the raw bytes a frame is cut past (:data:`FRAME_TARGET` when None).
-    """
-    keys = sorted(blobs)
-    position = {k: n for n, k in enumerate(keys)}
-    rows = sorted(records, key=lambda r: r[0])
-    if digest:
-        missing = [p for _, p in rows if p.sha256 is None]
-        if missing:
-            raise ValueError(f"piece of blob {missing[0].blob} at byte {missing[0].offset} has no sha256")
-    cuts = _cuts(rows, FRAME_TARGET if frame_target is None else frame_target, digest)
-    bodies: list[bytes] = []
-    table: list[list[Any]] = []
-    for a, b in zip(cuts, cuts[1:]):
-        raw = _columns(rows[a:b], position, digest)
-        body = zlib.compress(raw, 6)
-        entry: list[Any] = [rows[a][0], rows[b - 1][0], 0, len(body), len(raw), b - a, crc32c(body)]
-        if digest:
-            entry.append(sha256_hex(body))
-        bodies.append(body)
-        table.append(entry)
-    doc: dict[str, Any] = {
-        "format": INDEX_FORMAT,
-        "version": 3,
-        "save_id": save_id,
-        "process": process,
-        "blobs": [[k, blobs[k]] for k in keys],
-        "frames": table,
-    }
-    # Offsets are absolute: the head's length depends on their digits, so settle it first.
-    head_len = 0
-    while True:
-        offset = head_len
-        for entry, body in zip(table, bodies):
-            entry[2] = offset
-            offset += len(body)
-        text = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-        if _PREFIX + len(text) == head_len:
-            break
-        head_len = _PREFIX + len(text)
-    return Encoded(MAGIC + struct.pack("<I", len(text)) + text + b"".join(bodies), head_len)
-
-
-def _cuts(rows: list[tuple[int, Piece]], target: int, digest: bool) -> list[int]:
-    """Where frames start: at leaf boundaries past ``target`` raw bytes, or between the rows of a long leaf."""
-    cuts = [0]
-    size = 0
-    for n, (leaf, piece) in enumerate(rows):
-        row = _FIXED + 16 * len(piece.start) + (_SHA if digest else 0)
-        new_leaf = n > 0 and rows[n - 1][0] != leaf
-        if n > cuts[-1] and size + row > target and (new_leaf or size >= target):
-            cuts.append(n)
-            size = 0
-        size += row
-    if rows:
-        cuts.append(len(rows))
-    return cuts
-
-
-def _columns(rows: list[tuple[int, Piece]], position: dict[str, int], digest: bool) -> bytes:
-    """A frame's uncompressed bytes: the columns, byte-planar (all first bytes, then all second
-    bytes...: the high bytes of small numbers line up as runs of zeros), leaves as deltas."""
-    leaf = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-    delta = np.diff(leaf, prepend=leaf[0]).astype("<i4")
-    blob = np.fromiter((position[r[1].blob] for r in rows), dtype="<u4", count=len(rows))
-    offset = np.fromiter((r[1].offset for r in rows), dtype="<u8", count=len(rows))
-    crc = np.fromiter((r[1].crc32c for r in rows), dtype="<u4", count=len(rows))
-    coords = np.array([v for _, p in rows for v in (*p.start, *p.stop)], dtype="<i8")
-    parts = [_planar(delta), _planar(blob), _planar(offset), crc.tobytes(), _planar(coords)]
-    if digest:
-        parts.append(b"".join(bytes.fromhex(p.sha256 or "") for _, p in rows))
-    return b"".join(parts)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -465,11 +364,6 @@ def check_frame(
         if len(sel):
             picked.append((sel, box))
     return FrameRows(leaf, blob, offset, length, crc, shas, picked)
-
-
-def _planar(a: np.ndarray) -> bytes:
-    """``a``'s bytes, byte-planar: byte ``j`` of value ``i`` at ``j * len(a) + i``."""
-    return np.ascontiguousarray(a.view(np.uint8).reshape(len(a), a.itemsize).T).tobytes()
 
 
 def _unplanar(raw: bytes, offset: int, count: int, dtype: str) -> np.ndarray:
