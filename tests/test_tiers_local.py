@@ -345,10 +345,28 @@ def test_one_local_tier_wiped_restores_from_the_peer_copy(s3_store, tmp_path):
     gone; the others hold the newest step, and the lost process's keeper sends it back through
     JAX's transfer server: local + peer, bit-exact. Then 5 more steps, each with a cross-process
     collective (gloo) while the local save's peer copy runs beside it in the background."""
-    got = _rounds(
-        s3_store, tmp_path / "local", steps=5, damage="wipe_one", peers=1, cpu_collectives="gloo", collective_steps=True
+    local = tmp_path / "local"
+    results = _launch(
+        4,
+        _job(
+            s3_store,
+            local,
+            first_steps=11,
+            local_interval=5,
+            rounds=ROUNDS + 1,
+            steps=5,
+            damage="wipe_one",
+            peers=1,
+            cpu_collectives="gloo",
+            collective_steps=True,
+        ),
     )
-    assert got == [(10 + 5 * k, "peer") for k in range(ROUNDS)], got
+    got = _restored(results)
+    assert got[1:] == [(10 + 5 * k, "peer") for k in range(ROUNDS)], got
+    # The step brought back was written into the wiped process's own tier too (beside the next one)
+    for k in range(1, ROUNDS + 1):
+        victim, step = k % 4, 10 + 5 * (k - 1)
+        assert results[victim]["rounds"][k]["local_steps"] == [step, step + 5], (k, results[victim]["rounds"][k])
 
 
 @pytest.mark.slow
