@@ -25,7 +25,8 @@ import objckpt
 from objckpt.errors import FormatError
 from objckpt.manager.local_format import MANIFEST, parse_local_manifest
 from objckpt.manager.local_restore import NotCovered, restore_local
-from objckpt.manager.local_tier import LocalTier, complete_steps, snapshot
+from objckpt.manager.local_tier import LocalTier, complete_steps, read_manifest, snapshot
+from objckpt.manager.peer_tier import payload_of, unpack
 from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, decide
 from tests.multiprocess import run_processes
 
@@ -103,6 +104,22 @@ def test_a_torn_local_save_is_never_read_and_retention_removes_it(tmp_path):
     (torn / MANIFEST).unlink()
     tier.retain()
     assert not torn.exists() and sorted(tier.steps()) == [2, 3]
+
+
+def test_a_peer_payload_unpacks_to_its_step_and_a_short_or_foreign_one_is_refused(tmp_path):
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
+    tier.write(snapshot(_tree(1), step=1, save_id="run1", process_index=0, process_count=1, metadata={}))
+    payload = np.concatenate(payload_of(tier.step_dir(1)))
+    got = unpack(payload, "process 1")
+    assert got.manifest == read_manifest(tier.step_dir(1))
+    assert got.data.tobytes() == (tier.step_dir(1) / got.manifest.data).read_bytes()
+    tail = payload[got.manifest.data_size :]  # the manifest and trailer, without the data they describe
+    with pytest.raises(FormatError, match=r"peer copy from process 1: 0 data bytes, its manifest says \d+"):
+        unpack(tail, "process 1")
+    with pytest.raises(FormatError, match="peer copy from process 1: not a local-tier step"):
+        unpack(payload[:-1], "process 1")
+    with pytest.raises(FormatError, match="peer copy from process 1: 3 bytes is not a local-tier step"):
+        unpack(payload[:3], "process 1")
 
 
 def test_a_damaged_local_manifest_is_a_format_error_never_another_exception(tmp_path):

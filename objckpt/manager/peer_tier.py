@@ -58,17 +58,24 @@ class Received:
     data: np.ndarray
 
 
+def _manifest_of(read: Callable[[int, int], bytes], nbytes: int, where: str) -> LocalManifest:
+    """The manifest of a payload of ``nbytes`` (data file, manifest, trailer), read through
+    ``read(offset, size)``, checked to leave room for its data; FormatError if it is not one."""
+    if nbytes < _TRAILER.size:
+        raise FormatError(f"peer copy {where}: {nbytes} bytes is not a local-tier step")
+    magic, length = _TRAILER.unpack(read(nbytes - _TRAILER.size, _TRAILER.size))
+    end = nbytes - _TRAILER.size
+    if magic != _MAGIC or length > end:
+        raise FormatError(f"peer copy {where}: not a local-tier step")
+    manifest = parse_local_manifest(read(end - length, length))
+    if manifest.data_size > end - length:
+        raise FormatError(f"peer copy {where}: {end - length} data bytes, its manifest says {manifest.data_size}")
+    return manifest
+
+
 def unpack(payload: np.ndarray, where: str) -> Received:
     """A payload (data file, manifest, trailer) as its manifest and data; FormatError if it is not one."""
-    if payload.size < _TRAILER.size:
-        raise FormatError(f"peer copy from {where}: {payload.size} bytes is not a local-tier step")
-    magic, length = _TRAILER.unpack(payload[-_TRAILER.size :].tobytes())
-    if magic != _MAGIC or length > payload.size - _TRAILER.size:
-        raise FormatError(f"peer copy from {where}: not a local-tier step")
-    end = payload.size - _TRAILER.size
-    manifest = parse_local_manifest(payload[end - length : end].tobytes())
-    if manifest.data_size > end - length:
-        raise FormatError(f"peer copy from {where}: {end - length} data bytes, its manifest says {manifest.data_size}")
+    manifest = _manifest_of(lambda at, n: payload[at : at + n].tobytes(), payload.size, f"from {where}")
     return Received(manifest, payload[: manifest.data_size])
 
 
@@ -101,15 +108,15 @@ class _Incoming:
         try:
             if nbytes == 0:
                 return None
-            if nbytes < _TRAILER.size or self.size < nbytes:
+            if self.size < nbytes:
                 raise FormatError(f"peer copy into {self.base}: {self.size} of {nbytes} bytes arrived")
             with open(self.path, "r+b") as f:
-                f.seek(nbytes - _TRAILER.size)
-                magic, length = _TRAILER.unpack(f.read(_TRAILER.size))
-                if magic != _MAGIC or length > nbytes - _TRAILER.size:
-                    raise FormatError(f"peer copy into {self.base}: not a local-tier step")
-                f.seek(nbytes - _TRAILER.size - length)
-                manifest = parse_local_manifest(f.read(length))
+
+                def read(at: int, n: int) -> bytes:
+                    f.seek(at)
+                    return f.read(n)
+
+                manifest = _manifest_of(read, nbytes, f"into {self.base}")
                 f.truncate(manifest.data_size)
             directory = self.base / step_dir(manifest.step)
             directory.mkdir(parents=True, exist_ok=True)
