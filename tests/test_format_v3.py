@@ -268,10 +268,11 @@ def test_a_changed_head_is_refused(saved):
 def test_a_changed_frame_is_refused(saved):
     store = saved.open()
     ref = _root(store)["indexes"][0]
+    last = len(_rows(store)[0]["frames"]) - 1
     data = bytearray(_get(store, ref["key"]))
-    data[-3] ^= 0x40
+    data[-3] ^= 0x40  # a byte of the last frame
     runtime.run_sync(store.put(ref["key"], bytes(data)))
-    _refused(saved, r"frame 0 \(bytes .*\): does not match its crc32c in the head", ref["key"])
+    _refused(saved, rf"frame {last} \(bytes .*\): does not match its crc32c in the head", ref["key"])
 
 
 def test_cp_refuses_a_changed_frame_and_commits_nothing(store_target_factory, saved):
@@ -280,10 +281,11 @@ def test_cp_refuses_a_changed_frame_and_commits_nothing(store_target_factory, sa
     dst = store_target_factory("memory")
     data = _get(store, ref["key"])
     full = full_manifest(store)
+    last = len(_rows(store)[0]["frames"]) - 1
     runtime.run_sync(store.put(ref["key"], data[:-3] + bytes([data[-3] ^ 0x40]) + data[-2:]))
     from objckpt.tools.copy import _copy_indexes
 
-    with pytest.raises(IntegrityError, match=f"{ref['key']}.*frame 0.*crc32c"):
+    with pytest.raises(IntegrityError, match=f"{ref['key']}.*frame {last}.*crc32c"):
         runtime.run_sync(_copy_indexes(_Engine(store), _Engine(dst.open()), saved, full))
     assert not runtime.run_sync(dst.open().list())
 
@@ -310,14 +312,24 @@ def test_a_frame_that_inflates_past_its_length_is_refused(saved):
     _refused(saved, f"index object {key} frame 0 .* does not decompress to exactly {len(raw)} bytes", key)
 
 
-def test_rows_outside_their_leaf_are_refused(saved):
+@pytest.mark.parametrize("row", [0, 5])
+def test_rows_outside_their_leaf_are_refused(saved, row):
+    """Rows are checked per distinct box (every good row here names the same one): the error
+    still names the row that is wrong."""
     store = saved.open()
     doc, rows, keys = _rows(store)
-    leaf, piece = rows[0]
-    rows[0] = (leaf, piece._replace(stop=(piece.stop[0] + 1, *piece.stop[1:])))
+    leaf, piece = rows[row]
+    rows[row] = (leaf, piece._replace(stop=(piece.stop[0] + 1, *piece.stop[1:])))
     data, head = _assemble(doc["save_id"], 0, doc["blobs"], [_frame(rows, keys)])
     key = _replace_index(store, data, head)
-    _refused(saved, rf"index object {key} frame 0 .*: row 0: box outside leaf {leaf}'s shape", key)
+    _refused(saved, rf"index object {key} frame 0 .*: row {row}: box outside leaf {leaf}'s shape", key)
+
+
+def test_each_item_starts_a_frame(saved):
+    """Frames are cut where an item starts (opt, params; the step is inline in the root), however
+    small: a reader of one item decompresses no row of another."""
+    doc, rows, _ = _rows(saved.open())
+    assert [(f[0], f[1]) for f in doc["frames"]] == [(0, 7), (8, 15)]
 
 
 def test_rows_past_their_blob_are_refused(saved):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from objckpt.core import plan_rows
-from objckpt.core.format.rows import LeafPieces, RowsBuilder
+from objckpt.core.format.rows import _MIX, LeafPieces, RowsBuilder, distinct_rows
 from objckpt.core.pieces import Piece
 from objckpt.core.plan import ALIGN, SPACED_MIN, SPACER, plan_reads
 from objckpt.core.plan_rows import LazyParts, plan_row_reads
@@ -156,3 +156,17 @@ def test_lazy_parts_index_like_a_tuple() -> None:
     assert parts[0].offset == 0 and all(p.offset == p.piece.offset - request.start for p in parts)
     with pytest.raises(IndexError):
         request.parts[len(parts)]
+
+
+def test_distinct_rows_tells_apart_rows_whose_mixes_collide() -> None:
+    """Rows (a, b) and (a + M1, b - M0) mix to the same 64-bit value (a crafted index can hold
+    both): they are still two distinct rows, and equal rows are still one."""
+    m0, m1 = (int(m) for m in _MIX[:2])
+    wrap = lambda v: (v + (1 << 63)) % (1 << 64) - (1 << 63)  # noqa: E731 (as int64)
+    keyed = np.array([[5, 7], [wrap(5 + m1), wrap(7 - m0)], [5, 7], [1, 2]], dtype=np.int64)
+    mixed = [int((keyed[k].view(np.uint64) * _MIX[:2]).sum(dtype=np.uint64)) for k in range(2)]
+    assert mixed[0] == mixed[1]  # the crafted pair collides
+    first, inverse = distinct_rows(keyed)
+    assert len(first) == 3
+    assert (keyed[first][inverse] == keyed).all()
+    assert inverse[0] == inverse[2] != inverse[1]

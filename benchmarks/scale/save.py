@@ -61,7 +61,7 @@ class Saver:
         from objckpt.core.dtypes import dtype_name
         from objckpt.core.format import LeafEntry
         from objckpt.core.format.index import index_key
-        from objckpt.core.format.index3_encode import index3_encode
+        from objckpt.core.format.index3_encode import index3_encode, item_breaks
         from objckpt.core.pieces import Piece
         from objckpt.core.plan import blob_key, packing_order, plan_blobs
         from objckpt.saving.blob_sizing import save_blob_size, split_pieces
@@ -113,7 +113,8 @@ class Saver:
         for _, p in records:
             sizes[p.blob] = max(sizes.get(p.blob, 0), p.offset + p.length)
         started = time.process_time()
-        encoded = index3_encode(SAVE_ID, host, records, sizes)  # format version 3: a head, then frames
+        breaks = item_breaks([leaf.path for leaf in self.leaves])  # as saving.commit does
+        encoded = index3_encode(SAVE_ID, host, records, sizes, breaks=breaks)  # format version 3: a head, then frames
         index = encoded.data
         encode_cpu = time.process_time() - started
         report = {  # as saving.commit.Commit._write_index returns it, sent as json.dumps(...).encode()

@@ -33,7 +33,7 @@ from objckpt.core.format import (
     parse_manifest,
 )
 from objckpt.core.format.index import index_key, index_to_json
-from objckpt.core.format.index3_encode import index3_encode
+from objckpt.core.format.index3_encode import index3_encode, item_breaks
 from objckpt.core.layout import Mesh
 from objckpt.errors import (
     CheckpointExistsError,
@@ -246,7 +246,8 @@ class Commit:
         process = self.coordinator.process_index
         head = 0  # version 3: the root pins the head (which pins each frame), not the whole object
         if self.options.format_version >= 3:
-            encoded = index3_encode(self.save_id, process, records, blobs, digest=digest)
+            breaks = item_breaks([e.path for e in self.entries])
+            encoded = index3_encode(self.save_id, process, records, blobs, digest=digest, breaks=breaks)
             data, head = encoded.data, encoded.head
         else:
             data = index_to_json(self.save_id, process, records, blobs, digest=digest)

@@ -28,7 +28,7 @@ import numpy as np
 from objckpt.core.checksum import crc32c, is_sha256_hex, sha256_hex
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format.index import INDEX_FORMAT, IndexDoc, index_key
-from objckpt.core.format.rows import RowsBuilder
+from objckpt.core.format.rows import RowsBuilder, distinct_rows
 from objckpt.core.format.schema import ARRAY_KINDS, Manifest, check_blob_key
 from objckpt.core.pieces import Piece
 from objckpt.core.strict import fields, is_int, need, strict_json
@@ -90,14 +90,19 @@ def leaf_array(leaves: Collection[int] | np.ndarray) -> np.ndarray:
 
 class LeafTable:
     """Per leaf of a root, what row checks need, as arrays: rank (-1: no stored data), shape
-    (padded), itemsize. Built once per read, shared by every index object."""
+    (padded), itemsize, and a kind: leaves of one rank, shape and itemsize share one (a layer
+    stack's leaves are a few kinds), so a frame's rows are checked per distinct (box, kind), not
+    per row. Built once per read, shared by every index object."""
 
     def __init__(self, manifest: Manifest) -> None:
         n = len(manifest.leaves)
         self.rank = np.full(n, -1, dtype=np.int64)
         self.itemsize = np.zeros(n, dtype=np.int64)
+        self.kind = np.zeros(n, dtype=np.int64)
         ranks = [len(leaf.shape or ()) for leaf in manifest.leaves]
-        self.shape = np.zeros((n, max(ranks, default=0)), dtype=np.int64)
+        width = max(ranks, default=0)
+        self.shape = np.zeros((n, width), dtype=np.int64)
+        kinds: dict[tuple[int, tuple[int, ...]], int] = {}
         for i, leaf in enumerate(manifest.leaves):
             if leaf.kind in ARRAY_KINDS and leaf.dtype is not None:
                 dtype = dtype_from_name(leaf.dtype)
@@ -107,6 +112,13 @@ class LeafTable:
                     continue  # no box of it fits a blob (each extent below 2**62 keeps the sums in int64)
                 self.rank[i], self.itemsize[i] = len(shape), dtype.itemsize
                 self.shape[i, : len(shape)] = shape
+                self.kind[i] = kinds.setdefault((dtype.itemsize, tuple(shape)), len(kinds))
+        #: Each kind's padded shape and itemsize.
+        self.kind_shape = np.zeros((len(kinds), width), dtype=np.int64)
+        self.kind_itemsize = np.zeros(len(kinds), dtype=np.int64)
+        for (itemsize, shape), k in kinds.items():
+            self.kind_shape[k, : len(shape)] = shape
+            self.kind_itemsize[k] = itemsize
 
 
 # ----------------------------------------------------------------------------- reading
@@ -217,9 +229,20 @@ def _frames(raw: Any, head: int, size: int, leaves: int, digest: bool, doc_name:
     return out
 
 
+class Group(NamedTuple):
+    """A frame's rows of one rank: their positions in the frame (``sel``), their boxes (starts
+    then stops; None for rank 0), and the distinct (box, itemsize) pairs they name: ``distinct``
+    (starts, stops, itemsize per pair) and each row's pair (``inverse``). Rows are checked, and
+    boxes interned, per distinct pair: a layer stack's leaves repeat a few thousand boxes."""
+
+    sel: np.ndarray
+    box: np.ndarray | None
+    distinct: np.ndarray
+    inverse: np.ndarray
+
+
 class FrameRows(NamedTuple):
-    """A frame's checked rows of the wanted leaves, as columns: ``groups`` are (rows, boxes) per
-    rank (boxes: each row's starts then stops; None for rank 0)."""
+    """A frame's checked rows of the wanted leaves, as columns, and their :class:`Group` per rank."""
 
     leaf: np.ndarray
     blob: np.ndarray
@@ -227,7 +250,7 @@ class FrameRows(NamedTuple):
     length: np.ndarray
     crc: np.ndarray
     shas: np.ndarray | None
-    groups: list[tuple[np.ndarray, np.ndarray | None]]
+    groups: list[Group]
 
 
 def decode_frame(
@@ -247,23 +270,21 @@ def decode_frame(
     """
     rows = check_frame(head, k, body, table, doc_name, keep)
     out = {} if out is None else out
-    for sel, box in rows.groups:
-        _build(out, sel, box, rows.leaf, head.keys, rows.blob, rows.offset, rows.length, rows.crc, rows.shas)
+    for g in rows.groups:
+        _build(out, g.sel, g.box, rows.leaf, head.keys, rows.blob, rows.offset, rows.length, rows.crc, rows.shas)
     return out
 
 
 def add_frame(builder: RowsBuilder, base: int, rows: FrameRows) -> None:
     """A checked frame's wanted rows into ``builder`` (``base``: where its index object's blobs
     start in the builder's list, :meth:`RowsBuilder.add_blobs`): columns, no piece objects."""
-    for sel, box in rows.groups:
-        coords = np.zeros((len(sel), 0), dtype=np.int64) if box is None else box
-        if len(sel) == len(rows.leaf):  # every row of the frame: its columns as they are
-            builder.add(base, rows.leaf, coords, rows.blob, rows.offset, rows.length, rows.crc, rows.shas)
+    for g in rows.groups:
+        if len(g.sel) == len(rows.leaf):  # every row of the frame: its columns as they are
+            builder.add_distinct(base, rows.leaf, g.distinct, g.inverse, rows.blob, rows.offset, rows.crc, rows.shas)
             continue
-        shas = None if rows.shas is None else rows.shas[sel]
-        builder.add(
-            base, rows.leaf[sel], coords, rows.blob[sel], rows.offset[sel], rows.length[sel], rows.crc[sel], shas
-        )
+        shas = None if rows.shas is None else rows.shas[g.sel]
+        columns = rows.leaf[g.sel], rows.blob[g.sel], rows.offset[g.sel], rows.crc[g.sel]
+        builder.add_distinct(base, columns[0], g.distinct, g.inverse, *columns[1:], shas)
 
 
 def check_frame(
@@ -314,34 +335,30 @@ def check_frame(
         raise bad(f"row {int(np.argmax(rank < 0))} names leaf {int(leaf[rank < 0][0])}, which has no stored data")
     width = 2 * rank
     digest = f.sha256 is not None
-    count = int(width.sum())
+    uniform = int(rank[0]) if rank.min() == rank.max() else None  # one rank: rows as they lie
+    count = n * 2 * uniform if uniform is not None else int(width.sum())
     if _FIXED * n + 8 * count + (_SHA * n if digest else 0) != f.raw_length:
         raise bad(f"{f.raw_length} bytes do not hold {n} rows of these leaves")
     if (blob >= len(head.keys)).any():
         raise bad(f"row {int(np.argmax(blob >= len(head.keys)))}: blob position not in 'blobs'")
     coords = _unplanar(raw, _FIXED * n, count, "<i8")
-    starts = np.concatenate(([0], np.cumsum(width)[:-1]))
-    length = table.itemsize[leaf].copy()
-    groups: list[tuple[np.ndarray, np.ndarray | None]] = []
-    uniform = int(rank[0]) if rank.min() == rank.max() else None  # one rank: the rows as they lie
+    length = np.empty(n, dtype=np.int64)
+    groups: list[Group] = []
     for r in [uniform] if uniform is not None else np.unique(rank).tolist():
         sel = np.arange(n) if uniform is not None else np.flatnonzero(rank == r)
-        if r == 0:
-            groups.append((sel, None))
-            continue
-        grid: np.ndarray = (
-            coords.reshape(n, 2 * r) if uniform is not None else coords[starts[sel][:, None] + np.arange(2 * r)]
-        )
-        lo, hi, dims = grid[:, :r], grid[:, r:], table.shape[leaf[sel], :r]
-        ok = (lo >= 0) & (lo < hi) & (hi <= dims)
-        if not ok.all():
-            row = int(sel[np.flatnonzero(~ok.all(axis=1))[0]])
+        if uniform is not None:
+            grid = coords.reshape(n, 2 * r)
+        else:
+            starts = np.concatenate(([0], np.cumsum(width)[:-1]))
+            grid = coords[starts[sel][:, None] + np.arange(2 * r)]
+        distinct, inverse, nbytes, outside = _distinct_boxes(grid, table.kind[leaf[sel]], r, table)
+        if outside is not None:
+            row = int(sel[np.argmax(outside[inverse])])
             raise bad(f"row {row}: box outside leaf {int(leaf[row])}'s shape (or empty)")
-        extent = hi - lo
-        if (np.prod(extent.astype(np.float64), axis=1) * table.itemsize[leaf[sel]] >= BYTES_LIMIT).any():
+        if nbytes is None:
             raise bad("a box of more than 2**62 bytes")
-        length[sel] *= np.prod(extent, axis=1)
-        groups.append((sel, grid))
+        length[sel] = nbytes[inverse]
+        groups.append(Group(sel, grid if r else None, distinct, inverse))
     size = np.asarray(head.sizes, dtype=np.int64)[blob]
     fits = offset <= size.astype(np.uint64)
     fits[fits] = offset[fits].astype(np.int64) + length[fits] <= size[fits]
@@ -354,16 +371,42 @@ def check_frame(
         keep = leaf_array(keep)
         at = np.minimum(np.searchsorted(keep, leaf), max(len(keep) - 1, 0))
         wanted = keep[at] == leaf if len(keep) else np.zeros(n, dtype=bool)
-    picked: list[tuple[np.ndarray, np.ndarray | None]] = []
+    picked: list[Group] = []
     if wanted is not None and wanted.all():
         wanted = None
-    for sel, box in groups:
+    for g in groups:
         if wanted is not None:
-            mask = wanted[sel]
-            sel, box = sel[mask], (None if box is None else box[mask])
-        if len(sel):
-            picked.append((sel, box))
+            mask = wanted[g.sel]
+            g = Group(g.sel[mask], None if g.box is None else g.box[mask], g.distinct, g.inverse[mask])
+        if len(g.sel):
+            picked.append(g)
     return FrameRows(leaf, blob, offset, length, crc, shas, picked)
+
+
+def _distinct_boxes(
+    grid: np.ndarray, kind: np.ndarray, r: int, table: LeafTable
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The distinct (box, leaf kind) pairs of rows ``grid`` (starts then stops, rank ``r``) of leaves
+    of ``kind``: (starts, stops, itemsize) per pair, each row's pair, each pair's bytes (None when
+    one is 2**62 or more), and which pairs are not a non-empty box inside their leaf (None: all are).
+
+    Pairs are found by :func:`~objckpt.core.format.rows.distinct_rows`.
+    """
+    keyed = np.empty((len(grid), 2 * r + 1), dtype=np.int64)
+    keyed[:, : 2 * r] = grid
+    keyed[:, 2 * r] = kind
+    first, inverse = distinct_rows(keyed)
+    pairs = keyed[first]
+    lo, hi, kinds = pairs[:, :r], pairs[:, r : 2 * r], pairs[:, 2 * r]
+    ok = ((lo >= 0) & (lo < hi) & (hi <= table.kind_shape[kinds, :r])).all(axis=1)
+    if not ok.all():
+        return pairs, inverse, None, ~ok
+    itemsize = table.kind_itemsize[kinds]
+    extent = hi - lo
+    if (np.prod(extent.astype(np.float64), axis=1) * itemsize >= BYTES_LIMIT).any():
+        return pairs, inverse, None, None
+    pairs[:, 2 * r] = itemsize
+    return pairs, inverse, np.prod(extent, axis=1) * itemsize, None
 
 
 def _unplanar(raw: bytes, offset: int, count: int, dtype: str) -> np.ndarray:

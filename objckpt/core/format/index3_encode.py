@@ -10,9 +10,10 @@ No I/O.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +47,14 @@ def index3_encode(
     *,
     digest: bool = False,
     frame_target: int | None = None,
+    breaks: Collection[int] = (),
 ) -> Encoded:
     """A version 3 index object: ``records`` are (leaf, piece); ``blobs`` each blob's key and size.
 
     ``digest``: with each piece's SHA-256 (``Options.digest``), which every piece must have.
     ``frame_target``: the raw bytes a frame is cut past (:data:`FRAME_TARGET` when None).
+    ``breaks``: leaves a frame always starts at (the first leaf of each item: a reader of
+    one item, params onto an inference host, then decompresses no row of another).
     """
     keys = sorted(blobs)
     position = {k: n for n, k in enumerate(keys)}
@@ -59,7 +63,7 @@ def index3_encode(
         missing = [p for _, p in rows if p.sha256 is None]
         if missing:
             raise ValueError(f"piece of blob {missing[0].blob} at byte {missing[0].offset} has no sha256")
-    cuts = _cuts(rows, FRAME_TARGET if frame_target is None else frame_target, digest)
+    cuts = _cuts(rows, FRAME_TARGET if frame_target is None else frame_target, digest, frozenset(breaks))
     bodies: list[bytes] = []
     table: list[list[Any]] = []
     for a, b in zip(cuts, cuts[1:]):
@@ -92,14 +96,28 @@ def index3_encode(
     return Encoded(MAGIC + struct.pack("<I", len(text)) + text + b"".join(bodies), head_len)
 
 
-def _cuts(rows: list[tuple[int, Piece]], target: int, digest: bool) -> list[int]:
-    """Where frames start: at leaf boundaries past ``target`` raw bytes, or between the rows of a long leaf."""
+_FIRST_KEY = re.compile(r"\[[^\]]*\]|\.[^.\[]*")
+
+
+def item_breaks(paths: Sequence[str]) -> list[int]:
+    """The leaves (by position in ``paths``, a root's leaf paths in order) whose first path key
+    differs from the leaf before's: where each item (params, each optimizer moment, ...) starts,
+    the ``breaks`` a save gives :func:`index3_encode`."""
+    firsts = [m.group(0) if (m := _FIRST_KEY.match(path)) else path for path in paths]
+    return [i for i, key in enumerate(firsts) if i == 0 or key != firsts[i - 1]]
+
+
+def _cuts(rows: list[tuple[int, Piece]], target: int, digest: bool, breaks: frozenset[int]) -> list[int]:
+    """Where frames start: at each of ``breaks``, at leaf boundaries past ``target`` raw bytes, or
+    between the rows of a long leaf."""
     cuts = [0]
     size = 0
     for n, (leaf, piece) in enumerate(rows):
         row = _FIXED + 16 * len(piece.start) + (_SHA if digest else 0)
         new_leaf = n > 0 and rows[n - 1][0] != leaf
-        if n > cuts[-1] and size + row > target and (new_leaf or size >= target):
+        if n > cuts[-1] and (
+            (new_leaf and leaf in breaks) or (size + row > target and (new_leaf or size >= target))
+        ):
             cuts.append(n)
             size = 0
         size += row

@@ -32,6 +32,26 @@ _NEW_PIECE = functools.partial(tuple.__new__, Piece)
 _MIX = np.random.default_rng(0x0B1C).integers(1 << 62, size=64, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
+def distinct_rows(keyed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of the int64 matrix ``keyed`` (at most 64 columns): each one's first row,
+    and each row's position among them.
+
+    Rows are told apart by a 64-bit mix of their values (one sort of integers, not of byte
+    strings), checked exactly against each mix's first row: rows whose mixes collide (a crafted
+    file can make them) are told apart by their bytes instead.
+    """
+    mixed = keyed[:, 0].view(np.uint64) * _MIX[0]
+    for c in range(1, keyed.shape[1]):  # column by column: reducing a short axis is slow
+        mixed += keyed[:, c].view(np.uint64) * _MIX[c]
+    _, first, inverse = np.unique(mixed, return_index=True, return_inverse=True)
+    inverse = inverse.ravel()
+    if not (keyed == keyed[first][inverse]).all():
+        void = np.dtype((np.void, 8 * keyed.shape[1]))
+        _, first, inverse = np.unique(np.ascontiguousarray(keyed).view(void).ravel(), True, True)
+        inverse = inverse.ravel()
+    return first, inverse
+
+
 class Boxes:
     """Interned boxes: one id per distinct (start, stop) and itemsize, shared by every row that
     names it; a row's byte length is its box's (:attr:`nbytes`), not a column of its own."""
@@ -45,28 +65,25 @@ class Boxes:
         """Ids (int32) of the boxes in ``coords`` (rows of starts then stops, one rank) of elements
         of ``itemsize`` bytes (per row).
 
-        The rows' distinct boxes are found by a 64-bit mix of their coordinates (one sort of
-        integers, not of byte strings), checked exactly against each hash's first row: boxes
-        that collide are told apart by their bytes instead.
+        The rows' distinct boxes are found by :func:`distinct_rows`.
         """
         r = coords.shape[1] // 2
         keyed = np.empty((len(coords), 2 * r + 1), dtype=np.int64)
         keyed[:, : 2 * r] = coords
         keyed[:, 2 * r] = itemsize
-        width = 2 * r + 1
-        mixed = (keyed.view(np.uint64) * _MIX[:width]).sum(axis=1, dtype=np.uint64)
-        _, first, inverse = np.unique(mixed, return_index=True, return_inverse=True)
-        inverse = inverse.ravel()
-        if not (keyed == keyed[first][inverse]).all():  # a collision: distinct boxes by their bytes
-            keys = keyed.view(np.dtype((np.void, 8 * width))).ravel()
-            _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-            inverse = inverse.ravel()
-        rows = keyed[first]
-        ids = np.array(
-            [self._id_of(row.tobytes(), v) for row, v in zip(rows, rows.tolist())],
-            dtype=np.int32,
-        )
-        return ids[inverse]
+        first, inverse = distinct_rows(keyed)
+        return self.intern_distinct(keyed[first])[inverse]
+
+    def intern_distinct(self, keyed: np.ndarray, used: np.ndarray | None = None) -> np.ndarray:
+        """Ids (int32) of the distinct boxes ``keyed`` (rows of starts, stops, itemsize), or of
+        those ``used`` (the others get -1)."""
+        rows = keyed if used is None else keyed[used]
+        ids = np.array([self._id_of(row.tobytes(), v) for row, v in zip(rows, rows.tolist())], dtype=np.int32)
+        if used is None:
+            return ids
+        out = np.full(len(keyed), -1, dtype=np.int32)
+        out[used] = ids
+        return out
 
     def _id_of(self, key: bytes, v: list[int]) -> int:
         found = self._ids.get(key)
@@ -265,6 +282,36 @@ class RowsBuilder:
         r = coords.shape[1] // 2
         elements = np.prod(coords[:, r:] - coords[:, :r], axis=1) if r else np.ones(len(coords), dtype=np.int64)
         box = self.boxes.intern(coords, np.asarray(length, dtype=np.int64) // np.maximum(elements, 1))
+        self._add_columns(base, leaf, blob, offset, crc, box, sha)
+
+    def add_distinct(
+        self,
+        base: int,
+        leaf: np.ndarray,
+        distinct: np.ndarray,
+        inverse: np.ndarray,
+        blob: np.ndarray,
+        offset: np.ndarray,
+        crc: np.ndarray,
+        sha: np.ndarray | None,
+    ) -> None:
+        """Rows of one rank whose boxes are given once each: ``distinct`` (starts, stops, itemsize
+        per box, checked) and each row's position in it (``inverse``); otherwise as :meth:`add`."""
+        used = np.zeros(len(distinct), dtype=bool)
+        used[inverse] = True
+        ids = self.boxes.intern_distinct(distinct, None if used.all() else used)
+        self._add_columns(base, leaf, blob, offset, crc, ids[inverse], sha)
+
+    def _add_columns(
+        self,
+        base: int,
+        leaf: np.ndarray,
+        blob: np.ndarray,
+        offset: np.ndarray,
+        crc: np.ndarray,
+        box: np.ndarray,
+        sha: np.ndarray | None,
+    ) -> None:
         parts: tuple[np.ndarray, ...] = (
             leaf.astype(np.int32),
             blob.astype(np.int32) + np.int32(base),
