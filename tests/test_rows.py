@@ -88,9 +88,15 @@ def test_geometry_keys_equal_for_equal_boxes_only() -> None:
     a = [Piece((0, 0), (2, 4), "x/b", 64, 32, 1), Piece((2, 0), (4, 4), "x/b", 128, 32, 2)]
     b = [p._replace(offset=p.offset + 1000, crc32c=9) for p in a]  # another layer: same boxes
     c = [a[1], a[0]]  # the same boxes in another order
-    rows = _rows({0: a, 1: b, 2: c})
-    assert rows.leaf(0).geometry_key() == rows.leaf(1).geometry_key()
+    d = [p._replace(length=p.length * 2) for p in a]  # another dtype (8-byte elements): same boxes
+    e = a[:1]  # fewer pieces
+    rows = _rows({0: a, 1: b, 2: c, 3: d, 4: e})
+    assert rows.leaf(0).geometry_key() == rows.leaf(1).geometry_key() == rows.leaf(3).geometry_key()
     assert rows.leaf(0).geometry_key() != rows.leaf(2).geometry_key()
+    assert rows.leaf(0).geometry_key() != rows.leaf(4).geometry_key()
+    assert rows.leaf(3)[0].length == 64  # the dtype's bytes stay the row's own
+    other = _rows({0: a})
+    assert other.leaf(0).geometry_key() != rows.leaf(0).geometry_key()  # ids of another Rows
 
 
 def _as_tuples(requests):

@@ -129,12 +129,12 @@ def _plan_chunk(
     if jump is None:
         _plan_runs(rows, layout, place, at, blob, offset, end, kept, runs, max_read_size, kept_limit, requests)
         return
-    firsts = []  # the rows that start a read: one step per read, from Python
-    jumps = jump.tolist()
+    firsts = []  # the rows that start a read: one step per read, from Python (not a list of every row's jump)
+    step = jump.item
     s = 0
     while s < n:
         firsts.append(s)
-        s = jumps[s]
+        s = step(s)
     first = np.array(firsts, dtype=np.int64)
     last = jump[first]
     slack = _slacks(rows, layout, place[first], blob[first], offset[first])

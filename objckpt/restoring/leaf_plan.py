@@ -310,8 +310,8 @@ _MEETINGS_KEPT = 64
 def _meeting_of(boxes: tuple[Box, ...], pieces: Sequence[Piece]) -> _Meeting:
     """The :class:`_Meeting` of these boxes and the pieces' geometry, built once while it is in use.
 
-    Keyed by the geometry's content: pieces held as columns by their count and coordinates'
-    bytes (:meth:`LeafPieces.geometry_key`, no tuple per piece), others by their boxes.
+    Keyed by the geometry's content: pieces held as columns by their interned boxes' ids
+    (:meth:`LeafPieces.geometry_key`, no tuple per piece), others by their boxes.
     """
     shape: Hashable = pieces.geometry_key() if isinstance(pieces, LeafPieces) else _geometry(pieces)
     key = (boxes, shape)

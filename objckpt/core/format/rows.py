@@ -108,20 +108,16 @@ class Boxes:
         return out
 
     @functools.cached_property
+    def place_ids(self) -> np.ndarray:
+        """Per box id, the first id of the same (start, stop): boxes of two itemsizes share it
+        (asked once the rows are complete)."""
+        by_box = self._by_box
+        return np.array([by_box[box][0] for box in self.boxes], dtype=np.int32)
+
+    @functools.cached_property
     def nbytes(self) -> np.ndarray:
         """Each box's bytes, by id (asked once the rows are complete)."""
         return np.array(self._nbytes, dtype=np.int64)
-
-    @functools.cached_property
-    def coordinates(self) -> np.ndarray:
-        """Every box's starts then stops, padded with zeros to the largest rank (for geometry keys);
-        asked once the rows are complete."""
-        width = max((len(s) for s, _ in self.boxes), default=0)
-        out = np.zeros((len(self.boxes), 2 * width), dtype=np.int64)
-        for k, (start, stop) in enumerate(self.boxes):
-            out[k, : len(start)] = start
-            out[k, width : width + len(stop)] = stop
-        return out
 
 
 class Rows:
@@ -238,10 +234,12 @@ class LeafPieces(Sequence[Piece]):
     def box_ids(self) -> np.ndarray:
         return self.rows.box[self.at]
 
-    def geometry_key(self) -> tuple[int, bytes]:
-        """What identifies the pieces' boxes in order, by content (equal for two leaves of a
-        layer stack): their count and coordinates' bytes."""
-        return len(self.at), self.rows.boxes.coordinates[self.box_ids].tobytes()
+    def geometry_key(self) -> tuple[Boxes, bytes]:
+        """What identifies the pieces' boxes in order (equal for two leaves of a layer stack, of
+        any dtype): their :class:`Boxes` (held, so compared by identity) and the bytes of each
+        piece's :attr:`Boxes.place_ids` (4 a piece, not its coordinates' 16 a dimension)."""
+        boxes = self.rows.boxes
+        return boxes, boxes.place_ids[self.box_ids].tobytes()
 
     def geometry(self) -> tuple[Box, ...]:
         """Each piece's (start, stop), in order."""
