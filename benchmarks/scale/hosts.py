@@ -45,15 +45,17 @@ def restore_plan(
     sharding (those) or its target, read the index objects the layouts name
     (``read_needed_indexes``: only the leaves it needs from each), plan the reads
     (``restoring.fetch.plan``), check coverage; the CPU seconds of each (of every thread: the
-    index reads run on objckpt's I/O thread)."""
+    index reads run on objckpt's I/O thread). Planning caches start empty, as in a host's own
+    restore (restore empties them when it ends)."""
     from objckpt.core.format import parse_manifest
     from objckpt.layouts.native import NativeCheckpoint
     from objckpt.options import Options
     from objckpt.restoring.fetch import plan as _plan
     from objckpt.restoring.indexes import read_needed_indexes
-    from objckpt.restoring.leaf_plan import plan_leaf
+    from objckpt.restoring.leaf_plan import clear_planning_caches, plan_leaf
     from objckpt.restoring.read_sharding import ReadPlanner, plan_read_shardings
 
+    clear_planning_caches()  # as a host's restore starts: nothing planned by an earlier host or run
     options = Options()
     clock = [time.process_time()]
     phases: dict[str, float] = {}

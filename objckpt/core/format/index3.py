@@ -344,13 +344,10 @@ def check_frame(
     coords = _unplanar(raw, _FIXED * n, count, "<i8")
     length = np.empty(n, dtype=np.int64)
     groups: list[Group] = []
+    starts = None if uniform is not None else np.concatenate(([0], np.cumsum(width)[:-1]))
     for r in [uniform] if uniform is not None else np.unique(rank).tolist():
         sel = np.arange(n) if uniform is not None else np.flatnonzero(rank == r)
-        if uniform is not None:
-            grid = coords.reshape(n, 2 * r)
-        else:
-            starts = np.concatenate(([0], np.cumsum(width)[:-1]))
-            grid = coords[starts[sel][:, None] + np.arange(2 * r)]
+        grid = coords.reshape(n, 2 * r) if starts is None else coords[starts[sel][:, None] + np.arange(2 * r)]
         distinct, inverse, nbytes, outside = _distinct_boxes(grid, table.kind[leaf[sel]], r, table)
         if outside is not None:
             row = int(sel[np.argmax(outside[inverse])])

@@ -310,6 +310,7 @@ class RowsBuilder:
         box: np.ndarray,
         sha: np.ndarray | None,
     ) -> None:
+        """Rows whose boxes are interned (``box``: ids), appended column by column."""
         parts: tuple[np.ndarray, ...] = (
             leaf.astype(np.int32),
             blob.astype(np.int32) + np.int32(base),
