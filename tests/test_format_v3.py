@@ -450,3 +450,5 @@ def test_rows_of_every_rank_round_trip_and_a_long_leaf_spans_frames(digest):
     }
     part = parse_index3(encoded.data, manifest, 0, leaves={1, 3})
     assert sorted(part.pieces) == [1, 3] and len(part.pieces[1]) == 8
+    assert head.frames[0].first == 0 and head.frames[0].last == 2  # a list that repeats a leaf: still that leaf
+    assert sorted(parse_index3(encoded.data, manifest, 0, leaves=[0, 0, 0]).pieces) == [0]

@@ -81,11 +81,12 @@ class Head:
 
 
 def leaf_array(leaves: Collection[int] | np.ndarray) -> np.ndarray:
-    """``leaves`` as a sorted int64 array (what :meth:`Head.frames_for` and :func:`decode_frame`
-    take; a reader of many index objects converts its set once)."""
+    """``leaves`` as a sorted int64 array of distinct leaves (what :meth:`Head.frames_for` and
+    :func:`decode_frame` take; a reader of many index objects converts its set once; an array
+    is taken as such)."""
     if isinstance(leaves, np.ndarray):
         return leaves
-    return np.sort(np.fromiter(leaves, dtype=np.int64, count=len(leaves)))
+    return np.unique(np.fromiter(leaves, dtype=np.int64, count=len(leaves)))
 
 
 class LeafTable:
@@ -366,8 +367,10 @@ def check_frame(
     wanted = None
     if keep is not None:
         keep = leaf_array(keep)
-        at = np.minimum(np.searchsorted(keep, leaf), max(len(keep) - 1, 0))
-        wanted = keep[at] == leaf if len(keep) else np.zeros(n, dtype=bool)
+        inside = np.searchsorted(keep, [f.first, f.last + 1])  # keep is sorted and distinct
+        if inside[1] - inside[0] != f.last - f.first + 1:  # not every leaf of the frame is kept
+            at = np.minimum(np.searchsorted(keep, leaf), max(len(keep) - 1, 0))
+            wanted = keep[at] == leaf if len(keep) else np.zeros(n, dtype=bool)
     picked: list[Group] = []
     if wanted is not None and wanted.all():
         wanted = None
