@@ -312,6 +312,22 @@ def test_a_frame_that_inflates_past_its_length_is_refused(saved):
     _refused(saved, f"index object {key} frame 0 .* does not decompress to exactly {len(raw)} bytes", key)
 
 
+def test_one_frame_across_items_still_restores(store_target_factory):
+    """Saves before frames were cut at items wrote one frame across opt and params: such an
+    object restores whole and in part."""
+    target = store_target_factory("memory")
+    tree = _tree(8)
+    _save(target, tree)
+    store = target.open()
+    doc, rows, keys = _rows(store)
+    data, head = _assemble(doc["save_id"], 0, doc["blobs"], [_frame(rows, keys)])
+    _replace_index(store, data, head)
+    assert len(_rows(store)[0]["frames"]) == 1
+    _equal(tree, _restore(target))
+    out = _restore(target, {"params": {"w003": None}}, partial=True)
+    np.testing.assert_array_equal(out["params"]["w003"], tree["params"]["w003"])
+
+
 @pytest.mark.parametrize("row", [0, 5])
 def test_rows_outside_their_leaf_are_refused(saved, row):
     """Rows are checked per distinct box (every good row here names the same one): the error
