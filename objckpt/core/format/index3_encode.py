@@ -115,9 +115,7 @@ def _cuts(rows: list[tuple[int, Piece]], target: int, digest: bool, breaks: froz
     for n, (leaf, piece) in enumerate(rows):
         row = _FIXED + 16 * len(piece.start) + (_SHA if digest else 0)
         new_leaf = n > 0 and rows[n - 1][0] != leaf
-        if n > cuts[-1] and (
-            (new_leaf and leaf in breaks) or (size + row > target and (new_leaf or size >= target))
-        ):
+        if n > cuts[-1] and ((new_leaf and leaf in breaks) or (size + row > target and (new_leaf or size >= target))):
             cuts.append(n)
             size = 0
         size += row
