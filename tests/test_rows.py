@@ -3,6 +3,7 @@ the same pieces and the same reads as the tuple path, with no object per piece u
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -51,13 +52,16 @@ def _rows(pieces: dict[int, list[Piece]], digest: bool = False):
             if digest
             else None
         )
+        itemsize = [p.length // math.prod(b - a for a, b in zip(p.start, p.stop)) for p in found]
+        keyed = np.column_stack((coords, itemsize)).astype(np.int64)  # as index3.check_frame gives them
+        first, inverse = distinct_rows(keyed)
         builder.add(
             base,
             np.full(len(found), leaf),
-            coords,
+            keyed[first],
+            inverse,
             np.array([position[p.blob] for p in found]),
             np.array([p.offset for p in found]),
-            np.array([p.length for p in found]),
             np.array([p.crc32c for p in found], dtype=np.uint32),
             sha,
         )

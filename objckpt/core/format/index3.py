@@ -90,19 +90,15 @@ def leaf_array(leaves: Collection[int] | np.ndarray) -> np.ndarray:
 
 
 class LeafTable:
-    """Per leaf of a root, what row checks need, as arrays: rank (-1: no stored data), shape
-    (padded), itemsize, and a kind: leaves of one rank, shape and itemsize share one (a layer
-    stack's leaves are a few kinds), so a frame's rows are checked per distinct (box, kind), not
-    per row. Built once per read, shared by every index object."""
+    """Per leaf of a root, what row checks need, as arrays: its rank (-1: no stored data) and
+    its kind (leaves of one shape and itemsize share one: a layer stack's leaves are a few
+    kinds, so a frame's rows are checked per distinct (box, kind), not per row), with each
+    kind's shape (padded) and itemsize. Built once per read, shared by every index object."""
 
     def __init__(self, manifest: Manifest) -> None:
         n = len(manifest.leaves)
         self.rank = np.full(n, -1, dtype=np.int64)
-        self.itemsize = np.zeros(n, dtype=np.int64)
         self.kind = np.zeros(n, dtype=np.int64)
-        ranks = [len(leaf.shape or ()) for leaf in manifest.leaves]
-        width = max(ranks, default=0)
-        self.shape = np.zeros((n, width), dtype=np.int64)
         kinds: dict[tuple[int, tuple[int, ...]], int] = {}
         for i, leaf in enumerate(manifest.leaves):
             if leaf.kind in ARRAY_KINDS and leaf.dtype is not None:
@@ -111,10 +107,9 @@ class LeafTable:
                 shape = leaf.shape or ()
                 if any(s >= BYTES_LIMIT for s in shape):
                     continue  # no box of it fits a blob (each extent below 2**62 keeps the sums in int64)
-                self.rank[i], self.itemsize[i] = len(shape), dtype.itemsize
-                self.shape[i, : len(shape)] = shape
+                self.rank[i] = len(shape)
                 self.kind[i] = kinds.setdefault((dtype.itemsize, tuple(shape)), len(kinds))
-        #: Each kind's padded shape and itemsize.
+        width = max((len(shape) for _, shape in kinds), default=0)
         self.kind_shape = np.zeros((len(kinds), width), dtype=np.int64)
         self.kind_itemsize = np.zeros(len(kinds), dtype=np.int64)
         for (itemsize, shape), k in kinds.items():
@@ -233,7 +228,7 @@ def _frames(raw: Any, head: int, size: int, leaves: int, digest: bool, doc_name:
 class Group(NamedTuple):
     """A frame's rows of one rank: their positions in the frame (``sel``), their boxes (starts
     then stops; None for rank 0), and the distinct (box, itemsize) pairs they name: ``distinct``
-    (starts, stops, itemsize per pair) and each row's pair (``inverse``). Rows are checked, and
+    (starts, stops, itemsize per pair; each named by some row) and each row's pair (``inverse``). Rows are checked, and
     boxes interned, per distinct pair: a layer stack's leaves repeat a few thousand boxes."""
 
     sel: np.ndarray
@@ -281,11 +276,11 @@ def add_frame(builder: RowsBuilder, base: int, rows: FrameRows) -> None:
     start in the builder's list, :meth:`RowsBuilder.add_blobs`): columns, no piece objects."""
     for g in rows.groups:
         if len(g.sel) == len(rows.leaf):  # every row of the frame: its columns as they are
-            builder.add_distinct(base, rows.leaf, g.distinct, g.inverse, rows.blob, rows.offset, rows.crc, rows.shas)
+            builder.add(base, rows.leaf, g.distinct, g.inverse, rows.blob, rows.offset, rows.crc, rows.shas)
             continue
         shas = None if rows.shas is None else rows.shas[g.sel]
         columns = rows.leaf[g.sel], rows.blob[g.sel], rows.offset[g.sel], rows.crc[g.sel]
-        builder.add_distinct(base, columns[0], g.distinct, g.inverse, *columns[1:], shas)
+        builder.add(base, columns[0], g.distinct, g.inverse, *columns[1:], shas)
 
 
 def check_frame(
@@ -377,7 +372,8 @@ def check_frame(
     for g in groups:
         if wanted is not None:
             mask = wanted[g.sel]
-            g = Group(g.sel[mask], None if g.box is None else g.box[mask], g.distinct, g.inverse[mask])
+            named, inverse = np.unique(g.inverse[mask], return_inverse=True)  # the pairs kept rows name
+            g = Group(g.sel[mask], None if g.box is None else g.box[mask], g.distinct[named], inverse.ravel())
         if len(g.sel):
             picked.append(g)
     return FrameRows(leaf, blob, offset, length, crc, shas, picked)

@@ -28,7 +28,7 @@ from objckpt.errors import FormatError
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 _NEW_PIECE = functools.partial(tuple.__new__, Piece)
-#: Odd 64-bit multipliers, one per coordinate: what :meth:`Boxes.intern` hashes boxes with.
+#: Odd 64-bit multipliers, one per column: what :func:`distinct_rows` mixes rows with.
 _MIX = np.random.default_rng(0x0B1C).integers(1 << 62, size=64, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
@@ -61,29 +61,10 @@ class Boxes:
         self._nbytes: list[int] = []
         self._ids: dict[bytes, int] = {}
 
-    def intern(self, coords: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
-        """Ids (int32) of the boxes in ``coords`` (rows of starts then stops, one rank) of elements
-        of ``itemsize`` bytes (per row).
-
-        The rows' distinct boxes are found by :func:`distinct_rows`.
-        """
-        r = coords.shape[1] // 2
-        keyed = np.empty((len(coords), 2 * r + 1), dtype=np.int64)
-        keyed[:, : 2 * r] = coords
-        keyed[:, 2 * r] = itemsize
-        first, inverse = distinct_rows(keyed)
-        return self.intern_distinct(keyed[first])[inverse]
-
-    def intern_distinct(self, keyed: np.ndarray, used: np.ndarray | None = None) -> np.ndarray:
-        """Ids (int32) of the distinct boxes ``keyed`` (rows of starts, stops, itemsize), or of
-        those ``used`` (the others get -1)."""
-        rows = keyed if used is None else keyed[used]
-        ids = np.array([self._id_of(row.tobytes(), v) for row, v in zip(rows, rows.tolist())], dtype=np.int32)
-        if used is None:
-            return ids
-        out = np.full(len(keyed), -1, dtype=np.int32)
-        out[used] = ids
-        return out
+    def intern_distinct(self, keyed: np.ndarray) -> np.ndarray:
+        """Ids (int32) of the distinct boxes ``keyed`` (rows of starts, stops, itemsize; found by
+        :func:`distinct_rows`)."""
+        return np.array([self._id_of(row.tobytes(), v) for row, v in zip(keyed, keyed.tolist())], dtype=np.int32)
 
     def _id_of(self, key: bytes, v: list[int]) -> int:
         found = self._ids.get(key)
@@ -268,24 +249,6 @@ class RowsBuilder:
         self,
         base: int,
         leaf: np.ndarray,
-        coords: np.ndarray,
-        blob: np.ndarray,
-        offset: np.ndarray,
-        length: np.ndarray,
-        crc: np.ndarray,
-        sha: np.ndarray | None,
-    ) -> None:
-        """Rows of one rank: leaves, boxes (starts then stops), blob positions in their index
-        object's list, offsets, lengths (checked: itemsize × box), crc32c (and digests)."""
-        r = coords.shape[1] // 2
-        elements = np.prod(coords[:, r:] - coords[:, :r], axis=1) if r else np.ones(len(coords), dtype=np.int64)
-        box = self.boxes.intern(coords, np.asarray(length, dtype=np.int64) // np.maximum(elements, 1))
-        self._add_columns(base, leaf, blob, offset, crc, box, sha)
-
-    def add_distinct(
-        self,
-        base: int,
-        leaf: np.ndarray,
         distinct: np.ndarray,
         inverse: np.ndarray,
         blob: np.ndarray,
@@ -293,24 +256,10 @@ class RowsBuilder:
         crc: np.ndarray,
         sha: np.ndarray | None,
     ) -> None:
-        """Rows of one rank whose boxes are given once each: ``distinct`` (starts, stops, itemsize
-        per box, checked) and each row's position in it (``inverse``); otherwise as :meth:`add`."""
-        used = np.zeros(len(distinct), dtype=bool)
-        used[inverse] = True
-        ids = self.boxes.intern_distinct(distinct, None if used.all() else used)
-        self._add_columns(base, leaf, blob, offset, crc, ids[inverse], sha)
-
-    def _add_columns(
-        self,
-        base: int,
-        leaf: np.ndarray,
-        blob: np.ndarray,
-        offset: np.ndarray,
-        crc: np.ndarray,
-        box: np.ndarray,
-        sha: np.ndarray | None,
-    ) -> None:
-        """Rows whose boxes are interned (``box``: ids), appended column by column."""
+        """Rows of one rank: leaves, their boxes given once each (``distinct``: starts, stops,
+        itemsize per box, checked) and each row's position in it (``inverse``), blob positions in
+        their index object's list, offsets, crc32c (and digests)."""
+        box = self.boxes.intern_distinct(distinct)[inverse]
         parts: tuple[np.ndarray, ...] = (
             leaf.astype(np.int32),
             blob.astype(np.int32) + np.int32(base),
