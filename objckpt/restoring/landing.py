@@ -406,8 +406,7 @@ class Landing:
         else:
             (value,) = buffers.values()
             if entry.prng_impl is not None:
-                keys = jax.random.wrap_key_data(jax.numpy.asarray(value), impl=entry.prng_impl)
-                leaf.result = put(keys, plan.key_sharding) if plan.key_sharding is not None else keys
+                leaf.result = self._keys(plan, value)
             elif entry.kind == "str":
                 leaf.result = _decode_str(entry, value.tobytes())
             elif entry.kind == "bytes":
@@ -416,6 +415,19 @@ class Landing:
                 leaf.result = value
         leaf.buffers = {}
         leaf.done = True
+
+    def _keys(self, plan: LeafPlan, data: np.ndarray) -> jax.Array:
+        """Typed PRNG keys from their saved key data (read whole), on the target's sharding.
+
+        Built device by device, each from its slice of the keys, so a sharding
+        over devices of several processes (a key replicated over a multi-process
+        mesh, as every ``nnx.Rngs`` holds) works: each process places only its own
+        devices' keys, where one ``jax.device_put`` onto that sharding is refused.
+        """
+        keys = jax.random.wrap_key_data(jax.numpy.asarray(data), impl=plan.entry.prng_impl)
+        if plan.key_sharding is None:
+            return keys
+        return self.devices.from_callback(keys.shape, plan.key_sharding, lambda index: keys[index])
 
     def done(self, i: int) -> bool:
         """Whether leaf ``i`` is finished."""

@@ -351,10 +351,7 @@ def plan_leaf(
     shape = entry.shape
     full = ((0,) * len(shape), shape)
     if entry.prng_impl is not None:  # keys are tiny: rebuild on the host, then place them
-        key_sharding = (
-            getattr(target, "sharding", None) if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)) else None
-        )
-        return LeafPlan(entry, dtype, None, None, {full: []}, key_sharding=key_sharding)
+        return LeafPlan(entry, dtype, None, None, {full: []}, key_sharding=_key_sharding(entry, dtype, target))
     if not isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
         return LeafPlan(entry, dtype, None, None, {full: []}, unsafe_cast=unsafe_cast)
     if tuple(target.shape) != shape:
@@ -386,6 +383,44 @@ def plan_leaf(
         whole_leaf_bytes=whole_leaf_bytes,
         on_host=on_host,
     )
+
+
+def _key_sharding(entry: LeafEntry, dtype: np.dtype, target: Any) -> jax.sharding.Sharding | None:
+    """Where a typed PRNG key leaf's restored keys go: the target's sharding (None: JAX's default device).
+
+    The saved array is the keys' data (``jax.random.key_data``: trailing dimensions
+    of the implementation's), so the keys' own shape, which an array or abstract
+    target must have, comes from the implementation.
+
+    Raises:
+        TargetMismatchError: the target's shape is not the saved keys', or its sharding
+            does not fit that shape.
+    """
+    if not isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+        return None
+    assert entry.prng_impl is not None and entry.shape is not None
+    shape = _key_shape(entry.prng_impl, entry.shape, dtype.name)
+    if tuple(target.shape) != shape:
+        raise TargetMismatchError(
+            f"leaf {entry.path}: target shape {tuple(target.shape)} does not match the saved"
+            f" {entry.prng_impl} keys' shape {shape}"
+        )
+    sharding = getattr(target, "sharding", None)
+    if sharding is not None:
+        try:
+            sharding.shard_shape(shape)
+        except Exception as e:
+            raise TargetMismatchError(
+                f"leaf {entry.path}: sharding {sharding} does not fit the saved keys' shape {shape}: {e}"
+            ) from None
+    return sharding
+
+
+@functools.lru_cache(maxsize=64)
+def _key_shape(impl: str, data_shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
+    """The shape of the keys whose ``key_data`` has ``data_shape`` (worked out abstractly: no device work)."""
+    wrap = functools.partial(jax.random.wrap_key_data, impl=impl)
+    return tuple(jax.eval_shape(wrap, jax.ShapeDtypeStruct(data_shape, np.dtype(dtype))).shape)
 
 
 def check_host_memory(plans: Mapping[int, LeafPlan], limit: int | None) -> None:
