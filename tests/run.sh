@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: lint, type check, checkov on terraform/, then pytest (which starts
-# the local S3 and GCS servers from backends/ itself). Sets up .venv on first use.
+# the local S3 and GCS servers from backends/ itself, runs every example of README.md and docs/,
+# and builds the documentation site with `mkdocs build --strict`: tests/test_api_reference.py).
+# Sets up .venv on first use.
 #
 #   ./tests/run.sh            everything, as CI runs it; pytest on OBJCKPT_TEST_WORKERS
 #                             processes (pytest-xdist, default 3; 0: one process), then the
@@ -20,11 +22,11 @@ for arg in "$@"; do
 done
 workers="${OBJCKPT_TEST_WORKERS:-3}"
 if [ "$quick" = 1 ]; then
-  echo "== ruff"; ruff check objckpt backends tests benchmarks
+  echo "== ruff"; ruff check objckpt backends tests benchmarks docs/_mkdocs
   echo "== pytest (quick tier)"
   exec python -m pytest -p no:cacheprovider -m quick -n "${OBJCKPT_TEST_WORKERS:-0}" "${args[@]}"
 fi
-echo "== ruff"; ruff check objckpt backends tests benchmarks
+echo "== ruff"; ruff check objckpt backends tests benchmarks docs/_mkdocs
 echo "== mypy"; mypy objckpt
 echo "== checkov (terraform/)"; bash terraform/check.sh
 pytest=(python -m pytest -p no:cacheprovider)

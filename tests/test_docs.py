@@ -180,3 +180,15 @@ def test_the_suite_command_says_how_long_it_takes() -> None:
     readme = (REPO / "README.md").read_text()
     line = next(line for line in readme.splitlines() if line.startswith("./tests/run.sh"))
     assert re.search(r"\d+(–\d+)? min(utes)? on 2 cores", line), line
+
+
+def test_the_readme_manager_example_writes_only_steps_under_its_root() -> None:
+    """Issue 66, item 17: users copy the README's layout, so its manager root holds the manager's steps
+    alone: items go into the steps (``mgr.save(step, {..., "config": objckpt.Json(...)})``), never into a
+    checkpoint of their own beside them, which ``objckpt ls ROOT`` would list among the steps."""
+    readme = blocks(REPO / "README.md")
+    example = next(b for b in readme if b.lang == "python" and "CheckpointManager(" in b.source)
+    root = re.search(r"CheckpointManager\((\w+)", example.source).group(1)
+    writes = re.findall(r"objckpt\.(?:save|save_async|copy)\(f\"\{" + root + r"\}[^\"]*\"", example.source)
+    assert not writes, f"the README writes beside the manager's steps under {root}: {writes}"
+    assert re.search(r"mgr\.save\(step, \{[^}]*objckpt\.|mgr\.save\(step, \{[^}]*\"config\"", example.source)

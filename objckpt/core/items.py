@@ -55,9 +55,13 @@ class Stateful(Protocol):
     in the restored tree.
     """
 
-    def state_dict(self) -> Any: ...
+    def state_dict(self) -> Any:
+        """The object's state to save: ``bytes`` or a JSON value."""
+        ...
 
-    def load_state_dict(self, state: Any) -> Any: ...
+    def load_state_dict(self, state: Any) -> Any:
+        """Take back ``state``, as ``state_dict()`` returned it when saved; the return value is ignored."""
+        ...
 
 
 class Json:

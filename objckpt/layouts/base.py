@@ -31,7 +31,23 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LeafInfo:
-    """One saved leaf: its path, kind, shape, dtype and size in bytes."""
+    """One saved leaf: its path, kind, shape, dtype and size in bytes.
+
+    Attributes:
+        path: the leaf's key path in the saved tree (``params/w``).
+        kind: what was saved there: ``array`` (a ``jax.Array``), ``ndarray`` (numpy),
+            ``str`` or ``bytes`` (their data in blobs, like arrays); ``int``, ``float``,
+            ``bool`` or ``none`` (inline in the manifest); ``json`` (:class:`objckpt.Json`)
+            or ``per_process`` (:class:`objckpt.PerProcess`).
+        shape: the array's shape; None for a leaf without one.
+        dtype: the array's dtype name (``bfloat16``); None for a leaf without one.
+        nbytes: bytes of array data the leaf holds.
+        sharding: the sharding it was saved with, as the manifest describes it
+            (mesh axes, partition spec); None when saved from the host.
+        value: for an inline leaf (int, float, bool, None), the value; for a ``json``
+            item, the document; for a ``per_process`` item, each process's value size
+            in bytes, in process order.
+    """
 
     path: str
     kind: str
@@ -88,7 +104,12 @@ class CheckpointInfo:
         leaves: the same leaves by path, in manifest order.
         total_bytes: array bytes over all leaves.
         num_blobs: objects holding the array data.
-        format_version, created, save_id, num_processes, metadata: from the manifest.
+        format_version: the checkpoint format's version (docs/FORMAT.md).
+        created: when the save committed (ISO 8601, UTC).
+        save_id: the save's unique id, the same on every copy of it.
+        num_processes: how many processes saved it.
+        metadata: the ``metadata=`` it was saved with (a manager's step and metrics
+            under ``"objckpt.manager"``).
         format: ``"objckpt"``, or the name of another layout (``"orbax"``: format_version 0,
             no save_id; its arrays are in Orbax's own files, not blobs).
     """
@@ -135,7 +156,9 @@ class VerifyProblem:
         blob: the blob's key, relative to the checkpoint.
         message: one line naming everything needed to find it.
         leaf: the leaf path, for a checksum or sha256 mismatch.
-        start, end: the byte range ``[start, end)`` in the blob, for a checksum or sha256 mismatch.
+        start: where the damaged byte range ``[start, end)`` starts in the blob, for a checksum or
+            sha256 mismatch.
+        end: where it ends (exclusive).
     """
 
     kind: str
@@ -156,9 +179,11 @@ class VerifyReport:
     Attributes:
         url: the checkpoint.
         problems: every problem found, sorted by blob and byte offset; empty when ``ok``.
-        blobs, pieces: how many were checked.
+        blobs: how many blobs were checked.
+        pieces: how many pieces (one leaf's bytes in a blob) were checked.
         bytes_read: bytes read from the store.
-        requests, retries: store requests issued, and how many were retries.
+        requests: store requests issued.
+        retries: how many of them were retries.
         checksum_retries: pieces read again after a checksum mismatch (a mismatch
             that a re-read cures was a bit flipped in flight, not a problem).
         seconds: wall time.
@@ -167,6 +192,7 @@ class VerifyReport:
             ``arrays`` counts them, ``blobs`` and ``pieces`` are 0.
         checks: for another layout, what its reader checked (one line, from the
             reader: the summary says it, since it differs from objckpt's checksums).
+        arrays: for another layout, how many arrays were read and decoded.
     """
 
     url: str
@@ -184,9 +210,11 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether nothing is wrong: no problem found."""
         return not self.problems
 
     def summary(self) -> str:
+        """One line: OK or how many problems, what was checked, bytes read and seconds."""
         status = "OK" if self.ok else f"FAILED, {len(self.problems)} problem(s)"
         if self.format != "objckpt":
             return (
@@ -202,6 +230,7 @@ class VerifyReport:
         return "\n".join([self.summary(), *(f"  {p}" for p in self.problems)])
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready values (what ``objckpt verify --json`` prints)."""
         return {
             "url": self.url,
             "ok": self.ok,

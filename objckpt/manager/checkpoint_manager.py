@@ -102,10 +102,18 @@ class CheckpointManager:
             changes no signal handler unless asked. A multi-process job needs no flag:
             ``jax.distributed.initialize`` starts JAX's preemption service, which
             receives SIGTERM.
-        local, local_interval_steps, local_keep_last, peers, peer_of: the recovery tiers
-            (docs/TIERS.md, :class:`~objckpt.manager.tiers.Tiers`): a directory on each host for
-            its processes' own shards every K steps (keeping the last N) and, with ``peers=1``,
-            another process's (``peer_of(p, P)``, default ``(p + P // 2) % P``).
+        local: the recovery tiers (docs/TIERS.md, :class:`~objckpt.manager.tiers.Tiers`): a
+            directory on each host (a path or ``file://`` URL; a disk, NVMe or ``/dev/shm``)
+            where each process keeps its own shards, with no object-store traffic. None (the
+            default): no local tier, and the next four arguments do nothing.
+        local_interval_steps: :meth:`save` saves locally every K steps, whatever the
+            object-store save rules say.
+        local_keep_last: each process keeps its N newest local steps.
+        peers: 1 (the default, with more than one process): each process also keeps a copy
+            of another process's newest local step, sent through JAX's transfer server; 0: no
+            peer copies.
+        peer_of: ``peer_of(p, P)`` is the process whose steps process ``p`` of ``P`` keeps;
+            default ``(p + P // 2) % P``, a process half the job away.
 
     With none of the five save rules, every step saves. Whatever the rules, the step at
     which a preemption notice has reached every process saves (:meth:`reached_preemption`);
@@ -124,6 +132,12 @@ class CheckpointManager:
     Without any retention argument nothing is ever deleted. The latest committed step is
     always kept. Steps Orbax's ``CheckpointManager`` committed under the root are steps
     here too (:mod:`objckpt.roots.orbax_steps`); new steps are saved beside them.
+
+    Attributes:
+        store: the root's :class:`~objckpt.storage.Store`, open until :meth:`close`.
+        save_policy: the save rules (``save_interval_steps``... ``continuous``) as one
+            :class:`~objckpt.manager.save_policy.SavePolicy`.
+        policies: the retention policies, ``keep_*`` and ``policies=`` together.
     """
 
     def __init__(
@@ -208,6 +222,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
 
     def step_url(self, step: int) -> str:
+        """The URL of ``step``'s checkpoint: ``<root_url>/step_0000000042``, a checkpoint like any other."""
         return f"{self.root_url}/{step_dir(step)}"
 
     def should_save(self, step: int) -> bool:
@@ -421,6 +436,8 @@ class CheckpointManager:
         )
 
     def inspect(self, step: int | None = None) -> CheckpointInfo:
+        """What ``step`` (the latest committed one by default) holds, from its manifest alone:
+        :func:`objckpt.inspect` of :meth:`step_url`."""
         step = self._resolve(step)
         url = f"{self.root_url}/{step}" if self._orbax(step) else self.step_url(step)
         return inspect(url, storage_options=self.storage_options, options=self.options)

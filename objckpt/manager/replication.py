@@ -65,9 +65,11 @@ class ReplicaStatus:
             still lacks (0 when it lacks none).
         skipped: steps the replica never got because retention deleted them at the
             root before their turn came (it had fallen behind).
-        errors: failed attempts so far; last_error: the latest one, with its time.
-        bytes_copied: bytes of blobs the replica received; client_bytes: bytes that
-            passed through this process to do so (near 0 for server-side copies).
+        errors: failed attempts so far.
+        last_error: the latest one, with its time.
+        bytes_copied: bytes of blobs the replica received.
+        client_bytes: bytes that passed through this process to do so (near 0 for
+            server-side copies).
         methods: how each step was copied ("server-side" or "streamed"), by step.
     """
 

@@ -43,7 +43,13 @@ Keeper = Callable[[int, int], int]
 
 @dataclass(frozen=True)
 class TierRestore:
-    """Where a restore came from: the step, the tier (``"local"``, ``"peer"``, ``"store"``), seconds."""
+    """Where a restore came from: the step, the tier (``"local"``, ``"peer"``, ``"store"``), seconds.
+
+    Attributes:
+        step: the step restored.
+        tier: ``"local"``, ``"peer"`` or ``"store"``.
+        seconds: how long the restore took.
+    """
 
     step: int
     tier: str
@@ -54,10 +60,18 @@ class TierRestore:
 class TierStatus:
     """What each tier holds, as this process sees it (:meth:`CheckpointManager.tier_status`).
 
-    ``local_steps``: complete steps in this process's local directory; ``torn_steps``: step
-    directories without a manifest (a save in flight or cut off); ``peer_held``: the steps of
-    other processes this one keeps (``{owner: steps}``); ``store_steps``: the object store's
-    committed steps; ``peers``: whether peer copies are being made.
+    Attributes:
+        process: this process's index.
+        local_dir: this process's directory of the local tier.
+        local_steps: complete steps in it.
+        torn_steps: step directories without a manifest (a save in flight or cut off).
+        local_bytes: bytes the local tier holds for this process, peer copies included.
+        peer_held: the steps of other processes this one keeps (``{owner: steps}``).
+        store_url: the manager's root.
+        store_steps: the object store's committed steps.
+        peers: whether peer copies are being made.
+        last_restore: where this manager's last restore came from (step, tier, seconds); None
+            before any.
     """
 
     process: int

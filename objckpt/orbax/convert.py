@@ -84,8 +84,18 @@ GROUP_BYTES = 256 << 20
 
 @dataclass
 class ConvertStats:
-    """The figures of one conversion: source and destination, leaves, bytes read from the
-    Orbax checkpoint and written as objckpt blobs (manifest and indexes included), seconds."""
+    """The figures of one conversion.
+
+    Attributes:
+        src: the Orbax checkpoint (credentials stripped).
+        dst: the objckpt checkpoint written.
+        leaves: leaves converted.
+        bytes_read: bytes read from the Orbax checkpoint.
+        bytes_written: bytes written as objckpt blobs, the manifest and indexes included.
+        blobs_kept: blobs found at the destination from an earlier run, identical, and not
+            uploaded again.
+        seconds: wall time.
+    """
 
     src: str
     dst: str

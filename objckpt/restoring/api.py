@@ -138,8 +138,11 @@ def restore(
     (:func:`objckpt.layouts.registry.open_checkpoint`) opens it with Orbax's reader.
 
     Raises:
-        CheckpointNotFoundError, FormatError, IntegrityError, TargetMismatchError
-        (also for a cast refused under ``cast="checked"``: the leaf, both dtypes).
+        CheckpointNotFoundError: no committed checkpoint at ``url`` (nor at any replica).
+        FormatError: the manifest or an index is malformed, hostile, or of an unknown version.
+        IntegrityError: bytes read back do not match their crc32c on every read.
+        TargetMismatchError: the target does not match the checkpoint (leaves, shapes), or
+            a cast is refused under ``cast="checked"`` (the leaf, both dtypes named).
     """
     if cast not in CASTS:
         raise ValueError(f"cast must be one of {', '.join(map(repr, CASTS))}, got {cast!r}")

@@ -62,6 +62,11 @@ class Location:
     Wherever objckpt takes replicas, a plain URL string stands for
     ``Location(url)`` with the storage options of the call it is passed to when it names
     the same kind of store (S3, GCS, local disk...), and with none otherwise.
+
+    Attributes:
+        url: the copy's URL.
+        storage_options: the options to open its store with (credentials, endpoint...);
+            None: as described above.
     """
 
     url: str

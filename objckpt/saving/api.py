@@ -59,6 +59,11 @@ class SaveHandle:
 
     ``result()`` waits and re-raises any error; ``done()`` polls. The figures
     are this process's own.
+
+    Attributes:
+        url: the checkpoint being saved.
+        stats: the save's :class:`~objckpt.transfer.engine.TransferStats`, counting while it runs.
+        seconds_blocked: how long ``save_async`` held the caller (the device→host copy).
     """
 
     def __init__(self, future: concurrent.futures.Future[None], stats: TransferStats, seconds_blocked: float, url: str):
@@ -68,13 +73,20 @@ class SaveHandle:
         self.url = url
 
     def result(self, timeout: float | None = None) -> None:
+        """Wait for the commit (at most ``timeout`` seconds) and re-raise the save's error, if any.
+
+        Raises:
+            TimeoutError: the save is still running after ``timeout`` seconds.
+        """
         self._future.result(timeout)
 
     def done(self) -> bool:
+        """Whether the save has ended, committed or failed (``result()`` says which)."""
         return self._future.done()
 
     @property
     def bytes_written(self) -> int:
+        """Bytes written to the store so far."""
         return self.stats.bytes_written
 
     def __repr__(self) -> str:

@@ -23,6 +23,8 @@ from objckpt.errors import ObjectExistsError, ObjectNotFoundError  # noqa: F401 
 from objckpt.storage.streaming import STREAM_PIECE, ReadSink, feed
 
 PutMode = Literal["overwrite", "create"]
+"""How :meth:`Store.put` writes: ``"overwrite"`` replaces any object there; ``"create"`` is
+create-if-absent, an :class:`~objckpt.errors.ObjectExistsError` when one is (the commit)."""
 
 #: Seconds allowed for any single store call (one request, or one listing) by default.
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
@@ -30,7 +32,12 @@ DEFAULT_REQUEST_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True, order=True)
 class ByteRange:
-    """Bytes ``[start, end)`` of one object; ``end`` is exclusive."""
+    """Bytes ``[start, end)`` of one object; ``end`` is exclusive.
+
+    Attributes:
+        start: the first byte's offset.
+        end: the offset just past the last byte.
+    """
 
     start: int
     end: int
@@ -41,12 +48,19 @@ class ByteRange:
 
     @property
     def length(self) -> int:
+        """``end - start``."""
         return self.end - self.start
 
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """What ``head`` and ``list`` say about one object."""
+    """What ``head`` and ``list`` say about one object.
+
+    Attributes:
+        key: the object's key, relative to the store's root.
+        size: its size in bytes.
+        last_modified: seconds since the epoch, when the store knows.
+    """
 
     key: str
     size: int
@@ -64,6 +78,9 @@ class Store(abc.ABC):
     stores give (where their responses land in memory:
     :class:`objckpt.restoring.aligned_reads.AlignedResponses`) are optional protocols of
     their own, not part of this contract.
+
+    Attributes:
+        url: the store's root URL, without credentials.
     """
 
     url: str

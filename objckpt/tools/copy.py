@@ -71,19 +71,25 @@ class CopyStats:
     """The figures of one copy.
 
     Attributes:
-        src, dst: the two checkpoints (credentials stripped).
-        blobs, bytes_total: blobs in the checkpoint and their total size.
-        blobs_copied, bytes_copied: blobs copied to the destination, either way.
-        blobs_skipped, bytes_skipped: blobs already at the destination, checked and kept.
+        src: the source checkpoint (credentials stripped).
+        dst: the destination checkpoint (credentials stripped).
+        blobs: blobs in the checkpoint.
+        bytes_total: their total size.
+        blobs_copied: blobs copied to the destination, either way.
+        bytes_copied: their bytes.
+        blobs_skipped: blobs already at the destination, checked and kept.
+        bytes_skipped: their bytes.
         bytes_read: bytes the client read from the source store (what crosses its link,
             and what egress is billed on when the copy is streamed).
         bytes_written: bytes the client wrote to the destination, the manifest included.
         bytes_read_dst: bytes read back from the destination to check blobs already there.
-        requests, retries: store requests on both sides, and how many were retries.
+        requests: store requests on both sides.
+        retries: how many of them were retries.
         seconds: wall time.
         method: how blobs were copied: ``"server-side"``, ``"streamed"``, or ``"mixed"``.
-        blobs_server_side, bytes_server_side: blobs the destination's server copied (their
-            bytes never crossed the client's link).
+        blobs_server_side: blobs the destination's server copied (their bytes never crossed
+            the client's link).
+        bytes_server_side: their bytes.
         streamed_because: why the copy was not server-side (``""`` when it was).
     """
 
@@ -117,9 +123,11 @@ class CopyStats:
         return self.bytes_read + self.bytes_written + self.bytes_read_dst
 
     def to_dict(self) -> dict[str, Any]:
+        """The figures as JSON-ready values, ``gib_per_s`` and ``client_bytes`` included."""
         return {**asdict(self), "gib_per_s": self.gib_per_s, "client_bytes": self.client_bytes}
 
     def summary(self) -> str:
+        """One line: what was copied how, blobs and bytes, requests, time and throughput."""
         how = f"{self.method} ({self.streamed_because})" if self.streamed_because else self.method
         return (
             f"copied {self.src} -> {self.dst} {how}: {human_bytes(self.bytes_copied)} in {self.blobs_copied} blobs"
@@ -160,8 +168,10 @@ def copy(
     """Copy the committed checkpoint at ``src_url`` to ``dst_url``.
 
     Args:
-        src_url, dst_url: any two store URLs (``s3://``, ``gs://``, a local path...).
-        src_storage_options, dst_storage_options: passed to each store.
+        src_url: the checkpoint to copy: any store URL (``s3://``, ``gs://``, a local path...).
+        dst_url: where to copy it: any store URL, on the same store or another.
+        src_storage_options: passed to the source's store.
+        dst_storage_options: passed to the destination's store.
         options: tuning: ``max_concurrency`` (requests in flight per side),
             ``memory_budget`` (bytes of blobs held at once), timeouts, retries.
         verify_existing: check blobs already at the destination before keeping

@@ -41,7 +41,22 @@ Item = TypeVar("Item")
 
 @dataclass
 class TransferStats:
-    """Counters of one operation, safe to read from any thread."""
+    """Counters of one operation, safe to read from any thread.
+
+    Attributes:
+        requests: store requests issued.
+        retries: how many of them were retries.
+        throttled: answers asking to slow down (429, 503 SlowDown), each retried.
+        checksum_retries: re-reads after a checksum mismatch or a manifest that did not parse.
+        bytes_written: bytes written to the store.
+        bytes_read: bytes read from the store.
+        objects_written: objects written to the store.
+        device_bytes_moved: bytes a restore moved between devices, received by this process's
+            devices: leaves read on the saved layout and resharded to their targets there.
+        seconds: wall time of the whole operation, set when it ends.
+        bytes_by_location: bytes read from each location, by URL, when a restore reads from
+            several (replicas).
+    """
 
     requests: int = 0
     retries: int = 0
@@ -60,6 +75,7 @@ class TransferStats:
     _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
 
     def add(self, **counts: int) -> None:
+        """Add to counters by name (``add(requests=1, bytes_read=n)``), then tell the watchers."""
         with self._lock:
             for name, n in counts.items():
                 setattr(self, name, getattr(self, name) + n)
