@@ -27,13 +27,16 @@ item is left out, as for a single-item step.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from objckpt.core.items import PER_PROCESS_MAX_BYTES
 from objckpt.errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError
+from objckpt.orbax.containment import check_local_item
 from objckpt.orbax.layout import (
+    _METADATA_LIMIT,
     PYTREE_HANDLERS,
     OrbaxItem,
     _is_metrics_item,
@@ -142,6 +145,7 @@ async def _read_composite(store: Any, url: str, handlers: dict[str, str], step_m
     created = ""
     for name, handler in handlers.items():
         item_url = f"{url.rstrip('/')}/{name}"
+        check_local_item(url, name)
         child = store.child(name)
         if handler.endswith(PYTREE_HANDLERS):
             pytree = parse_item(
@@ -181,7 +185,9 @@ async def _json_item(store: Any, url: str, handler: str) -> JsonItem | Unreadabl
     name = "metadata" if "metadata" in files else next(iter(files)) if len(files) == 1 else None
     if name is None:
         return UnreadableItem(url, handler, f"a JSON item should hold one file, it holds {sorted(files) or 'none'}")
-    data = await store.get(name)
+    if files[name] > _METADATA_LIMIT:
+        raise FormatError(f"{url}/{name} is {files[name]} bytes: over the {_METADATA_LIMIT}-byte limit for a JSON item")
+    data = await _read_listed(store, f"{url}/{name}", name, files[name])
     return JsonItem(url=url, filename=name, value=_json(data, f"{url}/{name}"), nbytes=len(data))
 
 
@@ -201,10 +207,16 @@ async def _grain_item(store: Any, url: str) -> PerProcessItem:
         what = f"files of {len(found)} process counts ({', '.join(map(str, sorted(found)))})" if found else "none"
         raise FormatError(f"Orbax item {url}: grain writes one process_<i>-of-<n>.json per process; found {what}")
     count, by_process = next(iter(found.items()))
-    missing = [p for p in range(count) if p not in by_process]
-    if count == 0 or missing or len(by_process) != count:
+    beyond = sorted(p for p in by_process if p >= count)
+    if count == 0 or beyond:
+        name = by_process[beyond[0]] if beyond else next(iter(by_process.values()))
+        raise FormatError(f"Orbax item {url}/{name}: a process index out of range 0..{count - 1}")
+    if len(by_process) != count:  # the count is bounded by the files listed, not trusted to loop over
+        missing = list(itertools.islice((p for p in range(count) if p not in by_process), 5))
+        shown = ", ".join(map(str, missing)) + (", ..." if count - len(by_process) > len(missing) else "")
         raise FormatError(
-            f"Orbax item {url}: grain's files of {count} processes lack process {', '.join(map(str, missing)) or '?'}"
+            f"Orbax item {url}: grain's files of {count} processes lack process {shown}"
+            f" ({len(by_process)} of them there, e.g. {by_process[min(by_process)]})"
         )
     names = tuple(by_process[p] for p in range(count))
     sizes = tuple(files[n] for n in names)
@@ -220,10 +232,17 @@ async def read_process_values(store: Any, item: PerProcessItem, processes: list[
     Raises:
         FormatError: a file's size changed since it was listed (the checkpoint changed under us).
     """
-    out = []
-    for p in processes:
-        data = bytes(await store.get(item.files[p]))
-        if len(data) != item.sizes[p]:
-            raise FormatError(f"Orbax item {item.url}/{item.files[p]}: {len(data)} bytes, listed as {item.sizes[p]}")
-        out.append(data)
-    return out
+    return [await _read_listed(store, f"{item.url}/{item.files[p]}", item.files[p], item.sizes[p]) for p in processes]
+
+
+async def _read_listed(store: Any, url: str, key: str, size: int) -> bytes:
+    """The object ``key`` listed as ``size`` bytes, reading at most one byte more.
+
+    Raises:
+        FormatError: its size is not the listed one (the checkpoint changed under us).
+    """
+    data = bytes(await store.get_range(key, start=0, end=size + 1))
+    if len(data) != size:
+        shown = f"over {size}" if len(data) > size else str(len(data))
+        raise FormatError(f"Orbax item {url}: {shown} bytes, listed as {size}")
+    return data

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from objckpt.errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError
+from objckpt.orbax.containment import check_array_name, check_item_name, check_local_item, read_small
 from objckpt.transfer import runtime
 
 #: Files whose presence marks an Orbax item directory.
@@ -159,6 +160,11 @@ def parse_item(
         raise FormatError(f"{url}/_METADATA has no tree_metadata")
     shardings = _shardings(url, files.get("_sharding"))
     leaves = [_leaf(url, entry, shardings, len(tree)) for entry in tree.values()]
+    use_ocdbt = bool(meta.get("use_ocdbt", False))
+    if not use_ocdbt:  # each array is a directory <item>/<name>/ (in OCDBT a name is a key, not a path)
+        for leaf in leaves:
+            if leaf.kind in ("array", "scalar"):
+                check_array_name(url, leaf.path, leaf.name)
     names = [leaf.name for leaf in leaves]
     if len(set(names)) != len(names):
         raise FormatError(f"{url}/_METADATA names a parameter twice")
@@ -172,7 +178,7 @@ def parse_item(
     item = OrbaxItem(
         url=url,
         leaves=leaves,
-        use_ocdbt=bool(meta.get("use_ocdbt", False)),
+        use_ocdbt=use_ocdbt,
         use_zarr3=bool(meta.get("use_zarr3", False)),
         strings=strings,
         created=created,
@@ -342,6 +348,7 @@ async def read_item(store: Any, url: str, parent: Any = None) -> OrbaxItem:
                 f"{url} is an Orbax step with items {', '.join(items)}: restore one of them ({url}/<item>)"
             )
         _check_handler(f"{url}/{name}", handlers[name])
+        check_local_item(url, name)
         child = store.child(name)
         step_metadata = files.get("_CHECKPOINT_METADATA")
         return parse_item(
@@ -366,6 +373,8 @@ def _item_handlers(url: str, raw: bytes | None) -> dict[str, str]:
     handlers = handlers.get("item_handlers") if isinstance(handlers, dict) else None
     if not isinstance(handlers, dict):
         return {}
+    for name in handlers:
+        check_item_name(url, str(name))
     return {str(k): str(v) for k, v in handlers.items()}
 
 
@@ -392,13 +401,11 @@ async def _processes(store: Any) -> int:
 
 
 async def _metadata_files(store: Any) -> dict[str, bytes | None]:
-    out: dict[str, bytes | None] = {}
-    for name in ("_METADATA", "_CHECKPOINT_METADATA", "_sharding", "_strings.json"):
-        try:
-            out[name] = await store.get(name)
-        except (ObjectNotFoundError, FileNotFoundError):
-            out[name] = None
-    return out
+    """The item's metadata files (None where absent), each read once its size is known to be
+    within :data:`_METADATA_LIMIT` (a FormatError naming the file otherwise)."""
+    url = str(store.url).rstrip("/")
+    names = ("_METADATA", "_CHECKPOINT_METADATA", "_sharding", "_strings.json")
+    return {name: await read_small(store, name, _METADATA_LIMIT, f"{url}/{name}") for name in names}
 
 
 def is_orbax_listing(keys: list[str]) -> bool:

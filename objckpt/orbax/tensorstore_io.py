@@ -8,7 +8,8 @@ chunks that box touches, concurrently.
 Where the store is comes from the URL and the same ``storage_options`` objckpt
 takes elsewhere:
 
-* ``file://`` or a path: the ``file`` kvstore;
+* ``file://`` or a path: the ``file`` kvstore, once no link under the item
+  leads out of it (:func:`~objckpt.orbax.containment.check_local_tree`);
 * ``s3://``: the ``s3`` kvstore, with ``endpoint_url``/``client_kwargs`` for a
   custom endpoint and region. Keys given in the options are handed over in a
   private credentials file (tensorstore takes no keys in a spec) that lives
@@ -34,6 +35,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from objckpt.errors import FormatError, StoreError, StoreNotAvailableError
+from objckpt.orbax.containment import check_local_tree
 
 log = logging.getLogger("objckpt")
 
@@ -85,6 +87,7 @@ def kvstore_for(url: str, options: dict[str, Any] | None) -> Iterator[tuple[dict
     cache = {OCDBT_CACHE[0]: {"total_bytes_limit": OCDBT_CACHE[1]}}
     if scheme in ("", "file"):
         local = url if scheme == "" else urllib.parse.unquote(parsed.path)
+        check_local_tree(url)  # tensorstore follows links: none may lead out of the item
         yield {"driver": "file", "path": os.path.abspath(local).rstrip("/") + "/"}, cache
         return
     if scheme in ("gs", "gcs"):
