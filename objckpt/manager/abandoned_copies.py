@@ -11,9 +11,11 @@ reply was never read. One listing right after the copy stopped misses those.
 So each abandoned copy is kept here with the keys it writes (its blobs and index objects,
 known before it wrote anything) until a sweep finds none of them at the replica at least
 :data:`SETTLE_S` seconds after the copy stopped; every sweep deletes those it finds. A key
-found late arms the wait again. A step whose manifest is at the replica is committed there
-(the copy's own manifest landed, or another writer's): it is left to the replica's
-retention, never deleted here.
+found late arms the wait again. A request that outlives :data:`SETTLE_S` after the copy
+stopped (a server-side copy of a very large blob, still running on the server) can land
+after the last sweep: what it wrote is ``gc``'s, as a killed process's is. A step whose
+manifest is at the replica is committed there (the copy's own manifest landed, or another
+writer's): it is left to the replica's retention, never deleted here.
 """
 
 from __future__ import annotations
