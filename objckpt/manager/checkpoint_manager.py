@@ -345,6 +345,8 @@ class CheckpointManager:
         """Wait for the save in flight, then for the replicas (up to ``timeout`` seconds,
         ``replication_timeout`` by default), and close the stores; the manager cannot save afterwards.
 
+        The replicas are caught up when each holds every step the root keeps, with the
+        retention policies applied there and every copy abandoned mid-way deleted.
         Replicas still behind when the time is up are logged; a copy cut off leaves
         no partial step there, and the next manager on the same roots catches up.
         """
@@ -355,11 +357,8 @@ class CheckpointManager:
             finally:  # every process takes part in the last peer copy, whatever its own save did
                 if self._tiers is not None:
                     self._tiers.close()
-            if self._replicator is not None:
-                wait = self.replication_timeout if timeout is None else timeout
-                if not self._replicator.wait(wait):
-                    behind = [f"{s.url} (pending steps {s.pending})" for s in self._replicator.status() if s.pending]
-                    log.warning("objckpt stopped replicating after %.0f s; behind: %s", wait, "; ".join(behind))
+            if self._replicator is not None:  # every step, retention and abandoned copy settled at each replica
+                self._replicator.catch_up(self.replication_timeout if timeout is None else timeout)
         finally:
             self._closed = True
             self._preemption.close()

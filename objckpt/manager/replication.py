@@ -14,8 +14,13 @@ unreachable for a while) skips to the newest step, says so, and fills in the
 older steps still kept afterwards; a step the root's retention deleted
 meanwhile is never copied, and a copy it cut off mid-way (or one ``close`` cut
 off, of a step the root no longer keeps) has what it wrote at the replica
-deleted: its blobs and index objects, never a committed step. The same
-retention policies then run on each replica's own steps. Nothing here blocks a save: the root's commit never waits
+deleted: its blobs and index objects, never a committed step, including writes
+that land after the copy stopped (:mod:`objckpt.manager.abandoned_copies`). The
+same retention policies then run on each replica's own steps, after every copy
+that lands there. A replica is caught up (:meth:`Replicator.wait`, which
+``close`` calls) once it holds every step the root keeps, its retention has run
+since its last copy, and its abandoned copies are swept clean; ``close`` then
+stops the workers, every wait bounded by a timeout. Nothing here blocks a save: the root's commit never waits
 for a replica, and a failing replica is retried with backoff and reported by
 :meth:`Replicator.status`. The state starts from one listing of the root and of
 each replica, so a run killed mid-replication is caught up by the next one.
@@ -34,12 +39,13 @@ from typing import Any
 
 from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
 from objckpt.layouts.manifest_io import read_manifest
+from objckpt.manager.abandoned_copies import AbandonedCopies, exists
 from objckpt.manager.retention import KeepBest, RetentionPolicy, StepRecord, steps_to_delete
 from objckpt.options import Options
 from objckpt.restoring.locations import Location
 from objckpt.roots.layout import step_dir
 from objckpt.roots.listing import committed_steps
-from objckpt.roots.sweep import delete_checkpoint, delete_objects
+from objckpt.roots.sweep import delete_checkpoint
 from objckpt.storage import Store
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import RetryingStore, close_store, open_store
@@ -48,6 +54,10 @@ log = logging.getLogger("objckpt")
 
 #: Longest wait, in seconds, before a failing replica is tried again.
 MAX_BACKOFF_S = 60.0
+
+#: Longest wait, in seconds, of ``close`` for the root's first listing and for its last sweep
+#: of abandoned copies (a replica that does not answer is logged, not waited on).
+CLOSE_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -94,13 +104,20 @@ class _Replica:
     store: RetryingStore
     have: set[int] = field(default_factory=set)
     conflicts: set[int] = field(default_factory=set)  # steps holding another save there: left alone
-    partial: dict[int, set[str]] = field(default_factory=dict)  # copies stopped mid-way: the keys each writes
+    partial: dict[int, set[str]] = field(default_factory=dict)  # copies not committed yet: the keys each writes
+    abandoned: AbandonedCopies = field(init=False)  # copies whose step left the root: swept until settled
     status: ReplicaStatus = field(init=False)
     wake: asyncio.Event | None = None
     ready: bool = False
+    retained: bool = False  # the retention policies ran on ``have`` since it last grew
 
     def __post_init__(self) -> None:
         self.status = ReplicaStatus(self.location.url)
+        self.abandoned = AbandonedCopies(self.location.url)
+
+    def settled(self, root_steps: dict[int, float]) -> bool:
+        """Retention has run since the last copy, and no abandoned copy is left to sweep."""
+        return self.retained and not self.abandoned and all(s in root_steps for s in self.partial)
 
 
 class Replicator:
@@ -192,13 +209,17 @@ class Replicator:
                 await self._drop_abandoned(replica)
                 if not replica.ready:
                     replica.have = set(await committed_steps(replica.store))
-                    replica.ready = True
+                    replica.ready, replica.retained = True, False
+                if not replica.retained:
                     await self._retain(replica)
                 wanted = self._wanted(replica)
                 if not wanted:
                     self._publish(replica, None)
                     replica.wake.clear()
-                    await replica.wake.wait()
+                    try:  # an abandoned copy is swept again once it can settle
+                        await asyncio.wait_for(replica.wake.wait(), replica.abandoned.next_sweep_in())
+                    except TimeoutError:
+                        pass
                     continue
                 step = wanted[0]
                 if len(wanted) > 1 and len(wanted) != behind:
@@ -216,7 +237,7 @@ class Replicator:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a failing replica never stops the training: report, wait, retry
-                if step is not None and step not in self.root_steps:  # retention deleted it mid-copy
+                if step is not None and await self._left_root(step):  # retention deleted it mid-copy
                     log.info(
                         "objckpt replica %s skips step %d: deleted at the root meanwhile", replica.location.url, step
                     )
@@ -242,6 +263,19 @@ class Replicator:
                 except TimeoutError:
                     pass
 
+    async def _left_root(self, step: int) -> bool:
+        """Whether ``step`` has left the root (its copy failing then is no error): the root's
+        retention said so, or its manifest is gone (retention is deleting it now)."""
+        if step not in self.root_steps:
+            return True
+        try:
+            gone = not await exists(self.root.child(step_dir(step)), self.options)
+        except Exception:  # the root does not answer: the copy's error stands
+            return False
+        if gone:
+            self.root_steps.pop(step, None)
+        return gone
+
     async def _replicate(self, replica: _Replica, step: int) -> None:
         from objckpt.tools.copy import DestinationCommittedError, copy_stores_async
 
@@ -253,7 +287,7 @@ class Replicator:
         try:
             stats = await copy_stores_async(source, target, self.copy_options, writes=writes)
         except CheckpointNotFoundError:
-            if step in self.root_steps and not await _exists(source, self.options):
+            if step in self.root_steps and not await exists(source, self.options):
                 self.root_steps.pop(step, None)  # deleted at the root meanwhile: nothing to copy
                 with self._lock:
                     replica.status.skipped.append(step)
@@ -267,9 +301,11 @@ class Replicator:
                     f"{target.url} holds another checkpoint (save {e.save_id}); left as it is and not replicated"
                 ) from None
             replica.have.add(step)  # copied already (a run cut off after the commit)
+            replica.retained = False
             return
         replica.partial.pop(step, None)
         replica.have.add(step)
+        replica.retained = False
         with self._lock:
             replica.status.bytes_copied += stats.bytes_copied
             replica.status.client_bytes += stats.client_bytes
@@ -277,29 +313,24 @@ class Replicator:
         log.info("objckpt replicated step %d to %s (%s)", step, replica.location.url, stats.summary())
 
     async def _drop_abandoned(self, replica: _Replica) -> None:
-        """Delete at the replica what each copy stopped mid-way wrote, once its step has left
-        the root (the copy will never be finished). A step committed there meanwhile (by
-        another writer) is left alone."""
-
+        """Sweep at the replica what the copies of steps that left the root wrote, once each copy
+        has stopped (:mod:`objckpt.manager.abandoned_copies`). A step committed there meanwhile
+        (the copy's manifest landed, or another writer's) joins the replica's steps instead."""
         for step in [s for s in replica.partial if s not in self.root_steps]:
-            writes = replica.partial[step]
-            target = replica.store.child(step_dir(step))
-            if writes and not await _exists(target, self.options):
-                doomed = [o.key for o in await target.list() if o.key in writes]
-                await delete_objects(target, doomed)
-                if doomed:
-                    log.info(
-                        "objckpt replica %s: deleted the %d objects of an abandoned copy of step %d"
-                        " (the step left the root)",
-                        replica.location.url,
-                        len(doomed),
-                        step,
-                    )
-            del replica.partial[step]
+            writes = replica.partial.pop(step)
+            if writes:  # empty: it stopped before writing anything
+                replica.abandoned.add(step, writes)
+        if not replica.abandoned:
+            return
+        committed = await replica.abandoned.sweep(replica.store, self.options) - replica.conflicts
+        if committed:
+            replica.have |= committed
+            replica.retained = False
 
     async def _retain(self, replica: _Replica) -> None:
         """The manager's retention policies, on the replica's own steps."""
         if not self.policies or not replica.have:
+            replica.retained = True
             return
 
         ranked = any(isinstance(p, KeepBest) for p in self.policies)
@@ -312,6 +343,7 @@ class Replicator:
                 continue
             replica.have.discard(step)
             log.info("objckpt retention deleted step %d at the replica %s", step, replica.location.url)
+        replica.retained = True
 
     async def _metrics(self, replica: _Replica, step: int) -> dict[str, Any]:
         if step not in self.known_metrics:
@@ -357,22 +389,54 @@ class Replicator:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     async def _caught_up(self) -> bool:
-        return all(r.ready and not self._wanted(r) for r in self.replicas)
+        return all(r.ready and not self._wanted(r) and r.settled(self.root_steps) for r in self.replicas)
+
+    def catch_up(self, timeout: float) -> bool:
+        """:meth:`wait`, then a warning naming each replica still behind and what it lacks."""
+        if self.wait(timeout):
+            return True
+        behind = runtime.run_sync(self._behind())
+        log.warning("objckpt stopped replicating after %.0f s; behind: %s", timeout, "; ".join(behind))
+        return False
+
+    async def _behind(self) -> list[str]:
+        said = []
+        for replica, status in zip(self.replicas, self.status(), strict=True):
+            what = [] if replica.ready else ["not listed yet"]
+            if status.pending:
+                what.append(f"pending steps {status.pending}")
+            if replica.ready and not replica.retained:
+                what.append("retention not applied")
+            if replica.abandoned or any(s not in self.root_steps for s in replica.partial):
+                what.append("abandoned copies not yet deleted")
+            if what and status.last_error:
+                what.append(f"last error {status.last_error}")
+            if what:
+                said.append(f"{replica.location.url} ({', '.join(what)})")
+        return said
 
     def close(self) -> None:
-        """Stop the workers (a copy cut off leaves no partial step: its manifest goes last) and close the stores."""
+        """Stop the workers (a copy cut off leaves no partial step: its manifest goes last), sweep
+        the abandoned copies until they settle, and close the stores; each wait is bounded by
+        :data:`CLOSE_TIMEOUT_S`, and what is left undone is logged with the replica's URL."""
         self._closing = True
 
         async def stop() -> None:
             for worker in self._workers:
                 worker.cancel()
             await asyncio.gather(*self._workers, return_exceptions=True)
+            deadline = time.monotonic() + CLOSE_TIMEOUT_S
             for replica in self.replicas:  # copies cut off here whose step has left the root
                 try:
-                    await self._drop_abandoned(replica)
+                    while True:
+                        await asyncio.wait_for(self._drop_abandoned(replica), deadline - time.monotonic())
+                        wait = replica.abandoned.next_sweep_in()
+                        if wait is None:
+                            break
+                        await asyncio.sleep(min(wait, max(0.0, deadline - time.monotonic())))
                 except Exception as e:  # gc collects them later
                     log.warning(
-                        "objckpt could not delete an abandoned copy at %s: %s: %s",
+                        "objckpt could not delete an abandoned copy at %s: %s: %s (objckpt gc deletes it later)",
                         replica.location.url,
                         type(e).__name__,
                         e,
@@ -381,7 +445,7 @@ class Replicator:
         self._started.cancel()  # still listing the root (it may be down): no catching up now
         try:
             if not self._started.cancelled():
-                self._started.result()
+                self._started.result(timeout=CLOSE_TIMEOUT_S)
             runtime.run_sync(stop())
         except Exception as e:  # closing must not fail the manager's close
             log.warning("objckpt stopping replication: %s: %s", type(e).__name__, e)
@@ -401,11 +465,3 @@ class Replicator:
             keys = await collect(replica.store)
             deleted.extend(f"{replica.location.url}/{key}" for key in keys)
         return deleted
-
-
-async def _exists(store: Store, options: Options) -> bool:
-    try:
-        await read_manifest(store, size_limit=options.manifest_size_limit)
-    except CheckpointNotFoundError:
-        return False
-    return True
