@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import objckpt
-from objckpt.manager import checkpoint_manager
+from objckpt.manager import save_schedule
 from objckpt.manager.save_policy import SavePolicy
 from tests.multiprocess import run_processes
 
@@ -39,7 +39,7 @@ class _Clock:
 @pytest.fixture
 def clock(monkeypatch):
     fake = _Clock()
-    monkeypatch.setattr(checkpoint_manager, "_now", fake)
+    monkeypatch.setattr(save_schedule, "_now", fake)
     return fake
 
 
@@ -290,3 +290,28 @@ def test_continuous_saves_the_same_steps_on_every_process(s3_store):
     saved = results[0]["saved"]
     assert all(r["saved"] == saved and r["committed"] == saved for r in results)
     assert saved[0] == 0 and saved[-1] == 39 and len(saved) >= 2
+
+
+@pytest.mark.parametrize("asked", [1, None])
+def test_restore_of_the_step_being_saved_waits_for_its_commit(memory_store, held_uploads, asked):
+    """restore(step) / inspect(step) of the step this manager is still saving (or of the latest,
+    which it becomes) returns it once committed, not CheckpointNotFoundError."""
+    mgr = objckpt.CheckpointManager(memory_store.url)
+    assert mgr.save(0, _tree(0), wait=True)
+    assert mgr.save(1, _tree(1))
+    assert mgr.is_saving_in_progress() and mgr.steps() == [0]
+    threading.Timer(0.3, held_uploads.set).start()
+    assert float(mgr.restore(asked)["w"][0, 0]) == 1
+    assert not mgr.is_saving_in_progress()
+    assert mgr.inspect(asked).leaves
+    mgr.close()
+
+
+def test_restore_of_another_step_does_not_wait_for_the_save_in_flight(memory_store, held_uploads):
+    mgr = objckpt.CheckpointManager(memory_store.url)
+    assert mgr.save(0, _tree(0), wait=True)
+    assert mgr.save(1, _tree(1))
+    assert float(mgr.restore(0)["w"][0, 0]) == 0
+    assert mgr.is_saving_in_progress()  # step 0 was read beside the held save
+    held_uploads.set()
+    mgr.close()

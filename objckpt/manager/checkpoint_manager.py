@@ -23,25 +23,26 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.metadata import to_json_value
 from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError
-from objckpt.layouts.manifest_io import read_manifest
 from objckpt.manager.preemption import Preemption
 from objckpt.manager.replication import ReplicaStatus, Replicator
 from objckpt.manager.retention import RetentionPolicy, manager_policies
-from objckpt.manager.save_policy import SavePolicy, primary_decides
-from objckpt.manager.step_deletion import apply_retention, delete_step, gc_root
+from objckpt.manager.save_policy import SavePolicy
+from objckpt.manager.save_schedule import SaveSchedule
+from objckpt.manager.step_deletion import apply_retention, delete_step, gc_root, gc_roots
 from objckpt.options import Options
 from objckpt.restoring.locations import Location, as_locations
 from objckpt.roots.layout import step_dir
 from objckpt.roots.listing import committed_steps, list_steps
+from objckpt.roots.metrics import step_metrics
 from objckpt.roots.orbax_steps import orbax_metrics, orbax_step_at
 from objckpt.storage import Store
 from objckpt.tools.inspect import CheckpointInfo, inspect
@@ -56,8 +57,6 @@ if TYPE_CHECKING:
 # root's layout, listing and deletion (objckpt.roots: `objckpt rm`, `gc`) run without JAX.
 
 log = logging.getLogger("objckpt")
-
-_now = time.monotonic  # the clock of min_interval_seconds (tests replace it)
 
 
 class CheckpointManager:
@@ -187,6 +186,7 @@ class CheckpointManager:
         self._coordinator = get_coordinator()
         self._lock = threading.Lock()
         self._pending: concurrent.futures.Future[None] | None = None
+        self._pending_step: int | None = None  # the step of the save in flight
         self._metrics: dict[int, dict[str, Any]] = {}
         self._closed = False
         self.save_policy = SavePolicy.of(
@@ -196,10 +196,9 @@ class CheckpointManager:
             min_interval_seconds=min_interval_seconds,
             continuous=continuous,
         )
-        self._last_save_started = _now()
-        self._decided: tuple[int, bool] | None = None  # (step, should_save) of the last step asked
-        self._preempted: tuple[int, bool] | None = None  # (step, reached_preemption) likewise
         self._preemption = Preemption(catch_sigterm=catch_sigterm, process_count=self._coordinator.process_count)
+        timeout = self.options.barrier_timeout
+        self._schedule = SaveSchedule(self.save_policy, self._preemption, self._coordinator, self.root_url, timeout)
         self.replicas = as_locations(replicas, self.storage_options, primary=self.root_url)
         self.replication_timeout = replication_timeout
         self._replicator: Replicator | None = None
@@ -207,7 +206,6 @@ class CheckpointManager:
         if local is not None:
             from objckpt.manager.tiers import Tiers
 
-            timeout = self.options.barrier_timeout
             args = (local, local_interval_steps, local_keep_last, peers, peer_of, self._coordinator, timeout)
             self._tiers = Tiers(self.root_url, *args)
         if self.replicas and self._coordinator.is_primary:
@@ -235,19 +233,7 @@ class CheckpointManager:
         The answer is kept for the step, so ``should_save(step)`` then ``save(step, ...)``
         decide once.
         """
-        if self._decided is not None and self._decided[0] == step:
-            return self._decided[1]
-        decision = self.reached_preemption(step) or self.save_policy.by_step(step)
-        if not decision and self.save_policy.is_dynamic:
-            decision = self._decide_dynamic()
-        self._decided = (step, decision)
-        return decision
-
-    def _decide_dynamic(self) -> bool:
-        local = self.save_policy.dynamic(
-            now=_now(), last_save_started=self._last_save_started, saving=self.is_saving_in_progress()
-        )
-        return primary_decides(self._coordinator, self.root_url, local, timeout=self.options.barrier_timeout)
+        return self._schedule.should_save(step, saving=self.is_saving_in_progress())
 
     def reached_preemption(self, step: int) -> bool:
         """Whether a preemption notice has reached every process and ``step`` is where they all save.
@@ -257,9 +243,7 @@ class CheckpointManager:
         One process: the first step asked after SIGTERM, with ``catch_sigterm=True``.
         A save of that step waits for its commit, so the loop may stop right after it.
         """
-        if self._preempted is None or self._preempted[0] != step:
-            self._preempted = (step, self._preemption.reached(step))
-        return self._preempted[1]
+        return self._schedule.reached_preemption(step)
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save (its commit, then its retention pass) is still in flight."""
@@ -302,7 +286,7 @@ class CheckpointManager:
         user_metadata = to_json_value(dict(metadata or {}), "metadata")
         with self._lock:
             self._wait_pending()
-            self._last_save_started = _now()
+            self._schedule.started()
             full_metadata = {"objckpt.manager": {"step": step, "metrics": metrics}, **user_metadata}
             from objckpt.saving.api import save_async
 
@@ -314,7 +298,7 @@ class CheckpointManager:
                 metadata=full_metadata,
             )
             self._pending = runtime.submit(self._after_save(handle, step, metrics))
-            self._decided = None
+            self._pending_step = step
         if wait or self.reached_preemption(step):
             self.wait()
         return True
@@ -411,7 +395,9 @@ class CheckpointManager:
     ) -> Any:
         """Restore ``step`` (the latest committed one by default); ``partial`` and ``cast`` as in
         :func:`objckpt.restore`. With a local tier, every process calls it: they agree on the step
-        and the fastest tier that serves every process (:mod:`objckpt.manager.tiers`)."""
+        and the fastest tier that serves every process (:mod:`objckpt.manager.tiers`). A step this
+        manager is still saving (the latest, when ``step`` is None) is restored once it commits."""
+        self._settle(step)
         if self._tiers is not None:
             store = lambda s: self._restore_store(s, target, partial, cast)  # noqa: E731
             return self._tiers.restore(step, target, partial=partial, store_steps=self.steps, from_store=store)
@@ -436,7 +422,8 @@ class CheckpointManager:
 
     def inspect(self, step: int | None = None) -> CheckpointInfo:
         """What ``step`` (the latest committed one by default) holds, from its manifest alone:
-        :func:`objckpt.inspect` of :meth:`step_url`."""
+        :func:`objckpt.inspect` of :meth:`step_url`; a step still saving here, once it commits."""
+        self._settle(step)
         step = self._resolve(step)
         url = f"{self.root_url}/{step}" if self._orbax(step) else self.step_url(step)
         return inspect(url, storage_options=self.storage_options, options=self.options)
@@ -447,12 +434,14 @@ class CheckpointManager:
         if step not in self._metrics and self._orbax(step):
             self._metrics[step] = runtime.run_sync(orbax_metrics(self.store, step))
         if step not in self._metrics:
-            manifest = runtime.run_sync(
-                read_manifest(self.store.child(step_dir(step)), size_limit=self.options.manifest_size_limit)
-            )
-            info = manifest.metadata.get("objckpt.manager", {})
-            self._metrics[step] = dict(info.get("metrics", {})) if isinstance(info, dict) else {}
+            limit = self.options.manifest_size_limit
+            self._metrics[step] = runtime.run_sync(step_metrics(self.store.child(step_dir(step)), size_limit=limit))
         return self._metrics[step]
+
+    def _settle(self, step: int | None) -> None:
+        """Wait for this manager's save in flight when ``step`` is it (None: the latest, which it becomes)."""
+        if self.is_saving_in_progress() and (step is None or step == self._pending_step):
+            self.wait()
 
     def _orbax(self, step: int) -> bool:
         """Whether ``step`` is Orbax's: committed by Orbax under the root, not by objckpt (HEADs)."""
@@ -504,14 +493,6 @@ class CheckpointManager:
         the grace period, so a save in flight is safe even with a grace of 0.
         """
         grace = self.gc_grace_seconds if grace_seconds is None else grace_seconds
-        return runtime.run_sync(self._gc(grace))
-
-    async def _gc(self, grace: float) -> list[str]:
-        doomed = await self._gc_root(self.store, grace)
-        if self._replicator is not None:
-            doomed += await self._replicator.gc(lambda store: self._gc_root(store, grace))
-        return doomed
-
-    async def _gc_root(self, store: Store, grace: float) -> list[str]:
         limit, lease = self.options.manifest_size_limit, self.options.live_marker_lease
-        return await gc_root(store, grace, manifest_size_limit=limit, lease=lease)
+        collect = functools.partial(gc_root, grace=grace, manifest_size_limit=limit, lease=lease)
+        return runtime.run_sync(gc_roots(self.store, self._replicator, collect))

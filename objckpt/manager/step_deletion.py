@@ -74,3 +74,13 @@ async def gc_root(store: Store, grace: float, *, manifest_size_limit: int, lease
     if doomed:
         log.info("objckpt gc deleted %d unreferenced objects under %s", len(doomed), store.url)
     return doomed
+
+
+async def gc_roots(store: Store, replicator: Any, collect: Callable[[Store], Awaitable[list[str]]]) -> list[str]:
+    """``collect`` (:func:`gc_root` with its settings) at the root, then at every replica of
+    ``replicator`` (a :class:`~objckpt.manager.replication.Replicator`, or None): the root's
+    keys as they are, the replicas' as URLs."""
+    doomed = await collect(store)
+    if replicator is not None:
+        doomed += await replicator.gc(collect)
+    return doomed
