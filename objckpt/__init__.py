@@ -10,6 +10,7 @@ restore them onto any sharding::
 from typing import TYPE_CHECKING, Any
 
 from objckpt.errors import (
+    BucketNotFoundError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -19,11 +20,17 @@ from objckpt.errors import (
     HostMemoryError,
     IntegrityError,
     ObjckptError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    PeerCopyUnavailableError,
     SaveInProgressError,
     StorageOptionError,
     StoreError,
     StoreNotAvailableError,
+    StorePermissionError,
     TargetMismatchError,
+    ThrottledError,
+    TransientStoreError,
 )
 
 if TYPE_CHECKING:
@@ -95,6 +102,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointManager",
@@ -114,7 +122,10 @@ __all__ = [
     "LeafInfo",
     "Location",
     "ObjckptError",
+    "ObjectExistsError",
+    "ObjectNotFoundError",
     "Options",
+    "PeerCopyUnavailableError",
     "PerProcess",
     "Progress",
     "RetentionPolicy",
@@ -125,8 +136,11 @@ __all__ = [
     "StorageOptionError",
     "StoreError",
     "StoreNotAvailableError",
+    "StorePermissionError",
     "TargetMismatchError",
+    "ThrottledError",
     "TransferStats",
+    "TransientStoreError",
     "VerifyProblem",
     "VerifyReport",
     "convert_orbax",

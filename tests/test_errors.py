@@ -142,3 +142,27 @@ def test_credentials_never_appear_in_manifests_logs_errors_or_reprs(s3_service, 
     blob = "\n".join(texts)
     for secret in secrets:
         assert secret not in blob
+
+
+def test_every_documented_error_is_exported():
+    """Each error class docs/ERRORS.md names, and each of objckpt.errors, is ``objckpt.<Name>``
+    and in ``objckpt.__all__``: a user catches what the table promises without knowing our modules."""
+    import builtins
+    import inspect
+    import pathlib
+    import re
+
+    import objckpt.errors
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "ERRORS.md").read_text()
+    documented = {name for name in re.findall(r"`(?:objckpt\.)?([A-Z]\w*Error)`", text) if not hasattr(builtins, name)}
+    defined = {
+        name
+        for name, cls in vars(objckpt.errors).items()
+        if inspect.isclass(cls) and issubclass(cls, objckpt.ObjckptError)
+    }
+    assert documented <= defined, f"ERRORS.md names classes objckpt.errors lacks: {sorted(documented - defined)}"
+    assert {"BucketNotFoundError", "PeerCopyUnavailableError", "ThrottledError"} <= documented
+    for name in sorted(defined):
+        assert getattr(objckpt, name) is getattr(objckpt.errors, name), name
+    assert sorted(defined - set(objckpt.__all__)) == []

@@ -9,6 +9,7 @@ CLI; hostile roots (each a FormatError naming the leaf); version 2 unchanged.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -156,7 +157,8 @@ def test_inspect_and_cli(tmp_path, capsys):
     assert cli_main(["inspect", url]) == 0
     out = capsys.readouterr().out
     assert '{"lr": 0.5}' in out  # a small document inline
-    assert "<JSON document," in out and "v" * 50 not in out  # a large one by its size
+    assert "<JSON document, 1.2 KiB: below>" in out  # a longer one under the table, pretty
+    assert "\n['big'] (json):\n{\n" in out and f'  "k19": "{"v" * 50}"\n}}' in out
     assert "1 process(es): 300 B" in out
     assert cli_main(["inspect", "--json", url]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -336,3 +338,50 @@ def test_per_process_items_fit_the_commit_report(tmp_path):
     with pytest.raises(ValueError, match="PerProcess items take .* one PerProcess"):
         objckpt.save(str(tmp_path / "b"), {f"v{i}": objckpt.PerProcess(b"x") for i in range(40)})
     assert not (tmp_path / "b" / "manifest.json").exists()
+
+
+def _config(i: int) -> dict[str, object]:
+    return {
+        "model": {"layers": 24 + i, "d_model": 4096, "heads": 32, "activation": "gelu", "norm": "rmsnorm"},
+        "optimizer": {"name": "adamw", "lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1, "warmup": 2000},
+        "data": {"path": "gs://bucket/tokens/train-*.tfrecord", "seq_len": 2048, "global_batch": 512},
+        "loss": float("nan"),
+    }
+
+
+@pytest.mark.s3
+def test_inspect_shows_documents_and_prints_one_item_whole(s3_service, s3_store, monkeypatch, capsys):
+    url = s3_store.url
+    history = {f"step_{i}": {"loss": 1.0 / (i + 1), "lr": 3e-4} for i in range(200)}  # ~9 KiB
+    tree = {"config": objckpt.Json(_config(0)), "run": {"history": objckpt.Json(history)}, "w": np.arange(8)}
+    objckpt.save(url, tree, storage_options=s3_store.storage_options)
+    for name, value in s3_service.env().items():
+        monkeypatch.setenv(name, value)
+    assert cli_main(["inspect", url]) == 0
+    out = capsys.readouterr().out
+    # A training config of a few hundred bytes: pretty, whole, under the table.
+    assert re.search(r"\['config'\] +json +<JSON document, 3\d\d B: below> +3\d\d B  -\n", out), out
+    shown = out[out.index("\n['config'] (json):\n") :]
+    assert '  "optimizer": {\n    "name": "adamw",\n    "lr": 0.0003,\n    "betas": [0.9, 0.95],' in shown
+    assert '  "loss": NaN\n}' in shown
+    # A longer document: its first 4 KiB of lines, then a marker naming what prints it whole.
+    shown = out[out.index("\n['run']['history'] (json):\n") :]
+    assert '"step_10": {"loss": ' in shown and '"step_199"' not in shown
+    assert re.search(r"\n\.\.\. \(cut: \d+ of 202 lines shown; objckpt inspect (\S+) --item run/history prints", shown)
+    assert len(shown[: shown.index("\n... (cut")].encode()) <= 4096 + len("\n['run']['history'] (json):\n")
+    assert cli_main(["inspect", url, "--item", "run/history"]) == 0
+    whole = capsys.readouterr().out
+    assert json.loads(whole) == history and whole.count("\n") == 202  # 202 lines, each ended
+    for name in ("config", "['config']"):
+        assert cli_main(["inspect", url, "--item", name]) == 0
+        text = capsys.readouterr().out
+        doc = json.loads(text)  # Python's JSON reads NaN back
+        assert doc["model"] == _config(0)["model"] and doc["loss"] != doc["loss"]
+    assert cli_main(["inspect", "--json", url, "--item", "config"]) == 0
+    leaf = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"--json printed {c}"))
+    assert leaf["path"] == "['config']" and leaf["value"]["loss"] == "NaN" and leaf["value"]["data"]["seq_len"] == 2048
+    assert cli_main(["inspect", url, "--item", "w"]) == 0
+    assert capsys.readouterr().out.startswith("['w']  int64[8]")
+    assert cli_main(["inspect", url, "--item", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "has no leaf named 'nope'" in err and "its items: config, run/history" in err, err

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 from typing import Any
 
+from objckpt.cli._inspect import show
 from objckpt.cli._output import dump, iso_time, table, utc_time
 from objckpt.cli._stores import UsageError, options_from_args
 from objckpt.core.format import MANIFEST_KEY
@@ -20,7 +19,6 @@ from objckpt.roots.listing import group_checkpoints, root_steps
 from objckpt.roots.sweep import collect, delete_checkpoint
 from objckpt.saving.live_markers import committed_save_id, explain, live_markers
 from objckpt.tools.copy import copy
-from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
 from objckpt.tools.verify import verify
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import close_store, open_store
@@ -90,109 +88,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------- inspect
 
 
-def _sharding(leaf: LeafInfo) -> str:
-    s = leaf.sharding
-    if leaf.kind == "ndarray":
-        return "host (numpy)"
-    if not s:
-        return "-"
-    if "prng_impl" in s:
-        return f"PRNG key ({s['prng_impl']})"
-    if s.get("type") == "NamedSharding" and _is_mesh(s.get("mesh")) and _is_spec(s.get("spec")):
-        mesh = ",".join(f"{k}={v}" for k, v in s["mesh"].items())
-        spec = ",".join("None" if p is None else ("+".join(p) if isinstance(p, list) else p) for p in s["spec"])
-        return f"mesh({mesh}) spec({spec})"
-    if isinstance(s.get("type"), str) and type(s.get("devices")) is int:
-        return f"{s['type']} on {s['devices']} device(s)"
-    # The description is informational and comes from the manifest as is: anything of
-    # another shape is shown as the JSON it is, never interpreted.
-    return json.dumps(s, sort_keys=True)
-
-
-def _is_mesh(mesh: Any) -> bool:
-    return isinstance(mesh, dict) and all(type(v) is int for v in mesh.values())
-
-
-def _is_spec(spec: Any) -> bool:
-    def axis(p: Any) -> bool:
-        return p is None or isinstance(p, str) or (isinstance(p, list) and all(isinstance(a, str) for a in p))
-
-    return isinstance(spec, list) and all(axis(p) for p in spec)
-
-
-def _value(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
-
-
-def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
-    return {
-        "url": info.url,
-        "format": info.format,
-        "format_version": info.format_version,
-        "created": info.created,
-        "save_id": info.save_id,
-        "num_processes": info.num_processes,
-        "total_bytes": info.total_bytes,
-        "num_blobs": info.num_blobs,
-        "metadata": info.metadata,
-        "leaves": [
-            {
-                "path": leaf.path,
-                "kind": leaf.kind,
-                "dtype": leaf.dtype,
-                "shape": list(leaf.shape) if leaf.shape is not None else None,
-                "key_type": leaf.key_type,
-                "nbytes": leaf.nbytes,
-                "sharding": leaf.sharding,
-                "value": _value(leaf.value),
-            }
-            for leaf in info.leaves.values()
-        ],
-    }
-
-
 def _step_url(args: argparse.Namespace, url: str, side: str = "") -> str:
     """``url``, or the step it names the short way (``ROOT/300``, ``ROOT/step_300``)."""
     return resolve_step_url(url, options_from_args(args, url, side))
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    url = _step_url(args, args.url)
-    info = inspect(url, storage_options=options_from_args(args, url))
-    if args.json:
-        dump(_info_doc(info))
-        return 0
-    rows = []
-    for leaf in info.leaves.values():
-        summary = leaf.item_summary()
-        if summary is not None:  # a Json or PerProcess item
-            size = sum(leaf.value) if leaf.kind == "per_process" else len(json.dumps(leaf.value).encode())
-            rows.append([leaf.path, leaf.kind, summary, human_bytes(size), "-"])
-        elif leaf.shape is None:
-            rows.append([leaf.path, leaf.kind, f"= {leaf.value!r}", "-", "-"])
-        else:
-            dtype = leaf.dtype if leaf.kind in ("array", "ndarray") else leaf.kind
-            shape = list(leaf.shape)
-            if leaf.key_type is not None:  # a typed PRNG key array: its key type and its own shape
-                dtype, shape = leaf.key_type, shape[:-1]
-            rows.append([leaf.path, str(dtype), str(shape), human_bytes(leaf.nbytes), _sharding(leaf)])
-    print(f"{'Orbax checkpoint' if info.format == 'orbax' else 'checkpoint'} {info.url}")
-    print(table(["LEAF", "DTYPE", "SHAPE", "SIZE", "SAVED SHARDING"], rows, right={3}))
-    if info.format == "orbax":
-        print(
-            f"total: {len(info.leaves)} leaves, {human_bytes(info.total_bytes)} ({info.total_bytes} bytes);"
-            f" written by Orbax, created {info.created or 'unknown'}, {info.num_processes} process(es)"
-        )
-        return 0
-    print(
-        f"total: {len(info.leaves)} leaves, {human_bytes(info.total_bytes)} ({info.total_bytes} bytes)"
-        f" in {info.num_blobs} blobs; format v{info.format_version}, created {info.created},"
-        f" {info.num_processes} process(es), save_id {info.save_id}"
-    )
-    print(f"metadata: {json.dumps(info.metadata, sort_keys=True, default=str) if info.metadata else '{}'}")
-    return 0
+    return show(args, _step_url(args, args.url))
 
 
 # ------------------------------------------------------------------ verify / cp

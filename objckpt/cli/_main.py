@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("inspect", "cmd_inspect", "show a checkpoint's leaves, dtypes, shapes, sizes, shardings")
     p.add_argument("url", metavar="URL")
+    p.add_argument(
+        "--item",
+        metavar="NAME",
+        help="print one leaf: a Json item's document whole (NAME: its path as inspect shows it, or its keys"
+        " joined by '/', e.g. config or opt/config)",
+    )
     _common(p)
     add_store_flags(p)
 

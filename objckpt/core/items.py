@@ -5,7 +5,10 @@ process's data-iterator position, objects with a serialisation of their own.
 These classes mark such values anywhere in a pytree (they are pytree leaves):
 
 - ``Json(value)``: a JSON document, kept inline in the root manifest (``kind
-  "json"``), shown by ``inspect``, restorable without reading any blob.
+  "json"``), shown by ``inspect``, restorable without reading any blob. Its NaN
+  and infinities come back as floats: the manifest is strict JSON, so each is
+  stored as the string :data:`~objckpt.core.metadata.NON_FINITE` names and the
+  leaf lists where those strings stand for floats (:func:`stored_document`).
 - ``PerProcess(value)``: every process saves its own value (bytes, str or a
   JSON document) and each process restores its own (``kind "per_process"``);
   ``PerProcess(all=True)`` in a target returns every process's value, in
@@ -23,9 +26,11 @@ This module holds the markers and the value ↔ bytes rules; no I/O, no JAX.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Protocol, runtime_checkable
 
-from objckpt.core.metadata import to_json_value
+from objckpt.core.metadata import MAX_DEPTH, NON_FINITE, to_json_value
+from objckpt.core.strict import strict_json
 
 #: The largest JSON document a ``json`` leaf holds (encoded, UTF-8); readers refuse larger.
 JSON_MAX_BYTES = 1 << 20
@@ -145,21 +150,90 @@ def state_of(value: Any, path: str) -> Any:
 def json_document(value: Any, path: str) -> tuple[Any, bytes]:
     """``value`` as plain JSON, and its encoding; refused when it has no JSON form or is too large.
 
+    The plain document keeps NaN and infinities as floats; the encoding writes them as the
+    tokens ``NaN``, ``Infinity`` and ``-Infinity`` (what :func:`decode_value` reads back).
+    The size cap counts the document as the manifest stores it (:func:`stored_document`).
+
     Raises:
         TypeError: a part of ``value`` has no JSON form (its key path named).
-        ValueError: the encoded document is over :data:`JSON_MAX_BYTES`.
+        ValueError: the document nests deeper than :data:`~objckpt.core.metadata.MAX_DEPTH`
+            (or contains itself), or its stored form is over :data:`JSON_MAX_BYTES`.
     """
     try:
-        plain = to_json_value(value, path)
+        plain = to_json_value(value, path, non_finite=True)
     except TypeError as e:
         raise TypeError(f"leaf {path}: not a JSON document: {e}") from None
-    encoded = json.dumps(plain, separators=(",", ":"), allow_nan=False).encode()
-    if len(encoded) > JSON_MAX_BYTES:
+    except ValueError as e:
+        raise ValueError(f"leaf {path}: not a JSON document: {e}") from None
+    stored, floats = stored_document(plain)
+    size = stored_size(stored, floats)
+    if size > JSON_MAX_BYTES:
         raise ValueError(
-            f"leaf {path}: the JSON document is {len(encoded)} bytes, over the {JSON_MAX_BYTES}-byte cap of a"
+            f"leaf {path}: the JSON document is {size} bytes, over the {JSON_MAX_BYTES}-byte cap of a"
             " Json item (store large data as arrays or bytes)"
         )
-    return plain, encoded
+    return plain, json.dumps(plain, separators=(",", ":")).encode()
+
+
+def stored_document(document: Any) -> tuple[Any, list[list[str | int]]]:
+    """A plain document as strict JSON holds it: each NaN or infinity replaced by its string in
+    :data:`~objckpt.core.metadata.NON_FINITE`, and the key path of each (a list of object keys
+    and list positions), in document order. No non-finite float: the document itself and ``[]``."""
+    floats: list[list[str | int]] = []
+
+    def walk(value: Any, at: list[str | int]) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            floats.append(list(at))
+            return NON_FINITE[repr(value)]
+        if isinstance(value, dict):
+            return {k: walk(v, [*at, str(k)]) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, [*at, i]) for i, v in enumerate(value)]
+        return value
+
+    stored = walk(document, [])
+    return (stored if floats else document), floats
+
+
+def stored_size(stored: Any, floats: list[list[str | int]]) -> int:
+    """The bytes a ``json`` leaf counts against :data:`JSON_MAX_BYTES`: its stored document's
+    compact encoding, plus its list of floats' when it has one."""
+    size = len(json.dumps(stored, separators=(",", ":")).encode())
+    return size + (len(json.dumps(floats, separators=(",", ":")).encode()) if floats else 0)
+
+
+def document_from_stored(stored: Any, floats: Any) -> Any:
+    """The inverse of :func:`stored_document`: the strings at the key paths ``floats`` as floats.
+
+    ``stored`` comes from a parsed manifest and is changed in place.
+
+    Raises:
+        ValueError: ``floats`` is not a list of key paths, or one does not lead to one of the
+            strings (a path of the wrong type, a missing key, a position past a list's end,
+            another value, the same path twice).
+    """
+    if not isinstance(floats, list) or not floats:
+        raise ValueError("must be a non-empty list of key paths")
+    names = {text: float(text) for text in NON_FINITE.values()}
+    for j, at in enumerate(floats):
+        if not isinstance(at, list) or len(at) > MAX_DEPTH:
+            raise ValueError(f"[{j}] is not a key path (a list of at most {MAX_DEPTH} keys and positions)")
+        parent: Any = None
+        node = stored
+        for key in at:
+            ok = (type(key) is str and isinstance(node, dict) and key in node) or (
+                type(key) is int and isinstance(node, list) and 0 <= key < len(node)
+            )
+            if not ok:
+                raise ValueError(f"[{j}] {json.dumps(at)[:200]} leads nowhere in the document")
+            parent, node = node, node[key]
+        if type(node) is not str or node not in names:
+            raise ValueError(f"[{j}] {json.dumps(at)[:200]} does not lead to 'NaN', 'Infinity' or '-Infinity'")
+        if parent is None:
+            stored = names[node]
+        else:
+            parent[at[-1]] = names[node]
+    return stored
 
 
 def encode_value(value: Any, path: str) -> tuple[bytes, str]:
@@ -186,7 +260,7 @@ def decode_value(data: bytes, encoding: str) -> Any:
         return data
     if encoding == "str":
         return data.decode()
-    return json.loads(data)
+    return strict_json(data, "the JSON value", non_finite=True)
 
 
 def load_into(target: Any, state: Any) -> Any:

@@ -17,8 +17,13 @@ from typing import Any
 from objckpt.errors import FormatError
 
 
-def strict_json(data: bytes, doc: str = "manifest") -> Any:
-    """``data`` as JSON under the rules above; ``doc`` names the document in errors."""
+def strict_json(data: bytes, doc: str = "manifest", *, non_finite: bool = False) -> Any:
+    """``data`` as JSON under the rules above; ``doc`` names the document in errors.
+
+    ``non_finite`` takes the constants ``NaN``, ``Infinity`` and ``-Infinity`` as floats: a
+    document that is a user's value (a ``PerProcess`` JSON value), not one of the format's own.
+    A number that overflows a double is refused all the same.
+    """
     if data[:3] == b"\xef\xbb\xbf":
         raise FormatError(f"{doc} is not valid JSON: it starts with a UTF-8 byte-order mark")
     try:
@@ -27,6 +32,8 @@ def strict_json(data: bytes, doc: str = "manifest") -> Any:
         raise FormatError(f"{doc} is not valid JSON: not UTF-8 at byte {e.start} ({e.reason})") from None
 
     def reject_constant(name: str) -> Any:
+        if non_finite:
+            return float(name)
         raise FormatError(f"{doc} contains the non-JSON constant {name}")
 
     def finite_float(text: str) -> float:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.items import document_from_stored, stored_document
 from objckpt.core.strict import fields, is_int, need, strict_json
 from objckpt.errors import FormatError
 
@@ -104,7 +105,11 @@ def _leaf_json(leaf: LocalLeaf) -> dict[str, Any]:
     if leaf.dtype is not None:
         out["dtype"] = leaf.dtype
         out["shape"] = list(leaf.shape)
-    if leaf.value is not None:
+    if leaf.kind == "json":
+        out["value"], floats = stored_document(leaf.value)
+        if floats:  # NaN and infinities, stored as strings (objckpt.core.items.stored_document)
+            out["floats"] = floats
+    elif leaf.value is not None:
         out["value"] = leaf.value
     if leaf.prng_impl is not None:
         out["prng_impl"] = leaf.prng_impl
@@ -166,7 +171,7 @@ def parse_local_manifest(data: bytes) -> LocalManifest:
 
 def _parse_leaf(raw: Any, i: int, data_size: int) -> LocalLeaf:
     where = f"leaves[{i}]"
-    fields(raw, where, {"path", "kind"}, {"dtype", "shape", "value", "boxes", "prng_impl"}, doc=_DOC)
+    fields(raw, where, {"path", "kind"}, {"dtype", "shape", "value", "floats", "boxes", "prng_impl"}, doc=_DOC)
     need(isinstance(raw["path"], str), f"{where}.path", "not a string", _DOC)
     kind = raw["kind"]
     need(kind in KINDS, f"{where}.kind", f"{kind!r} is not one of {KINDS}", _DOC)
@@ -198,7 +203,14 @@ def _parse_leaf(raw: Any, i: int, data_size: int) -> LocalLeaf:
         value = raw.get("value")
         need(isinstance(value, dict) and value.get("encoding") in ("bytes", "str", "json"), where, "bad value", _DOC)
         need(len(boxes) <= 1 and dtype == "uint8", where, "a per-process value is one uint8 box", _DOC)
-    return LocalLeaf(raw["path"], kind, dtype, shape, raw.get("value"), tuple(boxes), prng)
+    value = raw.get("value")
+    if "floats" in raw:
+        need(kind == "json", f"{where}.floats", "only a json leaf lists floats", _DOC)
+        try:
+            value = document_from_stored(value, raw["floats"])
+        except ValueError as e:
+            raise FormatError(f"{_DOC} field {where}.floats: {e}") from None
+    return LocalLeaf(raw["path"], kind, dtype, shape, value, tuple(boxes), prng)
 
 
 def aligned(offset: int) -> int:

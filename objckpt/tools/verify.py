@@ -24,12 +24,13 @@ from typing import Any
 from objckpt.core.checksum import damage
 from objckpt.core.format import BlobEntry, Manifest, Piece
 from objckpt.core.format.v2 import require_digest
-from objckpt.errors import StoreError
+from objckpt.errors import CheckpointNotFoundError, StoreError
 from objckpt.layouts.base import VerifyProblem, VerifyReport
 from objckpt.layouts.native import NativeCheckpoint
 from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import MiB, Options
 from objckpt.progress import ProgressArg, reporting
+from objckpt.roots.hints import explained
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats
 from objckpt.transfer.handle import Handle, opened
@@ -95,7 +96,10 @@ def verify(
     started = time.perf_counter()
     with opened(url, storage_options, options, stats) as handle:
         store = handle.store
-        checkpoint = open_checkpoint(store, options=options, storage_options=storage_options)
+        try:
+            checkpoint = open_checkpoint(store, options=options, storage_options=storage_options)
+        except CheckpointNotFoundError as e:  # a manager root, a step its root lacks: said so
+            raise explained(e, store, storage_options, options) from None
         if not isinstance(checkpoint, NativeCheckpoint):  # another layout (Orbax): its reader checks what it can
             report = checkpoint.verify(options, stats, progress)
             log.info("objckpt %s", report.summary())

@@ -17,7 +17,6 @@ field. This module does no I/O.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Sequence
@@ -26,7 +25,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from objckpt.core.checksum import is_sha256_hex
 from objckpt.core.dtypes import dtype_from_name
-from objckpt.core.items import ENCODINGS, JSON_MAX_BYTES, PER_PROCESS_MAX_BYTES
+from objckpt.core.items import (
+    ENCODINGS,
+    JSON_MAX_BYTES,
+    PER_PROCESS_MAX_BYTES,
+    document_from_stored,
+    stored_document,
+    stored_size,
+)
 from objckpt.core.layout import Mesh
 from objckpt.core.pieces import Piece, _fast_piece, _piece_from_json, check_tiling
 from objckpt.core.strict import fields, is_int, need
@@ -195,6 +201,10 @@ def leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:
         out["value"] = float(leaf.value).hex()
     elif leaf.kind == "per_process":
         out["processes"] = list(leaf.value)
+    elif leaf.kind == "json":
+        out["value"], floats = stored_document(leaf.value)
+        if floats:  # NaN and infinities: stored as strings, listed here (rule 14)
+            out["floats"] = floats
     elif leaf.kind != "none":
         out["value"] = leaf.value
     return out
@@ -306,17 +316,24 @@ def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int] | None, processe
 
 def _item_from_json(raw: dict[str, Any], where: str, kind: str, processes: int) -> LeafEntry:
     """A ``json`` or ``per_process`` leaf (version 3), every error naming the leaf's path."""
-    fields(raw, where, {"path", "kind", "value" if kind == "json" else "processes"})
+    json_item = kind == "json"
+    fields(raw, where, {"path", "kind", "value" if json_item else "processes"}, {"floats"} if json_item else set())
     path = raw["path"]
     need(isinstance(path, str) and len(path) <= 4096, f"{where}.path", "must be a string")
-    if kind == "json":
-        size = len(json.dumps(raw["value"], separators=(",", ":")).encode())
+    if json_item:
+        floats = raw.get("floats")
+        size = stored_size(raw["value"], floats or [])
         need(
             size <= JSON_MAX_BYTES,
             f"{where}.value",
             f"leaf {path}: a JSON document of {size} bytes, over the {JSON_MAX_BYTES}-byte cap",
         )
-        return LeafEntry(path, kind, value=raw["value"])
+        if floats is None:
+            return LeafEntry(path, kind, value=raw["value"])
+        try:
+            return LeafEntry(path, kind, value=document_from_stored(raw["value"], floats))
+        except ValueError as e:
+            raise FormatError(f"manifest field {where}.floats: leaf {path}: {e}") from None
     values = raw["processes"]
     need(
         isinstance(values, list) and len(values) == processes,
