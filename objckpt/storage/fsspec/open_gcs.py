@@ -21,6 +21,7 @@ import types
 from typing import Any
 
 from objckpt.storage.base import Store
+from objckpt.storage.endpoint import gcs_endpoint as configured_endpoint
 from objckpt.storage.opening import pop_timeout, preflight, require
 from objckpt.storage.urls import redact_url, scheme_of
 
@@ -61,6 +62,7 @@ def open_gcsfs(url: str, **storage_options: Any) -> Store:
     options = dict(storage_options)
     store_kw = pop_timeout(options)
     ca_file = options.pop("ca_bundle", None) or os.environ.get("REQUESTS_CA_BUNDLE") or None
+    store_kw["configured_endpoint"] = configured_endpoint(options, os.environ)
     endpoint = options.get("endpoint_url")
     emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
     if not endpoint and emulator and emulator != "default":
