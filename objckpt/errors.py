@@ -98,3 +98,10 @@ class BucketNotFoundError(StoreError, FileNotFoundError):
 class StorageOptionError(ObjckptError, ValueError):
     """A storage option the URL's store does not take (misspelt, or another filesystem's):
     refused when the store opens, naming the option, before a client library sees it."""
+
+
+class EndpointRefusedError(StoreError, ConnectionRefusedError):
+    """The endpoint a store was configured with (``endpoint_url``, ``AWS_ENDPOINT_URL``,
+    ``STORAGE_EMULATOR_HOST``...) refuses TCP connections before it ever answered: a setting
+    to fix (no server listens at that host and port), not retried; the message names the
+    endpoint and the setting it came from."""

@@ -23,6 +23,16 @@ libraries log them (XML elements, dicts, JSON, form bodies, headers, query
 strings), bearer tokens, JWTs, Google access and refresh tokens and PEM private
 keys. Nothing here talks to a server: it is text matching, written by hand
 because no logging library does it.
+
+Shapes miss what they do not know (an opaque web identity token, a token with
+a quote in it, a secret quoted in an exception), so the secrets themselves are
+redacted too, by value, wherever they show (the message and the rendered
+exception of a record): when a store opens, objckpt reads what its credential
+sources hold (:mod:`objckpt.storage.auth.secrets`: the web identity token
+file, shared credential and SSO cache files, service-account and
+``authorized_user`` keys, external-account subject tokens, ...) and
+:func:`remember_secrets` keeps the values, in memory only, for every
+:class:`RedactingFilter` of the process.
 """
 
 from __future__ import annotations
@@ -117,10 +127,51 @@ _PATTERNS: list[tuple[re.Pattern[str], str]] = [
 ]
 
 
+#: The shortest value :func:`remember_secrets` keeps (shorter ones would mask ordinary words).
+MIN_REMEMBERED = 8
+_remembered: tuple[str, ...] = ()  # longest first; replaced whole, never mutated (read without the lock)
+
+
+def _spellings(value: str) -> set[str]:
+    """``value`` as a log line may carry it: as is, stripped, escaped as ``repr`` and JSON escape
+    it, percent-encoded as in a form body, and each long line of a multi-line value (a PEM key)."""
+    import json
+    import urllib.parse
+
+    stripped = value.strip()
+    found = {value, stripped, repr(stripped)[1:-1], json.dumps(stripped)[1:-1]}
+    found.add(urllib.parse.quote_plus(stripped))
+    found.add(urllib.parse.quote(stripped, safe=""))
+    if "\n" in stripped or "\n" in value:
+        found.update(line.strip() for line in stripped.splitlines())
+    return {s for s in found if len(s) >= MIN_REMEMBERED}
+
+
+def remember_secrets(values: Iterable[str]) -> None:
+    """Redact each of ``values`` (and its escaped spellings) from every client record from now on.
+
+    For the credentials objckpt reads from a credential source when a store
+    opens; values shorter than :data:`MIN_REMEMBERED` characters are ignored.
+    Kept in this process's memory only, and never shown.
+    """
+    global _remembered
+    new: set[str] = set()
+    for value in values:
+        if isinstance(value, str) and len(value.strip()) >= MIN_REMEMBERED:
+            new.update(_spellings(value))
+    with _lock:
+        if new - set(_remembered):
+            _remembered = tuple(sorted(set(_remembered) | new, key=len, reverse=True))
+
+
 def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with secret-looking values, and each of ``secrets``, replaced by ``***``."""
+    """``text`` with secret-looking values, each of ``secrets`` and each remembered secret
+    (:func:`remember_secrets`) replaced by ``***``."""
     for secret in sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True):
         text = text.replace(secret, _MASK)
+    for secret in _remembered:
+        if secret in text:
+            text = text.replace(secret, _MASK)
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
     return text
@@ -130,8 +181,11 @@ class RedactingFilter(logging.Filter):
     """A filter that rewrites secret-looking values of a record's message and keeps every record.
 
     The record's message is formatted once (``msg % args``) and, if anything
-    was redacted, replaces ``msg`` with ``args`` emptied; records without a
-    secret pass untouched.
+    was redacted, replaces ``msg`` with ``args`` emptied; an exception the
+    record carries is rendered as the standard formatter renders it and, if
+    anything in it was redacted, set as the record's ``exc_text`` (which
+    formatters print instead of rendering it again); records without a secret
+    pass untouched.
 
     Args:
         secrets: Exact values to redact besides the secret-looking ones
@@ -150,7 +204,18 @@ class RedactingFilter(logging.Filter):
         clean = redact_text(message, self.secrets)
         if clean != message:
             record.msg, record.args = clean, ()
+        if record.exc_info and record.exc_info[0] is not None:
+            try:
+                rendered = record.exc_text or _RENDER.formatException(record.exc_info)
+            except Exception:  # an exception that cannot render is its logger's business
+                return True
+            scrubbed = redact_text(rendered, self.secrets)
+            if scrubbed != rendered:
+                record.exc_text = scrubbed
         return True
+
+
+_RENDER = logging.Formatter()
 
 
 _FILTER = RedactingFilter()

@@ -483,3 +483,75 @@ def test_the_cli_run_in_process_takes_back_its_log_handler_and_levels(tmp_path: 
     assert main(["ls", str(tmp_path / "missing"), "-v"]) in (0, 1)
     assert root.handlers == handlers
     assert (root.level, ours.level) == levels
+
+
+@pytest.mark.parametrize("backend", ["obstore", "fsspec"])
+def test_s3_web_identity_token_of_any_shape_stays_out_of_debug_logs(
+    s3_ids, cloud_env: Env, tmp_path: Path, backend: str
+) -> None:
+    """A web identity token no shape knows (opaque, with a quote, so a pattern stops halfway): the
+    token file's contents are redacted by value, whole, in the CLI's ``--debug`` output and under
+    ``basicConfig(level=DEBUG)``."""
+    web_token = f"opaque-{uuid.uuid4().hex}'{uuid.uuid4().hex}"
+    with CredentialServer(aws_keys=[KEYS[8]], session_tokens=False, web_identity_token=web_token) as sts:
+        env = cloud_env(**sts.web_identity_env(tmp_path / "web-identity-token"))
+        source = _s3(s3_ids, env, secrets=[web_token, *web_token.split("'"), *_served(sts)])
+        source.options["objckpt_backend"] = backend
+        _check_every_path(_url(s3_ids), source)
+        assert sts.fetches["sts-web-identity"] >= 1
+
+
+def test_what_credential_sources_hold_is_redacted_by_value_in_any_record(user_logging, cloud_env, tmp_path) -> None:
+    """Opening a store reads what its credential sources hold (the web identity token file, profile
+    and SSO cache files, service-account, authorized-user and external-account files) and masks those
+    values in any client record, in any shape: bare, quoted, escaped, inside a logged exception."""
+    from objckpt.storage.registry import from_url
+
+    web_token = f"opaque-{uuid.uuid4().hex}'{uuid.uuid4().hex}"
+    (tmp_path / "wit").write_text(web_token + "\n")
+    home = tmp_path / "home"
+    profile_secret, sso_token = f"profile-{uuid.uuid4().hex}", f"sso-{uuid.uuid4().hex}"
+    (home / ".aws" / "sso" / "cache").mkdir(parents=True)
+    (home / ".aws" / "config").write_text(f"[profile other]\naws_secret_access_key = {profile_secret}\n")
+    (home / ".aws" / "sso" / "cache" / "x.json").write_text(json.dumps({"accessToken": sso_token}))
+    with CredentialServer(aws_keys=[KEYS[9]]) as google:
+        key_file = google.write_service_account_json(tmp_path / "sa.json")
+        user = json.loads(google.write_authorized_user_json(tmp_path / "user.json").read_text())
+        wif = google.write_external_account_json(tmp_path / "wif.json", tmp_path / "subject")
+    subject = (tmp_path / "subject").read_text()
+    key_line = _private_key_lines(key_file)[1]
+    cloud_env(
+        AWS_WEB_IDENTITY_TOKEN_FILE=str(tmp_path / "wit"),
+        AWS_ROLE_ARN="arn:aws:iam::123456789012:role/objckpt-test",
+        AWS_REGION="us-east-1",
+        GOOGLE_APPLICATION_CREDENTIALS=str(wif),
+    )
+    from_url("s3://bucket/prefix", objckpt_backend="fsspec")
+    from_url("gs://bucket/prefix", token=str(key_file), endpoint_url="http://127.0.0.1:9")
+    from_url("gs://bucket/prefix", token=user, endpoint_url="http://127.0.0.1:9")
+
+    secrets = [web_token, *web_token.split("'"), profile_secret, sso_token, key_line, user["refresh_token"],
+               user["client_secret"], subject]  # fmt: skip
+    rendered: list[str] = []
+
+    class Render(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            rendered.append(logging.Formatter("%(name)s %(message)s").format(record))
+
+    root, handler = logging.getLogger(), Render(logging.DEBUG)
+    root.addHandler(handler)
+    try:
+        for name in ("botocore.credentials", "botocore.endpoint", "google.auth._default", "urllib3.connectionpool"):
+            log = logging.getLogger(name)
+            log.debug("read %s", web_token)
+            log.debug("params %r", {"token": web_token, "other": [profile_secret, sso_token]})
+            log.debug("%s %s %s %s", key_line, user["refresh_token"], user["client_secret"], subject)
+            try:
+                raise ValueError(f"the token file held {web_token!r}")
+            except ValueError:
+                log.debug("failed", exc_info=True)
+    finally:
+        root.removeHandler(handler)
+    text = "\n".join(rendered + user_logging.lines)
+    assert "the token file held" in text and text.count("***") >= 4 * 4
+    assert [secret[:10] for secret in secrets if secret in text] == [], text[-3000:]

@@ -311,6 +311,25 @@ def test_who_can_copy_server_side_is_decided_from_configuration(s3_service, s3_d
 # ----------------------------------------------------------------------------------------- GCS
 
 
+def test_a_gcs_account_names_the_endpoint_the_store_was_configured_with(gcs_service, gcs_door, monkeypatch):
+    """The endpoint comes from the store's configuration (``endpoint_url``, or the emulator variable),
+    never from gcsfs's private attributes: a gcsfs without ``_location`` changes nothing."""
+    import gcsfs.core
+
+    direct = from_url(gcs_service.url("a"), **gcs_service.storage_options())
+    proxied = from_url(gcs_service.url("b"), **{**gcs_service.storage_options(), "endpoint_url": gcs_door.endpoint_url})
+    monkeypatch.delattr(gcsfs.core.GCSFileSystem, "_location")
+    accounts = server_copy.account_of(direct), server_copy.account_of(proxied)
+    assert [a.endpoint if a else None for a in accounts] == [
+        gcs_service.endpoint_url.rstrip("/").lower(),
+        gcs_door.endpoint_url.rstrip("/").lower(),
+    ]
+    assert direct.endpoint == gcs_service.endpoint_url.rstrip("/")
+    assert proxied.child("c/d").endpoint == gcs_door.endpoint_url.rstrip("/")
+    copier, reason = server_copy.plan(direct, proxied, request_timeout=10, concurrency=2)
+    assert copier is None and reason.startswith("different endpoints")
+
+
 def test_gcs_bucket_to_bucket_is_server_side(gcs_service, gcs_door):
     """fake-gcs-server supports rewriteTo, which gcsfs's copy uses."""
     so = {**gcs_service.storage_options(), "endpoint_url": gcs_door.endpoint_url}

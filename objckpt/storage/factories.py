@@ -54,6 +54,7 @@ from typing import Any
 from objckpt.errors import StoreNotAvailableError
 from objckpt.storage.auth import credentials
 from objckpt.storage.base import Store
+from objckpt.storage.endpoint import ConfiguredEndpoint, gcs_endpoint, s3_endpoint
 from objckpt.storage.opening import (
     BACKEND_OPTION,
     obstore_available,
@@ -98,7 +99,9 @@ def _open_native(url: str, options: dict[str, Any], backend: str, translate: str
             check_fsspec_options(url, rest, translate.removeprefix("translate_"))  # no client takes it
             raise ValueError(f"{redact_url(url)} cannot use the obstore store: {exc}") from exc
         return None
-    return obstore_store.open_spec(spec, url, **store_kw)
+    named = (s3_endpoint if spec.kind == "s3" else gcs_endpoint)(rest, os.environ)
+    configured = ConfiguredEndpoint(spec.endpoint, named.setting) if spec.endpoint and named else None
+    return obstore_store.open_spec(spec, url, **store_kw, configured_endpoint=configured)
 
 
 def _s3_source(url: str, options: dict[str, Any]) -> Any:
@@ -127,6 +130,7 @@ def open_s3_fsspec(url: str, **storage_options: Any) -> Store:
     options = dict(storage_options)
     store_kw = pop_timeout(options)
     check_fsspec_options(url, options, "s3")
+    configured = s3_endpoint(options, os.environ)
     preflight("check_s3_credentials", url, options)
     client_kwargs = dict(options.get("client_kwargs") or {})
     endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
@@ -148,7 +152,7 @@ def open_s3_fsspec(url: str, **storage_options: Any) -> Store:
     path = fs._strip_protocol(url).rstrip("/")
     if not path:
         raise ValueError(f"S3 URL needs a bucket: {redact_url(url)!r}")
-    return for_filesystem(fs, path, url=url, **store_kw)
+    return for_filesystem(fs, path, url=url, configured_endpoint=configured, **store_kw)
 
 
 def open_gcs(url: str, **storage_options: Any) -> Store:

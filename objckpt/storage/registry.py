@@ -96,9 +96,11 @@ def from_url(url: str | os.PathLike[str], **storage_options: Any) -> Store:
     factory = _resolve(scheme, url)
     if scheme in ("file", "memory"):
         return factory(url, **storage_options)
-    from objckpt.logs import guard_client_loggers
+    from objckpt.logs import guard_client_loggers, remember_secrets
+    from objckpt.storage.auth.secrets import credential_secrets
 
     guard_client_loggers()  # before the client fetches credentials, and after its imports
+    remember_secrets(credential_secrets(scheme, storage_options, os.environ))  # redacted by value
     store = factory(url, **storage_options)
     guard_client_loggers()
     return store

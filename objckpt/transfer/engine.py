@@ -146,6 +146,8 @@ async def call_with_retries(
         try:
             return await asyncio.wait_for(fn(), request_timeout)
         except (TransientStoreError, TimeoutError, ConnectionError) as e:
+            if isinstance(e, StoreError) and not isinstance(e, TransientStoreError):
+                raise  # a store's own verdict: not worth retrying (a refused endpoint is also a ConnectionError)
             backoff = random.uniform(0, min(retry.max_backoff, retry.initial_backoff * 2 ** (attempt - 1)))
             if attempt >= retry.max_attempts or time.monotonic() + backoff > deadline:
                 kind = "timed out" if isinstance(e, TimeoutError) else "failed"

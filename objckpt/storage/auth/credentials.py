@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from objckpt.errors import StorePermissionError
+from objckpt.logs import remember_secrets
 from objckpt.storage.urls import redact_url
 
 #: Seconds allowed to each instance-metadata request of the pre-flight check (one attempt).
@@ -168,6 +169,7 @@ class BotocoreCredentials:
 
     def __call__(self) -> dict[str, Any]:
         frozen = self._credentials.get_frozen_credentials()
+        remember_secrets((frozen.secret_key or "", frozen.token or ""))  # out of every log, by value
         return {
             "access_key_id": frozen.access_key,
             "secret_access_key": frozen.secret_key,
@@ -210,6 +212,7 @@ def _imds_refusal(session: Any, environ: Mapping[str, str]) -> str | None:
         return f"no answer within {METADATA_TIMEOUT_S:g} s"
     if token[0] != 200:
         return f"the token request was refused: HTTP {token[0]}"
+    remember_secrets((token[1].decode("latin-1"),))
     role = _ask(endpoint, "GET", _IMDS_ROLES, {"X-aws-ec2-metadata-token": token[1].decode("latin-1").strip()})
     if role is None:
         return f"no answer to the role request within {METADATA_TIMEOUT_S:g} s"

@@ -56,6 +56,7 @@ from google.auth.credentials import AnonymousCredentials, Credentials
 from google.oauth2 import service_account
 
 from objckpt.errors import StorePermissionError, TransientStoreError
+from objckpt.logs import remember_secrets
 from objckpt.storage.urls import redact_url
 
 #: The OAuth scope for gcsfs's ``access`` option (``full_control`` by default, as gcsfs).
@@ -146,6 +147,7 @@ class GoogleToken:
                 session.verify = self._ca_file
             try:
                 self.credentials.refresh(_TimedRequest(session, self._timeout))
+                remember_secrets((str(getattr(self.credentials, "token", None) or ""),))
             except google.auth.exceptions.TransportError as exc:
                 raise TransientStoreError(f"{what} failed: {type(exc).__name__}") from exc
             except google.auth.exceptions.RefreshError as exc:

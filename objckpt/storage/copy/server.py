@@ -117,7 +117,7 @@ def account_of(store: Store) -> CopyAccount | None:
         return _s3fs_account(store.fs)
     fsspec_gcs = sys.modules.get("objckpt.storage.fsspec.gcs")
     if fsspec_gcs is not None and isinstance(store, fsspec_gcs.GcsFsspecStore):
-        return _gcsfs_account(store.fs)
+        return _gcsfs_account(store)
     return None
 
 
@@ -222,11 +222,12 @@ def _s3fs_account(fs: Any) -> CopyAccount:
     return CopyAccount("s3", endpoint, f"botocore's chain, profile {profile or os.environ.get('AWS_PROFILE') or ''}")
 
 
-def _gcsfs_account(fs: Any) -> CopyAccount | None:
-    try:
-        endpoint = _endpoint(fs._location)  # gcsfs's endpoint, its default resolved
-    except Exception:
+def _gcsfs_account(store: Any) -> CopyAccount | None:
+    """The account of a gcsfs store: the endpoint it was configured with, and its credential."""
+    if not store.endpoint:  # a store made without objckpt's opener: no endpoint to compare
         return None
+    endpoint = _endpoint(store.endpoint)
+    fs = store.fs
     holder = getattr(fs, "credentials", None)
     credentials = getattr(holder, "credentials", None)
     if getattr(holder, "method", None) == "anon" or credentials is None:

@@ -28,16 +28,25 @@ class GcsFsspecStore(FsspecStore):
     Args:
         uploader: Media uploads with the store's credential, shared by :meth:`child` stores
             and closed with the store; None when gcsfs alone serves the store.
+        endpoint: The service URL the store was configured with (``endpoint_url``,
+            ``STORAGE_EMULATOR_HOST`` or Google's default), as :attr:`endpoint`; None when unknown.
         **kwargs: As for :class:`FsspecStore`.
     """
 
     _lists_by_prefix = True
 
     def __init__(
-        self, fs: AbstractFileSystem, path: str, *, uploader: MediaUploader | None = None, **kwargs: Any
+        self,
+        fs: AbstractFileSystem,
+        path: str,
+        *,
+        uploader: MediaUploader | None = None,
+        endpoint: str | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(fs, path, **kwargs)
         self._uploader = uploader
+        self.endpoint = endpoint
         self._bucket_known = [False]  # shared with child stores (``child`` copies the attribute)
 
     def _atomic_create(self, requested: bool | None) -> bool:

@@ -21,6 +21,7 @@ import types
 from typing import Any
 
 from objckpt.storage.base import Store
+from objckpt.storage.endpoint import gcs_endpoint as configured_endpoint
 from objckpt.storage.opening import pop_timeout, preflight, require
 from objckpt.storage.urls import redact_url, scheme_of
 
@@ -61,6 +62,7 @@ def open_gcsfs(url: str, **storage_options: Any) -> Store:
     options = dict(storage_options)
     store_kw = pop_timeout(options)
     ca_file = options.pop("ca_bundle", None) or os.environ.get("REQUESTS_CA_BUNDLE") or None
+    store_kw["configured_endpoint"] = configured_endpoint(options, os.environ)
     endpoint = options.get("endpoint_url")
     emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
     if not endpoint and emulator and emulator != "default":
@@ -95,9 +97,19 @@ def open_gcsfs(url: str, **storage_options: Any) -> Store:
     path = fs._strip_protocol(url).rstrip("/")
     if not path:
         raise ValueError(f"GCS URL needs a bucket: {redact_url(url)!r}")
+    base = gcs_endpoint(endpoint)
     if token is None or options.get("requester_pays") or (not endpoint and _gcs_client_cert()):
-        return for_filesystem(fs, path, url=url, **store_kw)
-    return for_filesystem(fs, path, url=url, **store_kw, **_gcs_fast_paths(endpoint, token, ca_file, store_kw))
+        return for_filesystem(fs, path, url=url, endpoint=base, **store_kw)
+    return for_filesystem(
+        fs, path, url=url, endpoint=base, **store_kw, **_gcs_fast_paths(base, token, ca_file, store_kw)
+    )
+
+
+def gcs_endpoint(endpoint: str | None) -> str:
+    """The service URL a GCS store talks to: ``endpoint`` (the option or ``STORAGE_EMULATOR_HOST``),
+    else Google's, in ``GOOGLE_CLOUD_UNIVERSE_DOMAIN`` if set."""
+    universe = os.environ.get("GOOGLE_CLOUD_UNIVERSE_DOMAIN") or "googleapis.com"
+    return str(endpoint or f"https://storage.{universe}").rstrip("/")
 
 
 def _trusting_connector(ca_file: str) -> Any:
@@ -116,14 +128,12 @@ def _trusting_connector(ca_file: str) -> Any:
     return fsspec.asyn.sync(fsspec.asyn.get_loop(), make)
 
 
-def _gcs_fast_paths(endpoint: str | None, token: Any, ca_file: str | None, store_kw: dict[str, Any]) -> dict[str, Any]:
-    """The streamed range reader and the media uploader of a gcsfs store, sharing ``token``."""
+def _gcs_fast_paths(base: str, token: Any, ca_file: str | None, store_kw: dict[str, Any]) -> dict[str, Any]:
+    """The streamed range reader and the media uploader of a gcsfs store at ``base``, sharing ``token``."""
     from objckpt.storage.http import network
     from objckpt.storage.http.gcs import GCSRangeReader
     from objckpt.storage.http.gcs_upload import MediaUploader
 
-    universe = os.environ.get("GOOGLE_CLOUD_UNIVERSE_DOMAIN") or "googleapis.com"
-    base = str(endpoint or f"https://storage.{universe}").rstrip("/")
     context = network.ssl_context(ca_file)
     timeout = store_kw["request_timeout"]
     bearer = None if token.anonymous else token

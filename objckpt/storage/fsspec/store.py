@@ -46,6 +46,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 
 from objckpt.errors import ObjectNotFoundError, StoreError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode
+from objckpt.storage.endpoint import ConfiguredEndpoint
 from objckpt.storage.errors import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
 from objckpt.storage.errors import http_status as _http_status
 from objckpt.storage.errors import map_error
@@ -161,6 +162,9 @@ class FsspecStore(StreamingStore):
             plain HTTP, for a filesystem whose paths it knows (gcsfs's:
             :class:`objckpt.storage.http.gcs.GCSRangeReader`); shared by
             :meth:`child` stores.
+        configured_endpoint: The endpoint the user configured, checked before the first
+            request (:mod:`objckpt.storage.endpoint`: a refusal is said at once); shared by
+            :meth:`child` stores.
     """
 
     def __init__(
@@ -172,10 +176,12 @@ class FsspecStore(StreamingStore):
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
         atomic_create: bool | None = None,
         range_reader: HttpRangeReader | None = None,
+        configured_endpoint: ConfiguredEndpoint | None = None,
     ) -> None:
         if request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {request_timeout}")
         self.fs = fs
+        self.configured_endpoint = configured_endpoint
         self._root = path.rstrip("/")  # "" for a filesystem root; keys join as "/key"
         raw_url = url if url is not None else fs.unstrip_protocol(path)
         self.url = redact_url(raw_url)
@@ -207,6 +213,8 @@ class FsspecStore(StreamingStore):
             except TimeoutError as exc:  # asyncio.TimeoutError is TimeoutError since 3.11
                 raise _InnerTimeout(exc) from exc
 
+        if self.configured_endpoint is not None:
+            await self.configured_endpoint.check(what)
         try:
             return await asyncio.wait_for(guarded(), self.request_timeout)
         except _InnerTimeout as wrapped:

@@ -47,6 +47,7 @@ import obstore as obs
 
 from objckpt.errors import ObjectNotFoundError, ThrottledError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode
+from objckpt.storage.endpoint import ConfiguredEndpoint
 from objckpt.storage.errors import PROGRAMMING_ERRORS, map_obstore_error
 from objckpt.storage.http.network import ssl_context
 from objckpt.storage.http.reader import HttpRangeReader, StreamingStore
@@ -126,6 +127,7 @@ class ObstoreStore(StreamingStore):
         multipart_concurrency: int = DEFAULT_MULTIPART_CONCURRENCY,
         range_reader: HttpRangeReader | None = None,
         native_spec: NativeSpec | None = None,
+        configured_endpoint: ConfiguredEndpoint | None = None,
     ) -> None:
         if request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {request_timeout}")
@@ -143,6 +145,7 @@ class ObstoreStore(StreamingStore):
         self.multipart_concurrency = int(multipart_concurrency)
         self._use_range_reader(range_reader)
         self.native_spec = native_spec
+        self.configured_endpoint = configured_endpoint
 
     # ------------------------------------------------------------------ helpers
 
@@ -159,7 +162,10 @@ class ObstoreStore(StreamingStore):
         return f"{self.url.rstrip('/')}/{key}" if key else self.url
 
     async def _call(self, what: str, make: Callable[[], Awaitable[T]], *, create: bool = False) -> T:
-        """Await ``make()`` under the request timeout, mapping obstore's errors."""
+        """Await ``make()`` under the request timeout, mapping obstore's errors; the store's
+        configured endpoint is checked first (:mod:`objckpt.storage.endpoint`)."""
+        if self.configured_endpoint is not None:
+            await self.configured_endpoint.check(what)
         try:
             return await asyncio.wait_for(make(), self.request_timeout)
         except TimeoutError as exc:  # ours: obstore reports its own timeouts as GenericError
@@ -320,8 +326,15 @@ def client_options(*, request_timeout: float, allow_http: bool, extra: dict[str,
 RETRY_CONFIG: RetryConfig = {"max_retries": 0}
 
 
-def open_spec(spec: NativeSpec, url: str, *, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S) -> ObstoreStore:
-    """Build the obstore store a translated :class:`NativeSpec` describes."""
+def open_spec(
+    spec: NativeSpec,
+    url: str,
+    *,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+    configured_endpoint: ConfiguredEndpoint | None = None,
+) -> ObstoreStore:
+    """Build the obstore store a translated :class:`NativeSpec` describes (``configured_endpoint``:
+    where ``spec.endpoint`` came from, checked before the first request)."""
     from obstore.store import GCSStore, S3Store
 
     http = bool(spec.endpoint and spec.endpoint.startswith("http://"))
@@ -352,6 +365,7 @@ def open_spec(spec: NativeSpec, url: str, *, request_timeout: float = DEFAULT_RE
         request_timeout=request_timeout,
         range_reader=range_reader(spec, store, request_timeout),
         native_spec=spec,
+        configured_endpoint=configured_endpoint,
     )
 
 
