@@ -192,13 +192,18 @@ def test_a_request_waiting_for_a_slot_is_not_timed_out(proxied_s3, s3_service):
 def test_a_request_slower_than_its_timeout_but_moving_ends_on_a_retry(proxied_s3, s3_service):
     """A PUT that takes ~3 s every time (as each of 16 PUTs sharing a busy host's link and CPU
     did) against a 2 s timeout: each retry after a timeout gets twice the time, so the second
-    or third attempt ends, where the same 2 s each time cut every attempt and failed it."""
+    or third attempt ends, where the same 2 s each time cut every attempt and failed it; the
+    engine's next PUT starts with the time that one needed."""
     proxy, storage_options = proxied_s3
     proxy.latency_ms = 3000  # 1.5 s each way
     store, engine = _engine(storage_options, s3_service, max_concurrency=4, request_timeout=2, max_attempts=3)
     payload = bytes(range(256)) * 64
     runtime.run_sync(engine.put("slow", payload))  # before: "PUT ... timed out after 3 attempts"
     assert 1 <= engine.stats.retries <= 2
+    assert engine.attempt_timeout in (4, 8)
+    retries = engine.stats.retries
+    runtime.run_sync(engine.put("slow-too", payload))  # starts with the timeout the first one needed
+    assert engine.stats.retries == retries
     proxy.latency_ms = 0
     assert runtime.run_sync(store.get("slow")) == payload
 

@@ -296,6 +296,9 @@ class TransferEngine:
     ) -> None:
         self.store = store
         self.request_timeout = request_timeout
+        #: the first attempt's timeout for requests that start now: ``request_timeout``, raised to the
+        #: longest timeout one of this operation's requests needed to end (:meth:`call`)
+        self.attempt_timeout = request_timeout
         self.retry = retry
         self.stats = stats if stats is not None else TransferStats()
         self.limit = AdaptiveLimit(max_concurrency, name=store.url, adaptive=adaptive)
@@ -316,8 +319,13 @@ class TransferEngine:
         """Run one request, holding a concurrency slot per attempt, retrying transient failures.
 
         Each attempt's timeout starts once it holds its slot: the time it waits behind the
-        operation's other requests is the client's, not a stalled server's. Each attempt's
-        outcome paces the next ones (:class:`~objckpt.transfer.throttle.AdaptiveLimit`).
+        operation's other requests is the client's, not a stalled server's. An attempt that
+        took longer than ``attempt_timeout`` and ended on a longer timeout (a retry's, see
+        :func:`retry_attempts`) raises ``attempt_timeout``, the first attempt's timeout of the
+        requests that start after it, to that: on a host where the operation's requests take
+        that long, the next ones need not each time out first. A retry that ends quickly
+        after a stall teaches nothing.
+        Each attempt's outcome paces the next ones (:class:`~objckpt.transfer.throttle.AdaptiveLimit`).
 
         Args:
             what: names the request in errors (e.g. ``GET s3://b/k [0, 10)``).
@@ -329,8 +337,11 @@ class TransferEngine:
             outcome: Outcome = "other"
             try:
                 self.stats.add(requests=1)
+                started = time.monotonic()
                 result = await asyncio.wait_for(fn(), timeout)
                 outcome = "ok"
+                if time.monotonic() - started > self.attempt_timeout:  # it needed the longer timeout
+                    self.attempt_timeout = timeout
                 return result
             except ThrottledError:
                 outcome = "throttled"
@@ -340,7 +351,7 @@ class TransferEngine:
                 self.limit.release(ticket, outcome)
 
         return await retry_attempts(
-            what, attempt, retry=self.retry, request_timeout=self.request_timeout, stats=self.stats
+            what, attempt, retry=self.retry, request_timeout=self.attempt_timeout, stats=self.stats
         )
 
     async def put(self, key: str, data: bytes | memoryview | list[memoryview], *, mode: PutMode = "overwrite") -> int:
