@@ -29,7 +29,8 @@ class RetryConfig:
     """How the transfer engine retries transient failures (429, 5xx, resets, timeouts).
 
     Attributes:
-        max_attempts: attempts per request, the first included.
+        max_attempts: attempts per request, the first included (after a timeout, the
+            next attempt gets twice the time: ``Options.request_timeout``).
         initial_backoff: seconds before the first retry; doubles each time (full jitter).
         max_backoff: cap on one backoff sleep.
         deadline: total seconds one request may take across all its attempts.
@@ -123,7 +124,9 @@ class Options:
             along its leading axis, one slab per replica at most, so the replicas'
             owners share its upload (and a read-once restore, its reads) without
             cutting it into reads too small to be worth a request.
-        request_timeout: seconds for one store call before it counts as stalled.
+        request_timeout: seconds one attempt of a store call may take, once it holds its
+            concurrency slot, before it counts as stalled; each retry after a timeout gets
+            twice the time of the attempt before (``RetryConfig.deadline`` bounds them all).
         barrier_timeout: seconds a multi-host barrier waits before naming stragglers.
         manifest_size_limit: the reader refuses larger manifests (hostile input).
         live_marker_lease: seconds a live-save marker protects its checkpoint prefix

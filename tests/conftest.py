@@ -84,13 +84,10 @@ LONG_MODULES = frozenset(
         "test_tiers_local.py",
     }
 )
-# Tests that hold the machine to a wall-clock bound of a second or two, and the twenty save/restore
-# cycles through the fault proxy (under three busy workers one save of them met a failing request
-# ten times in a row: 135 retries in 148 requests, left to look into): ./tests/run.sh runs them
+# Tests that hold the machine to a wall-clock bound of a second or two: ./tests/run.sh runs them
 # (``-m serial``) after the others, one at a time, not beside busy xdist workers.
 SERIAL_TESTS = frozenset(
     {
-        "test_faults.py::test_twenty_cycles_with_five_percent_mixed_faults_are_bit_exact",
         "test_gcs_auth.py::test_every_refresh_request_has_a_timeout",
         "test_no_credentials.py::test_gcs_without_credentials_fails_at_once_listing_the_sources",
         "test_no_credentials.py::test_s3_without_credentials_fails_at_once_listing_the_sources",

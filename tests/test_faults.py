@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
 import uuid
@@ -154,3 +155,65 @@ def test_a_failed_multipart_upload_is_aborted_and_leaves_nothing(proxied_s3, s3_
     uploads = client.list_multipart_uploads(Bucket=s3_service.bucket).get("Uploads", [])
     assert [u["Key"] for u in uploads if "multipart-" in u["Key"]] == []
     assert runtime.run_sync(store.list()) == []
+
+
+def _engine(storage_options, s3_service, *, max_concurrency: int, request_timeout: float, max_attempts: int):
+    """A store through the proxy and, built on the I/O loop that runs it, an engine over it."""
+    from objckpt.transfer.engine import TransferEngine
+
+    store = from_url(s3_service.url(f"engine-{uuid.uuid4().hex[:8]}"), **storage_options)
+    retry = objckpt.RetryConfig(max_attempts=max_attempts, max_backoff=0.2)
+
+    async def make() -> TransferEngine:
+        return TransferEngine(
+            store, max_concurrency=max_concurrency, request_timeout=request_timeout, retry=retry, adaptive=False
+        )
+
+    return store, runtime.run_sync(make())
+
+
+def test_a_request_waiting_for_a_slot_is_not_timed_out(proxied_s3, s3_service):
+    """Eight PUTs of ~0.6 s each through one slot: the last waits ~4 s behind the others, longer
+    than its 2.5 s timeout, which counts only its own time on the wire."""
+    proxy, storage_options = proxied_s3
+    proxy.latency_ms = 600  # each PUT: 0.3 s up, 0.3 s back, at least
+    store, engine = _engine(storage_options, s3_service, max_concurrency=1, request_timeout=2.5, max_attempts=1)
+
+    async def put_all() -> None:
+        await asyncio.gather(*(engine.put(f"k{i}", b"x" * 1024) for i in range(8)))
+
+    started = time.monotonic()
+    runtime.run_sync(put_all())  # before: "PUT ... timed out after 1 attempts"
+    assert time.monotonic() - started > 2.5 * 1.5  # the queue really was longer than one timeout
+    assert engine.stats.retries == 0 and engine.stats.requests == 8
+    assert sorted(o.key for o in runtime.run_sync(store.list())) == [f"k{i}" for i in range(8)]
+
+
+def test_a_request_slower_than_its_timeout_but_moving_ends_on_a_retry(proxied_s3, s3_service):
+    """A PUT that takes ~3 s every time (as each of 16 PUTs sharing a busy host's link and CPU
+    did) against a 2 s timeout: each retry after a timeout gets twice the time, so the second
+    or third attempt ends, where the same 2 s each time cut every attempt and failed it; the
+    engine's next PUT starts with the time that one needed."""
+    proxy, storage_options = proxied_s3
+    proxy.latency_ms = 3000  # 1.5 s each way
+    store, engine = _engine(storage_options, s3_service, max_concurrency=4, request_timeout=2, max_attempts=3)
+    payload = bytes(range(256)) * 64
+    runtime.run_sync(engine.put("slow", payload))  # before: "PUT ... timed out after 3 attempts"
+    assert 1 <= engine.stats.retries <= 2
+    assert engine.attempt_timeout in (4, 8)
+    retries = engine.stats.retries
+    runtime.run_sync(engine.put("slow-too", payload))  # starts with the timeout the first one needed
+    assert engine.stats.retries == retries
+    proxy.latency_ms = 0
+    assert runtime.run_sync(store.get("slow")) == payload
+
+
+def test_a_stalled_request_still_times_out_and_fails_within_its_attempts(proxied_s3, s3_service):
+    """Growing timeouts still end: every attempt stalls (20 s), 1 + 2 + 4 s are waited, then the PUT fails."""
+    proxy, storage_options = proxied_s3
+    store, engine = _engine(storage_options, s3_service, max_concurrency=4, request_timeout=1, max_attempts=3)
+    proxy.set_faults(1.0, ("stall",))
+    started = time.monotonic()
+    with pytest.raises(objckpt.StoreError, match=r"timed out \(the last attempt given 4 s\) after 3 attempts"):
+        runtime.run_sync(engine.put("stalled", b"x" * 1024))
+    assert 7 <= time.monotonic() - started < 15

@@ -133,25 +133,51 @@ async def call_with_retries(
     request_timeout: float,
     stats: TransferStats | None = None,
 ) -> T:
-    """Run ``fn()`` with a timeout per attempt, retrying transient failures.
+    """Run ``fn()`` with a timeout per attempt, retrying transient failures
+    (:func:`retry_attempts`, each attempt under ``asyncio.wait_for``)."""
+    return await retry_attempts(
+        what, lambda timeout: asyncio.wait_for(fn(), timeout), retry=retry, request_timeout=request_timeout, stats=stats
+    )
+
+
+async def retry_attempts(
+    what: str,
+    attempt: Callable[[float], Awaitable[T]],
+    *,
+    retry: RetryConfig,
+    request_timeout: float,
+    stats: TransferStats | None = None,
+) -> T:
+    """Run ``attempt(timeout)``, retrying transient failures; ``attempt`` applies its timeout
+    itself, to the time its request is on the wire (not to a wait for a concurrency slot).
 
     Transient means :class:`TransientStoreError` (429/5xx, resets, mapped by the
     stores), a timeout or a connection error; anything else is raised at once.
     Backoff is exponential with full jitter, bounded by ``retry.deadline``.
+
+    An attempt that times out gives the next one twice its time (within what is left of
+    the deadline), as TCP backs off its retransmission timeout. A request that is slow
+    but moving (its bytes share the link and the CPU with the operation's other
+    requests, on a busy host) then ends within a few attempts, where the same timeout
+    each time would cut it at the same point every time and fail it after
+    ``max_attempts``; a stalled server still costs the first attempt only ``request_timeout``.
     """
     deadline = time.monotonic() + retry.deadline
-    attempt = 0
+    timeout = request_timeout
+    attempts = 0
     while True:
-        attempt += 1
+        attempts += 1
         try:
-            return await asyncio.wait_for(fn(), request_timeout)
+            return await attempt(timeout)
         except (TransientStoreError, TimeoutError, ConnectionError) as e:
             if isinstance(e, StoreError) and not isinstance(e, TransientStoreError):
                 raise  # a store's own verdict: not worth retrying (a refused endpoint is also a ConnectionError)
-            backoff = random.uniform(0, min(retry.max_backoff, retry.initial_backoff * 2 ** (attempt - 1)))
-            if attempt >= retry.max_attempts or time.monotonic() + backoff > deadline:
-                kind = "timed out" if isinstance(e, TimeoutError) else "failed"
-                raise StoreError(f"{what} {kind} after {attempt} attempts: {e}") from e
+            backoff = random.uniform(0, min(retry.max_backoff, retry.initial_backoff * 2 ** (attempts - 1)))
+            if attempts >= retry.max_attempts or time.monotonic() + backoff > deadline:
+                kind = f"timed out (the last attempt given {timeout:g} s)" if isinstance(e, TimeoutError) else "failed"
+                raise StoreError(f"{what} {kind} after {attempts} attempts: {e}") from e
+            if isinstance(e, TimeoutError):
+                timeout = max(timeout, min(2 * timeout, deadline - time.monotonic() - backoff))
             if stats is not None:
                 stats.add(retries=1)
             await asyncio.sleep(backoff)
@@ -288,6 +314,9 @@ class TransferEngine:
     ) -> None:
         self.store = store
         self.request_timeout = request_timeout
+        #: the first attempt's timeout for requests that start now: ``request_timeout``, raised to the
+        #: longest timeout one of this operation's requests needed to end (:meth:`call`)
+        self.attempt_timeout = request_timeout
         self.retry = retry
         self.stats = stats if stats is not None else TransferStats()
         self.limit = AdaptiveLimit(max_concurrency, name=store.url, adaptive=adaptive)
@@ -307,6 +336,13 @@ class TransferEngine:
     async def call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         """Run one request, holding a concurrency slot per attempt, retrying transient failures.
 
+        Each attempt's timeout starts once it holds its slot: the time it waits behind the
+        operation's other requests is the client's, not a stalled server's. An attempt that
+        took longer than ``attempt_timeout`` and ended on a longer timeout (a retry's, see
+        :func:`retry_attempts`) raises ``attempt_timeout``, the first attempt's timeout of the
+        requests that start after it, to that: on a host where the operation's requests take
+        that long, the next ones need not each time out first. A retry that ends quickly
+        after a stall teaches nothing.
         Each attempt's outcome paces the next ones (:class:`~objckpt.transfer.throttle.AdaptiveLimit`).
 
         Args:
@@ -314,13 +350,16 @@ class TransferEngine:
             fn: makes a fresh awaitable for each attempt.
         """
 
-        async def attempt() -> T:
+        async def attempt(timeout: float) -> T:
             ticket = await self.limit.acquire()
             outcome: Outcome = "other"
             try:
                 self.stats.add(requests=1)
-                result = await fn()
+                started = time.monotonic()
+                result = await asyncio.wait_for(fn(), timeout)
                 outcome = "ok"
+                if time.monotonic() - started > self.attempt_timeout:  # it needed the longer timeout
+                    self.attempt_timeout = timeout
                 return result
             except ThrottledError:
                 outcome = "throttled"
@@ -329,8 +368,8 @@ class TransferEngine:
             finally:
                 self.limit.release(ticket, outcome)
 
-        return await call_with_retries(
-            what, attempt, retry=self.retry, request_timeout=self.request_timeout, stats=self.stats
+        return await retry_attempts(
+            what, attempt, retry=self.retry, request_timeout=self.attempt_timeout, stats=self.stats
         )
 
     async def put(self, key: str, data: bytes | memoryview | list[memoryview], *, mode: PutMode = "overwrite") -> int:
