@@ -2,7 +2,9 @@
 
 A synchronous save to a store that sends a body of parts (``Store.put_parts``)
 uploads contiguous host shards where they lie; everything else is copied off the
-devices into staging buffers (:mod:`objckpt.saving.staging`) first. Each upload
+devices into staging buffers (:mod:`objckpt.saving.staging`) first. The device→host
+copies of the shards are all started before the first is read, as far ahead as the
+staging memory allows (:class:`CopiesAhead`, :mod:`objckpt.core.device_reads`). Each upload
 checksums its pieces off the loop thread and PUTs with the transfer engine's
 retries; the commit (:mod:`objckpt.saving.commit`) waits for their piece records.
 """
@@ -19,6 +21,7 @@ import numpy as np
 
 from objckpt.core.boxes import copy_piece_into, piece_bytes_in_place
 from objckpt.core.checksum import crc32c, sha256_hex
+from objckpt.core.device_reads import start_host_copies
 from objckpt.core.format import Piece
 from objckpt.core.plan import BlobPlan
 from objckpt.options import Options
@@ -45,9 +48,8 @@ def snapshot_and_upload(
     Stops early if an upload has already failed.
     """
     engine, options = handle.engine, handle.options
-    pool = StagingPool(
-        staging_limit(options, hold_uploads=hold_uploads), capacity=max((b.size for b in blobs), default=0)
-    )
+    limit = staging_limit(options, hold_uploads=hold_uploads)
+    pool = StagingPool(limit, capacity=max((b.size for b in blobs), default=0))
     failed = threading.Event()
     gate: concurrent.futures.Future[None] = concurrent.futures.Future()
 
@@ -62,7 +64,9 @@ def snapshot_and_upload(
     in_place = not hold_uploads and handle.traits.puts_parts
     futures: list[concurrent.futures.Future[list[PieceRecord]]] = []
     try:
-        _fill_blobs(blobs, engine, pool, failed, gate, open_gate, futures, in_place=in_place, options=options)
+        _fill_blobs(
+            blobs, engine, pool, failed, gate, open_gate, futures, in_place=in_place, options=options, window=limit
+        )
     finally:
         open_gate()
     return futures
@@ -79,11 +83,15 @@ def _fill_blobs(
     *,
     in_place: bool,
     options: Options,
+    window: int,
 ) -> None:
     """Stage each blob and hand it to the uploader, or with ``in_place`` send its
-    pieces from the arrays themselves where they are contiguous host memory."""
+    pieces from the arrays themselves where they are contiguous host memory; the
+    device→host copies of up to ``window`` bytes of shards are started ahead."""
     slots = threading.Semaphore(options.max_concurrency)  # in-place uploads started and not done
-    for blob in blobs:
+    ahead = CopiesAhead(blobs, window)
+    for i, blob in enumerate(blobs):
+        ahead.before(i)
         parts = _parts_in_place(blob) if in_place else None
         if parts is not None:
             if not _take_slot(slots, failed):
@@ -108,6 +116,46 @@ def _fill_blobs(
 
         future.add_done_callback(_done)
         futures.append(future)
+
+
+class CopiesAhead:
+    """Starts the device→host copies of the blobs' shards ahead of their staging.
+
+    Before blob ``i`` is staged, :meth:`before` starts the copies of every shard of blobs
+    ``i``, ``i + 1``, … not yet started, while the shards started for blobs from ``i`` on stay
+    within ``window`` bytes (always at least blob ``i``'s own): with a budget that holds the
+    state, every copy is under way before the first is read, and the transfers overlap
+    instead of running one after another.
+    """
+
+    def __init__(self, blobs: list[BlobPlan], window: int) -> None:
+        self._blobs, self._window = blobs, window
+        self._next = 0  # the first blob whose shards are not all started
+        self._started: set[int] = set()  # id() of each shard started (the pieces keep them alive)
+        self._ahead: list[tuple[int, int]] = []  # (blob index, bytes of the shards it started)
+
+    def _new_sources(self, blob: BlobPlan) -> list[Any]:
+        out: dict[int, Any] = {}
+        for placed in blob.pieces:
+            source = placed.piece.source[0]
+            if id(source) not in self._started:
+                out[id(source)] = source
+        return list(out.values())
+
+    def before(self, i: int) -> None:
+        """Start the copies blob ``i`` needs, and those of the blobs after it that fit the window."""
+        self._ahead = [(j, n) for j, n in self._ahead if j >= i]
+        held = sum(n for _, n in self._ahead)
+        while self._next < len(self._blobs):
+            sources = self._new_sources(self._blobs[self._next])
+            size = sum(int(s.nbytes) for s in sources)
+            if self._next > i and held + size > self._window:
+                return
+            start_host_copies(sources)
+            self._started.update(id(s) for s in sources)
+            self._ahead.append((self._next, size))
+            held += size
+            self._next += 1
 
 
 _ZEROS = memoryview(bytes(4096))  # the bytes of a blob outside its pieces, sent in place
