@@ -4,12 +4,17 @@ far ahead as the staging memory allows, and no host copy is left on the user's a
 CPU devices need neither (a CPU array's host view is its own memory), so these tests watch the
 two JAX calls an accelerator pays for: ``copy_to_host_async`` (a copy started) and
 ``_single_device_array_to_np_array_did_copy`` (a shard's bytes read), recorded on the array
-type. Under ``accelerator_reads`` the read returns a fresh copy and says it copied, as on a
-TPU or GPU, so ``jax.Array._value`` (what ``np.asarray`` calls there) would cache it on the array.
+type with the device buffer they touch and the array object they were called on. On an
+accelerator jaxlib keeps the host copy on that object (its C++ host value; and ``_npy_value``
+when read through ``_value``), so neither may be the user's array, and every such object must
+be gone once the save returns. The recorded read returns a fresh copy and says it copied, as on
+a TPU or GPU.
 """
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import jax
@@ -27,19 +32,23 @@ KiB = 1 << 10
 ArrayImpl = type(jnp.zeros(1))
 
 
+Event = tuple[str, int, int, Any]
+
+
 @pytest.fixture
-def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
-    """("start" | "read", id of the array, its bytes), in call order, with reads that copy."""
-    log: list[tuple[str, int, int]] = []
+def events(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
+    """("start" | "read", the device buffer, its bytes, a weak reference to the array object
+    called), in call order, with reads that copy."""
+    log: list[Event] = []
     start = ArrayImpl.copy_to_host_async
     read = ArrayImpl._single_device_array_to_np_array_did_copy
 
     def recording_start(self: Any) -> None:
-        log.append(("start", id(self), self.nbytes))
+        log.append(("start", self.unsafe_buffer_pointer(), self.nbytes, weakref.ref(self)))
         start(self)
 
     def accelerator_read(self: Any) -> tuple[np.ndarray, bool]:
-        log.append(("read", id(self), self.nbytes))
+        log.append(("read", self.unsafe_buffer_pointer(), self.nbytes, weakref.ref(self)))
         host, _ = read(self)
         copy = np.array(host)
         copy.flags.writeable = False
@@ -59,8 +68,23 @@ def _state(leaves: int = 16) -> dict[str, jax.Array]:
     }
 
 
-def _shard_ids(state: dict[str, jax.Array]) -> set[int]:
-    return {id(s.data) for x in state.values() for s in x.addressable_shards}
+def _buffers(state: dict[str, jax.Array]) -> set[int]:
+    return {s.data.unsafe_buffer_pointer() for x in state.values() for s in x.addressable_shards}
+
+
+def _users(state: dict[str, jax.Array]) -> set[int]:
+    """id() of the user's arrays and of their shards' arrays."""
+    return {id(x) for x in state.values()} | {id(s.data) for x in state.values() for s in x.addressable_shards}
+
+
+def _check_no_host_copy_left(events: list[Event], state: dict[str, jax.Array]) -> None:
+    """No copy or read ran on the user's arrays, and every array object one ran on is gone."""
+    users = _users(state)
+    called = [ref for *_, ref in events]
+    assert all(ref() is None or id(ref()) not in users for ref in called), "a host copy on the user's arrays"
+    gc.collect()
+    assert all(ref() is None for ref in called), "an array holding a host copy outlives the save"
+    assert _cached(state) == []
 
 
 def _cached(state: dict[str, jax.Array]) -> list[str]:
@@ -72,7 +96,7 @@ def _cached(state: dict[str, jax.Array]) -> list[str]:
     return out
 
 
-def test_the_simulated_accelerator_read_would_cache_through_value(events: list[Any]) -> None:
+def test_the_simulated_accelerator_read_would_cache_through_value(events: list[Event]) -> None:
     """The simulation bites: reading a shard through ``_value`` (``np.asarray`` on an accelerator)
     caches the copy on the array; :func:`host_view` reads the same bytes and caches nothing."""
     x = _state(1)["w00"]
@@ -98,19 +122,19 @@ def _manager_save(url: str, state: Any) -> None:
 
 @pytest.mark.parametrize("save", [_save_sync, _save_async, _manager_save], ids=["save", "save_async", "manager"])
 def test_every_copy_starts_before_the_first_read_and_none_is_cached(
-    save: Any, events: list[tuple[str, int, int]], tmp_path: Any
+    save: Any, events: list[Event], tmp_path: Any
 ) -> None:
     state = _state()
-    shards = _shard_ids(state)
+    shards = _buffers(state)
     save(tmp_path.as_uri(), state)
-    starts = [i for kind, i, _ in events if kind == "start"]
-    reads = [i for kind, i, _ in events if kind == "read"]
+    starts = [b for kind, b, *_ in events if kind == "start"]
+    reads = [b for kind, b, *_ in events if kind == "read"]
     assert set(starts) == shards and len(starts) == len(shards), "each shard's copy is started once"
     assert set(reads) == shards, "every shard is read through the reader that caches nothing"
-    first_read = next(n for n, (kind, _, _) in enumerate(events) if kind == "read")
-    assert all(kind == "start" for kind, _, _ in events[:first_read])
+    first_read = next(n for n, (kind, *_) in enumerate(events) if kind == "read")
+    assert all(kind == "start" for kind, *_ in events[:first_read])
     assert first_read == len(shards), "every copy is under way before the first read"
-    assert _cached(state) == []
+    _check_no_host_copy_left(events, state)
     if save is _manager_save:
         restored = objckpt.CheckpointManager(tmp_path.as_uri()).restore(3, state)
     else:
@@ -128,21 +152,21 @@ def test_copies_started_ahead_stay_within_the_staging_memory(events: list[tuple[
     started: set[int] = set()
     read: set[int] = set()
     held_max = 0
-    for kind, i, _ in events:
+    for kind, i, *_ in events:
         if kind == "start":
             started.add(i)
             held_max = max(held_max, _held(events, started, read))
         else:
             assert i in started, "a shard is read before its copy was started"
             read.add(i)
-    assert started == read == _shard_ids(state)
+    assert started == read == _buffers(state)
     shard_bytes = 128 * 512 * 4 // 8
     assert held_max <= budget + 64 * KiB + shard_bytes
     assert held_max < sum(x.nbytes for x in state.values()) / 2
-    assert _cached(state) == []
+    _check_no_host_copy_left(events, state)
     assert_tree_bit_exact(objckpt.restore(tmp_path.as_uri(), state), state)
 
 
-def _held(events: list[tuple[str, int, int]], started: set[int], read: set[int]) -> int:
-    sizes = {i: n for _, i, n in events}
+def _held(events: list[Event], started: set[int], read: set[int]) -> int:
+    sizes = {b: n for _, b, n, _ in events}
     return sum(sizes[i] for i in started - read)

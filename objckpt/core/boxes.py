@@ -195,16 +195,18 @@ def owned_pieces(leaf: int, array: jax.Array, *, split_above: int) -> tuple[list
     return out, sorted(writers)
 
 
-def copy_piece_into(piece: OwnedPiece, dest: np.ndarray) -> None:
+def copy_piece_into(piece: OwnedPiece, dest: np.ndarray, host: np.ndarray | None = None) -> None:
     """Copy the bytes of ``piece`` from its source into ``dest`` (a view shaped like the piece).
 
     The destination is a staging buffer this module owns: the copy never keeps
     a view of device memory, which training may donate right after save returns.
-    The source is read through :func:`~objckpt.core.device_reads.host_view`, which
-    leaves no host copy on it.
+    ``host``: the source's host bytes when the caller has read them already (through an
+    alias, :mod:`objckpt.core.device_reads`); otherwise the source is read through
+    :func:`~objckpt.core.device_reads.host_view`, which caches nothing in ``_npy_value``.
     """
     source, origin = piece.source
-    host = host_view(source)
+    if host is None:
+        host = host_view(source)
     dest[...] = host[box_to_slices(piece.start, piece.stop, origin)]
 
 

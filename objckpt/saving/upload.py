@@ -21,7 +21,7 @@ import numpy as np
 
 from objckpt.core.boxes import copy_piece_into, piece_bytes_in_place
 from objckpt.core.checksum import crc32c, sha256_hex
-from objckpt.core.device_reads import start_host_copies
+from objckpt.core.device_reads import host_alias, host_view, start_host_copy
 from objckpt.core.format import Piece
 from objckpt.core.plan import BlobPlan
 from objckpt.options import Options
@@ -90,72 +90,87 @@ def _fill_blobs(
     device→host copies of up to ``window`` bytes of shards are started ahead."""
     slots = threading.Semaphore(options.max_concurrency)  # in-place uploads started and not done
     ahead = CopiesAhead(blobs, window)
-    for i, blob in enumerate(blobs):
-        ahead.before(i)
-        parts = _parts_in_place(blob) if in_place else None
-        if parts is not None:
-            if not _take_slot(slots, failed):
-                break
-            future = runtime.submit(_upload_in_place(blob, parts, engine, slots, options.digest))
-        else:
-            buffer = pool.take(failed, open_gate)
-            if buffer is None or failed.is_set():
-                break
-            staged = buffer[: blob.size]
-            _zero_gaps(staged, blob)  # a recycled buffer still holds an earlier blob
-            for placed in blob.pieces:
-                piece = placed.piece
-                dtype = placed.piece.source[0].dtype
-                view = staged[placed.offset : placed.offset + piece.nbytes].view(dtype).reshape(piece.shape)
-                copy_piece_into(piece, view)
-            future = runtime.submit(_upload(blob, buffer, pool, engine, gate, options.digest))
+    try:
+        for i, blob in enumerate(blobs):
+            ahead.before(i)
+            parts = _parts_in_place(blob) if in_place else None
+            if parts is not None:
+                if not _take_slot(slots, failed):
+                    break
+                future = runtime.submit(_upload_in_place(blob, parts, engine, slots, options.digest))
+            else:
+                buffer = pool.take(failed, open_gate)
+                if buffer is None or failed.is_set():
+                    break
+                staged = buffer[: blob.size]
+                _zero_gaps(staged, blob)  # a recycled buffer still holds an earlier blob
+                for placed in blob.pieces:
+                    piece = placed.piece
+                    dtype = placed.piece.source[0].dtype
+                    view = staged[placed.offset : placed.offset + piece.nbytes].view(dtype).reshape(piece.shape)
+                    copy_piece_into(piece, view, host=ahead.host(piece.source[0]))
+                future = runtime.submit(_upload(blob, buffer, pool, engine, gate, options.digest))
 
-        def _done(f: concurrent.futures.Future[Any]) -> None:
-            if f.cancelled() or f.exception() is not None:
-                failed.set()
+            def _done(f: concurrent.futures.Future[Any]) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    failed.set()
 
-        future.add_done_callback(_done)
-        futures.append(future)
+            future.add_done_callback(_done)
+            futures.append(future)
+    finally:
+        ahead.close()  # the host copies go with their aliases
 
 
 class CopiesAhead:
-    """Starts the device→host copies of the blobs' shards ahead of their staging.
+    """Starts the device→host copies of the blobs' shards ahead of their staging, each through an
+    alias of the shard (:func:`~objckpt.core.device_reads.host_alias`) that holds its host copy.
 
-    Before blob ``i`` is staged, :meth:`before` starts the copies of every shard of blobs
-    ``i``, ``i + 1``, … not yet started, while the shards started for blobs from ``i`` on stay
-    within ``window`` bytes (always at least blob ``i``'s own): with a budget that holds the
-    state, every copy is under way before the first is read, and the transfers overlap
-    instead of running one after another.
+    Before blob ``i`` is staged, :meth:`before` drops the aliases no blob from ``i`` on reads
+    (their host copies go with them) and starts the copies of the shards of blobs ``i``,
+    ``i + 1``, … while the host copies alive stay within ``window`` bytes (blob ``i``'s own
+    always start): with a budget that holds the state, every copy is under way before the
+    first is read, and the transfers overlap instead of running one after another.
+    :meth:`host` reads a shard's bytes through its alias; :meth:`close` drops every alias, so
+    after the save no host copy is left on the user's arrays or anywhere else.
     """
 
     def __init__(self, blobs: list[BlobPlan], window: int) -> None:
         self._blobs, self._window = blobs, window
         self._next = 0  # the first blob whose shards are not all started
-        self._started: set[int] = set()  # id() of each shard started (the pieces keep them alive)
-        self._ahead: list[tuple[int, int]] = []  # (blob index, bytes of the shards it started)
-
-    def _new_sources(self, blob: BlobPlan) -> list[Any]:
-        out: dict[int, Any] = {}
-        for placed in blob.pieces:
-            source = placed.piece.source[0]
-            if id(source) not in self._started:
-                out[id(source)] = source
-        return list(out.values())
+        self._last: dict[int, int] = {}  # id() of each shard -> the last blob that reads it
+        for j, blob in enumerate(blobs):
+            for placed in blob.pieces:
+                self._last[id(placed.piece.source[0])] = j
+        self._aliases: dict[int, tuple[Any, int]] = {}  # id() of a shard -> (its alias, bytes)
 
     def before(self, i: int) -> None:
         """Start the copies blob ``i`` needs, and those of the blobs after it that fit the window."""
-        self._ahead = [(j, n) for j, n in self._ahead if j >= i]
-        held = sum(n for _, n in self._ahead)
+        for key in [k for k in self._aliases if self._last[k] < i]:
+            del self._aliases[key]
+        held = sum(n for _, n in self._aliases.values())
         while self._next < len(self._blobs):
-            sources = self._new_sources(self._blobs[self._next])
-            size = sum(int(s.nbytes) for s in sources)
+            sources = {
+                id(p.piece.source[0]): p.piece.source[0]
+                for p in self._blobs[self._next].pieces
+                if id(p.piece.source[0]) not in self._aliases
+            }
+            size = sum(int(s.nbytes) for s in sources.values())
             if self._next > i and held + size > self._window:
                 return
-            start_host_copies(sources)
-            self._started.update(id(s) for s in sources)
-            self._ahead.append((self._next, size))
+            for key, source in sources.items():
+                alias = host_alias(source)
+                start_host_copy(alias)
+                self._aliases[key] = (alias, int(source.nbytes))
             held += size
             self._next += 1
+
+    def host(self, source: Any) -> np.ndarray:
+        """The host bytes of ``source``, read through its alias when one was started."""
+        alias = self._aliases.get(id(source))
+        return host_view(source if alias is None else alias[0])
+
+    def close(self) -> None:
+        self._aliases.clear()
 
 
 _ZEROS = memoryview(bytes(4096))  # the bytes of a blob outside its pieces, sent in place
