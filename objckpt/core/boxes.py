@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from objckpt.core.device_reads import host_view
 from objckpt.core.layout import Grid, Mesh, Spec, grid_fits
 from objckpt.core.plan import Index, OwnedPiece
 
@@ -194,14 +195,18 @@ def owned_pieces(leaf: int, array: jax.Array, *, split_above: int) -> tuple[list
     return out, sorted(writers)
 
 
-def copy_piece_into(piece: OwnedPiece, dest: np.ndarray) -> None:
+def copy_piece_into(piece: OwnedPiece, dest: np.ndarray, host: np.ndarray | None = None) -> None:
     """Copy the bytes of ``piece`` from its source into ``dest`` (a view shaped like the piece).
 
     The destination is a staging buffer this module owns: the copy never keeps
     a view of device memory, which training may donate right after save returns.
+    ``host``: the source's host bytes when the caller has read them already (through an
+    alias, :mod:`objckpt.core.device_reads`); otherwise the source is read through
+    :func:`~objckpt.core.device_reads.host_view`, which caches nothing in ``_npy_value``.
     """
     source, origin = piece.source
-    host = np.asarray(source)
+    if host is None:
+        host = host_view(source)
     dest[...] = host[box_to_slices(piece.start, piece.stop, origin)]
 
 
@@ -220,7 +225,7 @@ def piece_bytes_in_place(piece: OwnedPiece) -> memoryview | None:
     )
     if not on_host:
         return None
-    host = np.asarray(source)[box_to_slices(piece.start, piece.stop, origin)]
+    host = host_view(source)[box_to_slices(piece.start, piece.stop, origin)]
     if not host.flags.c_contiguous:
         return None
     return host.reshape(-1).view(np.uint8).data

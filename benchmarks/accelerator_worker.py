@@ -1,0 +1,375 @@
+"""One measurement of ``bench_accelerator`` in a fresh process: the floors, objckpt or Orbax.
+
+    python -m benchmarks.accelerator_worker < job.json      # prints ``RESULT <json>``
+
+The driver (``benchmarks/bench_accelerator.py``) starts one process per measurement because one
+process holds an accelerator at a time and each JAX process caches host copies on its arrays.
+Everything here is platform-neutral: the state lives on ``jax.devices()[0]`` (a TPU chip, a GPU
+or, in ``--quick``, the CPU), and every store is a local path (``file://`` on disk or tmpfs).
+
+The state is a transformer's training state: bf16 params, then f32 master weights and Adam's two
+moments of the same shapes (14 bytes per parameter), ``LAYERS`` layers of attention and MLP
+matrices with their norms plus an embedding and a final norm: 4 × (8 × LAYERS + 2) leaves. Values
+come from ``jax.random`` on the device, so building the state is cheap and untimed. A save is
+checked after its restore by per-leaf fingerprints computed on the device (wrapping sums of the
+bits), so a restore that brought back other bytes fails the run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GiB = 1 << 30
+LAYERS = 14
+BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 param, f32 master, Adam mu and nu
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def shapes(state_gib: float) -> dict[str, tuple[int, ...]]:
+    """One group's leaf shapes (params; master, mu and nu repeat them) for ``state_gib`` in all.
+
+    d is solved from 12 d² per layer (4 d² attention, 8 d² MLP) plus an 8 d × d embedding, and
+    rounded to a multiple of 128 (of 8 below d = 512)."""
+    params = state_gib * GiB / BYTES_PER_PARAM
+    d = math.sqrt(params / (12 * LAYERS + 8))
+    step = 128 if d >= 512 else 8
+    d = max(step, int(round(d / step)) * step)
+    out: dict[str, tuple[int, ...]] = {"embed": (8 * d, d), "final_norm": (d,)}
+    for i in range(LAYERS):
+        for name in ("q", "k", "v", "o"):
+            out[f"layer{i:02d}/attn_{name}"] = (d, d)
+        out[f"layer{i:02d}/mlp_up"] = (d, 4 * d)
+        out[f"layer{i:02d}/mlp_down"] = (4 * d, d)
+        out[f"layer{i:02d}/norm_attn"] = (d,)
+        out[f"layer{i:02d}/norm_mlp"] = (d,)
+    return out
+
+
+def build_state(state_gib: float, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """``{"params": bf16, "master": f32, "mu": f32, "nu": f32}``, each ``{leaf name: array}`` on device 0."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    key = jax.random.key(seed)
+    groups = (("params", jnp.bfloat16), ("master", jnp.float32), ("mu", jnp.float32), ("nu", jnp.float32))
+    state: dict[str, dict[str, Any]] = {}
+    with jax.default_device(device):
+        for g, (group, dtype) in enumerate(groups):
+            state[group] = {}
+            for i, (name, shape) in enumerate(shapes(state_gib).items()):
+                k = jax.random.fold_in(key, g * 10_000 + i)
+                state[group][name] = jax.random.normal(k, shape, jnp.float32).astype(dtype)
+    return jax.block_until_ready(state)
+
+
+def leaves(state: Any) -> list[Any]:
+    import jax
+
+    return list(jax.tree.leaves(state))
+
+
+def fingerprints(state: Any) -> list[int]:
+    """Per leaf, the wrapping uint32 sum of its bits, computed on the device."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def one(x: Any) -> Any:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16 if x.dtype == jnp.bfloat16 else jnp.uint32)
+        return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+
+    return [int(one(x)) for x in leaves(state)]
+
+
+def abstract(state: Any) -> Any:
+    import jax
+
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+def host_copy_attached(state: Any) -> bool:
+    """Whether any array of ``state`` (or one of its shards' arrays) holds a cached host copy."""
+    for x in leaves(state):
+        if getattr(x, "_npy_value", None) is not None:
+            return True
+        if any(getattr(s.data, "_npy_value", None) is not None for s in x.addressable_shards):
+            return True
+    return False
+
+
+# ----------------------------------------------------------------------------- memory, steps
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler:
+    """Samples this process's RSS every ``interval`` seconds on a thread; ``peak()`` since ``mark()``."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval, self._peak, self._stop = interval, rss_bytes(), threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            rss = rss_bytes()
+            with self._lock:
+                self._peak = max(self._peak, rss)
+
+    def mark(self) -> int:
+        with self._lock:
+            self._peak = rss_bytes()
+            return self._peak
+
+    def peak(self) -> int:
+        with self._lock:
+            return max(self._peak, rss_bytes())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Step:
+    """A jitted training step of chained matmuls on device 0, sized to about ``target_s`` alone."""
+
+    def __init__(self, target_s: float, dim: int) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        device = jax.devices()[0]
+        self.x = jax.device_put(jnp.ones((dim, dim), jnp.bfloat16) / dim, device)
+        self.w = jax.device_put(jnp.eye(dim, dtype=jnp.bfloat16), device)
+
+        def make(n: int) -> Any:
+            def body(_: int, x: Any) -> Any:
+                return jnp.tanh(x @ self.w)
+
+            return jax.jit(lambda x: jax.lax.fori_loop(0, n, body, x))
+
+        probe = make(4)
+        jax.block_until_ready(probe(self.x))
+        t = min(self._time(probe) for _ in range(3)) / 4
+        self.matmuls = max(1, int(round(target_s / max(t, 1e-6))))
+        self.fn = make(self.matmuls)
+        jax.block_until_ready(self.fn(self.x))
+
+    def _time(self, fn: Any) -> float:
+        t0 = time.perf_counter()
+        fn(self.x).block_until_ready()
+        return time.perf_counter() - t0
+
+    def __call__(self) -> float:
+        return self._time(self.fn)
+
+
+def steps_alone(step: Step, n: int) -> list[float]:
+    return [step() for _ in range(n)]
+
+
+def steps_while(step: Step, waiter: threading.Thread) -> list[float]:
+    """Run steps until ``waiter`` (the thread waiting for the commit) ends; at least one."""
+    times = [step()]
+    while waiter.is_alive():
+        times.append(step())
+    return times
+
+
+# ----------------------------------------------------------------------------- measures
+
+
+def _timed(fn: Any, *args: Any) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
+
+
+def _batched(state: Any) -> list[np.ndarray]:
+    xs = leaves(state)
+    for x in xs:
+        x.copy_to_host_async()
+    return [np.asarray(x) for x in xs]
+
+
+def _on_fresh_state(gib: float, fn: Any) -> tuple[float, Any]:
+    """Seconds of ``fn(state)`` on a state built for it (JAX caches host copies on arrays), and its result."""
+    state = build_state(gib)
+    try:
+        return _timed(fn, state)
+    finally:
+        del state
+        gc.collect()
+
+
+def _put(tree: Any, device: Any) -> Any:
+    import jax
+
+    return jax.block_until_ready(jax.device_put(tree, device))
+
+
+def _write(root: Path, arrays: list[np.ndarray]) -> None:
+    for i, a in enumerate(arrays):
+        with open(root / f"{i:04d}", "wb") as f:
+            f.write(a.reshape(-1).view(np.uint8).data)
+
+
+def _read(root: Path, kinds: list[tuple[tuple[int, ...], np.dtype, int]]) -> list[np.ndarray]:
+    got = []
+    for i, (shape, dtype, nbytes) in enumerate(kinds):
+        buf = np.empty(nbytes, np.uint8)
+        with open(root / f"{i:04d}", "rb", buffering=0) as f:
+            f.readinto(buf.data)
+        got.append(buf.view(dtype).reshape(shape))
+    return got
+
+
+def measure_floors(job: dict[str, Any]) -> dict[str, Any]:
+    """device→host three ways (each on a freshly built state), host→device, and a raw write and
+    read of the same bytes, one file per leaf, at the store path."""
+    import jax
+
+    gib = job["state_gib"]
+    device = jax.devices()[0]
+    out: dict[str, Any] = {}
+    out["device_get_s"], host = _on_fresh_state(gib, jax.device_get)
+    out["per_leaf_s"], _ = _on_fresh_state(gib, lambda state: [np.asarray(x) for x in leaves(state)])
+    out["async_batched_s"], _ = _on_fresh_state(gib, _batched)
+    del _
+    gc.collect()
+    out["device_put_s"], _ = _timed(_put, host, device)
+    del _
+    gc.collect()
+    root = Path(job["path"]) / "raw"
+    root.mkdir(parents=True, exist_ok=True)
+    arrays = [np.ascontiguousarray(a) for a in jax.tree.leaves(host)]
+    kinds = [(a.shape, a.dtype, a.nbytes) for a in arrays]
+    out["raw_write_s"], _ = _timed(_write, root, arrays)
+    del host, arrays
+    gc.collect()
+    out["raw_read_s"], got = _timed(_read, root, kinds)
+    out["read_put_s"], _ = _timed(_put, got, device)
+    out["save_floor_s"] = out["device_get_s"] + out["raw_write_s"]
+    out["restore_floor_s"] = out["raw_read_s"] + out["read_put_s"]
+    return out
+
+
+def measure_system(job: dict[str, Any]) -> dict[str, Any]:
+    """A ``CheckpointManager`` save (async) with a training step running until it commits, then
+    a restore onto the device; ``job["system"]`` is ``objckpt`` or ``orbax``."""
+    import jax
+
+    system, gib = job["system"], job["state_gib"]
+    step = Step(job["step_s"], job["step_dim"])
+    state = build_state(gib)
+    want = fingerprints(state)
+    target = abstract(state)
+    mgr, save, wait, restore = _system(system, job["path"])
+    alone = steps_alone(step, job["steps_alone"])
+    gc.collect()
+    sampler = RssSampler()
+    try:
+        base = sampler.mark()
+        started = time.perf_counter()
+        save(state)
+        blocked = time.perf_counter() - started
+        committed: list[float] = []
+
+        def waiting() -> None:
+            wait()
+            committed.append(time.perf_counter())
+
+        waiter = threading.Thread(target=waiting)
+        waiter.start()
+        during = steps_while(step, waiter)
+        waiter.join()
+        peak = sampler.peak()
+        attached = host_copy_attached(state)
+        gc.collect()
+        time.sleep(0.2)
+        after = rss_bytes()
+        del state
+        gc.collect()
+        base_restore = sampler.mark()
+        restore_s, restored = _timed(lambda: jax.block_until_ready(restore(target)))
+        peak_restore = sampler.peak()
+    finally:
+        sampler.close()
+    exact = fingerprints(restored) == want
+    mgr.close()
+    med_alone = statistics.median(alone)
+    return {
+        "blocked_s": blocked,
+        "save_total_s": committed[0] - started,
+        "peak_host_ram_gib": (peak - base) / GiB,
+        "after_commit_host_ram_gib": (after - base) / GiB,
+        "host_copy_attached": attached,
+        "step_alone_s": med_alone,
+        "step_during_s": statistics.median(during),
+        "step_max_s": max(during),
+        "steps_during": len(during),
+        "step_matmuls": step.matmuls,
+        "lost_s": blocked + sum(max(0.0, t - med_alone) for t in during),
+        "restore_s": restore_s,
+        "restore_peak_host_ram_gib": (peak_restore - base_restore) / GiB,
+        "exact": exact,
+    }
+
+
+def _system(system: str, path: str) -> tuple[Any, Any, Any, Any]:
+    """(manager, save(state), wait(), restore(target)) for step 1 under ``path``."""
+    if system == "objckpt":
+        import objckpt
+
+        mgr = objckpt.CheckpointManager(Path(path).as_uri() if "://" not in path else path)
+        return (
+            mgr,
+            lambda state: mgr.save(1, state, force=True),
+            mgr.wait,
+            lambda target: mgr.restore(1, target),
+        )
+    import orbax.checkpoint as ocp
+
+    mgr = ocp.CheckpointManager(Path(path).absolute())
+    return (
+        mgr,
+        lambda state: mgr.save(1, args=ocp.args.StandardSave(state)),
+        mgr.wait_until_finished,
+        lambda target: mgr.restore(1, args=ocp.args.StandardRestore(target)),
+    )
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    import jax
+
+    info = {"platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind}
+    if job["system"] == "floors":
+        result = measure_floors(job)
+    else:
+        result = measure_system(job)
+    result.update(info, leaves=4 * len(shapes(job["state_gib"])))
+    result["state_bytes"] = sum(int(np.prod(s)) for s in shapes(job["state_gib"]).values()) * BYTES_PER_PARAM
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # no teardown of the device client or Orbax's threads is timed or waited for
+
+
+if __name__ == "__main__":
+    main()

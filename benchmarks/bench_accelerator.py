@@ -1,0 +1,280 @@
+"""Issue 65's accelerator path: what a save costs training on a TPU or GPU, against the floors and Orbax.
+
+    PYTHONPATH=. python benchmarks/bench_accelerator.py [--state-gib 4 8] [--stores disk tmpfs]
+        [--repeats 3] [--systems floors objckpt orbax] [--out FILE] [--quick]
+
+Runs on the machine that holds the accelerator, with no network: every store is a local path
+(``file://`` on disk, ``--disk-dir``, default the temp dir; and on tmpfs, ``/dev/shm``). The
+state (``benchmarks/accelerator_worker.py``) is bf16 params plus f32 master weights and Adam
+moments, 456 leaves, on ``jax.devices()[0]``. For each repeat, state and store, three
+measurements run in turn, each in a fresh process (one process holds the chip at a time), the
+order rotating each repeat:
+
+- ``floors``: ``jax.device_get`` of the whole state, ``np.asarray`` leaf by leaf,
+  ``copy_to_host_async`` on every leaf then ``np.asarray`` (each on a freshly built state),
+  ``jax.device_put`` back, and a raw write and read of the same bytes (one file per leaf) at the
+  store path; the save floor is ``device_get`` + write, the restore floor read + ``device_put``.
+- ``objckpt`` and ``orbax``: ``CheckpointManager.save`` with its defaults (async) — seconds
+  blocked, seconds until committed — while a jitted training step (chained matmuls, ~50 ms on a
+  chip) runs until the commit; host RSS sampled every 5 ms (peak above the start during the
+  save, what is still held after the commit); whether a host copy is left cached on the saved
+  arrays; then a restore onto the device (seconds, peak RSS above its start), checked by
+  per-leaf fingerprints. Orbax is skipped, with a note, where it is not importable.
+
+Each cell (one state and store) carries the medians of the repeats, the raw samples, and the
+issue's targets checked (``targets``: per target ``ok``, the measured ``value`` and its
+``limit``). Writes ``benchmarks/results/accelerator.json`` (``--out``), rewritten after every
+measurement, and prints a table. ``--quick`` (a 64 MiB state on disk, one repeat, a ~20 ms step)
+checks the machinery on a CPU in about a minute and writes to a temp file unless ``--out`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SYSTEMS = ("floors", "objckpt", "orbax")
+# Issue 65's targets: name -> (limit, what the value is).
+TARGETS = {
+    "blocked_vs_device_get": (1.2, "blocked_s / device_get_s"),
+    "blocked_vs_orbax": (1.0, "blocked_s / orbax_blocked_s"),
+    "peak_host_ram": (1.1, "(peak_host_ram_gib - 0.25) / state (GiB): peak <= 1.1 x state + 0.25 GiB"),
+    "ram_after_commit_gib": (0.25, "after_commit_host_ram_gib"),
+    "no_host_copy_attached": (0.0, "1 if a host copy is cached on a saved array"),
+    "step_slowdown": (1.25, "step_during_s / step_alone_s"),
+    "step_stall_s": (0.5, "step_max_s"),
+    "lost_vs_orbax": (1.0, "lost_s / orbax_lost_s"),
+    "save_total_vs_orbax": (1.0, "save_total_s / orbax_save_total_s"),
+    "restore_vs_orbax": (1.0, "restore_s / orbax_restore_s (must be below)"),
+    "restore_vs_floor": (1.1, "restore_s / restore_floor_s"),
+    "restore_host_ram_gib": (1.0, "restore_peak_host_ram_gib"),
+}
+ORBAX_TARGETS = {"blocked_vs_orbax", "lost_vs_orbax", "save_total_vs_orbax", "restore_vs_orbax"}
+
+
+def store_path(store: str, disk_dir: str) -> str:
+    if store == "tmpfs":
+        return "/dev/shm"
+    if store == "disk":
+        return disk_dir
+    raise SystemExit(f"unknown store {store!r}: disk or tmpfs")
+
+
+def fs_type(path: str) -> str:
+    """The filesystem type of the mount holding ``path`` (``/proc/mounts``), or ``?``."""
+    best, kind = "", "?"
+    real = os.path.realpath(path)
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _, mount, typ = line.split()[:3]
+        if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, typ
+    return kind
+
+
+def run_one(job: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run one measurement in a fresh process; its result, or SystemExit with its stderr tail."""
+    scratch = Path(tempfile.mkdtemp(prefix="bench-accel-", dir=job["base"]))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.accelerator_worker"],
+            input=json.dumps({**job, "path": str(scratch)}),
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{job['system']} ({job['state_gib']} GiB, {job['store']}) failed:\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])  # type: ignore[no-any-return]
+
+
+def median(runs: list[dict[str, Any]], key: str) -> float:
+    return float(statistics.median(r[key] for r in runs))
+
+
+def summarise(cell: dict[str, Any]) -> None:
+    """Fill a cell's medians, ratios and targets from its raw ``runs`` (in place)."""
+    runs = cell["runs"]
+    floors, ours, orbax = runs.get("floors", []), runs.get("objckpt", []), runs.get("orbax", [])
+    if not floors or not ours:
+        return
+    for key in ("device_get_s", "per_leaf_s", "async_batched_s", "device_put_s", "raw_write_s", "raw_read_s"):
+        cell[key] = median(floors, key)
+    cell["save_floor_s"] = median(floors, "save_floor_s")
+    cell["restore_floor_s"] = median(floors, "restore_floor_s")
+    for key in (
+        "blocked_s",
+        "save_total_s",
+        "peak_host_ram_gib",
+        "after_commit_host_ram_gib",
+        "step_alone_s",
+        "step_during_s",
+        "step_max_s",
+        "lost_s",
+        "restore_s",
+        "restore_peak_host_ram_gib",
+    ):
+        cell[key] = median(ours, key)
+        cell[f"orbax_{key}"] = median(orbax, key) if orbax else None
+    cell["leaves"] = ours[0]["leaves"]
+    cell["state_bytes"] = ours[0]["state_bytes"]
+    cell["host_copy_attached"] = any(r["host_copy_attached"] for r in ours)
+    cell["orbax_host_copy_attached"] = any(r["host_copy_attached"] for r in orbax) if orbax else None
+    cell["exact"] = all(r["exact"] for r in ours + orbax)
+    cell["step_slowdown"] = cell["step_during_s"] / cell["step_alone_s"]
+    cell["orbax_step_slowdown"] = cell["orbax_step_during_s"] / cell["orbax_step_alone_s"] if orbax else None
+    cell["blocked_vs_device_get"] = cell["blocked_s"] / cell["device_get_s"]
+    state_gib = cell["state_bytes"] / (1 << 30)
+    values = {
+        "blocked_vs_device_get": cell["blocked_vs_device_get"],
+        "peak_host_ram": (cell["peak_host_ram_gib"] - 0.25) / state_gib,
+        "ram_after_commit_gib": cell["after_commit_host_ram_gib"],
+        "no_host_copy_attached": float(cell["host_copy_attached"]),
+        "step_slowdown": cell["step_slowdown"],
+        "step_stall_s": cell["step_max_s"],
+        "restore_vs_floor": cell["restore_s"] / cell["restore_floor_s"],
+        "restore_host_ram_gib": cell["restore_peak_host_ram_gib"],
+    }
+    if orbax:
+        values.update(
+            blocked_vs_orbax=cell["blocked_s"] / cell["orbax_blocked_s"],
+            lost_vs_orbax=cell["lost_s"] / cell["orbax_lost_s"],
+            save_total_vs_orbax=cell["save_total_s"] / cell["orbax_save_total_s"],
+            restore_vs_orbax=cell["restore_s"] / cell["orbax_restore_s"],
+        )
+    ok = {name: value <= TARGETS[name][0] for name, value in values.items()}
+    ok["restore_vs_orbax"] = values.get("restore_vs_orbax", 1.0) < 1.0
+    cell["targets"] = {
+        name: {"ok": bool(ok[name]), "value": value, "limit": TARGETS[name][0], "what": TARGETS[name][1]}
+        for name, value in values.items()
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = [
+        "| cell | leaves | blocked s | device_get s | Orbax blocked s | peak RAM GiB | step × | "
+        "save total s | Orbax total s | restore s | floor s | Orbax restore s | targets met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    f = lambda v: "—" if v is None else f"{v:.3g}"  # noqa: E731
+    for cell in report["cells"]:
+        if "targets" not in cell:
+            continue
+        met = sum(t["ok"] for t in cell["targets"].values())
+        rows.append(
+            f"| {cell['name']} | {cell['leaves']} | {f(cell['blocked_s'])} | {f(cell['device_get_s'])} | "
+            f"{f(cell['orbax_blocked_s'])} | {f(cell['peak_host_ram_gib'])} | {f(cell['step_slowdown'])} | "
+            f"{f(cell['save_total_s'])} | {f(cell['orbax_save_total_s'])} | {f(cell['restore_s'])} | "
+            f"{f(cell['restore_floor_s'])} | {f(cell['orbax_restore_s'])} | {met} of {len(cell['targets'])} |"
+        )
+    return "\n".join(rows)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--state-gib", type=float, nargs="+", default=None, help="states in GiB (default 4 8)")
+    ap.add_argument("--stores", nargs="+", default=None, choices=("disk", "tmpfs"), help="default disk tmpfs")
+    ap.add_argument("--disk-dir", default=tempfile.gettempdir(), help="the disk store's directory")
+    ap.add_argument("--repeats", type=int, default=None, help="default 3")
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--step-s", type=float, default=None, help="training step alone, s (0.05; quick 0.02)")
+    ap.add_argument("--step-dim", type=int, default=None, help="its matmul size (4096; quick 256)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per measurement process")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="64 MiB on disk, 1 repeat: the machinery, not figures")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    states = args.state_gib or ([1 / 16] if quick else [4.0, 8.0])
+    stores = args.stores or (["disk"] if quick else ["disk", "tmpfs"])
+    repeats = args.repeats or (1 if quick else 3)
+    if args.out:
+        out = Path(args.out)
+    elif quick:
+        out = Path(tempfile.mkdtemp(prefix="bench-accel-out-")) / "accelerator-quick.json"
+    else:
+        out = RESULTS / "accelerator.json"
+    systems = [s for s in SYSTEMS if s in args.systems]
+    notes = []
+    if "orbax" in systems and importlib.util.find_spec("orbax.checkpoint") is None:
+        systems.remove("orbax")
+        notes.append("orbax skipped: orbax.checkpoint is not importable here")
+    if not {"floors", "objckpt"} <= set(systems):
+        notes.append("no targets without both floors and objckpt")
+    report: dict[str, Any] = {
+        "benchmark": "bench_accelerator",
+        "quick": quick,
+        "commit": git_commit(),
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()},
+        "repeats": repeats,
+        "systems": systems,
+        "notes": notes,
+        "cells": [],
+    }
+    cells = {}
+    for gib in states:
+        for store in stores:
+            base = store_path(store, args.disk_dir)
+            cell = {"name": f"{gib:g}GiB-{store}", "state_gib": gib, "store": store, "path": base}
+            cell.update(fs_type=fs_type(base), runs={s: [] for s in systems})
+            cells[gib, store] = cell
+            report["cells"].append(cell)
+    job_base = {
+        "step_s": args.step_s or (0.02 if quick else 0.05),
+        "step_dim": args.step_dim or (256 if quick else 4096),
+        "steps_alone": 5 if quick else 20,
+    }
+    started = time.perf_counter()
+    for rep in range(repeats):
+        order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
+        for gib in states:
+            for store in stores:
+                cell = cells[gib, store]
+                for system in order:
+                    job = {**job_base, "system": system, "state_gib": gib, "store": store, "base": cell["path"]}
+                    t0 = time.perf_counter()
+                    result = run_one(job, args.timeout)
+                    result["repeat"] = rep
+                    cell["runs"][system].append(result)
+                    cell["platform"], cell["device_kind"] = result["platform"], result["device_kind"]
+                    report.setdefault("platform", result["platform"])
+                    report.setdefault("device_kind", result["device_kind"])
+                    summarise(cell)
+                    report["seconds"] = time.perf_counter() - started
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_text(json.dumps(report, indent=1) + "\n")
+                    print(f"{cell['name']} {system} repeat {rep}: {time.perf_counter() - t0:.1f} s", flush=True)
+    print(table(report))
+    for cell in report["cells"]:
+        failed = [name for name, t in cell.get("targets", {}).items() if not t["ok"]]
+        print(f"{cell['name']}: targets not met: {', '.join(failed) or 'none'}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

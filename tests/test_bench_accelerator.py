@@ -1,0 +1,119 @@
+"""bench_accelerator (issue 65's measurement) in its ``--quick`` mode on the CPU: a 64 MiB state
+on ``file://``, floors, objckpt and Orbax each in a fresh process. Checks the structure of its
+report and its invariants (every field, positive times, ratios and targets consistent with the
+medians, every restore bit-exact), not its timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.bench_accelerator import ORBAX_TARGETS, TARGETS
+
+REPO = Path(__file__).resolve().parent.parent
+FIELDS = (
+    "name",
+    "state_gib",
+    "leaves",
+    "blocked_s",
+    "device_get_s",
+    "orbax_blocked_s",
+    "peak_host_ram_gib",
+    "step_slowdown",
+    "save_total_s",
+    "orbax_save_total_s",
+    "restore_s",
+    "restore_floor_s",
+    "orbax_restore_s",
+)
+TIMES = (
+    "blocked_s",
+    "device_get_s",
+    "per_leaf_s",
+    "async_batched_s",
+    "device_put_s",
+    "raw_write_s",
+    "raw_read_s",
+    "save_total_s",
+    "restore_s",
+    "step_alone_s",
+    "step_during_s",
+    "step_max_s",
+)
+ORBAX = importlib.util.find_spec("orbax.checkpoint") is not None
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench_accelerator") / "accelerator.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_accelerator.py", "--quick", "--out", str(out), "--timeout", "240"],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"wrote {out}" in done.stdout
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def test_one_cell_with_every_field_and_positive_times(report: dict[str, Any]) -> None:
+    assert report["quick"] is True and report["repeats"] == 1
+    assert report["platform"] == "cpu" and report["device_kind"]
+    assert report["systems"] == (["floors", "objckpt", "orbax"] if ORBAX else ["floors", "objckpt"])
+    (cell,) = report["cells"]
+    assert cell["name"] == "0.0625GiB-disk" and cell["state_gib"] == 0.0625 and cell["store"] == "disk"
+    for field in FIELDS:
+        assert field in cell, field
+    assert 400 <= cell["leaves"] <= 600
+    assert abs(cell["state_bytes"] / (1 << 30) - cell["state_gib"]) < 0.1 * cell["state_gib"]
+    for key in TIMES:
+        assert cell[key] > 0, key
+        if ORBAX and key in ("blocked_s", "save_total_s", "restore_s"):
+            assert cell[f"orbax_{key}"] > 0, key
+    assert cell["exact"] is True
+    for system, runs in cell["runs"].items():
+        assert len(runs) == 1, system
+        assert runs[0]["leaves"] == cell["leaves"] and runs[0]["platform"] == "cpu"
+    # A save returns before it commits; the step ran at least once while it uploaded.
+    assert cell["blocked_s"] <= cell["save_total_s"]
+    assert cell["runs"]["objckpt"][0]["steps_during"] >= 1
+    assert cell["step_max_s"] >= cell["step_during_s"]
+    assert cell["lost_s"] >= cell["blocked_s"]
+
+
+def test_ratios_and_targets_follow_from_the_medians(report: dict[str, Any]) -> None:
+    (cell,) = report["cells"]
+    floors, ours = cell["runs"]["floors"], cell["runs"]["objckpt"]
+    assert cell["device_get_s"] == statistics.median(r["device_get_s"] for r in floors)
+    assert cell["blocked_s"] == statistics.median(r["blocked_s"] for r in ours)
+    assert cell["restore_floor_s"] == pytest.approx(cell["raw_read_s"] + floors[0]["read_put_s"])
+    assert cell["save_floor_s"] == pytest.approx(cell["device_get_s"] + cell["raw_write_s"])
+    assert cell["step_slowdown"] == pytest.approx(cell["step_during_s"] / cell["step_alone_s"])
+    assert cell["blocked_vs_device_get"] == pytest.approx(cell["blocked_s"] / cell["device_get_s"])
+    targets = cell["targets"]
+    assert set(targets) == (set(TARGETS) if ORBAX else set(TARGETS) - ORBAX_TARGETS)
+    for name, target in targets.items():
+        assert isinstance(target["ok"], bool), name
+        assert target["limit"] == TARGETS[name][0], name
+    assert targets["blocked_vs_device_get"]["value"] == pytest.approx(cell["blocked_vs_device_get"])
+    assert targets["blocked_vs_device_get"]["ok"] == (cell["blocked_vs_device_get"] <= 1.2)
+    assert targets["step_slowdown"]["ok"] == (cell["step_slowdown"] <= 1.25)
+    assert targets["restore_vs_floor"]["value"] == pytest.approx(cell["restore_s"] / cell["restore_floor_s"])
+    state_gib = cell["state_bytes"] / (1 << 30)
+    assert targets["peak_host_ram"]["ok"] == (cell["peak_host_ram_gib"] <= 1.1 * state_gib + 0.25 + 1e-12)
+    assert targets["no_host_copy_attached"]["ok"] == (not cell["host_copy_attached"])
+    if ORBAX:
+        assert targets["blocked_vs_orbax"]["value"] == pytest.approx(cell["blocked_s"] / cell["orbax_blocked_s"])
+        assert targets["restore_vs_orbax"]["ok"] == (cell["restore_s"] < cell["orbax_restore_s"])
+        assert targets["save_total_vs_orbax"]["ok"] == (cell["save_total_s"] <= cell["orbax_save_total_s"])
