@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 import struct
 import zlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -40,6 +41,15 @@ _PREFIX = len(MAGIC) + 4  # the magic, then the JSON's byte length (u32 little-e
 FRAME_LIMIT = 16 << 20
 #: Blob sizes and piece bytes stay below this, so every sum of two fits an int64.
 BYTES_LIMIT = 1 << 62
+#: The most bytes an index object's frames inflate to in all: this, and :data:`RAW_PER_LEAF`
+#: more per leaf of the root (what a reader of the object may be made to decompress and hold).
+OBJECT_RAW_LIMIT = 64 << 20
+#: See :data:`OBJECT_RAW_LIMIT`: a process writes a few rows per leaf (~150 bytes a row at most).
+RAW_PER_LEAF = 4 << 10
+#: An index object has at most one frame per item its leaves span, one per this many raw bytes,
+#: and one more (writers cut at each item and past 128 KiB): each frame costs a reader a fixed
+#: amount of work, however small it is.
+FRAME_FLOOR = 1 << 10
 _FIXED = 20  # bytes per row before its coordinates: leaf u32, blob u32, offset u64, crc32c u32
 _SHA = 32
 
@@ -93,10 +103,14 @@ class LeafTable:
     """Per leaf of a root, what row checks need, as arrays: its rank (-1: no stored data) and
     its kind (leaves of one shape and itemsize share one: a layer stack's leaves are a few
     kinds, so a frame's rows are checked per distinct (box, kind), not per row), with each
-    kind's shape (padded) and itemsize. Built once per read, shared by every index object."""
+    kind's shape (padded), itemsize and element count. Built once per read, shared by every
+    index object: it also sums, per leaf, the elements the rows of the objects read so far
+    cover (:meth:`merge`), which the rows of a checkpoint never exceed (they tile the leaf)."""
 
     def __init__(self, manifest: Manifest) -> None:
         n = len(manifest.leaves)
+        self._manifest = manifest
+        self.covered = np.zeros(n, dtype=np.float64)
         self.rank = np.full(n, -1, dtype=np.int64)
         self.kind = np.zeros(n, dtype=np.int64)
         kinds: dict[tuple[int, tuple[int, ...]], int] = {}
@@ -112,18 +126,95 @@ class LeafTable:
         width = max((len(shape) for _, shape in kinds), default=0)
         self.kind_shape = np.zeros((len(kinds), width), dtype=np.int64)
         self.kind_itemsize = np.zeros(len(kinds), dtype=np.int64)
+        self.kind_elements = np.zeros(len(kinds), dtype=np.float64)
         for (itemsize, shape), k in kinds.items():
             self.kind_shape[k, : len(shape)] = shape
             self.kind_itemsize[k] = itemsize
+            self.kind_elements[k] = _elements(shape)
+
+    @functools.cached_property
+    def item(self) -> np.ndarray:
+        """Per leaf, the number of item starts (:func:`item_starts`) up to it: leaves ``a..b``
+        span ``item[b] - item[a] + 1`` items. Asked only of an object with many small frames."""
+        starts = np.zeros(len(self._manifest.leaves), dtype=np.int64)
+        starts[item_starts([leaf.path for leaf in self._manifest.leaves])] = 1
+        return np.cumsum(starts)
+
+    def merge(self, tally: Tally, doc_name: str) -> None:
+        """The elements ``tally`` (an index object's checked rows) covers, added to the elements
+        of the objects read before, per leaf.
+
+        Raises:
+            FormatError: a leaf's rows of all the objects read cover more than its elements
+                (a box two index objects both list, or boxes that overlap).
+        """
+        if not tally.leaves:
+            return
+        leaves, sums = np.concatenate(tally.leaves), np.concatenate(tally.sums)
+        if len(leaves) > 1 and not (np.diff(leaves) > 0).all():  # a leaf that spans frames: one sum
+            leaves, at = np.unique(leaves, return_inverse=True)
+            sums = np.bincount(at.ravel(), weights=sums, minlength=len(leaves))
+        total = self.covered[leaves] + sums
+        over = total > _cover_limit(self.kind_elements[self.kind[leaves]])
+        if over.any():
+            leaf = int(leaves[np.argmax(over)])
+            elements = int(self.kind_elements[self.kind[leaf]])
+            raise FormatError(
+                f"{doc_name}: the rows of leaf {leaf} ({self._manifest.leaves[leaf].path}) in this and the index "
+                f"objects read before it cover more than its {elements} elements (a box listed twice, or boxes "
+                "that overlap)"
+            )
+        self.covered[leaves] = total
+
+
+def _elements(shape: tuple[int, ...]) -> float:
+    """A shape's element count as a float64 (exact below 2**53)."""
+    out = 1.0
+    for s in shape:
+        out *= float(s)
+    return out
+
+
+def _cover_limit(elements: np.ndarray) -> np.ndarray:
+    """The most elements rows of leaves of ``elements`` may cover in float64 sums: exactly the
+    count below 2**53 (where the sums of integer volumes are exact), a hair more above it."""
+    return np.where(elements < 2.0**53, elements, elements * (1 + 2.0**-40))
+
+
+_FIRST_KEY = re.compile(r"\[[^\]]*\]|\.[^.\[]*")
+
+
+def item_starts(paths: Sequence[str]) -> list[int]:
+    """The leaves (by position in ``paths``, a root's leaf paths in order) whose first path key
+    differs from the leaf before's: where each item (params, each optimizer moment, ...) starts.
+    Writers start a frame at each; a reader allows an index object one frame per item it spans
+    beyond those :data:`FRAME_FLOOR` allows."""
+    firsts = [m.group(0) if (m := _FIRST_KEY.match(path)) else path for path in paths]
+    return [i for i, key in enumerate(firsts) if i == 0 or key != firsts[i - 1]]
+
+
+class Tally:
+    """What one index object's checked frames cover: per frame, its leaves and the elements its
+    rows cover in each (float64), and the last leaf's running sum (a leaf that spans frames is
+    summed across them). A reader keeps one per read of an object, and merges it into its
+    :class:`LeafTable` once the object has passed every check (:meth:`LeafTable.merge`)."""
+
+    def __init__(self) -> None:
+        self.leaves: list[np.ndarray] = []
+        self.sums: list[np.ndarray] = []
+        self.last_leaf = -1
+        self.last_sum = 0.0
 
 
 # ----------------------------------------------------------------------------- reading
 
 
-def parse_head(data: bytes, manifest: Manifest, process: int) -> Head:
+def parse_head(data: bytes, manifest: Manifest, process: int, table: LeafTable | None = None) -> Head:
     """The head of ``process``'s index object (``data``: at least its first ``head`` bytes),
     checked against the root: length, crc32c (and SHA-256), save_id, process, blobs, and a
-    frame table that covers the rest of the object exactly.
+    frame table that covers the rest of the object exactly, within the bounds a reader holds
+    to (:data:`OBJECT_RAW_LIMIT`, :data:`FRAME_FLOOR`; ``table``: the read's, which knows
+    where items start).
 
     Raises:
         FormatError: naming the index object and the field.
@@ -161,6 +252,17 @@ def parse_head(data: bytes, manifest: Manifest, process: int) -> Head:
         doc_name,
     )
     frames = _frames(doc["frames"], ref.head, ref.size, len(manifest.leaves), ref.sha256 is not None, doc_name)
+    raw = sum(f.raw_length for f in frames)
+    if len(frames) > raw // FRAME_FLOOR + 1:  # many small frames: only as many as its items
+        items = (table or LeafTable(manifest)).item
+        allowed = raw // FRAME_FLOOR + 1 + int(items[frames[-1].last] - items[frames[0].first])
+        need(
+            len(frames) <= allowed,
+            "'frames'",
+            f"{len(frames)} frames of {raw} raw bytes in all, over the {allowed} allowed (one per item its "
+            f"leaves span, one per {FRAME_FLOOR} raw bytes, and one)",
+            doc_name,
+        )
     return Head(process, keys, sizes, frames)
 
 
@@ -194,7 +296,8 @@ def _frames(raw: Any, head: int, size: int, leaves: int, digest: bool, doc_name:
     need(isinstance(raw, list), "'frames'", "must be a list", doc_name)
     width = 8 if digest else 7
     out: list[Frame] = []
-    offset, last = head, 0
+    offset, last, inflated = head, 0, 0
+    inflate_limit = OBJECT_RAW_LIMIT + RAW_PER_LEAF * leaves
     for n, f in enumerate(raw):
         where = f"'frames[{n}]'"
         need(
@@ -219,6 +322,13 @@ def _frames(raw: Any, head: int, size: int, leaves: int, digest: bool, doc_name:
         need(1 <= frame.rows and frame.rows * _FIXED <= frame.raw_length <= FRAME_LIMIT, where, "bad size", doc_name)
         need(frame.crc32c < 2**32, where, "crc32c must be a 32-bit integer", doc_name)
         need(not digest or is_sha256_hex(frame.sha256), where, "sha256 must be 64 lowercase hex digits", doc_name)
+        inflated += frame.raw_length
+        if inflated > inflate_limit:
+            raise FormatError(
+                f"{doc_name} field {where}: the frames up to this one inflate to {inflated} bytes, over the "
+                f"{inflate_limit} an index object of a root of {leaves} leaves may ({OBJECT_RAW_LIMIT}, and "
+                f"{RAW_PER_LEAF} a leaf)"
+            )
         out.append(frame)
         offset, last = offset + frame.length, frame.last
     need(offset == size, "'frames'", f"end at byte {offset}, the object is {size} bytes", doc_name)
@@ -257,14 +367,16 @@ def decode_frame(
     doc_name: str,
     keep: Collection[int] | np.ndarray | None = None,
     out: dict[int, list[Piece]] | None = None,
+    tally: Tally | None = None,
 ) -> dict[int, list[Piece]]:
     """Frame ``k``'s rows of the leaves ``keep`` (None: all), by leaf, after checking every row;
     added to ``out`` when given (a reader of several frames collects them in one dict).
+    ``tally``: as :func:`check_frame`'s.
 
     Raises:
         FormatError: naming the index object, the frame and what is wrong.
     """
-    rows = check_frame(head, k, body, table, doc_name, keep)
+    rows = check_frame(head, k, body, table, doc_name, keep, tally)
     out = {} if out is None else out
     for g in rows.groups:
         _build(out, g.sel, g.box, rows.leaf, head.keys, rows.blob, rows.offset, rows.length, rows.crc, rows.shas)
@@ -290,9 +402,16 @@ def check_frame(
     table: LeafTable,
     doc_name: str,
     keep: Collection[int] | np.ndarray | None = None,
+    tally: Tally | None = None,
 ) -> FrameRows:
     """Frame ``k`` checked (its checksums, its decompressed length, every row), with the rows of
     the leaves ``keep`` (None: all) picked out.
+
+    Beyond each row on its own: no two rows of a leaf name one box, and the rows of each leaf
+    cover no more than its elements; ``tally`` (its index object's, frames checked in order)
+    carries a leaf's sum from frame to frame and takes this frame's. Each check is a few numpy
+    passes over the frame, and the frame's inflated bytes are let go when it returns: what a
+    crafted object makes a reader hold is bounded by what its leaves can hold.
 
     Raises:
         FormatError: naming the index object, the frame and what is wrong.
@@ -320,7 +439,7 @@ def check_frame(
     delta = _unplanar(raw, 0, n, "<i4").astype(np.int64)
     blob = _unplanar(raw, 4 * n, n, "<u4")
     offset = _unplanar(raw, 8 * n, n, "<u8")
-    crc = np.frombuffer(raw, "<u4", n, 16 * n)
+    crc = np.frombuffer(raw, "<u4", n, 16 * n).copy()  # a copy: nothing keeps ``raw`` alive
     if delta[0] != 0 or (delta[1:] < 0).any():
         raise bad(f"rows must be sorted by leaf (row {int(np.argmax(delta < 0))} goes back)")
     leaf = np.cumsum(delta) + f.first
@@ -339,6 +458,7 @@ def check_frame(
         raise bad(f"row {int(np.argmax(blob >= len(head.keys)))}: blob position not in 'blobs'")
     coords = _unplanar(raw, _FIXED * n, count, "<i8")
     length = np.empty(n, dtype=np.int64)
+    volume = np.empty(n, dtype=np.float64)
     groups: list[Group] = []
     starts = None if uniform is not None else np.concatenate(([0], np.cumsum(width)[:-1]))
     for r in [uniform] if uniform is not None else np.unique(rank).tolist():
@@ -350,7 +470,14 @@ def check_frame(
             raise bad(f"row {row}: box outside leaf {int(leaf[row])}'s shape (or empty)")
         if nbytes is None:
             raise bad("a box of more than 2**62 bytes")
+        twice = _repeated(leaf[sel] - f.first, f.last - f.first + 1, inverse, len(distinct))
+        if twice is not None:
+            a, b = sel[twice[0]], sel[twice[1]]
+            raise bad(
+                f"rows {a} and {b} both name leaf {int(leaf[a])}'s box {_box_text(distinct[inverse[twice[0]]], r)}"
+            )
         length[sel] = nbytes[inverse]
+        volume[sel] = (nbytes // np.maximum(distinct[:, 2 * r], 1))[inverse]  # a pair's elements
         groups.append(Group(sel, grid if r else None, distinct, inverse))
     size = np.asarray(head.sizes, dtype=np.int64)[blob]
     fits = offset <= size.astype(np.uint64)
@@ -358,7 +485,10 @@ def check_frame(
     if not fits.all():
         row = int(np.argmax(~fits))
         raise bad(f"row {row}: bytes beyond blob {head.keys[int(blob[row])]!r}")
-    shas = np.frombuffer(raw, np.uint8, _SHA * n, f.raw_length - _SHA * n).reshape(n, _SHA) if digest else None
+    _cover(leaf, delta, volume, table, tally, bad)
+    shas = None
+    if digest:
+        shas = np.frombuffer(raw, np.uint8, _SHA * n, f.raw_length - _SHA * n).reshape(n, _SHA).copy()
     wanted = None
     if keep is not None:
         keep = leaf_array(keep)
@@ -377,6 +507,64 @@ def check_frame(
         if len(g.sel):
             picked.append(g)
     return FrameRows(leaf, blob, offset, length, crc, shas, picked)
+
+
+def _repeated(leaf: np.ndarray, leaves: int, pair: np.ndarray, pairs: int) -> tuple[int, int] | None:
+    """Two rows (positions) of one leaf naming one pair (box), or None: ``leaf`` each row's leaf
+    (``0 <= leaf < leaves``), ``pair`` its position among ``pairs`` distinct (box, kind) pairs,
+    which rows of one leaf share only when they name one box. Counted in one pass where the
+    (leaf, pair) keys are few (a frame's leaves repeat a few boxes), else sorted."""
+    key = leaf * pairs + pair
+    span = leaves * pairs
+    if span <= 4 * len(key) + 4096:
+        if np.bincount(key, minlength=span).max() <= 1:
+            return None
+    else:
+        ordered = np.sort(key)
+        if not (ordered[1:] == ordered[:-1]).any():
+            return None
+    _, first, counts = np.unique(key, return_index=True, return_counts=True)
+    again = key[first[np.argmax(counts > 1)]]
+    a, b = np.flatnonzero(key == again)[:2].tolist()
+    return a, b
+
+
+def _box_text(pair: np.ndarray, r: int) -> str:
+    return f"{tuple(pair[:r].tolist())}-{tuple(pair[r : 2 * r].tolist())}"
+
+
+def _cover(
+    leaf: np.ndarray,
+    delta: np.ndarray,
+    volume: np.ndarray,
+    table: LeafTable,
+    tally: Tally | None,
+    bad: Callable[[str], FormatError],
+) -> None:
+    """The elements a frame's rows (sorted by ``leaf``; ``delta``: each one's leaf minus the one
+    before's) cover, summed per leaf (with the tally's sum of a leaf the frame continues),
+    checked against each leaf's elements, and added to ``tally``."""
+    firsts = np.concatenate(([0], np.flatnonzero(delta)))  # delta[0] is 0: row 0 starts a leaf
+    leaves = leaf[firsts]
+    sums = np.add.reduceat(volume, firsts)
+    carried = tally is not None and int(leaves[0]) == tally.last_leaf
+    if carried:
+        assert tally is not None
+        sums[0] += tally.last_sum
+    elements = table.kind_elements[table.kind[leaves]]
+    over = sums > _cover_limit(elements)
+    if over.any():
+        at = int(np.argmax(over))
+        raise bad(
+            f"the rows of leaf {int(leaves[at])} cover more than its {int(elements[at])} elements "
+            "(a box listed twice, or boxes that overlap)"
+        )
+    if tally is not None:
+        if carried:  # the leaf's sum so far replaces the frame before's last entry
+            tally.sums[-1][-1] = 0.0
+        tally.leaves.append(leaves)
+        tally.sums.append(sums)
+        tally.last_leaf, tally.last_sum = int(leaves[-1]), float(sums[-1])
 
 
 def _distinct_boxes(
@@ -458,10 +646,11 @@ def parse_index3(data: bytes, manifest: Manifest, process: int, *, leaves: Colle
     doc_name = f"index object {ref.key}"
     if len(data) != ref.size:
         raise FormatError(f"{doc_name} is {len(data)} bytes, the manifest says {ref.size}")
-    head = parse_head(data, manifest, process)
     table = LeafTable(manifest)
+    head = parse_head(data, manifest, process, table)
     pieces: dict[int, list[Piece]] = {}
+    tally = Tally()
     for k in head.frames_for(None):
         f = head.frames[k]
-        decode_frame(head, k, data[f.offset : f.offset + f.length], table, doc_name, leaves, pieces)
+        decode_frame(head, k, data[f.offset : f.offset + f.length], table, doc_name, leaves, pieces, tally)
     return IndexDoc(process, head.blobs, pieces)
