@@ -51,6 +51,7 @@ def child(layers: int) -> dict[str, Any]:
 
     assert len(jax.devices()) == DEVICES, len(jax.devices())
     index3_encode.FRAME_TARGET = FRAME_TARGET  # read at call time by index3_encode()
+    index3.FRAME_FLOOR = FRAME_TARGET // 4  # and by parse_head: readers allow frames that small
     index3_io.WHOLE_BELOW = 0  # and by read_index3: every object read in part
     by_id = {d.id: d for d in jax.devices()}
     leaves, skeleton = flatten(state_tree(make_mesh((DEVICES // 8, 8)), "unstacked", layers))

@@ -47,9 +47,9 @@ OBJECT_RAW_LIMIT = 64 << 20
 #: See :data:`OBJECT_RAW_LIMIT`: a process writes a few rows per leaf (~150 bytes a row at most).
 RAW_PER_LEAF = 4 << 10
 #: An index object has at most one frame per item its leaves span, one per this many raw bytes,
-#: and one more (writers cut at each item and past 128 KiB): each frame costs a reader a fixed
-#: amount of work, however small it is.
-FRAME_FLOOR = 1 << 10
+#: and one more (writers cut at each item and past ``index3_encode.FRAME_TARGET``, 128 KiB, or
+#: 32 KiB in the first writers): each frame costs a reader a fixed amount of work, however small.
+FRAME_FLOOR = 16 << 10
 _FIXED = 20  # bytes per row before its coordinates: leaf u32, blob u32, offset u64, crc32c u32
 _SHA = 32
 
