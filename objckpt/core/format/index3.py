@@ -9,7 +9,8 @@ run of leaves, compressed, and the head pins each frame by its checksum. A
 reader fetches the head, then only the frames of the leaves it needs, checks
 each frame's checksum before it decompresses it (to exactly its declared
 length: no zip bombs) and validates every row with numpy before it builds a
-:class:`Piece` for the wanted ones. See ``docs/FORMAT.md`` ("version 3"). No I/O. The writer is
+:class:`Piece` for the wanted ones, holding the object to the bounds of
+:mod:`objckpt.core.format.index3_bounds` (what it can make a reader inflate and hold). See ``docs/FORMAT.md`` ("version 3"). No I/O. The writer is
 :mod:`objckpt.core.format.index3_encode`.
 """
 
@@ -17,20 +18,28 @@ from __future__ import annotations
 
 import functools
 import itertools
-import re
 import struct
 import zlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from objckpt.core.checksum import crc32c, is_sha256_hex, sha256_hex
-from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format.index import INDEX_FORMAT, IndexDoc, index_key
+from objckpt.core.format.index3_bounds import (
+    BYTES_LIMIT,
+    OBJECT_RAW_LIMIT,
+    RAW_PER_LEAF,
+    LeafTable,
+    Tally,
+    check_frame_count,
+    cover,
+    repeated,
+)
 from objckpt.core.format.rows import RowsBuilder, distinct_rows
-from objckpt.core.format.schema import ARRAY_KINDS, Manifest, check_blob_key
+from objckpt.core.format.schema import Manifest, check_blob_key
 from objckpt.core.pieces import Piece
 from objckpt.core.strict import fields, is_int, need, strict_json
 from objckpt.errors import FormatError
@@ -39,17 +48,6 @@ MAGIC = b"OBJCKIX3"
 _PREFIX = len(MAGIC) + 4  # the magic, then the JSON's byte length (u32 little-endian)
 #: The largest frame a reader decompresses (writers stay near ``index3_encode.FRAME_TARGET``).
 FRAME_LIMIT = 16 << 20
-#: Blob sizes and piece bytes stay below this, so every sum of two fits an int64.
-BYTES_LIMIT = 1 << 62
-#: The most bytes an index object's frames inflate to in all: this, and :data:`RAW_PER_LEAF`
-#: more per leaf of the root (what a reader of the object may be made to decompress and hold).
-OBJECT_RAW_LIMIT = 64 << 20
-#: See :data:`OBJECT_RAW_LIMIT`: a process writes a few rows per leaf (~150 bytes a row at most).
-RAW_PER_LEAF = 4 << 10
-#: An index object has at most one frame per item its leaves span, one per this many raw bytes,
-#: and one more (writers cut at each item and past ``index3_encode.FRAME_TARGET``, 128 KiB, or
-#: 32 KiB in the first writers): each frame costs a reader a fixed amount of work, however small.
-FRAME_FLOOR = 16 << 10
 _FIXED = 20  # bytes per row before its coordinates: leaf u32, blob u32, offset u64, crc32c u32
 _SHA = 32
 
@@ -99,113 +97,6 @@ def leaf_array(leaves: Collection[int] | np.ndarray) -> np.ndarray:
     return np.unique(np.fromiter(leaves, dtype=np.int64, count=len(leaves)))
 
 
-class LeafTable:
-    """Per leaf of a root, what row checks need, as arrays: its rank (-1: no stored data) and
-    its kind (leaves of one shape and itemsize share one: a layer stack's leaves are a few
-    kinds, so a frame's rows are checked per distinct (box, kind), not per row), with each
-    kind's shape (padded), itemsize and element count. Built once per read, shared by every
-    index object: it also sums, per leaf, the elements the rows of the objects read so far
-    cover (:meth:`merge`), which the rows of a checkpoint never exceed (they tile the leaf)."""
-
-    def __init__(self, manifest: Manifest) -> None:
-        n = len(manifest.leaves)
-        self._manifest = manifest
-        self.covered = np.zeros(n, dtype=np.float64)
-        self.rank = np.full(n, -1, dtype=np.int64)
-        self.kind = np.zeros(n, dtype=np.int64)
-        kinds: dict[tuple[int, tuple[int, ...]], int] = {}
-        for i, leaf in enumerate(manifest.leaves):
-            if leaf.kind in ARRAY_KINDS and leaf.dtype is not None:
-                dtype = dtype_from_name(leaf.dtype)
-                assert dtype is not None
-                shape = leaf.shape or ()
-                if any(s >= BYTES_LIMIT for s in shape):
-                    continue  # no box of it fits a blob (each extent below 2**62 keeps the sums in int64)
-                self.rank[i] = len(shape)
-                self.kind[i] = kinds.setdefault((dtype.itemsize, tuple(shape)), len(kinds))
-        width = max((len(shape) for _, shape in kinds), default=0)
-        self.kind_shape = np.zeros((len(kinds), width), dtype=np.int64)
-        self.kind_itemsize = np.zeros(len(kinds), dtype=np.int64)
-        self.kind_elements = np.zeros(len(kinds), dtype=np.float64)
-        for (itemsize, shape), k in kinds.items():
-            self.kind_shape[k, : len(shape)] = shape
-            self.kind_itemsize[k] = itemsize
-            self.kind_elements[k] = _elements(shape)
-
-    @functools.cached_property
-    def item(self) -> np.ndarray:
-        """Per leaf, the number of item starts (:func:`item_starts`) up to it: leaves ``a..b``
-        span ``item[b] - item[a] + 1`` items. Asked only of an object with many small frames."""
-        starts = np.zeros(len(self._manifest.leaves), dtype=np.int64)
-        starts[item_starts([leaf.path for leaf in self._manifest.leaves])] = 1
-        return np.cumsum(starts)
-
-    def merge(self, tally: Tally, doc_name: str) -> None:
-        """The elements ``tally`` (an index object's checked rows) covers, added to the elements
-        of the objects read before, per leaf.
-
-        Raises:
-            FormatError: a leaf's rows of all the objects read cover more than its elements
-                (a box two index objects both list, or boxes that overlap).
-        """
-        if not tally.leaves:
-            return
-        leaves, sums = np.concatenate(tally.leaves), np.concatenate(tally.sums)
-        if len(leaves) > 1 and not (np.diff(leaves) > 0).all():  # a leaf that spans frames: one sum
-            leaves, at = np.unique(leaves, return_inverse=True)
-            sums = np.bincount(at.ravel(), weights=sums, minlength=len(leaves))
-        total = self.covered[leaves] + sums
-        over = total > _cover_limit(self.kind_elements[self.kind[leaves]])
-        if over.any():
-            leaf = int(leaves[np.argmax(over)])
-            elements = int(self.kind_elements[self.kind[leaf]])
-            raise FormatError(
-                f"{doc_name}: the rows of leaf {leaf} ({self._manifest.leaves[leaf].path}) in this and the index "
-                f"objects read before it cover more than its {elements} elements (a box listed twice, or boxes "
-                "that overlap)"
-            )
-        self.covered[leaves] = total
-
-
-def _elements(shape: tuple[int, ...]) -> float:
-    """A shape's element count as a float64 (exact below 2**53)."""
-    out = 1.0
-    for s in shape:
-        out *= float(s)
-    return out
-
-
-def _cover_limit(elements: np.ndarray) -> np.ndarray:
-    """The most elements rows of leaves of ``elements`` may cover in float64 sums: exactly the
-    count below 2**53 (where the sums of integer volumes are exact), a hair more above it."""
-    return np.where(elements < 2.0**53, elements, elements * (1 + 2.0**-40))
-
-
-_FIRST_KEY = re.compile(r"\[[^\]]*\]|\.[^.\[]*")
-
-
-def item_starts(paths: Sequence[str]) -> list[int]:
-    """The leaves (by position in ``paths``, a root's leaf paths in order) whose first path key
-    differs from the leaf before's: where each item (params, each optimizer moment, ...) starts.
-    Writers start a frame at each; a reader allows an index object one frame per item it spans
-    beyond those :data:`FRAME_FLOOR` allows."""
-    firsts = [m.group(0) if (m := _FIRST_KEY.match(path)) else path for path in paths]
-    return [i for i, key in enumerate(firsts) if i == 0 or key != firsts[i - 1]]
-
-
-class Tally:
-    """What one index object's checked frames cover: per frame, its leaves and the elements its
-    rows cover in each (float64), and the last leaf's running sum (a leaf that spans frames is
-    summed across them). A reader keeps one per read of an object, and merges it into its
-    :class:`LeafTable` once the object has passed every check (:meth:`LeafTable.merge`)."""
-
-    def __init__(self) -> None:
-        self.leaves: list[np.ndarray] = []
-        self.sums: list[np.ndarray] = []
-        self.last_leaf = -1
-        self.last_sum = 0.0
-
-
 # ----------------------------------------------------------------------------- reading
 
 
@@ -252,17 +143,7 @@ def parse_head(data: bytes, manifest: Manifest, process: int, table: LeafTable |
         doc_name,
     )
     frames = _frames(doc["frames"], ref.head, ref.size, len(manifest.leaves), ref.sha256 is not None, doc_name)
-    raw = sum(f.raw_length for f in frames)
-    if len(frames) > raw // FRAME_FLOOR + 1:  # many small frames: only as many as its items
-        items = (table or LeafTable(manifest)).item
-        allowed = raw // FRAME_FLOOR + 1 + int(items[frames[-1].last] - items[frames[0].first])
-        need(
-            len(frames) <= allowed,
-            "'frames'",
-            f"{len(frames)} frames of {raw} raw bytes in all, over the {allowed} allowed (one per item its "
-            f"leaves span, one per {FRAME_FLOOR} raw bytes, and one)",
-            doc_name,
-        )
+    check_frame_count(frames, table or LeafTable(manifest), doc_name)
     return Head(process, keys, sizes, frames)
 
 
@@ -470,7 +351,7 @@ def check_frame(
             raise bad(f"row {row}: box outside leaf {int(leaf[row])}'s shape (or empty)")
         if nbytes is None:
             raise bad("a box of more than 2**62 bytes")
-        twice = _repeated(leaf[sel] - f.first, f.last - f.first + 1, inverse, len(distinct))
+        twice = repeated(leaf[sel] - f.first, f.last - f.first + 1, inverse, len(distinct))
         if twice is not None:
             a, b = sel[twice[0]], sel[twice[1]]
             raise bad(
@@ -485,7 +366,7 @@ def check_frame(
     if not fits.all():
         row = int(np.argmax(~fits))
         raise bad(f"row {row}: bytes beyond blob {head.keys[int(blob[row])]!r}")
-    _cover(leaf, delta, volume, table, tally, bad)
+    cover(leaf, delta, volume, table, tally, bad)
     shas = None
     if digest:
         shas = np.frombuffer(raw, np.uint8, _SHA * n, f.raw_length - _SHA * n).reshape(n, _SHA).copy()
@@ -509,62 +390,8 @@ def check_frame(
     return FrameRows(leaf, blob, offset, length, crc, shas, picked)
 
 
-def _repeated(leaf: np.ndarray, leaves: int, pair: np.ndarray, pairs: int) -> tuple[int, int] | None:
-    """Two rows (positions) of one leaf naming one pair (box), or None: ``leaf`` each row's leaf
-    (``0 <= leaf < leaves``), ``pair`` its position among ``pairs`` distinct (box, kind) pairs,
-    which rows of one leaf share only when they name one box. Counted in one pass where the
-    (leaf, pair) keys are few (a frame's leaves repeat a few boxes), else sorted."""
-    key = leaf * pairs + pair
-    span = leaves * pairs
-    if span <= 4 * len(key) + 4096:
-        if np.bincount(key, minlength=span).max() <= 1:
-            return None
-    else:
-        ordered = np.sort(key)
-        if not (ordered[1:] == ordered[:-1]).any():
-            return None
-    _, first, counts = np.unique(key, return_index=True, return_counts=True)
-    again = key[first[np.argmax(counts > 1)]]
-    a, b = np.flatnonzero(key == again)[:2].tolist()
-    return a, b
-
-
 def _box_text(pair: np.ndarray, r: int) -> str:
     return f"{tuple(pair[:r].tolist())}-{tuple(pair[r : 2 * r].tolist())}"
-
-
-def _cover(
-    leaf: np.ndarray,
-    delta: np.ndarray,
-    volume: np.ndarray,
-    table: LeafTable,
-    tally: Tally | None,
-    bad: Callable[[str], FormatError],
-) -> None:
-    """The elements a frame's rows (sorted by ``leaf``; ``delta``: each one's leaf minus the one
-    before's) cover, summed per leaf (with the tally's sum of a leaf the frame continues),
-    checked against each leaf's elements, and added to ``tally``."""
-    firsts = np.concatenate(([0], np.flatnonzero(delta)))  # delta[0] is 0: row 0 starts a leaf
-    leaves = leaf[firsts]
-    sums = np.add.reduceat(volume, firsts)
-    carried = tally is not None and int(leaves[0]) == tally.last_leaf
-    if carried:
-        assert tally is not None
-        sums[0] += tally.last_sum
-    elements = table.kind_elements[table.kind[leaves]]
-    over = sums > _cover_limit(elements)
-    if over.any():
-        at = int(np.argmax(over))
-        raise bad(
-            f"the rows of leaf {int(leaves[at])} cover more than its {int(elements[at])} elements "
-            "(a box listed twice, or boxes that overlap)"
-        )
-    if tally is not None:
-        if carried:  # the leaf's sum so far replaces the frame before's last entry
-            tally.sums[-1][-1] = 0.0
-        tally.leaves.append(leaves)
-        tally.sums.append(sums)
-        tally.last_leaf, tally.last_sum = int(leaves[-1]), float(sums[-1])
 
 
 def _distinct_boxes(

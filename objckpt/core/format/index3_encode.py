@@ -20,7 +20,8 @@ import numpy as np
 
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format.index import INDEX_FORMAT
-from objckpt.core.format.index3 import _FIXED, _PREFIX, _SHA, MAGIC, item_starts
+from objckpt.core.format.index3 import _FIXED, _PREFIX, _SHA, MAGIC
+from objckpt.core.format.index3_bounds import item_starts
 from objckpt.core.pieces import Piece
 
 #: A frame's rows are cut at the first leaf boundary past this many uncompressed bytes (a leaf with
@@ -98,7 +99,7 @@ def index3_encode(
 def item_breaks(paths: Sequence[str]) -> list[int]:
     """The leaves (by position in ``paths``, a root's leaf paths in order) whose first path key
     differs from the leaf before's: where each item (params, each optimizer moment, ...) starts,
-    the ``breaks`` a save gives :func:`index3_encode` (:func:`~objckpt.core.format.index3.item_starts`)."""
+    the ``breaks`` a save gives :func:`index3_encode` (:func:`~objckpt.core.format.index3_bounds.item_starts`)."""
     return item_starts(paths)
 
 
