@@ -219,3 +219,14 @@ def test_small_frames_one_per_item_still_restore(store_target_factory):
     for name, value in tree.items():
         np.testing.assert_array_equal(np.asarray(out[name]), value)
     assert objckpt.verify(target.url).ok
+
+
+def test_a_crafted_frame_is_refused_on_its_first_read(saved):
+    """Its bytes match the checksums the head pins, so a second read would find the same bytes:
+    the crafted frame is refused once, not re-read as a frame changed in flight is."""
+    starts = np.array([0, 0])
+    key = _replace(saved.open(), [(0, 0, 2, _raw(starts, starts + SIZE))])
+    stats = objckpt.TransferStats()
+    with pytest.raises(FormatError, match=rf"{key} frame 0 .*: rows 0 and 1 both name leaf 0's box") as caught:
+        objckpt.restore(saved.url, stats=stats)
+    assert stats.checksum_retries == 0 and "the same over" not in str(caught.value)

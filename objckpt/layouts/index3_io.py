@@ -5,7 +5,8 @@ bytes): one ranged GET for the head (the root gives its length; a small object
 is read whole in that one GET), then the frames that hold the wanted leaves, as
 few ranged GETs as their positions allow. A read that fails its checks is read
 again, up to :data:`MANIFEST_READS` reads, before it is a :class:`FormatError`
-naming the object.
+naming the object; bytes that matched their checksums and still fail a check (a
+crafted object, not one changed in flight) are a :class:`FormatError` at once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from objckpt.core.format.index import IndexDoc
 from objckpt.core.format.index3 import (
     Head,
     LeafTable,
+    Pinned,
     Tally,
     add_frame,
     check_frame,
@@ -66,14 +68,22 @@ async def read_index3(
     doc_name = f"index object {ref.key}"
     if ref.size > size_limit:
         raise FormatError(f"{doc_name} is {ref.size} bytes, over the limit of {size_limit}")
+
+    async def attempt() -> tuple[IndexDoc, Tally] | Pinned:
+        try:
+            return await _read_once(store, manifest, process, table, leaves, doc_name, rows)
+        except Pinned as e:  # bytes that matched their checksums: a re-read gives the same
+            return e
+
     try:
-        doc, tally = await until_checked(
-            lambda: _read_once(store, manifest, process, table, leaves, doc_name, rows), store
-        )
+        got = await until_checked(attempt, store)
     except FileNotFoundError:
         raise FormatError(
             f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
         ) from None
+    if isinstance(got, Pinned):
+        raise FormatError(str(got)) from None
+    doc, tally = got
     table.merge(tally, doc_name)
     return doc
 

@@ -52,6 +52,12 @@ _FIXED = 20  # bytes per row before its coordinates: leaf u32, blob u32, offset 
 _SHA = 32
 
 
+class Pinned(FormatError):
+    """A check failed on bytes that matched the checksums that pin them (the root's, the head's):
+    reading them again gives the same bytes, so a reader does not (its caller raises a plain
+    :class:`FormatError` with this message)."""
+
+
 class Frame(NamedTuple):
     """One frame as the head lists it: leaves ``first..last``, at ``offset`` in the object."""
 
@@ -121,6 +127,17 @@ def parse_head(data: bytes, manifest: Manifest, process: int, table: LeafTable |
         raise FormatError(f"{doc_name} head does not match its crc32c in the manifest")
     if ref.sha256 is not None and sha256_hex(head) != ref.sha256:
         raise FormatError(f"{doc_name} head does not match its sha256 in the manifest (its crc32c does)")
+    try:
+        return _pinned_head(head, manifest, process, table, doc_name)
+    except Pinned:
+        raise
+    except FormatError as e:
+        raise Pinned(str(e)) from None
+
+
+def _pinned_head(head: bytes, manifest: Manifest, process: int, table: LeafTable | None, doc_name: str) -> Head:
+    """:func:`parse_head` of a head that matched its checksums."""
+    ref = manifest.indexes[process]
     (length,) = struct.unpack_from("<I", head, len(MAGIC))
     need(_PREFIX + length == ref.head, "(head)", f"JSON of {length} bytes in a head of {ref.head}", doc_name)
     doc = strict_json(head[_PREFIX:], doc_name)
@@ -300,8 +317,10 @@ def check_frame(
     f = head.frames[k]
     where = f"frame {k} (bytes [{f.offset}, {f.offset + f.length}))"
 
+    pinned = False  # set once the frame matched its checksums: from then on errors are Pinned
+
     def bad(what: str) -> FormatError:
-        return FormatError(f"{doc_name} {where}: {what}")
+        return (Pinned if pinned else FormatError)(f"{doc_name} {where}: {what}")
 
     if len(body) != f.length:
         raise bad(f"{len(body)} bytes were read, the head says {f.length}")
@@ -309,6 +328,7 @@ def check_frame(
         raise bad("does not match its crc32c in the head")
     if f.sha256 is not None and sha256_hex(body) != f.sha256:
         raise bad("does not match its sha256 in the head (its crc32c does)")
+    pinned = True
     inflate = zlib.decompressobj()
     try:
         raw = inflate.decompress(body, f.raw_length)
@@ -474,10 +494,16 @@ def parse_index3(data: bytes, manifest: Manifest, process: int, *, leaves: Colle
     if len(data) != ref.size:
         raise FormatError(f"{doc_name} is {len(data)} bytes, the manifest says {ref.size}")
     table = LeafTable(manifest)
-    head = parse_head(data, manifest, process, table)
+    try:
+        head = parse_head(data, manifest, process, table)
+    except Pinned as e:
+        raise FormatError(str(e)) from None
     pieces: dict[int, list[Piece]] = {}
     tally = Tally()
-    for k in head.frames_for(None):
-        f = head.frames[k]
-        decode_frame(head, k, data[f.offset : f.offset + f.length], table, doc_name, leaves, pieces, tally)
+    try:
+        for k in head.frames_for(None):
+            f = head.frames[k]
+            decode_frame(head, k, data[f.offset : f.offset + f.length], table, doc_name, leaves, pieces, tally)
+    except Pinned as e:
+        raise FormatError(str(e)) from None
     return IndexDoc(process, head.blobs, pieces)
