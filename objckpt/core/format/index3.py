@@ -359,7 +359,6 @@ def check_frame(
         raise bad(f"row {int(np.argmax(blob >= len(head.keys)))}: blob position not in 'blobs'")
     coords = _unplanar(raw, _FIXED * n, count, "<i8")
     length = np.empty(n, dtype=np.int64)
-    volume = np.empty(n, dtype=np.float64)
     groups: list[Group] = []
     starts = None if uniform is not None else np.concatenate(([0], np.cumsum(width)[:-1]))
     for r in [uniform] if uniform is not None else np.unique(rank).tolist():
@@ -378,7 +377,6 @@ def check_frame(
                 f"rows {a} and {b} both name leaf {int(leaf[a])}'s box {_box_text(distinct[inverse[twice[0]]], r)}"
             )
         length[sel] = nbytes[inverse]
-        volume[sel] = (nbytes // np.maximum(distinct[:, 2 * r], 1))[inverse]  # a pair's elements
         groups.append(Group(sel, grid if r else None, distinct, inverse))
     size = np.asarray(head.sizes, dtype=np.int64)[blob]
     fits = offset <= size.astype(np.uint64)
@@ -386,7 +384,7 @@ def check_frame(
     if not fits.all():
         row = int(np.argmax(~fits))
         raise bad(f"row {row}: bytes beyond blob {head.keys[int(blob[row])]!r}")
-    cover(leaf, delta, volume, table, tally, bad)
+    cover(leaf, delta, length, table, tally, bad)
     shas = None
     if digest:
         shas = np.frombuffer(raw, np.uint8, _SHA * n, f.raw_length - _SHA * n).reshape(n, _SHA).copy()

@@ -70,6 +70,8 @@ class LeafTable:
             self.kind_shape[k, : len(shape)] = shape
             self.kind_itemsize[k] = itemsize
             self.kind_elements[k] = element_count(shape)
+        #: Per leaf, the most bytes its rows may cover (its elements × itemsize, as float64 sums allow).
+        self.cover_limit = cover_limit(self.kind_elements * self.kind_itemsize)[self.kind]
 
     @functools.cached_property
     def item(self) -> np.ndarray:
@@ -80,8 +82,8 @@ class LeafTable:
         return np.cumsum(starts)
 
     def merge(self, tally: Tally, doc_name: str) -> None:
-        """The elements ``tally`` (an index object's checked rows) covers, added to the elements
-        of the objects read before, per leaf.
+        """The bytes ``tally`` (an index object's checked rows) covers, added to those of the
+        objects read before, per leaf (rows of a leaf share its itemsize: bytes count elements).
 
         Raises:
             FormatError: a leaf's rows of all the objects read cover more than its elements
@@ -94,7 +96,7 @@ class LeafTable:
             leaves, at = np.unique(leaves, return_inverse=True)
             sums = np.bincount(at.ravel(), weights=sums, minlength=len(leaves))
         total = self.covered[leaves] + sums
-        over = total > cover_limit(self.kind_elements[self.kind[leaves]])
+        over = total > self.cover_limit[leaves]
         if over.any():
             leaf = int(leaves[np.argmax(over)])
             elements = int(self.kind_elements[self.kind[leaf]])
@@ -133,7 +135,7 @@ def item_starts(paths: Sequence[str]) -> list[int]:
 
 
 class Tally:
-    """What one index object's checked frames cover: per frame, its leaves and the elements its
+    """What one index object's checked frames cover: per frame, its leaves and the bytes its
     rows cover in each (float64), and the last leaf's running sum (a leaf that spans frames is
     summed across them). A reader keeps one per read of an object, and merges it into its
     :class:`LeafTable` once the object has passed every check (:meth:`LeafTable.merge`)."""
@@ -187,28 +189,29 @@ def repeated(leaf: np.ndarray, leaves: int, pair: np.ndarray, pairs: int) -> tup
 def cover(
     leaf: np.ndarray,
     delta: np.ndarray,
-    volume: np.ndarray,
+    length: np.ndarray,
     table: LeafTable,
     tally: Tally | None,
     bad: Callable[[str], FormatError],
 ) -> None:
-    """The elements a frame's rows (sorted by ``leaf``; ``delta``: each one's leaf minus the one
-    before's) cover, summed per leaf (with the tally's sum of a leaf the frame continues),
-    checked against each leaf's elements, and added to ``tally``."""
-    firsts = np.concatenate(([0], np.flatnonzero(delta)))  # delta[0] is 0: row 0 starts a leaf
+    """The bytes a frame's rows (sorted by ``leaf``; ``delta``: each one's leaf minus the one
+    before's; ``length``: each one's bytes, its box's volume × its leaf's itemsize) cover, summed
+    per leaf as float64 (with the tally's sum of a leaf the frame continues), checked against
+    each leaf's elements × itemsize, and added to ``tally``."""
+    firsts = np.flatnonzero(delta)
+    firsts = np.concatenate(([0], firsts)) if len(firsts) else np.zeros(1, dtype=np.int64)  # row 0 starts a leaf
     leaves = leaf[firsts]
-    sums = np.add.reduceat(volume, firsts)
+    sums = np.add.reduceat(length, firsts, dtype=np.float64)
     carried = tally is not None and int(leaves[0]) == tally.last_leaf
     if carried:
         assert tally is not None
         sums[0] += tally.last_sum
-    elements = table.kind_elements[table.kind[leaves]]
-    over = sums > cover_limit(elements)
+    over = sums > table.cover_limit[leaves]
     if over.any():
-        at = int(np.argmax(over))
+        at = int(leaves[np.argmax(over)])
+        elements = int(table.kind_elements[table.kind[at]])
         raise bad(
-            f"the rows of leaf {int(leaves[at])} cover more than its {int(elements[at])} elements "
-            "(a box listed twice, or boxes that overlap)"
+            f"the rows of leaf {at} cover more than its {elements} elements (a box listed twice, or boxes that overlap)"
         )
     if tally is not None:
         if carried:  # the leaf's sum so far replaces the frame before's last entry
