@@ -230,3 +230,33 @@ def test_a_crafted_frame_is_refused_on_its_first_read(saved):
     with pytest.raises(FormatError, match=rf"{key} frame 0 .*: rows 0 and 1 both name leaf 0's box") as caught:
         objckpt.restore(saved.url, stats=stats)
     assert stats.checksum_retries == 0 and "the same over" not in str(caught.value)
+
+
+def test_a_leaf_two_index_objects_both_tile_is_refused_when_the_second_is_read(saved):
+    """A second process's index object lists the whole leaf again (its own copy of the blob):
+    the leaf's rows of the two objects cover twice its elements, refused as the second object's
+    rows are added, before any piece is planned."""
+    from objckpt.core.format.index import index_key
+
+    store = saved.open()
+    root, head = _root(store), _head(store)
+    ref = root["indexes"][0]
+    data = bytes(runtime.run_sync(store.get(ref["key"])))
+    raw = zlib.decompress(data[ref["head"] :])
+    ((blob, size),) = head["blobs"]
+    copy = blob.replace("-p0-", "-p1-")
+    runtime.run_sync(store.put(copy, bytes(runtime.run_sync(store.get(blob)))))
+    second, length = _assemble({**head, "process": 1, "blobs": [[copy, size]]}, [(0, 0, 1, raw)])
+    key = index_key(root["save_id"], 1)
+    runtime.run_sync(store.put(key, second))
+    entry = {"key": key, "size": len(second), "crc32c": crc32c(second[:length]), "blobs": 1, "blob_bytes": size}
+    root["indexes"].append({**entry, "head": length})
+    root["num_processes"] = 2
+    root["leaves"][0]["layout"] = {"processes": [0, 1]}
+    runtime.run_sync(store.delete(MANIFEST_KEY))
+    runtime.run_sync(store.put(MANIFEST_KEY, json.dumps(root).encode(), mode="create"))
+    _refused(
+        saved,
+        r"index object \S+-p[01]\.index: the rows of leaf 0 \(\['w'\]\) in this and the index objects read "
+        rf"before it cover more than its {SIZE} elements",
+    )
