@@ -10,7 +10,8 @@ reader fetches the head, then only the frames of the leaves it needs, checks
 each frame's checksum before it decompresses it (to exactly its declared
 length: no zip bombs) and validates every row with numpy before it builds a
 :class:`Piece` for the wanted ones, holding the object to the bounds of
-:mod:`objckpt.core.format.index3_bounds` (what it can make a reader inflate and hold). See ``docs/FORMAT.md`` ("version 3"). No I/O. The writer is
+:mod:`objckpt.core.format.index3_bounds` (what it can make a reader inflate and
+hold). See ``docs/FORMAT.md`` ("version 3"). No I/O. The writer is
 :mod:`objckpt.core.format.index3_encode`.
 """
 
@@ -110,8 +111,8 @@ def parse_head(data: bytes, manifest: Manifest, process: int, table: LeafTable |
     """The head of ``process``'s index object (``data``: at least its first ``head`` bytes),
     checked against the root: length, crc32c (and SHA-256), save_id, process, blobs, and a
     frame table that covers the rest of the object exactly, within the bounds a reader holds
-    to (:data:`OBJECT_RAW_LIMIT`, :data:`FRAME_FLOOR`; ``table``: the read's, which knows
-    where items start).
+    it to (raw bytes and frames: :mod:`objckpt.core.format.index3_bounds`; ``table``: the
+    read's, which knows where items start, else they are found in ``manifest`` when asked).
 
     Raises:
         FormatError: naming the index object and the field.
@@ -160,7 +161,7 @@ def _pinned_head(head: bytes, manifest: Manifest, process: int, table: LeafTable
         doc_name,
     )
     frames = _frames(doc["frames"], ref.head, ref.size, len(manifest.leaves), ref.sha256 is not None, doc_name)
-    check_frame_count(frames, table or LeafTable(manifest), doc_name)
+    check_frame_count(frames, table, manifest, doc_name)
     return Head(process, keys, sizes, frames)
 
 

@@ -147,9 +147,10 @@ class Tally:
         self.last_sum = 0.0
 
 
-def check_frame_count(frames: Sequence[Any], table: LeafTable, doc_name: str) -> None:
+def check_frame_count(frames: Sequence[Any], table: LeafTable | None, manifest: Manifest, doc_name: str) -> None:
     """An object's ``frames`` (each with ``first``, ``last`` and ``raw_length``) number at most
-    one per :data:`FRAME_FLOOR` raw bytes, one per item their leaves span after the first, and one.
+    one per :data:`FRAME_FLOOR` raw bytes, one per item their leaves span after the first, and
+    one. Items are counted (``table``'s, else ``manifest``'s leaves') only past the first bound.
 
     Raises:
         FormatError: naming the index object, the count and what it allows.
@@ -157,7 +158,7 @@ def check_frame_count(frames: Sequence[Any], table: LeafTable, doc_name: str) ->
     raw = sum(f.raw_length for f in frames)
     if len(frames) <= raw // FRAME_FLOOR + 1:
         return  # the usual case: no item counted
-    items = table.item
+    items = (table or LeafTable(manifest)).item
     allowed = raw // FRAME_FLOOR + 1 + int(items[frames[-1].last] - items[frames[0].first])
     if len(frames) > allowed:
         raise FormatError(
