@@ -24,12 +24,19 @@ import objckpt
 from objckpt.core.checksum import crc32c
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.format import index3 as ix
+from objckpt.core.format import index3_bounds as ix_bounds
 from objckpt.core.format import index3_encode as ix_encode
 from objckpt.errors import FormatError, IntegrityError
 from objckpt.options import Options
 from objckpt.transfer import runtime
 
 SMALL_FRAMES = 2048  # raw bytes per frame in the partial-read tests: ~40 rows
+
+
+def _small_frames(monkeypatch) -> None:
+    """Writers cut frames of ``SMALL_FRAMES`` raw bytes, and readers allow that many frames."""
+    monkeypatch.setattr(ix_encode, "FRAME_TARGET", SMALL_FRAMES)
+    monkeypatch.setattr(ix_bounds, "FRAME_FLOOR", SMALL_FRAMES // 2)
 
 
 def _tree(leaves: int = 40, seed: int = 0) -> dict:
@@ -128,7 +135,7 @@ def test_format_version_is_checked():
 
 
 def test_a_partial_restore_reads_the_head_and_only_the_frames_it_needs(store_target_factory, monkeypatch):
-    monkeypatch.setattr(ix_encode, "FRAME_TARGET", SMALL_FRAMES)
+    _small_frames(monkeypatch)
     target = store_target_factory("s3")
     tree = _tree(300)
     _save(target, tree)
@@ -148,7 +155,7 @@ def test_a_partial_restore_reads_the_head_and_only_the_frames_it_needs(store_tar
 
 
 def test_a_whole_restore_reads_every_frame(store_target_factory, monkeypatch):
-    monkeypatch.setattr(ix_encode, "FRAME_TARGET", SMALL_FRAMES)
+    _small_frames(monkeypatch)
     target = store_target_factory("memory")
     tree = _tree(30)
     _save(target, tree)
@@ -440,7 +447,7 @@ def _codec_manifest(data: bytes, head: int, leaves, digest: str | None = None):
 
 
 @pytest.mark.parametrize("digest", [None, "sha256"])
-def test_rows_of_every_rank_round_trip_and_a_long_leaf_spans_frames(digest):
+def test_rows_of_every_rank_round_trip_and_a_long_leaf_spans_frames(digest, monkeypatch):
     from objckpt.core.format.index3 import parse_head, parse_index3
     from objckpt.core.format.index3_encode import index3_encode
     from objckpt.core.pieces import Piece
@@ -455,6 +462,7 @@ def test_rows_of_every_rank_round_trip_and_a_long_leaf_spans_frames(digest):
     ]
     records += [(3, Piece((0, 0), (8, 8), "bb/x-p0-000001.blob", 4096, 256, 9, sha))]
     encoded = index3_encode("5" * 32, 0, records[::-1], blobs, digest=digest is not None, frame_target=4096)
+    monkeypatch.setattr(ix_bounds, "FRAME_FLOOR", 2048)  # readers allow frames of 4 KiB
     manifest = _codec_manifest(encoded.data, encoded.head, shapes, digest)
     head = parse_head(encoded.data, manifest, 0)
     assert len(head.frames) >= 5 and [f for f in head.frames if f.first == f.last == 2][1:]  # leaf 2 spans frames

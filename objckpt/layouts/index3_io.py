@@ -5,7 +5,8 @@ bytes): one ranged GET for the head (the root gives its length; a small object
 is read whole in that one GET), then the frames that hold the wanted leaves, as
 few ranged GETs as their positions allow. A read that fails its checks is read
 again, up to :data:`MANIFEST_READS` reads, before it is a :class:`FormatError`
-naming the object.
+naming the object; bytes that matched their checksums and still fail a check (a
+crafted object, not one changed in flight) are a :class:`FormatError` at once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,17 @@ from collections.abc import Collection
 
 from objckpt.core.format import Manifest
 from objckpt.core.format.index import IndexDoc
-from objckpt.core.format.index3 import Head, LeafTable, add_frame, check_frame, decode_frame, leaf_array, parse_head
+from objckpt.core.format.index3 import (
+    Head,
+    LeafTable,
+    Pinned,
+    Tally,
+    add_frame,
+    check_frame,
+    decode_frame,
+    leaf_array,
+    parse_head,
+)
 from objckpt.core.format.rows import RowsBuilder
 from objckpt.core.pieces import Piece
 from objckpt.errors import FormatError
@@ -45,20 +56,36 @@ async def read_index3(
     ``rows``: the pieces go there as columns (added once every frame read has passed its
     checks, so a read that is retried adds nothing twice), not into the document.
 
+    The elements its rows cover are added to ``table``'s sums once every frame read has passed
+    its checks (:meth:`LeafTable.merge`).
+
     Raises:
         FormatError: the object is missing, larger than ``size_limit``, or fails a check
-            (head, a frame's checksum or size, a row) on every one of its reads.
+            (head, a frame's checksum or size, a row) on every one of its reads; or its rows
+            and those of the objects read before with ``table`` cover more of a leaf than it holds.
     """
     ref = manifest.indexes[process]
     doc_name = f"index object {ref.key}"
     if ref.size > size_limit:
         raise FormatError(f"{doc_name} is {ref.size} bytes, over the limit of {size_limit}")
+
+    async def attempt() -> tuple[IndexDoc, Tally] | Pinned:
+        try:
+            return await _read_once(store, manifest, process, table, leaves, doc_name, rows)
+        except Pinned as e:  # bytes that matched their checksums: a re-read gives the same
+            return e
+
     try:
-        return await until_checked(lambda: _read_once(store, manifest, process, table, leaves, doc_name, rows), store)
+        got = await until_checked(attempt, store)
     except FileNotFoundError:
         raise FormatError(
             f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
         ) from None
+    if isinstance(got, Pinned):
+        raise FormatError(str(got)) from None
+    doc, tally = got
+    table.merge(tally, doc_name)
+    return doc
 
 
 async def _read_once(
@@ -69,31 +96,32 @@ async def _read_once(
     leaves: Collection[int] | None,
     doc_name: str,
     rows: RowsBuilder | None = None,
-) -> IndexDoc:
+) -> tuple[IndexDoc, Tally]:
     ref = manifest.indexes[process]
     wanted = None if leaves is None else leaf_array(leaves)
     whole = ref.size <= WHOLE_BELOW
     first = await store.get_range(ref.key, start=0, end=ref.size + 1 if whole else ref.head)
     if len(first) > ref.size:  # one byte more than the root says tells a longer object
         raise FormatError(f"{doc_name} is longer than the {ref.size} bytes the manifest says")
-    head = parse_head(first, manifest, process)
+    head = parse_head(first, manifest, process, table)
     picks = head.frames_for(wanted)
     pieces: dict[int, list[Piece]] = {}
+    tally = Tally()
     if not picks:
-        return IndexDoc(process, head.blobs, pieces)
+        return IndexDoc(process, head.blobs, pieces), tally
     if whole:
         bodies = [first[head.frames[k].offset : head.frames[k].offset + head.frames[k].length] for k in picks]
     else:
         bodies = await _fetch_frames(store, ref.key, head, picks, doc_name)
     if rows is None:
         for k, body in zip(picks, bodies):
-            decode_frame(head, k, body, table, doc_name, wanted, pieces)
-        return IndexDoc(process, head.blobs, pieces)
-    checked = [check_frame(head, k, body, table, doc_name, wanted) for k, body in zip(picks, bodies)]
+            decode_frame(head, k, body, table, doc_name, wanted, pieces, tally)
+        return IndexDoc(process, head.blobs, pieces), tally
+    checked = [check_frame(head, k, body, table, doc_name, wanted, tally) for k, body in zip(picks, bodies)]
     base = rows.add_blobs(head.keys)
     for frame in checked:
         add_frame(rows, base, frame)
-    return IndexDoc(process, head.blobs, pieces)
+    return IndexDoc(process, head.blobs, pieces), tally
 
 
 async def _fetch_frames(store: Store, key: str, head: Head, picks: list[int], doc_name: str) -> list[bytes]:

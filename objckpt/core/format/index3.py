@@ -9,7 +9,9 @@ run of leaves, compressed, and the head pins each frame by its checksum. A
 reader fetches the head, then only the frames of the leaves it needs, checks
 each frame's checksum before it decompresses it (to exactly its declared
 length: no zip bombs) and validates every row with numpy before it builds a
-:class:`Piece` for the wanted ones. See ``docs/FORMAT.md`` ("version 3"). No I/O. The writer is
+:class:`Piece` for the wanted ones, holding the object to the bounds of
+:mod:`objckpt.core.format.index3_bounds` (what it can make a reader inflate and
+hold). See ``docs/FORMAT.md`` ("version 3"). No I/O. The writer is
 :mod:`objckpt.core.format.index3_encode`.
 """
 
@@ -26,10 +28,19 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from objckpt.core.checksum import crc32c, is_sha256_hex, sha256_hex
-from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format.index import INDEX_FORMAT, IndexDoc, index_key
+from objckpt.core.format.index3_bounds import (
+    BYTES_LIMIT,
+    OBJECT_RAW_LIMIT,
+    RAW_PER_LEAF,
+    LeafTable,
+    Tally,
+    check_frame_count,
+    cover,
+    repeated,
+)
 from objckpt.core.format.rows import RowsBuilder, distinct_rows
-from objckpt.core.format.schema import ARRAY_KINDS, Manifest, check_blob_key
+from objckpt.core.format.schema import Manifest, check_blob_key
 from objckpt.core.pieces import Piece
 from objckpt.core.strict import fields, is_int, need, strict_json
 from objckpt.errors import FormatError
@@ -38,10 +49,14 @@ MAGIC = b"OBJCKIX3"
 _PREFIX = len(MAGIC) + 4  # the magic, then the JSON's byte length (u32 little-endian)
 #: The largest frame a reader decompresses (writers stay near ``index3_encode.FRAME_TARGET``).
 FRAME_LIMIT = 16 << 20
-#: Blob sizes and piece bytes stay below this, so every sum of two fits an int64.
-BYTES_LIMIT = 1 << 62
 _FIXED = 20  # bytes per row before its coordinates: leaf u32, blob u32, offset u64, crc32c u32
 _SHA = 32
+
+
+class Pinned(FormatError):
+    """A check failed on bytes that matched the checksums that pin them (the root's, the head's):
+    reading them again gives the same bytes, so a reader does not (its caller raises a plain
+    :class:`FormatError` with this message)."""
 
 
 class Frame(NamedTuple):
@@ -89,41 +104,15 @@ def leaf_array(leaves: Collection[int] | np.ndarray) -> np.ndarray:
     return np.unique(np.fromiter(leaves, dtype=np.int64, count=len(leaves)))
 
 
-class LeafTable:
-    """Per leaf of a root, what row checks need, as arrays: its rank (-1: no stored data) and
-    its kind (leaves of one shape and itemsize share one: a layer stack's leaves are a few
-    kinds, so a frame's rows are checked per distinct (box, kind), not per row), with each
-    kind's shape (padded) and itemsize. Built once per read, shared by every index object."""
-
-    def __init__(self, manifest: Manifest) -> None:
-        n = len(manifest.leaves)
-        self.rank = np.full(n, -1, dtype=np.int64)
-        self.kind = np.zeros(n, dtype=np.int64)
-        kinds: dict[tuple[int, tuple[int, ...]], int] = {}
-        for i, leaf in enumerate(manifest.leaves):
-            if leaf.kind in ARRAY_KINDS and leaf.dtype is not None:
-                dtype = dtype_from_name(leaf.dtype)
-                assert dtype is not None
-                shape = leaf.shape or ()
-                if any(s >= BYTES_LIMIT for s in shape):
-                    continue  # no box of it fits a blob (each extent below 2**62 keeps the sums in int64)
-                self.rank[i] = len(shape)
-                self.kind[i] = kinds.setdefault((dtype.itemsize, tuple(shape)), len(kinds))
-        width = max((len(shape) for _, shape in kinds), default=0)
-        self.kind_shape = np.zeros((len(kinds), width), dtype=np.int64)
-        self.kind_itemsize = np.zeros(len(kinds), dtype=np.int64)
-        for (itemsize, shape), k in kinds.items():
-            self.kind_shape[k, : len(shape)] = shape
-            self.kind_itemsize[k] = itemsize
-
-
 # ----------------------------------------------------------------------------- reading
 
 
-def parse_head(data: bytes, manifest: Manifest, process: int) -> Head:
+def parse_head(data: bytes, manifest: Manifest, process: int, table: LeafTable | None = None) -> Head:
     """The head of ``process``'s index object (``data``: at least its first ``head`` bytes),
     checked against the root: length, crc32c (and SHA-256), save_id, process, blobs, and a
-    frame table that covers the rest of the object exactly.
+    frame table that covers the rest of the object exactly, within the bounds a reader holds
+    it to (raw bytes and frames: :mod:`objckpt.core.format.index3_bounds`; ``table``: the
+    read's, which knows where items start, else they are found in ``manifest`` when asked).
 
     Raises:
         FormatError: naming the index object and the field.
@@ -139,6 +128,17 @@ def parse_head(data: bytes, manifest: Manifest, process: int) -> Head:
         raise FormatError(f"{doc_name} head does not match its crc32c in the manifest")
     if ref.sha256 is not None and sha256_hex(head) != ref.sha256:
         raise FormatError(f"{doc_name} head does not match its sha256 in the manifest (its crc32c does)")
+    try:
+        return _pinned_head(head, manifest, process, table, doc_name)
+    except Pinned:
+        raise
+    except FormatError as e:
+        raise Pinned(str(e)) from None
+
+
+def _pinned_head(head: bytes, manifest: Manifest, process: int, table: LeafTable | None, doc_name: str) -> Head:
+    """:func:`parse_head` of a head that matched its checksums."""
+    ref = manifest.indexes[process]
     (length,) = struct.unpack_from("<I", head, len(MAGIC))
     need(_PREFIX + length == ref.head, "(head)", f"JSON of {length} bytes in a head of {ref.head}", doc_name)
     doc = strict_json(head[_PREFIX:], doc_name)
@@ -161,6 +161,7 @@ def parse_head(data: bytes, manifest: Manifest, process: int) -> Head:
         doc_name,
     )
     frames = _frames(doc["frames"], ref.head, ref.size, len(manifest.leaves), ref.sha256 is not None, doc_name)
+    check_frame_count(frames, table, manifest, doc_name)
     return Head(process, keys, sizes, frames)
 
 
@@ -194,7 +195,8 @@ def _frames(raw: Any, head: int, size: int, leaves: int, digest: bool, doc_name:
     need(isinstance(raw, list), "'frames'", "must be a list", doc_name)
     width = 8 if digest else 7
     out: list[Frame] = []
-    offset, last = head, 0
+    offset, last, inflated = head, 0, 0
+    inflate_limit = OBJECT_RAW_LIMIT + RAW_PER_LEAF * leaves
     for n, f in enumerate(raw):
         where = f"'frames[{n}]'"
         need(
@@ -219,6 +221,13 @@ def _frames(raw: Any, head: int, size: int, leaves: int, digest: bool, doc_name:
         need(1 <= frame.rows and frame.rows * _FIXED <= frame.raw_length <= FRAME_LIMIT, where, "bad size", doc_name)
         need(frame.crc32c < 2**32, where, "crc32c must be a 32-bit integer", doc_name)
         need(not digest or is_sha256_hex(frame.sha256), where, "sha256 must be 64 lowercase hex digits", doc_name)
+        inflated += frame.raw_length
+        if inflated > inflate_limit:
+            raise FormatError(
+                f"{doc_name} field {where}: the frames up to this one inflate to {inflated} bytes, over the "
+                f"{inflate_limit} an index object of a root of {leaves} leaves may ({OBJECT_RAW_LIMIT}, and "
+                f"{RAW_PER_LEAF} a leaf)"
+            )
         out.append(frame)
         offset, last = offset + frame.length, frame.last
     need(offset == size, "'frames'", f"end at byte {offset}, the object is {size} bytes", doc_name)
@@ -257,14 +266,16 @@ def decode_frame(
     doc_name: str,
     keep: Collection[int] | np.ndarray | None = None,
     out: dict[int, list[Piece]] | None = None,
+    tally: Tally | None = None,
 ) -> dict[int, list[Piece]]:
     """Frame ``k``'s rows of the leaves ``keep`` (None: all), by leaf, after checking every row;
     added to ``out`` when given (a reader of several frames collects them in one dict).
+    ``tally``: as :func:`check_frame`'s.
 
     Raises:
         FormatError: naming the index object, the frame and what is wrong.
     """
-    rows = check_frame(head, k, body, table, doc_name, keep)
+    rows = check_frame(head, k, body, table, doc_name, keep, tally)
     out = {} if out is None else out
     for g in rows.groups:
         _build(out, g.sel, g.box, rows.leaf, head.keys, rows.blob, rows.offset, rows.length, rows.crc, rows.shas)
@@ -290,9 +301,16 @@ def check_frame(
     table: LeafTable,
     doc_name: str,
     keep: Collection[int] | np.ndarray | None = None,
+    tally: Tally | None = None,
 ) -> FrameRows:
     """Frame ``k`` checked (its checksums, its decompressed length, every row), with the rows of
     the leaves ``keep`` (None: all) picked out.
+
+    Beyond each row on its own: no two rows of a leaf name one box, and the rows of each leaf
+    cover no more than its elements; ``tally`` (its index object's, frames checked in order)
+    carries a leaf's sum from frame to frame and takes this frame's. Each check is a few numpy
+    passes over the frame, and the frame's inflated bytes are let go when it returns: what a
+    crafted object makes a reader hold is bounded by what its leaves can hold.
 
     Raises:
         FormatError: naming the index object, the frame and what is wrong.
@@ -300,8 +318,10 @@ def check_frame(
     f = head.frames[k]
     where = f"frame {k} (bytes [{f.offset}, {f.offset + f.length}))"
 
+    pinned = False  # set once the frame matched its checksums: from then on errors are Pinned
+
     def bad(what: str) -> FormatError:
-        return FormatError(f"{doc_name} {where}: {what}")
+        return (Pinned if pinned else FormatError)(f"{doc_name} {where}: {what}")
 
     if len(body) != f.length:
         raise bad(f"{len(body)} bytes were read, the head says {f.length}")
@@ -309,6 +329,7 @@ def check_frame(
         raise bad("does not match its crc32c in the head")
     if f.sha256 is not None and sha256_hex(body) != f.sha256:
         raise bad("does not match its sha256 in the head (its crc32c does)")
+    pinned = True
     inflate = zlib.decompressobj()
     try:
         raw = inflate.decompress(body, f.raw_length)
@@ -320,7 +341,7 @@ def check_frame(
     delta = _unplanar(raw, 0, n, "<i4").astype(np.int64)
     blob = _unplanar(raw, 4 * n, n, "<u4")
     offset = _unplanar(raw, 8 * n, n, "<u8")
-    crc = np.frombuffer(raw, "<u4", n, 16 * n)
+    crc = np.frombuffer(raw, "<u4", n, 16 * n).copy()  # a copy: nothing keeps ``raw`` alive
     if delta[0] != 0 or (delta[1:] < 0).any():
         raise bad(f"rows must be sorted by leaf (row {int(np.argmax(delta < 0))} goes back)")
     leaf = np.cumsum(delta) + f.first
@@ -350,6 +371,12 @@ def check_frame(
             raise bad(f"row {row}: box outside leaf {int(leaf[row])}'s shape (or empty)")
         if nbytes is None:
             raise bad("a box of more than 2**62 bytes")
+        twice = repeated(leaf[sel] - f.first, f.last - f.first + 1, inverse, len(distinct))
+        if twice is not None:
+            a, b = sel[twice[0]], sel[twice[1]]
+            raise bad(
+                f"rows {a} and {b} both name leaf {int(leaf[a])}'s box {_box_text(distinct[inverse[twice[0]]], r)}"
+            )
         length[sel] = nbytes[inverse]
         groups.append(Group(sel, grid if r else None, distinct, inverse))
     size = np.asarray(head.sizes, dtype=np.int64)[blob]
@@ -358,7 +385,10 @@ def check_frame(
     if not fits.all():
         row = int(np.argmax(~fits))
         raise bad(f"row {row}: bytes beyond blob {head.keys[int(blob[row])]!r}")
-    shas = np.frombuffer(raw, np.uint8, _SHA * n, f.raw_length - _SHA * n).reshape(n, _SHA) if digest else None
+    cover(leaf, delta, length, table, tally, bad)
+    shas = None
+    if digest:
+        shas = np.frombuffer(raw, np.uint8, _SHA * n, f.raw_length - _SHA * n).reshape(n, _SHA).copy()
     wanted = None
     if keep is not None:
         keep = leaf_array(keep)
@@ -377,6 +407,10 @@ def check_frame(
         if len(g.sel):
             picked.append(g)
     return FrameRows(leaf, blob, offset, length, crc, shas, picked)
+
+
+def _box_text(pair: np.ndarray, r: int) -> str:
+    return f"{tuple(pair[:r].tolist())}-{tuple(pair[r : 2 * r].tolist())}"
 
 
 def _distinct_boxes(
@@ -458,10 +492,17 @@ def parse_index3(data: bytes, manifest: Manifest, process: int, *, leaves: Colle
     doc_name = f"index object {ref.key}"
     if len(data) != ref.size:
         raise FormatError(f"{doc_name} is {len(data)} bytes, the manifest says {ref.size}")
-    head = parse_head(data, manifest, process)
     table = LeafTable(manifest)
+    try:
+        head = parse_head(data, manifest, process, table)
+    except Pinned as e:
+        raise FormatError(str(e)) from None
     pieces: dict[int, list[Piece]] = {}
-    for k in head.frames_for(None):
-        f = head.frames[k]
-        decode_frame(head, k, data[f.offset : f.offset + f.length], table, doc_name, leaves, pieces)
+    tally = Tally()
+    try:
+        for k in head.frames_for(None):
+            f = head.frames[k]
+            decode_frame(head, k, data[f.offset : f.offset + f.length], table, doc_name, leaves, pieces, tally)
+    except Pinned as e:
+        raise FormatError(str(e)) from None
     return IndexDoc(process, head.blobs, pieces)

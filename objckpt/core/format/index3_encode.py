@@ -10,7 +10,6 @@ No I/O.
 from __future__ import annotations
 
 import json
-import re
 import struct
 import zlib
 from collections.abc import Collection, Iterable, Sequence
@@ -22,6 +21,7 @@ import numpy as np
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format.index import INDEX_FORMAT
 from objckpt.core.format.index3 import _FIXED, _PREFIX, _SHA, MAGIC
+from objckpt.core.format.index3_bounds import item_starts
 from objckpt.core.pieces import Piece
 
 #: A frame's rows are cut at the first leaf boundary past this many uncompressed bytes (a leaf with
@@ -96,15 +96,11 @@ def index3_encode(
     return Encoded(MAGIC + struct.pack("<I", len(text)) + text + b"".join(bodies), head_len)
 
 
-_FIRST_KEY = re.compile(r"\[[^\]]*\]|\.[^.\[]*")
-
-
 def item_breaks(paths: Sequence[str]) -> list[int]:
     """The leaves (by position in ``paths``, a root's leaf paths in order) whose first path key
     differs from the leaf before's: where each item (params, each optimizer moment, ...) starts,
-    the ``breaks`` a save gives :func:`index3_encode`."""
-    firsts = [m.group(0) if (m := _FIRST_KEY.match(path)) else path for path in paths]
-    return [i for i, key in enumerate(firsts) if i == 0 or key != firsts[i - 1]]
+    the ``breaks`` a save gives :func:`index3_encode` (:func:`~objckpt.core.format.index3_bounds.item_starts`)."""
+    return item_starts(paths)
 
 
 def _cuts(rows: list[tuple[int, Piece]], target: int, digest: bool, breaks: frozenset[int]) -> list[int]:
