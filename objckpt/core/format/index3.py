@@ -35,11 +35,13 @@ from objckpt.core.format.index3_bounds import (
     RAW_PER_LEAF,
     LeafTable,
     Tally,
+    box_text,
     check_frame_count,
     cover,
+    distinct_boxes,
     repeated,
 )
-from objckpt.core.format.rows import RowsBuilder, distinct_rows
+from objckpt.core.format.rows import RowsBuilder
 from objckpt.core.format.schema import Manifest, check_blob_key
 from objckpt.core.pieces import Piece
 from objckpt.core.strict import fields, is_int, need, strict_json
@@ -365,7 +367,7 @@ def check_frame(
     for r in [uniform] if uniform is not None else np.unique(rank).tolist():
         sel = np.arange(n) if uniform is not None else np.flatnonzero(rank == r)
         grid = coords.reshape(n, 2 * r) if starts is None else coords[starts[sel][:, None] + np.arange(2 * r)]
-        distinct, inverse, nbytes, outside = _distinct_boxes(grid, table.kind[leaf[sel]], r, table)
+        distinct, inverse, nbytes, outside = distinct_boxes(grid, table.kind[leaf[sel]], r, table)
         if outside is not None:
             row = int(sel[np.argmax(outside[inverse])])
             raise bad(f"row {row}: box outside leaf {int(leaf[row])}'s shape (or empty)")
@@ -375,7 +377,7 @@ def check_frame(
         if twice is not None:
             a, b = sel[twice[0]], sel[twice[1]]
             raise bad(
-                f"rows {a} and {b} both name leaf {int(leaf[a])}'s box {_box_text(distinct[inverse[twice[0]]], r)}"
+                f"rows {a} and {b} both name leaf {int(leaf[a])}'s box {box_text(distinct[inverse[twice[0]]], r)}"
             )
         length[sel] = nbytes[inverse]
         groups.append(Group(sel, grid if r else None, distinct, inverse))
@@ -407,36 +409,6 @@ def check_frame(
         if len(g.sel):
             picked.append(g)
     return FrameRows(leaf, blob, offset, length, crc, shas, picked)
-
-
-def _box_text(pair: np.ndarray, r: int) -> str:
-    return f"{tuple(pair[:r].tolist())}-{tuple(pair[r : 2 * r].tolist())}"
-
-
-def _distinct_boxes(
-    grid: np.ndarray, kind: np.ndarray, r: int, table: LeafTable
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """The distinct (box, leaf kind) pairs of rows ``grid`` (starts then stops, rank ``r``) of leaves
-    of ``kind``: (starts, stops, itemsize) per pair, each row's pair, each pair's bytes (None when
-    one is 2**62 or more), and which pairs are not a non-empty box inside their leaf (None: all are).
-
-    Pairs are found by :func:`~objckpt.core.format.rows.distinct_rows`.
-    """
-    keyed = np.empty((len(grid), 2 * r + 1), dtype=np.int64)
-    keyed[:, : 2 * r] = grid
-    keyed[:, 2 * r] = kind
-    first, inverse = distinct_rows(keyed)
-    pairs = keyed[first]
-    lo, hi, kinds = pairs[:, :r], pairs[:, r : 2 * r], pairs[:, 2 * r]
-    ok = ((lo >= 0) & (lo < hi) & (hi <= table.kind_shape[kinds, :r])).all(axis=1)
-    if not ok.all():
-        return pairs, inverse, None, ~ok
-    itemsize = table.kind_itemsize[kinds]
-    extent = hi - lo
-    if (np.prod(extent.astype(np.float64), axis=1) * itemsize >= BYTES_LIMIT).any():
-        return pairs, inverse, None, None
-    pairs[:, 2 * r] = itemsize
-    return pairs, inverse, np.prod(extent, axis=1) * itemsize, None
 
 
 def _unplanar(raw: bytes, offset: int, count: int, dtype: str) -> np.ndarray:

@@ -8,7 +8,8 @@ that by what the checkpoint can hold: the frames of an object inflate to at most
 most one frame per :data:`FRAME_FLOOR` raw bytes, per item it spans, and one; no two rows of a
 leaf in a frame name one box; and the rows of a leaf cover no more than its elements, summed
 from frame to frame (:class:`Tally`) and from object to object (:meth:`LeafTable.merge`).
-Every check is a few numpy passes over a frame's columns. See ``docs/FORMAT.md`` ("Bounds").
+A frame's boxes are checked once per distinct (box, leaf kind) pair (:func:`distinct_boxes`):
+each non-empty and inside its leaf, its bytes below :data:`BYTES_LIMIT`. Every check is a few numpy passes over a frame's columns. See ``docs/FORMAT.md`` ("Bounds").
 No I/O.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.format.rows import distinct_rows
 from objckpt.core.format.schema import ARRAY_KINDS, Manifest
 from objckpt.errors import FormatError
 
@@ -220,3 +222,34 @@ def cover(
         tally.leaves.append(leaves)
         tally.sums.append(sums)
         tally.last_leaf, tally.last_sum = int(leaves[-1]), float(sums[-1])
+
+
+def box_text(pair: np.ndarray, r: int) -> str:
+    """A pair of :func:`distinct_boxes` as ``(starts)-(stops)``, for error messages."""
+    return f"{tuple(pair[:r].tolist())}-{tuple(pair[r : 2 * r].tolist())}"
+
+
+def distinct_boxes(
+    grid: np.ndarray, kind: np.ndarray, r: int, table: LeafTable
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The distinct (box, leaf kind) pairs of rows ``grid`` (starts then stops, rank ``r``) of leaves
+    of ``kind``: (starts, stops, itemsize) per pair, each row's pair, each pair's bytes (None when
+    one is 2**62 or more), and which pairs are not a non-empty box inside their leaf (None: all are).
+
+    Pairs are found by :func:`~objckpt.core.format.rows.distinct_rows`.
+    """
+    keyed = np.empty((len(grid), 2 * r + 1), dtype=np.int64)
+    keyed[:, : 2 * r] = grid
+    keyed[:, 2 * r] = kind
+    first, inverse = distinct_rows(keyed)
+    pairs = keyed[first]
+    lo, hi, kinds = pairs[:, :r], pairs[:, r : 2 * r], pairs[:, 2 * r]
+    ok = ((lo >= 0) & (lo < hi) & (hi <= table.kind_shape[kinds, :r])).all(axis=1)
+    if not ok.all():
+        return pairs, inverse, None, ~ok
+    itemsize = table.kind_itemsize[kinds]
+    extent = hi - lo
+    if (np.prod(extent.astype(np.float64), axis=1) * itemsize >= BYTES_LIMIT).any():
+        return pairs, inverse, None, None
+    pairs[:, 2 * r] = itemsize
+    return pairs, inverse, np.prod(extent, axis=1) * itemsize, None
