@@ -161,3 +161,15 @@ def rewrite_as_v1(store, *, size_limit: int = 1 << 30) -> None:
     runtime.run_sync(store.put(MANIFEST_KEY, manifest_to_json(v1)))
     for ref in manifest.indexes:
         runtime.run_sync(store.delete(ref.key))
+
+
+def upload_dir(local, url: str, options: dict) -> None:
+    """The directory tree at ``local`` (a Path), byte for byte, under ``url`` (as ``gsutil rsync`` would)."""
+    from objckpt.storage import from_url
+    from objckpt.transfer import runtime
+
+    store = from_url(url, **options)
+    for path in local.rglob("*"):
+        if path.is_file():
+            runtime.run_sync(store.put(path.relative_to(local).as_posix(), path.read_bytes()))
+    runtime.run_sync(store.close())

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from helpers import upload_dir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -70,14 +71,6 @@ def _orbax_root(root: Path, steps: tuple[int, ...], **manager_kw: Any) -> dict[i
             manager.save(step, args=args, metrics={"loss": 1.0 / step, "acc": step / 10})
         manager.wait_until_finished()
     return states
-
-
-def _upload(local: Path, url: str, options: dict[str, Any]) -> None:
-    store = from_url(url, **options)
-    for path in local.rglob("*"):
-        if path.is_file():
-            runtime.run_sync(store.put(path.relative_to(local).as_posix(), path.read_bytes()))
-    runtime.run_sync(store.close())
 
 
 def _files(directory: Path) -> list[Path]:
@@ -138,10 +131,10 @@ def test_a_manager_continues_an_orbax_root_in_a_bucket(
     states = _orbax_root(tmp_path / "run", (1, 2))
     service = request.getfixturevalue(f"{kind}_service")
     url, options = service.url(f"orbax-root-{uuid.uuid4().hex[:8]}"), service.storage_options()
-    _upload(tmp_path / "run", url, options)
+    upload_dir(tmp_path / "run", url, options)
     # a crashed Orbax save in a bucket: its step metadata without commit_success.txt
     crashed = tmp_path / "run" / "2"
-    _upload(crashed, f"{url}/3", options)
+    upload_dir(crashed, f"{url}/3", options)
     runtime.run_sync(from_url(f"{url}/3", **options).delete("commit_success.txt"))
     if kind == "gcs":  # how tensorstore reaches a GCS emulator
         monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", service.endpoint_url)

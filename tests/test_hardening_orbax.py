@@ -21,11 +21,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import upload_dir
 
 import objckpt
 from objckpt.errors import FormatError, HostMemoryError, StoreError
-from objckpt.storage import from_url
-from objckpt.transfer import runtime
 
 ocp = pytest.importorskip("orbax.checkpoint")
 ts = pytest.importorskip("tensorstore")
@@ -55,14 +54,6 @@ def _item(path: Path, shape: list[int], chunks: list[int], dtype: str = "<f4") -
     }
     (path / "x" / ".zarray").write_text(json.dumps(header))
     return str(path)
-
-
-def _upload(local: Path, url: str, options: dict[str, Any]) -> None:
-    store = from_url(url, **options)
-    for path in local.rglob("*"):
-        if path.is_file():
-            runtime.run_sync(store.put(path.relative_to(local).as_posix(), path.read_bytes()))
-    runtime.run_sync(store.close())
 
 
 # ------------------------------------------------------------------ item 5: hostile _METADATA
@@ -101,7 +92,7 @@ def test_hostile_metadata_is_a_format_error_naming_the_item(tmp_path: Path, s3_s
 
     url = s3_service.url(f"hostile-orbax-{uuid.uuid4().hex[:8]}")
     options = s3_service.storage_options()
-    _upload(deep, url, options)
+    upload_dir(deep, url, options)
     with pytest.raises(FormatError, match=rf"{url}/_METADATA nests too deeply"):
         objckpt.restore(url, storage_options=options)
 
@@ -141,7 +132,7 @@ def test_orbax_restore_checks_host_memory_before_reading(
 
     url = s3_service.url(f"orbax-memory-{uuid.uuid4().hex[:8]}")
     options = s3_service.storage_options()
-    _upload(tmp_path / "small", url, options)
+    upload_dir(tmp_path / "small", url, options)
     with pytest.raises(HostMemoryError, match=r"leaf \['x'\]"):
         objckpt.restore(url, storage_options=options)
     monkeypatch.undo()
@@ -236,7 +227,7 @@ def test_chunk_grids_out_of_proportion_to_their_bytes_are_refused(tmp_path: Path
 
     url = s3_service.url(f"orbax-grid-{uuid.uuid4().hex[:8]}")
     options = s3_service.storage_options()
-    _upload(tmp_path / "orbax", url, options)
+    upload_dir(tmp_path / "orbax", url, options)
     with pytest.raises(FormatError, match=r"leaf \['x'\].*262144 chunks"):
         objckpt.restore(url, storage_options=options)
 
@@ -324,7 +315,7 @@ def test_a_tensorstore_read_that_gets_no_answer_times_out_naming_it(
 
     _save_orbax(tmp_path / "ckpt")
     name = f"orbax-stall-{uuid.uuid4().hex[:8]}"
-    _upload(tmp_path / "ckpt", s3_service.url(name), s3_service.storage_options())
+    upload_dir(tmp_path / "ckpt", s3_service.url(name), s3_service.storage_options())
     host, port = s3_service.endpoint_url.rsplit("//", 1)[1].split(":")
     with FaultProxy(host, int(port), stall_seconds=40) as proxy:
         proxy.set_faults(1.0, ("stall",), only="ocdbt")
@@ -349,7 +340,7 @@ def test_a_gcs_emulator_tensorstore_cannot_reach_times_out(
     (``objckpt cp``'s path) fails at the request timeout naming what it waited for."""
     _save_orbax(tmp_path / "ckpt")
     url = gcs_service.url(f"orbax-nowhere-{uuid.uuid4().hex[:8]}")
-    _upload(tmp_path / "ckpt", url, gcs_service.storage_options())
+    upload_dir(tmp_path / "ckpt", url, gcs_service.storage_options())
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)  # accepts (the kernel completes handshakes), never reads or answers

@@ -24,11 +24,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import upload_dir
 
 import objckpt
 from objckpt.errors import FormatError
-from objckpt.storage import from_url
-from objckpt.transfer import runtime
 
 ocp = pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("tensorstore")
@@ -73,14 +72,6 @@ def _step(path: Path, items: dict[str, str]) -> Path:
     return path
 
 
-def _upload(local: Path, url: str, options: dict[str, Any]) -> None:
-    store = from_url(url, **options)
-    for path in local.rglob("*"):
-        if path.is_file():
-            runtime.run_sync(store.put(path.relative_to(local).as_posix(), path.read_bytes()))
-    runtime.run_sync(store.close())
-
-
 def _save_step(root: Path, values: np.ndarray, **items: Any) -> Path:
     """Step 1 of an Orbax ``CheckpointManager`` at ``root``: ``default`` (``values``), or a Composite of ``items``."""
     with ocp.CheckpointManager(root, item_names=tuple(items) or None) as manager:
@@ -121,7 +112,7 @@ def test_an_array_name_leading_out_is_refused_on_s3_and_cp(
     local = _item(tmp_path / "ckpt", key="../x", values=np.arange(4))
     url = s3_service.url(f"orbax-paths-{uuid.uuid4().hex[:8]}")
     options = s3_service.storage_options()
-    _upload(local, url, options)
+    upload_dir(local, url, options)
     with pytest.raises(FormatError, match=rf"{url}/_METADATA: leaf \['../x'\] names its array '../x'"):
         objckpt.restore(url, storage_options=options)
     capsys.readouterr()
@@ -325,6 +316,6 @@ def test_an_item_name_leading_out_is_refused_on_s3(tmp_path: Path, s3_service: A
     _item(step / "state", values=np.arange(4))
     url = s3_service.url(f"orbax-items-{uuid.uuid4().hex[:8]}")
     options = s3_service.storage_options()
-    _upload(step, url, options)
+    upload_dir(step, url, options)
     with pytest.raises(FormatError, match=rf"{url}/_CHECKPOINT_METADATA names the item '../other'"):
         objckpt.restore(url, storage_options=options)

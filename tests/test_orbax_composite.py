@@ -22,13 +22,12 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from helpers import upload_dir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt.errors import FormatError, TargetMismatchError
-from objckpt.storage import from_url
-from objckpt.transfer import runtime
 from tests import multiprocess
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -93,15 +92,6 @@ def _save_composite(root: Path, state: dict[str, Any], iterator: Any, **extra: A
         manager.wait_until_finished()
 
 
-def _upload(local: Path, store_url: str, options: dict[str, Any]) -> None:
-    """The directory tree at ``local``, byte for byte, under ``store_url`` (as ``gsutil rsync`` would)."""
-    store = from_url(store_url, **options)
-    for path in local.rglob("*"):
-        if path.is_file():
-            runtime.run_sync(store.put(path.relative_to(local).as_posix(), path.read_bytes()))
-    runtime.run_sync(store.close())
-
-
 @pytest.fixture(scope="module")
 def state() -> dict[str, Any]:
     return _state()
@@ -124,7 +114,7 @@ def test_a_composite_step_restores_every_item(
         service = request.getfixturevalue("s3_service")
         so = service.storage_options()
         url = service.url(f"composite-{uuid.uuid4().hex[:8]}") + "/3"
-        _upload(tmp_path / "run" / "3", url, so)
+        upload_dir(tmp_path / "run" / "3", url, so)
 
     target = {"state": _target(state), "config": objckpt.Json(), "dataset": objckpt.PerProcess()}
     out = objckpt.restore(url, target, storage_options=so)

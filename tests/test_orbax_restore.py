@@ -20,13 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import upload_dir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt.errors import FormatError, TargetMismatchError
-from objckpt.storage import from_url
-from objckpt.transfer import runtime
 
 ocp = pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("tensorstore")
@@ -162,15 +161,6 @@ def test_a_target_that_does_not_fit_is_refused_before_reading(tmp_path: Path, st
         objckpt.restore(str(tmp_path / "ckpt"), target)
 
 
-def _upload(local: Path, store_url: str, options: dict[str, Any]) -> None:
-    """The directory tree at ``local``, byte for byte, under ``store_url``."""
-    store = from_url(store_url, **options)
-    for path in local.rglob("*"):
-        if path.is_file():
-            runtime.run_sync(store.put(path.relative_to(local).as_posix(), path.read_bytes()))
-    runtime.run_sync(store.close())
-
-
 @pytest.mark.parametrize("kind", ["s3", "gcs"])
 def test_orbax_checkpoints_in_buckets(
     tmp_path: Path, state: dict[str, Any], kind: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
@@ -179,7 +169,7 @@ def test_orbax_checkpoints_in_buckets(
     service = request.getfixturevalue(f"{kind}_service")
     url = service.url(f"orbax-{uuid.uuid4().hex[:8]}")
     options = service.storage_options()
-    _upload(tmp_path / "ckpt", url, options)
+    upload_dir(tmp_path / "ckpt", url, options)
     if kind == "gcs":  # how tensorstore reaches a GCS emulator
         monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", service.endpoint_url)
         monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
