@@ -173,3 +173,28 @@ def upload_dir(local, url: str, options: dict) -> None:
         if path.is_file():
             runtime.run_sync(store.put(path.relative_to(local).as_posix(), path.read_bytes()))
     runtime.run_sync(store.close())
+
+
+def assemble_index3(head_doc: dict, frames: list, *, level: int = 6) -> tuple[bytes, int]:
+    """A version 3 index object laid out as ``index3_encode`` lays one out, but nothing checked:
+    ``head_doc`` (format, version, save_id, process, blobs) and ``frames`` given as (first leaf,
+    last leaf, rows, raw bytes, declared raw length), each compressed at zlib ``level``.
+    Returns its bytes and head length."""
+    import json
+    import struct
+    import zlib
+
+    from objckpt.core.checksum import crc32c
+    from objckpt.core.format import index3
+
+    bodies = [zlib.compress(raw, level) for *_, raw, _ in frames]
+    table = [[a, b, 0, len(body), declared, n, crc32c(body)] for (a, b, n, _, declared), body in zip(frames, bodies)]
+    head = 0
+    while True:  # the frames' offsets count the head, whose length counts the offsets' digits
+        offset = head
+        for entry, body in zip(table, bodies):
+            entry[2], offset = offset, offset + len(body)
+        text = json.dumps({**head_doc, "frames": table}, separators=(",", ":")).encode()
+        if 12 + len(text) == head:
+            return index3.MAGIC + struct.pack("<I", len(text)) + text + b"".join(bodies), head
+        head = 12 + len(text)

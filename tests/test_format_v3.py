@@ -13,12 +13,10 @@ restore, inspect, verify and copy.
 from __future__ import annotations
 
 import json
-import struct
-import zlib
 
 import numpy as np
 import pytest
-from helpers import count_reads, full_manifest
+from helpers import assemble_index3, count_reads, full_manifest
 
 import objckpt
 from objckpt.core.checksum import crc32c
@@ -201,18 +199,8 @@ def test_a_frame_changed_once_in_flight_is_read_again(store_target_factory, monk
 def _assemble(save_id: str, process: int, blobs: list, frames: list[tuple[int, int, int, bytes, int]]) -> tuple:
     """A version 3 object from frames given as (first, last, rows, raw bytes, declared raw length);
     its bytes and head length (as ``index3_encode`` lays them out, but nothing checked)."""
-    bodies = [zlib.compress(raw) for *_, raw, _ in frames]
-    table = [[a, b, 0, len(body), declared, n, crc32c(body)] for (a, b, n, _, declared), body in zip(frames, bodies)]
     doc = {"format": "objckpt-index", "version": 3, "save_id": save_id, "process": process, "blobs": blobs}
-    head = 0
-    while True:
-        offset = head
-        for entry, body in zip(table, bodies):
-            entry[2], offset = offset, offset + len(body)
-        text = json.dumps({**doc, "frames": table}, separators=(",", ":")).encode()
-        if 12 + len(text) == head:
-            return ix.MAGIC + struct.pack("<I", len(text)) + text + b"".join(bodies), head
-        head = 12 + len(text)
+    return assemble_index3(doc, frames)
 
 
 def _replace_index(store, data: bytes, head: int) -> str:

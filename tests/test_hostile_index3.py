@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 import sys
 import zlib
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import assemble_index3
 
 import objckpt
 from objckpt.core.checksum import crc32c
@@ -56,18 +56,8 @@ def _raw(starts: np.ndarray, stops: np.ndarray, leaf: np.ndarray | None = None) 
 def _assemble(doc: dict, frames: list[tuple[int, int, int, bytes]]) -> tuple[bytes, int]:
     """A version 3 object of ``frames`` (first leaf, last leaf, rows, raw bytes) with ``doc``'s
     save_id, process and blobs; its bytes and head length."""
-    bodies = [zlib.compress(raw, 9) for *_, raw in frames]
-    table = [[a, b, 0, len(body), len(raw), n, crc32c(body)] for (a, b, n, raw), body in zip(frames, bodies)]
     head_doc = {k: doc[k] for k in ("format", "version", "save_id", "process", "blobs")}
-    head = 0
-    while True:
-        offset = head
-        for entry, body in zip(table, bodies):
-            entry[2], offset = offset, offset + len(body)
-        text = json.dumps({**head_doc, "frames": table}, separators=(",", ":")).encode()
-        if 12 + len(text) == head:
-            return ix.MAGIC + struct.pack("<I", len(text)) + text + b"".join(bodies), head
-        head = 12 + len(text)
+    return assemble_index3(head_doc, [(a, b, n, raw, len(raw)) for a, b, n, raw in frames], level=9)
 
 
 def _root(store) -> dict:
