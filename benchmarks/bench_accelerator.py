@@ -92,7 +92,7 @@ def run_one(job: dict[str, Any], timeout: float) -> dict[str, Any]:
             [sys.executable, "-m", "benchmarks.accelerator_worker"],
             input=json.dumps({**job, "path": str(scratch)}),
             cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
             capture_output=True,
             text=True,
             timeout=timeout,
