@@ -284,11 +284,14 @@ def measure_system(job: dict[str, Any]) -> dict[str, Any]:
     mgr, save, wait, restore = _system(system, job["path"])
     alone = steps_alone(step, job["steps_alone"])
     gc.collect()
+    device_peak = device_peak_bytes()
+    profile = Profile(job.get("profile_dir"), system, job["state_gib"], job.get("store", "?"))
     sampler = RssSampler()
     try:
         base = sampler.mark()
         started = time.perf_counter()
-        save(state)
+        with profile("save"):
+            save(state)
         blocked = time.perf_counter() - started
         committed: list[float] = []
 
@@ -301,6 +304,7 @@ def measure_system(job: dict[str, Any]) -> dict[str, Any]:
         during = steps_while(step, waiter)
         waiter.join()
         peak = sampler.peak()
+        device_peak_delta = device_peak_bytes() - device_peak
         attached = host_copy_attached(state)
         gc.collect()
         time.sleep(0.2)
@@ -308,7 +312,8 @@ def measure_system(job: dict[str, Any]) -> dict[str, Any]:
         del state
         gc.collect()
         base_restore = sampler.mark()
-        restore_s, restored = _timed(lambda: jax.block_until_ready(restore(target)))
+        with profile("restore"):
+            restore_s, restored = _timed(lambda: jax.block_until_ready(restore(target)))
         peak_restore = sampler.peak()
     finally:
         sampler.close()
@@ -327,18 +332,61 @@ def measure_system(job: dict[str, Any]) -> dict[str, Any]:
         "steps_during": len(during),
         "step_matmuls": step.matmuls,
         "lost_s": blocked + sum(max(0.0, t - med_alone) for t in during),
+        "device_peak_delta_gib": device_peak_delta / GiB,
         "restore_s": restore_s,
         "restore_peak_host_ram_gib": (peak_restore - base_restore) / GiB,
         "exact": exact,
     }
 
 
+def device_peak_bytes() -> int:
+    """Device 0's peak memory in use so far (``memory_stats``), or 0 where it reports none."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return int(stats.get("peak_bytes_in_use", 0))
+
+
+class Profile:
+    """``with profile("save"):`` writes a cProfile of the block (the calling thread) to
+    ``DIR/<system>-<gib>-<store>-<what>.prof`` when the job names a ``profile_dir``."""
+
+    def __init__(self, directory: str | None, system: str, gib: float, store: str) -> None:
+        self.directory, self.stem = directory, f"{system}-{gib:g}-{store}"
+
+    def __call__(self, what: str) -> Any:
+        import contextlib
+
+        if not self.directory:
+            return contextlib.nullcontext()
+        return self._profiled(what)
+
+    def _profiled(self, what: str) -> Any:
+        import contextlib
+        import cProfile
+
+        @contextlib.contextmanager
+        def run() -> Any:
+            prof = cProfile.Profile()
+            prof.enable()
+            try:
+                yield
+            finally:
+                prof.disable()
+                Path(self.directory).mkdir(parents=True, exist_ok=True)
+                prof.dump_stats(str(Path(self.directory) / f"{self.stem}-{what}.prof"))
+
+        return run()
+
+
 def _system(system: str, path: str) -> tuple[Any, Any, Any, Any]:
-    """(manager, save(state), wait(), restore(target)) for step 1 under ``path``."""
-    if system == "objckpt":
+    """(manager, save(state), wait(), restore(target)) for step 1 under ``path``; ``objckpt_snapshot``
+    is objckpt with ``Options(device_snapshot="on")``."""
+    if system in ("objckpt", "objckpt_snapshot"):
         import objckpt
 
-        mgr = objckpt.CheckpointManager(Path(path).as_uri() if "://" not in path else path)
+        options = objckpt.Options(device_snapshot="on" if system == "objckpt_snapshot" else "off")
+        mgr = objckpt.CheckpointManager(Path(path).as_uri() if "://" not in path else path, options=options)
         return (
             mgr,
             lambda state: mgr.save(1, state, force=True),

@@ -46,7 +46,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SYSTEMS = ("floors", "objckpt", "orbax")
+SYSTEMS = ("floors", "objckpt", "objckpt_snapshot", "orbax")
 # Issue 65's targets: name -> (limit, what the value is).
 TARGETS = {
     "blocked_vs_device_get": (1.2, "blocked_s / device_get_s"),
@@ -61,6 +61,8 @@ TARGETS = {
     "restore_vs_orbax": (1.0, "restore_s / orbax_restore_s (must be below)"),
     "restore_vs_floor": (1.1, "restore_s / restore_floor_s"),
     "restore_host_ram_gib": (1.0, "restore_peak_host_ram_gib"),
+    "device_peak_unchanged_gib": (0.01, "device_peak_delta_gib (device_snapshot off)"),
+    "snapshot_blocked_s": (0.25, "snapshot_blocked_s (device_snapshot on)"),
 }
 ORBAX_TARGETS = {"blocked_vs_orbax", "lost_vs_orbax", "save_total_vs_orbax", "restore_vs_orbax"}
 
@@ -113,6 +115,7 @@ def summarise(cell: dict[str, Any]) -> None:
     """Fill a cell's medians, ratios and targets from its raw ``runs`` (in place)."""
     runs = cell["runs"]
     floors, ours, orbax = runs.get("floors", []), runs.get("objckpt", []), runs.get("orbax", [])
+    snap = runs.get("objckpt_snapshot", [])
     if not floors or not ours:
         return
     for key in ("device_get_s", "per_leaf_s", "async_batched_s", "device_put_s", "raw_write_s", "raw_read_s"):
@@ -133,6 +136,8 @@ def summarise(cell: dict[str, Any]) -> None:
     ):
         cell[key] = median(ours, key)
         cell[f"orbax_{key}"] = median(orbax, key) if orbax else None
+        cell[f"snapshot_{key}"] = median(snap, key) if snap else None
+    cell["device_peak_delta_gib"] = median(ours, "device_peak_delta_gib")
     cell["leaves"] = ours[0]["leaves"]
     cell["state_bytes"] = ours[0]["state_bytes"]
     cell["host_copy_attached"] = any(r["host_copy_attached"] for r in ours)
@@ -151,7 +156,11 @@ def summarise(cell: dict[str, Any]) -> None:
         "step_stall_s": cell["step_max_s"],
         "restore_vs_floor": cell["restore_s"] / cell["restore_floor_s"],
         "restore_host_ram_gib": cell["restore_peak_host_ram_gib"],
+        "device_peak_unchanged_gib": cell["device_peak_delta_gib"],
     }
+    if snap:
+        values["snapshot_blocked_s"] = cell["snapshot_blocked_s"]
+    cell["exact"] = cell["exact"] and all(r["exact"] for r in snap)
     if orbax:
         values.update(
             blocked_vs_orbax=cell["blocked_s"] / cell["orbax_blocked_s"],
@@ -169,9 +178,9 @@ def summarise(cell: dict[str, Any]) -> None:
 
 def table(report: dict[str, Any]) -> str:
     rows = [
-        "| cell | leaves | blocked s | device_get s | Orbax blocked s | peak RAM GiB | step × | "
+        "| cell | leaves | blocked s | snapshot blocked s | device_get s | Orbax blocked s | peak RAM GiB | step × | "
         "save total s | Orbax total s | restore s | floor s | Orbax restore s | targets met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     f = lambda v: "—" if v is None else f"{v:.3g}"  # noqa: E731
     for cell in report["cells"]:
@@ -179,7 +188,8 @@ def table(report: dict[str, Any]) -> str:
             continue
         met = sum(t["ok"] for t in cell["targets"].values())
         rows.append(
-            f"| {cell['name']} | {cell['leaves']} | {f(cell['blocked_s'])} | {f(cell['device_get_s'])} | "
+            f"| {cell['name']} | {cell['leaves']} | {f(cell['blocked_s'])} | {f(cell['snapshot_blocked_s'])} | "
+            f"{f(cell['device_get_s'])} | "
             f"{f(cell['orbax_blocked_s'])} | {f(cell['peak_host_ram_gib'])} | {f(cell['step_slowdown'])} | "
             f"{f(cell['save_total_s'])} | {f(cell['orbax_save_total_s'])} | {f(cell['restore_s'])} | "
             f"{f(cell['restore_floor_s'])} | {f(cell['orbax_restore_s'])} | {met} of {len(cell['targets'])} |"
@@ -207,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-dim", type=int, default=None, help="its matmul size (4096; quick 256)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per measurement process")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--profile", default=None, help="a directory for cProfile files of objckpt's and Orbax's save and restore calls"
+    )
     ap.add_argument("--quick", action="store_true", help="64 MiB on disk, 1 repeat: the machinery, not figures")
     args = ap.parse_args(argv)
     quick = args.quick
@@ -248,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         "step_s": args.step_s or (0.02 if quick else 0.05),
         "step_dim": args.step_dim or (256 if quick else 4096),
         "steps_alone": 5 if quick else 20,
+        "profile_dir": args.profile,
     }
     started = time.perf_counter()
     for rep in range(repeats):

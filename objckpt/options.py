@@ -88,8 +88,14 @@ class Options:
             per round of successes (:mod:`objckpt.transfer.throttle`); False keeps
             ``max_concurrency`` in flight whatever the store answers (each
             refusal is still retried).
-        memory_budget: bytes of staged host buffers a save may hold; when the
-            model is larger, the blocking phase streams (copy, upload, reuse).
+        memory_budget: bytes of host memory a save may hold: its staging buffers,
+            and the host copies of shards copied off an accelerator, which it
+            uploads from and holds until they are sent. When the model is larger,
+            the blocking phase streams (copy, upload, release) and blocks longer:
+            an async save returns once all but the last budget's worth is sent.
+            The default (a quarter of physical memory, at most 16 GiB) holds a
+            host's share of most states, so an async save returns after one
+            copy off the devices and holds about the state's size meanwhile.
         staging_pool: bytes of staging buffers a synchronous ``save`` keeps and
             recycles (capped by ``memory_budget``; ``save_async`` stages up to
             the whole budget so it can return early). Reused buffers skip the
@@ -163,6 +169,18 @@ class Options:
             pieces, up to many times the bytes needed where the target cuts them), for
             jobs whose devices cannot hold one extra leaf. Every process of a restore
             must pass the same value: the processes that reshard join a collective.
+        device_snapshot: ``"off"`` (the default), ``"auto"`` or ``"on"``: an async
+            save first copies every shard it writes on its own accelerator (HBM
+            copies take milliseconds) and returns once those copies are
+            dispatched; the device→host copy and the upload then run in the
+            background, while training goes on. Costs device memory the size of
+            the host's shards until each is copied to the host. ``"auto"``
+            snapshots only when every device reports room for that beyond the
+            peak it has used so far plus a tenth of its memory
+            (:func:`objckpt.saving.host_copies.wants_snapshot`); ``"on"``
+            always (out-of-memory is then the job's risk). Off: the save
+            allocates no device memory, and returns once its shards are copied
+            to the host. Synchronous saves, and shards on CPU devices, never snapshot.
         format_version: the checkpoint format a save writes: 3 (the default: index
             objects a restore reads in part) or 2 (for readers of objckpt versions
             that predate 3). Readers read 1, 2 and 3 whatever this says.
@@ -191,6 +209,7 @@ class Options:
     digest: str | None = None
     reshard: bool = True
     format_version: int = 3
+    device_snapshot: str = "off"
 
     def __post_init__(self) -> None:
         for name in (
@@ -219,6 +238,8 @@ class Options:
             raise ValueError(f"Options.digest must be None or one of {', '.join(DIGESTS)}, got {self.digest!r}")
         if self.format_version not in (2, 3) or type(self.format_version) is not int:
             raise ValueError(f"Options.format_version must be 2 or 3, got {self.format_version!r}")
+        if self.device_snapshot not in ("off", "auto", "on"):
+            raise ValueError(f"Options.device_snapshot must be 'off', 'auto' or 'on', got {self.device_snapshot!r}")
 
     def copied_read_limit(self, *, streamed: bool) -> int:
         """``max_read_size``, or its default for reads the store streams (``streamed``) or not."""

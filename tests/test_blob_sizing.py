@@ -206,7 +206,7 @@ def test_larger_blobs_round_trip_and_restores_read_the_same_pieces(s3_store, mon
         s3_store, tree, "floor", floor_options, monkeypatch
     )
     if staged:
-        monkeypatch.setattr(upload_module, "piece_bytes_in_place", lambda piece: None)  # stage every blob
+        monkeypatch.setattr(upload_module, "piece_bytes_of", lambda piece, host: None)  # stage every blob
         monkeypatch.setattr(upload_module, "StagingPool", RecordingPool)
     blobs, pieces, reads, stats, save_stats = _save_and_restore(s3_store, tree, "sized", sized_options, monkeypatch)
 

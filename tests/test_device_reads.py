@@ -14,7 +14,9 @@ a TPU or GPU.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -27,8 +29,15 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt.core.device_reads import host_view
+from objckpt.restoring.aligned_reads import address
+from objckpt.saving import host_copies as host_copies_module
+from objckpt.saving import upload as upload_module
+from objckpt.saving.host_copies import HostCopies, wants_snapshot
+from objckpt.saving.staging import StagingPool
+from objckpt.storage.fsspec.local import LocalFsspecStore
 
 KiB = 1 << 10
+GiB = 1 << 30
 ArrayImpl = type(jnp.zeros(1))
 
 
@@ -170,3 +179,229 @@ def test_copies_started_ahead_stay_within_the_staging_memory(events: list[tuple[
 def _held(events: list[Event], started: set[int], read: set[int]) -> int:
     sizes = {b: n for _, b, n, _ in events}
     return sum(sizes[i] for i in started - read)
+
+
+# ----------------------------------------------------------------------------- no staging copy
+
+
+def _record_host_copies(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[int, int]], list[Any]]:
+    """Address ranges of the host bytes the save read off the devices, and weak references to them."""
+    ranges: list[tuple[int, int]] = []
+    refs: list[Any] = []
+    real = host_copies_module.host_copy
+
+    def recording(array: Any) -> tuple[np.ndarray, bool]:
+        host, owned = real(array)
+        ranges.append((host.ctypes.data, host.ctypes.data + host.nbytes))
+        refs.append(weakref.ref(host))
+        return host, owned
+
+    monkeypatch.setattr(host_copies_module, "host_copy", recording)
+    return ranges, refs
+
+
+def _record_parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Address ranges of the parts of every body the local store wrote (gaps of zeros left out)."""
+    sent: list[tuple[int, int]] = []
+    real = LocalFsspecStore.put_parts
+
+    async def recording(self: Any, key: str, parts: Any, *, mode: str = "overwrite") -> None:
+        sent.extend((address(p), address(p) + len(p)) for p in parts if len(p) >= 4 * KiB)
+        await real(self, key, parts, mode=mode)
+
+    monkeypatch.setattr(LocalFsspecStore, "put_parts", recording)
+    return sent
+
+
+def _record_pools(monkeypatch: pytest.MonkeyPatch) -> list[StagingPool]:
+    pools: list[StagingPool] = []
+
+    class RecordingPool(StagingPool):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(upload_module, "StagingPool", RecordingPool)
+    return pools
+
+
+def _within(part: tuple[int, int], ranges: list[tuple[int, int]]) -> bool:
+    return any(lo <= part[0] and part[1] <= hi for lo, hi in ranges)
+
+
+@pytest.mark.parametrize("save", [_save_async, _manager_save], ids=["save_async", "manager"])
+def test_an_accelerators_host_copies_are_uploaded_without_a_second_copy(
+    save: Any, events: list[Event], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off an accelerator, the bytes each shard's device→host copy landed in are the PUT bodies'
+    parts: no staging buffer is taken, and no host copy outlives the save."""
+    ranges, refs = _record_host_copies(monkeypatch)
+    sent = _record_parts(monkeypatch)
+    pools = _record_pools(monkeypatch)
+    state = _state()
+    save(tmp_path.as_uri(), state)
+    assert pools and all(p.allocated == 0 for p in pools), "a blob was staged"
+    assert len(ranges) == len(_buffers(state)), "each shard is read off its device once"
+    assert sent and all(_within(p, ranges) for p in sent), "a PUT part is not the device→host copy itself"
+    assert sum(hi - lo for lo, hi in sent) == sum(x.nbytes for x in state.values())
+    gc.collect()
+    assert all(ref() is None for ref in refs), "a host copy outlives the save"
+    _check_no_host_copy_left(events, state)
+    url = tmp_path.as_uri()
+    restored = (
+        objckpt.CheckpointManager(url).restore(3, state) if save is _manager_save else objckpt.restore(url, state)
+    )
+    assert_tree_bit_exact(restored, state)
+
+
+def test_cpu_devices_are_staged_by_an_async_save(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU device's host view is its own memory, which training may donate once save_async
+    returns: an async save copies it into staging buffers instead of sending it in place."""
+    sent = _record_parts(monkeypatch)
+    pools = _record_pools(monkeypatch)
+    state = _state()
+    objckpt.save_async(tmp_path.as_uri(), state).result()
+    assert not sent and pools[0].allocated > 0
+    assert_tree_bit_exact(objckpt.restore(tmp_path.as_uri(), state), state)
+
+
+def test_a_sync_save_to_local_disk_sends_array_bytes_in_place(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local store takes a body of parts: a synchronous save writes the shards from where they lie."""
+    sent = _record_parts(monkeypatch)
+    pools = _record_pools(monkeypatch)
+    state = _state()
+    objckpt.save(tmp_path.as_uri(), state)
+    assert pools[0].allocated == 0
+    shards = [(s.data.unsafe_buffer_pointer(), s.data.nbytes) for x in state.values() for s in x.addressable_shards]
+    assert all(_within((p, p + n), sent) for p, n in shards), "a shard's bytes were copied before upload"
+    assert_tree_bit_exact(objckpt.restore(tmp_path.as_uri(), state), state)
+
+
+def test_host_copies_held_stay_within_the_memory_budget(
+    events: list[Event], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a budget of a fraction of the state, the host copies held (read and not yet sent) stay
+    within it plus one blob's shards, and the save still writes every byte."""
+    made: list[HostCopies] = []
+
+    class Recording(HostCopies):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(upload_module, "HostCopies", Recording)
+    state = _state()
+    budget = 512 * KiB  # the state is 4 MiB; its shards 32 KiB, its blobs 64 KiB
+    options = objckpt.Options(blob_size=64 * KiB, max_blob_size=64 * KiB, memory_budget=budget)
+    objckpt.save_async(tmp_path.as_uri(), state, options=options).result()
+    (copies,) = made
+    assert 0 < copies.peak_held <= budget + 64 * KiB
+    assert copies.peak_held < sum(x.nbytes for x in state.values()) / 2
+    _check_no_host_copy_left(events, state)
+    assert_tree_bit_exact(objckpt.restore(tmp_path.as_uri(), state), state)
+
+
+# ----------------------------------------------------------------------------- on-device snapshot
+
+
+def _as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Treat CPU shards as an accelerator's, so the snapshot path runs (its device copies are real)."""
+    monkeypatch.setattr(host_copies_module, "_on_accelerator", lambda source: isinstance(source, jax.Array))
+
+
+def _held_reads(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Device→host reads wait until the returned event is set (a slow copy off the chip)."""
+    go = threading.Event()
+    real = host_copies_module.host_copy
+
+    def slow(array: Any) -> tuple[np.ndarray, bool]:
+        assert go.wait(60), "reads were never let go"
+        return real(array)
+
+    monkeypatch.setattr(host_copies_module, "host_copy", slow)
+    return go
+
+
+def test_with_a_device_snapshot_save_async_returns_before_any_copy_off_the_device(
+    events: list[Event], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _as_accelerator(monkeypatch)
+    go = _held_reads(monkeypatch)
+    state = _state()
+    try:
+        handle = objckpt.save_async(tmp_path.as_uri(), state, options=objckpt.Options(device_snapshot="on"))
+        assert not handle.done()
+    finally:
+        go.set()
+    handle.result()
+    copied = {b for kind, b, *_ in events}
+    assert copied and not copied & _buffers(state), "a host copy was made from the user's buffers, not a snapshot"
+    _check_no_host_copy_left(events, state)
+    assert_tree_bit_exact(objckpt.restore(tmp_path.as_uri(), state), state)
+
+
+def test_without_a_snapshot_save_async_waits_for_the_copies_off_the_device(
+    events: list[Event], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other side of the test above: the snapshot is what lets the save return early."""
+    _as_accelerator(monkeypatch)
+    go = _held_reads(monkeypatch)
+    state = _state()
+    returned = threading.Event()
+    saving = threading.Thread(target=lambda: (objckpt.save_async(tmp_path.as_uri(), state).result(), returned.set()))
+    saving.start()
+    try:
+        assert not returned.wait(0.5), "save_async returned before its shards left the devices"
+    finally:
+        go.set()
+        saving.join(60)
+    assert returned.is_set()
+    assert {b for kind, b, *_ in events} == _buffers(state)  # no snapshot: the user's buffers, through aliases
+
+
+class _Device:
+    def __init__(self, stats: dict[str, int] | None) -> None:
+        self.stats = stats
+
+    def memory_stats(self) -> dict[str, int] | None:
+        return self.stats
+
+
+class _Shard:
+    def __init__(self, device: _Device, nbytes: int) -> None:
+        self.device, self.nbytes = device, nbytes
+
+    def devices(self) -> set[_Device]:
+        return {self.device}
+
+
+def _blobs(*shards: _Shard) -> list[Any]:
+    pieces = [SimpleNamespace(piece=SimpleNamespace(source=(s, ()))) for s in shards]
+    return [SimpleNamespace(pieces=pieces)]
+
+
+@pytest.mark.parametrize(
+    ("setting", "stats", "expected"),
+    [
+        ("off", {"bytes_limit": 100 * GiB, "peak_bytes_in_use": 0}, False),
+        ("on", None, True),
+        ("auto", {"bytes_limit": 16 * GiB, "peak_bytes_in_use": 6 * GiB, "bytes_in_use": 5 * GiB}, True),
+        ("auto", {"bytes_limit": 16 * GiB, "peak_bytes_in_use": 11 * GiB, "bytes_in_use": 5 * GiB}, False),
+        ("auto", {"bytes_limit": 16 * GiB, "peak_bytes_in_use": 5 * GiB, "bytes_in_use": 5 * GiB}, True),
+        ("auto", None, False),
+    ],
+)
+def test_device_snapshot_auto_needs_room_beyond_the_peak(
+    setting: str, stats: dict[str, int] | None, expected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``auto`` snapshots 4 GiB on a 16 GiB device only when its peak use so far leaves 4 GiB plus
+    a tenth of the device free; without memory statistics it does not."""
+    monkeypatch.setattr(host_copies_module, "_on_accelerator", lambda source: True)
+    device = _Device(stats)
+    blobs = _blobs(_Shard(device, 3 * GiB), _Shard(device, 1 * GiB))
+    assert wants_snapshot(setting, blobs) is expected
+
+
+def test_device_snapshot_names_a_bad_setting() -> None:
+    with pytest.raises(ValueError, match="device_snapshot"):
+        objckpt.Options(device_snapshot="yes")

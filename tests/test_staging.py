@@ -107,7 +107,7 @@ def _assert_gaps_zero(target):
 
 @pytest.mark.s3
 def test_recycled_buffers_send_zeroed_gaps_and_exact_pieces(s3_store, monkeypatch):
-    monkeypatch.setattr(upload_module, "piece_bytes_in_place", lambda piece: None)  # stage every blob
+    monkeypatch.setattr(upload_module, "piece_bytes_of", lambda piece, host: None)  # stage every blob
     pools = _record_pools(monkeypatch)
     tree = _odd_tree()
     options = objckpt.Options(blob_size=1 << 20, staging_pool=3 << 20)
@@ -149,7 +149,7 @@ def test_sync_save_to_s3_sends_array_bytes_in_place(s3_store, monkeypatch):
 def test_async_save_never_sends_in_place(s3_store, monkeypatch):
     """save_async returns before its uploads end, so the arrays may change: it always stages."""
     asked: list[object] = []
-    monkeypatch.setattr(upload_module, "piece_bytes_in_place", lambda piece: asked.append(piece))
+    monkeypatch.setattr(upload_module, "piece_bytes_of", lambda piece, host: asked.append(piece))
     tree = _odd_tree()
     objckpt.save_async(s3_store.url, tree, storage_options=s3_store.storage_options).result()
     assert not asked

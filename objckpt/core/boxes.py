@@ -210,25 +210,14 @@ def copy_piece_into(piece: OwnedPiece, dest: np.ndarray, host: np.ndarray | None
     dest[...] = host[box_to_slices(piece.start, piece.stop, origin)]
 
 
-def piece_bytes_in_place(piece: OwnedPiece) -> memoryview | None:
-    """The bytes of ``piece`` as they lie in its device buffer, or None when that needs a copy.
-
-    Only for a synchronous save, which returns after its uploads end (the
-    arrays cannot be donated meanwhile). Given when the shard lives in host
-    memory (the CPU backend, where ``np.asarray`` is a view, not a transfer)
-    (or is a numpy array) and the piece is one contiguous run of it (a whole
-    shard or a run of its leading rows).
-    """
-    source, origin = piece.source
-    on_host = isinstance(source, np.ndarray) or (
-        isinstance(source, jax.Array) and all(d.platform == "cpu" for d in source.devices())
-    )
-    if not on_host:
+def piece_bytes_of(piece: OwnedPiece, host: np.ndarray) -> memoryview | None:
+    """The bytes of ``piece`` as they lie in ``host`` (its shard's host bytes), or None when they
+    are not one contiguous run of it (a whole shard or a run of its leading rows are)."""
+    _, origin = piece.source
+    view = host[box_to_slices(piece.start, piece.stop, origin)]
+    if not view.flags.c_contiguous:
         return None
-    host = host_view(source)[box_to_slices(piece.start, piece.stop, origin)]
-    if not host.flags.c_contiguous:
-        return None
-    return host.reshape(-1).view(np.uint8).data
+    return view.reshape(-1).view(np.uint8).data
 
 
 def needed_boxes(

@@ -51,10 +51,17 @@ def start_host_copy(array: Any) -> None:
 def host_view(array: Any) -> np.ndarray:
     """The host bytes of ``array`` (a single-device ``jax.Array`` or a numpy array), read-only,
     waiting for its device→host copy; nothing is cached in ``_npy_value``."""
+    return host_copy(array)[0]
+
+
+def host_copy(array: Any) -> tuple[np.ndarray, bool]:
+    """:func:`host_view`, and whether those bytes are a copy of the device buffer that nothing
+    else writes (True on an accelerator; False for a CPU device's own memory, which training may
+    donate and overwrite, and for a numpy array, which its owner may change)."""
     if not isinstance(array, jax.Array):
-        return np.asarray(array)
+        return np.asarray(array), False
     read = getattr(array, "_single_device_array_to_np_array_did_copy", None)
     if read is None or len(array.sharding.device_set) != 1:
-        return np.asarray(array)
-    host, _ = read()
-    return host  # type: ignore[no-any-return]
+        return np.asarray(array), False
+    host, copied = read()
+    return host, bool(copied)

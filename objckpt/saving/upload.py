@@ -1,31 +1,31 @@
 """Save's blocking phase: each blob sent in place or staged, then handed to the I/O loop.
 
-A synchronous save to a store that sends a body of parts (``Store.put_parts``)
-uploads contiguous host shards where they lie; everything else is copied off the
-devices into staging buffers (:mod:`objckpt.saving.staging`) first. The device→host
-copies of the shards are all started before the first is read, as far ahead as the
-staging memory allows (:class:`CopiesAhead`, :mod:`objckpt.core.device_reads`). Each upload
-checksums its pieces off the loop thread and PUTs with the transfer engine's
-retries; the commit (:mod:`objckpt.saving.commit`) waits for their piece records.
+The device→host copies of the shards are all started before the first is read, as far
+ahead as ``Options.memory_budget`` allows (:mod:`objckpt.saving.host_copies`). A blob whose
+pieces lie contiguous in host bytes nobody else writes (copies off an accelerator) is sent
+from there, as a body of parts, when the store takes one (``Store.put_parts``); so is any
+contiguous blob of a synchronous save, which returns only after its uploads end. Everything
+else is copied into staging buffers (:mod:`objckpt.saving.staging`) first. Each upload
+checksums its pieces off the loop thread and PUTs with the transfer engine's retries; the
+commit (:mod:`objckpt.saving.commit`) waits for their piece records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from objckpt.core.boxes import copy_piece_into, piece_bytes_in_place
+from objckpt.core.boxes import copy_piece_into, piece_bytes_of
 from objckpt.core.checksum import crc32c, sha256_hex
-from objckpt.core.device_reads import host_alias, host_view, start_host_copy
 from objckpt.core.format import Piece
 from objckpt.core.plan import BlobPlan
-from objckpt.options import Options
 from objckpt.saving.blob_sizing import staging_limit
+from objckpt.saving.host_copies import HostCopies, wants_snapshot
 from objckpt.saving.staging import StagingPool
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine
@@ -39,161 +39,135 @@ def snapshot_and_upload(
 ) -> list[concurrent.futures.Future[list[PieceRecord]]]:
     """The blocking phase: send each blob in place or fill its staging buffer, hand it to the uploader.
 
-    With ``hold_uploads`` (async save) uploads wait until the copies finish (on
-    2-core hosts the upload threads would otherwise slow the copy the caller
-    waits for), or until the budget runs out, when the model is bigger than the
-    budget and the phase has to stream. A synchronous save streams through a
-    small pool of recycled buffers (``Options.staging_pool``; see
-    :mod:`objckpt.saving.staging` for why), except for blobs it sends in place.
-    Stops early if an upload has already failed.
+    With ``hold_uploads`` (async save) uploads wait until the copies off the devices finish (on
+    2-core hosts the upload threads would otherwise slow the copy the caller waits for), or
+    until the budget runs out, when the model is bigger than the budget and the phase has to
+    stream. A synchronous save streams through a small pool of recycled buffers
+    (``Options.staging_pool``; see :mod:`objckpt.saving.staging` for why), except for blobs it
+    sends in place. Blobs whose shards were copied off an accelerator are sent from those host
+    copies (no staging), when the store sends a body of parts. With ``Options.device_snapshot``
+    the shards are first copied on their devices and everything after that runs on a thread of
+    its own: the phase returns once those copies are dispatched. Stops early if an upload has
+    already failed.
     """
-    engine, options = handle.engine, handle.options
-    limit = staging_limit(options, hold_uploads=hold_uploads)
-    pool = StagingPool(limit, capacity=max((b.size for b in blobs), default=0))
-    failed = threading.Event()
-    gate: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-    def open_gate() -> None:
-        if not gate.done():
-            gate.set_result(None)
-
-    if not hold_uploads:
-        open_gate()
-    # A synchronous save may send array bytes straight from the arrays (it
-    # returns only after its uploads end), when the store sends a body of parts.
-    in_place = not hold_uploads and handle.traits.puts_parts
-    futures: list[concurrent.futures.Future[list[PieceRecord]]] = []
-    try:
-        _fill_blobs(
-            blobs, engine, pool, failed, gate, open_gate, futures, in_place=in_place, options=options, window=limit
-        )
-    finally:
-        open_gate()
-    return futures
+    options = handle.options
+    snapshot = hold_uploads and wants_snapshot(options.device_snapshot, blobs)
+    fill = _Fill(blobs, handle, hold_uploads=hold_uploads, snapshot=snapshot)
+    if not snapshot:
+        fill.run()
+        return fill.futures
+    done: concurrent.futures.Future[list[PieceRecord]] = concurrent.futures.Future()
+    threading.Thread(target=fill.run_then_gather, args=(done,), name="objckpt-save-snapshot", daemon=True).start()
+    return [done]
 
 
-def _fill_blobs(
-    blobs: list[BlobPlan],
-    engine: TransferEngine,
-    pool: StagingPool,
-    failed: threading.Event,
-    gate: concurrent.futures.Future[None],
-    open_gate: Callable[[], None],
-    futures: list[concurrent.futures.Future[list[PieceRecord]]],
-    *,
-    in_place: bool,
-    options: Options,
-    window: int,
-) -> None:
-    """Stage each blob and hand it to the uploader, or with ``in_place`` send its
-    pieces from the arrays themselves where they are contiguous host memory; the
-    device→host copies of up to ``window`` bytes of shards are started ahead."""
-    slots = threading.Semaphore(options.max_concurrency)  # in-place uploads started and not done
-    ahead = CopiesAhead(blobs, window)
-    try:
-        for i, blob in enumerate(blobs):
-            ahead.before(i)
-            parts = _parts_in_place(blob) if in_place else None
-            if parts is not None:
-                if not _take_slot(slots, failed):
+class _Fill:
+    """One save's blocking phase: each blob's bytes read off the devices (:class:`HostCopies`),
+    then sent in place or staged, and handed to the uploader (``futures``, in blob order)."""
+
+    def __init__(self, blobs: list[BlobPlan], handle: Handle, *, hold_uploads: bool, snapshot: bool) -> None:
+        options = handle.options
+        limit = staging_limit(options, hold_uploads=hold_uploads)
+        self.blobs, self.engine, self.digest = blobs, handle.engine, options.digest
+        self.hold_uploads = hold_uploads
+        self.pool = StagingPool(limit, capacity=max((b.size for b in blobs), default=0))
+        # Host copies of an accelerator's shards are held until sent: the budget bounds them.
+        self.copies = HostCopies(blobs, options.memory_budget, snapshot=snapshot)
+        self.failed = threading.Event()
+        self.gate: concurrent.futures.Future[None] = concurrent.futures.Future()
+        if not hold_uploads:
+            self.open_gate()
+        # A synchronous save may send array bytes straight from the arrays (it returns only after
+        # its uploads end); any save, bytes copied off an accelerator; both when the store sends
+        # a body of parts.
+        self.puts_parts = handle.traits.puts_parts
+        self.slots = threading.Semaphore(options.max_concurrency)  # synchronous in-place uploads in flight
+        self.futures: list[concurrent.futures.Future[list[PieceRecord]]] = []
+
+    def open_gate(self) -> None:
+        if not self.gate.done():
+            self.gate.set_result(None)
+
+    def run(self) -> None:
+        try:
+            for i, blob in enumerate(self.blobs):
+                if not self.copies.before(i, self.failed, self.open_gate) or not self._send(i, blob):
                     break
-                future = runtime.submit(_upload_in_place(blob, parts, engine, slots, options.digest))
-            else:
-                buffer = pool.take(failed, open_gate)
-                if buffer is None or failed.is_set():
-                    break
-                staged = buffer[: blob.size]
-                _zero_gaps(staged, blob)  # a recycled buffer still holds an earlier blob
-                for placed in blob.pieces:
-                    piece = placed.piece
-                    dtype = placed.piece.source[0].dtype
-                    view = staged[placed.offset : placed.offset + piece.nbytes].view(dtype).reshape(piece.shape)
-                    copy_piece_into(piece, view, host=ahead.host(piece.source[0]))
-                future = runtime.submit(_upload(blob, buffer, pool, engine, gate, options.digest))
+        finally:
+            self.open_gate()
+            self.copies.close()  # what no upload holds goes now; no host copy outlives its upload
 
-            def _done(f: concurrent.futures.Future[Any]) -> None:
-                if f.cancelled() or f.exception() is not None:
-                    failed.set()
+    def run_then_gather(self, done: concurrent.futures.Future[list[PieceRecord]]) -> None:
+        """:meth:`run` on this thread, then ``done`` gets every blob's records (or the first error)."""
+        try:
+            self.run()
+            records = [r for f in self.futures for r in f.result()]
+        except BaseException as exc:  # noqa: BLE001 - handed to the commit, which reports it
+            done.set_exception(exc)
+        else:
+            done.set_result(records)
 
-            future.add_done_callback(_done)
-            futures.append(future)
-    finally:
-        ahead.close()  # the host copies go with their aliases
-
-
-class CopiesAhead:
-    """Starts the device→host copies of the blobs' shards ahead of their staging, each through an
-    alias of the shard (:func:`~objckpt.core.device_reads.host_alias`) that holds its host copy.
-
-    Before blob ``i`` is staged, :meth:`before` drops the aliases no blob from ``i`` on reads
-    (their host copies go with them) and starts the copies of the shards of blobs ``i``,
-    ``i + 1``, … while the host copies alive stay within ``window`` bytes (blob ``i``'s own
-    always start): with a budget that holds the state, every copy is under way before the
-    first is read, and the transfers overlap instead of running one after another.
-    :meth:`host` reads a shard's bytes through its alias; :meth:`close` drops every alias, so
-    after the save no host copy is left on the user's arrays or anywhere else.
-    """
-
-    def __init__(self, blobs: list[BlobPlan], window: int) -> None:
-        self._blobs, self._window = blobs, window
-        self._next = 0  # the first blob whose shards are not all started
-        self._last: dict[int, int] = {}  # id() of each shard -> the last blob that reads it
-        for j, blob in enumerate(blobs):
+    def _send(self, i: int, blob: BlobPlan) -> bool:
+        """Hand blob ``i`` to the uploader; False once an upload has failed."""
+        parts = self._parts(blob) if self.puts_parts else None
+        if parts is not None:
+            if not self.hold_uploads and not _take_slot(self.slots, self.failed):
+                return False
+            slot = None if self.hold_uploads else self.slots
+            future = runtime.submit(_upload_parts(blob, parts, self.engine, self.gate, slot, self.digest))
+            future.add_done_callback(functools.partial(self._release, i))
+        else:
+            buffer = self.pool.take(self.failed, self.open_gate)
+            if buffer is None or self.failed.is_set():
+                self.copies.release(i)
+                return False
+            staged = buffer[: blob.size]
+            _zero_gaps(staged, blob)  # a recycled buffer still holds an earlier blob
             for placed in blob.pieces:
-                self._last[id(placed.piece.source[0])] = j
-        self._aliases: dict[int, tuple[Any, int]] = {}  # id() of a shard -> (its alias, bytes)
+                piece = placed.piece
+                view = staged[placed.offset : placed.offset + piece.nbytes].view(piece.source[0].dtype)
+                copy_piece_into(piece, view.reshape(piece.shape), host=self.copies.host(piece.source[0])[0])
+            self.copies.release(i)
+            future = runtime.submit(_upload(blob, buffer, self.pool, self.engine, self.gate, self.digest))
+        future.add_done_callback(self._on_done)
+        self.futures.append(future)
+        return True
 
-    def before(self, i: int) -> None:
-        """Start the copies blob ``i`` needs, and those of the blobs after it that fit the window."""
-        for key in [k for k in self._aliases if self._last[k] < i]:
-            del self._aliases[key]
-        held = sum(n for _, n in self._aliases.values())
-        while self._next < len(self._blobs):
-            sources = {
-                id(p.piece.source[0]): p.piece.source[0]
-                for p in self._blobs[self._next].pieces
-                if id(p.piece.source[0]) not in self._aliases
-            }
-            size = sum(int(s.nbytes) for s in sources.values())
-            if self._next > i and held + size > self._window:
-                return
-            for key, source in sources.items():
-                alias = host_alias(source)
-                start_host_copy(alias)
-                self._aliases[key] = (alias, int(source.nbytes))
-            held += size
-            self._next += 1
+    def _release(self, i: int, _: concurrent.futures.Future[Any]) -> None:
+        self.copies.release(i)
 
-    def host(self, source: Any) -> np.ndarray:
-        """The host bytes of ``source``, read through its alias when one was started."""
-        alias = self._aliases.get(id(source))
-        return host_view(source if alias is None else alias[0])
+    def _on_done(self, f: concurrent.futures.Future[Any]) -> None:
+        if f.cancelled() or f.exception() is not None:
+            self.failed.set()
 
-    def close(self) -> None:
-        self._aliases.clear()
+    def _parts(self, blob: BlobPlan) -> list[memoryview] | None:
+        """The blob's body as parts: zeros for its gaps, each piece's bytes where they lie.
+
+        None if any piece would need a copy: its bytes are not one contiguous run of its host
+        bytes, or (an async save) those are not a copy of their own (CPU devices, numpy arrays,
+        which the caller may change once the save returns).
+        """
+        parts: list[memoryview] = []
+        end = 0
+        for placed in blob.pieces:
+            piece = placed.piece
+            source, origin = piece.source
+            host, owned = self.copies.host(source)
+            if self.hold_uploads and not owned:
+                return None
+            data = piece_bytes_of(piece, host)
+            if data is None:
+                return None
+            gap = placed.offset - end
+            parts.append(_ZEROS[:gap] if gap <= len(_ZEROS) else memoryview(bytes(gap)))
+            parts.append(data)
+            end = placed.offset + piece.nbytes
+        if blob.size > end:
+            parts.append(memoryview(bytes(blob.size - end)))
+        return parts
 
 
 _ZEROS = memoryview(bytes(4096))  # the bytes of a blob outside its pieces, sent in place
-
-
-def _parts_in_place(blob: BlobPlan) -> list[memoryview] | None:
-    """The blob's body as parts: zeros for its gaps, each piece's bytes where they lie.
-
-    None if any piece would need a copy (see :func:`objckpt.core.boxes.piece_bytes_in_place`).
-    """
-    parts: list[memoryview] = []
-    end = 0
-    for placed in blob.pieces:
-        data = piece_bytes_in_place(placed.piece)
-        if data is None:
-            return None
-        gap = placed.offset - end
-        parts.append(_ZEROS[:gap] if gap <= len(_ZEROS) else memoryview(bytes(gap)))
-        parts.append(data)
-        end = placed.offset + placed.piece.nbytes
-    if blob.size > end:
-        parts.append(memoryview(bytes(blob.size - end)))
-    return parts
 
 
 def _take_slot(slots: threading.Semaphore, failed: threading.Event) -> bool:
@@ -204,15 +178,23 @@ def _take_slot(slots: threading.Semaphore, failed: threading.Event) -> bool:
     return not failed.is_set()
 
 
-async def _upload_in_place(
-    blob: BlobPlan, parts: list[memoryview], engine: TransferEngine, slots: threading.Semaphore, digest: str | None
+async def _upload_parts(
+    blob: BlobPlan,
+    parts: list[memoryview],
+    engine: TransferEngine,
+    gate: concurrent.futures.Future[None],
+    slots: threading.Semaphore | None,
+    digest: str | None,
 ) -> list[PieceRecord]:
-    """Checksum each piece (off the loop thread) and PUT the blob from its parts, with retries."""
+    """Once the gate opens, checksum each piece (off the loop thread) and PUT the blob from its
+    parts, with retries; then free its slot (``slots``: a synchronous save's in-place uploads)."""
     try:
+        await asyncio.wrap_future(gate)
         crcs = await asyncio.to_thread(_checksums, parts[1::2], digest)  # parts: gap, piece, gap, piece, ...
         await engine.put(blob.key, parts)
     finally:
-        slots.release()
+        if slots is not None:
+            slots.release()
     return _records(blob, crcs)
 
 

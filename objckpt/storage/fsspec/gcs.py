@@ -9,6 +9,7 @@ from fsspec import AbstractFileSystem
 from objckpt.errors import BucketNotFoundError, ObjectNotFoundError
 from objckpt.storage.base import ObjectInfo
 from objckpt.storage.errors import PROGRAMMING_ERRORS
+from objckpt.storage.fsspec.posix import Body
 from objckpt.storage.fsspec.store import FsspecStore
 from objckpt.storage.http.gcs_upload import MediaUploader
 
@@ -52,7 +53,9 @@ class GcsFsspecStore(FsspecStore):
     def _atomic_create(self, requested: bool | None) -> bool:
         return True
 
-    async def _write(self, what: str, key: str, data: bytes | memoryview, create: bool) -> None:
+    async def _write(self, what: str, key: str, data: Body, create: bool) -> None:
+        if isinstance(data, tuple):  # parts: this store takes one buffer
+            data = b"".join(data)
         path = self._path(key)
         uploader = self._uploader
         if create:  # small (a manifest): the emulator checks the precondition only here

@@ -13,12 +13,13 @@ and hide in-flight temporary files.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from objckpt.errors import StoreError, StorePermissionError
-from objckpt.storage.base import ObjectInfo
+from objckpt.storage.base import ObjectInfo, PutMode
 from objckpt.storage.fsspec import posix as _local
+from objckpt.storage.fsspec.posix import Body
 from objckpt.storage.fsspec.store import FsspecStore
 
 T = TypeVar("T")
@@ -26,6 +27,11 @@ T = TypeVar("T")
 
 class LocalFsspecStore(FsspecStore):
     """A :class:`FsspecStore` on fsspec's ``LocalFileSystem``, contained in its root."""
+
+    puts_parts = True  # each part is written into the temporary file in turn, never joined
+
+    async def put_parts(self, key: str, parts: Sequence[memoryview], *, mode: PutMode = "overwrite") -> None:
+        await self._put(key, tuple(parts), mode)
 
     def _atomic_create(self, requested: bool | None) -> bool:
         return True  # os.link of a complete temporary file fails with EEXIST atomically
@@ -54,7 +60,7 @@ class LocalFsspecStore(FsspecStore):
     async def _read_range(self, what: str, key: str, start: int, end: int) -> bytes:
         return await self._local(what, _local.read_range, key, start, end)
 
-    async def _write(self, what: str, key: str, data: bytes | memoryview, create: bool) -> None:
+    async def _write(self, what: str, key: str, data: Body, create: bool) -> None:
         try:
             await self._local(what, functools.partial(_local.write_inside, exclusive=create), key, data)
         except _local.ParentNotDirectoryError as exc:

@@ -231,12 +231,21 @@ def _make_parent(path: str) -> str:
     return parent
 
 
-def _write_temp(parent: str, data: bytes | bytearray | memoryview) -> str:
+#: A whole object's bytes: one buffer, or parts written one after another (never joined).
+Body = bytes | memoryview | tuple[memoryview, ...]
+
+
+def _write_body(f: BinaryIO, data: Body) -> None:
+    for part in data if isinstance(data, tuple) else (data,):
+        f.write(part)
+
+
+def _write_temp(parent: str, data: Body) -> str:
     tmp = os.path.join(parent, f"{TMP_PREFIX}{uuid.uuid4().hex}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), _FILE_MODE)
     try:
         with os.fdopen(fd, "wb", closefd=True) as f:
-            f.write(data)
+            _write_body(f, data)
     except BaseException:
         _unlink_quietly(tmp)
         raise
@@ -250,12 +259,12 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def write_atomic(path: str, data: bytes | bytearray | memoryview, *, exclusive: bool) -> None:
+def write_atomic(path: str, data: Body, *, exclusive: bool) -> None:
     """Write ``data`` to ``path`` so no reader ever sees a partial file.
 
     Args:
         path: Absolute destination path; missing parent directories are made.
-        data: The whole object.
+        data: The whole object, or its parts in order.
         exclusive: Create-if-absent: raise :class:`FileExistsError` (and leave
             the existing file untouched) if ``path`` exists.
 
@@ -282,7 +291,7 @@ def write_atomic(path: str, data: bytes | bytearray | memoryview, *, exclusive: 
         _unlink_quietly(tmp)
 
 
-def _create_exclusive_fallback(path: str, data: bytes | bytearray | memoryview) -> None:
+def _create_exclusive_fallback(path: str, data: Body) -> None:
     """O_EXCL create for filesystems without hard links.
 
     Still exactly-one-winner, but a reader racing the writer may see a short
@@ -291,13 +300,13 @@ def _create_exclusive_fallback(path: str, data: bytes | bytearray | memoryview) 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), _FILE_MODE)
     try:
         with os.fdopen(fd, "wb", closefd=True) as f:
-            f.write(data)
+            _write_body(f, data)
     except BaseException:
         _unlink_quietly(path)
         raise
 
 
-def write_inside(root: str, key: str, data: bytes | bytearray | memoryview, *, exclusive: bool) -> None:
+def write_inside(root: str, key: str, data: Body, *, exclusive: bool) -> None:
     """:func:`write_atomic` of ``key`` under ``root``, refusing a parent that resolves outside it.
 
     Raises:

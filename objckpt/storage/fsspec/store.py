@@ -50,6 +50,7 @@ from objckpt.storage.endpoint import ConfiguredEndpoint
 from objckpt.storage.errors import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
 from objckpt.storage.errors import http_status as _http_status
 from objckpt.storage.errors import map_error
+from objckpt.storage.fsspec.posix import Body
 from objckpt.storage.http.reader import HttpRangeReader, StreamingStore
 from objckpt.storage.urls import check_relative as _check_relative
 from objckpt.storage.urls import redact_url
@@ -291,9 +292,10 @@ class FsspecStore(StreamingStore):
         # By keyword: s3fs's cat_file takes version_id second.
         return bytes(await self._fs(what, "cat_file", self._path(key), start=start, end=end))
 
-    async def _write(self, what: str, key: str, data: bytes | memoryview, create: bool) -> None:
+    async def _write(self, what: str, key: str, data: Body, create: bool) -> None:
         """Write one whole object; ``create``: atomically, only if absent."""
-        body = bytes(data) if isinstance(data, memoryview) else data  # botocore and most clients want bytes
+        # botocore and most clients want bytes
+        body = b"".join(data) if isinstance(data, tuple) else bytes(data) if isinstance(data, memoryview) else data
         if create:
             await self._fs(what, "pipe_file", self._path(key), body, mode="create")
         else:
@@ -381,6 +383,10 @@ class FsspecStore(StreamingStore):
     # ------------------------------------------------------------------- writes
 
     async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
+        await self._put(key, data, mode)
+
+    async def _put(self, key: str, data: Body, mode: PutMode) -> None:
+        """:meth:`put` of one buffer, or of parts where the subclass's ``_write`` takes them."""
         _check_relative(key, "key", allow_empty=False, allow_partial=False)
         if mode not in ("overwrite", "create"):
             raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
@@ -444,12 +450,12 @@ class MemoryFsspecStore(FsspecStore):
     def _atomic_create(self, requested: bool | None) -> bool:
         return True
 
-    async def _write(self, what: str, key: str, data: bytes | memoryview, create: bool) -> None:
+    async def _write(self, what: str, key: str, data: Body, create: bool) -> None:
         await self._in_thread(what, _memory_put, self.fs, self._path(key), data, create)
 
 
-def _memory_put(fs: AbstractFileSystem, path: str, data: bytes | memoryview, create: bool) -> None:
+def _memory_put(fs: AbstractFileSystem, path: str, data: Body, create: bool) -> None:
     with _MEMORY_LOCK:
         if create and fs.exists(path):
             raise FileExistsError(path)
-        fs.pipe_file(path, bytes(data))
+        fs.pipe_file(path, b"".join(data) if isinstance(data, tuple) else bytes(data))
