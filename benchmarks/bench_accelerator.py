@@ -1,12 +1,12 @@
 """Issue 65's accelerator path: what a save costs training on a TPU or GPU, against the floors and Orbax.
 
     PYTHONPATH=. python benchmarks/bench_accelerator.py [--state-gib 4 8] [--stores disk tmpfs]
-        [--repeats 3] [--systems floors objckpt orbax] [--out FILE] [--quick]
+        [--repeats 3] [--systems floors objckpt objckpt_snapshot orbax] [--out FILE] [--profile DIR] [--quick]
 
 Runs on the machine that holds the accelerator, with no network: every store is a local path
 (``file://`` on disk, ``--disk-dir``, default the temp dir; and on tmpfs, ``/dev/shm``). The
 state (``benchmarks/accelerator_worker.py``) is bf16 params plus f32 master weights and Adam
-moments, 456 leaves, on ``jax.devices()[0]``. For each repeat, state and store, three
+moments, 456 leaves, on ``jax.devices()[0]``. For each repeat, state and store, four
 measurements run in turn, each in a fresh process (one process holds the chip at a time), the
 order rotating each repeat:
 
@@ -14,9 +14,10 @@ order rotating each repeat:
   ``copy_to_host_async`` on every leaf then ``np.asarray`` (each on a freshly built state),
   ``jax.device_put`` back, and a raw write and read of the same bytes (one file per leaf) at the
   store path; the save floor is ``device_get`` + write, the restore floor read + ``device_put``.
-- ``objckpt`` and ``orbax``: ``CheckpointManager.save`` with its defaults (async) — seconds
-  blocked, seconds until committed — while a jitted training step (chained matmuls, ~50 ms on a
-  chip) runs until the commit; host RSS sampled every 5 ms (peak above the start during the
+- ``objckpt``, ``objckpt_snapshot`` (``Options(device_snapshot="on")``) and ``orbax``:
+  ``CheckpointManager.save`` with its defaults (async) — seconds blocked, seconds until
+  committed, device memory's peak before and after — while a jitted training step (chained
+  matmuls, ~50 ms on a chip) runs until the commit; host RSS sampled every 5 ms (peak above the start during the
   save, what is still held after the commit); whether a host copy is left cached on the saved
   arrays; then a restore onto the device (seconds, peak RSS above its start), checked by
   per-leaf fingerprints. Orbax is skipped, with a note, where it is not importable.

@@ -70,7 +70,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_one_cell_with_every_field_and_positive_times(report: dict[str, Any]) -> None:
     assert report["quick"] is True and report["repeats"] == 1
     assert report["platform"] == "cpu" and report["device_kind"]
-    assert report["systems"] == (["floors", "objckpt", "orbax"] if ORBAX else ["floors", "objckpt"])
+    ours = ["floors", "objckpt", "objckpt_snapshot"]
+    assert report["systems"] == (ours + ["orbax"] if ORBAX else ours)
     (cell,) = report["cells"]
     assert cell["name"] == "0.0625GiB-disk" and cell["state_gib"] == 0.0625 and cell["store"] == "disk"
     for field in FIELDS:
@@ -113,6 +114,9 @@ def test_ratios_and_targets_follow_from_the_medians(report: dict[str, Any]) -> N
     state_gib = cell["state_bytes"] / (1 << 30)
     assert targets["peak_host_ram"]["ok"] == (cell["peak_host_ram_gib"] <= 1.1 * state_gib + 0.25 + 1e-12)
     assert targets["no_host_copy_attached"]["ok"] == (not cell["host_copy_attached"])
+    snapshot = statistics.median(r["blocked_s"] for r in cell["runs"]["objckpt_snapshot"])
+    assert targets["snapshot_blocked_s"]["value"] == cell["snapshot_blocked_s"] == snapshot
+    assert targets["device_peak_unchanged_gib"]["value"] == cell["device_peak_delta_gib"] == 0  # CPU: no stats
     if ORBAX:
         assert targets["blocked_vs_orbax"]["value"] == pytest.approx(cell["blocked_s"] / cell["orbax_blocked_s"])
         assert targets["restore_vs_orbax"]["ok"] == (cell["restore_s"] < cell["orbax_restore_s"])

@@ -11,6 +11,7 @@ landing's internals drive restore's steps through their seams
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import subprocess
@@ -29,7 +30,7 @@ import objckpt
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.plan import ALIGN, PACKING_SLACK, SPACER
 from objckpt.restoring.arena import AssemblyArena
-from objckpt.restoring.landing import Devices, HostMemory
+from objckpt.restoring.landing import Devices, HostMemory, Landing
 from objckpt.storage import from_url
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_arrays, aligned_zeros, host_buffer
@@ -599,3 +600,32 @@ def test_pause_gc_pauses_the_garbage_collector_and_gives_it_back():
         list(pool.map(lambda _: objckpt.restore(url, options=paused), range(4)))
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+def test_whole_boxes_bound_for_an_accelerator_go_from_the_response_without_a_copy(tmp_path):
+    """A leaf bound for an accelerator takes its whole-box pieces straight from the read's
+    response, at any alignment: ``device_put`` copies them to the device, and a buffer of the
+    box's own would cost one more host memcpy. Nothing is allocated for them, and the restore
+    stays exact."""
+    url = tmp_path.as_uri()
+    values, shardings = _many_small_leaves(url)
+    allocated: list[int] = []
+
+    class Counting(Landing):
+        def _allocate(self, i, boxes=None, *, for_pieces=False):
+            before = len(self._leaves[i].buffers)
+            fresh = super()._allocate(i, boxes, for_pieces=for_pieces)
+            allocated.append(len(self._leaves[i].buffers) - before)
+            return fresh
+
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in values.items()}
+    out = restore_with(
+        from_url(url),
+        paths(target),
+        landing=Counting,
+        whole_leaf_bytes=0,  # placed box by box, as an accelerator's large leaves are
+        replan=lambda plan: dataclasses.replace(plan, on_host=False),
+    )
+    for k, v in values.items():
+        np.testing.assert_array_equal(np.asarray(out[f"['{k}']"]), v, err_msg=k)
+    assert sum(allocated) == 0, "a whole box was copied into a buffer of its own"

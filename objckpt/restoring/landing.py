@@ -271,13 +271,15 @@ class Landing:
 
         That takes a piece that is exactly one box of a leaf placed box by box (a
         read-only view is fine there: it goes straight to its devices), no cast, and
-        bytes on the alignment boundary.
+        bytes on the alignment boundary, or a leaf bound for an accelerator, where
+        ``device_put`` copies from any address and a copy into a buffer of the box's
+        own would only cost a host memcpy more.
         """
         base = address(data)
         return {
             k
             for k, part in enumerate(request.parts)
-            if (base + part.offset) % DEVICE_ALIGNMENT == 0
+            if ((base + part.offset) % DEVICE_ALIGNMENT == 0 or not self.plans[part.leaf].on_host)
             and self.plans[part.leaf].whole_box(part.piece)
             and (part.piece.start, part.piece.stop) not in self._leaves[part.leaf].buffers
         }
