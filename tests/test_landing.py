@@ -11,6 +11,7 @@ landing's internals drive restore's steps through their seams
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import platform
@@ -629,3 +630,49 @@ def test_whole_boxes_bound_for_an_accelerator_go_from_the_response_without_a_cop
     for k, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[f"['{k}']"]), v, err_msg=k)
     assert sum(allocated) == 0, "a whole box was copied into a buffer of its own"
+
+
+class _InFlight:
+    """``inner``'s reads, with the most bytes that were being read at once (``peak``)."""
+
+    def __init__(self, inner):
+        self.inner, self.now, self.peak = inner, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def get_range_buffer(self, key, *, start, end):
+        self.now += end - start
+        self.peak = max(self.peak, self.now)
+        try:
+            await asyncio.sleep(0.01)  # long enough for the window to fill up
+            return await self.inner.get_range_buffer(key, start=start, end=end)
+        finally:
+            self.now -= end - start
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("on_host", [True, False], ids=["cpu", "accelerator"])
+def test_adopted_reads_bound_for_an_accelerator_count_against_the_read_window(s3_store, on_host):
+    """A read the store fills in place (obstore) whose pieces become boxes costs nothing above the
+    restored arrays on the CPU backend (its buffer becomes the array): max_concurrency alone
+    bounds those. Bound for an accelerator its buffer is host memory until ``device_put`` has
+    copied it, so ``read_window`` bounds those reads too."""
+    mesh = jax.make_mesh((8,), ("d",))
+    sharding = NamedSharding(mesh, P("d"))
+    tree = {f"w{i}": jax.device_put(np.full((1024, 512), i, np.float32), sharding) for i in range(8)}  # 2 MiB
+    objckpt.save(s3_store.url, tree, storage_options=s3_store.storage_options)
+    store = _InFlight(from_url(s3_store.url, **s3_store.storage_options))
+    window = 2 << 20
+    out = restore_with(
+        store,
+        paths({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in tree.items()}),
+        options=objckpt.Options(read_window=window, read_chunk=1 << 20),
+        whole_leaf_bytes=0,
+        replan=lambda plan: dataclasses.replace(plan, on_host=on_host),
+    )
+    assert_tree_bit_exact({k: out[f"['{k}']"] for k in tree}, tree)
+    if on_host:
+        assert store.peak > window  # adopted reads run max_concurrency at once
+    else:
+        assert store.peak <= window + (1 << 20) + PACKING_SLACK

@@ -118,8 +118,9 @@ async def fetch(handle: Handle, requests: list[ReadRequest], landing: Landing) -
     # array without a copy: leaves placed on the CPU backend (LeafPlan.stays_on_host).
     on_cpu = any(p.places_boxes and p.on_host for p in plans.values())
     alignment = ResponseAlignment.of(store) if on_cpu else ResponseAlignment(None)
-    # An adopted read is not memory above the restored arrays (the client fills its
-    # buffer in place), so only copied reads count against the window;
+    # An adopted read is not memory above the restored arrays on the CPU backend (the
+    # client fills its buffer in place and it becomes the array), so only copied reads,
+    # and adopted ones bound for an accelerator, count against the window;
     # max_concurrency still bounds the requests in flight. Streamed reads are
     # scattered as they arrive and hold a few MiB each, not their length: a window
     # of their own bounds them (Options.streamed_window: enough bytes to cover each
@@ -174,7 +175,14 @@ async def fetch(handle: Handle, requests: list[ReadRequest], landing: Landing) -
             return
         await checked(lambda: read_and_land(request))
 
+    # An adopted read bound for an accelerator is memory above the restored arrays too: its
+    # buffer lives until device_put has copied it to the device.
+    to_devices = not all(p.on_host for p in plans.values())
+
     def held(request: ReadRequest) -> int:  # bytes of a read that holds a buffer of its length
-        return request.length if modes[id(request)] is Mode.COPIED else 0
+        mode = modes[id(request)]
+        if mode is Mode.ADOPTED and to_devices:
+            return 0 if all(plans[p.leaf].on_host for p in request.parts) else request.length
+        return request.length if mode is Mode.COPIED else 0
 
     await engine.for_each(requests, one, window_bytes=window, size=held)
