@@ -105,7 +105,9 @@ class Options:
         read_window: bytes of copied ranged reads in flight during restore (also
             capped by ``memory_budget``): it bounds restore's host memory above the
             restored arrays. Reads whose buffers become the arrays themselves
-            (aligned whole boxes) do not count; ``max_concurrency`` bounds those.
+            (aligned whole boxes on the CPU backend) do not count;
+            ``max_concurrency`` bounds those. Bound for an accelerator they count:
+            a read's buffer lives until ``device_put`` has copied it.
             Nor do streamed reads, which hold a few MiB each, not their length
             (``streamed_window`` bounds them).
         streamed_window: bytes of copied reads streamed at once during a restore
