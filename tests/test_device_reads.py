@@ -310,12 +310,13 @@ def _as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _held_reads(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Device→host reads wait until the returned event is set (a slow copy off the chip)."""
+    """Device→host reads (of JAX arrays) wait until the returned event is set (a slow copy off the chip)."""
     go = threading.Event()
     real = host_copies_module.host_copy
 
     def slow(array: Any) -> tuple[np.ndarray, bool]:
-        assert go.wait(60), "reads were never let go"
+        if isinstance(array, jax.Array):
+            assert go.wait(60), "reads were never let go"
         return real(array)
 
     monkeypatch.setattr(host_copies_module, "host_copy", slow)
@@ -405,3 +406,25 @@ def test_device_snapshot_auto_needs_room_beyond_the_peak(
 def test_device_snapshot_names_a_bad_setting() -> None:
     with pytest.raises(ValueError, match="device_snapshot"):
         objckpt.Options(device_snapshot="yes")
+
+
+def test_a_snapshot_save_copies_host_leaves_before_it_returns(
+    events: list[Event], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the snapshot the save returns before it reads anything off the devices; a numpy leaf
+    beside the device arrays, changed by its owner right after, is still saved as it was."""
+    _as_accelerator(monkeypatch)
+    monkeypatch.setattr(
+        host_copies_module, "_on_accelerator", lambda source: isinstance(source, jax.Array) and source.ndim == 2
+    )
+    go = _held_reads(monkeypatch)
+    state: dict[str, Any] = {**_state(4), "host": np.arange(64 * KiB, dtype=np.float32)}
+    kept = state["host"].copy()
+    try:
+        handle = objckpt.save_async(tmp_path.as_uri(), state, options=objckpt.Options(device_snapshot="on"))
+        state["host"][:] = -1  # the owner reuses its buffer
+    finally:
+        go.set()
+    handle.result()
+    restored = objckpt.restore(tmp_path.as_uri())
+    np.testing.assert_array_equal(restored["host"], kept)

@@ -15,7 +15,7 @@ copy is released once its blobs are staged.
 With ``snapshot``, every shard on an accelerator is first copied on its device
 (``jax.device_put(..., may_alias=False)``, dispatched, not awaited), and the host copies are
 made from those snapshots, which training cannot donate or overwrite: the save can return
-before a byte has left the device. JAX orders the snapshot's read of a buffer before any
+before a byte has left the device. Shards anywhere else are copied in host memory first. JAX orders the snapshot's read of a buffer before any
 later computation that donates it. Each snapshot's device memory is freed once its host copy
 is read.
 """
@@ -144,15 +144,20 @@ class HostCopies:
 
 
 def _snapshot(blobs: list[BlobPlan]) -> dict[int, Any]:
-    """A copy on its device of every accelerator shard the blobs read (dispatched, not awaited)."""
+    """A copy of every shard the blobs read, made before the save returns: on its device for an
+    accelerator's (dispatched, not awaited), in host memory for the rest (numpy arrays, which
+    their owner may change, and CPU devices' buffers, which training may donate)."""
     out: dict[int, Any] = {}
     for blob in blobs:
         for placed in blob.pieces:
             source = placed.piece.source[0]
             key = id(source)
-            if key in out or not _on_accelerator(source):
+            if key in out:
                 continue
-            out[key] = jax.device_put(source, source.sharding, may_alias=False)
+            if _on_accelerator(source):
+                out[key] = jax.device_put(source, source.sharding, may_alias=False)
+            else:
+                out[key] = np.array(host_copy(source)[0], copy=True)
     return out
 
 

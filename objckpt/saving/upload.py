@@ -151,8 +151,7 @@ class _Fill:
         end = 0
         for placed in blob.pieces:
             piece = placed.piece
-            source, origin = piece.source
-            host, owned = self.copies.host(source)
+            host, owned = self.copies.host(piece.source[0])
             if self.hold_uploads and not owned:
                 return None
             data = piece_bytes_of(piece, host)
