@@ -25,7 +25,11 @@ def supports(ctx: Context) -> str | None:
     # pays the import once per process, not once per checkpoint (0.16-0.18 s here). The
     # same for the client library of objckpt's default adapter for this store, which it
     # imports on first use (gcsfs: 0.5-0.7 s), and which the raw ceiling imports untimed.
-    import objckpt  # noqa: F401
+    import objckpt
+
+    # ``import objckpt`` is lazy: its API modules load with the first public name used, as a
+    # ``from objckpt import restore`` at the top of a user's script loads them.
+    objckpt.save, objckpt.restore, objckpt.TransferStats  # noqa: B018
 
     if ctx.store == "gcs" and not ctx.real:
         import gcsfs  # noqa: F401

@@ -86,8 +86,10 @@ def _open_native(url: str, options: dict[str, Any], backend: str, translate: str
 
     rest = dict(options)
     store_kw = pop_timeout(rest)
-    # An unknown option is the first thing said (before a credential lookup it may have misdirected).
-    check_fsspec_options(url, rest, translate.removeprefix("translate_"))
+    # An unknown option is the first thing said (before a credential lookup it may have misdirected);
+    # the options obstore's translation reads are the fsspec client's own names, known without it.
+    kind = translate.removeprefix("translate_")
+    check_fsspec_options(url, {k: v for k, v in rest.items() if k not in obstore_config.FSSPEC_NAMED[kind]}, kind)
     try:
         if translate == "translate_s3":
             spec = obstore_config.translate_s3(url, rest, os.environ, _s3_source(url, rest))
@@ -96,7 +98,7 @@ def _open_native(url: str, options: dict[str, Any], backend: str, translate: str
             preflight(f"check_{spec.kind}_credentials", url, rest)
     except obstore_config.NotTranslatable as exc:
         if forced:
-            check_fsspec_options(url, rest, translate.removeprefix("translate_"))  # no client takes it
+            check_fsspec_options(url, rest, kind)  # no client takes it
             raise ValueError(f"{redact_url(url)} cannot use the obstore store: {exc}") from exc
         return None
     named = (s3_endpoint if spec.kind == "s3" else gcs_endpoint)(rest, os.environ)

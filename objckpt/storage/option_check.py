@@ -57,7 +57,10 @@ def check_storage_options(url: str, options: Mapping[str, Any], *takers: Any, ex
 
 def check_fsspec_options(url: str, options: Mapping[str, Any], kind: str) -> None:
     """:func:`check_storage_options` against the fsspec client of ``kind`` (``"s3"``: s3fs and
-    botocore's session, to which s3fs hands the rest; ``"gcs"``: gcsfs), where it is installed."""
+    botocore's session, to which s3fs hands the rest; ``"gcs"``: gcsfs), where it is installed.
+    No options: nothing to check, and the client is not imported."""
+    if not options:
+        return
     try:
         if kind == "s3":
             session = importlib.import_module("aiobotocore.session").AioSession

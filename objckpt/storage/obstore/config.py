@@ -104,6 +104,15 @@ _S3_CONFIG_IGNORED = frozenset({"connect_timeout", "read_timeout", "retries", "m
 _GCS_TRANSLATED = frozenset({"endpoint_url", "token"})
 _GCS_DEFAULT_TOKENS = frozenset({"google_default", "cloud"})
 
+#: Per kind, the options this module reads or drops that the fsspec client of that kind
+#: (s3fs and botocore's session; gcsfs) names too. An open checks only the other options
+#: against that client's signature (:func:`objckpt.storage.option_check.check_fsspec_options`),
+#: so a store opened with these alone never imports s3fs, aiobotocore or gcsfs.
+FSSPEC_NAMED = {
+    "s3": _S3_TRANSLATED | _IGNORED_S3,
+    "gcs": _GCS_TRANSLATED | (_IGNORED_GCS - {"default_block_size", "default_fill_cache", "default_cache_type"}),
+}
+
 _DEFAULT_REGION = "us-east-1"
 
 
