@@ -267,3 +267,16 @@ def test_cli_no_read(s3_service, tmp_path):
     objckpt.save(str(local), _tree())
     run = cli("verify", "--no-read", str(local))
     assert run.returncode == 1 and run.stderr.startswith("objckpt: error: ") and "keeps no checksum" in run.stderr
+
+
+@pytest.mark.s3
+@pytest.mark.gcs
+def test_a_streamed_copy_to_s3_sends_each_blobs_crc32c(s3_service, gcs_service):
+    src = gcs_service.url(f"noread-{uuid.uuid4().hex[:12]}/ckpt")
+    dst = s3_service.url(f"noread-{uuid.uuid4().hex[:12]}/copy")
+    objckpt.save(src, _tree(), storage_options=gcs_service.storage_options(), options=SMALL_BLOBS)
+    objckpt.copy(
+        src, dst, src_storage_options=gcs_service.storage_options(), dst_storage_options=s3_service.storage_options()
+    )
+    report = objckpt.verify(dst, read_data=False, storage_options=s3_service.storage_options())
+    assert report.ok and report.blobs > 2, report
