@@ -127,9 +127,31 @@ def blob_crc32c(pieces: Iterable[tuple[int, int, int]], size: int) -> int:
         if offset < end or offset + length > size:
             raise ValueError(f"pieces overlap or pass the blob's end ({size} bytes) at offset {offset}")
         if offset > end:
-            total = crc32c_combine(total, crc32c_of_zeros(offset - end), offset - end)
-        total = crc32c_combine(total, crc, length)
+            total = _shifted(total, offset - end) ^ crc32c_of_zeros(offset - end)
+        total = _shifted(total, length) ^ crc
         end = offset + length
     if size > end:
-        total = crc32c_combine(total, crc32c_of_zeros(size - end), size - end)
+        total = _shifted(total, size - end) ^ crc32c_of_zeros(size - end)
     return total
+
+
+def _shifted(crc: int, n: int) -> int:
+    """``crc`` followed by ``n`` bytes' worth of shift (``crc32c_combine(crc, 0, n)``), by table:
+    a checkpoint's pieces and gaps come in few lengths, so each length's tables are built once."""
+    t0, t1, t2, t3 = _shift_tables(n)
+    return t0[crc & 0xFF] ^ t1[(crc >> 8) & 0xFF] ^ t2[(crc >> 16) & 0xFF] ^ t3[crc >> 24]
+
+
+@functools.lru_cache(maxsize=1024)
+def _shift_tables(n: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The shift by ``n`` bytes of each value of each byte of a CRC (the shift is linear in the CRC)."""
+    x = _x_to_the_8n(n)
+    tables = []
+    for k in range(4):
+        bits = [_multiply(x, 1 << (8 * k + bit)) for bit in range(8)]
+        table = [0] * 256
+        for v in range(1, 256):
+            low = v & -v
+            table[v] = table[v ^ low] ^ bits[low.bit_length() - 1]
+        tables.append(table)
+    return tables[0], tables[1], tables[2], tables[3]
