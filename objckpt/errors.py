@@ -105,3 +105,9 @@ class EndpointRefusedError(StoreError, ConnectionRefusedError):
     ``STORAGE_EMULATOR_HOST``...) refuses TCP connections before it ever answered: a setting
     to fix (no server listens at that host and port), not retried; the message names the
     endpoint and the setting it came from."""
+
+
+class ChecksumsUnavailableError(ObjckptError, ValueError):
+    """``verify(read_data=False)`` has nothing to compare: the store keeps no checksum of its
+    own (``file://``, ``memory://``, a plugin), or the checkpoint records none (another
+    layout's). The message names the store; ``read_data=True`` (the default) reads every byte."""

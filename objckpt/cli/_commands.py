@@ -102,7 +102,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     url = _step_url(args, args.url)
-    report = verify(url, storage_options=options_from_args(args, url), options=_options(args), progress=args.progress)
+    report = verify(
+        url,
+        read_data=args.read_data,
+        storage_options=options_from_args(args, url),
+        options=_options(args),
+        progress=args.progress,
+    )
     if args.json:
         dump(report.to_dict())
     else:

@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["sha256"],
         help="refuse a checkpoint saved without this digest (its digests are checked whenever it has them)",
     )
+    p.add_argument(
+        "--no-read",
+        dest="read_data",
+        action="store_false",
+        help="read no blob: compare each blob's size and the crc32c its store keeps (S3, GCS) with the"
+        " manifest's (missing, resized, changed and unchecked blobs reported by name)",
+    )
     _common(p)
     _tuning(p)
     add_store_flags(p)

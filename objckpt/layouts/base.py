@@ -152,7 +152,8 @@ class VerifyProblem:
         kind: ``missing``, ``short``, ``size`` (longer than the manifest says),
             ``checksum``, ``sha256`` (the crc32c matches, the SHA-256 of a
             checkpoint saved with ``Options.digest`` does not: bytes changed on
-            purpose) or ``unreadable``.
+            purpose), ``unreadable``, or, from ``verify(read_data=False)``,
+            ``unchecked`` (the store keeps no crc32c of the blob to compare).
         blob: the blob's key, relative to the checkpoint.
         message: one line naming everything needed to find it.
         leaf: the leaf path, for a checksum or sha256 mismatch.
@@ -191,7 +192,8 @@ class VerifyReport:
             are read and decoded chunk by chunk; Orbax stores no checksums):
             ``arrays`` counts them, ``blobs`` and ``pieces`` are 0.
         checks: for another layout, what its reader checked (one line, from the
-            reader: the summary says it, since it differs from objckpt's checksums).
+            reader: the summary says it, since it differs from objckpt's checksums);
+            for ``verify(read_data=False)``, that the store's checksums were compared.
         arrays: for another layout, how many arrays were read and decoded.
     """
 
@@ -221,8 +223,9 @@ class VerifyReport:
                 f"verify {self.url}: {status}; {self.format.capitalize()} checkpoint, {self.arrays} arrays"
                 f" ({self.checks}), {human_bytes(self.bytes_read)} read in {self.seconds:.2f} s"
             )
+        checks = f" ({self.checks})" if self.checks else ""
         return (
-            f"verify {self.url}: {status}; {self.blobs} blobs, {self.pieces} pieces,"
+            f"verify {self.url}: {status}; {self.blobs} blobs, {self.pieces} pieces{checks},"
             f" {human_bytes(self.bytes_read)} read in {self.seconds:.2f} s"
         )
 

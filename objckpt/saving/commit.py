@@ -251,7 +251,7 @@ class Commit:
             data, head = encoded.data, encoded.head
         else:
             data = index_to_json(self.save_id, process, records, blobs, digest=digest)
-        await self.engine.put(self.index_key, data)
+        await self.engine.put(self.index_key, data, crc32c=crc32c(data))  # the store checks and keeps it
         pinned = data[:head] if head else data
         report: dict[str, Any] = {
             "key": self.index_key,

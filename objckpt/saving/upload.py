@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from objckpt.core.boxes import copy_piece_into, piece_bytes_of
-from objckpt.core.checksum import crc32c, sha256_hex
+from objckpt.core.checksum import blob_crc32c, crc32c, sha256_hex
 from objckpt.core.format import Piece
 from objckpt.core.plan import BlobPlan
 from objckpt.saving.blob_sizing import staging_limit
@@ -190,7 +190,7 @@ async def _upload_parts(
     try:
         await asyncio.wrap_future(gate)
         crcs = await asyncio.to_thread(_checksums, parts[1::2], digest)  # parts: gap, piece, gap, piece, ...
-        await engine.put(blob.key, parts)
+        await engine.put(blob.key, parts, crc32c=_blob_crc32c(blob, crcs))
     finally:
         if slots is not None:
             slots.release()
@@ -225,7 +225,7 @@ async def _upload(
         view = data.toreadonly()
         pieces = [view[p.offset : p.offset + p.piece.nbytes] for p in blob.pieces]
         crcs = await asyncio.to_thread(_checksums, pieces, digest)
-        attempts = await engine.put(blob.key, data)
+        attempts = await engine.put(blob.key, data, crc32c=_blob_crc32c(blob, crcs))
     finally:
         pool.give(buffer, reusable=attempts == 1)
     return _records(blob, crcs)
@@ -234,6 +234,11 @@ async def _upload(
 def _checksums(pieces: list[memoryview], digest: str | None) -> list[tuple[int, str | None]]:
     """Each piece's crc32c, and its SHA-256 when ``digest`` asks for it (``Options.digest``)."""
     return [(crc32c(p), sha256_hex(p) if digest else None) for p in pieces]
+
+
+def _blob_crc32c(blob: BlobPlan, crcs: list[tuple[int, str | None]]) -> int:
+    """The whole blob's CRC-32C, combined from its pieces' (no second pass), sent with its upload."""
+    return blob_crc32c(((p.offset, p.piece.nbytes, crc) for p, (crc, _) in zip(blob.pieces, crcs)), blob.size)
 
 
 def _records(blob: BlobPlan, crcs: list[tuple[int, str | None]]) -> list[PieceRecord]:

@@ -54,6 +54,7 @@ from objckpt.storage.base import Store
 from objckpt.storage.copy import server as server_copy
 from objckpt.tools.server_side import ServerSide
 from objckpt.tools.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
+from objckpt.tools.verify_stored import expected_crc32c
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats
 from objckpt.transfer.handle import Handle, opened
@@ -358,7 +359,8 @@ async def _copy(
                 persisted = f" (persisted over {reads} reads)" if reads > 1 else ""
                 raise IntegrityError(f"{problems[0]}{more}{persisted}; nothing was committed at {dst.url}")
             src_stats.add(checksum_retries=1)
-        await target.put(blob.key, data if isinstance(data, bytes) else memoryview(data))
+        body = data if isinstance(data, bytes) else memoryview(data)
+        await target.put(blob.key, body, crc32c=expected_crc32c(blob, pieces))  # checked and kept by S3
         copied(blob, on_server=False)
 
     try:

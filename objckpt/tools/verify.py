@@ -17,20 +17,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
 from objckpt.core.checksum import damage
 from objckpt.core.format import BlobEntry, Manifest, Piece
 from objckpt.core.format.v2 import require_digest
-from objckpt.errors import CheckpointNotFoundError, StoreError
+from objckpt.errors import CheckpointNotFoundError, ChecksumsUnavailableError, StoreError
 from objckpt.layouts.base import VerifyProblem, VerifyReport
 from objckpt.layouts.native import NativeCheckpoint
 from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import MiB, Options
 from objckpt.progress import ProgressArg, reporting
 from objckpt.roots.hints import explained
+from objckpt.tools.blob_pieces import PieceRef, pieces_by_blob
+from objckpt.tools.verify_stored import stored_checksums, verify_stored
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats
 from objckpt.transfer.handle import Handle, opened
@@ -43,7 +44,8 @@ log = logging.getLogger("objckpt")
 #: a high-latency link (one connection carries ~100 MB/s at best).
 READ_CHUNK = 8 * MiB
 
-PieceRef = tuple[str, Piece]  # (leaf path, piece)
+#: ``VerifyReport.checks`` of ``verify(read_data=False)``.
+STORE_CHECKS = "each blob's size and the store's crc32c; no blob read"
 
 __all__ = [
     "READ_CHUNK",
@@ -61,6 +63,7 @@ __all__ = [
 def verify(
     url: str,
     *,
+    read_data: bool = True,
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     progress: ProgressArg = False,
@@ -69,6 +72,12 @@ def verify(
 
     Args:
         url: the checkpoint.
+        read_data: ``False`` reads no blob: each one's size and the CRC-32C its store keeps
+            (S3: sent by the save; GCS: computed by the store) are compared with what the
+            manifest and index objects record, the pieces' CRCs combined
+            (:mod:`objckpt.tools.verify_stored`). Every missing, resized or changed blob is
+            reported by name, and every blob whose store keeps no CRC-32C (``unchecked``).
+            Only the manifest and index objects are read.
         storage_options: passed to the store.
         options: tuning (concurrency, byte window, timeouts, retries); with
             ``digest`` set, a checkpoint saved without digests is refused.
@@ -90,25 +99,37 @@ def verify(
         FormatError: the manifest itself is malformed (nothing else can be checked),
             an index object does not match the root's record of it, or the
             checkpoint has no digests and ``options.digest`` asks for them.
+        ChecksumsUnavailableError: ``read_data=False`` on a store that keeps no checksum of
+            its own (``file://``, ``memory://``), or on another layout's checkpoint.
     """
     options = options or Options()
     stats = TransferStats()
     started = time.perf_counter()
     with opened(url, storage_options, options, stats) as handle:
         store = handle.store
+        kept = None if read_data else stored_checksums(handle)  # before any read: a store that keeps none
         try:
             checkpoint = open_checkpoint(store, options=options, storage_options=storage_options)
         except CheckpointNotFoundError as e:  # a manager root, a step its root lacks: said so
             raise explained(e, store, storage_options, options) from None
         if not isinstance(checkpoint, NativeCheckpoint):  # another layout (Orbax): its reader checks what it can
+            if kept is not None:
+                raise ChecksumsUnavailableError(
+                    f"verify {store.url} without reading data: the checkpoint there is another layout's"
+                    f" ({type(checkpoint).__name__}), which records no checksums to compare with the store's;"
+                    " read every byte instead (without --no-read)"
+                )
             report = checkpoint.verify(options, stats, progress)
             log.info("objckpt %s", report.summary())
             return report
         manifest = runtime.run_sync(checkpoint.read_whole())  # which checks the whole tiling
         require_digest(manifest, options.digest, store.url)
-        total, base = sum(b.size for b in manifest.blobs), stats.bytes_read
-        with reporting(progress, "verify", store.url, total, lambda: stats.bytes_read - base, stats):
-            problems = runtime.run_sync(_verify(handle, manifest))
+        if kept is not None:
+            problems = runtime.run_sync(verify_stored(handle, kept, manifest))
+        else:
+            total, base = sum(b.size for b in manifest.blobs), stats.bytes_read
+            with reporting(progress, "verify", store.url, total, lambda: stats.bytes_read - base, stats):
+                problems = runtime.run_sync(_verify(handle, manifest))
     report = VerifyReport(
         url=store.url,
         problems=problems,
@@ -119,6 +140,7 @@ def verify(
         retries=stats.retries,
         checksum_retries=stats.checksum_retries,
         seconds=time.perf_counter() - started,
+        checks="" if read_data else STORE_CHECKS,
     )
     log.info("objckpt %s", report.summary())
     return report
@@ -141,21 +163,6 @@ async def _verify(handle: Handle, manifest: Manifest) -> list[VerifyProblem]:
     await engine.for_each(manifest.blobs, one, window_bytes=window, size=lambda b: max(b.size, 1))
     problems.sort(key=lambda p: (p.blob, p.start or 0, p.kind))
     return problems
-
-
-def pieces_by_blob(manifest: Manifest) -> dict[str, list[PieceRef]]:
-    """Every piece of the manifest, grouped by the blob that holds it; each process's value of a
-    ``per_process`` item counts as a piece (its bytes checked as a piece's are)."""
-    out: dict[str, list[PieceRef]] = defaultdict(list)
-    for leaf in manifest.leaves:
-        for piece in leaf.pieces:
-            out[piece.blob].append((leaf.path, piece))
-        if leaf.kind == "per_process":
-            for ref in leaf.value:
-                if ref["length"]:
-                    value = Piece((0,), (ref["length"],), ref["blob"], ref["offset"], ref["length"], ref["crc32c"])
-                    out[ref["blob"]].append((leaf.path, value._replace(sha256=ref.get("sha256"))))
-    return out
 
 
 #: Sub-range GETs of one blob in flight at once (``READ_CHUNK`` each).

@@ -31,6 +31,7 @@ from objckpt.errors import (
 from objckpt.options import Options, RetryConfig
 from objckpt.storage import from_url
 from objckpt.storage.base import ObjectInfo, PutMode, Store
+from objckpt.storage.checksums import checks_at_arrival
 from objckpt.storage.streaming import ReadSink
 from objckpt.transfer import runtime
 from objckpt.transfer.throttle import AdaptiveLimit, Outcome
@@ -372,18 +373,32 @@ class TransferEngine:
             what, attempt, retry=self.retry, request_timeout=self.attempt_timeout, stats=self.stats
         )
 
-    async def put(self, key: str, data: bytes | memoryview | list[memoryview], *, mode: PutMode = "overwrite") -> int:
+    async def put(
+        self,
+        key: str,
+        data: bytes | memoryview | list[memoryview],
+        *,
+        mode: PutMode = "overwrite",
+        crc32c: int | None = None,
+    ) -> int:
         """Write one object, from one buffer or a list of parts (``Store.put_parts``).
+
+        ``crc32c``: the object's CRC-32C, sent with it where the store checks uploads on
+        arrival and keeps the value (:class:`~objckpt.storage.checksums.ChecksAtArrival`, S3),
+        so that ``verify(read_data=False)`` can compare it later; other stores ignore it.
 
         Returns how many attempts it took. After more than one, an attempt
         abandoned on timeout may still be reading ``data`` inside the store
         client, so the caller must not reuse it.
         """
         attempts = 0
+        checked = checks_at_arrival(self.store) if crc32c is not None else None
 
         def once() -> Awaitable[None]:
             nonlocal attempts
             attempts += 1
+            if checked is not None and crc32c is not None:
+                return checked.put_checked(key, data, crc32c=crc32c, mode=mode)
             if isinstance(data, list):
                 return self.store.put_parts(key, data, mode=mode)
             return self.store.put(key, data, mode=mode)

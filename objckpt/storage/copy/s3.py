@@ -18,12 +18,12 @@ import concurrent.futures
 import contextlib
 import functools
 import os
-import tempfile
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from objckpt.errors import StoreError
 from objckpt.storage.errors import PROGRAMMING_ERRORS, map_error
+from objckpt.storage.obstore.botocore_s3 import botocore_s3_client
 
 if TYPE_CHECKING:
     from objckpt.storage.obstore.config import NativeSpec
@@ -114,44 +114,8 @@ class S3Copier:
             raise
 
     def _make_client(self, request_timeout: float, connections: int) -> Any:
-        import botocore
-        import botocore.credentials
-        import botocore.session
-        from botocore.config import Config
-
-        spec, config = self._spec, self._spec.config
-        session = botocore.session.Session()
-        signing: dict[str, Any] = {}
-        if config.get("skip_signature"):
-            signing["signature_version"] = botocore.UNSIGNED
-        elif config.get("access_key_id"):
-            session.set_credentials(config["access_key_id"], config["secret_access_key"], config.get("session_token"))
-        elif spec.credential_provider is not None:
-            credentials = _refreshable(spec.credential_provider)
-            session.register_component(
-                "credential_provider", botocore.credentials.CredentialResolver([_Given(credentials)])
-            )
-        # else instance metadata: botocore's own chain finds it, as it did for the store
-        verify: bool | str = True
-        if spec.client.get("allow_invalid_certificates"):
-            verify = False
-        elif spec.client.get("root_certificate"):
-            verify = self._ca_file = _pem_file(spec.client["root_certificate"])
-        addressing = "virtual" if config.get("virtual_hosted_style_request") else "path"
-        return session.create_client(
-            "s3",
-            region_name=config.get("region"),
-            endpoint_url=spec.endpoint,
-            verify=verify,
-            config=Config(
-                connect_timeout=min(10.0, request_timeout),
-                read_timeout=request_timeout,
-                retries={"total_max_attempts": 1},  # the engine is the one retry layer
-                max_pool_connections=connections,
-                s3={"addressing_style": addressing},
-                **signing,
-            ),
-        )
+        client, self._ca_file = botocore_s3_client(self._spec, request_timeout=request_timeout, connections=connections)
+        return client
 
     async def _run(self, what: str, method: str, **params: Any) -> Any:
         """One botocore call on the pool, its errors mapped to objckpt's."""
@@ -254,44 +218,3 @@ class S3Copier:
             with contextlib.suppress(OSError):
                 os.unlink(self._ca_file)
             self._ca_file = None
-
-
-def _pem_file(pem: bytes) -> str:
-    """The store's trusted CA (obstore holds it as bytes) in a file, for botocore's ``verify``."""
-    fd, path = tempfile.mkstemp(prefix="objckpt-ca-", suffix=".pem")
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-    return path
-
-
-def _refreshable(provider: Callable[[], Any]) -> Any:
-    """botocore credentials that ask the store's obstore ``credential_provider`` again when
-    the answer it gave expires (``expires_at``), as obstore itself does."""
-    import botocore.credentials
-
-    def metadata() -> dict[str, Any]:
-        answer = provider()
-        expires = answer.get("expires_at")
-        return {
-            "access_key": answer["access_key_id"],
-            "secret_key": answer["secret_access_key"],
-            "token": answer.get("token") or answer.get("session_token"),
-            "expiry_time": expires.isoformat() if expires is not None else None,
-        }
-
-    first = metadata()
-    if first["expiry_time"] is None:  # static: never asked again
-        return botocore.credentials.Credentials(first["access_key"], first["secret_key"], first["token"], "objckpt")
-    return botocore.credentials.RefreshableCredentials.create_from_metadata(first, metadata, "objckpt")
-
-
-class _Given:
-    """A botocore credential provider that hands over credentials made already."""
-
-    METHOD = "objckpt"
-
-    def __init__(self, credentials: Any) -> None:
-        self._credentials = credentials
-
-    def load(self) -> Any:
-        return self._credentials

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 from fsspec import AbstractFileSystem
 
 from objckpt.errors import BucketNotFoundError, ObjectNotFoundError
 from objckpt.storage.base import ObjectInfo
-from objckpt.storage.errors import PROGRAMMING_ERRORS
+from objckpt.storage.checksums import StoredChecksum, parse_crc32c_header
+from objckpt.storage.errors import PROGRAMMING_ERRORS, map_error
 from objckpt.storage.fsspec.posix import Body
 from objckpt.storage.fsspec.store import FsspecStore
 from objckpt.storage.http.gcs_upload import MediaUploader
+from objckpt.storage.urls import check_relative
 
 
 class GcsFsspecStore(FsspecStore):
@@ -35,6 +38,9 @@ class GcsFsspecStore(FsspecStore):
     """
 
     _lists_by_prefix = True
+    #: :class:`~objckpt.storage.checksums.KeepsChecksums`: GCS computes a crc32c of every
+    #: object and lists it, 1,000 objects a page.
+    keeps_checksums = lists_checksums = True
 
     def __init__(
         self,
@@ -73,6 +79,28 @@ class GcsFsspecStore(FsspecStore):
         if not found:
             await self._check_bucket(f"list {self._url(prefix)}")
         return found
+
+    async def list_checksums(self, prefix: str = "") -> builtins.list[StoredChecksum]:
+        """Every object under ``prefix`` with its size and the crc32c GCS computed of it."""
+        listed = await self._listed(prefix)
+        if not listed:
+            await self._check_bucket(f"list {self._url(prefix)}")
+        return [
+            StoredChecksum(rel, int(info.get("size") or 0), parse_crc32c_header(info.get("crc32c")))
+            for rel, info in listed
+        ]
+
+    async def head_checksum(self, key: str) -> StoredChecksum:
+        """One object's size and the crc32c GCS computed of it."""
+        check_relative(key, "key", allow_empty=False, allow_partial=False)
+        what = f"head {self._url(key)} (its crc32c)"
+        try:
+            info = await self._fs(what, "info", self._path(key))
+        except PROGRAMMING_ERRORS:
+            raise
+        except Exception as exc:
+            raise map_error(exc, what) from exc
+        return StoredChecksum(key, int(info.get("size") or 0), parse_crc32c_header(info.get("crc32c")))
 
     async def get(self, key: str) -> bytes:
         try:

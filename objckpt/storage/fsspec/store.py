@@ -34,10 +34,11 @@ picks the class for a filesystem, once, when the store is opened.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import datetime as _dt
 import inspect
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fsspec import AbstractFileSystem
@@ -46,6 +47,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 
 from objckpt.errors import ObjectNotFoundError, StoreError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode
+from objckpt.storage.checksums import StoredChecksum, crc32c_header, parse_crc32c_header
 from objckpt.storage.endpoint import ConfiguredEndpoint
 from objckpt.storage.errors import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
 from objckpt.storage.errors import http_status as _http_status
@@ -348,6 +350,13 @@ class FsspecStore(StreamingStore):
             raise map_error(exc, what) from exc
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return [
+            ObjectInfo(key=rel, size=int(info.get("size") or 0), last_modified=_epoch(info))
+            for rel, info in await self._listed(prefix)
+        ]
+
+    async def _listed(self, prefix: str) -> builtins.list[tuple[str, dict[str, Any]]]:
+        """Every object under ``prefix`` as ``(key, the filesystem's info)``, sorted by key."""
         _check_relative(prefix, "prefix", allow_empty=True, allow_partial=True)
         directory, _, stem = prefix.rpartition("/")
         base = self._path(directory) if directory else (self._root or "/")
@@ -365,7 +374,7 @@ class FsspecStore(StreamingStore):
                 return []
             raise mapped from exc
         root_slash = f"{self._root.rstrip('/')}/"
-        out: list[ObjectInfo] = []
+        out: builtins.list[tuple[str, dict[str, Any]]] = []
         for name, info in entries.items():
             if info.get("type") == "directory":
                 continue
@@ -376,8 +385,8 @@ class FsspecStore(StreamingStore):
                 continue
             if self._hidden(rel):
                 continue
-            out.append(ObjectInfo(key=rel, size=int(info.get("size") or 0), last_modified=_epoch(info)))
-        out.sort(key=lambda o: o.key)
+            out.append((rel, info))
+        out.sort(key=lambda o: o[0])
         return out
 
     # ------------------------------------------------------------------- writes
@@ -430,9 +439,48 @@ class FsspecStore(StreamingStore):
 
 
 class S3FsspecStore(FsspecStore):
-    """s3fs: create-if-absent is its ``If-None-Match: *`` PUT; listings filter server-side."""
+    """s3fs: create-if-absent is its ``If-None-Match: *`` PUT; listings filter server-side;
+    checked uploads send ``ChecksumCRC32C`` (``PutObject``), read back by ``HeadObject(ChecksumMode=ENABLED)``
+    (:mod:`objckpt.storage.checksums`)."""
 
     _lists_by_prefix = True
+    checks_at_arrival = keeps_checksums = True
+    lists_checksums = False  # S3 lists no checksums: one HEAD per object
+
+    async def put_checked(
+        self, key: str, data: bytes | memoryview | Sequence[memoryview], *, crc32c: int, mode: PutMode = "overwrite"
+    ) -> None:
+        """Write an object with its CRC-32C, which S3 checks on arrival and keeps."""
+        _check_relative(key, "key", allow_empty=False, allow_partial=False)
+        create = mode == "create"
+        what = f"put {self._url(key)} (with its crc32c)" + (" (create-if-absent)" if create else "")
+        body = (
+            bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else b"".join(data)
+        )  # botocore wants bytes
+        extra: dict[str, Any] = {"mode": "create"} if create else {}
+        try:
+            await self._fs(what, "pipe_file", self._path(key), body, ChecksumCRC32C=crc32c_header(crc32c), **extra)
+        except _PROGRAMMING_ERRORS:
+            raise
+        except Exception as exc:
+            raise map_error(exc, what, create=create) from exc
+
+    async def head_checksum(self, key: str) -> StoredChecksum:
+        """The object's size and the CRC-32C S3 keeps of it."""
+        _check_relative(key, "key", allow_empty=False, allow_partial=False)
+        what = f"head {self._url(key)} (its crc32c)"
+        bucket, name = self.bucket_object(key)
+        try:
+            answer = await self._fs(what, "call_s3", "head_object", Bucket=bucket, Key=name, ChecksumMode="ENABLED")
+        except _PROGRAMMING_ERRORS:
+            raise
+        except Exception as exc:
+            raise map_error(exc, what) from exc
+        return StoredChecksum(key, int(answer["ContentLength"]), parse_crc32c_header(answer.get("ChecksumCRC32C")))
+
+    async def list_checksums(self, prefix: str = "") -> builtins.list[StoredChecksum]:
+        """Every object under ``prefix`` with its size; S3 lists no checksums (``crc32c`` None)."""
+        return [StoredChecksum(o.key, o.size, None) for o in await self.list(prefix)]
 
     def _atomic_create(self, requested: bool | None) -> bool:
         return True

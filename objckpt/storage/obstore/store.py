@@ -29,6 +29,10 @@ Choices, and why:
   requests per second, which is why large saves write larger blobs
   (``Options.max_blob_size``, at most 5 GiB): each stays one PUT. Create-if-absent is
   always a single-request PUT: GCS ignores preconditions on XML multipart.
+* **Checked uploads on S3** (``put_checked``): obstore cannot send an
+  ``x-amz-checksum-crc32c``, so an upload that carries its CRC-32C goes through
+  botocore (:mod:`objckpt.storage.obstore.s3_checksums`), as does the
+  ``HeadObject(ChecksumMode=ENABLED)`` that reads it back (``head_checksum``).
 * **Errors by class** (:func:`~objckpt.storage.errors.map_obstore_error`).
   A range starting at or past the end of an object is an error to obstore
   (an HTTP 416); here it reads as ``b""``, like every other store.
@@ -39,6 +43,7 @@ Choices, and why:
 from __future__ import annotations
 
 import asyncio
+import builtins
 import datetime as _dt
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -47,12 +52,14 @@ import obstore as obs
 
 from objckpt.errors import ObjectNotFoundError, ThrottledError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode
+from objckpt.storage.checksums import StoredChecksum
 from objckpt.storage.endpoint import ConfiguredEndpoint
 from objckpt.storage.errors import PROGRAMMING_ERRORS, map_obstore_error
 from objckpt.storage.http.network import ssl_context
 from objckpt.storage.http.reader import HttpRangeReader, StreamingStore
 from objckpt.storage.http.s3 import S3RangeReader
 from objckpt.storage.obstore.config import NativeSpec
+from objckpt.storage.obstore.s3_checksums import S3Checksums
 from objckpt.storage.phase import malloc_phase
 from objckpt.storage.urls import check_relative, redact_url
 
@@ -110,6 +117,8 @@ class ObstoreStore(StreamingStore):
             :func:`range_reader`), shared by :meth:`child` stores.
         native_spec: The configuration ``store`` was built from (:func:`open_spec`), which
             server-side copies read (:mod:`objckpt.storage.copy.server`); None for a local store.
+        checksums: Checked uploads and checksum reads (S3 only; shared by :meth:`child`
+            stores); None where the store keeps no CRC-32C objckpt can send or read.
     """
 
     reads_in_place = True  # object_store sizes one buffer from Content-Length and fills it
@@ -128,6 +137,7 @@ class ObstoreStore(StreamingStore):
         range_reader: HttpRangeReader | None = None,
         native_spec: NativeSpec | None = None,
         configured_endpoint: ConfiguredEndpoint | None = None,
+        checksums: S3Checksums | None = None,
     ) -> None:
         if request_timeout <= 0:
             raise ValueError(f"request_timeout must be positive, got {request_timeout}")
@@ -146,6 +156,10 @@ class ObstoreStore(StreamingStore):
         self._use_range_reader(range_reader)
         self.native_spec = native_spec
         self.configured_endpoint = configured_endpoint
+        self._checksums = checksums
+        #: :class:`~objckpt.storage.checksums.ChecksAtArrival` and ``KeepsChecksums`` (S3)
+        self.checks_at_arrival = self.keeps_checksums = checksums is not None
+        self.lists_checksums = False  # S3 lists no checksums: one HEAD per object
 
     # ------------------------------------------------------------------ helpers
 
@@ -288,6 +302,40 @@ class ObstoreStore(StreamingStore):
             create=create,
         )
 
+    async def put_checked(
+        self, key: str, data: bytes | memoryview | Sequence[memoryview], *, crc32c: int, mode: PutMode = "overwrite"
+    ) -> None:
+        """Write an object with its CRC-32C, which S3 checks on arrival and keeps (through botocore)."""
+        check_relative(key, "key", allow_empty=False, allow_partial=False)
+        checksums, spec = self._checksums, self.native_spec
+        if checksums is None or spec is None:
+            raise TypeError(f"{self.url} keeps no checksums: use put")
+        parts = [memoryview(data)] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        create = mode == "create"
+        what = f"put {self._url(key)} (with its crc32c)" + (" (create-if-absent)" if create else "")
+        name = self._path(key)
+        await self._call(what, lambda: checksums.put(what, spec.bucket, name, parts, crc32c=crc32c, create=create))
+
+    async def head_checksum(self, key: str) -> StoredChecksum:
+        """The object's size and the CRC-32C S3 keeps of it (``HeadObject(ChecksumMode=ENABLED)``)."""
+        check_relative(key, "key", allow_empty=False, allow_partial=False)
+        checksums, spec = self._checksums, self.native_spec
+        if checksums is None or spec is None:
+            raise TypeError(f"{self.url} keeps no checksums")
+        what = f"head {self._url(key)} (its crc32c)"
+        name = self._path(key)
+        return await self._call(what, lambda: checksums.head(what, spec.bucket, name, key))
+
+    async def list_checksums(self, prefix: str = "") -> builtins.list[StoredChecksum]:
+        """Every object under ``prefix`` with its size; S3 lists no checksums (``crc32c`` None)."""
+        return [StoredChecksum(o.key, o.size, None) for o in await self.list(prefix)]
+
+    async def close(self) -> None:
+        """Close the range reader (:meth:`StreamingStore.close`) and the checksum client's threads."""
+        await super().close()
+        if self._checksums is not None:
+            self._checksums.close()
+
     async def delete(self, key: str) -> None:
         check_relative(key, "key", allow_empty=False, allow_partial=False)
         try:
@@ -366,6 +414,7 @@ def open_spec(
         range_reader=range_reader(spec, store, request_timeout),
         native_spec=spec,
         configured_endpoint=configured_endpoint,
+        checksums=S3Checksums(spec, request_timeout=request_timeout) if spec.kind == "s3" else None,
     )
 
 
