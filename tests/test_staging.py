@@ -125,13 +125,15 @@ def test_sync_save_to_s3_sends_array_bytes_in_place(s3_store, monkeypatch):
     """No staging copy: the PUT bodies' piece parts are the device buffers' own memory."""
     pools = _record_pools(monkeypatch)
     sent: list[int] = []  # addresses of the parts every blob PUT carried
-    real_put_parts = ObstoreStore.put_parts
+    real_put_checked = ObstoreStore.put_checked  # blobs go with their crc32c, as parts
 
-    async def recording_put_parts(self, key, parts, *, mode="overwrite"):
-        sent.extend(address(p) for p in parts if len(p) >= 4096)
-        await real_put_parts(self, key, parts, mode=mode)
+    async def recording_put_checked(self, key, parts, *, crc32c, mode="overwrite"):
+        if key.endswith(".blob"):
+            assert isinstance(parts, list), "a blob sent in place goes as its parts"
+            sent.extend(address(p) for p in parts if len(p) >= 4096)
+        await real_put_checked(self, key, parts, crc32c=crc32c, mode=mode)
 
-    monkeypatch.setattr(ObstoreStore, "put_parts", recording_put_parts)
+    monkeypatch.setattr(ObstoreStore, "put_checked", recording_put_checked)
     tree = _odd_tree()
     objckpt.save(
         s3_store.url, tree, storage_options=s3_store.storage_options, options=objckpt.Options(blob_size=1 << 20)
