@@ -44,15 +44,15 @@ def _tree() -> dict[str, Any]:
 def _slow_save_options(kind: str, request: pytest.FixtureRequest, target: Any) -> Iterator[dict[str, Any]]:
     """Storage options through which every request of the save takes ``LATENCY_MS``."""
     if kind == "local":
-        original = FsspecStore.put
+        original = FsspecStore._put  # every write, of one buffer or of parts
 
-        async def slow_put(self: FsspecStore, key: str, data: Any, **kw: Any) -> None:
+        async def slow_put(self: FsspecStore, key: str, data: Any, mode: Any) -> None:
             if key.endswith(".blob"):
                 await asyncio.sleep(LATENCY_MS / 1000)
-            await original(self, key, data, **kw)
+            await original(self, key, data, mode)
 
         mp = pytest.MonkeyPatch()
-        mp.setattr(FsspecStore, "put", slow_put)
+        mp.setattr(FsspecStore, "_put", slow_put)
         try:
             yield dict(target.storage_options)
         finally:
@@ -238,18 +238,18 @@ def test_readers_ignore_a_leftover_marker(local_store, memory_store):
 
 
 def test_a_save_whose_marker_could_not_be_kept_fresh_does_not_commit(local_store, monkeypatch):
-    original = FsspecStore.put
+    original = FsspecStore._put  # every write, of one buffer (put) or of parts (put_parts)
 
-    async def put(self: FsspecStore, key: str, data: Any, **kw: Any) -> None:
+    async def put(self: FsspecStore, key: str, data: Any, mode: Any) -> None:
         if "_live/" in key and getattr(self, "_marker_written", False):
             raise StoreError(f"put {key}: refused")  # every rewrite fails
         if "_live/" in key:
             self._marker_written = True  # type: ignore[attr-defined]
         if key.endswith(".blob"):
             await asyncio.sleep(0.4)
-        await original(self, key, data, **kw)
+        await original(self, key, data, mode)
 
-    monkeypatch.setattr(FsspecStore, "put", put)
+    monkeypatch.setattr(FsspecStore, "_put", put)
     options = objckpt.Options(max_concurrency=1, blob_size=64 << 10, live_marker_lease=1.0)
     with pytest.raises(StoreError, match="was not rewritten"):
         objckpt.save(local_store.url, _tree(), options=options)
