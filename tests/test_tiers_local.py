@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt.errors import FormatError
-from objckpt.manager.local_format import MANIFEST, parse_local_manifest
+from objckpt.manager.local_format import MANIFEST, parse_local_manifest, seal, unseal
 from objckpt.manager.local_restore import NotCovered, restore_local
 from objckpt.manager.local_tier import LocalTier, complete_steps, read_manifest, snapshot
 from objckpt.manager.peer_tier import payload_of, unpack
@@ -77,6 +77,9 @@ def test_decide_falls_back_to_the_store_and_tries_local_on_another_process_count
 # ---------------------------------------------------------------------------- one process's tier
 
 
+ROOT = "s3://bucket/root"
+
+
 def _tree(step: int) -> dict[str, Any]:
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step
@@ -90,11 +93,13 @@ def _tree(step: int) -> dict[str, Any]:
 
 
 def test_a_torn_local_save_is_never_read_and_retention_removes_it(tmp_path):
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT)
     for step in (1, 2, 3):
-        tier.write(snapshot(_tree(step), step=step, save_id="run1", process_index=0, process_count=1, metadata={}))
+        tier.write(
+            snapshot(_tree(step), step=step, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={})
+        )
     assert sorted(tier.steps()) == [2, 3]  # keep_last=2
-    snap = snapshot(_tree(4), step=4, save_id="run1", process_index=0, process_count=1, metadata={})
+    snap = snapshot(_tree(4), step=4, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={})
     torn = tier.step_dir(4)
     torn.mkdir()
     (torn / "run1.data").write_bytes(bytes(snap.buffer)[: snap.manifest.data_size // 2])
@@ -107,9 +112,9 @@ def test_a_torn_local_save_is_never_read_and_retention_removes_it(tmp_path):
 
 
 def test_a_peer_payload_unpacks_to_its_step_and_a_short_or_foreign_one_is_refused(tmp_path):
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
-    tier.write(snapshot(_tree(1), step=1, save_id="run1", process_index=0, process_count=1, metadata={}))
-    payload = np.concatenate(payload_of(tier.step_dir(1)))
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT)
+    tier.write(snapshot(_tree(1), step=1, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={}))
+    payload = np.concatenate(payload_of(tier, tier.step_dir(1)))
     got = unpack(payload, "process 1")
     assert got.manifest == read_manifest(tier.step_dir(1))
     assert got.data.tobytes() == (tier.step_dir(1) / got.manifest.data).read_bytes()
@@ -125,9 +130,11 @@ def test_a_peer_payload_unpacks_to_its_step_and_a_short_or_foreign_one_is_refuse
 def test_a_damaged_local_manifest_is_a_format_error_never_another_exception(tmp_path):
     """Every field of a real local manifest replaced by each of a set of wrong values: the
     strict parse answers FormatError or a valid manifest, never TypeError or KeyError."""
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
-    raw = tier.write(snapshot(_tree(1), step=1, save_id="run1", process_index=0, process_count=1, metadata={}))
-    doc = json.loads(raw.to_json())
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT)
+    raw = tier.write(
+        snapshot(_tree(1), step=1, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={})
+    )
+    doc = json.loads(unseal(raw.to_json()))
     wrong = [None, 1, -1, "x", [], {}, [1], 1.5, True, [[0]], {"encoding": "zzz"}, [-1], [[0, 0], [4, 4], 0, 64, "x"]]
 
     def paths(node: Any, path: tuple[Any, ...] = ()) -> Any:
@@ -145,7 +152,7 @@ def test_a_damaged_local_manifest_is_a_format_error_never_another_exception(tmp_
                 node = node[key]
             node[path[-1]] = value
             try:
-                parse_local_manifest(json.dumps(mutated).encode())
+                parse_local_manifest(seal(json.dumps(mutated).encode()))
             except FormatError:
                 pass
             checked += 1
@@ -153,9 +160,9 @@ def test_a_damaged_local_manifest_is_a_format_error_never_another_exception(tmp_
 
 
 def test_local_restore_reads_its_boxes_bit_exact_and_refuses_what_it_does_not_hold(tmp_path):
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT)
     tree = _tree(7)
-    tier.write(snapshot(tree, step=7, save_id="run1", process_index=0, process_count=1, metadata={}))
+    tier.write(snapshot(tree, step=7, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={}))
     mesh = jax.make_mesh((2, 4), ("x", "y"))
     target = {
         "w": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=NamedSharding(mesh, P("y", "x"))),  # another layout

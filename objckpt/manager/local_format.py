@@ -8,13 +8,20 @@ and holds two files:
 - ``manifest.json``, written last (a temporary file renamed over it once the data file is
   synced), so a torn save is a directory without a manifest and is never read.
 
-The manifest (``"format": "objckpt-local"``, version 1) names the step, the save id every
-process of the save shares, this process's index and the job's process count, the tree's
+The manifest (``"format": "objckpt-local"``, version 2) names the manager root it belongs
+to, the step, the save id every process of the save shares, this process's index and the
+job's process count, the tree's
 skeleton (:func:`objckpt.core.tree.flatten`), and per leaf: its kind (``array``, ``ndarray``,
 ``str``, ``bytes``, ``per_process``, ``json``, ``int``, ``float``, ``bool``, ``none``), dtype,
 global shape, inline value (scalars, JSON documents, a per-process value's encoding), and
 its boxes: ``start``, ``shape``, ``offset``, ``length``, ``crc32c``. A process holds every
-box its devices hold, each once, so a restart on the same devices reads nothing else.
+box its devices hold, each once, so a restart on the same devices reads nothing else; a
+leaf's boxes are disjoint (checked on every parse), so a box assembled from several is whole
+exactly when their overlap with it adds up to its volume.
+
+The file is the manifest's JSON sealed by its crc32c, ``{"crc32c":<n>,"manifest":<json>}``,
+the checksum taken over the JSON's exact bytes: a flipped bit anywhere in it is refused, as
+a flipped bit in the data file is refused by the box's crc32c.
 
 It is parsed as strictly as the object-store manifest (:mod:`objckpt.core.strict`): a
 local disk can be damaged too. No I/O here.
@@ -24,20 +31,23 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from objckpt.core.checksum import crc32c
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.items import document_from_stored, stored_document
 from objckpt.core.strict import fields, is_int, need, strict_json
 from objckpt.errors import FormatError
 
 FORMAT = "objckpt-local"
-VERSION = 1
+VERSION = 2
 MANIFEST = "manifest.json"
 ALIGN = 64
 KINDS = ("array", "ndarray", "str", "bytes", "per_process", "json", "int", "float", "bool", "none")
 _DOC = "local-tier manifest"
+_SEALED = re.compile(rb'\A\{"crc32c":(\d{1,10}),"manifest":(.*)\}\Z', re.DOTALL)
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape)
 
@@ -73,6 +83,7 @@ class LocalLeaf:
 class LocalManifest:
     """A local step's manifest (see the module docstring)."""
 
+    root: str
     step: int
     save_id: str
     process_index: int
@@ -87,6 +98,7 @@ class LocalManifest:
         doc = {
             "format": FORMAT,
             "version": VERSION,
+            "root": self.root,
             "step": self.step,
             "save_id": self.save_id,
             "process_index": self.process_index,
@@ -97,7 +109,26 @@ class LocalManifest:
             "metadata": self.metadata,
             "leaves": [_leaf_json(leaf) for leaf in self.leaves],
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+
+
+def seal(body: bytes) -> bytes:
+    """A manifest's JSON as its file: ``{"crc32c":<crc32c of body>,"manifest":<body>}``."""
+    return b'{"crc32c":%d,"manifest":%s}' % (crc32c(body), body)
+
+
+def unseal(data: bytes) -> bytes:
+    """The manifest's JSON from its file, its crc32c checked.
+
+    Raises:
+        FormatError: not a sealed manifest, or its bytes fail their crc32c.
+    """
+    match = _SEALED.match(data)
+    if match is None:
+        raise FormatError(f'{_DOC}: not {{"crc32c":<n>,"manifest":<json>}}')
+    if crc32c(match.group(2)) != int(match.group(1)):
+        raise FormatError(f"{_DOC}: its bytes fail their crc32c (a damaged or edited manifest)")
+    return match.group(2)
 
 
 def _leaf_json(leaf: LocalLeaf) -> dict[str, Any]:
@@ -119,19 +150,21 @@ def _leaf_json(leaf: LocalLeaf) -> dict[str, Any]:
 
 
 def parse_local_manifest(data: bytes) -> LocalManifest:
-    """A local step's manifest from its bytes, every field checked.
+    """A local step's manifest from its file's bytes (sealed, :func:`seal`), every field checked.
 
     Raises:
-        FormatError: not a local-tier manifest, another version, or a field out of place
-            (a box outside the data file, a length that does not match its shape and dtype).
+        FormatError: not a sealed local-tier manifest or its crc32c fails, another version, or
+            a field out of place (a box outside the data file, a length that does not match its
+            shape and dtype, two boxes of a leaf that overlap).
     """
-    doc = strict_json(data, _DOC)
+    doc = strict_json(unseal(data), _DOC)
     fields(
         doc,
         "(root)",
         {
             "format",
             "version",
+            "root",
             "step",
             "save_id",
             "process_index",
@@ -148,6 +181,7 @@ def parse_local_manifest(data: bytes) -> LocalManifest:
     need(doc["version"] == VERSION, "version", f"version {doc['version']!r} is not {VERSION}", _DOC)
     for name in ("step", "process_index", "process_count", "data_size"):
         need(is_int(doc[name]) and doc[name] >= 0, name, "not a non-negative integer", _DOC)
+    need(isinstance(doc["root"], str) and doc["root"] != "", "root", "not a URL", _DOC)
     need(doc["process_index"] < doc["process_count"], "process_index", "not below process_count", _DOC)
     need(isinstance(doc["save_id"], str) and doc["save_id"].isalnum(), "save_id", "not an alphanumeric id", _DOC)
     need(doc["data"] == f"{doc['save_id']}.data", "data", "not '<save_id>.data'", _DOC)
@@ -157,6 +191,7 @@ def parse_local_manifest(data: bytes) -> LocalManifest:
     need(isinstance(metadata, dict), "metadata", "not an object", _DOC)
     leaves = tuple(_parse_leaf(raw, i, doc["data_size"]) for i, raw in enumerate(doc["leaves"]))
     return LocalManifest(
+        root=doc["root"],
         step=doc["step"],
         save_id=doc["save_id"],
         process_index=doc["process_index"],
@@ -199,6 +234,7 @@ def _parse_leaf(raw: Any, i: int, data_size: int) -> LocalLeaf:
         need(length == math.prod(bshape) * itemsize, at, "length does not match its shape and dtype", _DOC)
         need(offset + length <= data_size, at, "past the end of the data file", _DOC)
         boxes.append(LocalBox(tuple(start), tuple(bshape), offset, length, crc))
+    _check_disjoint(boxes, where)
     if kind == "per_process":
         value = raw.get("value")
         need(isinstance(value, dict) and value.get("encoding") in ("bytes", "str", "json"), where, "bad value", _DOC)
@@ -211,6 +247,22 @@ def _parse_leaf(raw: Any, i: int, data_size: int) -> LocalLeaf:
         except ValueError as e:
             raise FormatError(f"{_DOC} field {where}.floats: {e}") from None
     return LocalLeaf(raw["path"], kind, dtype, shape, value, tuple(boxes), prng)
+
+
+def _check_disjoint(boxes: list[LocalBox], where: str) -> None:
+    """Refuse two boxes of one leaf that share an element (a damaged or forged manifest): a
+    restore adds up covered volume, which overlapping boxes would fake."""
+    ordered = sorted(boxes, key=lambda b: b.start)
+    for i, a in enumerate(ordered):
+        if not all(ordered[i].shape):
+            continue
+        for b in ordered[i + 1 :]:
+            if b.start and b.start[0] >= a.start[0] + a.shape[0]:
+                break
+            if all(b.shape) and all(
+                s0 < t0 + n1 and t0 < s0 + n0 for s0, n0, t0, n1 in zip(a.start, a.shape, b.start, b.shape)
+            ):
+                raise FormatError(f"{_DOC} field {where}.boxes: boxes at {list(a.start)} and {list(b.start)} overlap")
 
 
 def aligned(offset: int) -> int:

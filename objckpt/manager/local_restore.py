@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,12 @@ def _map(path: Path, size: int) -> np.ndarray:
     a step saved again gets a new file."""
     if size == 0:
         return np.zeros(0, np.uint8)
-    with open(path, "rb") as f:  # writable (a donated buffer may be written in place), never populated:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a data file linked out of the tier is never read
+    try:  # writable (a donated buffer may be written in place), never populated:
         # populating a writable private mapping would copy every page; reading faults them in shared
-        mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
     return np.frombuffer(mapped, np.uint8)
 
 
@@ -103,7 +107,9 @@ class _Reader:
         return self.boxes[key]
 
     def box(self, leaf: LocalLeaf, start: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
-        """The global box ``start``/``shape`` of ``leaf``, from a saved box that holds it."""
+        """The global box ``start``/``shape`` of ``leaf``, from the saved boxes that hold it (disjoint:
+        :func:`~objckpt.manager.local_format.parse_local_manifest` refuses overlapping ones, so
+        the volume they cover is whole exactly when it adds up)."""
         for saved in leaf.boxes:
             if saved.start == start and saved.shape == shape:
                 return self.raw(leaf, saved)

@@ -18,6 +18,14 @@ one buffer objckpt owns, so the caller may donate its arrays at once; :meth:`Loc
 renames the manifest into place. A step saved again (a restarted run reaching it)
 replaces the old one atomically: the new manifest is renamed over the old, then the
 old data file goes.
+
+A step is this manager's only if its manifest names the manager's root and this process
+(:meth:`LocalTier.steps`, :meth:`LocalTier.held`): a ``local=`` directory another job left
+behind, or a peer copy that names another process, is not a step here (logged, never read).
+Nothing in the tier is reached through a symbolic link that leads out of it: every directory
+written, read or deleted and every file read is resolved first and refused
+(:class:`~objckpt.errors.StorePermissionError`) when it lies outside ``local=``, and files are
+opened without following a link in their last component.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,7 +49,7 @@ from objckpt.core.dtypes import dtype_name
 from objckpt.core.items import Json, PerProcess, encode_value, is_item, json_document, state_of
 from objckpt.core.metadata import to_json_value
 from objckpt.core.tree import flatten
-from objckpt.errors import DeletedArrayError, FormatError
+from objckpt.errors import DeletedArrayError, FormatError, StorePermissionError
 from objckpt.manager.local_format import (
     MANIFEST,
     LocalBox,
@@ -71,6 +80,33 @@ def local_path(url_or_path: str | os.PathLike[str]) -> Path:
     elif "://" in text:
         raise ValueError(f"local={text!r}: the local tier is a directory on this host (a path or file:// URL)")
     return Path(text).expanduser().absolute()
+
+
+def inside(base: Path, path: Path) -> Path:
+    """``path``, once it is known to resolve inside ``base`` (``local=``; itself may be a link).
+
+    Raises:
+        StorePermissionError: a symbolic link under ``base`` leads ``path`` out of it.
+    """
+    real_base, real = os.path.realpath(base), os.path.realpath(path)
+    if real != real_base and not real.startswith(real_base.rstrip(os.sep) + os.sep):
+        raise StorePermissionError(
+            f"local tier: {path} resolves to {real}, outside {base} (a symbolic link leads out of it); refused"
+        )
+    return path
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """At most ``limit`` + 1 bytes of the regular file ``path``, its last component never followed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise FormatError(f"{path}: not a regular file")
+        return f.read(limit + 1)
+
+
+class ForeignStepError(FormatError):
+    """A whole local step that is not this manager's: another root's, or another process's."""
 
 
 def new_save_id() -> str:
@@ -159,9 +195,19 @@ def _leaf(path: str, value: Any, layout: _Layout) -> LocalLeaf:
 
 
 def snapshot(
-    tree: Any, *, step: int, save_id: str, process_index: int, process_count: int, metadata: dict[str, Any]
+    tree: Any,
+    *,
+    root: str,
+    step: int,
+    save_id: str,
+    process_index: int,
+    process_count: int,
+    metadata: dict[str, Any],
 ) -> Snapshot:
-    """The blocking phase of a local save: this process's boxes copied into one owned buffer."""
+    """The blocking phase of a local save: this process's boxes copied into one owned buffer.
+
+    ``root``: the manager root the step belongs to (recorded, and checked on every read).
+    """
     leaves, skeleton = flatten(tree)
     layout = _Layout()
     records = tuple(_leaf(leaf.path, leaf.value, layout) for leaf in leaves)
@@ -171,6 +217,7 @@ def snapshot(
             host = np.asarray(source)
             np.copyto(buffer[offset : offset + length].view(host.dtype).reshape(host.shape), host)
     manifest = LocalManifest(
+        root=root,
         step=step,
         save_id=save_id,
         process_index=process_index,
@@ -239,22 +286,35 @@ def _remove(path: Path) -> None:
         pass
 
 
-def read_manifest(directory: Path) -> LocalManifest:
+def read_manifest(
+    directory: Path, *, root: str | None = None, process_index: int | None = None, within: Path | None = None
+) -> LocalManifest:
     """The manifest of the step in ``directory``, checked against its data file.
+
+    ``root`` and ``process_index``, when given, must be the ones the manifest names (the
+    manager's root; the process whose step it is); ``within``: the tier's directory, which
+    ``directory`` must resolve inside.
 
     Raises:
         FileNotFoundError: no manifest (a torn or absent step).
-        FormatError: a damaged manifest, or a data file missing or of another size.
+        FormatError: a damaged manifest, a data file missing or of another size.
+        ForeignStepError: another root's or another process's step.
+        StorePermissionError: ``directory`` leads out of ``within`` through a link.
     """
+    if within is not None:
+        inside(within, directory)
     path = directory / MANIFEST
-    with open(path, "rb") as f:
-        raw = f.read(MANIFEST_LIMIT + 1)
+    raw = read_regular(path, MANIFEST_LIMIT)
     if len(raw) > MANIFEST_LIMIT:
         raise FormatError(f"{path}: over {MANIFEST_LIMIT} bytes")
     manifest = parse_local_manifest(raw)
+    if root is not None and manifest.root != root:
+        raise ForeignStepError(f"{path}: a step of the root {manifest.root}, not of {root}")
+    if process_index is not None and manifest.process_index != process_index:
+        raise ForeignStepError(f"{path}: process {manifest.process_index}'s step, not process {process_index}'s")
     check_whole(manifest)
     try:
-        size = (directory / manifest.data).stat().st_size
+        size = os.stat(directory / manifest.data, follow_symlinks=False).st_size
     except FileNotFoundError:
         raise FormatError(f"{path}: its data file {manifest.data} is missing") from None
     if size != manifest.data_size:
@@ -273,45 +333,68 @@ def step_dirs(base: Path) -> dict[int, Path]:
     out = {}
     for entry in entries:
         match = STEP_DIR.match(entry.name)
-        if match and entry.is_dir():
+        if match and entry.is_dir() and not entry.is_symlink():  # a linked step is never a step here
             out[int(match.group(1))] = entry
     return out
 
 
-def complete_steps(base: Path) -> dict[int, LocalManifest]:
-    """The complete steps under ``base`` (a manifest that parses, its data file whole), by step."""
+def complete_steps(
+    base: Path, *, root: str | None = None, process_index: int | None = None, within: Path | None = None
+) -> dict[int, LocalManifest]:
+    """The complete steps under ``base`` (a manifest that parses, its data file whole, and
+    ``root``'s and ``process_index``'s when given: :func:`read_manifest`), by step."""
     out = {}
     for step, directory in step_dirs(base).items():
         try:
-            out[step] = read_manifest(directory)
+            out[step] = read_manifest(directory, root=root, process_index=process_index, within=within)
         except FileNotFoundError:
             continue
         except (FormatError, OSError) as e:
-            log.warning("objckpt local tier: %s is not a usable step: %s", directory, e)
+            log.warning("objckpt local tier: %s is not a usable step, not read: %s", directory, e)
     return out
 
 
-def retain(base: Path, keep_last: int, *, keep: frozenset[int] = frozenset()) -> list[int]:
-    """Delete all but the newest ``keep_last`` complete steps under ``base``, and every torn
-    step (no manifest) except those in ``keep``; manifest first, so a step stops existing at
-    once. Returns the steps deleted."""
-    complete = sorted(complete_steps(base))
+def retain(
+    base: Path, keep_last: int, *, keep: frozenset[int] = frozenset(), within: Path | None = None, **whose: Any
+) -> list[int]:
+    """Delete all but the newest ``keep_last`` complete steps under ``base``, and every torn or
+    damaged step except those in ``keep``; manifest first, so a step stops existing at once.
+    A step of another root or process (``whose``: :func:`complete_steps`) is left alone: it
+    is not this manager's to delete. Returns the steps deleted. ``within``: the tier's
+    directory; a step directory that resolves outside it is never deleted."""
+    complete = sorted(complete_steps(base, within=within, **whose))
     doomed = set(complete[: max(0, len(complete) - keep_last)])
-    doomed |= {s for s in step_dirs(base) if s not in complete and s not in keep}
+    for step, directory in step_dirs(base).items():
+        if step not in complete and step not in keep and not _foreign(directory, within, whose):
+            doomed.add(step)
     for step in sorted(doomed):
         directory = base / step_dir(step)
+        if within is not None:
+            inside(within, directory)
         _remove(directory / MANIFEST)
         _remove(directory)
     return sorted(doomed)
 
 
+def _foreign(directory: Path, within: Path | None, whose: dict[str, Any]) -> bool:
+    try:
+        read_manifest(directory, within=within, **whose)
+    except ForeignStepError:
+        return True
+    except (FormatError, OSError):
+        return False
+    return False
+
+
 class LocalTier:
     """This process's directory in the local tier: its own steps and the peer copies it holds."""
 
-    def __init__(self, root: Path, process_index: int, process_count: int, keep_last: int) -> None:
+    def __init__(self, root: Path, process_index: int, process_count: int, keep_last: int, *, url: str) -> None:
+        """``root``: the ``local=`` directory; ``url``: the manager root whose steps it holds."""
         if keep_last < 1:
             raise ValueError(f"local_keep_last must be at least 1, got {keep_last}")
         self.root = root
+        self.url = url
         self.process_index = process_index
         self.process_count = process_count
         self.keep_last = keep_last
@@ -324,8 +407,17 @@ class LocalTier:
         """Where this process keeps process ``owner``'s steps (its peer copy)."""
         return self.own / "peer" / f"process_{owner}"
 
+    def inside(self, path: Path) -> Path:
+        """``path``, refused (StorePermissionError) if a link leads it out of ``local=``."""
+        return inside(self.root, path)
+
+    def read(self, directory: Path, owner: int | None = None) -> LocalManifest:
+        """The manifest of the step in ``directory``, this manager's and ``owner``'s (default: this process's)."""
+        owner = self.process_index if owner is None else owner
+        return read_manifest(directory, root=self.url, process_index=owner, within=self.root)
+
     def steps(self) -> dict[int, LocalManifest]:
-        return complete_steps(self.own)
+        return complete_steps(self.own, root=self.url, process_index=self.process_index, within=self.root)
 
     def held(self) -> dict[int, dict[int, LocalManifest]]:
         """The peer copies this process holds: ``{owner: {step: manifest}}``."""
@@ -336,22 +428,26 @@ class LocalTier:
             return {}
         for entry in entries:
             if entry.name.startswith("process_") and entry.name[8:].isdigit():
-                steps = complete_steps(entry)
+                owner = int(entry.name[8:])
+                steps = complete_steps(entry, root=self.url, process_index=owner, within=self.root)
                 if steps:
-                    out[int(entry.name[8:])] = steps
+                    out[owner] = steps
         return out
 
     def write(self, snap: Snapshot) -> LocalManifest:
         """The background phase of a local save, then retention of this process's own steps."""
-        manifest = write_step(self.step_dir(snap.manifest.step), snap.manifest, snap.buffer)
+        manifest = write_step(self.inside(self.step_dir(snap.manifest.step)), snap.manifest, snap.buffer)
         self.retain()
         return manifest
 
     def retain(self) -> list[int]:
         """Keep the newest ``keep_last`` steps here and of each peer copy held; drop torn ones."""
-        deleted = retain(self.own, self.keep_last)
+        url, within = self.url, self.root
+        deleted = retain(
+            self.inside(self.own), self.keep_last, within=within, root=url, process_index=self.process_index
+        )
         for owner in self.held():
-            retain(self.held_dir(owner), self.keep_last)
+            retain(self.inside(self.held_dir(owner)), self.keep_last, within=within, root=url, process_index=owner)
         return deleted
 
     def nbytes(self) -> int:

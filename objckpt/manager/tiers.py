@@ -31,7 +31,7 @@ from typing import Any
 
 from objckpt.errors import CheckpointNotFoundError, CoordinationError, FormatError, PeerCopyUnavailableError
 from objckpt.manager.local_restore import NotCovered, restore_local
-from objckpt.manager.local_tier import LocalTier, local_path, read_manifest, snapshot, step_dirs
+from objckpt.manager.local_tier import LocalTier, local_path, snapshot, step_dirs
 from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, agree, all_succeeded, decide
 from objckpt.multihost import Coordinator, operation_tag
 from objckpt.transfer import runtime
@@ -111,7 +111,7 @@ class Tiers:
                 raise ValueError(f"local={str(root)!r} is inside the manager's root {root_url}: gc would sweep it")
         self.url = root_url
         self.coordinator = coordinator
-        self.tier = LocalTier(root, coordinator.process_index, coordinator.process_count, keep_last)
+        self.tier = LocalTier(root, coordinator.process_index, coordinator.process_count, keep_last, url=root_url)
         self.interval = interval
         self.keeper_of = keeper_of
         self.timeout = timeout
@@ -153,6 +153,7 @@ class Tiers:
         started = time.perf_counter()
         snap = snapshot(
             tree,
+            root=self.url,
             step=step,
             save_id=self.run_id,
             process_index=self.tier.process_index,
@@ -303,7 +304,11 @@ class Tiers:
         if error is None:
             try:
                 directory = self.tier.step_dir(decision.step)
-                manifest = received.manifest if received is not None else read_manifest(directory)
+                manifest = received.manifest if received is not None else self.tier.read(directory)
+                if received is not None:
+                    from objckpt.manager.peer_tier import check_whose
+
+                    check_whose(manifest, self.url, self.tier.process_index, "brought back")
                 if manifest.save_id != decision.save_id:
                     raise NotCovered(f"step {decision.step} here is another run's save")
                 data = received.data if received is not None else None
