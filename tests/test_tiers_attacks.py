@@ -9,6 +9,7 @@ local tier's files the way a damaged disk, a reused directory or an attacker wou
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ from objckpt.errors import FormatError, StorePermissionError
 from objckpt.manager.local_tier import ForeignStepError, LocalTier, snapshot, write_step
 from objckpt.manager.peer_tier import check_whose, payload_of
 from objckpt.roots.layout import step_dir
+from tests.multiprocess import run_processes
+
+WORKER = Path(__file__).with_name("tiers_worker.py")
 
 URL = "s3://bucket/root"
 
@@ -218,3 +222,43 @@ def test_a_peer_copy_naming_another_process_or_root_is_not_held(tmp_path):
         check_whose(forged.manifest, URL, 1, "from process 0")
     tier.retain()  # not this manager's to delete
     assert (tier.held_dir(1) / step_dir(4) / "manifest.json").exists()
+
+
+# ---------------------------------------------------------------------------- 2 processes, one killed
+
+
+@pytest.mark.slow
+def test_a_killed_peer_ends_the_survivors_save_with_a_coordination_error_naming_it(s3_store, tmp_path):
+    """2 processes, peers=1, local saves every step; process 1 dies (SIGKILL) before step 3. The
+    survivor's next saves or its wait end within 60 s with a CoordinationError naming process 1
+    (objckpt's barrier timeout is its default, 300 s; JAX's heartbeat timeout is its default, 100 s,
+    after which JAX stops the survivor itself)."""
+    job = {
+        "url": s3_store.url,
+        "storage_options": s3_store.storage_options,
+        "local": str(tmp_path / "local"),
+        "local_interval": 1,
+        "peers": 1,
+        "barrier_timeout": 300,
+        "heartbeat": 100,
+        "save_interval": 2,
+        "first_steps": 6,
+        "die": {"process": 1, "step": 3, "steps": 3},
+    }
+    outs: list[str] = []
+    run_processes(2, job, timeout=170, devices_per_process=2, stdout=outs, worker=WORKER, env_prefix="OBJCKPT_TIERS")
+    lines = [line for line in outs[0].splitlines() if line.startswith("SURVIVOR ")]
+    assert lines, f"the survivor printed no outcome: {outs[0][-2000:]}"
+    outcome = json.loads(lines[0][len("SURVIVOR ") :])
+    assert outcome["error"] == "CoordinationError", outcome
+    assert re.search(r"process(es)?\b[^.]*\b1\b", outcome["message"]), outcome["message"]
+    assert outcome["seconds"] < 60, outcome
+    print("survivor:", outcome["error"], f"{outcome['seconds']:.1f} s after the kill")
+    mgr = objckpt.CheckpointManager(s3_store.url, storage_options=s3_store.storage_options)
+    assert mgr.steps(), "no step was committed before the kill"
+    for step in mgr.steps():  # every step committed before the kill restores exactly (tests/tiers_worker.py's state)
+        target = {"w": np.zeros((32, 64), np.float32), "step": 0, "data": objckpt.PerProcess(all=True)}
+        out = mgr.restore(step, target, partial=True)
+        want = np.arange(32 * 64, dtype=np.float32).reshape(32, 64) + (step + 1)
+        assert np.asarray(out["w"]).tobytes() == want.tobytes() and out["step"] == step
+    mgr.close()

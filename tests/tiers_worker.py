@@ -11,6 +11,10 @@ job's ``damage`` says (not round 0), then opens a manager, restores the latest s
 (recording the step, the tier and whether every byte matched), trains ``steps`` more steps
 (round 0: ``first_steps``) saving through the manager, and closes it. ``kill`` makes the
 processes in ``victims`` SIGKILL themselves in the middle of the local save of one step.
+``die`` makes process ``die["process"]`` SIGKILL itself before step ``die["step"]``; the others
+go on saving (``die["steps"]`` more steps), record how their ``save``/``wait`` ended and how
+long after the death, and print ``SURVIVOR <json>`` (the test reads it even if JAX then stops
+them).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def _init() -> None:
             num_processes=COUNT,
             process_id=PROCESS,
             initialization_timeout=60,
-            heartbeat_timeout_seconds=10,
+            heartbeat_timeout_seconds=int(JOB.get("heartbeat", 10)),
             shutdown_timeout_seconds=5,
         )
 
@@ -142,6 +146,29 @@ def _wait_for_victims(kill: dict[str, Any], timeout: float = 60) -> None:
     time.sleep(0.2)
 
 
+def _die_or_survive(mgr: Any, die: dict[str, Any], tree_of: Any) -> None:
+    """The victim kills itself; a survivor saves on (local saves with their peer copies) and waits,
+    prints how that ended and how many seconds after the victim's death, and leaves."""
+    marker = Path(JOB["local"]).parent / "died"
+    if PROCESS == die["process"]:
+        marker.write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not marker.exists():
+        time.sleep(0.01)
+    died = float(marker.read_text() or time.time())
+    outcome: dict[str, Any] = {"error": None}
+    try:
+        for step in range(die["step"], die["step"] + int(die.get("steps", 3))):
+            mgr.save(step, tree_of(step))
+        mgr.wait()
+    except Exception as e:
+        outcome = {"error": type(e).__name__, "message": str(e)[:2000]}
+    outcome["seconds"] = time.time() - died
+    print("SURVIVOR " + json.dumps(outcome), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _damage(round_: int) -> None:
     """This process's part of the round's damage to the local tier."""
     damage = JOB.get("damage")
@@ -189,6 +216,8 @@ def run() -> dict[str, Any]:
         state = _state(start if start is not None else -1)
         w, r = state["w"], state["r"]
         for step in range(first, first + steps):
+            if JOB.get("die") and step == JOB["die"]["step"]:
+                _die_or_survive(mgr, JOB["die"], _state)
             w, r = update(w), update(r)
             if JOB.get("collective_steps"):  # a step with a collective while the peer copy may run beside it
                 float(total(w))

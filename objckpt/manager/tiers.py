@@ -16,6 +16,14 @@ holds when it is given ``local=``:
 
 Every method here that agrees (``latest_step``, ``restore``, ``save`` with peers,
 ``close`` with peers) is called by every process of the job, as the manager's are.
+
+A peer copy waits for a process that makes no progress at most :data:`PEER_STALL_SECONDS`
+(or ``Options.barrier_timeout`` if shorter), well inside JAX's own heartbeat timeout (100 s by
+default), after which JAX's coordination service stops every process of a job that lost one.
+So a process that dies leaves its peers a :class:`~objckpt.errors.CoordinationError` naming
+it, raised by their next ``save`` or ``wait`` (and peer copies off), not a process stopped
+by JAX. Any other failure of a peer copy (no transfer server, a copy that does not parse)
+turns peer copies off with a warning and training goes on.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ from objckpt.transfer import runtime
 log = logging.getLogger("objckpt")
 
 Keeper = Callable[[int, int], int]
+
+#: The longest a peer copy waits, at each barrier or chunk, for a process that makes no progress.
+PEER_STALL_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,7 @@ class Tiers:
         self.interval = interval
         self.keeper_of = keeper_of
         self.timeout = timeout
+        self.peer_timeout = min(timeout, PEER_STALL_SECONDS)
         self.peers = bool(peers) and coordinator.process_count > 1
         if self.peers:
             from objckpt.manager.peer_copy import keeper_map, peer_copy_unavailable
@@ -188,8 +200,12 @@ class Tiers:
 
         started = time.perf_counter()
         try:
-            got = send_to_keepers(self.tier, step, timeout=self.timeout, keeper_of=self.keeper_of)
-        except (PeerCopyUnavailableError, CoordinationError, OSError, FormatError) as e:
+            got = send_to_keepers(self.tier, step, timeout=self.peer_timeout, keeper_of=self.keeper_of)
+        except CoordinationError as e:  # a process gone or failing: the job cannot go on as it was
+            log.error("objckpt local tier: peer copy of step %s failed, peer copies are off from now: %s", step, e)
+            self.peers = False
+            raise
+        except (PeerCopyUnavailableError, OSError, FormatError) as e:
             log.warning("objckpt local tier: peer copy failed, peer copies are off from now: %s", e)
             self.peers = False
             return
@@ -276,7 +292,7 @@ class Tiers:
 
         try:
             received = fetch_from_keepers(
-                self.tier, decision.step, decision.fetch, timeout=self.timeout, keeper_of=self.keeper_of
+                self.tier, decision.step, decision.fetch, timeout=self.peer_timeout, keeper_of=self.keeper_of
             )
         except (PeerCopyUnavailableError, CoordinationError, OSError, FormatError) as e:
             log.warning("objckpt: bringing step %d back from the peer copies failed: %s", decision.step, e)
