@@ -414,3 +414,14 @@ def test_another_process_count_restores_from_the_object_store(s3_store, tmp_path
     _restored(_launch(4, job))
     # each process's PerProcess value of 4 processes: all of them, to re-split (the store's rule)
     assert _restored(_launch(2, {**job, "steps": 1, "all_values": 4})) == [(10, "store")]
+
+
+@pytest.mark.slow
+def test_a_restart_onto_another_sharding_restores_from_the_local_tier(s3_store, tmp_path):
+    """2 processes x 2 devices save ``w`` split over the devices and ``r`` replicated; the restart's
+    target has ``w`` replicated (what Flax NNX's annotations say for a leaf ``nnx.jit`` left
+    sharded) and ``r`` split. The store holds no step: the local tier serves it, bit for bit,
+    each process reading its own boxes and the devices resharding."""
+    job = _job(s3_store, tmp_path / "local", reshard=True, rounds=2, first_steps=6, steps=1, local_interval=5)
+    results = _launch(2, job)
+    assert _restored(results) == [(None, None), (5, "local")]

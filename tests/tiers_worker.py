@@ -50,19 +50,25 @@ def _init() -> None:
         )
 
 
+def _values(step: int) -> tuple[Any, Any]:
+    """The global values of ``w`` and ``r`` after ``step``: the same for 8 devices (4 processes x 2) or 4."""
+    import numpy as np
+
+    w = np.arange(32 * 64, dtype=np.float32).reshape(32, 64) + (step + 1)
+    r = np.arange(16, dtype=np.int32).reshape(4, 4) * 3 + (step + 1)
+    return w, r
+
+
 def _state(step: int) -> dict[str, Any]:
     """The exact state after ``step`` (-1: before the first)."""
     import jax
-    import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import objckpt
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    rows = 32  # 8 devices (4 processes x 2) or 4: the same global state either way
-    w = np.arange(rows * 64, dtype=np.float32).reshape(rows, 64) + (step + 1)
-    r = np.arange(16, dtype=np.int32).reshape(4, 4) * 3 + (step + 1)
+    w, r = _values(step)
     put = jax.make_array_from_callback
     return {
         "w": put(w.shape, NamedSharding(mesh, P("data")), lambda index: w[index]),
@@ -74,23 +80,34 @@ def _state(step: int) -> dict[str, Any]:
 
 
 def _target() -> dict[str, Any]:
+    """What a restart restores into: the saved shardings, or (``reshard``) others: ``w`` replicated
+    (as Flax NNX leaves an unannotated leaf it saved sharded) and ``r`` split over the devices."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     import objckpt
 
     state = _state(0)
+    if JOB.get("reshard"):
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        for name, spec in (("w", P()), ("r", P("data"))):
+            array = state[name]
+            state[name] = jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=NamedSharding(mesh, spec))
     return {**state, "data": objckpt.PerProcess(all=bool(JOB.get("all_values"))), "config": objckpt.Json()}
 
 
 def _exact(restored: dict[str, Any], step: int) -> list[str]:
     import numpy as np
 
-    want = _state(step)
+    want, target = _state(step), _target()
     bad = []
-    for name in ("w", "r"):
-        got, exp = restored[name], want[name]
-        if got.sharding != exp.sharding:
+    for name, full in zip(("w", "r"), _values(step)):
+        got = restored[name]
+        if got.sharding != target[name].sharding:
             bad.append(f"{name}: sharding {got.sharding}")
-        for a, b in zip(got.addressable_shards, exp.addressable_shards):
-            x, y = np.asarray(a.data), np.asarray(b.data)
+        for a in got.addressable_shards:
+            x, y = np.asarray(a.data), full[a.index]
             if x.dtype != y.dtype or x.tobytes() != y.tobytes():
                 bad.append(f"{name}: shard {a.index} differs")
     if JOB.get("all_values"):  # every process's value, as the job that saved them had them

@@ -13,8 +13,11 @@ to, the step, the save id every process of the save shares, this process's index
 job's process count, the tree's
 skeleton (:func:`objckpt.core.tree.flatten`), and per leaf: its kind (``array``, ``ndarray``,
 ``str``, ``bytes``, ``per_process``, ``json``, ``int``, ``float``, ``bool``, ``none``), dtype,
-global shape, inline value (scalars, JSON documents, a per-process value's encoding), and
-its boxes: ``start``, ``shape``, ``offset``, ``length``, ``crc32c``. A process holds every
+global shape, inline value (scalars, JSON documents, a per-process value's encoding), its
+boxes: ``start``, ``shape``, ``offset``, ``length``, ``crc32c``, and for an array saved with a
+``NamedSharding`` that sharding (``mesh`` shape, ``axes`` and their ``types``, the mesh's
+``devices`` by id, the partition ``spec``), so a restart onto another sharding of the same
+devices reads the saved boxes and reshards on the devices. A process holds every
 box its devices hold, each once, so a restart on the same devices reads nothing else; a
 leaf's boxes are disjoint (checked on every parse), so a box assembled from several is whole
 exactly when their overlap with it adds up to its volume.
@@ -77,6 +80,7 @@ class LocalLeaf:
     value: Any = None
     boxes: tuple[LocalBox, ...] = ()
     prng_impl: str | None = None
+    sharding: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,8 @@ def _leaf_json(leaf: LocalLeaf) -> dict[str, Any]:
         out["value"] = leaf.value
     if leaf.prng_impl is not None:
         out["prng_impl"] = leaf.prng_impl
+    if leaf.sharding is not None:
+        out["sharding"] = leaf.sharding
     if leaf.boxes:
         out["boxes"] = [[list(b.start), list(b.shape), b.offset, b.length, b.crc32c] for b in leaf.boxes]
     return out
@@ -206,7 +212,9 @@ def parse_local_manifest(data: bytes) -> LocalManifest:
 
 def _parse_leaf(raw: Any, i: int, data_size: int) -> LocalLeaf:
     where = f"leaves[{i}]"
-    fields(raw, where, {"path", "kind"}, {"dtype", "shape", "value", "floats", "boxes", "prng_impl"}, doc=_DOC)
+    fields(
+        raw, where, {"path", "kind"}, {"dtype", "shape", "value", "floats", "boxes", "prng_impl", "sharding"}, doc=_DOC
+    )
     need(isinstance(raw["path"], str), f"{where}.path", "not a string", _DOC)
     kind = raw["kind"]
     need(kind in KINDS, f"{where}.kind", f"{kind!r} is not one of {KINDS}", _DOC)
@@ -246,7 +254,31 @@ def _parse_leaf(raw: Any, i: int, data_size: int) -> LocalLeaf:
             value = document_from_stored(value, raw["floats"])
         except ValueError as e:
             raise FormatError(f"{_DOC} field {where}.floats: {e}") from None
-    return LocalLeaf(raw["path"], kind, dtype, shape, value, tuple(boxes), prng)
+    sharding = raw.get("sharding")
+    if sharding is not None:
+        need(kind == "array" and prng is None, f"{where}.sharding", "only an array leaf records a sharding", _DOC)
+        _check_sharding(sharding, len(shape), f"{where}.sharding")
+    return LocalLeaf(raw["path"], kind, dtype, shape, value, tuple(boxes), prng, sharding)
+
+
+def _check_sharding(raw: Any, ndim: int, where: str) -> None:
+    """A recorded NamedSharding: ``mesh`` sizes, ``axes`` names and ``types``, ``devices`` ids, ``spec``."""
+    fields(raw, where, {"mesh", "axes", "types", "devices", "spec"}, set(), doc=_DOC)
+    mesh, axes, types, devices, spec = (raw[k] for k in ("mesh", "axes", "types", "devices", "spec"))
+    ok = isinstance(mesh, list) and all(is_int(n) and n > 0 for n in mesh)
+    ok = ok and isinstance(axes, list) and len(axes) == len(mesh) and all(isinstance(a, str) for a in axes)
+    ok = ok and len(set(axes)) == len(axes) and isinstance(types, list) and len(types) == len(mesh)
+    ok = ok and all(t in ("Auto", "Explicit", "Manual") for t in types)
+    need(ok, where, "not a mesh (sizes, distinct axis names, axis types)", _DOC)
+    ok = isinstance(devices, list) and len(devices) == math.prod(mesh) and all(is_int(d) and d >= 0 for d in devices)
+    need(ok and len(set(devices)) == len(devices), f"{where}.devices", "not one distinct id per mesh place", _DOC)
+    need(isinstance(spec, list) and len(spec) <= ndim, f"{where}.spec", "not a spec of the leaf's rank", _DOC)
+    used: list[str] = []
+    for entry in spec:
+        names = [] if entry is None else [entry] if isinstance(entry, str) else entry
+        need(isinstance(names, list) and all(n in axes for n in names), f"{where}.spec", "names no mesh axis", _DOC)
+        used.extend(names)
+    need(len(set(used)) == len(used), f"{where}.spec", "uses an axis twice", _DOC)
 
 
 def _check_disjoint(boxes: list[LocalBox], where: str) -> None:

@@ -159,7 +159,31 @@ def _array_leaf(path: str, array: jax.Array, layout: _Layout) -> LocalLeaf:
         seen.add(start)
         shard.data.copy_to_host_async()
         boxes.append(layout.box(start, shard.data, dtype))
-    return LocalLeaf(path, "array", dtype_name(dtype), tuple(array.shape), None, tuple(boxes), prng)
+    sharding = None if prng else sharding_record(array.sharding)
+    return LocalLeaf(path, "array", dtype_name(dtype), tuple(array.shape), None, tuple(boxes), prng, sharding)
+
+
+def sharding_record(sharding: Any) -> dict[str, Any] | None:
+    """A ``NamedSharding`` as the local manifest records it (None: another kind of sharding, or a
+    spec this record cannot hold); :func:`objckpt.manager.local_restore.saved_sharding` reads it."""
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh, jax.sharding.Mesh):
+        return None
+    spec: list[Any] = []
+    for entry in sharding.spec:
+        if entry is None or isinstance(entry, str):
+            spec.append(entry)
+        elif isinstance(entry, tuple) and all(isinstance(n, str) for n in entry):
+            spec.append(list(entry))
+        else:  # an unconstrained or otherwise special entry
+            return None
+    mesh = sharding.mesh
+    return {
+        "mesh": [int(n) for n in mesh.devices.shape],
+        "axes": [str(a) for a in mesh.axis_names],
+        "types": [t.name for t in mesh.axis_types],
+        "devices": [int(d.id) for d in mesh.devices.flat],
+        "spec": spec,
+    }
 
 
 def _leaf(path: str, value: Any, layout: _Layout) -> LocalLeaf:

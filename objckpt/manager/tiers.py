@@ -315,8 +315,18 @@ class Tiers:
         self, decision: Any, target: Any, partial: bool, received: Any = None, fetch_error: str | None = None
     ) -> tuple[Any, dict[int, str]]:
         """Restore from this process's step (``received``: its copy brought back, in memory), then agree
-        with every process that each one succeeded: ``{process: error}`` of those that did not."""
+        with every process that each one succeeded: ``{process: error}`` of those that did not.
+
+        Two agreements, on every process whatever happens: one after each has read its part (a
+        reshard on the devices is a collective, started only when all have), one at the end."""
         out, error = None, fetch_error
+        read_agreed = False
+
+        def agree_read(mine: str | None) -> dict[int, str]:
+            nonlocal read_agreed
+            read_agreed = True
+            return all_succeeded(self.coordinator, self.url, mine, timeout=self.timeout)
+
         if error is None:
             try:
                 directory = self.tier.step_dir(decision.step)
@@ -328,9 +338,11 @@ class Tiers:
                 if manifest.save_id != decision.save_id:
                     raise NotCovered(f"step {decision.step} here is another run's save")
                 data = received.data if received is not None else None
-                out = restore_local(directory, manifest, target, partial=partial, data=data)
+                out = restore_local(directory, manifest, target, partial=partial, data=data, agree=agree_read)
             except Exception as e:  # any failure here: report it, so no process waits for this one alone
                 error = f"{type(e).__name__}: {e}"
+        if not read_agreed:  # failed before reading: still take part in the first agreement
+            agree_read(error)
         failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout)
         return (None if failed else out), failed
 
