@@ -23,14 +23,20 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from objckpt.core.checksum import crc32c
 from objckpt.errors import FormatError, StorePermissionError
-from objckpt.manager.local_tier import ForeignStepError, LocalTier, snapshot, write_step
+from objckpt.manager.local_format import parse_local_manifest, seal, unseal
+from objckpt.manager.local_snapshot import snapshot
+from objckpt.manager.local_tier import ForeignStepError, LocalTier, write_step
 from objckpt.manager.peer_tier import check_whose, payload_of
 from objckpt.roots.layout import step_dir
+from objckpt.roots.sweep import delete_objects
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import opened_store
 from tests.multiprocess import run_processes
 
 WORKER = Path(__file__).with_name("tiers_worker.py")
 
 URL = "s3://bucket/root"
+KEY = b"k" * 32  # run1's key, as a manager keeps it in its root (objckpt.manager.tier_keys)
 
 
 def _mesh() -> Any:
@@ -76,14 +82,15 @@ def _saved(s3_store: Any, local: Path, steps: range, url: str | None = None) -> 
 
 def _edit(path: Path, old: bytes, new: bytes, *, reseal: bool) -> None:
     """Replace ``old`` (found once) by ``new`` in a local manifest; ``reseal``: recompute the crc32c
-    that seals it, as an attacker would (a damaged disk does not)."""
+    that seals it, as someone who can write the local disk would (a damaged disk does not); the
+    MAC under the run's key, which lives in the root, stays as it was."""
     raw = path.read_bytes()
-    sealed = re.match(rb'\{"crc32c":(\d+),"manifest":(.*)\}\Z', raw, re.DOTALL)
-    body = sealed.group(2) if sealed else raw
+    sealed = re.match(rb'\{"crc32c":(\d+),("mac":"[0-9a-f]+",)?"manifest":(.*)\}\Z', raw, re.DOTALL)
+    body = sealed.group(3) if sealed else raw
     assert body.count(old) == 1, (old, body[:300])
     body = body.replace(old, new)
     if sealed and reseal:
-        raw = b'{"crc32c":%d,"manifest":%s}' % (crc32c(body), body)
+        raw = b'{"crc32c":%d,%s"manifest":%s}' % (crc32c(body), sealed.group(2) or b"", body)
     elif sealed:
         raw = raw.replace(old, new)
     else:
@@ -102,7 +109,8 @@ def _restored_from(mgr: objckpt.CheckpointManager, step: int) -> str:
 @pytest.mark.parametrize("reseal", [False, True], ids=["flipped-bit", "flipped-and-resealed"])
 def test_a_flipped_bit_in_a_local_manifest_restores_from_the_object_store(s3_store, tmp_path, caplog, reseal):
     """One bit (a box start 2 -> 0) makes two boxes claim the same values and none the next two:
-    the manifest's crc32c refuses it, and a forger who reseals it meets the disjoint-boxes check.
+    the manifest's crc32c refuses it, and one who recomputes the crc32c meets the disjoint-boxes check
+    (and the MAC under the run's key, kept in the root).
     Either way the step is not read from the local tier, and the store serves it bit for bit."""
     local = tmp_path / "local"
     _saved(s3_store, local, range(11))
@@ -111,17 +119,34 @@ def test_a_flipped_bit_in_a_local_manifest_restores_from_the_object_store(s3_sto
     mgr = _manager(s3_store, local)
     with caplog.at_level("WARNING", logger="objckpt"):
         assert _restored_from(mgr, 10) == "store"
-    assert "not a usable step" in caplog.text and ("crc32c" in caplog.text or "overlap" in caplog.text)
+    assert "not a usable step" in caplog.text
+    assert ("overlap" if reseal else "crc32c") in caplog.text
     mgr.close()
 
 
-def test_an_edited_json_value_in_a_local_manifest_is_refused(s3_store, tmp_path):
+def test_overlapping_boxes_are_refused_even_in_a_manifest_sealed_under_its_key(tmp_path):
+    """The disjoint-boxes check stands on its own: two boxes of a leaf claiming one slice are a
+    FormatError however the manifest is sealed."""
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=URL, key_of={"run1": KEY}.get)
+    snap = snapshot(_tree(1), root=URL, step=1, save_id="run1", process_index=0, process_count=1, metadata={})
+    body = unseal(tier.write(snap).to_json(KEY))
+    assert body.count(b"[[2],[2],") == 1
+    with pytest.raises(FormatError, match="overlap"):
+        parse_local_manifest(seal(body.replace(b"[[2],[2],", b"[[0],[2],"), KEY))
+
+
+@pytest.mark.parametrize("reseal", [False, True], ids=["edited", "edited-and-resealed"])
+def test_an_edited_json_value_in_a_local_manifest_is_refused(s3_store, tmp_path, caplog, reseal):
+    """A ``Json`` value 0.5 -> 0.7: the crc32c refuses it; with the crc32c recomputed, the MAC under
+    the run's key (which lives in the root, not on the local disk) does."""
     local = tmp_path / "local"
     _saved(s3_store, local, range(11))
     manifest = local / "process_0" / step_dir(10) / "manifest.json"
-    _edit(manifest, b'"lr":0.5', b'"lr":0.7', reseal=False)
+    _edit(manifest, b'"lr":0.5', b'"lr":0.7', reseal=reseal)
     mgr = _manager(s3_store, local)
-    assert _restored_from(mgr, 10) == "store"
+    with caplog.at_level("WARNING", logger="objckpt"):
+        assert _restored_from(mgr, 10) == "store"
+    assert ("not sealed under its run's key" if reseal else "crc32c") in caplog.text
     mgr.close()
 
 
@@ -142,6 +167,20 @@ def test_a_new_job_on_a_used_local_directory_never_resumes_the_other_jobs_state(
     mgr = _manager(s3_store, local, root_a)
     assert mgr.latest_step() == 20
     assert _restored_from(mgr, 20) == "local"
+    mgr.close()
+
+
+def test_a_root_wiped_and_reused_never_resumes_the_old_local_steps(s3_store, tmp_path):
+    """The same root URL, emptied (``objckpt rm --recursive``) and used by a new job with the same
+    ``local=``: the old run's key went with the root, so its local steps are not this root's."""
+    local = tmp_path / "local"
+    _saved(s3_store, local, range(21))
+    with opened_store(s3_store.url, s3_store.storage_options, objckpt.Options()) as store:
+        keys = [o.key for o in runtime.run_sync(store.list())]
+        assert any(k.startswith("local_tier/") for k in keys), keys  # the run's key, in the root
+        runtime.run_sync(delete_objects(store, keys))
+    mgr = _manager(s3_store, local)
+    assert mgr.latest_step() is None and mgr.tier_status().local_steps == []
     mgr.close()
 
 
@@ -205,16 +244,20 @@ def test_a_data_file_linked_out_of_the_tier_is_never_read(s3_store, tmp_path, ca
 def test_a_peer_copy_naming_another_process_or_root_is_not_held(tmp_path):
     """Process 0 keeps process 1's copies under ``peer/process_1/``: a step there whose manifest
     names process 0 (or another root) is not process 1's copy, is not offered, and is not sent."""
-    tier = LocalTier(tmp_path, 0, 2, keep_last=2, url=URL)
+    tier = LocalTier(tmp_path, 0, 2, keep_last=2, url=URL, key_of={"run1": KEY}.get)
     mine = dict(save_id="run1", process_count=2, metadata={})
     good = snapshot(_tree(3), root=URL, step=3, process_index=1, **mine)  # type: ignore[arg-type]
-    write_step(tier.held_dir(1) / step_dir(3), good.manifest, good.buffer)
+    write_step(tier.held_dir(1) / step_dir(3), good.manifest, good.buffer, key=KEY)
     forged = snapshot(_tree(4), root=URL, step=4, process_index=0, **mine)  # type: ignore[arg-type]
-    write_step(tier.held_dir(1) / step_dir(4), forged.manifest, forged.buffer)
+    write_step(tier.held_dir(1) / step_dir(4), forged.manifest, forged.buffer, key=KEY)
     other = snapshot(_tree(5), root="s3://bucket/other", step=5, process_index=1, **mine)  # type: ignore[arg-type]
-    write_step(tier.held_dir(1) / step_dir(5), other.manifest, other.buffer)
+    write_step(tier.held_dir(1) / step_dir(5), other.manifest, other.buffer, key=KEY)
+    unkeyed = snapshot(_tree(6), root=URL, step=6, process_index=1, **mine)  # type: ignore[arg-type]
+    write_step(tier.held_dir(1) / step_dir(6), unkeyed.manifest, unkeyed.buffer, key=b"x" * 32)  # not the run's key
     assert {o: sorted(s) for o, s in tier.held().items()} == {1: [3]}
     assert len(payload_of(tier, tier.held_dir(1) / step_dir(3), 1)) == 2
+    with pytest.raises(FormatError, match="not sealed under its run's key"):
+        payload_of(tier, tier.held_dir(1) / step_dir(6), 1)
     for step in (4, 5):
         with pytest.raises(ForeignStepError):
             payload_of(tier, tier.held_dir(1) / step_dir(step), 1)

@@ -128,16 +128,16 @@ def _install_kill(kill: dict[str, Any]) -> None:
         return
     original = local_tier.write_step
 
-    def write_step(directory: Path, manifest: Any, data: Any, *, checksum: bool = True) -> Any:
+    def write_step(directory: Path, manifest: Any, data: Any, *, key: bytes, checksum: bool = True) -> Any:
         if manifest.step != kill["step"]:
-            return original(directory, manifest, data, checksum=checksum)
+            return original(directory, manifest, data, key=key, checksum=checksum)
         directory.mkdir(parents=True, exist_ok=True)
         view = memoryview(data).cast("B")
         if kill["point"] == "data":
             (directory / manifest.data).write_bytes(view[: manifest.data_size // 2])
         else:
             (directory / manifest.data).write_bytes(view[: manifest.data_size])
-            (directory / f".manifest.json.{manifest.save_id}.tmp").write_bytes(manifest.to_json()[:100])
+            (directory / f".manifest.json.{manifest.save_id}.tmp").write_bytes(manifest.to_json(key)[:100])
         _killed(PROCESS).touch()
         if PROCESS == 0:  # JAX's service lives in process 0: the other victims die by their own kill first
             _wait_for_victims(kill)

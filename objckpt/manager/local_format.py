@@ -22,9 +22,13 @@ box its devices hold, each once, so a restart on the same devices reads nothing 
 leaf's boxes are disjoint (checked on every parse), so a box assembled from several is whole
 exactly when their overlap with it adds up to its volume.
 
-The file is the manifest's JSON sealed by its crc32c, ``{"crc32c":<n>,"manifest":<json>}``,
-the checksum taken over the JSON's exact bytes: a flipped bit anywhere in it is refused, as
-a flipped bit in the data file is refused by the box's crc32c.
+The file is the manifest's JSON sealed, ``{"crc32c":<n>,"mac":"<hex>","manifest":<json>}``,
+both taken over the JSON's exact bytes: its crc32c, so a flipped bit anywhere in it is refused
+(as a flipped bit in the data file is refused by the box's crc32c), and an HMAC-SHA256 under
+the key of the manager run that saved it (:func:`authentic`). That key lives in the manager's
+root (:mod:`objckpt.manager.tier_keys`), never on the local disk: a manifest edited or made
+by someone who can write the local tier but not read the root, or a step whose root no
+longer holds its run's key (another job's, a root wiped and reused), is not authentic.
 
 It is parsed as strictly as the object-store manifest (:mod:`objckpt.core.strict`): a
 local disk can be damaged too. No I/O here.
@@ -32,6 +36,8 @@ local disk can be damaged too. No I/O here.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import re
@@ -50,7 +56,7 @@ MANIFEST = "manifest.json"
 ALIGN = 64
 KINDS = ("array", "ndarray", "str", "bytes", "per_process", "json", "int", "float", "bool", "none")
 _DOC = "local-tier manifest"
-_SEALED = re.compile(rb'\A\{"crc32c":(\d{1,10}),"manifest":(.*)\}\Z', re.DOTALL)
+_SEALED = re.compile(rb'\A\{"crc32c":(\d{1,10}),"mac":"([0-9a-f]{64})","manifest":(.*)\}\Z', re.DOTALL)
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape)
 
@@ -98,7 +104,8 @@ class LocalManifest:
     leaves: tuple[LocalLeaf, ...]
     metadata: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> bytes:
+    def to_json(self, key: bytes) -> bytes:
+        """The manifest's file: its JSON sealed under ``key``, the key of the run that saved it."""
         doc = {
             "format": FORMAT,
             "version": VERSION,
@@ -113,26 +120,40 @@ class LocalManifest:
             "metadata": self.metadata,
             "leaves": [_leaf_json(leaf) for leaf in self.leaves],
         }
-        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode(), key)
 
 
-def seal(body: bytes) -> bytes:
-    """A manifest's JSON as its file: ``{"crc32c":<crc32c of body>,"manifest":<body>}``."""
-    return b'{"crc32c":%d,"manifest":%s}' % (crc32c(body), body)
+def _mac(body: bytes, key: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).hexdigest().encode()
+
+
+def seal(body: bytes, key: bytes) -> bytes:
+    """A manifest's JSON as its file: ``{"crc32c":<n>,"mac":"<HMAC-SHA256 under key>","manifest":<body>}``."""
+    return b'{"crc32c":%d,"mac":"%s","manifest":%s}' % (crc32c(body), _mac(body, key), body)
+
+
+def _match(data: bytes) -> re.Match[bytes]:
+    match = _SEALED.match(data)
+    if match is None:
+        raise FormatError(f'{_DOC}: not {{"crc32c":<n>,"mac":"<hex>","manifest":<json>}}')
+    if crc32c(match.group(3)) != int(match.group(1)):
+        raise FormatError(f"{_DOC}: its bytes fail their crc32c (a damaged or edited manifest)")
+    return match
 
 
 def unseal(data: bytes) -> bytes:
-    """The manifest's JSON from its file, its crc32c checked.
+    """The manifest's JSON from its file, its crc32c checked (its MAC: :func:`authentic`).
 
     Raises:
         FormatError: not a sealed manifest, or its bytes fail their crc32c.
     """
-    match = _SEALED.match(data)
-    if match is None:
-        raise FormatError(f'{_DOC}: not {{"crc32c":<n>,"manifest":<json>}}')
-    if crc32c(match.group(2)) != int(match.group(1)):
-        raise FormatError(f"{_DOC}: its bytes fail their crc32c (a damaged or edited manifest)")
-    return match.group(2)
+    return _match(data).group(3)
+
+
+def authentic(data: bytes, key: bytes) -> bool:
+    """Whether the sealed manifest ``data`` carries the MAC of its JSON under ``key`` (its run's key)."""
+    match = _match(data)
+    return hmac.compare_digest(match.group(2), _mac(match.group(3), key))
 
 
 def _leaf_json(leaf: LocalLeaf) -> dict[str, Any]:

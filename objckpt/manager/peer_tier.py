@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from objckpt.errors import FormatError
-from objckpt.manager.local_format import MANIFEST, LocalManifest, parse_local_manifest
+from objckpt.manager.local_format import MANIFEST, LocalManifest, authentic, parse_local_manifest
 from objckpt.manager.local_tier import (
     MANIFEST_LIMIT,
     ForeignStepError,
@@ -69,18 +69,33 @@ class Received:
     data: np.ndarray
 
 
-def _manifest_of(read: Callable[[int, int], bytes], nbytes: int, where: str) -> LocalManifest:
+def _manifest_of(
+    read: Callable[[int, int], bytes], nbytes: int, where: str, tier: LocalTier, owner: int
+) -> LocalManifest:
     """The manifest of a payload of ``nbytes`` (data file, manifest, trailer), read through
-    ``read(offset, size)``, checked to leave room for its data; FormatError if it is not one."""
+    ``read(offset, size)``, checked to leave room for its data, to be ``owner``'s step of
+    ``tier``'s root and sealed under its run's key in that root.
+
+    Raises:
+        FormatError: not a local-tier step, or not sealed under its run's key.
+        ForeignStepError: another root's or process's step, or a run the root holds no key of.
+    """
     if nbytes < _TRAILER.size:
         raise FormatError(f"peer copy {where}: {nbytes} bytes is not a local-tier step")
     magic, length = _TRAILER.unpack(read(nbytes - _TRAILER.size, _TRAILER.size))
     end = nbytes - _TRAILER.size
     if magic != _MAGIC or length > end:
         raise FormatError(f"peer copy {where}: not a local-tier step")
-    manifest = parse_local_manifest(read(end - length, length))
+    raw = read(end - length, length)
+    manifest = parse_local_manifest(raw)
     if manifest.data_size > end - length:
         raise FormatError(f"peer copy {where}: {end - length} data bytes, its manifest says {manifest.data_size}")
+    check_whose(manifest, tier.url, owner, where)
+    key = tier.key_of(manifest.save_id)
+    if key is None:
+        raise ForeignStepError(f"peer copy {where}: {tier.url} holds no key of its run {manifest.save_id}")
+    if not authentic(raw, key):
+        raise FormatError(f"peer copy {where}: not sealed under its run's key (an edited or forged manifest)")
     return manifest
 
 
@@ -92,16 +107,20 @@ def check_whose(manifest: LocalManifest, url: str, owner: int, where: str) -> No
         raise ForeignStepError(f"peer copy {where}: process {manifest.process_index}'s step, not process {owner}'s")
 
 
-def unpack(payload: np.ndarray, where: str) -> Received:
-    """A payload (data file, manifest, trailer) as its manifest and data; FormatError if it is not one."""
-    manifest = _manifest_of(lambda at, n: payload[at : at + n].tobytes(), payload.size, f"from {where}")
+def unpack(payload: np.ndarray, where: str, tier: LocalTier, owner: int) -> Received:
+    """A payload (data file, manifest, trailer) as its manifest and data, checked as ``owner``'s step
+    of ``tier``'s root (:func:`_manifest_of`)."""
+    read = lambda at, n: payload[at : at + n].tobytes()  # noqa: E731
+    manifest = _manifest_of(read, payload.size, f"from {where}", tier, owner)
     return Received(manifest, payload[: manifest.data_size])
 
 
 def keep_received(tier: LocalTier, received: Received) -> None:
     """Write a step brought back from the keeper into this process's own directory, manifest last."""
     check_whose(received.manifest, tier.url, tier.process_index, "kept")
-    write_step(tier.inside(tier.step_dir(received.manifest.step)), received.manifest, received.data, checksum=False)
+    key = tier.key(received.manifest.save_id)
+    directory = tier.inside(tier.step_dir(received.manifest.step))
+    write_step(directory, received.manifest, received.data, key=key, checksum=False)
     tier.retain()
 
 
@@ -139,14 +158,13 @@ class _Incoming:
                     f.seek(at)
                     return f.read(n)
 
-                manifest = _manifest_of(read, nbytes, f"into {self.base}")
-                check_whose(manifest, self.tier.url, self.owner, f"into {self.base}")
+                manifest = _manifest_of(read, nbytes, f"into {self.base}", self.tier, self.owner)
                 f.truncate(manifest.data_size)
             directory = self.tier.inside(self.base / step_dir(manifest.step))
             directory.mkdir(parents=True, exist_ok=True)
             self.tier.inside(directory)
             os.replace(self.path, directory / manifest.data)
-            commit_manifest(directory, manifest)
+            commit_manifest(directory, manifest, self.tier.key(manifest.save_id))
             self.tier.read(directory, self.owner)  # whole and consistent, or an error now
             return manifest
         finally:
@@ -198,8 +216,7 @@ def fetch_from_keepers(
     copy = exchange_with_peers(payload, timeout=timeout, keeper_of=back, name="local_tier_back")
     if copy.nbytes == 0 or copy.data is None:
         return None
-    received = unpack(copy.data, f"process {keepers[here]}")
-    check_whose(received.manifest, tier.url, here, f"from process {keepers[here]}")
+    received = unpack(copy.data, f"process {keepers[here]}", tier, here)
     if received.manifest.step != step:
         raise FormatError(f"peer copy from process {keepers[here]}: step {received.manifest.step}, not {step}")
     return received

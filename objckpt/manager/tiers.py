@@ -39,9 +39,12 @@ from typing import Any
 
 from objckpt.errors import CheckpointNotFoundError, CoordinationError, FormatError, PeerCopyUnavailableError
 from objckpt.manager.local_restore import NotCovered, restore_local
-from objckpt.manager.local_tier import LocalTier, local_path, snapshot, step_dirs
+from objckpt.manager.local_snapshot import snapshot
+from objckpt.manager.local_tier import LocalTier, local_path, step_dirs
 from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, agree, all_succeeded, decide
+from objckpt.manager.tier_keys import RunKeys
 from objckpt.multihost import Coordinator, operation_tag
+from objckpt.storage.base import Store
 from objckpt.transfer import runtime
 
 log = logging.getLogger("objckpt")
@@ -110,7 +113,10 @@ class Tiers:
         keeper_of: Keeper | None,
         coordinator: Coordinator,
         timeout: float,
+        *,
+        store: Store,
     ) -> None:
+        """``store``: the manager's root, where each run's key lives (:mod:`objckpt.manager.tier_keys`)."""
         if interval < 1:
             raise ValueError(f"local_interval_steps must be at least 1, got {interval}")
         if peers not in (0, 1):
@@ -122,7 +128,9 @@ class Tiers:
                 raise ValueError(f"local={str(root)!r} is inside the manager's root {root_url}: gc would sweep it")
         self.url = root_url
         self.coordinator = coordinator
-        self.tier = LocalTier(root, coordinator.process_index, coordinator.process_count, keep_last, url=root_url)
+        self.keys = RunKeys(store)
+        index, count = coordinator.process_index, coordinator.process_count
+        self.tier = LocalTier(root, index, count, keep_last, url=root_url, key_of=self.keys)
         self.interval = interval
         self.keeper_of = keeper_of
         self.timeout = timeout
@@ -141,14 +149,20 @@ class Tiers:
         self.last_restore: TierRestore | None = None
 
     def _agree_run_id(self) -> str:
-        """One id for this run's local saves, the primary's, on every process: a step two runs
-        both reached (a restart re-running it) is never taken for one save."""
-        mine = uuid.uuid4().hex.encode() if self.coordinator.is_primary else None
+        """One id for this run's local saves, the primary's, on every process (a step two runs both
+        reached, a restart re-running it, is never taken for one save), and the run's key: the
+        primary writes it to the root (:mod:`objckpt.manager.tier_keys`) and sends it to the others."""
+        mine = None
+        if self.coordinator.is_primary:
+            run_id = uuid.uuid4().hex
+            mine = f"{run_id}:{self.keys.create(run_id).hex()}".encode()
         tag = operation_tag("local_tier", self.url)
         try:
-            return self.coordinator.broadcast(f"{tag}/run", mine, timeout=self.timeout).decode()
+            run_id, key = self.coordinator.broadcast(f"{tag}/run", mine, timeout=self.timeout).decode().split(":")
         finally:
             self.coordinator.release(tag)
+        self.keys.known(run_id, bytes.fromhex(key))
+        return run_id
 
     # ------------------------------------------------------------------ saving
 
@@ -331,10 +345,6 @@ class Tiers:
             try:
                 directory = self.tier.step_dir(decision.step)
                 manifest = received.manifest if received is not None else self.tier.read(directory)
-                if received is not None:
-                    from objckpt.manager.peer_tier import check_whose
-
-                    check_whose(manifest, self.url, self.tier.process_index, "brought back")
                 if manifest.save_id != decision.save_id:
                     raise NotCovered(f"step {decision.step} here is another run's save")
                 data = received.data if received is not None else None
