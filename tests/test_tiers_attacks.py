@@ -267,6 +267,36 @@ def test_a_peer_copy_naming_another_process_or_root_is_not_held(tmp_path):
     assert (tier.held_dir(1) / step_dir(4) / "manifest.json").exists()
 
 
+# ---------------------------------------------------------------------------- 2 processes
+
+
+@pytest.mark.slow
+def test_a_forged_peer_copy_is_never_restored_and_the_store_serves_the_step(s3_store, tmp_path):
+    """A real 2-process job, peers=1: process 1's local directory wiped, and the copy of its newest
+    step that process 0 keeps edited (a ``Json`` value 0.5 -> 0.7, the crc32c recomputed). The
+    forged copy is not offered; the restart restores that step from the object store, bit for bit."""
+    job = {
+        "url": s3_store.url,
+        "storage_options": s3_store.storage_options,
+        "local": str(tmp_path / "local"),
+        "local_interval": 5,
+        "save_interval": 5,
+        "peers": 1,
+        "first_steps": 11,
+        "steps": 1,
+        "rounds": 2,
+        "damage": "forge_peer",
+    }
+    outs: list[str] = []
+    results = run_processes(
+        2, job, timeout=150, devices_per_process=2, stdout=outs, worker=WORKER, env_prefix="OBJCKPT_TIERS"
+    )
+    assert all(r is not None for r in results), outs
+    rounds = [r["rounds"] for r in results]  # type: ignore[index]
+    assert [x[1]["start"] for x in rounds] == [10, 10] and [x[1]["tier"] for x in rounds] == ["store", "store"], rounds
+    assert not any(x[1]["bad"] for x in rounds), rounds
+
+
 # ---------------------------------------------------------------------------- 2 processes, one killed
 
 

@@ -186,6 +186,19 @@ def _die_or_survive(mgr: Any, die: dict[str, Any], tree_of: Any) -> None:
     os._exit(0)
 
 
+def _forge(path: Path, old: bytes, new: bytes) -> None:
+    """Edit a sealed local manifest and recompute its crc32c, as someone who can write the disk
+    but has not the run's key (which lives in the root) would."""
+    import re
+
+    from objckpt.core.checksum import crc32c
+
+    sealed = re.match(rb'\{"crc32c":(\d+),("mac":"[0-9a-f]+",)"manifest":(.*)\}\Z', path.read_bytes(), re.DOTALL)
+    assert sealed is not None
+    body = sealed.group(3).replace(old, new)
+    path.write_bytes(b'{"crc32c":%d,%s"manifest":%s}' % (crc32c(body), sealed.group(2), body))
+
+
 def _damage(round_: int) -> None:
     """This process's part of the round's damage to the local tier."""
     damage = JOB.get("damage")
@@ -193,6 +206,13 @@ def _damage(round_: int) -> None:
     victim = round_ % COUNT
     if damage == "wipe_one" and PROCESS == victim or damage == "wipe_all":
         shutil.rmtree(mine, ignore_errors=True)
+    if damage == "forge_peer":  # the victim's directory gone; its keeper's copy edited, its crc32c recomputed
+        if PROCESS == victim:
+            shutil.rmtree(mine, ignore_errors=True)
+        if PROCESS == (victim + COUNT // 2) % COUNT:
+            held = sorted((mine / "peer" / f"process_{victim}").glob("step_*/manifest.json"))
+            if held:
+                _forge(held[-1], b'"lr":0.5', b'"lr":0.7')
     if damage == "drop_newest_one" and PROCESS == victim:
         steps = sorted(p for p in mine.glob("step_*") if (p / "manifest.json").exists())
         if steps:
