@@ -23,9 +23,10 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt.errors import FormatError
-from objckpt.manager.local_format import MANIFEST, parse_local_manifest
+from objckpt.manager.local_format import MANIFEST, parse_local_manifest, seal, unseal
 from objckpt.manager.local_restore import NotCovered, restore_local
-from objckpt.manager.local_tier import LocalTier, complete_steps, read_manifest, snapshot
+from objckpt.manager.local_snapshot import snapshot
+from objckpt.manager.local_tier import LocalTier, complete_steps, read_manifest
 from objckpt.manager.peer_tier import payload_of, unpack
 from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, decide
 from tests.multiprocess import run_processes
@@ -77,6 +78,10 @@ def test_decide_falls_back_to_the_store_and_tries_local_on_another_process_count
 # ---------------------------------------------------------------------------- one process's tier
 
 
+ROOT = "s3://bucket/root"
+KEYS = {"run1": b"k" * 32}  # the run keys a manager keeps in its root (objckpt.manager.tier_keys)
+
+
 def _tree(step: int) -> dict[str, Any]:
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step
@@ -90,16 +95,18 @@ def _tree(step: int) -> dict[str, Any]:
 
 
 def test_a_torn_local_save_is_never_read_and_retention_removes_it(tmp_path):
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
     for step in (1, 2, 3):
-        tier.write(snapshot(_tree(step), step=step, save_id="run1", process_index=0, process_count=1, metadata={}))
+        tier.write(
+            snapshot(_tree(step), step=step, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={})
+        )
     assert sorted(tier.steps()) == [2, 3]  # keep_last=2
-    snap = snapshot(_tree(4), step=4, save_id="run1", process_index=0, process_count=1, metadata={})
+    snap = snapshot(_tree(4), step=4, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={})
     torn = tier.step_dir(4)
     torn.mkdir()
     (torn / "run1.data").write_bytes(bytes(snap.buffer)[: snap.manifest.data_size // 2])
     assert sorted(tier.steps()) == [2, 3]  # data without a manifest: no step
-    (torn / MANIFEST).write_bytes(snap.manifest.to_json())  # a manifest whose data file is short
+    (torn / MANIFEST).write_bytes(snap.manifest.to_json(KEYS["run1"]))  # a manifest whose data file is short
     assert sorted(complete_steps(tier.own)) == [2, 3]
     (torn / MANIFEST).unlink()
     tier.retain()
@@ -107,27 +114,29 @@ def test_a_torn_local_save_is_never_read_and_retention_removes_it(tmp_path):
 
 
 def test_a_peer_payload_unpacks_to_its_step_and_a_short_or_foreign_one_is_refused(tmp_path):
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
-    tier.write(snapshot(_tree(1), step=1, save_id="run1", process_index=0, process_count=1, metadata={}))
-    payload = np.concatenate(payload_of(tier.step_dir(1)))
-    got = unpack(payload, "process 1")
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
+    tier.write(snapshot(_tree(1), step=1, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={}))
+    payload = np.concatenate(payload_of(tier, tier.step_dir(1)))
+    got = unpack(payload, "process 1", tier, 0)
     assert got.manifest == read_manifest(tier.step_dir(1))
     assert got.data.tobytes() == (tier.step_dir(1) / got.manifest.data).read_bytes()
     tail = payload[got.manifest.data_size :]  # the manifest and trailer, without the data they describe
     with pytest.raises(FormatError, match=r"peer copy from process 1: 0 data bytes, its manifest says \d+"):
-        unpack(tail, "process 1")
+        unpack(tail, "process 1", tier, 0)
     with pytest.raises(FormatError, match="peer copy from process 1: not a local-tier step"):
-        unpack(payload[:-1], "process 1")
+        unpack(payload[:-1], "process 1", tier, 0)
     with pytest.raises(FormatError, match="peer copy from process 1: 3 bytes is not a local-tier step"):
-        unpack(payload[:3], "process 1")
+        unpack(payload[:3], "process 1", tier, 0)
 
 
 def test_a_damaged_local_manifest_is_a_format_error_never_another_exception(tmp_path):
     """Every field of a real local manifest replaced by each of a set of wrong values: the
     strict parse answers FormatError or a valid manifest, never TypeError or KeyError."""
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
-    raw = tier.write(snapshot(_tree(1), step=1, save_id="run1", process_index=0, process_count=1, metadata={}))
-    doc = json.loads(raw.to_json())
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
+    raw = tier.write(
+        snapshot(_tree(1), step=1, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={})
+    )
+    doc = json.loads(unseal(raw.to_json(KEYS["run1"])))
     wrong = [None, 1, -1, "x", [], {}, [1], 1.5, True, [[0]], {"encoding": "zzz"}, [-1], [[0, 0], [4, 4], 0, 64, "x"]]
 
     def paths(node: Any, path: tuple[Any, ...] = ()) -> Any:
@@ -145,7 +154,7 @@ def test_a_damaged_local_manifest_is_a_format_error_never_another_exception(tmp_
                 node = node[key]
             node[path[-1]] = value
             try:
-                parse_local_manifest(json.dumps(mutated).encode())
+                parse_local_manifest(seal(json.dumps(mutated).encode(), KEYS["run1"]))
             except FormatError:
                 pass
             checked += 1
@@ -153,9 +162,9 @@ def test_a_damaged_local_manifest_is_a_format_error_never_another_exception(tmp_
 
 
 def test_local_restore_reads_its_boxes_bit_exact_and_refuses_what_it_does_not_hold(tmp_path):
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2)
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
     tree = _tree(7)
-    tier.write(snapshot(tree, step=7, save_id="run1", process_index=0, process_count=1, metadata={}))
+    tier.write(snapshot(tree, step=7, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={}))
     mesh = jax.make_mesh((2, 4), ("x", "y"))
     target = {
         "w": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=NamedSharding(mesh, P("y", "x"))),  # another layout
@@ -407,3 +416,14 @@ def test_another_process_count_restores_from_the_object_store(s3_store, tmp_path
     _restored(_launch(4, job))
     # each process's PerProcess value of 4 processes: all of them, to re-split (the store's rule)
     assert _restored(_launch(2, {**job, "steps": 1, "all_values": 4})) == [(10, "store")]
+
+
+@pytest.mark.slow
+def test_a_restart_onto_another_sharding_restores_from_the_local_tier(s3_store, tmp_path):
+    """2 processes x 2 devices save ``w`` split over the devices and ``r`` replicated; the restart's
+    target has ``w`` replicated (what Flax NNX's annotations say for a leaf ``nnx.jit`` left
+    sharded) and ``r`` split. The store holds no step: the local tier serves it, bit for bit,
+    each process reading its own boxes and the devices resharding."""
+    job = _job(s3_store, tmp_path / "local", reshard=True, rounds=2, first_steps=6, steps=1, local_interval=5)
+    results = _launch(2, job)
+    assert _restored(results) == [(None, None), (5, "local")]

@@ -11,6 +11,10 @@ job's ``damage`` says (not round 0), then opens a manager, restores the latest s
 (recording the step, the tier and whether every byte matched), trains ``steps`` more steps
 (round 0: ``first_steps``) saving through the manager, and closes it. ``kill`` makes the
 processes in ``victims`` SIGKILL themselves in the middle of the local save of one step.
+``die`` makes process ``die["process"]`` SIGKILL itself before step ``die["step"]``; the others
+go on saving (``die["steps"]`` more steps), record how their ``save``/``wait`` ended and how
+long after the death, and print ``SURVIVOR <json>`` (the test reads it even if JAX then stops
+them).
 """
 
 from __future__ import annotations
@@ -41,24 +45,30 @@ def _init() -> None:
             num_processes=COUNT,
             process_id=PROCESS,
             initialization_timeout=60,
-            heartbeat_timeout_seconds=10,
+            heartbeat_timeout_seconds=int(JOB.get("heartbeat", 10)),
             shutdown_timeout_seconds=5,
         )
+
+
+def _values(step: int) -> tuple[Any, Any]:
+    """The global values of ``w`` and ``r`` after ``step``: the same for 8 devices (4 processes x 2) or 4."""
+    import numpy as np
+
+    w = np.arange(32 * 64, dtype=np.float32).reshape(32, 64) + (step + 1)
+    r = np.arange(16, dtype=np.int32).reshape(4, 4) * 3 + (step + 1)
+    return w, r
 
 
 def _state(step: int) -> dict[str, Any]:
     """The exact state after ``step`` (-1: before the first)."""
     import jax
-    import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import objckpt
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    rows = 32  # 8 devices (4 processes x 2) or 4: the same global state either way
-    w = np.arange(rows * 64, dtype=np.float32).reshape(rows, 64) + (step + 1)
-    r = np.arange(16, dtype=np.int32).reshape(4, 4) * 3 + (step + 1)
+    w, r = _values(step)
     put = jax.make_array_from_callback
     return {
         "w": put(w.shape, NamedSharding(mesh, P("data")), lambda index: w[index]),
@@ -70,23 +80,34 @@ def _state(step: int) -> dict[str, Any]:
 
 
 def _target() -> dict[str, Any]:
+    """What a restart restores into: the saved shardings, or (``reshard``) others: ``w`` replicated
+    (as Flax NNX leaves an unannotated leaf it saved sharded) and ``r`` split over the devices."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     import objckpt
 
     state = _state(0)
+    if JOB.get("reshard"):
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        for name, spec in (("w", P()), ("r", P("data"))):
+            array = state[name]
+            state[name] = jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=NamedSharding(mesh, spec))
     return {**state, "data": objckpt.PerProcess(all=bool(JOB.get("all_values"))), "config": objckpt.Json()}
 
 
 def _exact(restored: dict[str, Any], step: int) -> list[str]:
     import numpy as np
 
-    want = _state(step)
+    want, target = _state(step), _target()
     bad = []
-    for name in ("w", "r"):
-        got, exp = restored[name], want[name]
-        if got.sharding != exp.sharding:
+    for name, full in zip(("w", "r"), _values(step)):
+        got = restored[name]
+        if got.sharding != target[name].sharding:
             bad.append(f"{name}: sharding {got.sharding}")
-        for a, b in zip(got.addressable_shards, exp.addressable_shards):
-            x, y = np.asarray(a.data), np.asarray(b.data)
+        for a in got.addressable_shards:
+            x, y = np.asarray(a.data), full[a.index]
             if x.dtype != y.dtype or x.tobytes() != y.tobytes():
                 bad.append(f"{name}: shard {a.index} differs")
     if JOB.get("all_values"):  # every process's value, as the job that saved them had them
@@ -107,16 +128,16 @@ def _install_kill(kill: dict[str, Any]) -> None:
         return
     original = local_tier.write_step
 
-    def write_step(directory: Path, manifest: Any, data: Any, *, checksum: bool = True) -> Any:
+    def write_step(directory: Path, manifest: Any, data: Any, *, key: bytes, checksum: bool = True) -> Any:
         if manifest.step != kill["step"]:
-            return original(directory, manifest, data, checksum=checksum)
+            return original(directory, manifest, data, key=key, checksum=checksum)
         directory.mkdir(parents=True, exist_ok=True)
         view = memoryview(data).cast("B")
         if kill["point"] == "data":
             (directory / manifest.data).write_bytes(view[: manifest.data_size // 2])
         else:
             (directory / manifest.data).write_bytes(view[: manifest.data_size])
-            (directory / f".manifest.json.{manifest.save_id}.tmp").write_bytes(manifest.to_json()[:100])
+            (directory / f".manifest.json.{manifest.save_id}.tmp").write_bytes(manifest.to_json(key)[:100])
         _killed(PROCESS).touch()
         if PROCESS == 0:  # JAX's service lives in process 0: the other victims die by their own kill first
             _wait_for_victims(kill)
@@ -142,6 +163,42 @@ def _wait_for_victims(kill: dict[str, Any], timeout: float = 60) -> None:
     time.sleep(0.2)
 
 
+def _die_or_survive(mgr: Any, die: dict[str, Any], tree_of: Any) -> None:
+    """The victim kills itself; a survivor saves on (local saves with their peer copies) and waits,
+    prints how that ended and how many seconds after the victim's death, and leaves."""
+    marker = Path(JOB["local"]).parent / "died"
+    if PROCESS == die["process"]:
+        marker.write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not marker.exists():
+        time.sleep(0.01)
+    died = float(marker.read_text() or time.time())
+    outcome: dict[str, Any] = {"error": None}
+    try:
+        for step in range(die["step"], die["step"] + int(die.get("steps", 3))):
+            mgr.save(step, tree_of(step))
+        mgr.wait()
+    except Exception as e:
+        outcome = {"error": type(e).__name__, "message": str(e)[:2000]}
+    outcome["seconds"] = time.time() - died
+    print("SURVIVOR " + json.dumps(outcome), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _forge(path: Path, old: bytes, new: bytes) -> None:
+    """Edit a sealed local manifest and recompute its crc32c, as someone who can write the disk
+    but has not the run's key (which lives in the root) would."""
+    import re
+
+    from objckpt.core.checksum import crc32c
+
+    sealed = re.match(rb'\{"crc32c":(\d+),("mac":"[0-9a-f]+",)"manifest":(.*)\}\Z', path.read_bytes(), re.DOTALL)
+    assert sealed is not None
+    body = sealed.group(3).replace(old, new)
+    path.write_bytes(b'{"crc32c":%d,%s"manifest":%s}' % (crc32c(body), sealed.group(2), body))
+
+
 def _damage(round_: int) -> None:
     """This process's part of the round's damage to the local tier."""
     damage = JOB.get("damage")
@@ -149,6 +206,13 @@ def _damage(round_: int) -> None:
     victim = round_ % COUNT
     if damage == "wipe_one" and PROCESS == victim or damage == "wipe_all":
         shutil.rmtree(mine, ignore_errors=True)
+    if damage == "forge_peer":  # the victim's directory gone; its keeper's copy edited, its crc32c recomputed
+        if PROCESS == victim:
+            shutil.rmtree(mine, ignore_errors=True)
+        if PROCESS == (victim + COUNT // 2) % COUNT:
+            held = sorted((mine / "peer" / f"process_{victim}").glob("step_*/manifest.json"))
+            if held:
+                _forge(held[-1], b'"lr":0.5', b'"lr":0.7')
     if damage == "drop_newest_one" and PROCESS == victim:
         steps = sorted(p for p in mine.glob("step_*") if (p / "manifest.json").exists())
         if steps:
@@ -189,6 +253,8 @@ def run() -> dict[str, Any]:
         state = _state(start if start is not None else -1)
         w, r = state["w"], state["r"]
         for step in range(first, first + steps):
+            if JOB.get("die") and step == JOB["die"]["step"]:
+                _die_or_survive(mgr, JOB["die"], _state)
             w, r = update(w), update(r)
             if JOB.get("collective_steps"):  # a step with a collective while the peer copy may run beside it
                 float(total(w))

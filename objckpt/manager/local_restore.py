@@ -6,6 +6,11 @@ from the data file, its crc32c checked, and put on its device. The global array 
 from those per-device arrays (``jax.make_array_from_single_device_arrays``: no collective,
 so a process that cannot serve its part never leaves the others waiting).
 
+A target sharding other than the saved one (an array saved with a ``NamedSharding``, the same
+devices, the same process count) is served too: each process places the boxes it saved in
+their saved layout, every process agrees that all did (:func:`restore_local`'s ``agree``),
+then JAX reshards on the devices, so a process never needs another's local bytes.
+
 Anything this tier cannot answer exactly as the object store would is :class:`NotCovered`
 (the caller falls back to a slower tier): a target box no saved box holds, a dtype or
 shape that differs (the object store's restore casts and names mismatches), a leaf the
@@ -17,6 +22,9 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,29 +43,97 @@ class NotCovered(Exception):
     """This process's local step cannot serve the target; the message says why."""
 
 
+Agree = Callable[[str | None], dict[int, str]]
+
+
 def restore_local(
-    directory: Path, manifest: LocalManifest, target: Any, *, partial: bool = False, data: np.ndarray | None = None
+    directory: Path,
+    manifest: LocalManifest,
+    target: Any,
+    *,
+    partial: bool = False,
+    data: np.ndarray | None = None,
+    agree: Agree | None = None,
 ) -> Any:
     """``target`` (a pytree like :func:`objckpt.restore`'s, or None for host values) from the step in ``directory``.
 
     ``data``: the step's data file already in memory (a copy just brought back from a peer),
     read instead of the file; every box is still checked by its crc32c.
 
+    An array leaf saved with a ``NamedSharding`` and restored onto another sharding of the same
+    devices (by a job of the same process count) is read in its saved layout, each process
+    its own boxes, then resharded on the devices: a collective. So the read is phase one, and
+    ``agree`` (every process calls it, with its error or None; it returns the failures by
+    process) runs between the phases: the reshards start only once every process has read
+    its part. With one process, ``agree`` may be None.
+
     Raises:
-        NotCovered: the step cannot serve this target here (see the module docstring).
+        NotCovered: the step cannot serve this target here, or another process's part failed
+            (see the module docstring).
     """
-    with _Reader(directory / manifest.data, manifest, data) as reader:
-        if target is None:
-            values = [reader.value(leaf, None) for leaf in manifest.leaves]
-            return build(manifest.tree, lambda i: values[i])
-        flat, treedef = flatten_target(target)
-        by_path = {leaf.path: leaf for leaf in manifest.leaves}
-        missing = [path for path, _ in flat if path not in by_path]
-        if missing:
-            raise NotCovered(f"step {manifest.step} has no leaf {missing[0]}")
-        if not partial and len(flat) != len(by_path):
-            raise NotCovered(f"the target names {len(flat)} leaves, step {manifest.step} holds {len(by_path)}")
-        return unflatten_target(treedef, [reader.value(by_path[path], value) for path, value in flat])
+    reshards: list[tuple[int, jax.Array, Any]] = []
+    error: Exception | None = None
+    try:
+        with _Reader(directory / manifest.data, manifest, data) as reader:
+            values, rebuild = _read(reader, manifest, target, partial, reshards)
+    except Exception as e:  # reported at the agreement below, then raised
+        error = e
+    if agree is not None:
+        failed = agree(None if error is None else f"{type(error).__name__}: {error}")
+        if error is None and failed:
+            raise NotCovered("; ".join(f"process {p}: {e}" for p, e in sorted(failed.items())))
+    if error is not None:
+        raise error
+    for i, array, sharding in reshards:  # the same leaves, in the same order, on every process
+        values[i] = jax.device_put(array, sharding)
+    return rebuild(values)
+
+
+def _read(
+    reader: _Reader, manifest: LocalManifest, target: Any, partial: bool, reshards: list[tuple[int, jax.Array, Any]]
+) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """Phase one: every value read here, and how to build the tree from them; the arrays to reshard
+    go to ``reshards`` (position, saved-layout array, target sharding)."""
+    if target is None:
+        return [reader.value(leaf, None) for leaf in manifest.leaves], lambda v: build(manifest.tree, lambda i: v[i])
+    flat, treedef = flatten_target(target)
+    by_path = {leaf.path: leaf for leaf in manifest.leaves}
+    missing = [path for path, _ in flat if path not in by_path]
+    if missing:
+        raise NotCovered(f"step {manifest.step} has no leaf {missing[0]}")
+    if not partial and len(flat) != len(by_path):
+        raise NotCovered(f"the target names {len(flat)} leaves, step {manifest.step} holds {len(by_path)}")
+    values = []
+    for i, (path, value) in enumerate(flat):
+        out = reader.value(by_path[path], value)
+        if isinstance(out, _Reshard):
+            reshards.append((i, out.array, out.sharding))
+        values.append(out)
+    return values, lambda v: unflatten_target(treedef, v)
+
+
+@dataclass(frozen=True)
+class _Reshard:
+    """An array read in its saved layout, to be put on the target's sharding once every process has read."""
+
+    array: jax.Array
+    sharding: Any
+
+
+def saved_sharding(leaf: LocalLeaf) -> jax.sharding.NamedSharding | None:
+    """The ``NamedSharding`` ``leaf`` was saved with, on this job's devices (None: none recorded, or a
+    device it names is not in this job)."""
+    record = leaf.sharding
+    if record is None:
+        return None
+    by_id = {d.id: d for d in jax.devices()}
+    if not all(i in by_id for i in record["devices"]):
+        return None
+    devices = np.array([by_id[i] for i in record["devices"]], dtype=object).reshape(record["mesh"])
+    types = tuple(getattr(jax.sharding.AxisType, t) for t in record["types"])
+    mesh = jax.sharding.Mesh(devices, tuple(record["axes"]), axis_types=types)
+    spec = [tuple(e) if isinstance(e, list) else e for e in record["spec"]]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
 def _map(path: Path, size: int) -> np.ndarray:
@@ -67,9 +143,12 @@ def _map(path: Path, size: int) -> np.ndarray:
     a step saved again gets a new file."""
     if size == 0:
         return np.zeros(0, np.uint8)
-    with open(path, "rb") as f:  # writable (a donated buffer may be written in place), never populated:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a data file linked out of the tier is never read
+    try:  # writable (a donated buffer may be written in place), never populated:
         # populating a writable private mapping would copy every page; reading faults them in shared
-        mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
     return np.frombuffer(mapped, np.uint8)
 
 
@@ -103,7 +182,9 @@ class _Reader:
         return self.boxes[key]
 
     def box(self, leaf: LocalLeaf, start: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
-        """The global box ``start``/``shape`` of ``leaf``, from a saved box that holds it."""
+        """The global box ``start``/``shape`` of ``leaf``, from the saved boxes that hold it (disjoint:
+        :func:`~objckpt.manager.local_format.parse_local_manifest` refuses overlapping ones, so
+        the volume they cover is whole exactly when it adds up)."""
         for saved in leaf.boxes:
             if saved.start == start and saved.shape == shape:
                 return self.raw(leaf, saved)
@@ -173,6 +254,16 @@ class _Reader:
                 raise NotCovered(f"leaf {leaf.path}: a PRNG key onto a {type(sharding).__name__}")
         elif np.dtype(target.dtype) != dtype_from_name(leaf.dtype or ""):
             raise NotCovered(f"leaf {leaf.path}: saved as {leaf.dtype}, the target is {target.dtype}")
+        shape = leaf.shape
+        saved = None if leaf.prng_impl or self.manifest.process_count != jax.process_count() else saved_sharding(leaf)
+        if saved is not None and not sharding.is_equivalent_to(saved, len(shape)):  # the same answer everywhere
+            if set(sharding.device_set) != set(saved.device_set):
+                raise NotCovered(f"leaf {leaf.path}: the target's devices are not the ones it was saved on")
+            return _Reshard(self.placed(leaf, saved), sharding)
+        return self.placed(leaf, sharding)
+
+    def placed(self, leaf: LocalLeaf, sharding: Any) -> Any:
+        """``leaf`` on ``sharding`` from the boxes saved here (no collective), a PRNG key wrapped."""
         shape = leaf.shape
         arrays = []
         for device, index in sharding.addressable_devices_indices_map(shape).items():

@@ -11,47 +11,49 @@ the clean-up of torn saves and the manager's ``gc`` never touch another process'
 directory (on a pod each host has its own disk anyway; on one machine several
 processes share the path).
 
-A save has two phases, like :func:`objckpt.save_async`: :func:`snapshot` (the caller's
-thread) copies every box this process's devices hold, each once, off the devices into
+A save has two phases, like :func:`objckpt.save_async`:
+:func:`~objckpt.manager.local_snapshot.snapshot` (the caller's thread) copies every box this process's devices hold, each once, off the devices into
 one buffer objckpt owns, so the caller may donate its arrays at once; :meth:`LocalTier.write`
 (a background thread) writes the data file, syncs it, checksums each box (crc32c), and
 renames the manifest into place. A step saved again (a restarted run reaching it)
 replaces the old one atomically: the new manifest is renamed over the old, then the
 old data file goes.
+
+A step is this manager's only if its manifest names the manager's root and this process and
+is sealed under the key its run left in that root (:meth:`LocalTier.steps`,
+:meth:`LocalTier.held`, :mod:`objckpt.manager.tier_keys`): a ``local=`` directory another
+job left behind, a peer copy that names another process, or an edited manifest is not a
+step here (logged, never read).
+
+Nothing in the tier is reached through a symbolic link that leads out of it: every directory
+written, read or deleted and every file read is resolved first and refused
+(:class:`~objckpt.errors.StorePermissionError`) when it lies outside ``local=``, and files are
+opened without following a link in their last component.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
+import stat
 import uuid
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
-
-from objckpt.core.boxes import index_to_box
 from objckpt.core.checksum import crc32c
-from objckpt.core.dtypes import dtype_name
-from objckpt.core.items import Json, PerProcess, encode_value, is_item, json_document, state_of
-from objckpt.core.metadata import to_json_value
-from objckpt.core.tree import flatten
-from objckpt.errors import DeletedArrayError, FormatError
+from objckpt.errors import FormatError, StorePermissionError
 from objckpt.manager.local_format import (
     MANIFEST,
-    LocalBox,
-    LocalLeaf,
     LocalManifest,
-    aligned,
+    authentic,
     check_whole,
     parse_local_manifest,
 )
+from objckpt.manager.local_snapshot import Snapshot
 from objckpt.roots.layout import STEP_DIR, step_dir
-from objckpt.transfer.buffers import host_buffer
 
 log = logging.getLogger("objckpt")
 
@@ -73,115 +75,35 @@ def local_path(url_or_path: str | os.PathLike[str]) -> Path:
     return Path(text).expanduser().absolute()
 
 
+def inside(base: Path, path: Path) -> Path:
+    """``path``, once it is known to resolve inside ``base`` (``local=``; itself may be a link).
+
+    Raises:
+        StorePermissionError: a symbolic link under ``base`` leads ``path`` out of it.
+    """
+    real_base, real = os.path.realpath(base), os.path.realpath(path)
+    if real != real_base and not real.startswith(real_base.rstrip(os.sep) + os.sep):
+        raise StorePermissionError(
+            f"local tier: {path} resolves to {real}, outside {base} (a symbolic link leads out of it); refused"
+        )
+    return path
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """At most ``limit`` + 1 bytes of the regular file ``path``, its last component never followed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise FormatError(f"{path}: not a regular file")
+        return f.read(limit + 1)
+
+
+class ForeignStepError(FormatError):
+    """A whole local step that is not this manager's: another root's, or another process's."""
+
+
 def new_save_id() -> str:
     return uuid.uuid4().hex
-
-
-@dataclass
-class Snapshot:
-    """A local save's blocking phase done: the manifest without checksums, and the bytes."""
-
-    manifest: LocalManifest
-    buffer: np.ndarray
-    seconds: float = 0.0
-
-
-class _Layout:
-    """Places boxes in the data file and remembers what to copy into each."""
-
-    def __init__(self) -> None:
-        self.size = 0
-        self.copies: list[tuple[int, int, Any]] = []  # (offset, length, source array)
-
-    def box(self, start: tuple[int, ...], source: Any, dtype: np.dtype) -> LocalBox:
-        shape = tuple(int(n) for n in source.shape)
-        length = math.prod(shape) * dtype.itemsize
-        offset = aligned(self.size)
-        self.size = offset + length
-        self.copies.append((offset, length, source))
-        return LocalBox(start, shape, offset, length)
-
-
-def _host_leaf(path: str, kind: str, data: np.ndarray, layout: _Layout, value: Any = None) -> LocalLeaf:
-    box = layout.box((0,) * data.ndim, data, data.dtype) if data.size else None
-    return LocalLeaf(path, kind, dtype_name(data.dtype), tuple(data.shape), value, (box,) if box else ())
-
-
-def _array_leaf(path: str, array: jax.Array, layout: _Layout) -> LocalLeaf:
-    """Every box this process's devices hold, each once (replicas on several local devices too)."""
-    prng = None
-    if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
-        prng = str(jax.random.key_impl(array))
-        array = jax.random.key_data(array)
-    dtype = np.dtype(array.dtype)
-    seen: set[tuple[int, ...]] = set()
-    boxes = []
-    for shard in array.addressable_shards:
-        start = tuple(int(n) for n in index_to_box(shard.index, tuple(array.shape))[0])
-        if start in seen:
-            continue
-        seen.add(start)
-        shard.data.copy_to_host_async()
-        boxes.append(layout.box(start, shard.data, dtype))
-    return LocalLeaf(path, "array", dtype_name(dtype), tuple(array.shape), None, tuple(boxes), prng)
-
-
-def _leaf(path: str, value: Any, layout: _Layout) -> LocalLeaf:
-    if value is None:
-        return LocalLeaf(path, "none")
-    if is_item(value):
-        if type(value) is PerProcess:
-            data, encoding = encode_value(value.value, path)
-            return _host_leaf(path, "per_process", np.frombuffer(data, np.uint8), layout, {"encoding": encoding})
-        if type(value) is Json:
-            return LocalLeaf(path, "json", value=json_document(state_of(value.value, path), path)[0])
-        state = state_of(value, path)
-        if isinstance(state, (bytes, bytearray, memoryview)):
-            return _host_leaf(path, "bytes", np.frombuffer(bytes(state), np.uint8), layout)
-        return LocalLeaf(path, "json", value=json_document(state, path)[0])
-    if isinstance(value, bool):
-        return LocalLeaf(path, "bool", value=value)
-    if isinstance(value, int):
-        return LocalLeaf(path, "int", value=value)
-    if isinstance(value, float):
-        return LocalLeaf(path, "float", value=to_json_value(value, path))
-    if isinstance(value, jax.Array):
-        if value.is_deleted():
-            raise DeletedArrayError(f"leaf {path}: the jax.Array was donated or deleted, so it cannot be saved")
-        return _array_leaf(path, value, layout)
-    if isinstance(value, str):
-        return _host_leaf(path, "str", np.frombuffer(value.encode(), np.uint8), layout)
-    if isinstance(value, bytes):
-        return _host_leaf(path, "bytes", np.frombuffer(value, np.uint8), layout)
-    if isinstance(value, (np.ndarray, np.generic)):
-        return _host_leaf(path, "ndarray", np.asarray(value), layout)
-    raise TypeError(f"leaf {path}: cannot checkpoint a {type(value).__module__}.{type(value).__qualname__}")
-
-
-def snapshot(
-    tree: Any, *, step: int, save_id: str, process_index: int, process_count: int, metadata: dict[str, Any]
-) -> Snapshot:
-    """The blocking phase of a local save: this process's boxes copied into one owned buffer."""
-    leaves, skeleton = flatten(tree)
-    layout = _Layout()
-    records = tuple(_leaf(leaf.path, leaf.value, layout) for leaf in leaves)
-    buffer = host_buffer(layout.size)
-    for offset, length, source in layout.copies:
-        if length:
-            host = np.asarray(source)
-            np.copyto(buffer[offset : offset + length].view(host.dtype).reshape(host.shape), host)
-    manifest = LocalManifest(
-        step=step,
-        save_id=save_id,
-        process_index=process_index,
-        process_count=process_count,
-        data=f"{save_id}.data",
-        data_size=layout.size,
-        tree=skeleton,
-        leaves=records,
-        metadata=metadata,
-    )
-    return Snapshot(manifest, buffer)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -192,8 +114,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_step(directory: Path, manifest: LocalManifest, data: Any, *, checksum: bool = True) -> LocalManifest:
-    """Write a step's data file, then its manifest (renamed into place); return the manifest written.
+def write_step(
+    directory: Path, manifest: LocalManifest, data: Any, *, key: bytes, checksum: bool = True
+) -> LocalManifest:
+    """Write a step's data file, then its manifest (sealed under ``key``, its run's key; renamed into
+    place); return the manifest written.
 
     ``checksum``: compute each box's crc32c from ``data`` (a received peer copy already has them).
     """
@@ -211,15 +136,16 @@ def write_step(directory: Path, manifest: LocalManifest, data: Any, *, checksum:
         f.write(view[: manifest.data_size])
         f.flush()
         os.fsync(f.fileno())
-    commit_manifest(directory, manifest)
+    commit_manifest(directory, manifest, key)
     return manifest
 
 
-def commit_manifest(directory: Path, manifest: LocalManifest) -> None:
-    """Rename ``manifest`` into place (its data file is written and synced), then drop older data files."""
+def commit_manifest(directory: Path, manifest: LocalManifest, key: bytes) -> None:
+    """Rename ``manifest`` (sealed under ``key``) into place (its data file is written and synced), then
+    drop older data files."""
     tmp = directory / f".{MANIFEST}.{manifest.save_id}.tmp"
     with open(tmp, "wb") as f:
-        f.write(manifest.to_json())
+        f.write(manifest.to_json(key))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / MANIFEST)
@@ -239,22 +165,51 @@ def _remove(path: Path) -> None:
         pass
 
 
-def read_manifest(directory: Path) -> LocalManifest:
+KeyOf = Callable[[str], "bytes | None"]
+
+
+def read_manifest(
+    directory: Path,
+    *,
+    root: str | None = None,
+    process_index: int | None = None,
+    within: Path | None = None,
+    key_of: KeyOf | None = None,
+) -> LocalManifest:
     """The manifest of the step in ``directory``, checked against its data file.
+
+    ``root`` and ``process_index``, when given, must be the ones the manifest names (the
+    manager's root; the process whose step it is); ``within``: the tier's directory, which
+    ``directory`` must resolve inside; ``key_of``: the key of a run by its save id (from the
+    root), under which the manifest must be sealed.
 
     Raises:
         FileNotFoundError: no manifest (a torn or absent step).
-        FormatError: a damaged manifest, or a data file missing or of another size.
+        FormatError: a damaged manifest, a data file missing or of another size.
+        ForeignStepError: another root's or another process's step, or a run whose key the root
+            does not hold.
+        StorePermissionError: ``directory`` leads out of ``within`` through a link.
     """
+    if within is not None:
+        inside(within, directory)
     path = directory / MANIFEST
-    with open(path, "rb") as f:
-        raw = f.read(MANIFEST_LIMIT + 1)
+    raw = read_regular(path, MANIFEST_LIMIT)
     if len(raw) > MANIFEST_LIMIT:
         raise FormatError(f"{path}: over {MANIFEST_LIMIT} bytes")
     manifest = parse_local_manifest(raw)
+    if root is not None and manifest.root != root:
+        raise ForeignStepError(f"{path}: a step of the root {manifest.root}, not of {root}")
+    if process_index is not None and manifest.process_index != process_index:
+        raise ForeignStepError(f"{path}: process {manifest.process_index}'s step, not process {process_index}'s")
+    if key_of is not None:
+        key = key_of(manifest.save_id)
+        if key is None:
+            raise ForeignStepError(f"{path}: {root or manifest.root} holds no key of its run {manifest.save_id}")
+        if not authentic(raw, key):
+            raise FormatError(f"{path}: not sealed under its run's key (an edited or forged manifest)")
     check_whole(manifest)
     try:
-        size = (directory / manifest.data).stat().st_size
+        size = os.stat(directory / manifest.data, follow_symlinks=False).st_size
     except FileNotFoundError:
         raise FormatError(f"{path}: its data file {manifest.data} is missing") from None
     if size != manifest.data_size:
@@ -273,45 +228,77 @@ def step_dirs(base: Path) -> dict[int, Path]:
     out = {}
     for entry in entries:
         match = STEP_DIR.match(entry.name)
-        if match and entry.is_dir():
+        if match and entry.is_dir() and not entry.is_symlink():  # a linked step is never a step here
             out[int(match.group(1))] = entry
     return out
 
 
-def complete_steps(base: Path) -> dict[int, LocalManifest]:
-    """The complete steps under ``base`` (a manifest that parses, its data file whole), by step."""
+def complete_steps(
+    base: Path,
+    *,
+    root: str | None = None,
+    process_index: int | None = None,
+    within: Path | None = None,
+    key_of: KeyOf | None = None,
+) -> dict[int, LocalManifest]:
+    """The complete steps under ``base`` (a manifest that parses, its data file whole, and
+    ``root``'s and ``process_index``'s when given: :func:`read_manifest`), by step."""
     out = {}
     for step, directory in step_dirs(base).items():
         try:
-            out[step] = read_manifest(directory)
+            out[step] = read_manifest(directory, root=root, process_index=process_index, within=within, key_of=key_of)
         except FileNotFoundError:
             continue
         except (FormatError, OSError) as e:
-            log.warning("objckpt local tier: %s is not a usable step: %s", directory, e)
+            log.warning("objckpt local tier: %s is not a usable step, not read: %s", directory, e)
     return out
 
 
-def retain(base: Path, keep_last: int, *, keep: frozenset[int] = frozenset()) -> list[int]:
-    """Delete all but the newest ``keep_last`` complete steps under ``base``, and every torn
-    step (no manifest) except those in ``keep``; manifest first, so a step stops existing at
-    once. Returns the steps deleted."""
-    complete = sorted(complete_steps(base))
+def retain(
+    base: Path, keep_last: int, *, keep: frozenset[int] = frozenset(), within: Path | None = None, **whose: Any
+) -> list[int]:
+    """Delete all but the newest ``keep_last`` complete steps under ``base``, and every torn or
+    damaged step except those in ``keep``; manifest first, so a step stops existing at once.
+    A step of another root or process (``whose``: :func:`complete_steps`) is left alone: it
+    is not this manager's to delete. Returns the steps deleted. ``within``: the tier's
+    directory; a step directory that resolves outside it is never deleted."""
+    complete = sorted(complete_steps(base, within=within, **whose))
     doomed = set(complete[: max(0, len(complete) - keep_last)])
-    doomed |= {s for s in step_dirs(base) if s not in complete and s not in keep}
+    for step, directory in step_dirs(base).items():
+        if step not in complete and step not in keep and not _foreign(directory, within, whose):
+            doomed.add(step)
     for step in sorted(doomed):
         directory = base / step_dir(step)
+        if within is not None:
+            inside(within, directory)
         _remove(directory / MANIFEST)
         _remove(directory)
     return sorted(doomed)
 
 
+def _foreign(directory: Path, within: Path | None, whose: dict[str, Any]) -> bool:
+    try:
+        read_manifest(directory, within=within, **whose)
+    except ForeignStepError:
+        return True
+    except (FormatError, OSError):
+        return False
+    return False
+
+
 class LocalTier:
     """This process's directory in the local tier: its own steps and the peer copies it holds."""
 
-    def __init__(self, root: Path, process_index: int, process_count: int, keep_last: int) -> None:
+    def __init__(
+        self, root: Path, process_index: int, process_count: int, keep_last: int, *, url: str, key_of: KeyOf
+    ) -> None:
+        """``root``: the ``local=`` directory; ``url``: the manager root whose steps it holds; ``key_of``:
+        the key of a run of that root by its save id (:class:`objckpt.manager.tier_keys.RunKeys`)."""
         if keep_last < 1:
             raise ValueError(f"local_keep_last must be at least 1, got {keep_last}")
         self.root = root
+        self.url = url
+        self.key_of = key_of
         self.process_index = process_index
         self.process_count = process_count
         self.keep_last = keep_last
@@ -324,8 +311,27 @@ class LocalTier:
         """Where this process keeps process ``owner``'s steps (its peer copy)."""
         return self.own / "peer" / f"process_{owner}"
 
+    def inside(self, path: Path) -> Path:
+        """``path``, refused (StorePermissionError) if a link leads it out of ``local=``."""
+        return inside(self.root, path)
+
+    def read(self, directory: Path, owner: int | None = None) -> LocalManifest:
+        """The manifest of the step in ``directory``, this manager's and ``owner``'s (default: this process's)."""
+        owner = self.process_index if owner is None else owner
+        return read_manifest(directory, **self._whose(owner))
+
     def steps(self) -> dict[int, LocalManifest]:
-        return complete_steps(self.own)
+        return complete_steps(self.own, **self._whose(self.process_index))
+
+    def _whose(self, owner: int) -> dict[str, Any]:
+        return {"root": self.url, "process_index": owner, "within": self.root, "key_of": self.key_of}
+
+    def key(self, save_id: str) -> bytes:
+        """The key of the run ``save_id``, to seal a manifest with (FormatError: the root holds none)."""
+        key = self.key_of(save_id)
+        if key is None:
+            raise FormatError(f"local tier: {self.url} holds no key of run {save_id}")
+        return key
 
     def held(self) -> dict[int, dict[int, LocalManifest]]:
         """The peer copies this process holds: ``{owner: {step: manifest}}``."""
@@ -336,22 +342,24 @@ class LocalTier:
             return {}
         for entry in entries:
             if entry.name.startswith("process_") and entry.name[8:].isdigit():
-                steps = complete_steps(entry)
+                owner = int(entry.name[8:])
+                steps = complete_steps(entry, **self._whose(owner))
                 if steps:
-                    out[int(entry.name[8:])] = steps
+                    out[owner] = steps
         return out
 
     def write(self, snap: Snapshot) -> LocalManifest:
         """The background phase of a local save, then retention of this process's own steps."""
-        manifest = write_step(self.step_dir(snap.manifest.step), snap.manifest, snap.buffer)
+        directory = self.inside(self.step_dir(snap.manifest.step))
+        manifest = write_step(directory, snap.manifest, snap.buffer, key=self.key(snap.manifest.save_id))
         self.retain()
         return manifest
 
     def retain(self) -> list[int]:
         """Keep the newest ``keep_last`` steps here and of each peer copy held; drop torn ones."""
-        deleted = retain(self.own, self.keep_last)
+        deleted = retain(self.inside(self.own), self.keep_last, **self._whose(self.process_index))
         for owner in self.held():
-            retain(self.held_dir(owner), self.keep_last)
+            retain(self.inside(self.held_dir(owner)), self.keep_last, **self._whose(owner))
         return deleted
 
     def nbytes(self) -> int:

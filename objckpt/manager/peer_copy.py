@@ -52,6 +52,8 @@ _TRANSFER_BYTES = (
     16 << 20
 )  # the server's unit of work per socket (measured: 4 x 16 MiB moves ~1 GB/s on loopback, 1 x 256 MiB ~0.45)
 
+_SLOWEST_RATE = 32 << 20  # bytes per second a transfer is given before its last barrier times out
+
 Payload = bytes | bytearray | memoryview | np.ndarray
 Payloads = Payload | Sequence[Payload]  # several segments, sent as one payload in order
 Sink = Callable[[int, memoryview], None]
@@ -138,7 +140,9 @@ def exchange_with_peers(
         payload: this process's bytes (any size, empty included): bytes, a memoryview, or a
             contiguous numpy array (a ``np.memmap`` of a file is read a chunk at a time), or a
             list of them, sent one after the other as one payload (no copy to join them).
-        timeout: seconds each agreement barrier, pull, offer or acknowledgement waits.
+        timeout: seconds each agreement barrier, pull, offer or acknowledgement waits for a
+            process that makes no progress; the last barrier, which waits for the slowest
+            transfer to end, adds the largest payload's time at ``_SLOWEST_RATE``.
         keeper_of: ``keeper_of(p, P)`` is the process that keeps process ``p``'s copy; a
             permutation with no fixed point. Default :func:`default_keeper`.
         chunk_bytes: the bytes offered per transfer (device and host memory stay within a
@@ -198,7 +202,8 @@ def exchange_with_peers(
         except BaseException:  # the others may never reach the next barrier: nobody is left to release
             keys.forget()
             raise
-        _check(keys.agree("done", timeout, error=into.error), name)
+        biggest = max(int(i["size"]) for i in infos.values())
+        _check(keys.agree("done", timeout + biggest / _SLOWEST_RATE, error=into.error), name)
     finally:  # every outcome decided at a barrier is the same on every process: each one releases
         keys.release()
     return PeerCopy(owner=owner, nbytes=nbytes, data=received)

@@ -16,6 +16,14 @@ holds when it is given ``local=``:
 
 Every method here that agrees (``latest_step``, ``restore``, ``save`` with peers,
 ``close`` with peers) is called by every process of the job, as the manager's are.
+
+A peer copy waits for a process that makes no progress at most :data:`PEER_STALL_SECONDS`
+(or ``Options.barrier_timeout`` if shorter), well inside JAX's own heartbeat timeout (100 s by
+default), after which JAX's coordination service stops every process of a job that lost one.
+So a process that dies leaves its peers a :class:`~objckpt.errors.CoordinationError` naming
+it, raised by their next ``save`` or ``wait`` (and peer copies off), not a process stopped
+by JAX. Any other failure of a peer copy (no transfer server, a copy that does not parse)
+turns peer copies off with a warning and training goes on.
 """
 
 from __future__ import annotations
@@ -31,14 +39,20 @@ from typing import Any
 
 from objckpt.errors import CheckpointNotFoundError, CoordinationError, FormatError, PeerCopyUnavailableError
 from objckpt.manager.local_restore import NotCovered, restore_local
-from objckpt.manager.local_tier import LocalTier, local_path, read_manifest, snapshot, step_dirs
+from objckpt.manager.local_snapshot import snapshot
+from objckpt.manager.local_tier import LocalTier, local_path, step_dirs
 from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, agree, all_succeeded, decide
+from objckpt.manager.tier_keys import RunKeys
 from objckpt.multihost import Coordinator, operation_tag
+from objckpt.storage.base import Store
 from objckpt.transfer import runtime
 
 log = logging.getLogger("objckpt")
 
 Keeper = Callable[[int, int], int]
+
+#: The longest a peer copy waits, at each barrier or chunk, for a process that makes no progress.
+PEER_STALL_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -99,7 +113,10 @@ class Tiers:
         keeper_of: Keeper | None,
         coordinator: Coordinator,
         timeout: float,
+        *,
+        store: Store,
     ) -> None:
+        """``store``: the manager's root, where each run's key lives (:mod:`objckpt.manager.tier_keys`)."""
         if interval < 1:
             raise ValueError(f"local_interval_steps must be at least 1, got {interval}")
         if peers not in (0, 1):
@@ -111,10 +128,13 @@ class Tiers:
                 raise ValueError(f"local={str(root)!r} is inside the manager's root {root_url}: gc would sweep it")
         self.url = root_url
         self.coordinator = coordinator
-        self.tier = LocalTier(root, coordinator.process_index, coordinator.process_count, keep_last)
+        self.keys = RunKeys(store)
+        index, count = coordinator.process_index, coordinator.process_count
+        self.tier = LocalTier(root, index, count, keep_last, url=root_url, key_of=self.keys)
         self.interval = interval
         self.keeper_of = keeper_of
         self.timeout = timeout
+        self.peer_timeout = min(timeout, PEER_STALL_SECONDS)
         self.peers = bool(peers) and coordinator.process_count > 1
         if self.peers:
             from objckpt.manager.peer_copy import keeper_map, peer_copy_unavailable
@@ -129,14 +149,20 @@ class Tiers:
         self.last_restore: TierRestore | None = None
 
     def _agree_run_id(self) -> str:
-        """One id for this run's local saves, the primary's, on every process: a step two runs
-        both reached (a restart re-running it) is never taken for one save."""
-        mine = uuid.uuid4().hex.encode() if self.coordinator.is_primary else None
+        """One id for this run's local saves, the primary's, on every process (a step two runs both
+        reached, a restart re-running it, is never taken for one save), and the run's key: the
+        primary writes it to the root (:mod:`objckpt.manager.tier_keys`) and sends it to the others."""
+        mine = None
+        if self.coordinator.is_primary:
+            run_id = uuid.uuid4().hex
+            mine = f"{run_id}:{self.keys.create(run_id).hex()}".encode()
         tag = operation_tag("local_tier", self.url)
         try:
-            return self.coordinator.broadcast(f"{tag}/run", mine, timeout=self.timeout).decode()
+            run_id, key = self.coordinator.broadcast(f"{tag}/run", mine, timeout=self.timeout).decode().split(":")
         finally:
             self.coordinator.release(tag)
+        self.keys.known(run_id, bytes.fromhex(key))
+        return run_id
 
     # ------------------------------------------------------------------ saving
 
@@ -153,6 +179,7 @@ class Tiers:
         started = time.perf_counter()
         snap = snapshot(
             tree,
+            root=self.url,
             step=step,
             save_id=self.run_id,
             process_index=self.tier.process_index,
@@ -187,8 +214,12 @@ class Tiers:
 
         started = time.perf_counter()
         try:
-            got = send_to_keepers(self.tier, step, timeout=self.timeout, keeper_of=self.keeper_of)
-        except (PeerCopyUnavailableError, CoordinationError, OSError, FormatError) as e:
+            got = send_to_keepers(self.tier, step, timeout=self.peer_timeout, keeper_of=self.keeper_of)
+        except CoordinationError as e:  # a process gone or failing: the job cannot go on as it was
+            log.error("objckpt local tier: peer copy of step %s failed, peer copies are off from now: %s", step, e)
+            self.peers = False
+            raise
+        except (PeerCopyUnavailableError, OSError, FormatError) as e:
             log.warning("objckpt local tier: peer copy failed, peer copies are off from now: %s", e)
             self.peers = False
             return
@@ -275,7 +306,7 @@ class Tiers:
 
         try:
             received = fetch_from_keepers(
-                self.tier, decision.step, decision.fetch, timeout=self.timeout, keeper_of=self.keeper_of
+                self.tier, decision.step, decision.fetch, timeout=self.peer_timeout, keeper_of=self.keeper_of
             )
         except (PeerCopyUnavailableError, CoordinationError, OSError, FormatError) as e:
             log.warning("objckpt: bringing step %d back from the peer copies failed: %s", decision.step, e)
@@ -298,18 +329,30 @@ class Tiers:
         self, decision: Any, target: Any, partial: bool, received: Any = None, fetch_error: str | None = None
     ) -> tuple[Any, dict[int, str]]:
         """Restore from this process's step (``received``: its copy brought back, in memory), then agree
-        with every process that each one succeeded: ``{process: error}`` of those that did not."""
+        with every process that each one succeeded: ``{process: error}`` of those that did not.
+
+        Two agreements, on every process whatever happens: one after each has read its part (a
+        reshard on the devices is a collective, started only when all have), one at the end."""
         out, error = None, fetch_error
+        read_agreed = False
+
+        def agree_read(mine: str | None) -> dict[int, str]:
+            nonlocal read_agreed
+            read_agreed = True
+            return all_succeeded(self.coordinator, self.url, mine, timeout=self.timeout)
+
         if error is None:
             try:
                 directory = self.tier.step_dir(decision.step)
-                manifest = received.manifest if received is not None else read_manifest(directory)
+                manifest = received.manifest if received is not None else self.tier.read(directory)
                 if manifest.save_id != decision.save_id:
                     raise NotCovered(f"step {decision.step} here is another run's save")
                 data = received.data if received is not None else None
-                out = restore_local(directory, manifest, target, partial=partial, data=data)
+                out = restore_local(directory, manifest, target, partial=partial, data=data, agree=agree_read)
             except Exception as e:  # any failure here: report it, so no process waits for this one alone
                 error = f"{type(e).__name__}: {e}"
+        if not read_agreed:  # failed before reading: still take part in the first agreement
+            agree_read(error)
         failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout)
         return (None if failed else out), failed
 

@@ -1,0 +1,337 @@
+"""The local tier and peer copies under attack (issue 67): a damaged or edited manifest, another
+job's ``local=`` directory, symbolic links leading out of the tier, a peer copy naming another
+process. Each is refused, and a restart takes the next location (the object store) with a log
+line; nothing outside the tier is written or deleted.
+
+The manager tests run one process of 8 CPU devices against the local S3 server, and edit the
+local tier's files the way a damaged disk, a reused directory or an attacker would.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import objckpt
+from objckpt.core.checksum import crc32c
+from objckpt.errors import FormatError, StorePermissionError
+from objckpt.manager.local_format import parse_local_manifest, seal, unseal
+from objckpt.manager.local_snapshot import snapshot
+from objckpt.manager.local_tier import ForeignStepError, LocalTier, write_step
+from objckpt.manager.peer_tier import check_whose, payload_of
+from objckpt.roots.layout import step_dir
+from objckpt.roots.sweep import delete_objects
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import opened_store
+from tests.multiprocess import run_processes
+
+WORKER = Path(__file__).with_name("tiers_worker.py")
+
+URL = "s3://bucket/root"
+KEY = b"k" * 32  # run1's key, as a manager keeps it in its root (objckpt.manager.tier_keys)
+
+
+def _mesh() -> Any:
+    return jax.make_mesh((4, 2), ("a", "b"))
+
+
+def _tree(step: int) -> dict[str, Any]:
+    """``v``: 16 values over 8 devices, boxes starting at 0, 2, 4, ... 14."""
+    v = np.arange(16, dtype=np.float32) * 10 + step
+    return {
+        "v": jax.make_array_from_callback(v.shape, NamedSharding(_mesh(), P(("a", "b"))), lambda i: v[i]),
+        "config": objckpt.Json({"lr": 0.5, "step": step}),
+        "n": step,
+    }
+
+
+def _target() -> dict[str, Any]:
+    """A replicated target: every device needs all 16 values, assembled from the 8 saved boxes."""
+    return {
+        "v": jax.ShapeDtypeStruct((16,), np.float32, sharding=NamedSharding(_mesh(), P())),
+        "config": objckpt.Json(),
+        "n": 0,
+    }
+
+
+def _manager(s3_store: Any, local: Path, url: str | None = None) -> objckpt.CheckpointManager:
+    return objckpt.CheckpointManager(
+        url or s3_store.url,
+        storage_options=s3_store.storage_options,
+        save_interval_steps=10,
+        local=local,
+        local_interval_steps=10,
+    )
+
+
+def _saved(s3_store: Any, local: Path, steps: range, url: str | None = None) -> None:
+    mgr = _manager(s3_store, local, url)
+    for step in steps:
+        mgr.save(step, _tree(step))
+    mgr.wait()
+    mgr.close()
+
+
+def _edit(path: Path, old: bytes, new: bytes, *, reseal: bool) -> None:
+    """Replace ``old`` (found once) by ``new`` in a local manifest; ``reseal``: recompute the crc32c
+    that seals it, as someone who can write the local disk would (a damaged disk does not); the
+    MAC under the run's key, which lives in the root, stays as it was."""
+    raw = path.read_bytes()
+    sealed = re.match(rb'\{"crc32c":(\d+),("mac":"[0-9a-f]+",)?"manifest":(.*)\}\Z', raw, re.DOTALL)
+    body = sealed.group(3) if sealed else raw
+    assert body.count(old) == 1, (old, body[:300])
+    body = body.replace(old, new)
+    if sealed and reseal:
+        raw = b'{"crc32c":%d,%s"manifest":%s}' % (crc32c(body), sealed.group(2) or b"", body)
+    elif sealed:
+        raw = raw.replace(old, new)
+    else:
+        raw = body
+    path.write_bytes(raw)
+
+
+def _restored_from(mgr: objckpt.CheckpointManager, step: int) -> str:
+    """Restore the latest step; check it bit for bit against ``step``'s tree; the tier it came from."""
+    out = mgr.restore(None, _target())
+    assert np.asarray(out["v"]).tobytes() == np.asarray(_tree(step)["v"]).tobytes()
+    assert (out["config"], out["n"]) == ({"lr": 0.5, "step": step}, step)
+    return mgr.tier_status().last_restore.tier  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("reseal", [False, True], ids=["flipped-bit", "flipped-and-resealed"])
+def test_a_flipped_bit_in_a_local_manifest_restores_from_the_object_store(s3_store, tmp_path, caplog, reseal):
+    """One bit (a box start 2 -> 0) makes two boxes claim the same values and none the next two:
+    the manifest's crc32c refuses it, and one who recomputes the crc32c meets the disjoint-boxes check
+    (and the MAC under the run's key, kept in the root).
+    Either way the step is not read from the local tier, and the store serves it bit for bit."""
+    local = tmp_path / "local"
+    _saved(s3_store, local, range(11))
+    manifest = local / "process_0" / step_dir(10) / "manifest.json"
+    _edit(manifest, b"[[2],[2],", b"[[0],[2],", reseal=reseal)  # '2' (0x32) -> '0' (0x30): one bit
+    mgr = _manager(s3_store, local)
+    with caplog.at_level("WARNING", logger="objckpt"):
+        assert _restored_from(mgr, 10) == "store"
+    assert "not a usable step" in caplog.text
+    assert ("overlap" if reseal else "crc32c") in caplog.text
+    mgr.close()
+
+
+def test_overlapping_boxes_are_refused_even_in_a_manifest_sealed_under_its_key(tmp_path):
+    """The disjoint-boxes check stands on its own: two boxes of a leaf claiming one slice are a
+    FormatError however the manifest is sealed."""
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=URL, key_of={"run1": KEY}.get)
+    snap = snapshot(_tree(1), root=URL, step=1, save_id="run1", process_index=0, process_count=1, metadata={})
+    body = unseal(tier.write(snap).to_json(KEY))
+    assert body.count(b"[[2],[2],") == 1
+    with pytest.raises(FormatError, match="overlap"):
+        parse_local_manifest(seal(body.replace(b"[[2],[2],", b"[[0],[2],"), KEY))
+
+
+@pytest.mark.parametrize("reseal", [False, True], ids=["edited", "edited-and-resealed"])
+def test_an_edited_json_value_in_a_local_manifest_is_refused(s3_store, tmp_path, caplog, reseal):
+    """A ``Json`` value 0.5 -> 0.7: the crc32c refuses it; with the crc32c recomputed, the MAC under
+    the run's key (which lives in the root, not on the local disk) does."""
+    local = tmp_path / "local"
+    _saved(s3_store, local, range(11))
+    manifest = local / "process_0" / step_dir(10) / "manifest.json"
+    _edit(manifest, b'"lr":0.5', b'"lr":0.7', reseal=reseal)
+    mgr = _manager(s3_store, local)
+    with caplog.at_level("WARNING", logger="objckpt"):
+        assert _restored_from(mgr, 10) == "store"
+    assert ("not sealed under its run's key" if reseal else "crc32c") in caplog.text
+    mgr.close()
+
+
+def test_a_new_job_on_a_used_local_directory_never_resumes_the_other_jobs_state(s3_store, tmp_path):
+    """Job A (its own root) leaves steps 10 and 20 in ``local=``; job B, with a fresh root and the
+    same ``local=``, sees no step there and saves its own; job A's steps stay A's."""
+    local = tmp_path / "local"
+    root_a, root_b = f"{s3_store.url}/job-a", f"{s3_store.url}/job-b"
+    _saved(s3_store, local, range(21), url=root_a)
+    mgr = _manager(s3_store, local, root_b)
+    assert mgr.latest_step() is None
+    assert mgr.tier_status().local_steps == []
+    with pytest.raises(objckpt.CheckpointNotFoundError):
+        mgr.restore(None, _target())
+    mgr.save(5, _tree(5), force=True)  # B's own step: its retention leaves A's alone
+    mgr.wait()
+    mgr.close()
+    mgr = _manager(s3_store, local, root_a)
+    assert mgr.latest_step() == 20
+    assert _restored_from(mgr, 20) == "local"
+    mgr.close()
+
+
+def test_a_root_wiped_and_reused_never_resumes_the_old_local_steps(s3_store, tmp_path):
+    """The same root URL, emptied (``objckpt rm --recursive``) and used by a new job with the same
+    ``local=``: the old run's key went with the root, so its local steps are not this root's."""
+    local = tmp_path / "local"
+    _saved(s3_store, local, range(21))
+    with opened_store(s3_store.url, s3_store.storage_options, objckpt.Options()) as store:
+        keys = [o.key for o in runtime.run_sync(store.list())]
+        assert any(k.startswith("local_tier/") for k in keys), keys  # the run's key, in the root
+        runtime.run_sync(delete_objects(store, keys))
+    mgr = _manager(s3_store, local)
+    assert mgr.latest_step() is None and mgr.tier_status().local_steps == []
+    mgr.close()
+
+
+def _outside(tmp_path: Path) -> Path:
+    """A directory outside the tier with a file and a subdirectory that must survive."""
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "keep.txt").write_bytes(b"precious")
+    (outside / "sub" / "x").write_bytes(b"also precious")
+    return outside
+
+
+def _untouched(outside: Path) -> bool:
+    return sorted(p.relative_to(outside).as_posix() for p in outside.rglob("*")) == ["keep.txt", "sub", "sub/x"]
+
+
+def test_a_symlinked_step_directory_is_never_written_or_emptied(s3_store, tmp_path):
+    """``process_0/step_N`` linked to a directory outside the tier: saving step N is refused with a
+    StorePermissionError naming the path, and nothing there is written or deleted."""
+    local, outside = tmp_path / "local", _outside(tmp_path)
+    (local / "process_0").mkdir(parents=True)
+    (local / "process_0" / step_dir(10)).symlink_to(outside, target_is_directory=True)
+    mgr = _manager(s3_store, local)
+    for step in range(11):
+        mgr.save(step, _tree(step))
+    with pytest.raises(StorePermissionError, match=rf"{step_dir(10)} resolves to .*outside"):
+        mgr.wait()
+    mgr.close()
+    assert _untouched(outside)
+
+
+def test_a_symlinked_process_directory_is_never_written_or_emptied(s3_store, tmp_path):
+    local, outside = tmp_path / "local", _outside(tmp_path)
+    local.mkdir()
+    (local / "process_0").symlink_to(outside, target_is_directory=True)
+    mgr = _manager(s3_store, local)
+    mgr.save(0, _tree(0))
+    with pytest.raises(StorePermissionError, match="outside"):
+        mgr.wait()
+    mgr.close()
+    assert _untouched(outside)
+
+
+def test_a_data_file_linked_out_of_the_tier_is_never_read(s3_store, tmp_path, caplog):
+    """A step's data file replaced by a link to a file outside the tier (its very bytes): the
+    link is not followed, and the store serves the step."""
+    local = tmp_path / "local"
+    _saved(s3_store, local, range(11))
+    directory = local / "process_0" / step_dir(10)
+    [data] = directory.glob("*.data")
+    moved = tmp_path / "elsewhere.data"
+    data.rename(moved)
+    data.symlink_to(moved)
+    mgr = _manager(s3_store, local)
+    with caplog.at_level("WARNING", logger="objckpt"):
+        assert _restored_from(mgr, 10) == "store"
+    assert "not a usable step" in caplog.text
+    mgr.close()
+
+
+def test_a_peer_copy_naming_another_process_or_root_is_not_held(tmp_path):
+    """Process 0 keeps process 1's copies under ``peer/process_1/``: a step there whose manifest
+    names process 0 (or another root) is not process 1's copy, is not offered, and is not sent."""
+    tier = LocalTier(tmp_path, 0, 2, keep_last=2, url=URL, key_of={"run1": KEY}.get)
+    mine = dict(save_id="run1", process_count=2, metadata={})
+    good = snapshot(_tree(3), root=URL, step=3, process_index=1, **mine)  # type: ignore[arg-type]
+    write_step(tier.held_dir(1) / step_dir(3), good.manifest, good.buffer, key=KEY)
+    forged = snapshot(_tree(4), root=URL, step=4, process_index=0, **mine)  # type: ignore[arg-type]
+    write_step(tier.held_dir(1) / step_dir(4), forged.manifest, forged.buffer, key=KEY)
+    other = snapshot(_tree(5), root="s3://bucket/other", step=5, process_index=1, **mine)  # type: ignore[arg-type]
+    write_step(tier.held_dir(1) / step_dir(5), other.manifest, other.buffer, key=KEY)
+    unkeyed = snapshot(_tree(6), root=URL, step=6, process_index=1, **mine)  # type: ignore[arg-type]
+    write_step(tier.held_dir(1) / step_dir(6), unkeyed.manifest, unkeyed.buffer, key=b"x" * 32)  # not the run's key
+    assert {o: sorted(s) for o, s in tier.held().items()} == {1: [3]}
+    assert len(payload_of(tier, tier.held_dir(1) / step_dir(3), 1)) == 2
+    with pytest.raises(FormatError, match="not sealed under its run's key"):
+        payload_of(tier, tier.held_dir(1) / step_dir(6), 1)
+    for step in (4, 5):
+        with pytest.raises(ForeignStepError):
+            payload_of(tier, tier.held_dir(1) / step_dir(step), 1)
+    with pytest.raises(FormatError, match="process 0's step, not process 1's"):
+        check_whose(forged.manifest, URL, 1, "from process 0")
+    tier.retain()  # not this manager's to delete
+    assert (tier.held_dir(1) / step_dir(4) / "manifest.json").exists()
+
+
+# ---------------------------------------------------------------------------- 2 processes
+
+
+@pytest.mark.slow
+def test_a_forged_peer_copy_is_never_restored_and_the_store_serves_the_step(s3_store, tmp_path):
+    """A real 2-process job, peers=1: process 1's local directory wiped, and the copy of its newest
+    step that process 0 keeps edited (a ``Json`` value 0.5 -> 0.7, the crc32c recomputed). The
+    forged copy is not offered; the restart restores that step from the object store, bit for bit."""
+    job = {
+        "url": s3_store.url,
+        "storage_options": s3_store.storage_options,
+        "local": str(tmp_path / "local"),
+        "local_interval": 5,
+        "save_interval": 5,
+        "peers": 1,
+        "first_steps": 11,
+        "steps": 1,
+        "rounds": 2,
+        "damage": "forge_peer",
+    }
+    outs: list[str] = []
+    results = run_processes(
+        2, job, timeout=150, devices_per_process=2, stdout=outs, worker=WORKER, env_prefix="OBJCKPT_TIERS"
+    )
+    assert all(r is not None for r in results), outs
+    rounds = [r["rounds"] for r in results]  # type: ignore[index]
+    assert [x[1]["start"] for x in rounds] == [10, 10] and [x[1]["tier"] for x in rounds] == ["store", "store"], rounds
+    assert not any(x[1]["bad"] for x in rounds), rounds
+
+
+# ---------------------------------------------------------------------------- 2 processes, one killed
+
+
+@pytest.mark.slow
+def test_a_killed_peer_ends_the_survivors_save_with_a_coordination_error_naming_it(s3_store, tmp_path):
+    """2 processes, peers=1, local saves every step; process 1 dies (SIGKILL) before step 3. The
+    survivor's next saves or its wait end within 60 s with a CoordinationError naming process 1
+    (objckpt's barrier timeout is its default, 300 s; JAX's heartbeat timeout is its default, 100 s,
+    after which JAX stops the survivor itself)."""
+    job = {
+        "url": s3_store.url,
+        "storage_options": s3_store.storage_options,
+        "local": str(tmp_path / "local"),
+        "local_interval": 1,
+        "peers": 1,
+        "barrier_timeout": 300,
+        "heartbeat": 100,
+        "save_interval": 2,
+        "first_steps": 6,
+        "die": {"process": 1, "step": 3, "steps": 3},
+    }
+    outs: list[str] = []
+    run_processes(2, job, timeout=170, devices_per_process=2, stdout=outs, worker=WORKER, env_prefix="OBJCKPT_TIERS")
+    lines = [line for line in outs[0].splitlines() if line.startswith("SURVIVOR ")]
+    assert lines, f"the survivor printed no outcome: {outs[0][-2000:]}"
+    outcome = json.loads(lines[0][len("SURVIVOR ") :])
+    assert outcome["error"] == "CoordinationError", outcome
+    assert re.search(r"process(es)?\b[^.]*\b1\b", outcome["message"]), outcome["message"]
+    assert outcome["seconds"] < 60, outcome
+    print("survivor:", outcome["error"], f"{outcome['seconds']:.1f} s after the kill")
+    mgr = objckpt.CheckpointManager(s3_store.url, storage_options=s3_store.storage_options)
+    assert mgr.steps(), "no step was committed before the kill"
+    for step in mgr.steps():  # every step committed before the kill restores exactly (tests/tiers_worker.py's state)
+        target = {"w": np.zeros((32, 64), np.float32), "step": 0, "data": objckpt.PerProcess(all=True)}
+        out = mgr.restore(step, target, partial=True)
+        want = np.arange(32 * 64, dtype=np.float32).reshape(32, 64) + (step + 1)
+        assert np.asarray(out["w"]).tobytes() == want.tobytes() and out["step"] == step
+    mgr.close()
