@@ -238,3 +238,44 @@ def test_a_piece_written_wrong_is_a_codec_problem_for_verify_and_a_format_error_
     assert "bytes past the piece's last plane" in str(report.problems[0]) and "['w']" in str(report.problems[0])
     with pytest.raises(FormatError, match=r"leaf \['w'\]: blob .*past the piece's last plane"):
         objckpt.restore(s3_store.url, storage_options=s3_store.storage_options)
+
+
+# ------------------------------------------------------------------------------------- onto another mesh
+
+
+def _stored_bytes_needed(manifest, boxes: dict[str, list]) -> float:
+    """The compressed bytes ``boxes`` need: each saved piece's stored bytes, in proportion to how
+    much of the piece lies inside them (a piece's bytes are its chunk's, not divisible further)."""
+    total = 0.0
+    for leaf in manifest.leaves:
+        name = leaf.path[2:-2].split("']['")[-1]
+        for start, stop in boxes.get(name, []):
+            for p in leaf.pieces:
+                overlap = np.prod([max(0, min(b, d) - max(a, c)) for a, b, c, d in zip(p.start, p.stop, start, stop)])
+                total += p.length * overlap / np.prod(p.shape)
+    return total
+
+
+@pytest.mark.slow
+def test_restores_onto_meshes_that_cut_the_saved_pieces_fetch_at_most_one_and_a_half_times_the_compressed_bytes_needed(
+    s3_store,
+):
+    from multiprocess import run_processes
+    from test_reshard_multiprocess import FLOOR, LEAVES, OPTIONS, TARGETS
+
+    options = {**OPTIONS, "compression": "zstd"}
+    job = {"url": s3_store.url, "storage_options": s3_store.storage_options, "leaves": LEAVES, "extras": False}
+    job.update(options=options, scale=32, **FLOOR)
+    saved = run_processes(4, {**job, "kind": "save", "mesh": [4, 2], "axes": ["fsdp", "tensor"]}, devices_per_process=2)
+    assert all(r is not None for r in saved), saved
+    manifest = full_manifest(s3_store.open())
+    assert all(leaf.codec == "shuffle-zstd" for leaf in manifest.leaves if leaf.path.startswith("['params']"))
+    for name, (mesh, axes, extra, _) in TARGETS.items():
+        restore = {**job, "kind": "restore", "mesh": mesh, "axes": axes, "count_needed": True, **extra}
+        results = run_processes(4, restore, devices_per_process=2)
+        assert all(r is not None for r in results), f"{name}: {results}"
+        for p, r in enumerate(results):
+            assert r["mismatches"] == [], f"{name}, process {p}: {r['mismatches']}"
+            needed = _stored_bytes_needed(manifest, r["boxes"])
+            assert needed < 0.9 * r["needed_bytes"]  # compressed: fewer bytes than the boxes' raw ones
+            assert r["bytes_read"] <= 1.5 * needed, f"{name}, process {p}: read {r['bytes_read']}, needed {needed:.0f}"
