@@ -94,7 +94,7 @@ def encode(raw: memoryview | np.ndarray, itemsize: int) -> bytes:
     n = len(data) // itemsize
     planes = _split(data, n, itemsize)
     compressor = _compressor()
-    words: list[bytes] = []
+    words: list[bytes | memoryview] = []
     bodies: list[bytes | memoryview] = []
     for plane in planes:
         body = compressor.compress(plane) if n else b""
