@@ -23,9 +23,11 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+import urllib.request  # noqa: E402
 import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -42,6 +44,9 @@ import objckpt  # noqa: E402
 from backends import start_s3  # noqa: E402
 from backends.proxy import FaultProxy  # noqa: E402
 from objckpt.core import codecs  # noqa: E402
+from objckpt.roots.sweep import delete_checkpoint  # noqa: E402
+from objckpt.storage import from_url  # noqa: E402
+from objckpt.transfer import runtime  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = {"plain": None, "zstd": "zstd"}
@@ -126,6 +131,22 @@ def one_run(url: str, storage_options: dict[str, Any], tree: dict[str, jax.Array
     return out
 
 
+def drop(service: Any, url: str, storage_options: dict[str, Any]) -> None:
+    """Delete a run's checkpoint and have SeaweedFS reclaim its space (untimed): the server holds
+    what it stores in memory, and the VM's memory is shared."""
+    runtime.run_sync(delete_checkpoint(from_url(url, **storage_options), force=True))
+    args = [str(a) for a in service._process.popen.args if str(a).startswith("-master.port=")]
+    if args:
+        port = args[0].split("=", 1)[1]
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.01", timeout=300).read()
+
+
+def _load(results: dict[str, Any]) -> str:
+    loads = [r["load_avg"][0] for runs in results["s3"].values() for r in runs if "load_avg" in r]
+    return f"{min(loads):.1f}–{max(loads):.1f}" if loads else "unknown"
+
+
 def _cell(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
 
@@ -145,7 +166,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         f"{results['mib']} MiB bf16 state (16 leaves, (4, 2) CPU mesh) on S3 (SeaweedFS) at {results['rtt_ms']:g} ms"
-        f" RTT; medians (min–max) of {results['repeats']} runs, interleaved; CPU = this process's CPU seconds.",
+        f" RTT; medians (min–max) of {results['repeats']} runs, interleaved; CPU = this process's CPU seconds;"
+        f" 1-minute load average after each run {_load(results)} on {results['cpus']} CPUs.",
         "",
         "| mode | save s | save CPU-s | MiB written | restore s | restore CPU-s | MiB read | bit-exact |",
         "|---|---|---|---|---|---|---|---|",
@@ -190,12 +212,16 @@ def main(argv: list[str] | None = None) -> int:
         so = {**so, "client_kwargs": {**so["client_kwargs"], "endpoint_url": proxy.endpoint_url}}
         try:
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+            results["s3"] = runs
             for i in range(args.repeats):
                 for mode in list(MODES) if i % 2 == 0 else list(reversed(MODES)):
-                    out = one_run(s3.url(f"bench-compression/{uuid.uuid4().hex[:8]}"), so, tree, MODES[mode])
+                    url = s3.url(f"bench-compression/{uuid.uuid4().hex[:8]}")
+                    out = one_run(url, so, tree, MODES[mode])
+                    out["load_avg"] = os.getloadavg()
                     runs[mode].append(out)
                     print(f"{mode}: {out}", flush=True)
-            results["s3"] = runs
+                    drop(s3, url, so)
+                    Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
         finally:
             proxy.stop()
     out_path = Path(args.out)
