@@ -23,11 +23,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-import urllib.request  # noqa: E402
 import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -44,9 +42,6 @@ import objckpt  # noqa: E402
 from backends import start_s3  # noqa: E402
 from backends.proxy import FaultProxy  # noqa: E402
 from objckpt.core import codecs  # noqa: E402
-from objckpt.roots.sweep import delete_checkpoint  # noqa: E402
-from objckpt.storage import from_url  # noqa: E402
-from objckpt.transfer import runtime  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = {"plain": None, "zstd": "zstd"}
@@ -131,17 +126,6 @@ def one_run(url: str, storage_options: dict[str, Any], tree: dict[str, jax.Array
     return out
 
 
-def drop(service: Any, url: str, storage_options: dict[str, Any]) -> None:
-    """Delete a run's checkpoint and have SeaweedFS reclaim its space (untimed): the server holds
-    what it stores in memory, and the VM's memory is shared."""
-    runtime.run_sync(delete_checkpoint(from_url(url, **storage_options), force=True))
-    args = [str(a) for a in service._process.popen.args if str(a).startswith("-master.port=")]
-    if args:
-        port = args[0].split("=", 1)[1]
-        with contextlib.suppress(OSError):
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.01", timeout=300).read()
-
-
 def _load(results: dict[str, Any]) -> str:
     loads = [r["load_avg"][0] for runs in results["s3"].values() for r in runs if "load_avg" in r]
     return f"{min(loads):.1f}–{max(loads):.1f}" if loads else "unknown"
@@ -205,25 +189,24 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"repeats": args.repeats, "mib": args.mib, "rtt_ms": args.rtt_ms, "codec": codec()}
     results["cpus"] = os.cpu_count()
     tree = state(args.mib)
-    with start_s3() as s3:
-        so = s3.storage_options()
-        port = int(s3.endpoint_url.rsplit(":", 1)[1])
-        proxy = FaultProxy("127.0.0.1", port, latency_ms=args.rtt_ms).start()
-        so = {**so, "client_kwargs": {**so["client_kwargs"], "endpoint_url": proxy.endpoint_url}}
-        try:
-            runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-            results["s3"] = runs
-            for i in range(args.repeats):
-                for mode in list(MODES) if i % 2 == 0 else list(reversed(MODES)):
-                    url = s3.url(f"bench-compression/{uuid.uuid4().hex[:8]}")
-                    out = one_run(url, so, tree, MODES[mode])
-                    out["load_avg"] = os.getloadavg()
-                    runs[mode].append(out)
-                    print(f"{mode}: {out}", flush=True)
-                    drop(s3, url, so)
-                    Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-        finally:
-            proxy.stop()
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    results["s3"] = runs
+    for i in range(args.repeats):
+        for mode in list(MODES) if i % 2 == 0 else list(reversed(MODES)):
+            # A fresh server per run: SeaweedFS holds what it stores in memory, and this VM's is shared.
+            with start_s3() as s3:
+                so = s3.storage_options()
+                port = int(s3.endpoint_url.rsplit(":", 1)[1])
+                proxy = FaultProxy("127.0.0.1", port, latency_ms=args.rtt_ms).start()
+                so = {**so, "client_kwargs": {**so["client_kwargs"], "endpoint_url": proxy.endpoint_url}}
+                try:
+                    out = one_run(s3.url(f"bench-compression/{uuid.uuid4().hex[:8]}"), so, tree, MODES[mode])
+                finally:
+                    proxy.stop()
+            out["load_avg"] = os.getloadavg()
+            runs[mode].append(out)
+            print(f"{mode}: {out}", flush=True)
+            Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     out_path = Path(args.out)
     out_path.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     table = markdown(results)
