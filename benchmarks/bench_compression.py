@@ -127,7 +127,7 @@ def one_run(url: str, storage_options: dict[str, Any], tree: dict[str, jax.Array
 
 
 def _load(results: dict[str, Any]) -> str:
-    loads = [r["load_avg"][0] for runs in results["s3"].values() for r in runs if "load_avg" in r]
+    loads = [r["load_avg"][0] for runs in results["s3"].values() for r in runs if (r.get("load_avg") or [None])[0]]
     return f"{min(loads):.1f}–{max(loads):.1f}" if loads else "unknown"
 
 
@@ -150,7 +150,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         f"{results['mib']} MiB bf16 state (16 leaves, (4, 2) CPU mesh) on S3 (SeaweedFS) at {results['rtt_ms']:g} ms"
-        f" RTT; medians (min–max) of {results['repeats']} runs, interleaved; CPU = this process's CPU seconds;"
+        f" RTT; medians (min–max) of the runs (plain {len(results['s3']['plain'])}, zstd {len(results['s3']['zstd'])}),"
+        " interleaved; CPU = this process's CPU seconds;"
         f" 1-minute load average after each run {_load(results)} on {results['cpus']} CPUs.",
         "",
         "| mode | save s | save CPU-s | MiB written | restore s | restore CPU-s | MiB read | bit-exact |",
@@ -171,6 +172,8 @@ def markdown(results: dict[str, Any]) -> str:
         k: statistics.median(r[k] for r in s3["plain"]) / statistics.median(r[k] for r in s3["zstd"])
         for k in ("save_s", "restore_s")
     }
+    if results.get("note"):
+        lines += ["", results["note"]]
     lines += [
         "",
         f"Stored {ratio:.2f}× smaller; compressed save {speed['save_s']:.2f}× and restore {speed['restore_s']:.2f}×"
@@ -185,7 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--rtt-ms", type=float, default=10.0)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "compression"))
+    parser.add_argument("--report", help="write the tables of a finished (or cut-short) run's JSON again")
     args = parser.parse_args(argv)
+    if args.report:
+        table = markdown(json.loads(Path(args.report).read_text()))
+        Path(args.report).with_suffix(".md").write_text(table)
+        print(table)
+        return 0
     results: dict[str, Any] = {"repeats": args.repeats, "mib": args.mib, "rtt_ms": args.rtt_ms, "codec": codec()}
     results["cpus"] = os.cpu_count()
     tree = state(args.mib)
