@@ -279,3 +279,11 @@ def test_restores_onto_meshes_that_cut_the_saved_pieces_fetch_at_most_one_and_a_
             needed = _stored_bytes_needed(manifest, r["boxes"])
             assert needed < 0.9 * r["needed_bytes"]  # compressed: fewer bytes than the boxes' raw ones
             assert r["bytes_read"] <= 1.5 * needed, f"{name}, process {p}: read {r['bytes_read']}, needed {needed:.0f}"
+
+
+def test_an_async_compressed_save_encodes_in_its_uploads_and_restores_bit_exact(s3_store):
+    tree = {"w": _sharded(_weights((1024, 512))), "v": _second_moments((256, 256))}
+    handle = objckpt.save_async(s3_store.url, tree, storage_options=s3_store.storage_options, options=ZSTD)
+    handle.result(timeout=120)
+    assert handle.stats.bytes_written < 0.8 * sum(np.asarray(v).nbytes for v in tree.values())
+    assert_tree_bit_exact(tree, objckpt.restore(s3_store.url, storage_options=s3_store.storage_options))
