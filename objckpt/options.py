@@ -6,6 +6,7 @@ fill in defaults, so a benchmark or test can change one knob without patching.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -185,7 +186,15 @@ class Options:
             to the host. Synchronous saves, and shards on CPU devices, never snapshot.
         format_version: the checkpoint format a save writes: 3 (the default: index
             objects a restore reads in part) or 2 (for readers of objckpt versions
-            that predate 3). Readers read 1, 2 and 3 whatever this says.
+            that predate 3). Readers read 1, 2, 3 and 4 whatever this says.
+        compression: ``"zstd"``: a save stores each array leaf's bytes as byte planes
+            (byte ``j`` of every value together), each compressed with zstd, in pieces
+            of at most 1 MiB raw, and writes format version 4 (docs/FORMAT.md
+            "Compressed pieces"): bf16 weights ≈ 1.45× smaller, f32 optimizer moments
+            ≈ 1.1-1.2×, at the CPU cost docs/PERFORMANCE.md ("Compression") measures.
+            Needs the ``zstandard`` package (``pip install "objckpt[compression]"``)
+            and ``format_version=3``. None (the default): bytes stored as they are.
+            Readers decode compressed checkpoints whatever this says.
     """
 
     blob_size: int = 32 * MiB
@@ -212,6 +221,7 @@ class Options:
     reshard: bool = True
     format_version: int = 3
     device_snapshot: str = "off"
+    compression: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -240,6 +250,15 @@ class Options:
             raise ValueError(f"Options.digest must be None or one of {', '.join(DIGESTS)}, got {self.digest!r}")
         if self.format_version not in (2, 3) or type(self.format_version) is not int:
             raise ValueError(f"Options.format_version must be 2 or 3, got {self.format_version!r}")
+        if self.compression not in (None, "zstd"):
+            raise ValueError(f"Options.compression must be None or 'zstd', got {self.compression!r}")
+        if self.compression is not None:
+            if self.format_version != 3:
+                raise ValueError("Options.compression needs Options.format_version=3 (it writes format version 4)")
+            if importlib.util.find_spec("zstandard") is None:
+                raise ImportError(
+                    'Options(compression="zstd") needs the zstandard package: pip install "objckpt[compression]"'
+                )
         if self.device_snapshot not in ("off", "auto", "on"):
             raise ValueError(f"Options.device_snapshot must be 'off', 'auto' or 'on', got {self.device_snapshot!r}")
 

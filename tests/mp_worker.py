@@ -282,6 +282,7 @@ def restore() -> dict[str, Any]:
     result: dict[str, Any] = {"bytes_read": stats.bytes_read, "mismatches": check(restored, target), "seconds": seconds}
     if JOB.get("count_needed"):  # bytes this process's target boxes hold (each box once), and the reshard's
         result["needed_bytes"] = needed_bytes(restored["params"])
+        result["boxes"] = needed_boxes(restored["params"])
         result["device_bytes_moved"] = stats.device_bytes_moved
         result["read_axes"] = read_axes
     if JOB.get("replicas"):
@@ -301,6 +302,18 @@ def needed_bytes(params: dict[str, Any]) -> int:
         boxes = {tuple((s.start, s.stop) for s in shard.index): shard.data.nbytes for shard in array.addressable_shards}
         total += sum(boxes.values())
     return total
+
+
+def needed_boxes(params: dict[str, Any]) -> dict[str, list[list[list[int]]]]:
+    """Per leaf, the distinct boxes (starts, stops) this process's addressable shards hold."""
+    out = {}
+    for name, array in params.items():
+        boxes = {
+            tuple((s.start or 0, s.stop if s.stop is not None else n) for s, n in zip(shard.index, array.shape))
+            for shard in array.addressable_shards
+        }
+        out[name] = [[[a for a, _ in box], [b for _, b in box]] for box in sorted(boxes)]
+    return out
 
 
 def run() -> dict[str, Any]:

@@ -75,7 +75,7 @@ def show(args: argparse.Namespace, url: str) -> int:
         return 0
     print(
         f"total: {len(info.leaves)} leaves, {human_bytes(info.total_bytes)} ({info.total_bytes} bytes)"
-        f" in {info.num_blobs} blobs; format v{info.format_version}, created {info.created},"
+        f" in {info.num_blobs} blobs{info.stored_summary()}; format v{info.format_version}, created {info.created},"
         f" {info.num_processes} process(es), save_id {info.save_id}"
     )
     print(f"metadata: {json.dumps(info.metadata, sort_keys=True, default=str) if info.metadata else '{}'}")
@@ -208,6 +208,7 @@ def _leaf_doc(leaf: LeafInfo) -> dict[str, Any]:
         "shape": list(leaf.shape) if leaf.shape is not None else None,
         "key_type": leaf.key_type,
         "nbytes": leaf.nbytes,
+        "codec": leaf.codec,
         "sharding": leaf.sharding,
         "value": _value(leaf.value),
     }
@@ -222,6 +223,7 @@ def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
         "save_id": info.save_id,
         "num_processes": info.num_processes,
         "total_bytes": info.total_bytes,
+        "stored_bytes": info.stored_bytes,
         "num_blobs": info.num_blobs,
         "metadata": info.metadata,
         "leaves": [_leaf_doc(leaf) for leaf in info.leaves.values()],

@@ -47,6 +47,8 @@ class LeafInfo:
         value: for an inline leaf (int, float, bool, None), the value; for a ``json``
             item, the document; for a ``per_process`` item, each process's value size
             in bytes, in process order.
+        codec: how its pieces are stored (``shuffle-zstd``: byte planes and zstd, saved
+            with ``Options(compression="zstd")``); None: as they are.
     """
 
     path: str
@@ -57,6 +59,7 @@ class LeafInfo:
     sharding: dict[str, Any] | None = None
     value: Any = None  # inline leaves (int, float, bool, None): the value; json: the document;
     # per_process: each process's value size in bytes, in process order
+    codec: str | None = None
 
     def item_summary(self, limit: int = 200) -> str | None:
         """For an item, what ``inspect`` shows of it: a JSON document inline when its text is at
@@ -91,7 +94,12 @@ class LeafInfo:
                 f"{self.path}  {self.key_type}{list(self.shape[:-1])} (stored as {self.dtype}{list(self.shape)})"
                 f"  {human_bytes(self.nbytes)}  ({self.kind})"
             )
-        return f"{self.path}  {self.dtype}{list(self.shape)}  {human_bytes(self.nbytes)}  ({self.kind})"
+        kind = self.kind if self.codec is None else f"{self.kind}, {self.codec}"
+        return f"{self.path}  {self.dtype}{list(self.shape)}  {human_bytes(self.nbytes)}  ({kind})"
+
+
+def _ratio(logical: int, stored: int) -> str:
+    return f"{logical / stored:.2f}× smaller" if stored else "nothing stored"
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,8 @@ class CheckpointInfo:
             under ``"objckpt.manager"``).
         format: ``"objckpt"``, or the name of another layout (``"orbax"``: format_version 0,
             no save_id; its arrays are in Orbax's own files, not blobs).
+        stored_bytes: the bytes of its blobs in the store (from the root manifest alone); below
+            ``total_bytes`` when its leaves are compressed. None for another layout.
     """
 
     url: str
@@ -125,6 +135,13 @@ class CheckpointInfo:
     num_processes: int
     metadata: dict[str, Any]
     format: str = "objckpt"
+    stored_bytes: int | None = None
+
+    def stored_summary(self) -> str:
+        """``, stored as <bytes> (<ratio>× smaller)`` when any leaf is compressed, else nothing."""
+        if self.stored_bytes is None or not any(leaf.codec for leaf in self.leaves.values()):
+            return ""
+        return f", stored as {human_bytes(self.stored_bytes)} ({_ratio(self.total_bytes, self.stored_bytes)})"
 
     def __str__(self) -> str:
         if self.format != "objckpt":
@@ -136,6 +153,7 @@ class CheckpointInfo:
             summary = (
                 f"  format v{self.format_version}, created {self.created}, {self.num_processes} process(es),"
                 f" {len(self.leaves)} leaves, {human_bytes(self.total_bytes)} in {self.num_blobs} blobs"
+                f"{self.stored_summary()}"
             )
         lines = [f"checkpoint {self.url}", summary]
         if self.metadata:
@@ -152,8 +170,9 @@ class VerifyProblem:
         kind: ``missing``, ``short``, ``size`` (longer than the manifest says),
             ``checksum``, ``sha256`` (the crc32c matches, the SHA-256 of a
             checkpoint saved with ``Options.digest`` does not: bytes changed on
-            purpose), ``unreadable``, or, from ``verify(read_data=False)``,
-            ``unchecked`` (the store keeps no crc32c of the blob to compare).
+            purpose), ``codec`` (a compressed piece whose checksum matches does not
+            decode to its box's bytes: written wrong), ``unreadable``, or, from
+            ``verify(read_data=False)``, ``unchecked`` (the store keeps no crc32c of the blob to compare).
         blob: the blob's key, relative to the checkpoint.
         message: one line naming everything needed to find it.
         leaf: the leaf path, for a checksum or sha256 mismatch.

@@ -111,6 +111,9 @@ async def read_indexes(
         return manifest
     if manifest.version >= 3:
         table = LeafTable(manifest)
+        # Columns imply each row's length from its box; version 4 rows (compressed leaves) carry
+        # their own, so they are read as pieces.
+        columnar = columnar and manifest.version < 4
         rows = RowsBuilder(digest=any(r.sha256 is not None for r in manifest.indexes)) if columnar else None
 
         async def one3(process: int) -> IndexDoc:

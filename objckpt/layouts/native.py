@@ -110,7 +110,7 @@ async def open_native(store: Store, *, size_limit: int) -> NativeCheckpoint:
 def leaf_info(entry: LeafEntry) -> LeafInfo:
     """What ``inspect`` shows of one saved leaf."""
     value = [ref["length"] for ref in entry.value] if entry.kind == "per_process" else entry.value
-    return LeafInfo(entry.path, entry.kind, entry.shape, entry.dtype, entry.nbytes, entry.sharding, value)
+    return LeafInfo(entry.path, entry.kind, entry.shape, entry.dtype, entry.nbytes, entry.sharding, value, entry.codec)
 
 
 def info_from_manifest(url: str, manifest: Manifest) -> CheckpointInfo:
@@ -130,6 +130,9 @@ def info_from_manifest(url: str, manifest: Manifest) -> CheckpointInfo:
         num_processes=manifest.num_processes,
         metadata=manifest.metadata,
         format=FORMAT,
+        stored_bytes=sum(r.blob_bytes for r in manifest.indexes)
+        if manifest.version >= 2
+        else sum(b.size for b in manifest.blobs),
     )
 
 

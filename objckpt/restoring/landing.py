@@ -17,6 +17,7 @@ arrives (:mod:`objckpt.restoring.scatter`, through :meth:`Landing.boxes_met` and
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import numpy as np
 
 from objckpt.core.boxes import Box, box_to_slices, index_to_box
 from objckpt.core.checksum import damage
+from objckpt.core.codecs import decode
 from objckpt.core.format import LeafEntry
 from objckpt.core.plan import ReadRequest
 from objckpt.errors import ChecksumMismatchError, FormatError
@@ -281,6 +283,7 @@ class Landing:
             for k, part in enumerate(request.parts)
             if ((base + part.offset) % DEVICE_ALIGNMENT == 0 or not self.plans[part.leaf].on_host)
             and self.plans[part.leaf].whole_box(part.piece)
+            and self.plans[part.leaf].entry.codec is None  # stored bytes are not the values
             and (part.piece.start, part.piece.stop) not in self._leaves[part.leaf].buffers
         }
 
@@ -306,11 +309,21 @@ class Landing:
                     f"{wrong} mismatch in leaf {plan.entry.path}: blob {url}/{piece.blob}"
                     f" bytes [{piece.offset}, {piece.offset + piece.length})"
                 )
-            source = np.frombuffer(raw, dtype=plan.dtype).reshape(piece.shape)
+            if plan.entry.codec is not None:  # checked as stored, then decoded (objckpt.core.codecs)
+                source = self._decoded(plan, piece, raw, url)
+            else:
+                source = np.frombuffer(raw, dtype=plan.dtype).reshape(piece.shape)
             if k in adopted:
                 self._leaves[part.leaf].buffers[(piece.start, piece.stop)] = source
                 continue
             self.copy(part.leaf, plan.meets_of(piece), source, piece.start)
+
+    @staticmethod
+    def _decoded(plan: LeafPlan, piece: Any, stored: memoryview, url: str) -> np.ndarray:
+        """A compressed piece's values from its checked stored bytes (FormatError naming it)."""
+        where = f"leaf {plan.entry.path}: blob {url}/{piece.blob} bytes [{piece.offset}, {piece.offset + piece.length})"
+        itemsize = plan.dtype.itemsize
+        return decode(stored, itemsize, math.prod(piece.shape) * itemsize, where).view(plan.dtype).reshape(piece.shape)
 
     # ------------------------------------------------------------------ counting and finishing
 

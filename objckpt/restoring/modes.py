@@ -37,6 +37,8 @@ def landing_mode(
     scatters the read as it arrives, and any other store's read is copied (a
     part that happens to land aligned is still adopted: :meth:`objckpt.restoring.landing.Landing.land`).
     """
+    if any(plans[part.leaf].entry.codec is not None for part in request.parts):
+        return Mode.COPIED  # compressed pieces are decoded whole once read (Landing.land)
     if reads_in_place and may_adopt(request, plans):
         return Mode.ADOPTED
     return Mode.STREAMED if streams_reads else Mode.COPIED

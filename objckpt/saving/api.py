@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 from objckpt import in_flight
 from objckpt.core.boxes import MeshTable
+from objckpt.core.codecs import CHUNK_BYTES
 from objckpt.core.format import ITEM_KINDS, LeafEntry
 from objckpt.core.metadata import to_json_value
 from objckpt.core.plan import blob_key, packing_order, plan_blobs
@@ -45,6 +46,7 @@ from objckpt.progress import ProgressArg, closing, finish_from_caller, start
 from objckpt.saving import pipeline
 from objckpt.saving.blob_sizing import save_blob_size, split_pieces
 from objckpt.saving.classify import classify
+from objckpt.saving.encode import coded_leaves
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import tune_malloc
 from objckpt.transfer.engine import TransferStats
@@ -210,7 +212,11 @@ def _begin(
     owned.sort(key=packing_order)
     save_id = _shared_save_id(coordinator, tag, options.barrier_timeout)
     # Pieces stay at most options.blob_size, whatever the blob size: restores read pieces.
-    owned = split_pieces(owned, max_bytes=options.blob_size)
+    # Compressed pieces stay at most CHUNK_BYTES: a read that needs part of a shard fetches only
+    # the chunks its box meets (docs/PERFORMANCE.md "Compression").
+    chunk = options.blob_size if options.compression is None else min(options.blob_size, CHUNK_BYTES)
+    owned = split_pieces(owned, max_bytes=chunk)
+    coded = coded_leaves([e.kind for e in entries], options.compression)
     blob_size = save_blob_size(
         options, sum(p.nbytes for p in owned), processes=coordinator.process_count, hold_uploads=hold_uploads
     )
@@ -226,7 +232,7 @@ def _begin(
     try:
         total = sum(b.size for b in blobs)
         reporter = start(progress, "save", handle.url, total, lambda: stats.bytes_written, stats)
-        uploads = pipeline.upload(save, blobs, hold_uploads=hold_uploads)
+        uploads = pipeline.upload(save, blobs, hold_uploads=hold_uploads, coded=coded)
     except BaseException:
         finish_from_caller(reporter, complete=False)
         pipeline.abandon(save)
@@ -240,6 +246,7 @@ def _begin(
         meshes=tuple(meshes.meshes),
         metadata=metadata,
         started=started,
+        coded=coded,
     )
     future = runtime.submit(_then_close(closing(commit, reporter), handle))
     in_flight.track(handle.url, future)

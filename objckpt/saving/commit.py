@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from objckpt.core.checksum import crc32c, sha256_hex
+from objckpt.core.codecs import CODEC
 from objckpt.core.format import (
     MANIFEST_KEY,
     IndexRef,
@@ -77,8 +78,10 @@ class Commit:
         entries: list[LeafEntry],
         meshes: tuple[Mesh, ...],
         metadata: dict[str, Any],
+        coded: frozenset[int] = frozenset(),
     ) -> None:
         self.store = save.handle.store
+        self.coded = coded  # the leaves whose pieces are compressed (Options.compression)
         self.engine = save.handle.engine
         self.options = save.handle.options
         self.coordinator = save.coordinator
@@ -247,7 +250,10 @@ class Commit:
         head = 0  # version 3: the root pins the head (which pins each frame), not the whole object
         if self.options.format_version >= 3:
             breaks = item_breaks([e.path for e in self.entries])
-            encoded = index3_encode(self.save_id, process, records, blobs, digest=digest, breaks=breaks)
+            lengths = self.options.compression is not None  # version 4: rows with stored lengths
+            encoded = index3_encode(
+                self.save_id, process, records, blobs, digest=digest, breaks=breaks, lengths=lengths
+            )
             data, head = encoded.data, encoded.head
         else:
             data = index_to_json(self.save_id, process, records, blobs, digest=digest)
@@ -311,6 +317,10 @@ class Commit:
             return False
 
     def _manifest(self, entries: list[LeafEntry], indexes: list[IndexRef]) -> Manifest:
+        version = self.options.format_version
+        if self.options.compression is not None:  # version 4: every leaf with blob bytes is encoded
+            version = 4
+            entries = [replace(e, codec=CODEC) if i in self.coded else e for i, e in enumerate(entries)]
         return Manifest(
             save_id=self.save_id,
             created=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
@@ -319,7 +329,7 @@ class Commit:
             blobs=(),
             num_processes=self.coordinator.process_count,
             metadata=self.metadata,
-            version=self.options.format_version,
+            version=version,
             meshes=self.meshes,
             indexes=tuple(indexes),
             slab_bytes=self.options.split_replicas_above,

@@ -70,10 +70,10 @@ def begin(handle: Handle, *, coordinator: Coordinator, tag: str, save_id: str) -
     return Save(handle=handle, coordinator=coordinator, tag=tag, save_id=save_id, marker=marker)
 
 
-def upload(save: Save, blobs: list[BlobPlan], *, hold_uploads: bool) -> Uploads:
+def upload(save: Save, blobs: list[BlobPlan], *, hold_uploads: bool, coded: frozenset[int] = frozenset()) -> Uploads:
     """Send ``blobs`` (the blocking phase: see :func:`~objckpt.saving.upload.snapshot_and_upload`);
-    the futures of their piece records."""
-    return snapshot_and_upload(blobs, save.handle, hold_uploads=hold_uploads)
+    the futures of their piece records. ``coded``: the leaves whose pieces are compressed."""
+    return snapshot_and_upload(blobs, save.handle, hold_uploads=hold_uploads, coded=coded)
 
 
 async def commit(
@@ -85,10 +85,13 @@ async def commit(
     meshes: tuple[Mesh, ...],
     metadata: dict[str, Any],
     started: float,
+    coded: frozenset[int] = frozenset(),
 ) -> None:
     """Wait for ``uploads``, commit the checkpoint (or abort it on every process), then take the
-    marker down; on the I/O loop. ``started``: when the uploads began, for the log's rate."""
-    await Commit(save, skeleton=skeleton, entries=entries, meshes=meshes, metadata=metadata).run(uploads, started)
+    marker down; on the I/O loop. ``started``: when the uploads began, for the log's rate.
+    ``coded``: the leaves whose pieces were compressed (their entries name the codec)."""
+    commit = Commit(save, skeleton=skeleton, entries=entries, meshes=meshes, metadata=metadata, coded=coded)
+    await commit.run(uploads, started)
 
 
 def abandon(save: Save) -> None:

@@ -25,6 +25,7 @@ from objckpt.core.checksum import blob_crc32c, crc32c, sha256_hex
 from objckpt.core.format import Piece
 from objckpt.core.plan import BlobPlan
 from objckpt.saving.blob_sizing import staging_limit
+from objckpt.saving.encode import Spans, encode_blob
 from objckpt.saving.host_copies import HostCopies, wants_snapshot
 from objckpt.saving.staging import StagingPool
 from objckpt.transfer import runtime
@@ -35,7 +36,7 @@ PieceRecord = tuple[int, Piece]  # (leaf index, stored piece)
 
 
 def snapshot_and_upload(
-    blobs: list[BlobPlan], handle: Handle, *, hold_uploads: bool
+    blobs: list[BlobPlan], handle: Handle, *, hold_uploads: bool, coded: frozenset[int] = frozenset()
 ) -> list[concurrent.futures.Future[list[PieceRecord]]]:
     """The blocking phase: send each blob in place or fill its staging buffer, hand it to the uploader.
 
@@ -48,11 +49,12 @@ def snapshot_and_upload(
     copies (no staging), when the store sends a body of parts. With ``Options.device_snapshot``
     the shards are first copied on their devices and everything after that runs on a thread of
     its own: the phase returns once those copies are dispatched. Stops early if an upload has
-    already failed.
+    already failed. ``coded``: the leaves whose pieces are compressed (``Options.compression``):
+    every blob is then staged, and encoded by its upload (:mod:`objckpt.saving.encode`).
     """
     options = handle.options
     snapshot = hold_uploads and wants_snapshot(options.device_snapshot, blobs)
-    fill = _Fill(blobs, handle, hold_uploads=hold_uploads, snapshot=snapshot)
+    fill = _Fill(blobs, handle, hold_uploads=hold_uploads, snapshot=snapshot, coded=coded)
     if not snapshot:
         fill.run()
         return fill.futures
@@ -65,7 +67,9 @@ class _Fill:
     """One save's blocking phase: each blob's bytes read off the devices (:class:`HostCopies`),
     then sent in place or staged, and handed to the uploader (``futures``, in blob order)."""
 
-    def __init__(self, blobs: list[BlobPlan], handle: Handle, *, hold_uploads: bool, snapshot: bool) -> None:
+    def __init__(
+        self, blobs: list[BlobPlan], handle: Handle, *, hold_uploads: bool, snapshot: bool, coded: frozenset[int]
+    ) -> None:
         options = handle.options
         limit = staging_limit(options, hold_uploads=hold_uploads)
         self.blobs, self.engine, self.digest = blobs, handle.engine, options.digest
@@ -80,7 +84,8 @@ class _Fill:
         # A synchronous save may send array bytes straight from the arrays (it returns only after
         # its uploads end); any save, bytes copied off an accelerator; both when the store sends
         # a body of parts.
-        self.puts_parts = handle.traits.puts_parts
+        self.puts_parts = handle.traits.puts_parts and not coded  # a compressed piece is never sent in place
+        self.coded = coded
         self.slots = threading.Semaphore(options.max_concurrency)  # synchronous in-place uploads in flight
         self.futures: list[concurrent.futures.Future[list[PieceRecord]]] = []
 
@@ -128,7 +133,7 @@ class _Fill:
                 view = staged[placed.offset : placed.offset + piece.nbytes].view(piece.source[0].dtype)
                 copy_piece_into(piece, view.reshape(piece.shape), host=self.copies.host(piece.source[0])[0])
             self.copies.release(i)
-            future = runtime.submit(_upload(blob, buffer, self.pool, self.engine, self.gate, self.digest))
+            future = runtime.submit(_upload(blob, buffer, self.pool, self.engine, self.gate, self.digest, self.coded))
         future.add_done_callback(self._on_done)
         self.futures.append(future)
         return True
@@ -190,7 +195,9 @@ async def _upload_parts(
     try:
         await asyncio.wrap_future(gate)
         crcs = await asyncio.to_thread(_checksums, parts[1::2], digest)  # parts: gap, piece, gap, piece, ...
-        await engine.put(blob.key, parts, crc32c=_blob_crc32c(blob, crcs))
+        await engine.put(
+            blob.key, parts, crc32c=_blob_crc32c([(p.offset, p.piece.nbytes) for p in blob.pieces], crcs, blob.size)
+        )
     finally:
         if slots is not None:
             slots.release()
@@ -213,22 +220,36 @@ async def _upload(
     engine: TransferEngine,
     gate: concurrent.futures.Future[None],
     digest: str | None,
+    coded: frozenset[int] = frozenset(),
 ) -> list[PieceRecord]:
     """Checksum each piece (off the loop thread) and PUT the blob with retries, once the gate opens.
 
-    The buffer goes back to the pool afterwards, for reuse only if one attempt sent it.
+    The buffer goes back to the pool afterwards, for reuse only if one attempt sent it. A
+    compressed save's blob (``coded``) is encoded first, off the loop thread, into a body of
+    its own, and the buffer goes back as soon as it is.
     """
     attempts = 0
+    held = True
+    spans = None
     try:
         await asyncio.wrap_future(gate)
-        data = buffer.data[: blob.size]
-        view = data.toreadonly()
-        pieces = [view[p.offset : p.offset + p.piece.nbytes] for p in blob.pieces]
+        data: Any = buffer.data[: blob.size]
+        if coded:
+            data, spans = await asyncio.to_thread(encode_blob, blob, data, coded)
+            held = False
+            pool.give(buffer, reusable=True)
+        view = memoryview(data).toreadonly()
+        if spans is None:
+            pieces = [view[p.offset : p.offset + p.piece.nbytes] for p in blob.pieces]
+        else:
+            pieces = [view[at : at + n] for at, n in spans]
         crcs = await asyncio.to_thread(_checksums, pieces, digest)
-        attempts = await engine.put(blob.key, data, crc32c=_blob_crc32c(blob, crcs))
+        placed = spans if spans is not None else [(p.offset, p.piece.nbytes) for p in blob.pieces]
+        attempts = await engine.put(blob.key, data, crc32c=_blob_crc32c(placed, crcs, len(view)))
     finally:
-        pool.give(buffer, reusable=attempts == 1)
-    return _records(blob, crcs)
+        if held:
+            pool.give(buffer, reusable=attempts == 1)
+    return _records(blob, crcs, spans)
 
 
 def _checksums(pieces: list[memoryview], digest: str | None) -> list[tuple[int, str | None]]:
@@ -236,14 +257,18 @@ def _checksums(pieces: list[memoryview], digest: str | None) -> list[tuple[int, 
     return [(crc32c(p), sha256_hex(p) if digest else None) for p in pieces]
 
 
-def _blob_crc32c(blob: BlobPlan, crcs: list[tuple[int, str | None]]) -> int:
-    """The whole blob's CRC-32C, combined from its pieces' (no second pass), sent with its upload."""
-    return blob_crc32c(((p.offset, p.piece.nbytes, crc) for p, (crc, _) in zip(blob.pieces, crcs)), blob.size)
+def _blob_crc32c(spans: Spans, crcs: list[tuple[int, str | None]], size: int) -> int:
+    """The whole blob's CRC-32C, combined from its pieces' at their ``spans`` (no second pass),
+    sent with its upload."""
+    return blob_crc32c(((at, n, crc) for (at, n), (crc, _) in zip(spans, crcs)), size)
 
 
-def _records(blob: BlobPlan, crcs: list[tuple[int, str | None]]) -> list[PieceRecord]:
-    """The manifest's record of each piece of an uploaded blob."""
+def _records(blob: BlobPlan, crcs: list[tuple[int, str | None]], spans: Spans | None = None) -> list[PieceRecord]:
+    """The manifest's record of each piece of an uploaded blob (``spans``: where an encoded
+    blob's pieces lie, :func:`objckpt.saving.encode.encode_blob`)."""
+    if spans is None:
+        spans = [(p.offset, p.piece.nbytes) for p in blob.pieces]
     return [
-        (p.piece.leaf, Piece(p.piece.start, p.piece.stop, blob.key, p.offset, p.piece.nbytes, crc, sha))
-        for p, (crc, sha) in zip(blob.pieces, crcs)
+        (p.piece.leaf, Piece(p.piece.start, p.piece.stop, blob.key, at, n, crc, sha))
+        for p, (at, n), (crc, sha) in zip(blob.pieces, spans, crcs)
     ]

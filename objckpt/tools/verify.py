@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from objckpt.core.checksum import damage
+from objckpt.core.codecs import decode
+from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format import BlobEntry, Manifest, Piece
 from objckpt.core.format.v2 import require_digest
-from objckpt.errors import CheckpointNotFoundError, ChecksumsUnavailableError, StoreError
+from objckpt.errors import CheckpointNotFoundError, ChecksumsUnavailableError, FormatError, StoreError
 from objckpt.layouts.base import VerifyProblem, VerifyReport
 from objckpt.layouts.native import NativeCheckpoint
 from objckpt.layouts.registry import open_checkpoint
@@ -152,12 +156,14 @@ async def _verify(handle: Handle, manifest: Manifest) -> list[VerifyProblem]:
     by_blob = pieces_by_blob(manifest)
     chunk = min(READ_CHUNK, options.copied_read_limit(streamed=False))
     problems: list[VerifyProblem] = []
+    coded = coded_leaves(manifest)
 
     reads = options.retry.checksum_reads
 
     async def one(blob: BlobEntry) -> None:
         listed = present.get(blob.key)
-        problems.extend(await check_blob(engine, blob, by_blob.get(blob.key, []), listed, chunk=chunk, reads=reads))
+        pieces = by_blob.get(blob.key, [])
+        problems.extend(await check_blob(engine, blob, pieces, listed, chunk=chunk, reads=reads, coded=coded))
 
     window = min(options.read_window, options.memory_budget)
     await engine.for_each(manifest.blobs, one, window_bytes=window, size=lambda b: max(b.size, 1))
@@ -229,6 +235,7 @@ async def check_blob(
     *,
     chunk: int,
     reads: int = 1,
+    coded: Mapping[str, int] | None = None,
 ) -> list[VerifyProblem]:
     """Read one blob and return everything wrong with it (nothing: it is intact).
 
@@ -241,6 +248,8 @@ async def check_blob(
             listing did not show the blob (it is then reported missing, unread).
         reads: reads of a piece whose checksum does not match, the first
             included, before it is reported (:func:`recheck`).
+        coded: the compressed leaves (path → itemsize, :func:`coded_leaves`): each of their
+            pieces whose checksum matches is decoded too (:func:`check_decoding`).
     """
     url = engine.store.url
     leaves = sorted({path for path, _ in pieces})
@@ -278,8 +287,43 @@ async def check_blob(
             )
         )
     mismatches = await asyncio.to_thread(check_pieces, url, blob.key, data, pieces)
+    if coded:
+        damaged = {m.start for m in mismatches}
+        intact = [p for p in pieces if p[0] in coded and p[1].offset not in damaged]
+        problems.extend(await asyncio.to_thread(check_decoding, url, blob.key, data, intact, coded))
     del data
     problems.extend(await recheck(engine, blob.key, mismatches, pieces, reads=reads))
+    return problems
+
+
+def coded_leaves(manifest: Manifest) -> dict[str, int]:
+    """The compressed leaves of ``manifest`` (format version 4), path → itemsize."""
+    out = {}
+    for leaf in manifest.leaves:
+        dtype = dtype_from_name(leaf.dtype) if leaf.codec is not None and leaf.dtype is not None else None
+        if dtype is not None:
+            out[leaf.path] = dtype.itemsize
+    return out
+
+
+def check_decoding(
+    url: str, key: str, data: bytes | bytearray | memoryview, pieces: list[PieceRef], coded: Mapping[str, int]
+) -> list[VerifyProblem]:
+    """Decode each compressed piece inside ``data`` (the blob's bytes; checksums already
+    matched): one that does not give exactly its box's bytes is a ``codec`` problem. Reading
+    it again would give the same bytes, so it is not read again."""
+    problems = []
+    view = memoryview(data)
+    for path, p in pieces:
+        end = p.offset + p.length
+        if end > len(view):
+            continue  # reported once per blob as "short"
+        itemsize = coded[path]
+        where = f"leaf {path}: blob {url}/{key} bytes [{p.offset}, {end})"
+        try:
+            decode(view[p.offset : end], itemsize, math.prod(p.shape) * itemsize, where)
+        except FormatError as e:
+            problems.append(VerifyProblem("codec", key, str(e), leaf=path, start=p.offset, end=end))
     return problems
 
 

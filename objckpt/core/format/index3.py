@@ -53,6 +53,7 @@ _PREFIX = len(MAGIC) + 4  # the magic, then the JSON's byte length (u32 little-e
 FRAME_LIMIT = 16 << 20
 _FIXED = 20  # bytes per row before its coordinates: leaf u32, blob u32, offset u64, crc32c u32
 _SHA = 32
+_LENGTH = 8  # version 4: each row's stored byte length (u64, byte-planar, after the coordinates)
 
 
 class Pinned(FormatError):
@@ -146,7 +147,8 @@ def _pinned_head(head: bytes, manifest: Manifest, process: int, table: LeafTable
     doc = strict_json(head[_PREFIX:], doc_name)
     fields(doc, "(top level)", {"format", "version", "save_id", "process", "blobs", "frames"}, set(), doc_name)
     need(doc["format"] == INDEX_FORMAT, "'format'", f"must be {INDEX_FORMAT!r}", doc_name)
-    need(doc["version"] == 3 and is_int(doc["version"]), "'version'", "must be 3", doc_name)
+    version = 4 if manifest.version >= 4 else 3  # version 4 objects belong to version 4 roots
+    need(doc["version"] == version and is_int(doc["version"]), "'version'", f"must be {version}", doc_name)
     need(
         doc["save_id"] == manifest.save_id,
         "'save_id'",
@@ -356,7 +358,8 @@ def check_frame(
     digest = f.sha256 is not None
     uniform = int(rank[0]) if rank.min() == rank.max() else None  # one rank: rows as they lie
     count = n * 2 * uniform if uniform is not None else int(width.sum())
-    if _FIXED * n + 8 * count + (_SHA * n if digest else 0) != f.raw_length:
+    stored = _LENGTH * n if table.lengths else 0
+    if _FIXED * n + 8 * count + stored + (_SHA * n if digest else 0) != f.raw_length:
         raise bad(f"{f.raw_length} bytes do not hold {n} rows of these leaves")
     if (blob >= len(head.keys)).any():
         raise bad(f"row {int(np.argmax(blob >= len(head.keys)))}: blob position not in 'blobs'")
@@ -381,13 +384,16 @@ def check_frame(
             )
         length[sel] = nbytes[inverse]
         groups.append(Group(sel, grid if r else None, distinct, inverse))
+    covered = length  # the raw bytes of each row's box: what it covers of its leaf
+    if stored:
+        length = _stored_lengths(_unplanar(raw, _FIXED * n + 8 * count, n, "<u8"), covered, leaf, table, bad)
     size = np.asarray(head.sizes, dtype=np.int64)[blob]
     fits = offset <= size.astype(np.uint64)
     fits[fits] = offset[fits].astype(np.int64) + length[fits] <= size[fits]
     if not fits.all():
         row = int(np.argmax(~fits))
         raise bad(f"row {row}: bytes beyond blob {head.keys[int(blob[row])]!r}")
-    cover(leaf, delta, length, table, tally, bad)
+    cover(leaf, delta, covered, table, tally, bad)
     shas = None
     if digest:
         shas = np.frombuffer(raw, np.uint8, _SHA * n, f.raw_length - _SHA * n).reshape(n, _SHA).copy()
@@ -409,6 +415,20 @@ def check_frame(
         if len(g.sel):
             picked.append(g)
     return FrameRows(leaf, blob, offset, length, crc, shas, picked)
+
+
+def _stored_lengths(stored: np.ndarray, nbytes: np.ndarray, leaf: np.ndarray, table: LeafTable, bad: Any) -> np.ndarray:
+    """Version 4 rows' stored lengths (int64), checked: a raw leaf's row stores its box's bytes,
+    a compressed leaf's at least one byte and at most what the codec can make of its box
+    (:func:`objckpt.core.codecs.encoded_bound`)."""
+    coded = table.coded[leaf]
+    bound = nbytes + 4 * table.itemsize[leaf]
+    ok = np.where(coded, (stored >= 1) & (stored <= bound.astype(np.uint64)), stored == nbytes.astype(np.uint64))
+    if not ok.all():
+        row = int(np.argmax(~ok))
+        what = f"at most {int(bound[row])} (its codec's bound)" if coded[row] else f"{int(nbytes[row])} (dtype × box)"
+        raise bad(f"row {row}: stored length {int(stored[row])} must be {what}")
+    return stored.astype(np.int64)
 
 
 def _unplanar(raw: bytes, offset: int, count: int, dtype: str) -> np.ndarray:

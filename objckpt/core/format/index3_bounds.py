@@ -51,6 +51,10 @@ class LeafTable:
     def __init__(self, manifest: Manifest) -> None:
         n = len(manifest.leaves)
         self._manifest = manifest
+        #: Version 4: rows carry stored lengths; per leaf, whether its pieces are encoded, and its itemsize.
+        self.lengths = manifest.version >= 4
+        self.coded = np.zeros(n, dtype=bool)
+        self.itemsize = np.zeros(n, dtype=np.int64)
         self.covered = np.zeros(n, dtype=np.float64)
         self.rank = np.full(n, -1, dtype=np.int64)
         self.kind = np.zeros(n, dtype=np.int64)
@@ -63,6 +67,8 @@ class LeafTable:
                 if any(s >= BYTES_LIMIT for s in shape):
                     continue  # no box of it fits a blob (each extent below 2**62 keeps the sums in int64)
                 self.rank[i] = len(shape)
+                self.coded[i] = leaf.codec is not None
+                self.itemsize[i] = dtype.itemsize
                 self.kind[i] = kinds.setdefault((dtype.itemsize, tuple(shape)), len(kinds))
         width = max((len(shape) for _, shape in kinds), default=0)
         self.kind_shape = np.zeros((len(kinds), width), dtype=np.int64)

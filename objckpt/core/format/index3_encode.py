@@ -20,7 +20,7 @@ import numpy as np
 
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format.index import INDEX_FORMAT
-from objckpt.core.format.index3 import _FIXED, _PREFIX, _SHA, MAGIC
+from objckpt.core.format.index3 import _FIXED, _LENGTH, _PREFIX, _SHA, MAGIC
 from objckpt.core.format.index3_bounds import item_starts
 from objckpt.core.pieces import Piece
 
@@ -48,6 +48,7 @@ def index3_encode(
     digest: bool = False,
     frame_target: int | None = None,
     breaks: Collection[int] = (),
+    lengths: bool = False,
 ) -> Encoded:
     """A version 3 index object: ``records`` are (leaf, piece); ``blobs`` each blob's key and size.
 
@@ -55,6 +56,8 @@ def index3_encode(
     ``frame_target``: the raw bytes a frame is cut past (:data:`FRAME_TARGET` when None).
     ``breaks``: leaves a frame always starts at (the first leaf of each item: a reader of
     one item, params onto an inference host, then decompresses no row of another).
+    ``lengths``: a version 4 object, each row with its stored byte length (compressed leaves'
+    pieces are not their box's bytes).
     """
     keys = sorted(blobs)
     position = {k: n for n, k in enumerate(keys)}
@@ -63,11 +66,11 @@ def index3_encode(
         missing = [p for _, p in rows if p.sha256 is None]
         if missing:
             raise ValueError(f"piece of blob {missing[0].blob} at byte {missing[0].offset} has no sha256")
-    cuts = _cuts(rows, FRAME_TARGET if frame_target is None else frame_target, digest, frozenset(breaks))
+    cuts = _cuts(rows, FRAME_TARGET if frame_target is None else frame_target, digest, frozenset(breaks), lengths)
     bodies: list[bytes] = []
     table: list[list[Any]] = []
     for a, b in zip(cuts, cuts[1:]):
-        raw = _columns(rows[a:b], position, digest)
+        raw = _columns(rows[a:b], position, digest, lengths)
         body = zlib.compress(raw, 6)
         entry: list[Any] = [rows[a][0], rows[b - 1][0], 0, len(body), len(raw), b - a, crc32c(body)]
         if digest:
@@ -76,7 +79,7 @@ def index3_encode(
         table.append(entry)
     doc: dict[str, Any] = {
         "format": INDEX_FORMAT,
-        "version": 3,
+        "version": 4 if lengths else 3,
         "save_id": save_id,
         "process": process,
         "blobs": [[k, blobs[k]] for k in keys],
@@ -103,13 +106,15 @@ def item_breaks(paths: Sequence[str]) -> list[int]:
     return item_starts(paths)
 
 
-def _cuts(rows: list[tuple[int, Piece]], target: int, digest: bool, breaks: frozenset[int]) -> list[int]:
+def _cuts(
+    rows: list[tuple[int, Piece]], target: int, digest: bool, breaks: frozenset[int], lengths: bool = False
+) -> list[int]:
     """Where frames start: at each of ``breaks``, at leaf boundaries past ``target`` raw bytes, or
     between the rows of a long leaf."""
     cuts = [0]
     size = 0
     for n, (leaf, piece) in enumerate(rows):
-        row = _FIXED + 16 * len(piece.start) + (_SHA if digest else 0)
+        row = _FIXED + 16 * len(piece.start) + (_SHA if digest else 0) + (_LENGTH if lengths else 0)
         new_leaf = n > 0 and rows[n - 1][0] != leaf
         if n > cuts[-1] and ((new_leaf and leaf in breaks) or (size + row > target and (new_leaf or size >= target))):
             cuts.append(n)
@@ -120,9 +125,10 @@ def _cuts(rows: list[tuple[int, Piece]], target: int, digest: bool, breaks: froz
     return cuts
 
 
-def _columns(rows: list[tuple[int, Piece]], position: dict[str, int], digest: bool) -> bytes:
+def _columns(rows: list[tuple[int, Piece]], position: dict[str, int], digest: bool, lengths: bool = False) -> bytes:
     """A frame's uncompressed bytes: the columns, byte-planar (all first bytes, then all second
-    bytes...: the high bytes of small numbers line up as runs of zeros), leaves as deltas."""
+    bytes...: the high bytes of small numbers line up as runs of zeros), leaves as deltas;
+    version 4 (``lengths``): each row's stored length after the coordinates."""
     leaf = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
     delta = np.diff(leaf, prepend=leaf[0]).astype("<i4")
     blob = np.fromiter((position[r[1].blob] for r in rows), dtype="<u4", count=len(rows))
@@ -130,6 +136,8 @@ def _columns(rows: list[tuple[int, Piece]], position: dict[str, int], digest: bo
     crc = np.fromiter((r[1].crc32c for r in rows), dtype="<u4", count=len(rows))
     coords = np.array([v for _, p in rows for v in (*p.start, *p.stop)], dtype="<i8")
     parts = [_planar(delta), _planar(blob), _planar(offset), crc.tobytes(), _planar(coords)]
+    if lengths:
+        parts.append(_planar(np.fromiter((r[1].length for r in rows), dtype="<u8", count=len(rows))))
     if digest:
         parts.append(b"".join(bytes.fromhex(p.sha256 or "") for _, p in rows))
     return b"".join(parts)

@@ -17,9 +17,15 @@ from objckpt.core.format.v2 import root_to_json as v2_to_json
 from objckpt.core.strict import is_int, need, strict_json
 from objckpt.errors import FormatError
 
-# Version 3 is version 2's root with each index object's head length (v2 reads and writes both).
-_READERS: dict[int, Callable[[dict[str, Any]], Manifest]] = {1: v1_from_doc, 2: v2_from_doc, 3: v2_from_doc}
-_WRITERS: dict[int, Callable[[Manifest], bytes]] = {1: v1_to_json, 2: v2_to_json, 3: v2_to_json}
+# Version 3 is version 2's root with each index object's head length; version 4 is version 3
+# with compressed leaves (their ``codec``; index rows with stored lengths). v2 reads and writes all three.
+_READERS: dict[int, Callable[[dict[str, Any]], Manifest]] = {
+    1: v1_from_doc,
+    2: v2_from_doc,
+    3: v2_from_doc,
+    4: v2_from_doc,
+}
+_WRITERS: dict[int, Callable[[Manifest], bytes]] = {1: v1_to_json, 2: v2_to_json, 3: v2_to_json, 4: v2_to_json}
 
 
 def parse_manifest(data: bytes, *, size_limit: int) -> Manifest:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from objckpt.core.checksum import is_sha256_hex
+from objckpt.core.codecs import CODEC
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.items import (
     ENCODINGS,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 FORMAT_NAME = "objckpt"
 FORMAT_VERSION = 3  # what saves write (Options.format_version)
 WRITE_VERSIONS = (2, 3)  # what saves can write
-READ_VERSIONS = (1, 2, 3)  # what readers take
+READ_VERSIONS = (1, 2, 3, 4)  # what readers take (4: version 3 with compressed leaves)
 MANIFEST_KEY = "manifest.json"
 
 ARRAY_KINDS = ("array", "ndarray", "str", "bytes")  # leaves whose data lives in blobs
@@ -78,6 +79,7 @@ class LeafEntry:
     layout: dict[str, Any] | None = (
         None  # version 2: who wrote it ({"mesh", "spec"} or {"processes"}); None: any process
     )
+    codec: str | None = None  # version 4: how its pieces are encoded (objckpt.core.codecs.CODEC); None: raw
 
     @property
     def prng_impl(self) -> str | None:
@@ -197,6 +199,8 @@ def leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:
         ]
         if leaf.sharding is not None:
             out["sharding"] = leaf.sharding
+        if leaf.codec is not None:
+            out["codec"] = leaf.codec
     elif leaf.kind == "float":
         out["value"] = float(leaf.value).hex()
     elif leaf.kind == "per_process":
@@ -224,16 +228,17 @@ def check_header(doc: dict[str, Any]) -> None:
 
 
 def parse_leaves(
-    raw_leaves: list[Any], blobs: dict[str, int] | None, *, processes: int | None = None
+    raw_leaves: list[Any], blobs: dict[str, int] | None, *, processes: int | None = None, codecs: bool = False
 ) -> list[LeafEntry]:
     """The leaf table, paths unique, checked against the tree; ``blobs`` None: version 2 (no pieces).
 
-    ``processes`` (version 3: the root's ``num_processes``) admits the item kinds.
+    ``processes`` (version 3: the root's ``num_processes``) admits the item kinds; ``codecs``
+    (version 4) an array leaf's ``codec``.
     """
     leaves = []
     seen_paths: set[str] = set()
     for i, raw in enumerate(raw_leaves):
-        leaf = _leaf_from_json(raw, f"'leaves[{i}]'", blobs, processes)
+        leaf = _leaf_from_json(raw, f"'leaves[{i}]'", blobs, processes, codecs)
         need(leaf.path not in seen_paths, f"'leaves[{i}]'.path", f"duplicate leaf path {leaf.path!r}")
         seen_paths.add(leaf.path)
         leaves.append(leaf)
@@ -247,7 +252,9 @@ def check_blob_key(key: str) -> bool:
     return all(part not in (".", "..") for part in key.split("/"))
 
 
-def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int] | None, processes: int | None) -> LeafEntry:
+def _leaf_from_json(
+    raw: Any, where: str, blobs: dict[str, int] | None, processes: int | None, codecs: bool = False
+) -> LeafEntry:
     """One leaf; version 1 (``blobs`` given) lists its pieces, version 2 may give its ``layout``
     (checked by :mod:`objckpt.core.format.v2`, which knows the meshes); version 3
     (``processes`` given) may hold items."""
@@ -259,7 +266,12 @@ def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int] | None, processe
         assert processes is not None
         return _item_from_json(raw, where, kind, processes)
     if kind in ARRAY_KINDS and blobs is None:
-        fields(raw, where, {"path", "kind", "dtype", "shape"}, {"sharding", "layout"})
+        fields(
+            raw,
+            where,
+            {"path", "kind", "dtype", "shape"},
+            {"sharding", "layout", "codec"} if codecs else {"sharding", "layout"},
+        )
     elif kind in ARRAY_KINDS:
         fields(raw, where, {"path", "kind", "dtype", "shape", "pieces"}, {"sharding"})
     elif kind == "none":
@@ -303,7 +315,13 @@ def _leaf_from_json(raw: Any, where: str, blobs: dict[str, int] | None, processe
     if blobs is None:
         layout = raw.get("layout")
         need(layout is None or isinstance(layout, dict), f"{where}.layout", "must be an object")
-        return LeafEntry(path, kind, raw["dtype"], tuple(shape), sharding=sharding, layout=layout)
+        codec = raw.get("codec")
+        need(
+            codec is None or codec == CODEC,
+            f"{where}.codec",
+            f"unknown codec {str(codec)[:100]!r} (this objckpt reads {CODEC!r})",
+        )
+        return LeafEntry(path, kind, raw["dtype"], tuple(shape), sharding=sharding, layout=layout, codec=codec)
     need(isinstance(raw["pieces"], list), f"{where}.pieces", "must be a list")
     pieces = tuple(
         _fast_piece(p, shape, dtype.itemsize, blobs)

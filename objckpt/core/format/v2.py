@@ -154,7 +154,7 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
             f"must be an integer from {_HEAD_MIN} to the object's size",
         )
         indexes.append(IndexRef(key, raw["size"], raw["crc32c"], raw["blobs"], raw["blob_bytes"], sha, head))
-    leaves = parse_leaves(doc["leaves"], None, processes=processes if version >= 3 else None)
+    leaves = parse_leaves(doc["leaves"], None, processes=processes if version >= 3 else None, codecs=version >= 4)
     _check_items(leaves, indexes)
     checked: set[str] = set()  # layouts (with their shape) already found good: most leaves share a few
     for i, leaf in enumerate(leaves):
