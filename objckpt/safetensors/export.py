@@ -165,7 +165,7 @@ def export_safetensors(
                 shard = shards[i]
                 arrays = _read_shard(url, shard, storage_options, options, read_stats)
                 header = encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in shard], FILE_METADATA)
-                parts = [memoryview(header), *(memoryview(a.reshape(-1).view(np.uint8)) for a in arrays)]
+                parts = [memoryview(header), *(_bytes_of(a) for a in arrays)]
                 runtime.run_sync(out.engine.put(files[i], [p for p in parts if len(p)] or [memoryview(header)]))
                 del arrays, parts
                 stats.files.append(files[i])
@@ -232,6 +232,11 @@ def _read_shard(
             raise FormatError(f"leaf {t.path}: read shape {array.shape}, manifest shape {t.shape}")
         out.append(array)
     return out
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, without a copy."""
+    return memoryview(array.reshape(-1).view(np.uint8).data)
 
 
 class _PathKey:
