@@ -150,9 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="URL")
     p.add_argument("dst", metavar="DEST")
     p.add_argument("--format", default="safetensors", choices=["safetensors"], help="the format written")
-    p.add_argument(
-        "--max-shard-size", type=parse_size, metavar="SIZE", help="largest file, e.g. 2GiB (default 5GiB)"
-    )
+    p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", help="largest file, e.g. 2GiB (default 5GiB)")
     p.add_argument("--subtree", metavar="PREFIX", help="export only the leaves under PREFIX (e.g. params)")
     p.add_argument("--dtype", metavar="DTYPE", help="write floating leaves in DTYPE (e.g. bfloat16)")
     p.add_argument("--overwrite", action="store_true", help="replace an export already at DEST")

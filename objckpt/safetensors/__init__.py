@@ -14,11 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from objckpt.safetensors.export import ExportStats, export_safetensors
+    from objckpt.safetensors.reader import restore_safetensors
 
-__all__ = ["ExportStats", "export_safetensors"]
+__all__ = ["ExportStats", "export_safetensors", "restore_safetensors"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "restore_safetensors":
+        from objckpt.safetensors import reader
+
+        return reader.restore_safetensors
     if name in __all__:
         from objckpt.safetensors import export
 

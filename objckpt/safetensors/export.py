@@ -224,14 +224,19 @@ def _read_shard(
     ).values
     out = []
     for t, value in zip(shard, values, strict=True):
-        array = np.ascontiguousarray(np.asarray(value))
+        array = _c_order(np.asarray(value))
         want = numpy_dtype(t.dtype)
         if array.dtype != want:
-            array = np.ascontiguousarray(cast_values(t.path, array, want, unsafe=False))
+            array = _c_order(cast_values(t.path, array, want, unsafe=False))
         if tuple(array.shape) != t.shape:  # pragma: no cover  (restore returns the saved shape)
             raise FormatError(f"leaf {t.path}: read shape {array.shape}, manifest shape {t.shape}")
         out.append(array)
     return out
+
+
+def _c_order(array: np.ndarray) -> np.ndarray:
+    """``array`` in C order, its shape kept (``np.ascontiguousarray`` makes a 0-d array 1-d)."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:

@@ -16,12 +16,13 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from objckpt.errors import FormatError, ObjectNotFoundError
+from objckpt.errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError
 from objckpt.layouts.base import CheckpointInfo, LeafInfo, OpenRequest, VerifyProblem, VerifyReport
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, reporting
 from objckpt.safetensors.files import Tensors, find_files, read_header, read_tensors, split_file_url
 from objckpt.safetensors.restore import nested, restore_tensors
+from objckpt.safetensors.shards import INDEX_FILE, SINGLE_FILE
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store
 from objckpt.transfer.handle import bulk_of
@@ -193,3 +194,39 @@ def open_safetensors(store: Any, request: OpenRequest) -> SafetensorsReader | No
         storage_options=request.storage_options,
         options=request.options,
     )
+
+
+def restore_safetensors(
+    url: str,
+    target: Any = None,
+    *,
+    names: Mapping[str, str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    partial: bool = False,
+    options: Options | None = None,
+    stats: TransferStats | None = None,
+    cast: str = "checked",
+) -> Any:
+    """:func:`objckpt.restore` of a safetensors file or directory, with tensor names mapped.
+
+    Args:
+        url: a ``.safetensors`` object, or a directory holding ``model.safetensors.index.json``
+            or ``model.safetensors``.
+        target: as for :func:`objckpt.restore`; its leaves answer to the tensors named by
+            their keys joined with ``.``, or by ``names``.
+        names: a target leaf's ``.``-joined name → the tensor's name in the files, for the
+            names that differ (a model family's conventions).
+        storage_options, partial, options, stats, cast: as for :func:`objckpt.restore`.
+
+    Raises:
+        CheckpointNotFoundError: no safetensors file or index at ``url``.
+        FormatError: an index or header off the spec.
+        TargetMismatchError: as for :func:`objckpt.restore`.
+    """
+    options = options or Options()
+    stats = stats if stats is not None else TransferStats()
+    with opened_store(url, storage_options, options, stats) as store:
+        reader = open_safetensors(store, OpenRequest(url, storage_options, options))
+        if reader is None:
+            raise CheckpointNotFoundError(f"no safetensors file, {INDEX_FILE} or {SINGLE_FILE} at {url}")
+        return reader.restore(target, partial=partial, options=options, stats=stats, cast=cast, names=names)

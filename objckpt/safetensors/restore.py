@@ -294,7 +294,7 @@ def _finish(leaf: _Leaf, cast: str) -> Any:
     for box, devices in leaf.boxes:
         host = box_value(box)
         if host.dtype != want:
-            host = cast_values(leaf.name, np.ascontiguousarray(host), want, unsafe=cast == "unsafe")
+            host = cast_values(leaf.name, host.copy(order="C"), want, unsafe=cast == "unsafe")
         if not is_array_target:
             leaf.buffers.clear()
             return host if host.flags.c_contiguous and host.flags.writeable else np.array(host)
