@@ -15,8 +15,8 @@ end, with no overlap and no hole. Anything else is a
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,7 +58,7 @@ MAX_RANK = 64
 METADATA_KEY = "__metadata__"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One tensor of a safetensors file.
 
@@ -173,11 +173,11 @@ def _order(t: TensorEntry) -> tuple[int, int, str]:
 
 def _no_duplicates(where: str) -> Any:
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise FormatError(f"{where}: header names {key!r} twice")
-            out[key] = value
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            twice = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+            raise FormatError(f"{where}: header names {twice!r} twice")
         return out
 
     return hook
@@ -207,10 +207,40 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+@functools.cache
+def _itemsizes() -> dict[str, int]:
+    """Each safetensors dtype's element size in bytes."""
+    return {st: numpy_dtype(name).itemsize for st, name in ST_TO_DTYPE.items()}
+
+
 def _entry(name: str, value: Any, where: str, data_start: int) -> TensorEntry:
-    what = f"{where}: tensor {name!r}"
     if not name:
         raise FormatError(f"{where}: a tensor with an empty name")
+    if type(value) is not dict or len(value) != 3:
+        return _refuse_entry(name, value, where)
+    st_dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
+    itemsize = _itemsizes().get(st_dtype) if type(st_dtype) is str else None
+    if itemsize is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+        return _refuse_entry(name, value, where)
+    count = 1
+    for n in shape:
+        if type(n) is not int or n < 0:
+            return _refuse_entry(name, value, where)
+        count *= n
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or begin < 0 or end < begin or len(shape) > MAX_RANK:
+        return _refuse_entry(name, value, where)
+    if end - begin != count * itemsize:
+        raise FormatError(
+            f"{where}: tensor {name!r}: data_offsets [{begin}, {end}) hold {end - begin} bytes, but"
+            f" {st_dtype}{shape} needs {count * itemsize}"
+        )
+    return TensorEntry(name, ST_TO_DTYPE[st_dtype], tuple(shape), data_start + begin, data_start + end)
+
+
+def _refuse_entry(name: str, value: Any, where: str) -> TensorEntry:
+    """The error for an entry the fast checks of :func:`_entry` refused, saying which rule it breaks."""
+    what = f"{where}: tensor {name!r}"
     if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
         keys = sorted(value) if isinstance(value, dict) else type(value).__name__
         raise FormatError(f"{what}: needs exactly dtype, shape and data_offsets, has {keys}")
@@ -221,16 +251,7 @@ def _entry(name: str, value: Any, where: str, data_start: int) -> TensorEntry:
         raise FormatError(f"{what}: shape {_short(ValueError(repr(shape)))} is not a list of non-negative ints")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(n) and n >= 0 for n in offsets):
         raise FormatError(f"{what}: data_offsets {_short(ValueError(repr(offsets)))} is not [begin, end]")
-    begin, end = offsets
-    if end < begin:
-        raise FormatError(f"{what}: data_offsets [{begin}, {end}) end before they begin")
-    dtype = ST_TO_DTYPE[st_dtype]
-    expected = math.prod(shape) * numpy_dtype(dtype).itemsize
-    if end - begin != expected:
-        raise FormatError(
-            f"{what}: data_offsets [{begin}, {end}) hold {end - begin} bytes, but {st_dtype}{shape} needs {expected}"
-        )
-    return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+    raise FormatError(f"{what}: data_offsets {offsets} end before they begin")
 
 
 def encode_header(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: Mapping[str, str]) -> bytes:
