@@ -235,7 +235,7 @@ def _entry(name: str, value: Any, where: str, data_start: int) -> TensorEntry:
             f"{where}: tensor {name!r}: data_offsets [{begin}, {end}) hold {end - begin} bytes, but"
             f" {st_dtype}{shape} needs {count * itemsize}"
         )
-    return TensorEntry(name, ST_TO_DTYPE[st_dtype], tuple(shape), data_start + begin, data_start + end)
+    return TensorEntry(name, ST_TO_DTYPE[str(st_dtype)], tuple(shape), data_start + begin, data_start + end)
 
 
 def _refuse_entry(name: str, value: Any, where: str) -> TensorEntry:
