@@ -290,6 +290,15 @@ def _finish(leaf: _Leaf, cast: str) -> Any:
 
     is_array_target = isinstance(target, (jax.ShapeDtypeStruct, jax.Array))
     want = np.dtype(target.dtype) if is_array_target else (target.dtype if isinstance(target, np.ndarray) else dtype)
+    sharding = getattr(target, "sharding", None) if is_array_target else None
+    whole = tuple(slice(0, n) for n in entry.shape)
+    if sharding is not None and leaf.spans == [(0, leaf.rows)] and sharding.is_fully_addressable:
+        # Every row is here: one device_put slices the boxes out and places them (no Python per box).
+        host = box_value(whole)
+        if host.dtype != want:
+            host = cast_values(leaf.name, host.copy(order="C"), want, unsafe=cast == "unsafe")
+        leaf.buffers.clear()
+        return jax.device_put(host, sharding)
     shards: list[Any] = []
     for box, devices in leaf.boxes:
         host = box_value(box)
