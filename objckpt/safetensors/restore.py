@@ -244,12 +244,6 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
             for lo in range(0, length, chunk):
                 items.append((leaf, r0, lo, min(length, lo + chunk)))
                 leaf.pending += 1
-    for leaf in leaves:
-        for r0, r1 in leaf.spans:
-            length = (r1 - r0) * leaf.row_bytes
-            if length and length > chunk:
-                leaf.buffers[r0] = np.empty(length, np.uint8)
-
     async def one(item: tuple[_Leaf, int, int, int]) -> None:
         leaf, r0, lo, hi = item
         base = leaf.entry.start + r0 * leaf.row_bytes
@@ -259,10 +253,14 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
                 f"{store.url}/{leaf.key}: tensor {leaf.name!r} bytes [{base + lo}, {base + hi}) read"
                 f" {len(data)} bytes: the file is shorter than its header says"
             )
-        if r0 in leaf.buffers:
-            leaf.buffers[r0][lo:hi] = np.frombuffer(data, np.uint8)
-        else:
+        length = (dict(leaf.spans)[r0] - r0) * leaf.row_bytes
+        if length == hi - lo:  # the whole interval in one read: its buffer is the response's
             leaf.buffers[r0] = np.frombuffer(data, np.uint8)
+        else:  # made at the interval's first landed read, so only the window's leaves hold buffers
+            buffer = leaf.buffers.get(r0)
+            if buffer is None:
+                buffer = leaf.buffers[r0] = np.empty(length, np.uint8)
+            buffer[lo:hi] = np.frombuffer(data, np.uint8)
         leaf.pending -= 1
         if leaf.pending == 0:
             values[leaf.name] = _finish(leaf, cast)
