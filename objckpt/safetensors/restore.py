@@ -4,7 +4,7 @@ A tensor in a safetensors file is its bytes in C order, so a run of rows (first
 dimension) is one contiguous byte range. For each selected tensor this process
 takes the distinct boxes its addressable devices hold under the target's
 sharding (replicas share one), merges their row intervals, and reads each
-merged interval with ranged reads of at most ``Options.read_chunk`` bytes,
+merged interval with ranged reads of at most 16 MiB (``Options.read_chunk`` if smaller),
 many at once under ``Options.read_window`` (the transfer engine's sliding
 window, retries and timeouts). Each box is then a view of its interval, put on
 its devices; a tensor is assembled once its last interval lands. A process
@@ -24,6 +24,7 @@ Safetensors files hold no checksums: what is read is what is there.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -48,6 +49,11 @@ from objckpt.transfer.engine import TransferEngine, TransferStats
 log = logging.getLogger("objckpt")
 
 Box = tuple[slice, ...]
+
+#: The longest ranged read: a tensor up to this size is one GET whose response becomes its buffer.
+READ_BYTES = 16 * 2**20
+#: Copies and placements moving this many bytes or more run on a worker thread, off the I/O loop.
+OFF_LOOP_BYTES = 1 * 2**20
 
 
 def dotted(keypath: tuple[Any, ...]) -> str:
@@ -232,7 +238,7 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
     """Every leaf's value: its chunks read under the engine's window, each leaf finished as its last lands."""
     engine = TransferEngine.from_options(store, options, stats)
     chunk = max(1, options.read_chunk if options.max_read_size is None else options.max_read_size)
-    chunk = min(chunk, 8 * 2**20)
+    chunk = min(chunk, READ_BYTES)
     values: dict[str, Any] = {}
     items: list[tuple[_Leaf, int, int, int]] = []  # leaf, span start row, byte start in span, byte end in span
     for leaf in leaves:
@@ -244,6 +250,7 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
             for lo in range(0, length, chunk):
                 items.append((leaf, r0, lo, min(length, lo + chunk)))
                 leaf.pending += 1
+
     async def one(item: tuple[_Leaf, int, int, int]) -> None:
         leaf, r0, lo, hi = item
         base = leaf.entry.start + r0 * leaf.row_bytes
@@ -260,14 +267,21 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
             buffer = leaf.buffers.get(r0)
             if buffer is None:
                 buffer = leaf.buffers[r0] = np.empty(length, np.uint8)
-            buffer[lo:hi] = np.frombuffer(data, np.uint8)
+            await _off_loop(hi - lo, buffer[lo:hi].__setitem__, slice(None), np.frombuffer(data, np.uint8))
         leaf.pending -= 1
-        if leaf.pending == 0:
-            values[leaf.name] = _finish(leaf, cast)
+        if leaf.pending == 0:  # placed on a worker thread: the I/O loop keeps reading meanwhile
+            values[leaf.name] = await _off_loop(leaf.entry.nbytes, _finish, leaf, cast)
 
     window = max(chunk, min(options.read_window, options.memory_budget))
     await engine.for_each(items, one, window_bytes=window, size=lambda item: item[3] - item[2])
     return values
+
+
+async def _off_loop(nbytes: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a worker thread when it moves at least :data:`OFF_LOOP_BYTES`, else here."""
+    if nbytes < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def _finish(leaf: _Leaf, cast: str) -> Any:
