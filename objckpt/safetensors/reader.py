@@ -21,8 +21,7 @@ from objckpt.layouts.base import CheckpointInfo, LeafInfo, OpenRequest, VerifyPr
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, reporting
 from objckpt.safetensors.files import Tensors, find_files, read_header, read_tensors, split_file_url
-from objckpt.safetensors.restore import nested, restore_tensors
-from objckpt.safetensors.shards import INDEX_FILE, SINGLE_FILE
+from objckpt.safetensors.shards import INDEX_FILE, SINGLE_FILE, nested
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store
 from objckpt.transfer.handle import bulk_of
@@ -107,6 +106,8 @@ class SafetensorsReader:
         names: Mapping[str, str] | None = None,
     ) -> Any:
         """The tensors as a tree (nested by ``.``), or the ``target``'s part of them."""
+        from objckpt.safetensors.restore import restore_tensors  # JAX loads when arrays are read
+
         with self._files_store(options, stats) as store:
             return restore_tensors(
                 store,

@@ -43,6 +43,7 @@ from objckpt.restoring.casts import cast_values, check_cast
 from objckpt.restoring.host_memory import physical_memory, refuse_over_limit
 from objckpt.safetensors.files import Tensors
 from objckpt.safetensors.header import TensorEntry, numpy_dtype
+from objckpt.safetensors.shards import nested
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine, TransferStats
 
@@ -71,23 +72,6 @@ def dotted(keypath: tuple[Any, ...]) -> str:
         else:
             parts.append(str(entry))
     return ".".join(parts)
-
-
-def nested(values: Mapping[str, Any], *, strip: str = "") -> dict[str, Any]:
-    """Tensors by ``.``-joined name as nested dicts; flat by name where one name is another's prefix."""
-    out: dict[str, Any] = {}
-    for name, value in values.items():
-        keys = name[len(strip) :].split(".")
-        node = out
-        for key in keys[:-1]:
-            child = node.setdefault(key, {})
-            if not isinstance(child, dict):
-                return {name[len(strip) :]: v for name, v in values.items()}
-            node = child
-        if keys[-1] in node:
-            return {name[len(strip) :]: v for name, v in values.items()}
-        node[keys[-1]] = value
-    return out
 
 
 @dataclass

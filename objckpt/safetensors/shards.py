@@ -177,3 +177,20 @@ def index_document(shards: list[list[ExportTensor]], files: list[str]) -> bytes:
     total = sum(t.nbytes for shard in shards for t in shard)
     doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     return (json.dumps(doc, indent=2) + "\n").encode()
+
+
+def nested(values: Mapping[str, Any], *, strip: str = "") -> dict[str, Any]:
+    """Tensors by ``.``-joined name as nested dicts; flat by name where one name is another's prefix."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        keys = name[len(strip) :].split(".")
+        node = out
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                return {name[len(strip) :]: v for name, v in values.items()}
+            node = child
+        if keys[-1] in node:
+            return {name[len(strip) :]: v for name, v in values.items()}
+        node[keys[-1]] = value
+    return out
