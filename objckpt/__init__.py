@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from objckpt.progress import Progress
     from objckpt.restoring.api import restore
     from objckpt.restoring.locations import Location
+    from objckpt.safetensors.export import ExportStats, export_safetensors
     from objckpt.saving.api import SaveHandle, save, save_async
     from objckpt.tools.copy import CopyStats, copy
     from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
@@ -70,6 +71,8 @@ _LAZY = {
     "Progress": "objckpt.progress",
     "restore": "objckpt.restoring.api",
     "Location": "objckpt.restoring.locations",
+    "ExportStats": "objckpt.safetensors.export",
+    "export_safetensors": "objckpt.safetensors.export",
     "SaveHandle": "objckpt.saving.api",
     "save": "objckpt.saving.api",
     "save_async": "objckpt.saving.api",
@@ -116,6 +119,7 @@ __all__ = [
     "CopyStats",
     "DeletedArrayError",
     "EndpointRefusedError",
+    "ExportStats",
     "FormatError",
     "HostMemoryError",
     "IntegrityError",
@@ -150,6 +154,7 @@ __all__ = [
     "convert_orbax",
     "convert_orbax_steps",
     "copy",
+    "export_safetensors",
     "inspect",
     "restore",
     "save",

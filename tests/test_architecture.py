@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"progress", "layouts"},
     {"saving", "restoring"},
     {"roots"},
-    {"orbax"},
+    {"orbax", "safetensors"},
     {"tools"},
     {"manager"},
     {"cli", "testing"},

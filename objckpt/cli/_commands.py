@@ -154,6 +154,13 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a checkpoint in another format (safetensors): :mod:`objckpt.cli._export`."""
+    from objckpt.cli._export import export
+
+    return export(args, _options(args))
+
+
 def _layout_of(url: str, storage_options: dict[str, Any], options: Options) -> str | None:
     """What the prefix at ``url`` holds, as :func:`objckpt.layouts.open_checkpoint` decides:
     ``"objckpt"``, another layout's name (``"orbax"``), or None when no layout recognises it."""

@@ -153,6 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_store_flags(p, "src")
     add_store_flags(p, "dst")
 
+    p = command("export", "cmd_export", "write a checkpoint as Hugging Face safetensors files (sharded, indexed)")
+    p.add_argument("src", metavar="URL")
+    p.add_argument("dst", metavar="DEST")
+    p.add_argument("--format", default="safetensors", choices=["safetensors"], help="the format written")
+    p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", help="largest file, e.g. 2GiB (default 5GiB)")
+    p.add_argument("--subtree", metavar="PREFIX", help="export only the leaves under PREFIX (e.g. params)")
+    p.add_argument("--dtype", metavar="DTYPE", help="write floating leaves in DTYPE (e.g. bfloat16)")
+    p.add_argument("--overwrite", action="store_true", help="replace an export already at DEST")
+    _common(p)
+    _tuning(p)
+    add_store_flags(p, "src")
+    add_store_flags(p, "dst")
+
     p = command("gc", "cmd_gc", "delete blobs no committed step references (manager layout)")
     p.add_argument("root", metavar="ROOT")
     p.add_argument(

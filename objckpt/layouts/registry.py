@@ -38,6 +38,7 @@ ENTRY_POINT_GROUP = "objckpt.layouts"
 #: Layouts shipped with objckpt, by dotted path (imported on first use).
 BUILTIN_LAYOUTS: dict[str, str] = {
     "orbax": "objckpt.orbax.reader:open_orbax",
+    "safetensors": "objckpt.safetensors.reader:open_safetensors",
 }
 
 _registered: dict[str, str | LayoutOpener] = {}

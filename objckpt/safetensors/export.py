@@ -1,0 +1,274 @@
+"""export_safetensors: an objckpt checkpoint → Hugging Face's sharded safetensors layout, in any store.
+
+The export is planned before any read (:mod:`objckpt.safetensors.shards`): which
+leaves, their tensor names, their files. Then file by file, the file's leaves
+are read from the checkpoint with :func:`objckpt.restore` (ranged reads of their
+pieces only, checked against their crc32c, as host numpy) and the file is
+written as one object from its header and the arrays' own buffers, with no
+join into one buffer where the destination's client sends parts as they are
+(obstore, local disk; large objects go as multipart uploads). Host memory holds
+one file's tensors at a time, so an export needs about ``max_shard_bytes`` plus
+the restore's window, whatever the checkpoint's size. The index
+(``model.safetensors.index.json``) is written last, so a directory with an index
+has every file it names.
+
+Several processes can export one checkpoint together: ``part=(k, n)`` writes the
+files whose number is ``k`` modulo ``n`` (the plan is the same on every
+process); the process with ``k == 0`` writes the index once its own files are
+written, so the caller starts it last or waits for the others before using the
+index.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from objckpt.errors import FormatError, ObjectExistsError, ObjectNotFoundError
+from objckpt.layouts.native import NativeCheckpoint
+from objckpt.layouts.registry import open_checkpoint
+from objckpt.options import Options
+from objckpt.progress import ProgressArg, finish_from_caller, start
+from objckpt.restoring.api import restore
+from objckpt.restoring.casts import cast_values
+from objckpt.safetensors.header import encode_header, numpy_dtype
+from objckpt.safetensors.shards import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    ExportTensor,
+    Names,
+    choose_tensors,
+    dotted_names,
+    file_names,
+    index_document,
+    plan_shards,
+)
+from objckpt.transfer import runtime
+from objckpt.transfer.engine import TransferStats
+from objckpt.transfer.handle import opened
+
+log = logging.getLogger("objckpt")
+
+#: The default largest file of an export: 5 GiB, S3's largest single PUT and Hugging Face's own default size.
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+#: What an export's files carry in ``__metadata__``: the format Hugging Face loaders accept for plain tensors.
+FILE_METADATA = {"format": "pt"}
+
+
+@dataclass
+class ExportStats:
+    """What :func:`export_safetensors` did.
+
+    Attributes:
+        files: the files this process wrote, in order (the index included when it wrote it).
+        tensors: how many tensors those files hold.
+        tensor_bytes: bytes of tensor data written.
+        bytes_read: bytes read from the checkpoint.
+        bytes_written: bytes written to the destination (headers and index included).
+        seconds: wall time.
+    """
+
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    tensor_bytes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+
+def export_safetensors(
+    url: str,
+    dest: str,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    names: Names = None,
+    dtype: str | None = None,
+    subtree: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    dest_storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
+    overwrite: bool = False,
+    part: tuple[int, int] | None = None,
+    progress: ProgressArg = False,
+) -> ExportStats:
+    """Write the checkpoint at ``url`` as safetensors files under ``dest``.
+
+    Args:
+        url: an objckpt checkpoint (any store URL).
+        dest: a directory or prefix (a local path, ``s3://``, ``gs://``...).
+        max_shard_bytes: the most tensor bytes in one file; an export that fits one is
+            ``model.safetensors``, else ``model-0000k-of-0000n.safetensors`` files and
+            ``model.safetensors.index.json`` (``weight_map``, ``metadata.total_size``).
+        names: tensor names: a mapping from the default names (leaf keys joined with
+            ``.``, relative to ``subtree``) to others, or a function of the default name
+            returning the name or ``None`` to leave the leaf out.
+        dtype: a floating dtype (``"bfloat16"``) that floating leaves are written in
+            (checked: a finite value that overflows fails the export); others keep theirs.
+        subtree: export only the leaves under this ``.``-joined prefix (``"params"``).
+        storage_options: the source's store options, and the destination's unless
+            ``dest_storage_options`` is given.
+        dest_storage_options: the destination's store options.
+        options: tuning (the restore's reads; the writes' concurrency, timeouts, retries).
+        overwrite: replace files an earlier export left at ``dest``; without it a
+            destination holding ``model.safetensors`` or the index is refused.
+        part: ``(k, n)``: this process writes the files numbered ``k`` modulo ``n``.
+        progress: as for :func:`objckpt.restore` (operation ``"export"``).
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint at ``url``.
+        FormatError: a leaf safetensors cannot hold (named), names that clash, nothing to export.
+        ObjectExistsError: ``dest`` already holds an export (and ``overwrite`` is false).
+    """
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    k, n = part or (0, 1)
+    if not (0 <= k < n):
+        raise ValueError(f"part must be (k, n) with 0 <= k < n, got {part!r}")
+    options = options or Options()
+    dest_options = storage_options if dest_storage_options is None else dest_storage_options
+    started = time.perf_counter()
+    read_stats, write_stats = TransferStats(), TransferStats()
+    with opened(url, storage_options, options) as source:
+        checkpoint = open_checkpoint(source.store, options=options, storage_options=storage_options)
+        if not isinstance(checkpoint, NativeCheckpoint):
+            raise FormatError(f"{url} is a {checkpoint.format} checkpoint: export reads objckpt checkpoints")
+        manifest = checkpoint.manifest
+    leaves = list(manifest.leaves)
+    tensors = choose_tensors(
+        leaves, dotted_names(manifest.tree, len(leaves)), subtree=subtree, names=names, dtype=dtype
+    )
+    shards = plan_shards(tensors, max_shard_bytes)
+    files = file_names(len(shards))
+    mine = [i for i in range(len(shards)) if i % n == k]
+    total = sum(t.nbytes for i in mine for t in shards[i])
+    stats = ExportStats()
+    with opened(dest, dest_options, options, write_stats) as out:
+        if not overwrite and k == 0:
+            runtime.run_sync(_refuse_existing(out, files))
+        reporter = start(
+            progress,
+            "export",
+            str(out.url),
+            total,
+            lambda: (min(read_stats.bytes_read, total) + stats.tensor_bytes) // 2,
+            read_stats,
+            write_stats,
+        )
+        complete = False
+        try:
+            for i in mine:
+                shard = shards[i]
+                arrays = _read_shard(url, shard, storage_options, options, read_stats)
+                header = encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in shard], FILE_METADATA)
+                parts = [memoryview(header), *(_bytes_of(a) for a in arrays)]
+                runtime.run_sync(out.engine.put(files[i], [p for p in parts if len(p)] or [memoryview(header)]))
+                del arrays, parts
+                stats.files.append(files[i])
+                stats.tensors += len(shard)
+                stats.tensor_bytes += sum(t.nbytes for t in shard)
+                if reporter is not None:
+                    reporter.update()
+            if k == 0 and len(shards) > 1:
+                runtime.run_sync(out.engine.put(INDEX_FILE, index_document(shards, files)))
+                stats.files.append(INDEX_FILE)
+            complete = True
+        finally:
+            finish_from_caller(reporter, complete=complete)
+    stats.bytes_read = read_stats.bytes_read
+    stats.bytes_written = write_stats.bytes_written
+    stats.seconds = time.perf_counter() - started
+    log.info(
+        "objckpt exported %s to %s: %d files, %d tensors, %d bytes in %.2f s",
+        url,
+        dest,
+        len(stats.files),
+        stats.tensors,
+        stats.tensor_bytes,
+        stats.seconds,
+    )
+    return stats
+
+
+async def _refuse_existing(out: Any, files: list[str]) -> None:
+    """Refuse a destination that holds an export's index or single file, or the first file planned."""
+    for key in dict.fromkeys([INDEX_FILE, SINGLE_FILE, files[0]]):
+        try:
+            await out.store.head(key)
+        except (ObjectNotFoundError, FileNotFoundError):
+            continue
+        raise ObjectExistsError(
+            f"{out.url}/{key} exists: the destination holds an export (pass overwrite=True to replace it)"
+        )
+
+
+def _read_shard(
+    url: str,
+    shard: list[ExportTensor],
+    storage_options: dict[str, Any] | None,
+    options: Options,
+    stats: TransferStats,
+) -> list[np.ndarray]:
+    """One file's leaves as C-contiguous host arrays in the written dtype, read with ranged reads."""
+    values = restore(
+        url,
+        _Selection(tuple(t.path for t in shard)),
+        partial=True,
+        storage_options=storage_options,
+        options=options,
+        stats=stats,
+    ).values
+    out = []
+    for t, value in zip(shard, values, strict=True):
+        array = _c_order(np.asarray(value))
+        want = numpy_dtype(t.dtype)
+        if array.dtype != want:
+            array = _c_order(cast_values(t.path, array, want, unsafe=False))
+        if tuple(array.shape) != t.shape:  # pragma: no cover  (restore returns the saved shape)
+            raise FormatError(f"leaf {t.path}: read shape {array.shape}, manifest shape {t.shape}")
+        out.append(array)
+    return out
+
+
+def _c_order(array: np.ndarray) -> np.ndarray:
+    """``array`` in C order, its shape kept (``np.ascontiguousarray`` makes a 0-d array 1-d)."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, without a copy."""
+    return memoryview(array.reshape(-1).view(np.uint8).data)
+
+
+class _PathKey:
+    """A pytree key whose string is a whole saved leaf path, so a target names leaves of any tree."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"_PathKey({self.path!r})"
+
+
+class _Selection:
+    """A restore target naming saved leaves by path (``None``: host numpy), whatever their containers."""
+
+    def __init__(self, paths: tuple[str, ...], values: tuple[Any, ...] | None = None) -> None:
+        self.paths = paths
+        self.values = values if values is not None else (None,) * len(paths)
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Selection,
+    lambda s: ([(_PathKey(p), v) for p, v in zip(s.paths, s.values, strict=True)], s.paths),
+    lambda paths, values: _Selection(paths, tuple(values)),
+)
