@@ -92,12 +92,11 @@ def match(owned: list[OwnedPiece], entries: list[LeafEntry], base: Manifest, nam
     for leaf in base.leaves:
         if leaf.kind not in _REFERABLE or not leaf.pieces:
             continue
-        for piece in leaf.pieces:
-            if piece.sha256 is not None:
-                candidates[(leaf.path, str(leaf.dtype), tuple(piece.start), tuple(piece.stop))] = (
-                    piece,
-                    sizes.get(piece.blob, 0),
-                )
+        for bp in leaf.pieces:
+            if bp.sha256 is not None:
+                candidates[(leaf.path, str(leaf.dtype), tuple(bp.start), tuple(bp.stop))] = (bp, sizes.get(bp.blob, 0))
+    if not candidates:
+        log.warning("objckpt incremental save: base %s has no SHA-256 digests, so nothing can be referenced", name)
     upload: list[OwnedPiece] = []
     refs: list[PieceRecord] = []
     ref_blobs: dict[str, int] = {}
