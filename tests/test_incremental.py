@@ -167,3 +167,22 @@ def test_hostile_references_are_refused(local_store: Any) -> None:
     open(path, "w").write(json.dumps(root))
     with pytest.raises(FormatError, match="bases"):
         objckpt.restore(f"{url}/b")
+
+
+def test_copy_stands_alone(s3_store: Any, gcs_store: Any) -> None:
+    so, url = s3_store.storage_options, s3_store.url
+    tree = _tree()
+    objckpt.save(f"{url}/step_1", tree, storage_options=so, options=DIGEST)
+    tree["w6"] = tree["w6"] + 1
+    objckpt.save(f"{url}/step_2", tree, storage_options=so, base=f"{url}/step_1")
+    dst = f"{gcs_store.url}/copied"
+    objckpt.copy(f"{url}/step_2", dst, src_storage_options=so, dst_storage_options=gcs_store.storage_options)
+    runtime.run_sync(delete_checkpoint(s3_store.open().child("step_2")))
+    runtime.run_sync(delete_checkpoint(s3_store.open().child("step_1")))
+    assert not runtime.run_sync(s3_store.open().list())  # the source is gone, bases and all
+    got = objckpt.restore(dst, storage_options=gcs_store.storage_options)
+    assert _equal(got, tree)
+    report = objckpt.verify(dst, storage_options=gcs_store.storage_options, options=DIGEST)
+    assert report.ok and report.bytes_read >= 8 * LEAF
+    root = json.loads(runtime.run_sync(gcs_store.open().child("copied").get("manifest.json")))
+    assert "bases" not in root
