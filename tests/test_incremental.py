@@ -186,3 +186,17 @@ def test_copy_stands_alone(s3_store: Any, gcs_store: Any) -> None:
     assert report.ok and report.bytes_read >= 8 * LEAF
     root = json.loads(runtime.run_sync(gcs_store.open().child("copied").get("manifest.json")))
     assert "bases" not in root
+
+
+def test_inspect_says_which_bytes_come_from_which_step(local_store: Any) -> None:
+    url = local_store.url
+    tree = _tree()
+    objckpt.save(f"{url}/step_1", tree, options=DIGEST)
+    assert objckpt.inspect(f"{url}/step_1").bytes_from is None
+    tree["w0"] = tree["w0"] + 1
+    objckpt.save(f"{url}/step_2", tree, base=f"{url}/step_1")
+    tree["w1"] = tree["w1"] + 1
+    objckpt.save(f"{url}/step_3", tree, base=f"{url}/step_2")
+    info = objckpt.inspect(f"{url}/step_3")
+    assert info.bytes_from == {"": LEAF, "step_2": LEAF, "step_1": 6 * LEAF}
+    assert "from step_1" in str(info)

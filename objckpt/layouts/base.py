@@ -112,6 +112,9 @@ class CheckpointInfo:
             under ``"objckpt.manager"``).
         format: ``"objckpt"``, or the name of another layout (``"orbax"``: format_version 0,
             no save_id; its arrays are in Orbax's own files, not blobs).
+        bytes_from: an incremental checkpoint's array bytes by where they are stored: ``""``
+            its own blobs, else the name of the earlier checkpoint (a base) whose blobs hold
+            them; None for any other checkpoint.
     """
 
     url: str
@@ -125,6 +128,7 @@ class CheckpointInfo:
     num_processes: int
     metadata: dict[str, Any]
     format: str = "objckpt"
+    bytes_from: dict[str, int] | None = None
 
     def __str__(self) -> str:
         if self.format != "objckpt":
@@ -140,6 +144,9 @@ class CheckpointInfo:
         lines = [f"checkpoint {self.url}", summary]
         if self.metadata:
             lines.append(f"  metadata: {self.metadata}")
+        if self.bytes_from is not None:
+            where = [f"{human_bytes(n)} from {name or 'its own blobs'}" for name, n in sorted(self.bytes_from.items())]
+            lines.append(f"  incremental: {', '.join(where)}")
         lines.extend(f"  {leaf}" for leaf in self.leaves.values())
         return "\n".join(lines)
 
