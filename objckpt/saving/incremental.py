@@ -22,6 +22,7 @@ deleted anyway (``rm --force``) stops the commit instead of leaving a step that 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -107,8 +108,9 @@ def match(owned: list[OwnedPiece], entries: list[LeafEntry], base: Manifest, nam
             upload.append(piece)
             continue
         old, blob_size = hit
-        if old.length != piece.nbytes or sha256_hex(_bytes_of(piece)) != old.sha256:
-            upload.append(piece)
+        digest = sha256_hex(_bytes_of(piece)) if old.length == piece.nbytes else None
+        if digest != old.sha256:  # changed: uploaded, and its digest not computed twice
+            upload.append(piece if digest is None else dataclasses.replace(piece, sha256=digest))
             continue
         key = old.blob if is_ref(old.blob) else ref_key(name, old.blob)
         ref_blobs[key] = max(ref_blobs.get(key, 0), blob_size, old.offset + old.length)

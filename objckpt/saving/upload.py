@@ -189,7 +189,7 @@ async def _upload_parts(
     parts, with retries; then free its slot (``slots``: a synchronous save's in-place uploads)."""
     try:
         await asyncio.wrap_future(gate)
-        crcs = await asyncio.to_thread(_checksums, parts[1::2], digest)  # parts: gap, piece, gap, piece, ...
+        crcs = await asyncio.to_thread(_checksums, parts[1::2], digest, blob)  # parts: gap, piece, gap, piece, ...
         await engine.put(blob.key, parts)
     finally:
         if slots is not None:
@@ -224,16 +224,20 @@ async def _upload(
         data = buffer.data[: blob.size]
         view = data.toreadonly()
         pieces = [view[p.offset : p.offset + p.piece.nbytes] for p in blob.pieces]
-        crcs = await asyncio.to_thread(_checksums, pieces, digest)
+        crcs = await asyncio.to_thread(_checksums, pieces, digest, blob)
         attempts = await engine.put(blob.key, data)
     finally:
         pool.give(buffer, reusable=attempts == 1)
     return _records(blob, crcs)
 
 
-def _checksums(pieces: list[memoryview], digest: str | None) -> list[tuple[int, str | None]]:
-    """Each piece's crc32c, and its SHA-256 when ``digest`` asks for it (``Options.digest``)."""
-    return [(crc32c(p), sha256_hex(p) if digest else None) for p in pieces]
+def _checksums(pieces: list[memoryview], digest: str | None, blob: BlobPlan) -> list[tuple[int, str | None]]:
+    """Each piece's crc32c, and its SHA-256 when ``digest`` asks for it (``Options.digest``; one an
+    incremental save computed already is not computed again)."""
+    return [
+        (crc32c(p), (placed.piece.sha256 or sha256_hex(p)) if digest else None)
+        for p, placed in zip(pieces, blob.pieces)
+    ]
 
 
 def _records(blob: BlobPlan, crcs: list[tuple[int, str | None]]) -> list[PieceRecord]:
