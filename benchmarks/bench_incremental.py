@@ -73,7 +73,9 @@ def one_repeat(root: str, so: dict[str, Any], state: dict[str, jax.Array], order
     """The four saves of one repeat, under ``root``; ``order``: which of the baselines goes first."""
     everything = jax.tree.map(lambda x: x + 1.0, state)  # every piece differs from ``state``
     first = next(iter(state))
-    one_piece = {**state, first: state[first].at[0:1].add(1.0)}  # device 0's piece of one leaf
+    host = np.array(state[first])
+    host[0] += 1.0  # a row of device 0's piece of one leaf
+    one_piece = {**state, first: jax.device_put(host, state[first].sharding)}
     jax.block_until_ready((everything, one_piece))
     out: dict[str, Any] = {}
     for name in order:

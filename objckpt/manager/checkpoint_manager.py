@@ -114,11 +114,8 @@ class CheckpointManager:
             peer copies.
         peer_of: ``peer_of(p, P)`` is the process whose steps process ``p`` of ``P`` keeps;
             default ``(p + P // 2) % P``, a process half the job away.
-        incremental: each save's base is the latest committed step of the root
-            (``objckpt.save(..., base=...)``): pieces equal to that step's are referenced, not
-            uploaded, and every save records SHA-256 digests (docs/INCREMENTAL.md gives the cost:
-            one hash pass over the state per save, pure cost when every byte changes). Off by
-            default. Retention and gc keep what a kept step references.
+        incremental: each save's base is the newest committed step (``objckpt.save(..., base=...)``,
+            with SHA-256 digests): off by default; its cost in docs/INCREMENTAL.md.
 
     With none of the five save rules, every step saves. Whatever the rules, the step at
     which a preemption notice has reached every process saves (:meth:`reached_preemption`);
@@ -314,7 +311,7 @@ class CheckpointManager:
         return True
 
     def _base_for(self, step: int) -> str | None:
-        """An incremental save's base: the newest committed step of the root before ``step`` (objckpt's)."""
+        """An incremental save's base: the newest committed step (objckpt's) before ``step``."""
         earlier = [s for s in runtime.run_sync(committed_steps(self.store)) if s < step]
         return self.step_url(earlier[-1]) if earlier else None
 

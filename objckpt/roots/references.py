@@ -61,6 +61,17 @@ async def committed_heads(root: Store) -> list[str]:
     )
 
 
+async def may_be_a_base(step: Store, size_limit: int) -> bool:
+    """Could checkpoints beside ``step`` reference its blobs? Only one with SHA-256 digests can be
+    a base; one without a readable manifest may have been (its objects are kept as if it were).
+    Read before its manifest is deleted, so deleting a plain checkpoint lists nothing beside it."""
+    try:
+        manifest = await read_manifest(step, size_limit=size_limit)
+    except Exception:
+        return True
+    return any(r.sha256 is not None for r in manifest.indexes)
+
+
 async def referenced_by_others(step: Store, size_limit: int) -> set[str]:
     """Keys (relative to ``step``) that the other committed checkpoints beside it reference.
 

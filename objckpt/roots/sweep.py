@@ -23,7 +23,7 @@ from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import SaveInProgressError
 from objckpt.options import Options
 from objckpt.roots.layout import STEP_DIR
-from objckpt.roots.references import Unknown, referenced_by_others, step_references
+from objckpt.roots.references import Unknown, may_be_a_base, referenced_by_others, step_references
 from objckpt.saving.live_markers import LIVE_DIR, committed_save_id, explain, is_live, is_marker, live_markers
 from objckpt.storage import ObjectInfo, Store
 
@@ -48,6 +48,7 @@ async def delete_checkpoint(store: Store, *, lease: float = LEASE, force: bool =
     """
     if not force:
         await _refuse_if_live(store, lease, "not deleting anything", manifest=True)
+    base = await may_be_a_base(store, Options.manifest_size_limit)
     await store.delete(MANIFEST_KEY)
     keys = [o.key for o in await store.list()]
     if not force:
@@ -55,7 +56,7 @@ async def delete_checkpoint(store: Store, *, lease: float = LEASE, force: bool =
     if MANIFEST_KEY in keys:  # a save committed since: its manifest goes first too
         await store.delete(MANIFEST_KEY)
     try:  # blobs that incremental checkpoints beside it reference stay, until gc finds none does
-        kept = await referenced_by_others(store, Options.manifest_size_limit)
+        kept = await referenced_by_others(store, Options.manifest_size_limit) if base else set()
     except Unknown as e:
         log.warning("objckpt deleted %s/%s only; gc collects the rest: %s", store.url, MANIFEST_KEY, e)
         return [MANIFEST_KEY]

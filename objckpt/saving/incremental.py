@@ -22,8 +22,10 @@ deleted anyway (``rm --force``) stops the commit instead of leaving a step that 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +46,8 @@ log = logging.getLogger("objckpt")
 
 #: Leaf kinds whose pieces may be references (items' values stay in the save's own blobs).
 _REFERABLE = ("array", "ndarray", "str", "bytes")
+#: Threads hashing pieces at once (bounded by the cores).
+_HASH_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -98,23 +102,28 @@ def match(owned: list[OwnedPiece], entries: list[LeafEntry], base: Manifest, nam
                 candidates[(leaf.path, str(leaf.dtype), tuple(bp.start), tuple(bp.stop))] = (bp, sizes.get(bp.blob, 0))
     if not candidates:
         log.warning("objckpt incremental save: base %s has no SHA-256 digests, so nothing can be referenced", name)
-    upload: list[OwnedPiece] = []
+    upload: list[tuple[int, OwnedPiece]] = []  # by position in ``owned``: the packing order stays
     refs: list[PieceRecord] = []
     ref_blobs: dict[str, int] = {}
-    for piece in owned:
+    paired: list[tuple[int, OwnedPiece, Piece, int]] = []
+    for at, piece in enumerate(owned):
         entry = entries[piece.leaf]
         hit = candidates.get((entry.path, str(entry.dtype), tuple(piece.start), tuple(piece.stop)))
-        if entry.kind not in _REFERABLE or hit is None:
-            upload.append(piece)
-            continue
-        old, blob_size = hit
-        digest = sha256_hex(_bytes_of(piece)) if old.length == piece.nbytes else None
+        if entry.kind not in _REFERABLE or hit is None or hit[0].length != piece.nbytes:
+            upload.append((at, piece))
+        else:
+            paired.append((at, piece, *hit))
+    # hashlib lets go of the GIL: the pieces are hashed on every core, not one after another.
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(_HASH_THREADS, os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(lambda pair: sha256_hex(_bytes_of(pair[1])), paired))
+    for (at, piece, old, blob_size), digest in zip(paired, digests):
         if digest != old.sha256:  # changed: uploaded, and its digest not computed twice
-            upload.append(piece if digest is None else dataclasses.replace(piece, sha256=digest))
+            upload.append((at, dataclasses.replace(piece, sha256=digest)))
             continue
         key = old.blob if is_ref(old.blob) else ref_key(name, old.blob)
         ref_blobs[key] = max(ref_blobs.get(key, 0), blob_size, old.offset + old.length)
         refs.append((piece.leaf, Piece(piece.start, piece.stop, key, old.offset, old.length, old.crc32c, old.sha256)))
+    upload.sort(key=lambda pair: pair[0])
     used = {split_ref(k)[0] for k in ref_blobs}
     known = {b[0]: Base(*b) for b in base.bases}
     known[name] = Base(name, base.save_id)
@@ -127,7 +136,7 @@ def match(owned: list[OwnedPiece], entries: list[LeafEntry], base: Manifest, nam
         sum(p.nbytes for p in owned),
         ", ".join(sorted(used)) or "no base",
     )
-    return Matched(upload, refs, ref_blobs, bases)
+    return Matched([p for _, p in upload], refs, ref_blobs, bases)
 
 
 def _bytes_of(piece: OwnedPiece) -> memoryview:
