@@ -200,3 +200,27 @@ def test_inspect_says_which_bytes_come_from_which_step(local_store: Any) -> None
     info = objckpt.inspect(f"{url}/step_3")
     assert info.bytes_from == {"": LEAF, "step_2": LEAF, "step_1": 6 * LEAF}
     assert "from step_1" in str(info)
+
+
+def test_a_failed_incremental_save_leaves_only_what_gc_collects(s3_store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from objckpt.saving.commit import Commit
+
+    so, url = s3_store.storage_options, s3_store.url
+    one, two = "step_0000000001", "step_0000000002"
+    tree = _tree()
+    objckpt.save(f"{url}/{one}", tree, storage_options=so, options=DIGEST)
+    before = sorted(o.key for o in runtime.run_sync(s3_store.open().list()))
+
+    async def dies(self: Any, *args: Any) -> Any:
+        raise OSError("killed before its index object")
+
+    monkeypatch.setattr(Commit, "_write_index", dies)
+    changed = {**tree, "w4": tree["w4"] + 1}
+    with pytest.raises(OSError, match="killed"):
+        objckpt.save(f"{url}/{two}", changed, storage_options=so, base=f"{url}/{one}")
+    monkeypatch.undo()
+    assert any(o.key.startswith(f"{two}/") for o in runtime.run_sync(s3_store.open().list()))
+    with objckpt.CheckpointManager(url, storage_options=so) as mgr:
+        mgr.gc(grace_seconds=0)
+    assert sorted(o.key for o in runtime.run_sync(s3_store.open().list())) == before
+    assert _equal(objckpt.restore(f"{url}/{one}", storage_options=so), tree)
