@@ -54,6 +54,7 @@ class OwnedPiece:
     source: Any = None
     device: int = -1  # the device whose shard it comes from (-1: host data); saves pack a device's pieces together
     shared: bool = False  # part of a box every replica needs (a replicated cell): saves pack these first
+    sha256: str | None = None  # its bytes' SHA-256 when an incremental save has hashed them already
 
     @property
     def shape(self) -> Index:

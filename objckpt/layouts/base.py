@@ -122,6 +122,9 @@ class CheckpointInfo:
             no save_id; its arrays are in Orbax's own files, not blobs).
         stored_bytes: the bytes of its blobs in the store (from the root manifest alone); below
             ``total_bytes`` when its leaves are compressed. None for another layout.
+        bytes_from: an incremental checkpoint's array bytes by where they are stored: ``""``
+            its own blobs, else the name of the earlier checkpoint (a base) whose blobs hold
+            them; None for any other checkpoint.
     """
 
     url: str
@@ -136,6 +139,7 @@ class CheckpointInfo:
     metadata: dict[str, Any]
     format: str = "objckpt"
     stored_bytes: int | None = None
+    bytes_from: dict[str, int] | None = None
 
     def stored_summary(self) -> str:
         """``, stored as <bytes> (<ratio>× smaller)`` when any leaf is compressed, else nothing."""
@@ -158,6 +162,9 @@ class CheckpointInfo:
         lines = [f"checkpoint {self.url}", summary]
         if self.metadata:
             lines.append(f"  metadata: {self.metadata}")
+        if self.bytes_from is not None:
+            where = [f"{human_bytes(n)} from {name or 'its own blobs'}" for name, n in sorted(self.bytes_from.items())]
+            lines.append(f"  incremental: {', '.join(where)}")
         lines.extend(f"  {leaf}" for leaf in self.leaves.values())
         return "\n".join(lines)
 

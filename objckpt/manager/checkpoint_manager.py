@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import threading
@@ -113,6 +114,8 @@ class CheckpointManager:
             peer copies.
         peer_of: ``peer_of(p, P)`` is the process whose steps process ``p`` of ``P`` keeps;
             default ``(p + P // 2) % P``, a process half the job away.
+        incremental: each save's base is the newest committed step (``objckpt.save(..., base=...)``,
+            with SHA-256 digests): off by default; its cost in docs/INCREMENTAL.md.
 
     With none of the five save rules, every step saves. Whatever the rules, the step at
     which a preemption notice has reached every process saves (:meth:`reached_preemption`);
@@ -166,12 +169,14 @@ class CheckpointManager:
         local_keep_last: int = 2,
         peers: int = 1,
         peer_of: Callable[[int, int], int] | None = None,
+        incremental: bool = False,
     ) -> None:
         self.root_url = str(root_url).rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.options = options or Options()
         self.gc_grace_seconds = gc_grace_seconds
         self.delete_orbax_steps = delete_orbax_steps
+        self.incremental = incremental
         self.store: Store = open_store(self.root_url, self.storage_options, self.options)
         self.policies: list[RetentionPolicy] = manager_policies(
             policies or [],
@@ -290,18 +295,25 @@ class CheckpointManager:
             full_metadata = {"objckpt.manager": {"step": step, "metrics": metrics}, **user_metadata}
             from objckpt.saving.api import save_async
 
+            base = self._base_for(step) if self.incremental else None
             handle = save_async(
                 self.step_url(step),
                 tree,
                 storage_options=self.storage_options,
-                options=self.options,
+                options=dataclasses.replace(self.options, digest="sha256") if self.incremental else self.options,
                 metadata=full_metadata,
+                base=base,
             )
             self._pending = runtime.submit(self._after_save(handle, step, metrics))
             self._pending_step = step
         if wait or self.reached_preemption(step):
             self.wait()
         return True
+
+    def _base_for(self, step: int) -> str | None:
+        """An incremental save's base: the newest committed step (objckpt's) before ``step``."""
+        earlier = [s for s in runtime.run_sync(committed_steps(self.store)) if s < step]
+        return self.step_url(earlier[-1]) if earlier else None
 
     async def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, Any]) -> None:
         await asyncio.wrap_future(handle._future)

@@ -20,10 +20,10 @@ from collections import defaultdict
 from typing import Any
 
 from objckpt.core.format import MANIFEST_KEY
-from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
-from objckpt.layouts.manifest_io import read_checkpoint
+from objckpt.errors import SaveInProgressError
 from objckpt.options import Options
 from objckpt.roots.layout import STEP_DIR
+from objckpt.roots.references import Unknown, may_be_a_base, referenced_by_others, step_references
 from objckpt.saving.live_markers import LIVE_DIR, committed_save_id, explain, is_live, is_marker, live_markers
 from objckpt.storage import ObjectInfo, Store
 
@@ -48,14 +48,21 @@ async def delete_checkpoint(store: Store, *, lease: float = LEASE, force: bool =
     """
     if not force:
         await _refuse_if_live(store, lease, "not deleting anything", manifest=True)
+    base = await may_be_a_base(store, Options.manifest_size_limit)
     await store.delete(MANIFEST_KEY)
     keys = [o.key for o in await store.list()]
     if not force:
         await _refuse_if_live(store, lease, f"deleted its {MANIFEST_KEY} only; gc collects the rest after the save")
     if MANIFEST_KEY in keys:  # a save committed since: its manifest goes first too
         await store.delete(MANIFEST_KEY)
-    await delete_objects(store, [k for k in keys if k != MANIFEST_KEY])
-    return keys
+    try:  # blobs that incremental checkpoints beside it reference stay, until gc finds none does
+        kept = await referenced_by_others(store, Options.manifest_size_limit) if base else set()
+    except Unknown as e:
+        log.warning("objckpt deleted %s/%s only; gc collects the rest: %s", store.url, MANIFEST_KEY, e)
+        return [MANIFEST_KEY]
+    doomed = [k for k in keys if k != MANIFEST_KEY and k not in kept]
+    await delete_objects(store, doomed)
+    return doomed
 
 
 async def _refuse_if_live(store: Store, lease: float, what: str, *, manifest: bool = False) -> None:
@@ -72,11 +79,14 @@ async def unreferenced_objects(
     """Objects under ``step_*/`` of a manager root that no committed manifest references,
     older than ``grace`` seconds (all of them when ``grace <= 0``). Deletes nothing.
 
-    A step holding a live-save marker younger than ``lease`` is skipped whatever
-    the grace period. The order is what makes that safe: list the objects, then
-    look for markers (a blob in the listing was written after its save's marker),
-    then read the manifest again (a save that committed in between references
-    its blobs, and deletes its marker only after that).
+    References are counted across every committed manifest of the root (an incremental
+    step references blobs of earlier steps: :mod:`objckpt.roots.references`); when one
+    cannot be read, nothing is collected. A step holding a live-save marker younger than
+    ``lease`` is skipped whatever the grace period (an incremental save puts one in its
+    base too). The order is what makes that safe: list the objects, then look for markers
+    (a blob in the listing was written after its save's marker), then read the manifests
+    again (a save that committed in between references its blobs, and deletes its marker
+    only after that).
     """
     objects = await store.list("step_")
     by_step: dict[str, list[Any]] = defaultdict(list)
@@ -85,29 +95,38 @@ async def unreferenced_objects(
         if STEP_DIR.match(head) and tail:
             by_step[head].append(obj)
     now = time.time()
-    doomed: list[ObjectInfo] = []
+    referenced = await _all_referenced(
+        store, {h for h, objs in by_step.items() if _listed(h, objs)}, manifest_size_limit
+    )
+    if referenced is None:
+        return []
+    candidates: list[ObjectInfo] = []
     for head, objs in by_step.items():
-        listed = f"{head}/{MANIFEST_KEY}" in {o.key for o in objs}
-        referenced = await _referenced(store, head, manifest_size_limit) if listed else set()
-        if referenced is None:
-            continue
         old = [o for o in objs if grace <= 0 or (o.last_modified is not None and now - o.last_modified >= grace)]
         # Never the manifest: gc deletes keys from a listing, and a later save may commit that key.
-        candidates = [o for o in old if o.key not in referenced and o.key != f"{head}/{MANIFEST_KEY}"]
-        if not candidates:
+        mine = [o for o in old if o.key not in referenced and o.key != f"{head}/{MANIFEST_KEY}"]
+        if not mine:
             continue
         live = await live_markers(store.child(head), lease=lease)
         if live:
+            listed = _listed(head, objs)
             committed = await committed_save_id(store.child(head), size_limit=manifest_size_limit) if listed else None
             log.info(
                 "objckpt gc skips %s", explain(f"{store.url}/{head}", live, lease=lease, committed_save_id=committed)
             )
             continue
-        referenced = await _referenced(store, head, manifest_size_limit)
-        if referenced is None:
-            continue
-        doomed.extend(o for o in candidates if o.key not in referenced)
-    return doomed
+        candidates.extend(mine)
+    if not candidates:
+        return []
+    heads = {o.key.partition("/")[0] for o in await store.list("step_") if o.key.endswith(f"/{MANIFEST_KEY}")}
+    referenced = await _all_referenced(store, heads, manifest_size_limit)
+    if referenced is None:
+        return []
+    return [o for o in candidates if o.key not in referenced]
+
+
+def _listed(head: str, objs: list[ObjectInfo]) -> bool:
+    return f"{head}/{MANIFEST_KEY}" in {o.key for o in objs}
 
 
 async def collect(
@@ -121,18 +140,17 @@ async def collect(
     return found
 
 
-async def _referenced(store: Store, head: str, manifest_size_limit: int) -> set[str] | None:
-    """Keys (relative to the root) the manifest of step ``head`` references; empty without
-    one; None when it is unreadable (gc then leaves the step alone, and says so)."""
-    try:
-        manifest = await read_checkpoint(store.child(head), size_limit=manifest_size_limit)
-    except CheckpointNotFoundError:
-        return set()
-    except Exception as e:
-        log.warning("objckpt gc skips %s/%s: %s", store.url, head, e)
-        return None
-    keys = [b.key for b in manifest.blobs] + [r.key for r in manifest.indexes] + [MANIFEST_KEY]
-    return {f"{head}/{key}" for key in keys}
+async def _all_referenced(store: Store, heads: set[str], manifest_size_limit: int) -> set[str] | None:
+    """Keys (relative to the root) that the manifests of steps ``heads`` reference, their bases'
+    included; None when one is unreadable (gc then collects nothing, and says so)."""
+    out: set[str] = set()
+    for head in sorted(heads):
+        try:
+            out |= await step_references(store, head, manifest_size_limit)
+        except Unknown as e:
+            log.warning("objckpt gc collects nothing under %s: a manifest cannot be read (%s)", store.url, e)
+            return None
+    return out
 
 
 async def delete_objects(store: Store, keys: list[str]) -> None:

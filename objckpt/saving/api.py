@@ -27,6 +27,7 @@ reports a missing or resized one instead, so no manifest is written.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 import uuid
@@ -43,10 +44,11 @@ from objckpt.core.tree import flatten
 from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, finish_from_caller, start
-from objckpt.saving import pipeline
+from objckpt.saving import incremental, pipeline
 from objckpt.saving.blob_sizing import save_blob_size, split_pieces
 from objckpt.saving.classify import classify
 from objckpt.saving.encode import coded_leaves
+from objckpt.saving.incremental import base_name
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import tune_malloc
 from objckpt.transfer.engine import TransferStats
@@ -104,6 +106,7 @@ def save(
     options: Options | None = None,
     metadata: dict[str, Any] | None = None,
     progress: ProgressArg = False,
+    base: str | None = None,
 ) -> TransferStats:
     """Save ``tree`` to ``url`` and return once the checkpoint is committed.
 
@@ -126,6 +129,11 @@ def save(
             every 0.1 s and once more when the save ends (committed or failed),
             on objckpt's I/O thread: it must be quick, and an exception it raises
             is logged once, never failing the save. ``False``/``None``: nothing.
+        base: an earlier committed checkpoint beside ``url`` (same parent prefix): each piece
+            whose leaf path, dtype, box and SHA-256 equal the base's is recorded as a reference to
+            the base's bytes instead of uploaded (an incremental checkpoint; docs/FORMAT.md,
+            "Bases"). Implies ``Options(digest="sha256")``, and costs one SHA-256 pass over the
+            pieces the base has (~1.8 GB/s per core) and a read of the base's index objects.
 
     Returns:
         This process's figures (bytes, objects, requests, retries, seconds).
@@ -135,7 +143,7 @@ def save(
     """
     # The caller waits for the uploads anyway: let them start with the first
     # blob copied instead of after the last (save_async holds them back).
-    handle = _start(url, tree, storage_options, options, metadata, progress, hold_uploads=False)
+    handle = _start(url, tree, storage_options, options, metadata, progress, hold_uploads=False, base=base)
     handle.result()
     return handle.stats
 
@@ -148,13 +156,14 @@ def save_async(
     options: Options | None = None,
     metadata: dict[str, Any] | None = None,
     progress: ProgressArg = False,
+    base: str | None = None,
 ) -> SaveHandle:
     """Copy ``tree`` off the devices, then upload and commit in the background.
 
     Returns after the blocking phase: the caller may update, donate or delete
     its arrays at once. Takes the same arguments as :func:`save`.
     """
-    return _start(url, tree, storage_options, options, metadata, progress, hold_uploads=True)
+    return _start(url, tree, storage_options, options, metadata, progress, hold_uploads=True, base=base)
 
 
 def _start(
@@ -166,15 +175,22 @@ def _start(
     progress: ProgressArg,
     *,
     hold_uploads: bool,
+    base: str | None = None,
 ) -> SaveHandle:
     """Snapshot ``tree`` and start its uploads and commit; ``hold_uploads`` as in :func:`objckpt.saving.upload.snapshot_and_upload`."""
     entered = time.perf_counter()
     options = options or Options()
+    name = None
+    if base is not None:
+        name = base_name(url, base)
+        if options.format_version < 3:
+            raise ValueError("save(base=...) needs Options(format_version=3)")
+        options = dataclasses.replace(options, digest="sha256")  # so this checkpoint can be a base in turn
     if options.tune_malloc:
         tune_malloc()
     handle = Handle.open(url, storage_options, options)
     try:
-        return _begin(handle, tree, metadata, progress, entered, hold_uploads=hold_uploads)
+        return _begin(handle, tree, metadata, progress, entered, hold_uploads=hold_uploads, base=name)
     except BaseException:
         handle.close()
         raise
@@ -188,8 +204,10 @@ def _begin(
     entered: float,
     *,
     hold_uploads: bool,
+    base: str | None = None,
 ) -> SaveHandle:
-    """:func:`_start` on an open store, which the commit closes once it ends (``entered``: when the call began)."""
+    """:func:`_start` on an open store, which the commit closes once it ends (``entered``: when the call began);
+    ``base``: the name of the sibling checkpoint an incremental save references."""
     options, stats = handle.options, handle.stats
     coordinator = get_coordinator()
     tag = operation_tag("save", handle.url)
@@ -220,16 +238,26 @@ def _begin(
     blob_size = save_blob_size(
         options, sum(p.nbytes for p in owned), processes=coordinator.process_count, hold_uploads=hold_uploads
     )
-    blobs = plan_blobs(
-        owned,
-        blob_size=blob_size,
-        key=lambda seq: blob_key(save_id, coordinator.process_index, seq),
-    )
 
-    save = pipeline.begin(handle, coordinator=coordinator, tag=tag, save_id=save_id)
+    bases = () if base is None else (incremental.base_store(handle.store, base),)
+    save = pipeline.begin(handle, coordinator=coordinator, tag=tag, save_id=save_id, bases=bases)
     started = time.perf_counter()
     reporter = None
     try:
+        if base is not None:  # the marker is in the base now: read it, then reference what is equal
+            limit = options.manifest_size_limit
+            matched = incremental.match(
+                owned, entries, runtime.run_sync(incremental.read_base(handle.store, base, size_limit=limit)), base
+            )
+            owned = matched.upload
+            save = dataclasses.replace(
+                save, refs=tuple(matched.refs), ref_blobs=matched.ref_blobs, bases=tuple(matched.bases)
+            )
+        blobs = plan_blobs(
+            owned,
+            blob_size=blob_size,
+            key=lambda seq: blob_key(save_id, coordinator.process_index, seq),
+        )
         total = sum(b.size for b in blobs)
         reporter = start(progress, "save", handle.url, total, lambda: stats.bytes_written, stats)
         uploads = pipeline.upload(save, blobs, hold_uploads=hold_uploads, coded=coded)

@@ -20,7 +20,7 @@ import datetime
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from objckpt.core.checksum import crc32c, sha256_hex
@@ -45,7 +45,7 @@ from objckpt.errors import (
     StoreError,
 )
 from objckpt.multihost import Coordinator
-from objckpt.saving.live_markers import LiveMarker
+from objckpt.saving.live_markers import LiveMarker, MarkerGroup
 from objckpt.saving.upload import PieceRecord
 from objckpt.transfer.handle import Handle
 
@@ -64,7 +64,12 @@ class Save:
     coordinator: Coordinator
     tag: str
     save_id: str
-    marker: LiveMarker
+    marker: LiveMarker | MarkerGroup
+    #: an incremental save's rows that reference a base (:mod:`objckpt.saving.incremental`), the
+    #: blobs they name (reference key -> size) and the bases a reference may lead to
+    refs: tuple[PieceRecord, ...] = ()
+    ref_blobs: dict[str, int] = field(default_factory=dict)
+    bases: tuple[tuple[str, str], ...] = ()
 
 
 class Commit:
@@ -93,6 +98,7 @@ class Commit:
         self.meshes = meshes
         self.metadata = metadata
         self.index_key = index_key(save.save_id, save.coordinator.process_index)
+        self.refs, self.ref_blobs, self.bases = save.refs, save.ref_blobs, save.bases
 
     async def run(self, uploads: list[concurrent.futures.Future[list[PieceRecord]]], started: float) -> None:
         """Wait for the uploads, commit or abort, then delete this process's live-save marker."""
@@ -110,9 +116,12 @@ class Commit:
             if self.marker.lapsed():
                 raise StoreError(f"save to {self.store.url} was not committed: {self.marker.lapse_error()}")
             blobs = _blob_sizes(records)
+            blobs.update(self.ref_blobs)  # HEADed too: a base's blob deleted meanwhile stops the commit
             await self._check_own_blobs(blobs)
             values, indexed = self._own_values(records)
-            report = await self._write_index(indexed, blobs)
+            report = await self._write_index([*indexed, *self.refs], blobs)
+            if self.ref_blobs:
+                report["bases"] = sorted({k.split("/")[1] for k in self.ref_blobs})
             if values:
                 report["items"] = values
         except BaseException as e:  # report to peers before raising, so nobody waits for us
@@ -290,6 +299,7 @@ class Commit:
         if len({"head" in d for d in docs.values()} | {self.options.format_version >= 3}) > 1:
             why = "the processes disagree on Options.format_version"
             return json.dumps({"status": "aborted", "why": why}).encode()
+        used = {name for d in docs.values() for name in d.get("bases", ())}
         manifest = self._manifest(
             self._with_values(docs),
             [
@@ -298,6 +308,7 @@ class Commit:
                 )
                 for _, d in sorted(docs.items())
             ],
+            bases=tuple(b for b in self.bases if b[0] in used),
         )
         try:
             await self.engine.put(MANIFEST_KEY, manifest_to_json(manifest), mode="create")
@@ -316,7 +327,9 @@ class Commit:
         except Exception:
             return False
 
-    def _manifest(self, entries: list[LeafEntry], indexes: list[IndexRef]) -> Manifest:
+    def _manifest(
+        self, entries: list[LeafEntry], indexes: list[IndexRef], bases: tuple[tuple[str, str], ...] = ()
+    ) -> Manifest:
         version = self.options.format_version
         if self.options.compression is not None:  # version 4: every leaf with blob bytes is encoded
             version = 4
@@ -334,11 +347,12 @@ class Commit:
             indexes=tuple(indexes),
             slab_bytes=self.options.split_replicas_above,
             shared_save_id=True,
+            bases=bases,
         )
 
     async def _delete_own_objects(self, records: list[PieceRecord]) -> None:
         """Best effort: the blobs and index of a save that lost the commit race are never referenced."""
-        for key in [*{p.blob for _, p in records}, self.index_key]:
+        for key in [*{p.blob for _, p in records if p.blob not in self.ref_blobs}, self.index_key]:
             try:
                 await self.store.delete(key)
             except Exception:  # gc removes whatever remains

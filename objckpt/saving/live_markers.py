@@ -220,3 +220,26 @@ class LiveMarker:
             log.warning(
                 "objckpt could not delete %s/%s (it expires after %g s): %s", self.store.url, self.key, self.lease, e
             )
+
+
+class MarkerGroup:
+    """A save's markers in several prefixes, kept and ended together: its own, and one in each
+    base an incremental save references (:mod:`objckpt.saving.incremental`), so that deleters
+    keep off the base as they keep off the save. The same calls as :class:`LiveMarker`."""
+
+    def __init__(self, markers: list[LiveMarker]) -> None:
+        self.markers = markers
+
+    async def begin(self) -> None:
+        for marker in self.markers:
+            await marker.begin()
+
+    def lapsed(self) -> bool:
+        return any(m.lapsed() for m in self.markers)
+
+    def lapse_error(self) -> str:
+        return next((m.lapse_error() for m in self.markers if m.lapsed()), self.markers[0].lapse_error())
+
+    async def end(self) -> None:
+        for marker in self.markers:
+            await marker.end()

@@ -20,6 +20,7 @@ slabs read from an Orbax checkpoint) and write them the same way:
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Sequence
 from typing import Any
 
 from objckpt.core.format import MANIFEST_KEY, LeafEntry
@@ -28,8 +29,9 @@ from objckpt.core.plan import BlobPlan
 from objckpt.errors import CheckpointExistsError, StoreError
 from objckpt.multihost import Coordinator
 from objckpt.saving.commit import Commit, Save
-from objckpt.saving.live_markers import LiveMarker, marker_key
+from objckpt.saving.live_markers import LiveMarker, MarkerGroup, marker_key
 from objckpt.saving.upload import PieceRecord, snapshot_and_upload
+from objckpt.storage.base import Store
 from objckpt.transfer import runtime
 from objckpt.transfer.handle import Handle
 
@@ -60,13 +62,20 @@ async def _exists(handle: Handle) -> bool:
     return True
 
 
-def begin(handle: Handle, *, coordinator: Coordinator, tag: str, save_id: str) -> Save:
+def begin(handle: Handle, *, coordinator: Coordinator, tag: str, save_id: str, bases: Sequence[Store] = ()) -> Save:
     """Start writing save ``save_id`` (coordinated under ``tag``): its live-save marker is written,
-    before any blob, so that deleters see it first."""
-    marker = LiveMarker(
-        handle.store, marker_key(save_id, coordinator.process_index), lease=handle.options.live_marker_lease
-    )
-    runtime.run_sync(marker.begin())
+    before any blob, so that deleters see it first; likewise in each of ``bases``, the checkpoints
+    an incremental save may reference, before their manifests are read."""
+    key, lease = marker_key(save_id, coordinator.process_index), handle.options.live_marker_lease
+    own = LiveMarker(handle.store, key, lease=lease)
+    marker: LiveMarker | MarkerGroup = own
+    if bases:
+        marker = MarkerGroup([own, *(LiveMarker(b, key, lease=lease) for b in bases)])
+    try:
+        runtime.run_sync(marker.begin())
+    except BaseException:
+        runtime.run_sync(marker.end())
+        raise
     return Save(handle=handle, coordinator=coordinator, tag=tag, save_id=save_id, marker=marker)
 
 

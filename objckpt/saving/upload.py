@@ -194,7 +194,7 @@ async def _upload_parts(
     parts, with retries; then free its slot (``slots``: a synchronous save's in-place uploads)."""
     try:
         await asyncio.wrap_future(gate)
-        crcs = await asyncio.to_thread(_checksums, parts[1::2], digest)  # parts: gap, piece, gap, piece, ...
+        crcs = await asyncio.to_thread(_checksums, parts[1::2], digest, blob)  # parts: gap, piece, gap, piece, ...
         await engine.put(
             blob.key, parts, crc32c=_blob_crc32c([(p.offset, p.piece.nbytes) for p in blob.pieces], crcs, blob.size)
         )
@@ -243,7 +243,7 @@ async def _upload(
             pieces = [view[p.offset : p.offset + p.piece.nbytes] for p in blob.pieces]
         else:
             pieces = [view[at : at + n] for at, n in spans]
-        crcs = await asyncio.to_thread(_checksums, pieces, digest)
+        crcs = await asyncio.to_thread(_checksums, pieces, digest, None if coded else blob)
         placed = spans if spans is not None else [(p.offset, p.piece.nbytes) for p in blob.pieces]
         attempts = await engine.put(blob.key, data, crc32c=_blob_crc32c(placed, crcs, len(view)))
     finally:
@@ -252,9 +252,11 @@ async def _upload(
     return _records(blob, crcs, spans)
 
 
-def _checksums(pieces: list[memoryview], digest: str | None) -> list[tuple[int, str | None]]:
-    """Each piece's crc32c, and its SHA-256 when ``digest`` asks for it (``Options.digest``)."""
-    return [(crc32c(p), sha256_hex(p) if digest else None) for p in pieces]
+def _checksums(pieces: list[memoryview], digest: str | None, blob: BlobPlan | None) -> list[tuple[int, str | None]]:
+    """Each piece's crc32c, and its SHA-256 when ``digest`` asks for it (``Options.digest``; one an
+    incremental save computed already of these very bytes, ``blob``'s, is not computed again)."""
+    known = [placed.piece.sha256 for placed in blob.pieces] if blob is not None else [None] * len(pieces)
+    return [(crc32c(p), (sha or sha256_hex(p)) if digest else None) for p, sha in zip(pieces, known)]
 
 
 def _blob_crc32c(spans: Spans, crcs: list[tuple[int, str | None]], size: int) -> int:

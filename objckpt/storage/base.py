@@ -167,6 +167,12 @@ class Store(abc.ABC):
     def child(self, subpath: str) -> Store:
         """A store rooted at ``<url>/<subpath>`` sharing this one's connections."""
 
+    def parent(self) -> Store | None:
+        """A store rooted one path component above this one (sharing its connections), or None
+        where there is none (a bucket's root) or the store cannot make one. Incremental checkpoints
+        read their bases' blobs through it (:mod:`objckpt.core.format.bases`)."""
+        return None
+
     async def close(self) -> None:  # noqa: B027  (optional hook)
         """Release connections; optional."""
 

@@ -43,8 +43,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from objckpt.core.checksum import crc32c, sha256_hex
-from objckpt.core.format import MANIFEST_KEY, BlobEntry, Manifest, manifest_to_json, parse_manifest
+from objckpt.core.format import MANIFEST_KEY, BlobEntry, IndexRef, Manifest, manifest_to_json, parse_manifest
+from objckpt.core.format.bases import is_ref
 from objckpt.core.format.index3 import parse_index3
+from objckpt.core.format.standalone import local_key, standalone_index, standalone_root
 from objckpt.errors import CheckpointExistsError, FormatError, IntegrityError, ObjectExistsError, StoreError
 from objckpt.layouts.manifest_io import read_checkpoint
 from objckpt.options import Options
@@ -325,6 +327,9 @@ async def _copy(
 
     async def one(blob: BlobEntry) -> None:
         pieces = by_blob.get(blob.key, [])
+        if is_ref(blob.key):  # a base's blob: copied into the copy, which then stands alone
+            await _copy_referenced(blob, pieces)
+            return
         if present.get(blob.key) == blob.size:
             if not verify_existing:
                 _count_skipped(stats, blob)
@@ -363,12 +368,25 @@ async def _copy(
         await target.put(blob.key, body, crc32c=expected_crc32c(blob, pieces))  # checked and kept by S3
         copied(blob, on_server=False)
 
+    async def _copy_referenced(blob: BlobEntry, pieces: list[Any]) -> None:
+        key = local_key(blob.key)
+        if present.get(key) == blob.size and not verify_existing:
+            _count_skipped(stats, blob)
+            return
+        data = await read_blob(source, blob.key, blob.size, chunk=chunk)
+        problems = await asyncio.to_thread(check_pieces, src.url, blob.key, data, pieces)
+        if len(data) != blob.size or problems:
+            why = problems[0] if problems else f"short blob {src.url}/{blob.key}"
+            raise IntegrityError(f"{why}; nothing was committed at {dst.url}")
+        await target.put(key, data if isinstance(data, bytes) else memoryview(data))
+        copied(blob, on_server=False)
+
     try:
         await source.for_each(manifest.blobs, one, window_bytes=options.memory_budget, size=lambda b: max(b.size, 1))
     finally:
         server.close()
         stats.method, stats.streamed_because = _method(stats, server)
-    await _copy_indexes(source, target, src, manifest)
+    manifest = await _copy_indexes(source, target, src, manifest)
     await _commit(target, dst.store, manifest, options)
 
 
@@ -382,9 +400,12 @@ def _method(stats: CopyStats, server: ServerSide) -> tuple[str, str]:
     return STREAMED, server.why_not
 
 
-async def _copy_indexes(source: TransferEngine, target: TransferEngine, src: Any, manifest: Manifest) -> None:
+async def _copy_indexes(source: TransferEngine, target: TransferEngine, src: Any, manifest: Manifest) -> Manifest:
     """Formats 2 and 3: copy each process's index object as is (the root holds its crc32c, and SHA-256 if
-    any; version 3: of its head, which pins every frame, each checked and decoded before the copy)."""
+    any; version 3: of its head, which pins every frame, each checked and decoded before the copy); the
+    manifest to commit. An incremental checkpoint's index objects name their references as blobs of their
+    own (:mod:`objckpt.core.format.standalone`), and its copy's root has no ``bases``."""
+    rewritten: list[IndexRef] = []
     for process, ref in enumerate(manifest.indexes):
         data = await source.get(ref.key)
         if manifest.version >= 3:
@@ -394,7 +415,11 @@ async def _copy_indexes(source: TransferEngine, target: TransferEngine, src: Any
                 raise IntegrityError(f"{e} (copying from {src.url}); nothing was committed") from None
         elif len(data) != ref.size or crc32c(data) != ref.crc32c or ref.sha256 not in (None, sha256_hex(data)):
             raise IntegrityError(f"index object {src.url}/{ref.key} does not match the manifest; nothing was committed")
+        if manifest.bases:
+            data, ref = standalone_index(data, ref)
+        rewritten.append(ref)
         await target.put(ref.key, data)
+    return standalone_root(manifest, rewritten) if manifest.bases else manifest
 
 
 def _count_skipped(stats: CopyStats, blob: BlobEntry) -> None:

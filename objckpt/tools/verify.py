@@ -26,6 +26,7 @@ from objckpt.core.checksum import damage
 from objckpt.core.codecs import decode
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format import BlobEntry, Manifest, Piece
+from objckpt.core.format.bases import is_ref
 from objckpt.core.format.v2 import require_digest
 from objckpt.errors import CheckpointNotFoundError, ChecksumsUnavailableError, FormatError, StoreError
 from objckpt.layouts.base import VerifyProblem, VerifyReport
@@ -161,7 +162,7 @@ async def _verify(handle: Handle, manifest: Manifest) -> list[VerifyProblem]:
     reads = options.retry.checksum_reads
 
     async def one(blob: BlobEntry) -> None:
-        listed = present.get(blob.key)
+        listed = await _base_size(engine, blob.key) if is_ref(blob.key) else present.get(blob.key)
         pieces = by_blob.get(blob.key, [])
         problems.extend(await check_blob(engine, blob, pieces, listed, chunk=chunk, reads=reads, coded=coded))
 
@@ -169,6 +170,15 @@ async def _verify(handle: Handle, manifest: Manifest) -> list[VerifyProblem]:
     await engine.for_each(manifest.blobs, one, window_bytes=window, size=lambda b: max(b.size, 1))
     problems.sort(key=lambda p: (p.blob, p.start or 0, p.kind))
     return problems
+
+
+async def _base_size(engine: TransferEngine, key: str) -> int | None:
+    """The size of a base's blob an incremental checkpoint references (a HEAD: it is not under
+    the checkpoint's prefix, so its listing does not show it); None when it is missing."""
+    try:
+        return (await engine.head(key)).size
+    except FileNotFoundError:
+        return None
 
 
 #: Sub-range GETs of one blob in flight at once (``READ_CHUNK`` each).

@@ -237,13 +237,19 @@ class RetryingStore(Store):
         )
 
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:
-        return await self._call(f"GET {self.url}/{key}", lambda: self.inner.get_range(key, start=start, end=end))
+        return await self._call(
+            f"GET {self.url}/{key}",
+            lambda: self._read_at(key)[0].get_range(self._read_at(key)[1], start=start, end=end),
+        )
 
     async def get_range_buffer(self, key: str, *, start: int, end: int) -> memoryview:
-        return await self._call(f"GET {self.url}/{key}", lambda: self.inner.get_range_buffer(key, start=start, end=end))
+        return await self._call(
+            f"GET {self.url}/{key}",
+            lambda: self._read_at(key)[0].get_range_buffer(self._read_at(key)[1], start=start, end=end),
+        )
 
     async def get(self, key: str) -> bytes:
-        return await self._call(f"GET {self.url}/{key}", lambda: self.inner.get(key))
+        return await self._call(f"GET {self.url}/{key}", lambda: self._read_at(key)[0].get(self._read_at(key)[1]))
 
     async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
         await self._call(f"PUT {self.url}/{key}", lambda: self.inner.put(key, data, mode=mode))
@@ -255,11 +261,26 @@ class RetryingStore(Store):
         return await self._call(f"LIST {self.url}/{prefix}", lambda: self.inner.list(prefix))
 
     async def head(self, key: str) -> ObjectInfo:
-        return await self._call(f"HEAD {self.url}/{key}", lambda: self.inner.head(key))
+        return await self._call(f"HEAD {self.url}/{key}", lambda: self._read_at(key)[0].head(self._read_at(key)[1]))
+
+    def _read_at(self, key: str) -> tuple[Store, str]:
+        """Where a read of ``key`` goes: a reference key into a base through the parent store
+        (:meth:`TransferEngine._at`); writes and deletes never follow one."""
+        if not key.startswith(REF_UP):
+            return self.inner, key
+        return parent_of(self.inner), key[len(REF_UP) :]
 
     def child(self, subpath: str) -> RetryingStore:
         return RetryingStore(
             self.inner.child(subpath), retry=self._retry, request_timeout=self._timeout, stats=self.stats
+        )
+
+    def parent(self) -> RetryingStore | None:
+        up = self.inner.parent()
+        return (
+            None
+            if up is None
+            else RetryingStore(up, retry=self._retry, request_timeout=self._timeout, stats=self.stats)
         )
 
     def with_policy(self, *, retry: RetryConfig, request_timeout: float) -> RetryingStore:
@@ -295,6 +316,25 @@ def close_store(store: Store) -> None:
     runtime.run_sync(store.close())
 
 
+#: How a key leads one level up: an incremental checkpoint's reference into a base
+#: (:mod:`objckpt.core.format.bases`); only the format's readers make such keys.
+REF_UP = "../"
+
+
+def parent_of(store: Store) -> Store:
+    """``store``'s parent store, for keys that lead into a base.
+
+    Raises:
+        StoreError: the store has none (a bucket's root, or a store that cannot reach one).
+    """
+    up = store.parent()
+    if up is None:
+        raise StoreError(
+            f"{store.url}: cannot reach the checkpoints beside it, which an incremental checkpoint's bases are"
+        )
+    return up
+
+
 def missing_bucket(url: str, key: str, error: ObjectNotFoundError) -> BucketNotFoundError:
     """The error for a write that found no object to write to: a write can only miss its bucket."""
     return BucketNotFoundError(f"cannot write {url}/{key}: the bucket (or container) does not exist ({error})")
@@ -321,6 +361,7 @@ class TransferEngine:
         self.retry = retry
         self.stats = stats if stats is not None else TransferStats()
         self.limit = AdaptiveLimit(max_concurrency, name=store.url, adaptive=adaptive)
+        self._parent: Store | None = None  # reads of incremental checkpoints' bases go through it
 
     @classmethod
     def from_options(cls, store: Store, options: Options, stats: TransferStats | None = None) -> TransferEngine:
@@ -415,7 +456,7 @@ class TransferEngine:
         """Bytes ``[start, end)`` as a read-only buffer (the store's own, when it can lend it: no copy)."""
         data = await self.call(
             f"GET {self.store.url}/{key} [{start}, {end})",
-            lambda: self.store.get_range_buffer(key, start=start, end=end),
+            lambda: self._at(key)[0].get_range_buffer(self._at(key)[1], start=start, end=end),
         )
         self.stats.add(bytes_read=len(data))
         return data
@@ -425,19 +466,28 @@ class TransferEngine:
         a retry starts the sink over. How many bytes were handed over."""
         n = await self.call(
             f"GET {self.store.url}/{key} [{start}, {end})",
-            lambda: self.store.get_range_streamed(key, start=start, end=end, sink=sink),
+            lambda: self._at(key)[0].get_range_streamed(self._at(key)[1], start=start, end=end, sink=sink),
         )
         self.stats.add(bytes_read=n)
         return n
 
     async def get(self, key: str) -> bytes:
-        data = await self.call(f"GET {self.store.url}/{key}", lambda: self.store.get(key))
+        data = await self.call(f"GET {self.store.url}/{key}", lambda: self._at(key)[0].get(self._at(key)[1]))
         self.stats.add(bytes_read=len(data))
         return data
 
     async def head(self, key: str) -> ObjectInfo:
         """One object's size and metadata, in the operation's window (a HEAD counts as a request)."""
-        return await self.call(f"HEAD {self.store.url}/{key}", lambda: self.store.head(key))
+        return await self.call(f"HEAD {self.store.url}/{key}", lambda: self._at(key)[0].head(self._at(key)[1]))
+
+    def _at(self, key: str) -> tuple[Store, str]:
+        """The store and key that hold ``key``: a reference key (``../<base>/...``, checked by the
+        format's readers before it gets here) through the store one level up."""
+        if not key.startswith(REF_UP):
+            return self.store, key
+        if self._parent is None:
+            self._parent = parent_of(self.store)
+        return self._parent, key[len(REF_UP) :]
 
     async def for_each(
         self,

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from objckpt.core.checksum import crc32c, is_sha256_hex, sha256_hex
+from objckpt.core.format.bases import check_ref_key, is_ref
 from objckpt.core.format.index import INDEX_FORMAT, IndexDoc, index_key
 from objckpt.core.format.index3_bounds import (
     BYTES_LIMIT,
@@ -157,7 +158,7 @@ def _pinned_head(head: bytes, manifest: Manifest, process: int, table: LeafTable
     )
     need(index_key(manifest.save_id, process) == ref.key, "'save_id'", "does not name this index object", doc_name)
     need(doc["process"] == process and is_int(doc["process"]), "'process'", f"must be {process}", doc_name)
-    keys, sizes = _blobs(doc["blobs"], doc_name)
+    keys, sizes = _blobs(doc["blobs"], doc_name, dict(manifest.bases))
     need(
         len(keys) == ref.blobs and sum(sizes) == ref.blob_bytes,
         "'blobs'",
@@ -169,7 +170,8 @@ def _pinned_head(head: bytes, manifest: Manifest, process: int, table: LeafTable
     return Head(process, keys, sizes, frames)
 
 
-def _blobs(raw: Any, doc_name: str) -> tuple[list[str], list[int]]:
+def _blobs(raw: Any, doc_name: str, bases: dict[str, str]) -> tuple[list[str], list[int]]:
+    """The head's blob keys and sizes; a reference key only to a blob of a save the root names in ``bases``."""
     need(isinstance(raw, list) and len(raw) < 2**32, "'blobs'", "must be a list", doc_name)
     keys: list[str] = []
     sizes: list[int] = []
@@ -186,7 +188,15 @@ def _blobs(raw: Any, doc_name: str) -> tuple[list[str], list[int]]:
         where = f"'blobs[{n}]'"
         need(isinstance(b, list) and len(b) == 2, where, "must be [key, size]", doc_name)
         key, size = b
-        need(isinstance(key, str) and check_blob_key(key), where, f"unsafe blob key {key!r}", doc_name)
+        if isinstance(key, str) and is_ref(key):
+            need(
+                check_ref_key(key, bases),
+                where,
+                f"reference {key[:300]!r} leads to no blob of a base the manifest's 'bases' names",
+                doc_name,
+            )
+        else:
+            need(isinstance(key, str) and check_blob_key(key), where, f"unsafe blob key {key!r}", doc_name)
         need(is_int(size) and 0 <= size < BYTES_LIMIT, where, "size must be an integer in [0, 2**62)", doc_name)
         need(key not in seen, where, f"duplicate blob {key!r}", doc_name)
         seen.add(key)

@@ -135,6 +135,9 @@ class Manifest:
     # Version 2: every index object carries the root's save_id (a root written when each
     # process picked its own id has False, and its index objects are read by the key rule).
     shared_save_id: bool = False
+    # Version 3, incremental (objckpt.core.format.bases): the earlier checkpoints, siblings of
+    # this one, whose blobs its pieces point into, as (name, save_id); () for a whole checkpoint.
+    bases: tuple[tuple[str, str], ...] = ()
 
     @property
     def total_bytes(self) -> int:

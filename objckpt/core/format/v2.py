@@ -27,6 +27,7 @@ from typing import Any
 
 from objckpt.core.checksum import is_sha256_hex
 from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.format.bases import bases_from_json, bases_to_json
 from objckpt.core.format.schema import (
     ARRAY_KINDS,
     BLOB_KEY,
@@ -74,6 +75,8 @@ def root_to_json(manifest: Manifest) -> bytes:
         "indexes": [_ref_to_json(r, manifest.version) for r in manifest.indexes],
         "leaves": leaves,
     }
+    if manifest.bases:
+        doc["bases"] = bases_to_json(manifest.bases)  # type: ignore[arg-type]
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -116,9 +119,11 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
             "indexes",
             "leaves",
         },
-        {"shared_save_id"},
+        {"shared_save_id", "bases"},
     )
     check_header(doc)
+    need(version >= 3 or "bases" not in doc, "'bases'", "needs version 3")
+    bases = bases_from_json(doc["bases"], doc["save_id"]) if "bases" in doc else ()
     need(doc.get("shared_save_id", True) is True, "'shared_save_id'", "must be true when present")
     need(version == 2 or "shared_save_id" in doc, "'shared_save_id'", "required in version 3")
     processes = doc["num_processes"]
@@ -177,6 +182,7 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
         indexes=tuple(indexes),
         slab_bytes=doc["slab_bytes"],
         shared_save_id="shared_save_id" in doc,
+        bases=bases,
     )
 
 

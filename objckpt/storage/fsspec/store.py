@@ -434,6 +434,16 @@ class FsspecStore(StreamingStore):
         clone.url = self._url(sub)
         return clone
 
+    def parent(self) -> FsspecStore | None:
+        head = self._root.rpartition("/")[0]
+        if not head.strip("/"):
+            return None
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone._root = head
+        clone.url = self.url.rstrip("/").rpartition("/")[0]
+        return clone
+
 
 # ------------------------------------------------------------ per filesystem
 

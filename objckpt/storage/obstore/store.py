@@ -354,6 +354,16 @@ class ObstoreStore(StreamingStore):
         clone.url = self._url(sub)
         return clone
 
+    def parent(self) -> ObstoreStore | None:
+        if not self._prefix.strip("/"):
+            return None
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        head = self._prefix.rstrip("/").rpartition("/")[0]
+        clone._prefix = f"{head}/" if head else ""
+        clone.url = self.url.rstrip("/").rpartition("/")[0]
+        return clone
+
 
 # ------------------------------------------------------------------ factories
 
