@@ -192,7 +192,7 @@ class Options:
             of at most 1 MiB raw, and writes format version 4 (docs/FORMAT.md
             "Compressed pieces"): bf16 weights ≈ 1.45× smaller, f32 optimizer moments
             ≈ 1.1-1.2×, at the CPU cost docs/PERFORMANCE.md ("Compression") measures.
-            Needs the ``zstandard`` package (``pip install "objckpt[compression]"``)
+            Needs the ``zstandard`` package (the ``compression`` extra)
             and ``format_version=3``. None (the default): bytes stored as they are.
             Readers decode compressed checkpoints whatever this says.
     """
@@ -257,7 +257,7 @@ class Options:
                 raise ValueError("Options.compression needs Options.format_version=3 (it writes format version 4)")
             if importlib.util.find_spec("zstandard") is None:
                 raise ImportError(
-                    'Options(compression="zstd") needs the zstandard package: pip install "objckpt[compression]"'
+                    'Options(compression="zstd") needs the zstandard package: pip install zstandard (the compression extra)'
                 )
         if self.device_snapshot not in ("off", "auto", "on"):
             raise ValueError(f"Options.device_snapshot must be 'off', 'auto' or 'on', got {self.device_snapshot!r}")

@@ -147,9 +147,9 @@ class _RecordingEngine(TransferEngine):
         self.put_keys: list[str] = []
         self.head_keys: list[str] = []
 
-    async def put(self, key: str, data: Any, *, mode: Any = "overwrite") -> int:
+    async def put(self, key: str, data: Any, *, mode: Any = "overwrite", crc32c: int | None = None) -> int:
         self.put_keys.append(key)
-        return await super().put(key, data, mode=mode)
+        return await super().put(key, data, mode=mode, crc32c=crc32c)
 
     async def head(self, key: str) -> Any:
         self.head_keys.append(key)

@@ -64,6 +64,11 @@ async def read_manifest(store: Store, *, size_limit: int, reads: int = MANIFEST_
     raise AssertionError("unreachable")  # reads >= 1
 
 
+async def read_manifest_bytes(store: Store, *, size_limit: int) -> bytes:
+    """``manifest.json``'s bytes as stored, unparsed, refused over ``size_limit`` (one read)."""
+    return await _fetch(store, size_limit)
+
+
 async def _fetch(store: Store, size_limit: int) -> bytes:
     """The manifest's bytes, refused over ``size_limit`` (sized with a HEAD only when long)."""
     first = min(FIRST_READ, size_limit + 1)

@@ -15,8 +15,9 @@ import logging
 
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.format.bases import root_relative
+from objckpt.core.strict import strict_json
 from objckpt.errors import CheckpointNotFoundError
-from objckpt.layouts.manifest_io import read_checkpoint, read_manifest
+from objckpt.layouts.manifest_io import read_checkpoint, read_manifest, read_manifest_bytes
 from objckpt.storage import Store
 
 log = logging.getLogger("objckpt")
@@ -65,11 +66,14 @@ async def may_be_a_base(step: Store, size_limit: int) -> bool:
     """Could checkpoints beside ``step`` reference its blobs? Only one with SHA-256 digests can be
     a base; one without a readable manifest may have been (its objects are kept as if it were).
     Read before its manifest is deleted, so deleting a plain checkpoint lists nothing beside it."""
-    try:
-        manifest = await read_manifest(step, size_limit=size_limit)
+    try:  # the root document alone: parsing its leaves would load the dtype table (ml_dtypes)
+        doc = strict_json(await read_manifest_bytes(step, size_limit=size_limit))
+        indexes = doc.get("indexes") or []
     except Exception:
         return True
-    return any(r.sha256 is not None for r in manifest.indexes)
+    if not isinstance(indexes, list):
+        return True
+    return any(not isinstance(r, dict) or r.get("sha256") is not None for r in indexes)
 
 
 async def referenced_by_others(step: Store, size_limit: int) -> set[str]:

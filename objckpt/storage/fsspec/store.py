@@ -38,7 +38,7 @@ import builtins
 import datetime as _dt
 import inspect
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fsspec import AbstractFileSystem
@@ -47,7 +47,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 
 from objckpt.errors import ObjectNotFoundError, StoreError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode
-from objckpt.storage.checksums import StoredChecksum, crc32c_header, parse_crc32c_header
+from objckpt.storage.checksums import StoredChecksum, parse_crc32c_header
 from objckpt.storage.endpoint import ConfiguredEndpoint
 from objckpt.storage.errors import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
 from objckpt.storage.errors import http_status as _http_status
@@ -450,30 +450,15 @@ class FsspecStore(StreamingStore):
 
 class S3FsspecStore(FsspecStore):
     """s3fs: create-if-absent is its ``If-None-Match: *`` PUT; listings filter server-side;
-    checked uploads send ``ChecksumCRC32C`` (``PutObject``), read back by ``HeadObject(ChecksumMode=ENABLED)``
-    (:mod:`objckpt.storage.checksums`)."""
+    stored checksums read back by ``HeadObject(ChecksumMode=ENABLED)``
+    (:mod:`objckpt.storage.checksums`). Its uploads send no CRC-32C: given one in a header,
+    botocore SHA-256-signs the body even over HTTPS, a pass over every byte the unsigned
+    uploads skip; the native S3 store sends it (checked on arrival) without that pass."""
 
     _lists_by_prefix = True
-    checks_at_arrival = keeps_checksums = True
+    checks_at_arrival = False
+    keeps_checksums = True
     lists_checksums = False  # S3 lists no checksums: one HEAD per object
-
-    async def put_checked(
-        self, key: str, data: bytes | memoryview | Sequence[memoryview], *, crc32c: int, mode: PutMode = "overwrite"
-    ) -> None:
-        """Write an object with its CRC-32C, which S3 checks on arrival and keeps."""
-        _check_relative(key, "key", allow_empty=False, allow_partial=False)
-        create = mode == "create"
-        what = f"put {self._url(key)} (with its crc32c)" + (" (create-if-absent)" if create else "")
-        body = (
-            bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else b"".join(data)
-        )  # botocore wants bytes
-        extra: dict[str, Any] = {"mode": "create"} if create else {}
-        try:
-            await self._fs(what, "pipe_file", self._path(key), body, ChecksumCRC32C=crc32c_header(crc32c), **extra)
-        except _PROGRAMMING_ERRORS:
-            raise
-        except Exception as exc:
-            raise map_error(exc, what, create=create) from exc
 
     async def head_checksum(self, key: str) -> StoredChecksum:
         """The object's size and the CRC-32C S3 keeps of it."""
