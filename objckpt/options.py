@@ -257,7 +257,7 @@ class Options:
                 raise ValueError("Options.compression needs Options.format_version=3 (it writes format version 4)")
             if importlib.util.find_spec("zstandard") is None:
                 raise ImportError(
-                    'Options(compression="zstd") needs the zstandard package: pip install zstandard (the compression extra)'
+                    'Options(compression="zstd") needs the zstandard package: pip install zstandard (objckpt[compression])'
                 )
         if self.device_snapshot not in ("off", "auto", "on"):
             raise ValueError(f"Options.device_snapshot must be 'off', 'auto' or 'on', got {self.device_snapshot!r}")

@@ -48,7 +48,7 @@ def zstandard() -> Any:
         import zstandard as zstd  # noqa: PLC0415 - optional dependency, imported on first use
     except ImportError:
         raise ImportError(
-            'Options(compression="zstd") needs the zstandard package: pip install zstandard (the compression extra)'
+            'Options(compression="zstd") needs the zstandard package: pip install zstandard (objckpt[compression])'
         ) from None
     return zstd
 
