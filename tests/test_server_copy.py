@@ -274,8 +274,9 @@ def test_throttled_copies_are_retried(s3_service, s3_door):
     assert_tree_bit_exact(tree, objckpt.restore(dst, tree, storage_options=so))
 
 
-def test_s3_over_https_trusts_the_stores_private_ca(store_target_factory):
+def test_s3_over_https_trusts_the_stores_private_ca(store_target_factory, tmp_path, monkeypatch):
     """The copier's botocore client trusts the CA the store's options name (a file it removes after)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this process's CA files only, not other workers'
     src, dst = store_target_factory("s3-https"), store_target_factory("s3-https")
     tree = _tree(13)
     objckpt.save(src.url, tree, storage_options=src.storage_options, options=BLOBS)
