@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from objckpt.tools.copy import CopyStats, copy
     from objckpt.tools.inspect import CheckpointInfo, LeafInfo, inspect
     from objckpt.tools.verify import VerifyProblem, VerifyReport, verify
-    from objckpt.transfer.engine import TransferStats
+    from objckpt.transfer.stats import TransferStats
 
 #: Where each public name lives. They are imported on first use (PEP 562), so that
 #: ``import objckpt`` — and with it the ``objckpt`` command, whose ``--help``, ``ls``,

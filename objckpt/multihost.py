@@ -142,14 +142,11 @@ class _JaxCoordinator(Coordinator):
                 f"no word from the primary process on {name!r} within {timeout:g} s ({e})"
             ) from None
 
-
     def await_value(self, name: str, process: int, *, timeout: float) -> bytes:
         try:
             return self._client.blocking_key_value_get_bytes(f"{name}/{process}", int(timeout * 1000))  # type: ignore[attr-defined,no-any-return]
         except Exception as e:
-            raise CoordinationError(
-                f"no word from process {process} on {name!r} within {timeout:g} s ({e})"
-            ) from None
+            raise CoordinationError(f"no word from process {process} on {name!r} within {timeout:g} s ({e})") from None
 
 
 def coordinator_host() -> str | None:

@@ -195,6 +195,17 @@ class Options:
             Needs the ``zstandard`` package (the ``compression`` extra)
             and ``format_version=3``. None (the default): bytes stored as they are.
             Readers decode compressed checkpoints whatever this says.
+        save_threads: threads a save's CPU work runs on at once: its checksums, its
+            compression, and its writes into a local file system (``file://``, a
+            memcpy per byte). Fewer leave more of the host to a training step that
+            runs beside an async save's upload; more finish that upload sooner where
+            nothing else runs. None (the default): 1 for ``save_async`` (and so
+            ``CheckpointManager``), whose upload runs beside training: on a TPU host a
+            second thread slowed the step 1.04-1.4x, one left it at 1.00x; for a
+            synchronous ``save``, a quarter of the cores this process may use, at least 2
+            (docs/PERFORMANCE.md, "The accelerator path"). Raise it for an async save
+            with ``compression``, whose zstd runs within these threads. Requests that
+            wait on the network take no thread.
     """
 
     blob_size: int = 32 * MiB
@@ -222,6 +233,7 @@ class Options:
     format_version: int = 3
     device_snapshot: str = "off"
     compression: str | None = None
+    save_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -236,9 +248,10 @@ class Options:
             "max_read_size",
             "read_chunk",
             "live_marker_lease",
+            "save_threads",
         ):
             value = getattr(self, name)
-            if value is not None and value <= 0:  # only max_read_size may be None (pick by store)
+            if value is not None and value <= 0:  # max_read_size and save_threads may be None (picked)
                 raise ValueError(f"Options.{name} must be positive, got {value!r}")
         if self.max_blob_size > 5 * GiB:
             raise ValueError(

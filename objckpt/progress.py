@@ -1,6 +1,6 @@
 """Progress of an operation, reported to a callback; what ``progress=`` on save, restore, verify and copy means.
 
-The transfer engine's byte counters (:class:`~objckpt.transfer.engine.TransferStats`)
+The transfer engine's byte counters (:class:`~objckpt.transfer.stats.TransferStats`)
 feed a :class:`Reporter` after each request, and the reporter calls the user's
 callback with a :class:`Progress` at most every ``interval`` seconds, then once
 more, ``finished=True``, when the operation ends. Every call runs on objckpt's
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 from objckpt.transfer import runtime
 
 if TYPE_CHECKING:
-    from objckpt.transfer.engine import TransferStats
+    from objckpt.transfer.stats import TransferStats
 
 T = TypeVar("T")
 log = logging.getLogger("objckpt")

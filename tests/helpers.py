@@ -87,7 +87,7 @@ def count_reads(monkeypatch) -> list[CountingStore]:
     """Make every store objckpt opens count its reads; returns the list the stores land in."""
 
     from objckpt.storage import from_url
-    from objckpt.transfer import engine
+    from objckpt.transfer import retries
 
     counting: list[CountingStore] = []
 
@@ -96,7 +96,7 @@ def count_reads(monkeypatch) -> list[CountingStore]:
         counting.append(store)
         return store
 
-    monkeypatch.setattr(engine, "from_url", wrapped_from_url)
+    monkeypatch.setattr(retries, "from_url", wrapped_from_url)
     return counting
 
 

@@ -23,8 +23,8 @@ from objckpt.restoring.leaf_plan import WHOLE_LEAF_BYTES, LeafPlan, plan_leaf
 from objckpt.storage.streaming import ReadSink, feed
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import tune_malloc
-from objckpt.transfer.engine import TransferStats
 from objckpt.transfer.handle import Handle
+from objckpt.transfer.stats import TransferStats
 
 
 class StreamingStore:

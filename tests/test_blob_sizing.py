@@ -24,7 +24,7 @@ from objckpt.saving import upload as upload_module
 from objckpt.saving.blob_sizing import blob_size_for, save_blob_size, split_pieces, staging_limit
 from objckpt.saving.staging import StagingPool
 from objckpt.storage import from_url
-from objckpt.transfer.engine import TransferStats
+from objckpt.transfer.stats import TransferStats
 
 # Llama-3-405B with bf16 params, fp32 master, Adam mu and nu (benchmarks/scale/state.py), saved from
 # fsdp=512 x tensor=8 (4,096 devices) by 1,024 processes of 4 devices each.

@@ -169,9 +169,9 @@ def test_a_frame_changed_once_in_flight_is_read_again(store_target_factory, monk
     _save(target, tree)
     ref = _root(target.open())["indexes"][0]
     monkeypatch.setattr("objckpt.layouts.index3_io.WHOLE_BELOW", 0)
-    from objckpt.transfer import engine
+    from objckpt.transfer import retries
 
-    real = engine.from_url
+    real = retries.from_url
     spoiled = []
 
     class Flaky:
@@ -188,7 +188,7 @@ def test_a_frame_changed_once_in_flight_is_read_again(store_target_factory, monk
                 return bytes([data[0] ^ 1]) + bytes(data[1:])
             return data
 
-    monkeypatch.setattr(engine, "from_url", lambda url, **o: Flaky(real(url, **o)))
+    monkeypatch.setattr(retries, "from_url", lambda url, **o: Flaky(real(url, **o)))
     _equal(tree, _restore(target))
     assert spoiled
 

@@ -226,7 +226,7 @@ def test_a_restore_closes_the_streamed_readers_connections(s3_store, monkeypatch
     kept alive here, so nothing but that close can free their sockets."""
     if not Path("/proc/self/net/tcp").exists():
         pytest.skip("needs /proc (Linux)")
-    from objckpt.transfer import engine as transfer
+    from objckpt.transfer import retries as transfer
 
     real_from_url = transfer.from_url
     opened = []

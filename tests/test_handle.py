@@ -29,8 +29,10 @@ from objckpt.saving.classify import classify
 from objckpt.saving.live_markers import is_marker
 from objckpt.storage import Store, from_url, register_store
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import RetryingStore, TransferEngine, TransferStats
+from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.handle import Handle, StoreTraits, bulk_of, opened
+from objckpt.transfer.retries import RetryingStore
+from objckpt.transfer.stats import TransferStats
 
 FLAGS = ("supports_create", "reads_in_place", "streams_reads", "puts_parts")
 _opened: list[FlagCountingStore] = []

@@ -35,7 +35,7 @@ from objckpt.cli import main as cli_main
 from objckpt.errors import BucketNotFoundError, StoreError, StorePermissionError, TransientStoreError
 from objckpt.storage.auth import credentials
 from objckpt.storage.errors import map_obstore_error
-from objckpt.transfer import engine
+from objckpt.transfer import retries
 
 #: What a user must never have to read: obstore's request internals and debug dump, raw XML.
 INTERNALS = ("Debug source", "RetryError", "Error performing", "<?xml", "<Error>", "Generic S3 error")
@@ -78,8 +78,8 @@ class _CountingStore:
 def calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Every store objckpt opens counts its calls here."""
     counted: Counter[str] = Counter()
-    opened = engine.from_url
-    monkeypatch.setattr(engine, "from_url", lambda url, **options: _CountingStore(opened(url, **options), counted))
+    opened = retries.from_url
+    monkeypatch.setattr(retries, "from_url", lambda url, **options: _CountingStore(opened(url, **options), counted))
     return counted
 
 
@@ -223,7 +223,7 @@ def test_a_metadata_refusal_met_by_obstore_itself_is_not_retried(
     config = {"region": s3_service.region, "endpoint": s3_service.endpoint_url, "metadata_endpoint": metadata}
     config["virtual_hosted_style_request"] = False
     spec = NativeSpec("s3", s3_service.bucket, "imds", s3_service.endpoint_url, config)
-    store = engine.RetryingStore(
+    store = retries.RetryingStore(
         open_spec(spec, s3_service.url("imds")), retry=FAST_RETRY.retry, request_timeout=FAST_RETRY.request_timeout
     )
     from objckpt.transfer import runtime

@@ -31,7 +31,7 @@ from objckpt.core.format.index import index_key
 from objckpt.errors import CheckpointNotFoundError, FormatError
 from objckpt.layouts.manifest_io import INDEX_READS_AT_ONCE
 from objckpt.options import Options
-from objckpt.transfer import engine, runtime
+from objckpt.transfer import retries, runtime
 
 KINDS = ["local", "s3"]
 
@@ -263,14 +263,14 @@ class _IndexReadCounter:
 
 def _count_index_reads(monkeypatch) -> list[_IndexReadCounter]:
     made: list[_IndexReadCounter] = []
-    real = engine.from_url
+    real = retries.from_url
 
     def wrapped(url, **options):
         store = _IndexReadCounter(real(url, **options))
         made.append(store)
         return store
 
-    monkeypatch.setattr(engine, "from_url", wrapped)
+    monkeypatch.setattr(retries, "from_url", wrapped)
     return made
 
 

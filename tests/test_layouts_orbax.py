@@ -29,7 +29,7 @@ from objckpt.layouts.registry import BUILTIN_LAYOUTS, known_layouts
 from objckpt.options import Options
 from objckpt.storage import from_url
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferStats
+from objckpt.transfer.stats import TransferStats
 
 ocp = pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("tensorstore")

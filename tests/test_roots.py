@@ -21,7 +21,7 @@ from objckpt.roots.sweep import collect, delete_root
 from objckpt.saving.live_markers import marker_key
 from objckpt.storage.base import Store
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import opened_store
+from objckpt.transfer.retries import opened_store
 
 TREE = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, dtype=np.int32)}
 

@@ -181,7 +181,7 @@ def test_a_file_shorter_than_its_header_says(tmp_path: Path) -> None:
     path.write_bytes(_file(header, data))
     reader_url = str(tmp_path)
     from objckpt.layouts.registry import open_checkpoint
-    from objckpt.transfer.engine import opened_store
+    from objckpt.transfer.retries import opened_store
 
     options = objckpt.Options()
     with opened_store(reader_url, None, options) as store:

@@ -33,7 +33,7 @@ from objckpt.storage.copy import s3 as s3_copy
 from objckpt.storage.copy import server as server_copy
 from objckpt.tools.copy import DestinationCommittedError, committed_save_id, copy_stores_async
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import close_store, open_store
+from objckpt.transfer.retries import close_store, open_store
 
 MiB = 1 << 20
 BLOBS = objckpt.Options(blob_size=4 * MiB)

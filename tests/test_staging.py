@@ -186,7 +186,7 @@ def test_engine_put_reports_its_attempts(memory_store):
 
 
 def test_a_buffer_sent_twice_is_never_reused(memory_store, monkeypatch):
-    from objckpt.transfer import engine as transfer
+    from objckpt.transfer import retries as transfer
 
     monkeypatch.setattr(transfer, "from_url", lambda url, **kw: _FailsFirstPut(from_url(url, **kw)))
     given: list[bool] = []

@@ -30,7 +30,7 @@ from objckpt.manager.peer_tier import check_whose, payload_of
 from objckpt.roots.layout import step_dir
 from objckpt.roots.sweep import delete_objects
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import opened_store
+from objckpt.transfer.retries import opened_store
 from tests.multiprocess import run_processes
 
 WORKER = Path(__file__).with_name("tiers_worker.py")

@@ -21,7 +21,7 @@ from objckpt.saving.live_markers import committed_save_id, explain, live_markers
 from objckpt.tools.copy import copy
 from objckpt.tools.verify import verify
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import close_store, open_store
+from objckpt.transfer.retries import close_store, open_store
 
 
 def _options(args: argparse.Namespace) -> Options:

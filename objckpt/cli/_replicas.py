@@ -24,7 +24,7 @@ from objckpt.layouts.manifest_io import read_manifest
 from objckpt.options import Options
 from objckpt.roots.listing import group_checkpoints
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import close_store, open_store
+from objckpt.transfer.retries import close_store, open_store
 
 #: How a step stands at one location.
 COPY, OTHER, PARTIAL, ABSENT, UNREACHABLE = "yes", "other save", "partial", "-", "unreachable"

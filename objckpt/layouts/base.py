@@ -26,7 +26,7 @@ from objckpt.options import Options
 from objckpt.progress import ProgressArg, human_bytes
 
 if TYPE_CHECKING:
-    from objckpt.transfer.engine import TransferStats
+    from objckpt.transfer.stats import TransferStats
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ async def read_manifest(store: Store, *, size_limit: int, reads: int = MANIFEST_
     before the manifest is called malformed: a byte flipped in flight spoils
     one read, not the next, and the first read that parses wins. Each re-read
     counts in the store's ``stats.checksum_retries`` (a
-    :class:`~objckpt.transfer.engine.RetryingStore`'s).
+    :class:`~objckpt.transfer.retries.RetryingStore`'s).
 
     Raises:
         CheckpointNotFoundError: no manifest (a prefix holding only blobs included).

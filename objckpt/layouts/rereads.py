@@ -23,7 +23,7 @@ async def until_checked(read: Callable[[], Awaitable[T]], store: Any, *, reads: 
     """``await read()`` again while it raises :class:`FormatError`, at most ``reads`` times in all.
 
     Each re-read counts in ``store.stats.checksum_retries`` (a
-    :class:`~objckpt.transfer.engine.RetryingStore`'s). Other errors (a missing
+    :class:`~objckpt.transfer.retries.RetryingStore`'s). Other errors (a missing
     object) pass through at once.
 
     Raises:

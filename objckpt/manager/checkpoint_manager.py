@@ -48,7 +48,7 @@ from objckpt.roots.orbax_steps import orbax_metrics, orbax_step_at
 from objckpt.storage import Store
 from objckpt.tools.inspect import CheckpointInfo, inspect
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import close_store, open_store
+from objckpt.transfer.retries import close_store, open_store
 
 if TYPE_CHECKING:
     from objckpt.manager.tiers import Tiers, TierStatus

@@ -48,7 +48,7 @@ from objckpt.roots.listing import committed_steps
 from objckpt.roots.sweep import delete_checkpoint
 from objckpt.storage import Store
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import RetryingStore, close_store, open_store
+from objckpt.transfer.retries import RetryingStore, close_store, open_store
 
 log = logging.getLogger("objckpt")
 

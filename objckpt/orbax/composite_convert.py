@@ -38,7 +38,7 @@ from objckpt.orbax.layout import OrbaxItem
 from objckpt.saving import pipeline
 from objckpt.saving.commit import Commit, Save, _blob_sizes
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import opened_store
+from objckpt.transfer.retries import opened_store
 
 
 @dataclass

@@ -34,7 +34,8 @@ from objckpt.orbax.composite import (
 from objckpt.orbax.layout import OrbaxItem
 from objckpt.progress import ProgressArg
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferStats, opened_store
+from objckpt.transfer.retries import opened_store
+from objckpt.transfer.stats import TransferStats
 
 FORMAT = "orbax"
 

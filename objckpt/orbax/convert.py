@@ -71,8 +71,10 @@ from objckpt.saving import pipeline
 from objckpt.saving.commit import Save
 from objckpt.saving.upload import PieceRecord
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store
+from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.handle import opened
+from objckpt.transfer.retries import opened_store
+from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
 

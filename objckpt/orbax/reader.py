@@ -24,7 +24,8 @@ from objckpt.orbax.composite_reader import OrbaxCompositeReader
 from objckpt.orbax.layout import OrbaxItem
 from objckpt.progress import ProgressArg
 from objckpt.storage import Store, from_url
-from objckpt.transfer.engine import TransferStats, close_store
+from objckpt.transfer.retries import close_store
+from objckpt.transfer.stats import TransferStats
 
 #: The layout's name, as its readers report it (``CheckpointInfo.format``, ``VerifyReport.format``).
 FORMAT = "orbax"

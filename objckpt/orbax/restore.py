@@ -46,7 +46,7 @@ from objckpt.restoring import host_memory
 from objckpt.restoring.casts import cast_values, check_cast
 from objckpt.restoring.host_memory import refuse_over_limit
 from objckpt.restoring.target_shardings import on_saved_orbax_shardings
-from objckpt.transfer.engine import TransferStats
+from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
 

@@ -35,7 +35,7 @@ from objckpt.orbax.tensorstore_io import (
     split_box,
 )
 from objckpt.progress import ProgressArg, reporting
-from objckpt.transfer.engine import TransferStats
+from objckpt.transfer.stats import TransferStats
 
 #: What ``objckpt verify`` checks of an Orbax checkpoint, in its report's words.
 CHECKS = "every array's chunks read and decoded; Orbax stores no checksums to compare"

@@ -49,11 +49,9 @@ from objckpt.restoring.selection import inline_value, select
 from objckpt.restoring.target_shardings import on_saved_shardings
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import tune_malloc
-from objckpt.transfer.engine import (
-    TransferStats,
-    close_store,
-)
 from objckpt.transfer.handle import Handle, opened
+from objckpt.transfer.retries import close_store
+from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
 

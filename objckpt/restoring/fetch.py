@@ -32,8 +32,9 @@ from objckpt.restoring.leaf_plan import LeafPlan
 from objckpt.restoring.locations import failover_of
 from objckpt.restoring.modes import Mode, landing_mode
 from objckpt.restoring.scatter import stream_read
-from objckpt.transfer.engine import AsyncByteBudget, reread_on_mismatch
+from objckpt.transfer.engine import AsyncByteBudget
 from objckpt.transfer.handle import Handle
+from objckpt.transfer.retries import reread_on_mismatch
 
 
 def plan(manifest: Manifest, plans: Mapping[int, LeafPlan], options: Options, *, streamed: bool) -> list[ReadRequest]:

@@ -42,8 +42,9 @@ from objckpt.options import Options
 from objckpt.storage.base import ObjectInfo, PutMode, Store
 from objckpt.storage.streaming import ReadSink
 from objckpt.storage.urls import scheme_of
-from objckpt.transfer.engine import RetryingStore, TransferStats, open_store
 from objckpt.transfer.handle import Handle, bulk_of
+from objckpt.transfer.retries import RetryingStore, open_store
+from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
 
@@ -328,7 +329,7 @@ def open_locations(locations: Sequence[Location], options: Options, stats: Trans
         for location in locations:
             opened.append(open_store(location.url, location.storage_options, options, stats))
     except BaseException:
-        from objckpt.transfer.engine import close_store
+        from objckpt.transfer.retries import close_store
 
         for store in opened:
             close_store(store)

@@ -25,7 +25,7 @@ import jax
 from objckpt.errors import CoordinationError
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.restoring.read_sharding import Resharded
-from objckpt.transfer.engine import TransferStats
+from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
 

@@ -25,7 +25,7 @@ from objckpt.roots.layout import SHORT_STEP, STEP_DIR
 from objckpt.roots.orbax_steps import orbax_steps_in
 from objckpt.storage import ObjectInfo, Store
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import opened_store
+from objckpt.transfer.retries import opened_store
 
 #: How many steps a hint names: the latest of a root, or those on each side of a missing step.
 SHOWN = 5

@@ -20,7 +20,7 @@ from objckpt.core.format import MANIFEST_KEY
 from objckpt.options import Options
 from objckpt.storage.base import Store
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import opened_store
+from objckpt.transfer.retries import opened_store
 
 #: A step directory's name; the step number is group 1.
 STEP_DIR = re.compile(r"^step_(\d{10,})$")

@@ -35,7 +35,8 @@ from objckpt.roots.orbax_steps import COMMIT_FILE, orbax_steps_in, renames_to_co
 from objckpt.saving.live_markers import is_marker
 from objckpt.storage import ObjectInfo, Store
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import RetryingStore, TransferStats, close_store, opened_store
+from objckpt.transfer.retries import RetryingStore, close_store, opened_store
+from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
 

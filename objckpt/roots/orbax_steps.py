@@ -85,7 +85,7 @@ def orbax_step_at(store: Store, step: int, objckpt_manifest: str, options: Optio
     if not replicas:
         return runtime.run_sync(is_orbax_step(store, step, objckpt_manifest))
     from objckpt.restoring.locations import probing_store
-    from objckpt.transfer.engine import RetryingStore
+    from objckpt.transfer.retries import RetryingStore
 
     try:
         probe = probing_store(store, options) if isinstance(store, RetryingStore) else store

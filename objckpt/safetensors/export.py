@@ -49,8 +49,8 @@ from objckpt.safetensors.shards import (
     plan_shards,
 )
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferStats
 from objckpt.transfer.handle import opened
+from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
 

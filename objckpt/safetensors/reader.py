@@ -23,8 +23,10 @@ from objckpt.progress import ProgressArg, reporting
 from objckpt.safetensors.files import Tensors, find_files, read_header, read_tensors, split_file_url
 from objckpt.safetensors.shards import INDEX_FILE, SINGLE_FILE, nested
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferEngine, TransferStats, opened_store
+from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.handle import bulk_of
+from objckpt.transfer.retries import opened_store
+from objckpt.transfer.stats import TransferStats
 
 #: The layout's name, as its readers report it.
 FORMAT = "safetensors"

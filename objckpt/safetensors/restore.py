@@ -45,7 +45,8 @@ from objckpt.safetensors.files import Tensors
 from objckpt.safetensors.header import TensorEntry, numpy_dtype
 from objckpt.safetensors.shards import nested
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferEngine, TransferStats
+from objckpt.transfer.engine import TransferEngine
+from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
 

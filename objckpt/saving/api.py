@@ -51,8 +51,9 @@ from objckpt.saving.encode import coded_leaves
 from objckpt.saving.incremental import base_name
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import tune_malloc
-from objckpt.transfer.engine import TransferStats
+from objckpt.transfer.cpu_slots import save_threads_for
 from objckpt.transfer.handle import Handle
+from objckpt.transfer.stats import TransferStats
 
 T = TypeVar("T")
 log = logging.getLogger("objckpt")
@@ -66,7 +67,7 @@ class SaveHandle:
 
     Attributes:
         url: the checkpoint being saved.
-        stats: the save's :class:`~objckpt.transfer.engine.TransferStats`, counting while it runs.
+        stats: the save's :class:`~objckpt.transfer.stats.TransferStats`, counting while it runs.
         seconds_blocked: how long ``save_async`` held the caller (the device→host copy).
     """
 
@@ -186,6 +187,8 @@ def _start(
         if options.format_version < 3:
             raise ValueError("save(base=...) needs Options(format_version=3)")
         options = dataclasses.replace(options, digest="sha256")  # so this checkpoint can be a base in turn
+    if options.save_threads is None:
+        options = dataclasses.replace(options, save_threads=save_threads_for(hold_uploads=hold_uploads))
     if options.tune_malloc:
         tune_malloc()
     handle = Handle.open(url, storage_options, options)

@@ -40,7 +40,7 @@ from objckpt.core.plan import OwnedPiece
 from objckpt.layouts.manifest_io import read_checkpoint
 from objckpt.saving.upload import PieceRecord
 from objckpt.storage.base import Store
-from objckpt.transfer.engine import parent_of
+from objckpt.transfer.retries import parent_of
 
 log = logging.getLogger("objckpt")
 

@@ -194,7 +194,7 @@ async def _upload_parts(
     parts, with retries; then free its slot (``slots``: a synchronous save's in-place uploads)."""
     try:
         await asyncio.wrap_future(gate)
-        crcs = await asyncio.to_thread(_checksums, parts[1::2], digest, blob)  # parts: gap, piece, gap, piece, ...
+        crcs = await engine.cpu.run(_checksums, parts[1::2], digest, blob)  # parts: gap, piece, gap, piece, ...
         await engine.put(
             blob.key, parts, crc32c=_blob_crc32c([(p.offset, p.piece.nbytes) for p in blob.pieces], crcs, blob.size)
         )
@@ -235,7 +235,7 @@ async def _upload(
         await asyncio.wrap_future(gate)
         data: Any = buffer.data[: blob.size]
         if coded:
-            data, spans = await asyncio.to_thread(encode_blob, blob, data, coded)
+            data, spans = await engine.cpu.run(encode_blob, blob, data, coded)
             held = False
             pool.give(buffer, reusable=True)
         view = memoryview(data).toreadonly()
@@ -243,7 +243,7 @@ async def _upload(
             pieces = [view[p.offset : p.offset + p.piece.nbytes] for p in blob.pieces]
         else:
             pieces = [view[at : at + n] for at, n in spans]
-        crcs = await asyncio.to_thread(_checksums, pieces, digest, None if coded else blob)
+        crcs = await engine.cpu.run(_checksums, pieces, digest, None if coded else blob)
         placed = spans if spans is not None else [(p.offset, p.piece.nbytes) for p in blob.pieces]
         attempts = await engine.put(blob.key, data, crc32c=_blob_crc32c(placed, crcs, len(view)))
     finally:

@@ -97,6 +97,9 @@ class Store(abc.ABC):
     #: arrives, in small pieces of one reused buffer (no buffer for the whole
     #: body), so restore can check and scatter bytes while they are still in cache.
     streams_reads: bool = False
+    #: True when a write is CPU work on this host (a local file system: a memcpy per
+    #: byte into the page cache), so a save runs its writes within ``Options.save_threads``.
+    writes_on_host: bool = False
 
     @abc.abstractmethod
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:

@@ -58,8 +58,9 @@ from objckpt.tools.server_side import ServerSide
 from objckpt.tools.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
 from objckpt.tools.verify_stored import expected_crc32c
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferEngine, TransferStats
+from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.handle import Handle, opened
+from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
 
@@ -220,7 +221,7 @@ async def copy_stores_async(
     """:func:`copy` between two open stores, on objckpt's I/O loop (the caller closes them).
 
     Args:
-        src, dst: open stores (:func:`objckpt.transfer.engine.open_store`'s, or any other,
+        src, dst: open stores (:func:`objckpt.transfer.retries.open_store`'s, or any other,
             which gets ``options``' retries); each is one :class:`~objckpt.transfer.handle.Handle`
             of the copy, whose engine does the bulk requests.
         options, verify_existing, server_side: as for :func:`copy`.

@@ -22,7 +22,7 @@ from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import Options
 from objckpt.roots.hints import explained
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import opened_store
+from objckpt.transfer.retries import opened_store
 
 __all__ = ["CheckpointInfo", "LeafInfo", "inspect"]
 

@@ -38,9 +38,10 @@ from objckpt.roots.hints import explained
 from objckpt.tools.blob_pieces import PieceRef, pieces_by_blob
 from objckpt.tools.verify_stored import stored_checksums, verify_stored
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferEngine, TransferStats
+from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.handle import Handle, opened
 from objckpt.transfer.ordered import run_in_order
+from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
 

@@ -1,7 +1,7 @@
 """One operation's access to one store: made once per save, restore, copy or verify, and passed down.
 
 An operation makes two kinds of calls. Metadata calls (existence checks, manifests,
-listings, markers, deletes) go through a :class:`~objckpt.transfer.engine.RetryingStore`,
+listings, markers, deletes) go through a :class:`~objckpt.transfer.retries.RetryingStore`,
 which times and retries each one. Bulk transfers (blobs, index objects, the manifest's
 create-if-absent write) go through a :class:`~objckpt.transfer.engine.TransferEngine`,
 which does its own retries under a concurrency window, so it drives the store beneath
@@ -25,7 +25,9 @@ from typing import Any
 
 from objckpt.options import Options
 from objckpt.storage.base import Store
-from objckpt.transfer.engine import RetryingStore, TransferEngine, TransferStats, close_store, open_store
+from objckpt.transfer.engine import TransferEngine
+from objckpt.transfer.retries import RetryingStore, close_store, open_store
+from objckpt.transfer.stats import TransferStats
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class Handle:
 
     @classmethod
     def of(cls, store: Store, options: Options, stats: TransferStats | None = None) -> Handle:
-        """The handle of an open store: a retrying one (from :func:`~objckpt.transfer.engine.open_store`)
+        """The handle of an open store: a retrying one (from :func:`~objckpt.transfer.retries.open_store`)
         as it is, any other behind ``options``' retries. ``stats``: the store's own when not given."""
         if stats is None:
             stats = getattr(store, "stats", None) or TransferStats()

@@ -29,6 +29,7 @@ class LocalFsspecStore(FsspecStore):
     """A :class:`FsspecStore` on fsspec's ``LocalFileSystem``, contained in its root."""
 
     puts_parts = True  # each part is written into the temporary file in turn, never joined
+    writes_on_host = True
 
     async def put_parts(self, key: str, parts: Sequence[memoryview], *, mode: PutMode = "overwrite") -> None:
         await self._put(key, tuple(parts), mode)
