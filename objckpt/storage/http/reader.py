@@ -227,8 +227,10 @@ class HttpRangeReader:
         finally:
             attempt.detach()
 
-    def _send(self, request_path: str, headers: dict[str, str], attempt: _Attempt) -> http.client.HTTPResponse:
-        """Send the GET and read the response head; once more on a new connection if a
+    def _send(
+        self, request_path: str, headers: dict[str, str], attempt: _Attempt, method: str = "GET"
+    ) -> http.client.HTTPResponse:
+        """Send the request and read the response head; once more on a new connection if a
         kept-alive one turns out closed by the server (an idle timeout, not a failure)."""
         while True:
             conn = self._connection()
@@ -237,7 +239,7 @@ class HttpRangeReader:
                 if not reused:
                     conn.connect()
                 attempt.attach(conn.sock)
-                conn.request("GET", request_path, headers=headers)
+                conn.request(method, request_path, headers=headers)
                 return conn.getresponse()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 self._drop_connection()

@@ -29,23 +29,13 @@ def botocore_s3_client(spec: NativeSpec, *, request_timeout: float, connections:
     a SHA-256 of signed payloads: a request's checksum is the one its caller gives.
     """
     import botocore
-    import botocore.credentials
-    import botocore.session
     from botocore.config import Config
 
     config = spec.config
-    session = botocore.session.Session()
+    session = _session(spec)
     signing: dict[str, Any] = {}
     if config.get("skip_signature"):
         signing["signature_version"] = botocore.UNSIGNED
-    elif config.get("access_key_id"):
-        session.set_credentials(config["access_key_id"], config["secret_access_key"], config.get("session_token"))
-    elif spec.credential_provider is not None:
-        credentials = _refreshable(spec.credential_provider)
-        session.register_component(
-            "credential_provider", botocore.credentials.CredentialResolver([_Given(credentials)])
-        )
-    # else instance metadata: botocore's own chain finds it, as it did for the store
     verify: bool | str = True
     ca_file = None
     if spec.client.get("allow_invalid_certificates"):
@@ -70,6 +60,34 @@ def botocore_s3_client(spec: NativeSpec, *, request_timeout: float, connections:
         ),
     )
     return client, ca_file
+
+
+def botocore_credentials(spec: NativeSpec) -> Any | None:
+    """The credentials botocore signs ``spec``'s requests with (refreshed by botocore as they
+    expire), resolved as for :func:`botocore_s3_client`; None for an unsigned store."""
+    if spec.config.get("skip_signature"):
+        return None
+    return _session(spec).get_credentials()
+
+
+def _session(spec: NativeSpec) -> Any:
+    """A botocore session holding ``spec``'s credentials: static keys, the store's credential
+    provider, or (neither given) botocore's own chain, which finds what the store found."""
+    import botocore.credentials
+    import botocore.session
+
+    config = spec.config
+    session = botocore.session.Session()
+    if config.get("skip_signature"):
+        return session
+    if config.get("access_key_id"):
+        session.set_credentials(config["access_key_id"], config["secret_access_key"], config.get("session_token"))
+    elif spec.credential_provider is not None:
+        credentials = _refreshable(spec.credential_provider)
+        session.register_component(
+            "credential_provider", botocore.credentials.CredentialResolver([_Given(credentials)])
+        )
+    return session
 
 
 def _pem_file(pem: bytes) -> str:

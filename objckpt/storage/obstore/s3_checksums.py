@@ -4,7 +4,8 @@ obstore sends no ``x-amz-checksum-crc32c`` (its S3 checksums are SHA-256 or CRC6
 computed in a second pass over the body), so an obstore S3 store sends its checked
 uploads through botocore's ``PutObject(ChecksumCRC32C=...)``: S3 checks the bytes on
 arrival, refuses a mismatch (``BadDigest``) and keeps the value, which
-``HeadObject(ChecksumMode="ENABLED")`` returns. botocore is synchronous: calls run on
+``HeadObject(ChecksumMode="ENABLED")`` returns (signed by botocore, sent by
+:mod:`objckpt.storage.http.s3_heads`). botocore is synchronous: calls run on
 a thread pool of their own, sized like the engine's window. A body of several parts
 is read from the parts in place (:class:`PartsReader`): no join into one buffer.
 """
@@ -21,9 +22,11 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from objckpt.storage.checksums import StoredChecksum, crc32c_header, parse_crc32c_header
+from objckpt.storage.checksums import StoredChecksum, crc32c_header
 from objckpt.storage.errors import PROGRAMMING_ERRORS, map_error
-from objckpt.storage.obstore.botocore_s3 import botocore_s3_client
+from objckpt.storage.http.network import ssl_context
+from objckpt.storage.http.s3_heads import S3ChecksumHeads
+from objckpt.storage.obstore.botocore_s3 import botocore_credentials, botocore_s3_client
 
 if TYPE_CHECKING:
     from objckpt.storage.obstore.config import NativeSpec
@@ -110,6 +113,7 @@ class S3Checksums:
         self._client: Any = None
         self._ca_file: str | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._heads: S3ChecksumHeads | None = None
 
     def _ready(self) -> tuple[Any, concurrent.futures.ThreadPoolExecutor]:
         with self._lock:
@@ -147,9 +151,29 @@ class S3Checksums:
         )
 
     async def head(self, what: str, bucket: str, name: str, key: str) -> StoredChecksum:
-        """The object's size and the CRC-32C S3 keeps of it (None: it keeps none)."""
-        answer = await self._run(what, "head_object", Bucket=bucket, Key=name, ChecksumMode="ENABLED", **self._extra)
-        return StoredChecksum(key, int(answer["ContentLength"]), parse_crc32c_header(answer.get("ChecksumCRC32C")))
+        """The object's size and the CRC-32C S3 keeps of it (None: it keeps none): a
+        ``HeadObject(ChecksumMode=ENABLED)`` signed by botocore and sent over a kept-alive
+        connection (:mod:`objckpt.storage.http.s3_heads`), a quarter of a botocore call's CPU."""
+        return await self._heads_ready().head_checksum(name, key, what)
+
+    def _heads_ready(self) -> S3ChecksumHeads:
+        with self._lock:
+            if self._heads is None:
+                spec, config = self._spec, self._spec.config
+                self._heads = S3ChecksumHeads(
+                    endpoint=spec.endpoint,
+                    bucket=spec.bucket,
+                    region=config["region"],
+                    credentials=botocore_credentials(spec),
+                    virtual_hosted=bool(config.get("virtual_hosted_style_request")),
+                    request_payer=bool(config.get("request_payer")),
+                    timeout=self._timeout,
+                    ssl_context=ssl_context(
+                        extra_ca=spec.client.get("root_certificate"),
+                        verify=not spec.client.get("allow_invalid_certificates"),
+                    ),
+                )
+            return self._heads
 
     def close(self) -> None:
         """Close the client and its threads (a later call makes new ones)."""
@@ -157,6 +181,9 @@ class S3Checksums:
             client, self._client = self._client, None
             pool, self._pool = self._pool, None
             ca_file, self._ca_file = self._ca_file, None
+            heads, self._heads = self._heads, None
+        if heads is not None:
+            heads.close()
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
