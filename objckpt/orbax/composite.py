@@ -137,7 +137,7 @@ async def read_checkpoint(store: Any, url: str, parent: Any = None) -> OrbaxItem
         names = sorted(k for k in handlers if not _is_metrics_item(k, handlers[k]))
         if len(names) > 1 and "default" not in handlers:
             return await _read_composite(store, url, {k: handlers[k] for k in names}, files["_CHECKPOINT_METADATA"])
-    return await read_item(store, url, parent)
+    return await read_item(store, url, parent, files)
 
 
 async def _read_composite(store: Any, url: str, handlers: dict[str, str], step_meta: bytes | None) -> OrbaxComposite:

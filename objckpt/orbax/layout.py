@@ -23,6 +23,7 @@ here trusts the files: every field is checked, and what cannot be read is a
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import Callable
@@ -325,7 +326,9 @@ def orbax_item_at(store: Any, parent: Any = None) -> OrbaxItem | None:
         return None
 
 
-async def read_item(store: Any, url: str, parent: Any = None) -> OrbaxItem:
+async def read_item(
+    store: Any, url: str, parent: Any = None, files: dict[str, bytes | None] | None = None
+) -> OrbaxItem:
     """The Orbax item at ``store`` (an objckpt store at ``url``). A step directory of a
     ``CheckpointManager`` is read as its item when it has one, or one named ``default``;
     ``parent`` (the store one level up, if known) names the handler of an item
@@ -336,7 +339,7 @@ async def read_item(store: Any, url: str, parent: Any = None) -> OrbaxItem:
         FormatError: the item cannot be read (naming it and why), or a step holds
             several items and none is ``default``.
     """
-    files = await _metadata_files(store)
+    files = files if files is not None else await _metadata_files(store)
     if files.get("_METADATA") is not None:
         return parse_item(url, files, num_processes=await _processes(store))
     handlers = _item_handlers(url, files.get("_CHECKPOINT_METADATA"))
@@ -405,7 +408,9 @@ async def _metadata_files(store: Any) -> dict[str, bytes | None]:
     within :data:`_METADATA_LIMIT` (a FormatError naming the file otherwise)."""
     url = str(store.url).rstrip("/")
     names = ("_METADATA", "_CHECKPOINT_METADATA", "_sharding", "_strings.json")
-    return {name: await read_small(store, name, _METADATA_LIMIT, f"{url}/{name}") for name in names}
+    # All at once: probing a prefix that holds none (another layout's) costs one round trip, not four.
+    found = await asyncio.gather(*(read_small(store, name, _METADATA_LIMIT, f"{url}/{name}") for name in names))
+    return dict(zip(names, found, strict=True))
 
 
 def is_orbax_listing(keys: list[str]) -> bool:

@@ -45,6 +45,7 @@ from objckpt.safetensors.files import Tensors
 from objckpt.safetensors.header import TensorEntry, numpy_dtype
 from objckpt.safetensors.shards import nested
 from objckpt.transfer import runtime
+from objckpt.transfer.buffers import host_buffer
 from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.stats import TransferStats
 
@@ -53,7 +54,7 @@ log = logging.getLogger("objckpt")
 Box = tuple[slice, ...]
 
 #: The longest ranged read: a tensor up to this size is one GET whose response becomes its buffer.
-READ_BYTES = 16 * 2**20
+READ_BYTES = 32 * 2**20
 #: Copies and placements moving this many bytes or more run on a worker thread, off the I/O loop.
 OFF_LOOP_BYTES = 1 * 2**20
 
@@ -236,16 +237,35 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
                 items.append((leaf, r0, lo, min(length, lo + chunk)))
                 leaf.pending += 1
 
+    streamed = bool(getattr(store, "streams_reads", False))
+
+    def short(leaf: _Leaf, base: int, lo: int, hi: int, got: int) -> FormatError:
+        return FormatError(
+            f"{store.url}/{leaf.key}: tensor {leaf.name!r} bytes [{base + lo}, {base + hi}) read"
+            f" {got} bytes: the file is shorter than its header says"
+        )
+
     async def one(item: tuple[_Leaf, int, int, int]) -> None:
         leaf, r0, lo, hi = item
         base = leaf.entry.start + r0 * leaf.row_bytes
-        data = await engine.get_range(leaf.key, base + lo, base + hi)
-        if len(data) != hi - lo:
-            raise FormatError(
-                f"{store.url}/{leaf.key}: tensor {leaf.name!r} bytes [{base + lo}, {base + hi}) read"
-                f" {len(data)} bytes: the file is shorter than its header says"
-            )
         length = (dict(leaf.spans)[r0] - r0) * leaf.row_bytes
+        if streamed:  # received a few MiB at a time straight into the interval's aligned buffer
+            buffer = leaf.buffers.get(r0)
+            if buffer is None:
+                buffer = leaf.buffers[r0] = host_buffer(length, zeroed=False)
+            got = await engine.get_range_streamed(leaf.key, base + lo, base + hi, _Into(buffer[lo:hi]))
+            if got != hi - lo:
+                raise short(leaf, base, lo, hi, got)
+        else:
+            data = await engine.get_range(leaf.key, base + lo, base + hi)
+            if len(data) != hi - lo:
+                raise short(leaf, base, lo, hi, len(data))
+            await _land(leaf, r0, lo, hi, length, data)
+        leaf.pending -= 1
+        if leaf.pending == 0:  # placed on a worker thread: the I/O loop keeps reading meanwhile
+            values[leaf.name] = await _off_loop(leaf.entry.nbytes, _finish, leaf, cast)
+
+    async def _land(leaf: _Leaf, r0: int, lo: int, hi: int, length: int, data: memoryview) -> None:
         if length == hi - lo:  # the whole interval in one read: its buffer is the response's
             leaf.buffers[r0] = np.frombuffer(data, np.uint8)
         else:  # made at the interval's first landed read, so only the window's leaves hold buffers
@@ -253,13 +273,33 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
             if buffer is None:
                 buffer = leaf.buffers[r0] = np.empty(length, np.uint8)
             await _off_loop(hi - lo, buffer[lo:hi].__setitem__, slice(None), np.frombuffer(data, np.uint8))
-        leaf.pending -= 1
-        if leaf.pending == 0:  # placed on a worker thread: the I/O loop keeps reading meanwhile
-            values[leaf.name] = await _off_loop(leaf.entry.nbytes, _finish, leaf, cast)
+
+    def held(item: tuple[_Leaf, int, int, int]) -> int:
+        """Bytes a read holds beyond its leaf's value: none when it is received into the value's
+        buffer (streamed) or its response becomes it (the interval in one read); ``max_concurrency``
+        bounds those, as in objckpt's own restore."""
+        leaf, r0, lo, hi = item
+        return 0 if streamed or (dict(leaf.spans)[r0] - r0) * leaf.row_bytes == hi - lo else hi - lo
 
     window = max(chunk, min(options.read_window, options.memory_budget))
-    await engine.for_each(items, one, window_bytes=window, size=lambda item: item[3] - item[2])
+    await engine.for_each(items, one, window_bytes=window, size=held)
     return values
+
+
+class _Into:
+    """A read sink that copies what it receives into ``dest`` (part of an interval's buffer)."""
+
+    def __init__(self, dest: np.ndarray) -> None:
+        self.dest = dest
+
+    def begin(self) -> None:
+        pass  # a retry writes the same bytes to the same places again
+
+    def next_size(self, offset: int, limit: int) -> int:
+        return limit
+
+    def receive(self, offset: int, data: memoryview) -> None:
+        self.dest[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
 
 
 async def _off_loop(nbytes: int, fn: Any, *args: Any) -> Any:
