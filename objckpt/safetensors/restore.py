@@ -45,7 +45,7 @@ from objckpt.safetensors.files import Tensors
 from objckpt.safetensors.header import TensorEntry, numpy_dtype
 from objckpt.safetensors.shards import nested
 from objckpt.transfer import runtime
-from objckpt.transfer.buffers import host_buffer
+from objckpt.transfer.buffers import fault_in, host_buffer
 from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.stats import TransferStats
 
@@ -253,6 +253,8 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
             buffer = leaf.buffers.get(r0)
             if buffer is None:
                 buffer = leaf.buffers[r0] = host_buffer(length, zeroed=False)
+                # its pages faulted in by the kernel in one pass, not one fault per 4 KiB inside the copies
+                await _off_loop(length, fault_in, buffer)
             got = await engine.get_range_streamed(leaf.key, base + lo, base + hi, _Into(buffer[lo:hi]))
             if got != hi - lo:
                 raise short(leaf, base, lo, hi, got)
