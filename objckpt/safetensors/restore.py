@@ -44,6 +44,7 @@ from objckpt.restoring.host_memory import physical_memory, refuse_over_limit
 from objckpt.safetensors.files import Tensors
 from objckpt.safetensors.header import TensorEntry, numpy_dtype
 from objckpt.safetensors.shards import nested
+from objckpt.storage.streaming import STREAM_PIECE
 from objckpt.transfer import runtime
 from objckpt.transfer.buffers import fault_in, host_buffer
 from objckpt.transfer.engine import TransferEngine
@@ -88,6 +89,8 @@ class _Leaf:
     spans: list[tuple[int, int]]  # row intervals to read, merged
     buffers: dict[int, np.ndarray] = field(default_factory=dict)  # by span start row
     pending: int = 0  # chunks not landed yet
+    #: scattered leaves only: each box's own array (in ``boxes``' order), filled as rows stream in
+    box_arrays: list[np.ndarray] | None = None
 
     @property
     def rows(self) -> int:
@@ -227,17 +230,21 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
     chunk = min(chunk, READ_BYTES)
     values: dict[str, Any] = {}
     items: list[tuple[_Leaf, int, int, int]] = []  # leaf, span start row, byte start in span, byte end in span
+    streamed = bool(getattr(store, "streams_reads", False))
+    scattered: set[str] = set()
     for leaf in leaves:
         if leaf.entry.nbytes == 0:
             values[leaf.name] = _finish(leaf, cast)
             continue
+        step = chunk
+        if streamed and _scatters(leaf):  # reads of whole rows, each row's parts copied into its boxes
+            scattered.add(leaf.name)
+            step = max(1, chunk // leaf.row_bytes) * leaf.row_bytes
         for r0, r1 in leaf.spans:
             length = (r1 - r0) * leaf.row_bytes
-            for lo in range(0, length, chunk):
-                items.append((leaf, r0, lo, min(length, lo + chunk)))
+            for lo in range(0, length, step):
+                items.append((leaf, r0, lo, min(length, lo + step)))
                 leaf.pending += 1
-
-    streamed = bool(getattr(store, "streams_reads", False))
 
     def short(leaf: _Leaf, base: int, lo: int, hi: int, got: int) -> FormatError:
         return FormatError(
@@ -249,7 +256,16 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
         leaf, r0, lo, hi = item
         base = leaf.entry.start + r0 * leaf.row_bytes
         length = (dict(leaf.spans)[r0] - r0) * leaf.row_bytes
-        if streamed:  # received a few MiB at a time straight into the interval's aligned buffer
+        if leaf.name in scattered:  # received a few MiB of rows at a time, copied into each box's array
+            if leaf.box_arrays is None:
+                leaf.box_arrays = _box_arrays(leaf)
+                await _off_loop(leaf.entry.nbytes, lambda: [fault_in(a) for a in leaf.box_arrays or []])
+            got = await engine.get_range_streamed(
+                leaf.key, base + lo, base + hi, _ScatterRows(leaf, r0 + lo // leaf.row_bytes)
+            )
+            if got != hi - lo:
+                raise short(leaf, base, lo, hi, got)
+        elif streamed:  # received a few MiB at a time straight into the interval's aligned buffer
             buffer = leaf.buffers.get(r0)
             if buffer is None:
                 buffer = leaf.buffers[r0] = host_buffer(length, zeroed=False)
@@ -286,6 +302,57 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
     window = max(chunk, min(options.read_window, options.memory_budget))
     await engine.for_each(items, one, window_bytes=window, size=held)
     return values
+
+
+def _scatters(leaf: _Leaf) -> bool:
+    """Whether ``leaf`` is read into its boxes' own arrays as its rows stream in: a sharded
+    array target whose devices hold several boxes, in the saved dtype, whose rows fit one
+    streamed piece. Else its rows land whole and ``device_put`` cuts the boxes (one more copy)."""
+    target = leaf.target
+    return (
+        isinstance(target, (jax.ShapeDtypeStruct, jax.Array))
+        and getattr(target, "sharding", None) is not None
+        and len(leaf.boxes) > 1
+        and bool(leaf.entry.shape)
+        and 0 < leaf.row_bytes <= STREAM_PIECE
+        and np.dtype(target.dtype) == numpy_dtype(leaf.entry.dtype)
+    )
+
+
+def _box_arrays(leaf: _Leaf) -> list[np.ndarray]:
+    """One aligned, unfilled array per box (faulted in by the caller): on the CPU backend each
+    becomes its device's array without a copy."""
+    dtype = numpy_dtype(leaf.entry.dtype)
+    out = []
+    for box, _ in leaf.boxes:
+        shape = tuple(s.stop - s.start for s in box)
+        out.append(host_buffer(math.prod(shape) * dtype.itemsize, zeroed=False).view(dtype).reshape(shape))
+    return out
+
+
+class _ScatterRows:
+    """A read sink for whole rows ``row0``... of a scattered leaf: each piece it asks for is whole
+    rows, and each box takes its part of them (its columns) straight from the stream's buffer."""
+
+    def __init__(self, leaf: _Leaf, row0: int) -> None:
+        self.row0, self.row_bytes = row0, leaf.row_bytes
+        self.dtype, self.inner = numpy_dtype(leaf.entry.dtype), leaf.entry.shape[1:]
+        self.boxes = [(box, array) for (box, _), array in zip(leaf.boxes, leaf.box_arrays or [], strict=True)]
+
+    def begin(self) -> None:
+        pass  # a retry writes the same rows to the same places again
+
+    def next_size(self, offset: int, limit: int) -> int:
+        return max(1, limit // self.row_bytes) * self.row_bytes
+
+    def receive(self, offset: int, data: memoryview) -> None:
+        first = self.row0 + offset // self.row_bytes
+        rows = np.frombuffer(data, self.dtype).reshape((-1, *self.inner))
+        last = first + len(rows)
+        for box, array in self.boxes:
+            lo, hi = max(first, box[0].start), min(last, box[0].stop)
+            if lo < hi:
+                array[lo - box[0].start : hi - box[0].start] = rows[(slice(lo - first, hi - first), *box[1:])]
 
 
 class _Into:
@@ -331,6 +398,10 @@ def _finish(leaf: _Leaf, cast: str) -> Any:
     want = np.dtype(target.dtype) if is_array_target else (target.dtype if isinstance(target, np.ndarray) else dtype)
     sharding = getattr(target, "sharding", None) if is_array_target else None
     whole = tuple(slice(0, n) for n in entry.shape)
+    if leaf.box_arrays is not None:  # scattered: each box's array is filled, and on its devices
+        arrays, leaf.box_arrays = leaf.box_arrays, None
+        placed = [jax.device_put(a, d) for a, (_, devices) in zip(arrays, leaf.boxes, strict=True) for d in devices]
+        return jax.make_array_from_single_device_arrays(tuple(entry.shape), target.sharding, placed)
     if sharding is not None and leaf.spans == [(0, leaf.rows)] and sharding.is_fully_addressable:
         # Every row is here: one device_put slices the boxes out and places them (no Python per box).
         host = box_value(whole)
