@@ -100,6 +100,35 @@ def test_library_file_in_s3_onto_a_4x2_mesh_reads_each_byte_once(s3_store: Any, 
     assert needed <= stats.bytes_read <= 1.1 * needed
 
 
+def test_boxes_cut_across_columns_are_filled_as_rows_stream_in(s3_store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Onto P("x", "y"), each box's array takes its columns straight from the stream (no whole-
+    tensor buffer); a row longer than a streamed piece, or a cast, lands whole instead. Both exact."""
+    from objckpt.safetensors import restore as restore_module
+    from objckpt.storage.streaming import STREAM_PIECE
+
+    wide = np.arange(8 * (STREAM_PIECE // 4 + 2), dtype=np.float32).reshape(8, -1)  # a row > one piece
+    tensors = {**_tensors(), "wide": wide}
+    _put_file(s3_store, "model.safetensors", safetensors_numpy.save(tensors))
+    scattered: list[str] = []
+    real = restore_module._ScatterRows
+
+    def counting(leaf: Any, row0: int) -> Any:
+        scattered.append(leaf.name)
+        return real(leaf, row0)
+
+    monkeypatch.setattr(restore_module, "_ScatterRows", counting)
+    target = _spec_target(tensors, P("x", "y"))
+    target["model"]["layers"]["0"]["w"] = jax.ShapeDtypeStruct(  # a cast: bf16 → f32
+        (32, 16), np.float32, sharding=NamedSharding(_mesh(), P("x", "y"))
+    )
+    got = _leaves(objckpt.restore(s3_store.url, target, storage_options=s3_store.storage_options))
+    assert {"model.embed", "lm_head"} <= set(scattered)
+    assert "wide" not in scattered and "model.layers.0.w" not in scattered
+    for name, leaf in got.items():
+        want = tensors[name].astype(np.float32) if name == "model.layers.0.w" else tensors[name]
+        assert np.asarray(leaf).tobytes() == want.tobytes(), name
+
+
 def test_single_device_numpy_and_subtrees(gcs_store: Any) -> None:
     tensors = _tensors()
     _put_file(gcs_store, "model.safetensors", safetensors_numpy.save(tensors))

@@ -100,9 +100,20 @@ def parse_index(raw: bytes, *, where: str) -> dict[str, str]:
 
 
 async def read_header(store: Any, key: str, *, where: str) -> tuple[Header, int]:
-    """One file's checked header and its size: a HEAD, then one or two ranged reads."""
-    size = (await store.head(key)).size
-    first = bytes(await store.get_range(key, start=0, end=min(size, FIRST_READ)))
+    """One file's checked header and its size: a HEAD and a first ranged read at once (one
+    round trip), then a second read only for a header longer than the first."""
+    answers: tuple[Any, Any] = await asyncio.gather(
+        store.head(key), store.get_range(key, start=0, end=FIRST_READ), return_exceptions=True
+    )
+    info, first_read = answers
+    if isinstance(info, BaseException):
+        raise info
+    size = int(info.size)
+    if isinstance(first_read, BaseException):
+        if size >= 8:
+            raise first_read
+        first_read = b""  # a store may refuse a range of an empty or tiny file: too short either way
+    first = bytes(first_read)[:size]
     n = header_length(first, where=where, file_size=size)
     raw = first[8 : 8 + n]
     if len(raw) < n:
