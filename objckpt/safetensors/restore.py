@@ -293,13 +293,15 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
             await _off_loop(hi - lo, buffer[lo:hi].__setitem__, slice(None), np.frombuffer(data, np.uint8))
 
     def held(item: tuple[_Leaf, int, int, int]) -> int:
-        """Bytes a read holds beyond its leaf's value: none when it is received into the value's
-        buffer (streamed) or its response becomes it (the interval in one read); ``max_concurrency``
-        bounds those, as in objckpt's own restore."""
+        """What a read counts against the window: its length, except a read whose response
+        becomes its leaf's value (the interval in one read, not streamed), which
+        ``max_concurrency`` bounds, as in objckpt's own restore. Streamed reads count so that
+        their values' memory is made and faulted in as their reads start, not all at once."""
         leaf, r0, lo, hi = item
-        return 0 if streamed or (dict(leaf.spans)[r0] - r0) * leaf.row_bytes == hi - lo else hi - lo
+        return hi - lo if streamed or (dict(leaf.spans)[r0] - r0) * leaf.row_bytes != hi - lo else 0
 
-    window = max(chunk, min(options.read_window, options.memory_budget))
+    budget = options.streamed_window if streamed else options.read_window
+    window = max(chunk, min(budget, options.memory_budget))
     await engine.for_each(items, one, window_bytes=window, size=held)
     return values
 
