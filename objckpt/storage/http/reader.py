@@ -36,6 +36,7 @@ import http.client
 import socket
 import ssl
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -202,7 +203,7 @@ class HttpRangeReader:
     def _read(self, path: str, start: int, length: int, sink: ReadSink, what: str, attempt: _Attempt) -> int:
         request_path = self._request_path(path)
         headers = self._authorize(request_path, {"range": f"bytes={start}-{start + length - 1}"})
-        try:
+        with self._failures(what, attempt):
             response = self._send(request_path, headers, attempt)
             if response.status == 200 and start != 0:
                 self._drop_connection()
@@ -214,8 +215,16 @@ class HttpRangeReader:
             if response.status == 416:  # the range starts at or past the end
                 return 0
             raise status_error(response.status, self._error_code(body), what)
+
+    @contextlib.contextmanager
+    def _failures(self, what: str, attempt: _Attempt) -> Iterator[None]:
+        """Around one request on this thread's connection: a socket or protocol failure becomes
+        a :class:`TransientStoreError` naming ``what``, and any failure but one of ours (an HTTP
+        status, a short body) drops the connection, which may hold unread bytes."""
+        try:
+            yield
         except StoreError:
-            raise  # already ours (an HTTP status, a short body); also an OSError
+            raise  # already ours; also an OSError
         except (OSError, http.client.HTTPException) as exc:
             self._drop_connection()
             if attempt.aborted:

@@ -29,15 +29,14 @@ from objckpt.storage.http.reader import HttpRangeReader
 PRESIGN_VALIDITY = _dt.timedelta(minutes=15)
 
 
-class S3RangeReader(HttpRangeReader):
-    """Ranged GETs of one bucket's objects, streamed to a sink.
+class S3Endpoint(HttpRangeReader):
+    """Requests to one bucket's objects: the endpoint (AWS's regional one by default) and how
+    an object's key becomes a request path (path-style or virtual-hosted addressing).
 
     Args:
         endpoint: ``http(s)://host[:port]``; None for AWS's regional endpoint.
         bucket: The bucket every key lives in.
         region: The bucket's region (for AWS's default endpoint).
-        signer: The obstore ``S3Store`` of this bucket, which presigns each
-            GET; None sends unsigned requests (public buckets).
         virtual_hosted: Address the bucket as ``bucket.host`` rather than ``host/bucket``.
         timeout: Socket timeout, seconds (connect and each receive).
         **http: Passed to :class:`HttpRangeReader` (``ssl_context``).
@@ -49,7 +48,6 @@ class S3RangeReader(HttpRangeReader):
         endpoint: str | None,
         bucket: str,
         region: str,
-        signer: Any | None,
         virtual_hosted: bool = False,
         timeout: float = 60.0,
         **http: Any,
@@ -63,12 +61,30 @@ class S3RangeReader(HttpRangeReader):
             timeout=timeout,
             **http,
         )
+        self._scheme = urlsplit(endpoint).scheme
         self._bucket_path = "" if virtual_hosted else f"/{quote(bucket, safe='')}"
+
+    def _object_path(self, path: str) -> str:
+        """The URI-encoded request path of object ``path``."""
+        return f"{self._endpoint_path}{self._bucket_path}/{quote(path, safe='/-_.~')}"
+
+
+class S3RangeReader(S3Endpoint):
+    """Ranged GETs of one bucket's objects, streamed to a sink.
+
+    Args:
+        endpoint, bucket, region, virtual_hosted, timeout, **http: as for :class:`S3Endpoint`.
+        signer: The obstore ``S3Store`` of this bucket, which presigns each
+            GET; None sends unsigned requests (public buckets).
+    """
+
+    def __init__(self, *, signer: Any | None, **endpoint: Any) -> None:
+        super().__init__(**endpoint)
         self._signer = signer
 
     def _request_path(self, path: str) -> str:
         if self._signer is None:
-            return f"{self._endpoint_path}{self._bucket_path}/{quote(path, safe='/-_.~')}"
+            return self._object_path(path)
         import obstore
 
         try:

@@ -15,59 +15,32 @@ store's own checksums"). objckpt signs nothing itself: the signature, the creden
 from __future__ import annotations
 
 import asyncio
-import http.client
 from typing import Any
-from urllib.parse import quote, urlsplit
 
 from objckpt.errors import StoreError, TransientStoreError
 from objckpt.storage.checksums import StoredChecksum, parse_crc32c_header
-from objckpt.storage.http.reader import _ERROR_BODY_LIMIT, HttpRangeReader, _Attempt, status_error
+from objckpt.storage.http.reader import _ERROR_BODY_LIMIT, _Attempt, status_error
+from objckpt.storage.http.s3 import S3Endpoint
 
 
-class S3ChecksumHeads(HttpRangeReader):
+class S3ChecksumHeads(S3Endpoint):
     """HEADs of one bucket's objects that read back the CRC-32C S3 keeps of each.
 
     Args:
-        endpoint: ``http(s)://host[:port]``; None for AWS's regional endpoint.
-        bucket: The bucket every key lives in.
-        region: The region signatures are made for.
+        endpoint, bucket, region, virtual_hosted, timeout, **http: as for :class:`S3Endpoint`.
         credentials: botocore credentials (refreshed by botocore when they expire);
             None sends unsigned requests (public buckets).
-        virtual_hosted: Address the bucket as ``bucket.host`` rather than ``host/bucket``.
         request_payer: Send (and sign) ``x-amz-request-payer: requester``.
-        timeout: Socket timeout, seconds.
-        **http: Passed to :class:`HttpRangeReader` (``ssl_context``).
     """
 
-    def __init__(
-        self,
-        *,
-        endpoint: str | None,
-        bucket: str,
-        region: str,
-        credentials: Any | None,
-        virtual_hosted: bool = False,
-        request_payer: bool = False,
-        timeout: float = 60.0,
-        **http: Any,
-    ) -> None:
-        endpoint = endpoint or f"https://s3.{region}.amazonaws.com"
-        hostname = urlsplit(endpoint).hostname
-        super().__init__(
-            endpoint=endpoint,
-            service="S3",
-            host=f"{bucket}.{hostname}" if virtual_hosted and hostname else None,
-            timeout=timeout,
-            **http,
-        )
-        self._scheme = urlsplit(endpoint).scheme
-        self._bucket_path = "" if virtual_hosted else f"/{quote(bucket, safe='')}"
+    def __init__(self, *, credentials: Any | None, request_payer: bool = False, region: str, **endpoint: Any) -> None:
+        super().__init__(region=region, **endpoint)
         self._region = region
         self._credentials = credentials
         self._payer = {"x-amz-request-payer": "requester"} if request_payer else {}
 
     def _request_path(self, path: str) -> str:
-        return f"{self._endpoint_path}{self._bucket_path}/{quote(path, safe='/-_.~')}"
+        return self._object_path(path)
 
     def _signed(self, method: str, request_path: str, headers: dict[str, str]) -> dict[str, str]:
         """``headers`` with the host and, unless anonymous, botocore's SigV4 signature."""
@@ -101,7 +74,7 @@ class S3ChecksumHeads(HttpRangeReader):
     def _head(self, path: str, key: str, what: str, attempt: _Attempt) -> StoredChecksum:
         request_path = self._request_path(path)
         headers = self._signed("HEAD", request_path, {"x-amz-checksum-mode": "ENABLED", **self._payer})
-        try:
+        with self._failures(what, attempt):
             response = self._send(request_path, headers, attempt, method="HEAD")
             response.read(_ERROR_BODY_LIMIT)  # a HEAD's answer has no body: the connection stays usable
             if response.status != 200:
@@ -110,15 +83,3 @@ class S3ChecksumHeads(HttpRangeReader):
             if length is None or not length.isdigit():
                 raise StoreError(f"{what}: the answer carries no Content-Length")
             return StoredChecksum(key, int(length), parse_crc32c_header(response.getheader("x-amz-checksum-crc32c")))
-        except StoreError:
-            raise
-        except (OSError, http.client.HTTPException) as exc:
-            self._drop_connection()
-            if attempt.aborted:
-                raise TransientStoreError(f"{what}: abandoned (timeout or cancelled)") from exc
-            raise TransientStoreError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
-        except BaseException:
-            self._drop_connection()
-            raise
-        finally:
-            attempt.detach()
