@@ -41,7 +41,7 @@ def save_threads_for(*, hold_uploads: bool) -> int:
 
     One, because on a TPU host (13 cores, 4 GiB to ``file://``) a second thread was what slowed
     the step: a thread that sleeps 1 ms woke 1.1 ms late at the 99th percentile with one save
-    thread and 19-26 ms late with two or more, and the step ran 1.00x its time alone with one,
+    thread and 19-62 ms late with two or more, and the step ran 1.00x its time alone with one,
     1.04-1.28x with two, 1.2-1.4x with three and 1.7-1.9x with 17 (the executor's count before).
     The upload took 3.1 s on tmpfs and 4.0-5.4 s on disk with one thread, against 2.2-3.1 s and
     2.8-3.1 s with three (``benchmarks/bench_save_threads.py``).
