@@ -166,3 +166,14 @@ def test_every_documented_error_is_exported():
     for name in sorted(defined):
         assert getattr(objckpt, name) is getattr(objckpt.errors, name), name
     assert sorted(defined - set(objckpt.__all__)) == []
+
+
+def test_credentials_that_lapse_as_botocore_refreshes_them_are_retried_not_fatal():
+    """botocore's "refreshed credentials are still expired" (a refresh that met the source's rotation)
+    is transient, so the engine retries it; other RuntimeErrors stay a plain StoreError."""
+    from objckpt.errors import StoreError, TransientStoreError
+    from objckpt.storage.errors import map_error
+
+    lapsed = RuntimeError("Credentials were refreshed, but the refreshed credentials are still expired.")
+    assert isinstance(map_error(lapsed, "put s3://b/k"), TransientStoreError)
+    assert type(map_error(RuntimeError("something else"), "put s3://b/k")) is StoreError

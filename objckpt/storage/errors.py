@@ -176,7 +176,15 @@ def map_error(exc: BaseException, what: str, *, create: bool = False) -> StoreEr
         return transient_error(status, message)
     if status is None and isinstance(exc, _transient_types()):
         return TransientStoreError(message)
+    if isinstance(exc, RuntimeError) and _EXPIRED_ON_ARRIVAL in str(exc):
+        # botocore fetched credentials that lapsed as they came (a refresh that met the
+        # source's rotation): the next attempt fetches the new ones.
+        return TransientStoreError(message)
     return StoreError(message)
+
+
+#: What botocore says when credentials it has just refreshed have already expired.
+_EXPIRED_ON_ARRIVAL = "refreshed credentials are still expired"
 
 
 # ------------------------------------------------------------------ obstore

@@ -22,7 +22,6 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from objckpt.errors import TransientStoreError
 from objckpt.storage.checksums import StoredChecksum, crc32c_header
 from objckpt.storage.errors import PROGRAMMING_ERRORS, map_error
 from objckpt.storage.http.network import ssl_context
@@ -32,8 +31,6 @@ from objckpt.storage.obstore.botocore_s3 import botocore_credentials, botocore_s
 if TYPE_CHECKING:
     from objckpt.storage.obstore.config import NativeSpec
 
-#: What botocore says when credentials it has just refreshed have already expired.
-_EXPIRED_ON_ARRIVAL = "refreshed credentials are still expired"
 #: Threads (and pooled connections) of one store's checked uploads and checksum reads, at most.
 MAX_THREADS = 64
 
@@ -135,10 +132,6 @@ class S3Checksums:
         except PROGRAMMING_ERRORS:
             raise
         except Exception as exc:
-            if isinstance(exc, RuntimeError) and _EXPIRED_ON_ARRIVAL in str(exc):
-                # botocore fetched credentials that lapsed as they came (a refresh that met the
-                # source's rotation): the next attempt fetches the new ones.
-                raise TransientStoreError(f"{what}: the credentials lapsed as they were refreshed") from exc
             raise map_error(exc, what, create="IfNoneMatch" in params) from exc
 
     async def put(
