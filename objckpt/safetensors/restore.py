@@ -246,44 +246,21 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
                 items.append((leaf, r0, lo, min(length, lo + step)))
                 leaf.pending += 1
 
-    def short(leaf: _Leaf, base: int, lo: int, hi: int, got: int) -> FormatError:
-        return FormatError(
-            f"{store.url}/{leaf.key}: tensor {leaf.name!r} bytes [{base + lo}, {base + hi}) read"
-            f" {got} bytes: the file is shorter than its header says"
-        )
-
-    async def one(item: tuple[_Leaf, int, int, int]) -> None:
-        leaf, r0, lo, hi = item
-        base = leaf.entry.start + r0 * leaf.row_bytes
-        length = (dict(leaf.spans)[r0] - r0) * leaf.row_bytes
-        if leaf.name in scattered:  # received a few MiB of rows at a time, copied into each box's array
+    async def sink_for(leaf: _Leaf, r0: int, lo: int, hi: int, length: int) -> Any:
+        """Where a streamed read's bytes go, the memory made (and faulted in by the kernel in one
+        pass, not one fault per 4 KiB inside the copies) at the leaf's or interval's first read."""
+        if leaf.name in scattered:  # rows, a few MiB at a time, each row's columns copied into its boxes
             if leaf.box_arrays is None:
                 leaf.box_arrays = _box_arrays(leaf)
                 await _off_loop(leaf.entry.nbytes, lambda: [fault_in(a) for a in leaf.box_arrays or []])
-            got = await engine.get_range_streamed(
-                leaf.key, base + lo, base + hi, _ScatterRows(leaf, r0 + lo // leaf.row_bytes)
-            )
-            if got != hi - lo:
-                raise short(leaf, base, lo, hi, got)
-        elif streamed:  # received a few MiB at a time straight into the interval's aligned buffer
-            buffer = leaf.buffers.get(r0)
-            if buffer is None:
-                buffer = leaf.buffers[r0] = host_buffer(length, zeroed=False)
-                # its pages faulted in by the kernel in one pass, not one fault per 4 KiB inside the copies
-                await _off_loop(length, fault_in, buffer)
-            got = await engine.get_range_streamed(leaf.key, base + lo, base + hi, _Into(buffer[lo:hi]))
-            if got != hi - lo:
-                raise short(leaf, base, lo, hi, got)
-        else:
-            data = await engine.get_range(leaf.key, base + lo, base + hi)
-            if len(data) != hi - lo:
-                raise short(leaf, base, lo, hi, len(data))
-            await _land(leaf, r0, lo, hi, length, data)
-        leaf.pending -= 1
-        if leaf.pending == 0:  # placed on a worker thread: the I/O loop keeps reading meanwhile
-            values[leaf.name] = await _off_loop(leaf.entry.nbytes, _finish, leaf, cast)
+            return _ScatterRows(leaf, r0 + lo // leaf.row_bytes)
+        buffer = leaf.buffers.get(r0)  # the interval's aligned buffer, received into as it arrives
+        if buffer is None:
+            buffer = leaf.buffers[r0] = host_buffer(length, zeroed=False)
+            await _off_loop(length, fault_in, buffer)
+        return _Into(buffer[lo:hi])
 
-    async def _land(leaf: _Leaf, r0: int, lo: int, hi: int, length: int, data: memoryview) -> None:
+    async def land(leaf: _Leaf, r0: int, lo: int, hi: int, length: int, data: memoryview) -> None:
         if length == hi - lo:  # the whole interval in one read: its buffer is the response's
             leaf.buffers[r0] = np.frombuffer(data, np.uint8)
         else:  # made at the interval's first landed read, so only the window's leaves hold buffers
@@ -291,6 +268,28 @@ async def _read_all(store: Any, leaves: list[_Leaf], options: Options, stats: Tr
             if buffer is None:
                 buffer = leaf.buffers[r0] = np.empty(length, np.uint8)
             await _off_loop(hi - lo, buffer[lo:hi].__setitem__, slice(None), np.frombuffer(data, np.uint8))
+
+    async def one(item: tuple[_Leaf, int, int, int]) -> None:
+        leaf, r0, lo, hi = item
+        base = leaf.entry.start + r0 * leaf.row_bytes
+        length = (dict(leaf.spans)[r0] - r0) * leaf.row_bytes
+        data = None
+        if streamed:
+            sink = await sink_for(leaf, r0, lo, hi, length)
+            got = await engine.get_range_streamed(leaf.key, base + lo, base + hi, sink)
+        else:
+            data = await engine.get_range(leaf.key, base + lo, base + hi)
+            got = len(data)
+        if got != hi - lo:
+            raise FormatError(
+                f"{store.url}/{leaf.key}: tensor {leaf.name!r} bytes [{base + lo}, {base + hi}) read"
+                f" {got} bytes: the file is shorter than its header says"
+            )
+        if data is not None:
+            await land(leaf, r0, lo, hi, length, data)
+        leaf.pending -= 1
+        if leaf.pending == 0:  # placed on a worker thread: the I/O loop keeps reading meanwhile
+            values[leaf.name] = await _off_loop(leaf.entry.nbytes, _finish, leaf, cast)
 
     def held(item: tuple[_Leaf, int, int, int]) -> int:
         """What a read counts against the window: its length, except a read whose response
