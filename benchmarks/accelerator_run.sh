@@ -8,8 +8,10 @@
 # --platform manylinux_2_17_x86_64 ... -d .whl-tpu fsspec crc32c tqdm`), and orbax-checkpoint from
 # the machine's own package index, both under /tmp and at the end of PYTHONPATH so the machine's
 # JAX stays first. Then prints benchmarks/accelerator_facts.py's facts and runs
-# benchmarks/bench_accelerator.py with the arguments given, writing accelerator.json, the logs
-# and the cProfile summaries of every save and restore (profiles.txt) into OUT_DIR: five files.
+# benchmarks/bench_accelerator.py with the arguments given, writing accelerator.json and the logs
+# into OUT_DIR. With `--profile /tmp/profiles` among them it also writes the cProfile summaries of
+# every save and restore (profiles.txt); the timed figures of a profiled run carry the
+# profiler's overhead, so the committed results come from runs without it.
 set -euo pipefail
 out="$1"; shift
 mkdir -p "$out"
@@ -19,7 +21,7 @@ python3 -m pip install --isolated -q --only-binary=:all: --index-url file:///opt
   > "$out/pip.log" 2>&1 || echo "orbax-checkpoint did not install: its columns are skipped (see $out/pip.log)"
 export PYTHONPATH="${PYTHONPATH:-}:/tmp/site:/tmp/orbax:$PWD"
 python3 benchmarks/accelerator_facts.py 2>&1 | tee "$out/facts.log"
-python3 benchmarks/bench_accelerator.py --out "$out/accelerator.json" --profile /tmp/profiles "$@" 2>&1 | tee "$out/bench.log"
+python3 benchmarks/bench_accelerator.py --out "$out/accelerator.json" "$@" 2>&1 | tee "$out/bench.log"
 for f in /tmp/profiles/*.prof; do  # one file: the device tool brings back at most 8
   [ -e "$f" ] || continue
   echo "=== $(basename "$f")"

@@ -25,7 +25,8 @@ order rotating each repeat:
 Each cell (one state and store) carries the medians of the repeats, the raw samples, and the
 issue's targets checked (``targets``: per target ``ok``, the measured ``value`` and its
 ``limit``). Writes ``benchmarks/results/accelerator.json`` (``--out``), rewritten after every
-measurement, and prints a table. ``--quick`` (a 64 MiB state on disk, one repeat, a ~20 ms step)
+measurement, and prints a table. A device lease too short for every cell runs them in turns,
+each with ``--merge`` of the previous file (each cell records its ``commit``). ``--quick`` (a 64 MiB state on disk, one repeat, a ~20 ms step)
 checks the machinery on a CPU in about a minute and writes to a temp file unless ``--out`` is given.
 """
 
@@ -222,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
         "--profile", default=None, help="a directory for cProfile files of objckpt's and Orbax's save and restore calls"
     )
     ap.add_argument("--quick", action="store_true", help="64 MiB on disk, 1 repeat: the machinery, not figures")
+    ap.add_argument(
+        "--merge", default=None, help="an earlier results file whose other cells are kept (runs split across leases)"
+    )
+    ap.add_argument("--commit", default=None, help="the code's commit, where `git` cannot tell (a copied tree)")
     args = ap.parse_args(argv)
     quick = args.quick
     states = args.state_gib or ([1 / 16] if quick else [4.0, 8.0])
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     report: dict[str, Any] = {
         "benchmark": "bench_accelerator",
         "quick": quick,
-        "commit": git_commit(),
+        "commit": args.commit or git_commit(),
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()},
         "repeats": repeats,
         "systems": systems,
@@ -251,11 +256,15 @@ def main(argv: list[str] | None = None) -> None:
         "cells": [],
     }
     cells = {}
+    names = {f"{gib:g}GiB-{store}" for gib in states for store in stores}
+    if args.merge and Path(args.merge).exists():  # the cells measured in an earlier lease, as they were
+        kept = [c for c in json.loads(Path(args.merge).read_text())["cells"] if c["name"] not in names]
+        report["cells"].extend(kept)
     for gib in states:
         for store in stores:
             base = store_path(store, args.disk_dir)
             cell = {"name": f"{gib:g}GiB-{store}", "state_gib": gib, "store": store, "path": base}
-            cell.update(fs_type=fs_type(base), runs={s: [] for s in systems})
+            cell.update(fs_type=fs_type(base), commit=report["commit"], runs={s: [] for s in systems})
             cells[gib, store] = cell
             report["cells"].append(cell)
     job_base = {

@@ -428,3 +428,26 @@ def test_a_snapshot_save_copies_host_leaves_before_it_returns(
     handle.result()
     restored = objckpt.restore(tmp_path.as_uri())
     np.testing.assert_array_equal(restored["host"], kept)
+
+
+def test_a_snapshot_copies_every_shard_on_its_device_in_one_batched_call(
+    events: list[Event], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot dispatches all its device copies in one ``jax.device_put`` of a list (a
+    call per shard costs a quarter of a millisecond each, most of the blocked time of a model of
+    ~450 leaves), every one a copy (``may_alias=False``), and the save stays exact."""
+    _as_accelerator(monkeypatch)
+    calls: list[tuple[int, Any]] = []
+    real = jax.device_put
+
+    def counting(x: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append((len(x) if isinstance(x, list) else 1, kwargs.get("may_alias")))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(host_copies_module.jax, "device_put", counting)
+    state = _state(6)
+    objckpt.save_async(tmp_path.as_uri(), state, options=objckpt.Options(device_snapshot="on")).result()
+    monkeypatch.undo()
+    shards = sum(len(x.addressable_shards) for x in state.values())
+    assert [n for n, may_alias in calls if may_alias is False] == [shards]
+    assert_tree_bit_exact(objckpt.restore(tmp_path.as_uri(), state), state)

@@ -30,6 +30,7 @@ from restore_seams import paths, restore_with
 import objckpt
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.plan import ALIGN, PACKING_SLACK, SPACER
+from objckpt.restoring.aligned_reads import address
 from objckpt.restoring.arena import AssemblyArena
 from objckpt.restoring.landing import Devices, HostMemory, Landing
 from objckpt.storage import from_url
@@ -264,18 +265,44 @@ def test_a_store_kinds_learned_phase_outlives_one_restore(monkeypatch):
 
 def test_only_stores_that_give_a_phase_hint_are_asked_for_one(monkeypatch, tmp_path):
     """The hint is an optional protocol, not part of ``Store``: the obstore store gives its
-    allocator's phase; any other store is taken to return ``bytes``, as ``Store``'s default
-    ``get_range_buffer`` does."""
+    allocator's phase, the local file system store the page start its large reads land on; any
+    other store is taken to return ``bytes``, as ``Store``'s default ``get_range_buffer`` does."""
     from objckpt.restoring.aligned_reads import AlignedResponses, ResponseAlignment
     from objckpt.storage.phase import bytes_phase, malloc_phase
 
     monkeypatch.setattr(ResponseAlignment, "learned", {})
     native = from_url(str(tmp_path / "native"), objckpt_backend="obstore")
-    plain = from_url(str(tmp_path / "plain"))
-    assert isinstance(native, AlignedResponses) and not isinstance(plain, AlignedResponses)
-    assert not hasattr(plain, "response_phase")
+    local = from_url(str(tmp_path / "local"))
+    plain = from_url("memory://phase-hint/plain")
+    assert isinstance(native, AlignedResponses) and isinstance(local, AlignedResponses)
+    assert not isinstance(plain, AlignedResponses) and not hasattr(plain, "response_phase")
     assert ResponseAlignment.of(native).phase == malloc_phase()
+    assert ResponseAlignment.of(local).phase == 0
     assert ResponseAlignment.of(plain).phase == bytes_phase()
+
+
+def test_local_reads_land_once_in_page_aligned_mappings_of_their_own(tmp_path):
+    """A large ranged read from the local file system store is read straight into a fresh
+    mapping of its size (page-aligned, so restore can adopt it as an array; unmapped once freed,
+    so its memory leaves the process's RSS), the bytes exact, and a short one at the end of the
+    object comes back short; a small read stays a ``bytes``."""
+    import mmap
+
+    store = from_url(tmp_path.as_uri())
+    data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+
+    async def go():
+        await store.put("blob", data)
+        big = await store.get_range_buffer("blob", start=5, end=(2 << 20) + 5)
+        tail = await store.get_range_buffer("blob", start=(2 << 20), end=(4 << 20))
+        small = await store.get_range_buffer("blob", start=7, end=100)
+        return big, tail, small
+
+    big, tail, small = runtime.run_sync(go())
+    assert isinstance(big.obj, mmap.mmap) and address(big) % mmap.PAGESIZE == 0
+    assert bytes(big) == data[5 : (2 << 20) + 5]
+    assert bytes(tail) == data[2 << 20 :] and len(tail) == 1 << 20
+    assert isinstance(small.obj, bytes) and bytes(small) == data[7:100]
 
 
 class _Recording:
@@ -676,3 +703,63 @@ def test_adopted_reads_bound_for_an_accelerator_count_against_the_read_window(s3
         assert store.peak > window  # adopted reads run max_concurrency at once
     else:
         assert store.peak <= window + (1 << 20) + PACKING_SLACK
+
+
+@pytest.mark.parametrize("whole_leaf_bytes", [0, 64 << 20], ids=["box-by-box", "whole-leaf"])
+def test_copies_bound_for_an_accelerator_wait_once_too_many_bytes_are_in_flight(tmp_path, whole_leaf_bytes):
+    """``device_put`` returns before an accelerator has the bytes, and their host buffer lives
+    until it does: past ``transfer_window`` bytes in flight the landing waits for the oldest
+    copies (in the order they started), so host memory follows the copies' pace. On the CPU
+    backend nothing is counted: a leaf's buffer is its result."""
+    tree = {f"w{i}": np.full((1024, 1024), i, np.float32) for i in range(8)}  # 4 MiB each, 2 to a read
+    objckpt.save(tmp_path.as_uri(), tree)
+    mib = 1 << 20
+    put_order: list[int] = []
+    waited: list[int] = []
+    made: list[Landing] = []
+
+    batches: list[int] = []  # bytes of each transfer
+
+    def put(x, device=None, **kwargs):
+        out = jax.device_put(x, device, **kwargs)
+        batches.append(sum(a.nbytes for a in (x if isinstance(x, list) else [x])))
+        put_order.extend(id(a) for a in (out if isinstance(out, list) else [out]))
+        return out
+
+    def from_callback(shape, sharding, callback):
+        out = jax.make_array_from_callback(shape, sharding, callback)
+        batches.append(out.nbytes)
+        put_order.append(id(out))
+        return out
+
+    def wait(arrays):
+        waited.extend(id(a) for a in (arrays if isinstance(arrays, list) else [arrays]))
+        return jax.block_until_ready(arrays)
+
+    def landing(plans, **kwargs):
+        made.append(Landing(plans, transfer_window=6 * mib, **kwargs))
+        return made[-1]
+
+    device = jax.devices()[0]
+    one = jax.sharding.SingleDeviceSharding(device)
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one) for k, v in tree.items()}
+    for on_host in (False, True):
+        put_order.clear(), waited.clear(), batches.clear()
+        out = restore_with(
+            from_url(tmp_path.as_uri()),
+            paths(target),
+            options=objckpt.Options(max_concurrency=1, read_chunk=8 * mib),  # one read of 2 leaves at a time
+            devices=Devices(put=put, from_callback=from_callback, wait=wait),
+            landing=landing,
+            whole_leaf_bytes=whole_leaf_bytes,
+            replan=lambda plan: dataclasses.replace(plan, on_host=on_host),  # noqa: B023
+        )
+        for k, v in tree.items():
+            np.testing.assert_array_equal(np.asarray(out[f"['{k}']"]), v, err_msg=k)
+        copies = made[-1].transfers
+        if on_host:
+            assert copies.peak == 0 and not waited
+        else:
+            # the window, and the batches that went over it (one per landing thread): not everything
+            assert 6 * mib < copies.peak <= 6 * mib + 2 * max(batches) < sum(batches) == 32 * mib
+            assert len(waited) >= 2 and waited == put_order[: len(waited)]  # the oldest first

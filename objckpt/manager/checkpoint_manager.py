@@ -186,6 +186,9 @@ class CheckpointManager:
             best_metric=best_metric,
             best_mode=best_mode,
         )
+        # The save path is imported now, with JAX already in: a training loop's first save
+        # then blocks for its copy, not for loading (and compiling) the modules behind it.
+        import objckpt.saving.api  # noqa: F401
         from objckpt.multihost import get_coordinator
 
         self._coordinator = get_coordinator()

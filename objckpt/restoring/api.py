@@ -48,7 +48,7 @@ from objckpt.restoring.reshard import devices_can_reshard, fetch_agreed, reshard
 from objckpt.restoring.selection import inline_value, select
 from objckpt.restoring.target_shardings import on_saved_shardings
 from objckpt.transfer import runtime
-from objckpt.transfer.buffers import tune_malloc
+from objckpt.transfer.buffers import release_freed_memory, tune_malloc
 from objckpt.transfer.handle import Handle, opened
 from objckpt.transfer.retries import close_store
 from objckpt.transfer.stats import TransferStats
@@ -188,13 +188,15 @@ def _restore(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked) -> Any
     """:func:`restore` through an open store's handle (its options and counters the restore's)
     and the checkpoint opened there.
 
-    The caches planning shares between leaves are emptied when it ends, whatever the outcome:
-    objckpt is a guest in the training process (:mod:`objckpt.restoring.leaf_plan`).
+    The caches planning shares between leaves are emptied when it ends, whatever the outcome,
+    and the heap's freed pages go back to the system: objckpt is a guest in the training
+    process (:mod:`objckpt.restoring.leaf_plan`, :func:`objckpt.transfer.buffers.release_freed_memory`).
     """
     try:
         return _restore_leaves(handle, checkpoint, asked)
     finally:
         clear_planning_caches()
+        release_freed_memory()
 
 
 def _restore_leaves(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked) -> Any:

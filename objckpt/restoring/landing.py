@@ -35,6 +35,7 @@ from objckpt.errors import ChecksumMismatchError, FormatError
 from objckpt.restoring.aligned_reads import address
 from objckpt.restoring.arena import AssemblyArena
 from objckpt.restoring.casts import cast_values
+from objckpt.restoring.copies_in_flight import TRANSFER_WINDOW, CopiesInFlight
 from objckpt.restoring.leaf_plan import LeafPlan, Meets
 from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_arrays, aligned_zeros, fault_in
 
@@ -60,6 +61,7 @@ class Devices:
     put: Callable[..., Any] = jax.device_put
     from_callback: Callable[..., jax.Array] = jax.make_array_from_callback
     from_single_arrays: Callable[..., jax.Array] = jax.make_array_from_single_device_arrays
+    wait: Callable[[Any], Any] = jax.block_until_ready  # until arrays' copies to their devices end
 
 
 class _Leaf:
@@ -98,11 +100,17 @@ class Landing:
     """
 
     def __init__(
-        self, plans: Mapping[int, LeafPlan], *, memory: HostMemory | None = None, devices: Devices | None = None
+        self,
+        plans: Mapping[int, LeafPlan],
+        *,
+        memory: HostMemory | None = None,
+        devices: Devices | None = None,
+        transfer_window: int = TRANSFER_WINDOW,
     ) -> None:
         self.plans = plans
         self.memory = memory or HostMemory()
         self.devices = devices or Devices()
+        self.transfers = CopiesInFlight(transfer_window, self.devices.wait)
         self.lock = threading.Lock()
         self.copy_lock = threading.Lock()
         self._leaves = {i: _Leaf() for i in plans}
@@ -133,7 +141,7 @@ class Landing:
     def replanned(self, plans: Mapping[int, LeafPlan]) -> Landing:
         """A landing for new plans of the same leaves and boxes (a format-2 restore that had to
         read every index object), keeping the memory :meth:`reserve_arena` started mapping."""
-        landing = Landing(plans, memory=self.memory, devices=self.devices)
+        landing = Landing(plans, memory=self.memory, devices=self.devices, transfer_window=self.transfers.limit)
         for i, leaf in self._leaves.items():
             landing._leaves[i].arena, landing._leaves[i].arena_key = leaf.arena, leaf.arena_key
         return landing
@@ -170,8 +178,9 @@ class Landing:
         Returns the buffers it made for pieces of a large leaf that stays in host
         memory, fresh memory whose pages none of the copies has faulted in yet: the
         caller faults them in (:meth:`_fault_in`) once it has let go of the lock it
-        allocates under. A leaf bound for an accelerator gets plain numpy buffers
-        (:attr:`LeafPlan.stays_on_host` says why).
+        allocates under. A leaf bound for an accelerator gets a buffer per box, its pages faulted
+        in by the copies (:attr:`LeafPlan.stays_on_host` says why): a large one is a mapping of
+        its own, whose memory goes back to the system once its copy to the device is done.
         """
         plan, leaf = self.plans[i], self._leaves[i]
         if leaf.done:
@@ -187,11 +196,11 @@ class Landing:
             buffers.update((box, made[box]) for box in missing)
             return []
         shapes = [tuple(b - a for a, b in zip(*box)) for box in missing]
-        if not plan.on_host:
-            new = np.empty if for_pieces else np.zeros
-            buffers.update((box, new(shape, plan.dtype)) for box, shape in zip(missing, shapes))
-            return []
         arrays = self.memory.arrays
+        if not plan.on_host:  # a buffer per box, freed (a large one unmapped) once its copy is done
+            for box, shape in zip(missing, shapes):
+                (buffers[box],) = arrays([shape], plan.dtype, zeroed=not for_pieces)
+            return []
         if plan.places_early:  # a buffer per box, each freed once its box is placed
             for box, shape in zip(missing, shapes):
                 (buffers[box],) = arrays([shape], plan.dtype, zeroed=not for_pieces)
@@ -364,6 +373,7 @@ class Landing:
         hosts: list[np.ndarray] = []
         devices: list[Any] = []
         owners: list[_Leaf] = []
+        to_accelerator = 0  # host bytes whose copy to an accelerator is still to run
         for i, box in done:
             plan, leaf = self.plans[i], self._leaves[i]
             host = leaf.buffers.pop(box)
@@ -374,10 +384,15 @@ class Landing:
                 devices.append(device)
                 owners.append(leaf)
             leaf.placed_boxes.add(box)
+            if not plan.on_host:
+                to_accelerator += host.nbytes
         if not hosts:
             return
-        for leaf, array in zip(owners, self.devices.put(hosts, devices)):
+        arrays = self.devices.put(hosts, devices)
+        for leaf, array in zip(owners, arrays):
             leaf.placed.append(array)
+        if to_accelerator:
+            self.transfers.started(arrays, to_accelerator)
 
     def finish(self, i: int) -> None:
         """Turn leaf ``i``'s filled buffers into its final value and free them."""
@@ -428,6 +443,8 @@ class Landing:
                 leaf.result = value.tobytes()
             else:
                 leaf.result = value
+        if not plan.on_host and not plan.places_early and buffers:
+            self.transfers.started(leaf.result, sum(b.nbytes for b in buffers.values()))
         leaf.buffers = {}
         leaf.done = True
 

@@ -88,7 +88,7 @@ class LeafPlan:
         Only such leaves get restore's host-memory techniques (buffers in aligned private
         mappings, pages faulted in ahead, :mod:`objckpt.restoring.arena`): their buffers are the
         result, so how their pages are made and touched is what the restore pays for. A leaf
-        bound for an accelerator gets plain numpy buffers, copied to its devices by DMA.
+        bound for an accelerator gets plain buffers, not faulted in ahead, copied to its devices by DMA.
         """
         return self.on_host
 

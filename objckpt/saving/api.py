@@ -26,6 +26,7 @@ reports a missing or resized one instead, so no manifest is written.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import logging
@@ -50,7 +51,7 @@ from objckpt.saving.classify import classify
 from objckpt.saving.encode import coded_leaves
 from objckpt.saving.incremental import base_name
 from objckpt.transfer import runtime
-from objckpt.transfer.buffers import tune_malloc
+from objckpt.transfer.buffers import release_freed_memory, tune_malloc
 from objckpt.transfer.cpu_slots import save_threads_for
 from objckpt.transfer.handle import Handle
 from objckpt.transfer.stats import TransferStats
@@ -285,11 +286,13 @@ def _begin(
 
 
 async def _then_close(run: Awaitable[T], handle: Handle) -> T:
-    """Await ``run``, then close ``handle``'s store, however ``run`` ends."""
+    """Await ``run``, then close ``handle``'s store and give the freed host memory back, however
+    ``run`` ends."""
     try:
         return await run
     finally:
         await handle.aclose()
+        await asyncio.to_thread(release_freed_memory)
 
 
 def _shared_save_id(coordinator: Coordinator, tag: str, timeout: float) -> str:

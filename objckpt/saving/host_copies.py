@@ -148,6 +148,7 @@ def _snapshot(blobs: list[BlobPlan]) -> dict[int, Any]:
     accelerator's (dispatched, not awaited), in host memory for the rest (numpy arrays, which
     their owner may change, and CPU devices' buffers, which training may donate)."""
     out: dict[int, Any] = {}
+    on_device: list[Any] = []
     for blob in blobs:
         for placed in blob.pieces:
             source = placed.piece.source[0]
@@ -155,9 +156,14 @@ def _snapshot(blobs: list[BlobPlan]) -> dict[int, Any]:
             if key in out:
                 continue
             if _on_accelerator(source):
-                out[key] = jax.device_put(source, source.sharding, may_alias=False)
+                out[key] = None
+                on_device.append(source)
             else:
                 out[key] = np.array(host_copy(source)[0], copy=True)
+    # One call for them all: JAX dispatches a list's copies in one batch (per-array calls cost
+    # ~0.25 ms each, a third of the snapshot's blocked time for a model of ~450 leaves).
+    copies = jax.device_put(on_device, [s.sharding for s in on_device], may_alias=False)
+    out.update(zip((id(s) for s in on_device), copies))
     return out
 
 

@@ -40,6 +40,22 @@ def tune_malloc(threshold: int = 1 << 20) -> bool:
         return _mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim(0)``); False where
+    there is no glibc.
+
+    A save's host copies off an accelerator are allocated by the device runtime, whose 1–32 MiB
+    blocks come from glibc's heaps once its mmap threshold has risen: freed, they stay in the
+    process's RSS (measured on a TPU v5e: +3.3 GiB after a 4 GiB save committed, in a process
+    that had restored before). Called once a save or a restore ends. It changes no setting,
+    only returns memory nobody holds; it takes milliseconds.
+    """
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def _mallopt(param: int, value: int) -> bool:
     """glibc's ``mallopt(param, value)``; False where there is none (musl, macOS)."""
     try:
