@@ -30,7 +30,6 @@ from restore_seams import paths, restore_with
 import objckpt
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.plan import ALIGN, PACKING_SLACK, SPACER
-from objckpt.restoring.aligned_reads import address
 from objckpt.restoring.arena import AssemblyArena
 from objckpt.restoring.landing import Devices, HostMemory, Landing
 from objckpt.storage import from_url
@@ -265,44 +264,18 @@ def test_a_store_kinds_learned_phase_outlives_one_restore(monkeypatch):
 
 def test_only_stores_that_give_a_phase_hint_are_asked_for_one(monkeypatch, tmp_path):
     """The hint is an optional protocol, not part of ``Store``: the obstore store gives its
-    allocator's phase, the local file system store the page start its large reads land on; any
-    other store is taken to return ``bytes``, as ``Store``'s default ``get_range_buffer`` does."""
+    allocator's phase; any other store is taken to return ``bytes``, as ``Store``'s default
+    ``get_range_buffer`` does."""
     from objckpt.restoring.aligned_reads import AlignedResponses, ResponseAlignment
     from objckpt.storage.phase import bytes_phase, malloc_phase
 
     monkeypatch.setattr(ResponseAlignment, "learned", {})
     native = from_url(str(tmp_path / "native"), objckpt_backend="obstore")
-    local = from_url(str(tmp_path / "local"))
-    plain = from_url("memory://phase-hint/plain")
-    assert isinstance(native, AlignedResponses) and isinstance(local, AlignedResponses)
-    assert not isinstance(plain, AlignedResponses) and not hasattr(plain, "response_phase")
+    plain = from_url(str(tmp_path / "plain"))
+    assert isinstance(native, AlignedResponses) and not isinstance(plain, AlignedResponses)
+    assert not hasattr(plain, "response_phase")
     assert ResponseAlignment.of(native).phase == malloc_phase()
-    assert ResponseAlignment.of(local).phase == 0
     assert ResponseAlignment.of(plain).phase == bytes_phase()
-
-
-def test_local_reads_land_once_in_page_aligned_mappings_of_their_own(tmp_path):
-    """A large ranged read from the local file system store is read straight into a fresh
-    mapping of its size (page-aligned, so restore can adopt it as an array; unmapped once freed,
-    so its memory leaves the process's RSS), the bytes exact, and a short one at the end of the
-    object comes back short; a small read stays a ``bytes``."""
-    import mmap
-
-    store = from_url(tmp_path.as_uri())
-    data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
-
-    async def go():
-        await store.put("blob", data)
-        big = await store.get_range_buffer("blob", start=5, end=(2 << 20) + 5)
-        tail = await store.get_range_buffer("blob", start=(2 << 20), end=(4 << 20))
-        small = await store.get_range_buffer("blob", start=7, end=100)
-        return big, tail, small
-
-    big, tail, small = runtime.run_sync(go())
-    assert isinstance(big.obj, mmap.mmap) and address(big) % mmap.PAGESIZE == 0
-    assert bytes(big) == data[5 : (2 << 20) + 5]
-    assert bytes(tail) == data[2 << 20 :] and len(tail) == 1 << 20
-    assert isinstance(small.obj, bytes) and bytes(small) == data[7:100]
 
 
 class _Recording:

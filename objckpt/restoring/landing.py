@@ -178,9 +178,9 @@ class Landing:
         Returns the buffers it made for pieces of a large leaf that stays in host
         memory, fresh memory whose pages none of the copies has faulted in yet: the
         caller faults them in (:meth:`_fault_in`) once it has let go of the lock it
-        allocates under. A leaf bound for an accelerator gets a buffer per box, its pages faulted
-        in by the copies (:attr:`LeafPlan.stays_on_host` says why): a large one is a mapping of
-        its own, whose memory goes back to the system once its copy to the device is done.
+        allocates under. A leaf bound for an accelerator gets plain numpy buffers
+        (:attr:`LeafPlan.stays_on_host` says why): the heap's recycled pages, which fresh
+        mappings would have to fault in again (measured on a TPU v5e host: 2.3x the memcpy).
         """
         plan, leaf = self.plans[i], self._leaves[i]
         if leaf.done:
@@ -196,11 +196,11 @@ class Landing:
             buffers.update((box, made[box]) for box in missing)
             return []
         shapes = [tuple(b - a for a, b in zip(*box)) for box in missing]
-        arrays = self.memory.arrays
-        if not plan.on_host:  # a buffer per box, freed (a large one unmapped) once its copy is done
-            for box, shape in zip(missing, shapes):
-                (buffers[box],) = arrays([shape], plan.dtype, zeroed=not for_pieces)
+        if not plan.on_host:
+            new = np.empty if for_pieces else np.zeros
+            buffers.update((box, new(shape, plan.dtype)) for box, shape in zip(missing, shapes))
             return []
+        arrays = self.memory.arrays
         if plan.places_early:  # a buffer per box, each freed once its box is placed
             for box, shape in zip(missing, shapes):
                 (buffers[box],) = arrays([shape], plan.dtype, zeroed=not for_pieces)

@@ -30,19 +30,6 @@ class LocalFsspecStore(FsspecStore):
 
     puts_parts = True  # each part is written into the temporary file in turn, never joined
     writes_on_host = True
-    reads_in_place = True  # a large read lands once, in a mapping of its own (posix.read_range_mapped)
-
-    async def get_range_buffer(self, key: str, *, start: int, end: int) -> memoryview:
-        if end - start < _local.MAPPED_READ_MIN:
-            return memoryview(await self.get_range(key, start=start, end=end))
-        return memoryview(await self._ranged(key, start, end, self._read_range_mapped))
-
-    def response_phase(self) -> int:
-        """Large reads land at the start of a page (:class:`objckpt.restoring.aligned_reads.AlignedResponses`)."""
-        return 0
-
-    async def _read_range_mapped(self, what: str, key: str, start: int, end: int) -> memoryview:
-        return await self._local(what, _local.read_range_mapped, key, start, end)
 
     async def put_parts(self, key: str, parts: Sequence[memoryview], *, mode: PutMode = "overwrite") -> None:
         await self._put(key, tuple(parts), mode)

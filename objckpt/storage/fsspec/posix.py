@@ -37,7 +37,6 @@ A path that resolves outside is :class:`OutsideRootError` (a
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import stat
 import uuid
@@ -215,33 +214,6 @@ def read_range(root: str, key: str, start: int, end: int | None) -> bytes:
         if start:
             f.seek(start)
         return f.read() if end is None else f.read(end - start)
-
-
-#: Reads at least this long land in a mapping of their own (:func:`read_range_mapped`).
-MAPPED_READ_MIN = 1 << 20
-_PRIVATE: dict[str, int] = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
-
-
-def read_range_mapped(root: str, key: str, start: int, end: int) -> memoryview:
-    """Bytes ``[start, end)`` of ``key`` (fewer at its end), read straight into a fresh private
-    anonymous mapping of the read's size, via :func:`open_regular`.
-
-    The bytes land once, page-aligned, in memory of their own: a restore can make them its
-    array as they are, and the pages go back to the system the moment the last view of them
-    goes (a heap ``bytes`` of 1–32 MiB stays in the process's RSS once freed, the heap keeps it).
-    """
-    mapping = mmap.mmap(-1, end - start, **_PRIVATE)
-    view = memoryview(mapping)
-    got = 0
-    with open_regular(root, key) as f:
-        f.seek(start)
-        raw = f.raw  # type: ignore[attr-defined]  # unbuffered: straight into the mapping
-        while got < len(view):
-            n = raw.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    return view[:got]
 
 
 def stat_regular(root: str, key: str) -> os.stat_result:
