@@ -313,6 +313,7 @@ def test_an_overloaded_store_is_met_with_fewer_requests(proxied_s3, s3_service, 
     # against 253-337; sent past it, at max_concurrency, they drew 86-115).
     assert adaptive.checked <= fixed.checked / 2, (adaptive, fixed)
     # The next save to the bucket starts from what the first learned: no opening burst
-    # of refusals (uploads measured: 31-44 against 55-74). The commit check is left out:
+    # of refusals (uploads measured: 31-44 against 55-74, and 26 against 34 on a loaded CI
+    # box: 0.57-0.80x; one that forgot would draw as many). The commit check is left out:
     # it starts from the window the uploads left, whatever the memory said.
-    assert again.uploads <= 0.75 * adaptive.uploads, (adaptive, again)
+    assert again.uploads <= 0.85 * adaptive.uploads, (adaptive, again)
