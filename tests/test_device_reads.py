@@ -451,3 +451,33 @@ def test_a_snapshot_copies_every_shard_on_its_device_in_one_batched_call(
     shards = sum(len(x.addressable_shards) for x in state.values())
     assert [n for n, may_alias in calls if may_alias is False] == [shards]
     assert_tree_bit_exact(objckpt.restore(tmp_path.as_uri(), state), state)
+
+
+# ----------------------------------------------------------------------------- memory handed back
+
+
+def test_a_save_and_a_restore_hand_the_freed_heap_back_once_each_ends(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device runtime allocates a save's host copies from glibc's heap, which keeps freed
+    blocks in the process's RSS (+3.3 GiB after a 4 GiB save on a TPU v5e): a save hands them back
+    once it has committed and closed its store, a restore once it ends, failed or not."""
+    from objckpt.restoring import api as restore_api
+    from objckpt.saving import api as save_api
+
+    calls: list[str] = []
+    monkeypatch.setattr(save_api, "release_freed_memory", lambda: calls.append("save"))
+    monkeypatch.setattr(restore_api, "release_freed_memory", lambda: calls.append("restore"))
+    state = _state(4)
+    handle = objckpt.save_async(tmp_path.as_uri(), state)
+    handle.result()
+    for _ in range(100):  # the store closes, then the memory goes, after the result is set
+        if calls:
+            break
+        threading.Event().wait(0.02)
+    assert calls == ["save"]
+    assert_tree_bit_exact(objckpt.restore(tmp_path.as_uri(), state), state)
+    assert calls == ["save", "restore"]
+    with pytest.raises(objckpt.TargetMismatchError):
+        objckpt.restore(tmp_path.as_uri(), {"other": jax.ShapeDtypeStruct((3,), jnp.float32)})
+    assert calls == ["save", "restore", "restore"]

@@ -1,12 +1,12 @@
 """A restore's host→device copies in flight, bounded so host memory follows the copies' pace.
 
 ``jax.device_put`` of a host array returns before its bytes reach an accelerator, and the
-runtime holds the host array until they do. When reads land faster than the copies drain,
-host buffers pile up where the read window does not count them (measured on a TPU v5e: +3.1 GiB
-restoring an 8 GiB state). :class:`CopiesInFlight` counts the bytes of copies started and not
-known to be done; past its limit the thread that started one waits for the oldest, so the reads
-slow to the copies' pace instead. On the CPU backend a leaf's buffer is its result, so nothing
-is counted there.
+runtime holds the host array until they do. Were reads to land faster than the copies drain,
+host buffers would pile up where the read window does not count them. :class:`CopiesInFlight`
+counts the bytes of copies started and not known to be done; past its limit the thread that
+started one waits for the oldest, so the reads slow to the copies' pace instead. On a TPU v5e
+the copies kept up (an 8 GiB restore peaked alike with 64 MiB, 256 MiB or no limit), so this is
+a bound, not a speed-up. On the CPU backend a leaf's buffer is its result: nothing is counted.
 """
 
 from __future__ import annotations

@@ -333,11 +333,6 @@ class FsspecStore(StreamingStore):
             raise map_error(exc, what) from exc
 
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:
-        return await self._ranged(key, start, end, self._read_range)  # type: ignore[no-any-return]
-
-    async def _ranged(self, key: str, start: int, end: int, read: Callable[..., Awaitable[Any]]) -> Any:
-        """Bytes ``[start, end)`` of ``key`` through ``read(what, key, start, end)``: the checks
-        and error mapping every ranged read shares."""
         _check_relative(key, "key", allow_empty=False, allow_partial=False)
         if start < 0 or end < start:
             raise ValueError(f"invalid byte range [{start}, {end}) for {self._url(key)}")
@@ -346,7 +341,7 @@ class FsspecStore(StreamingStore):
             return b""
         what = f"get {self._url(key)} bytes [{start}, {end})"
         try:
-            return await read(what, key, start, end)
+            return await self._read_range(what, key, start, end)
         except _PROGRAMMING_ERRORS:
             raise
         except Exception as exc:
