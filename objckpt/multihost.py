@@ -88,7 +88,7 @@ class _JaxCoordinator(Coordinator):
             client.wait_at_barrier(name, int(timeout * 1000))  # type: ignore[attr-defined]
         except Exception as e:  # the service raises XlaRuntimeError(DEADLINE_EXCEEDED, ...)
             missing = self._missing(f"{name}/arrived/")
-            if missing is None:
+            if not missing:  # keys unreadable, or a process marked its arrival and died before waiting
                 missing = [p for p in _named_in(str(e), self.process_count) if p != self.process_index]
             who = ", ".join(str(p) for p in missing) if missing else "none named by the coordination service"
             raise CoordinationError(
