@@ -43,6 +43,11 @@ class FormatError(ObjckptError, ValueError):
     """The manifest is malformed, hostile, or of an unsupported version."""
 
 
+class PartialCopyError(ObjckptError, LookupError):
+    """A copy of part of a checkpoint (a local-tier step, a peer copy: one process's boxes) does
+    not hold what the restore asks of it; the caller reads the next location."""
+
+
 class TargetMismatchError(ObjckptError, ValueError):
     """The restore target does not match the checkpoint (leaves, shapes, shardings)."""
 

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from objckpt.core.checksum import crc32c
 from objckpt.errors import FormatError, StorePermissionError
-from objckpt.manager.local_format import parse_local_manifest, seal, unseal
+from objckpt.core.format.local import parse_local_manifest, seal, unseal
 from objckpt.manager.local_snapshot import snapshot
 from objckpt.manager.local_tier import ForeignStepError, LocalTier, write_step
 from objckpt.manager.peer_tier import check_whose, payload_of

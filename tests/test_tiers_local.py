@@ -9,6 +9,7 @@ close. The SIGKILL scenarios need a fresh job per trial.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -16,19 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.errors import FormatError
-from objckpt.manager.local_format import MANIFEST, parse_local_manifest, seal, unseal
-from objckpt.manager.local_restore import NotCovered, restore_local
+from objckpt.core.format.local import MANIFEST, parse_local_manifest, seal, unseal
+from objckpt.errors import ChecksumMismatchError, FormatError, PartialCopyError, TargetMismatchError
+from objckpt.layouts.process_copy import open_process_copy
 from objckpt.manager.local_snapshot import snapshot
 from objckpt.manager.local_tier import LocalTier, complete_steps, read_manifest
 from objckpt.manager.peer_tier import payload_of, unpack
 from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, decide
+from objckpt.restoring.api import restore_copy
 from tests.multiprocess import run_processes
 
 WORKER = Path(__file__).with_name("tiers_worker.py")
@@ -161,7 +164,14 @@ def test_a_damaged_local_manifest_is_a_format_error_never_another_exception(tmp_
     assert checked > 500
 
 
-def test_local_restore_reads_its_boxes_bit_exact_and_refuses_what_it_does_not_hold(tmp_path):
+def _restore_step(tier: LocalTier, step: int, target, manifest=None):
+    """A local step restored by the one restore, as the manager's tiers do."""
+    manifest = manifest or tier.steps()[step]
+    data = tier.data(tier.step_dir(step), manifest)
+    return restore_copy(open_process_copy(f"local step {step}", manifest, data, size_limit=1 << 20), target)
+
+
+def test_local_restore_reads_its_boxes_bit_exact_through_the_one_restore_and_refuses_what_it_does_not_hold(tmp_path):
     tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
     tree = _tree(7)
     tier.write(snapshot(tree, step=7, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={}))
@@ -173,22 +183,40 @@ def test_local_restore_reads_its_boxes_bit_exact_and_refuses_what_it_does_not_ho
         "config": objckpt.Json(),
         "n": 0,
     }
-    out = restore_local(tier.step_dir(7), tier.steps()[7], target)
+    out = _restore_step(tier, 7, target)
     assert np.asarray(out["w"]).tobytes() == np.asarray(tree["w"]).tobytes()
     assert out["w"].sharding == target["w"].sharding
     assert np.asarray(out["b"]).tobytes() == np.asarray(tree["b"]).tobytes()
     assert (out["data"], out["config"], out["n"]) == (b"it=7", {"step": 7}, 7)
-    with pytest.raises(NotCovered, match="PerProcess"):
-        restore_local(tier.step_dir(7), tier.steps()[7], {**target, "data": objckpt.PerProcess(all=True)})
-    as_int = jax.ShapeDtypeStruct((64, 32), np.int32, sharding=target["w"].sharding)
-    with pytest.raises(NotCovered, match="saved as float32"):
-        restore_local(tier.step_dir(7), tier.steps()[7], {**target, "w": as_int})
+    # what the one restore gives every location: a checked cast, a partial restore, the saved sharding
+    as_bf16 = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16, sharding=target["w"].sharding)
+    cast = _restore_step(tier, 7, {**target, "w": as_bf16})
+    assert cast["w"].dtype == jnp.bfloat16
+    assert np.array_equal(
+        np.asarray(cast["w"], np.float32), np.asarray(tree["w"]).astype(jnp.bfloat16).astype(np.float32)
+    )
+    with pytest.raises(TargetMismatchError, match="w"):
+        _restore_step(tier, 7, {**target, "w": jax.ShapeDtypeStruct((64, 32), np.int32, sharding=target["w"].sharding)})
+    only_w = restore_copy(
+        open_process_copy(
+            "local step 7", tier.steps()[7], tier.data(tier.step_dir(7), tier.steps()[7]), size_limit=1 << 20
+        ),
+        {"w": target["w"]},
+        partial=True,
+    )
+    assert np.asarray(only_w["w"]).tobytes() == np.asarray(tree["w"]).tobytes()
+    # a box the copy does not hold (one of w's boxes left out): PartialCopyError naming the leaf, never a hole
+    manifest = tier.steps()[7]
+    leaves = tuple(dataclasses.replace(f, boxes=f.boxes[1:]) if f.path == "['w']" else f for f in manifest.leaves)
+    assert leaves != manifest.leaves
+    with pytest.raises(PartialCopyError, match=r"leaf \['w'\]"):
+        _restore_step(tier, 7, target, dataclasses.replace(manifest, leaves=leaves))
     data = tier.step_dir(7) / "run1.data"  # one flipped bit: the box's crc32c refuses it
     raw = bytearray(data.read_bytes())
     raw[1000] ^= 1
     data.write_bytes(bytes(raw))
-    with pytest.raises(NotCovered, match="crc32c"):
-        restore_local(tier.step_dir(7), tier.steps()[7], target)
+    with pytest.raises(ChecksumMismatchError):
+        _restore_step(tier, 7, target)
 
 
 def test_manager_restores_from_local_then_store_and_gc_leaves_the_local_tier_alone(s3_store, tmp_path, caplog):

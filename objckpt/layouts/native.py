@@ -34,14 +34,20 @@ class NativeCheckpoint:
 
     The reader keeps the manifest it has read up to now: a method that reads index
     objects returns the manifest with their pieces, and later calls build on it.
+
+    ``holds_process``: None for a whole checkpoint; for a copy of one process's part (a
+    local-tier step, :mod:`objckpt.layouts.process_copy`), that process: its pieces cover
+    only what that process saved, and a box they do not cover is missing from the copy,
+    not a malformed checkpoint.
     """
 
     format = FORMAT
 
-    def __init__(self, store: Store, manifest: Manifest, *, size_limit: int) -> None:
+    def __init__(self, store: Store, manifest: Manifest, *, size_limit: int, holds_process: int | None = None) -> None:
         self.store = store
         self._manifest = manifest
         self._size_limit = size_limit
+        self.holds_process = holds_process
 
     @property
     def url(self) -> str:

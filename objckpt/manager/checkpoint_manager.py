@@ -215,7 +215,7 @@ class CheckpointManager:
             from objckpt.manager.tiers import Tiers
 
             args = (local, local_interval_steps, local_keep_last, peers, peer_of, self._coordinator, timeout)
-            self._tiers = Tiers(self.root_url, *args, store=self.store)
+            self._tiers = Tiers(self.root_url, *args, store=self.store, options=self.options)
         if self.replicas and self._coordinator.is_primary:
             self._replicator = Replicator(
                 self.store,

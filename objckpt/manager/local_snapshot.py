@@ -5,7 +5,7 @@ phase: each box this process's devices hold is taken once (a replica on several 
 devices too), its device-to-host copy started at once, and copied into one buffer objckpt
 owns, so the caller may donate its arrays as soon as it returns. The result is the step's
 manifest (without checksums; :func:`objckpt.manager.local_tier.write_step` adds them) and the
-bytes, laid out as :mod:`objckpt.manager.local_format` says. No file I/O here.
+bytes, laid out as :mod:`objckpt.core.format.local` says. No file I/O here.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import numpy as np
 
 from objckpt.core.boxes import index_to_box
 from objckpt.core.dtypes import dtype_name
+from objckpt.core.format.local import LocalBox, LocalLeaf, LocalManifest, aligned
 from objckpt.core.items import Json, PerProcess, encode_value, is_item, json_document, state_of
 from objckpt.core.metadata import to_json_value
 from objckpt.core.tree import flatten
 from objckpt.errors import DeletedArrayError
-from objckpt.manager.local_format import LocalBox, LocalLeaf, LocalManifest, aligned
 from objckpt.transfer.buffers import host_buffer
 
 

@@ -2,7 +2,7 @@
 
 Layout, under the manager's ``local=`` directory (a path or ``file://`` URL; ``/dev/shm`` works)::
 
-    process_<p>/step_<N>/<save_id>.data      this process's boxes (objckpt.manager.local_format)
+    process_<p>/step_<N>/<save_id>.data      this process's boxes (objckpt.core.format.local)
     process_<p>/step_<N>/manifest.json       written last: no manifest, no step
     process_<p>/peer/process_<q>/step_<N>/   the same, for process q's step, held as its peer copy
 
@@ -34,6 +34,7 @@ opened without following a link in their last component.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import shutil
 import stat
@@ -43,15 +44,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from objckpt.core.checksum import crc32c
-from objckpt.errors import FormatError, StorePermissionError
-from objckpt.manager.local_format import (
+from objckpt.core.format.local import (
     MANIFEST,
     LocalManifest,
     authentic,
     check_whole,
     parse_local_manifest,
 )
+from objckpt.errors import FormatError, StorePermissionError
 from objckpt.manager.local_snapshot import Snapshot
 from objckpt.roots.layout import STEP_DIR, step_dir
 
@@ -319,6 +322,25 @@ class LocalTier:
         """The manifest of the step in ``directory``, this manager's and ``owner``'s (default: this process's)."""
         owner = self.process_index if owner is None else owner
         return read_manifest(directory, **self._whose(owner))
+
+    def data(self, directory: Path, manifest: LocalManifest) -> np.ndarray:
+        """The data file of the step in ``directory`` as bytes: a private mapping of its pages (no
+        copy; copy-on-write, so neither the restored arrays nor the file change the other). Data
+        files are never written again once their manifest is in place: a step saved again gets a
+        new file. A data file that is a link is never read (OSError)."""
+        if manifest.data_size == 0:
+            return np.zeros(0, np.uint8)
+        path = self.inside(directory) / manifest.data
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            if os.fstat(fd).st_size != manifest.data_size:
+                raise FormatError(f"{path} is not {manifest.data_size} bytes long, as its manifest says")
+            # writable (a donated buffer may be written in place), never populated: populating
+            # a writable private mapping would copy every page; reading faults them in shared
+            mapped = mmap.mmap(fd, manifest.data_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return np.frombuffer(mapped, np.uint8)
 
     def steps(self) -> dict[int, LocalManifest]:
         return complete_steps(self.own, **self._whose(self.process_index))

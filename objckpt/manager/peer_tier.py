@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from objckpt.core.format.local import MANIFEST, LocalManifest, authentic, parse_local_manifest
 from objckpt.errors import FormatError
-from objckpt.manager.local_format import MANIFEST, LocalManifest, authentic, parse_local_manifest
 from objckpt.manager.local_tier import (
     MANIFEST_LIMIT,
     ForeignStepError,

@@ -4,7 +4,7 @@ A manager with ``local=`` draws a random key for each run (named by the run's sa
 every local manifest of the run carries). Its primary writes the key to the root, at
 ``local_tier/<save_id>.key`` (create-if-absent), before any local save; every process gets
 it through the coordination service. Each local manifest is sealed under its run's key
-(:func:`objckpt.manager.local_format.seal`), and a reader fetches the key from the root by
+(:func:`objckpt.core.format.local.seal`), and a reader fetches the key from the root by
 the save id the manifest names (:class:`RunKeys`). So a local step or peer copy is read only
 when the root it names still holds the key of the run that saved it: another job's step,
 a step of a root wiped and reused, or a manifest edited or forged by someone who can write

@@ -37,13 +37,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from objckpt.errors import CheckpointNotFoundError, CoordinationError, FormatError, PeerCopyUnavailableError
-from objckpt.manager.local_restore import NotCovered, restore_local
+from objckpt.errors import (
+    CheckpointNotFoundError,
+    CoordinationError,
+    FormatError,
+    PartialCopyError,
+    PeerCopyUnavailableError,
+)
 from objckpt.manager.local_snapshot import snapshot
-from objckpt.manager.local_tier import LocalTier, local_path, step_dirs
+from objckpt.manager.local_tier import MANIFEST_LIMIT, LocalTier, local_path, step_dirs
 from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, agree, all_succeeded, decide
 from objckpt.manager.tier_keys import RunKeys
 from objckpt.multihost import Coordinator, operation_tag
+from objckpt.options import Options
 from objckpt.storage.base import Store
 from objckpt.transfer import runtime
 
@@ -115,8 +121,10 @@ class Tiers:
         timeout: float,
         *,
         store: Store,
+        options: Options,
     ) -> None:
-        """``store``: the manager's root, where each run's key lives (:mod:`objckpt.manager.tier_keys`)."""
+        """``store``: the manager's root, where each run's key lives (:mod:`objckpt.manager.tier_keys`);
+        ``options``: the manager's, which its restores from the local tier use too."""
         if interval < 1:
             raise ValueError(f"local_interval_steps must be at least 1, got {interval}")
         if peers not in (0, 1):
@@ -127,6 +135,7 @@ class Tiers:
             if root == store_dir or store_dir in root.parents:
                 raise ValueError(f"local={str(root)!r} is inside the manager's root {root_url}: gc would sweep it")
         self.url = root_url
+        self.options = options
         self.coordinator = coordinator
         self.keys = RunKeys(store)
         index, count = coordinator.process_index, coordinator.process_count
@@ -328,32 +337,35 @@ class Tiers:
     def _try_local(
         self, decision: Any, target: Any, partial: bool, received: Any = None, fetch_error: str | None = None
     ) -> tuple[Any, dict[int, str]]:
-        """Restore from this process's step (``received``: its copy brought back, in memory), then agree
-        with every process that each one succeeded: ``{process: error}`` of those that did not.
+        """Restore from this process's step (``received``: its copy brought back, in memory) through the
+        one restore (:func:`objckpt.restoring.api.restore_copy`), then agree with every process that
+        each one succeeded: ``{process: error}`` of those that did not.
 
-        Two agreements, on every process whatever happens: one after each has read its part (a
-        reshard on the devices is a collective, started only when all have), one at the end."""
-        out, error = None, fetch_error
-        read_agreed = False
+        Two agreements, on every process whatever happens: one once each has opened its part (a
+        restore that reshards on the devices runs a collective, which every process must join),
+        one at the end."""
+        from objckpt.layouts.process_copy import open_process_copy
+        from objckpt.restoring.api import restore_copy
 
-        def agree_read(mine: str | None) -> dict[int, str]:
-            nonlocal read_agreed
-            read_agreed = True
-            return all_succeeded(self.coordinator, self.url, mine, timeout=self.timeout)
-
+        out, error, checkpoint = None, fetch_error, None
         if error is None:
             try:
                 directory = self.tier.step_dir(decision.step)
                 manifest = received.manifest if received is not None else self.tier.read(directory)
                 if manifest.save_id != decision.save_id:
-                    raise NotCovered(f"step {decision.step} here is another run's save")
-                data = received.data if received is not None else None
-                out = restore_local(directory, manifest, target, partial=partial, data=data, agree=agree_read)
+                    raise PartialCopyError(f"step {decision.step} here is another run's save")
+                data = received.data if received is not None else self.tier.data(directory, manifest)
+                name = f"local tier of {self.url}, step {decision.step}"  # the same on every process
+                checkpoint = open_process_copy(name, manifest, data, size_limit=MANIFEST_LIMIT)
             except Exception as e:  # any failure here: report it, so no process waits for this one alone
                 error = f"{type(e).__name__}: {e}"
-        if not read_agreed:  # failed before reading: still take part in the first agreement
-            agree_read(error)
         failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout)
+        if not failed and checkpoint is not None:
+            try:
+                out = restore_copy(checkpoint, target, partial=partial, options=self.options)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout) or failed
         return (None if failed else out), failed
 
     def _done(self, step: int, tier: str, started: float, out: Any) -> Any:

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 
-from objckpt.core.format import ARRAY_KINDS
+from objckpt.core.format import ARRAY_KINDS, Manifest
 from objckpt.core.format.v2 import require_digest
 from objckpt.core.plan import ReadRequest
 from objckpt.core.tree import build, flatten_target, unflatten_target
+from objckpt.errors import PartialCopyError
 from objckpt.layouts.native import NativeCheckpoint
 from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import Options
@@ -43,7 +44,7 @@ from objckpt.restoring.locations import (
     open_locations,
 )
 from objckpt.restoring.read_once import Designator, share
-from objckpt.restoring.read_sharding import plan_read_shardings
+from objckpt.restoring.read_sharding import ReadPlanner, plan_read_shardings
 from objckpt.restoring.reshard import devices_can_reshard, fetch_agreed, reshard
 from objckpt.restoring.selection import inline_value, select
 from objckpt.restoring.target_shardings import on_saved_shardings
@@ -159,6 +160,33 @@ def restore(
         return _restore(handle, checkpoint, asked)
 
 
+def restore_copy(
+    checkpoint: NativeCheckpoint,
+    target: Any,
+    *,
+    partial: bool = False,
+    options: Options | None = None,
+    stats: TransferStats | None = None,
+    cast: str = "checked",
+) -> Any:
+    """:func:`restore` from a checkpoint already opened (a local-tier step or a peer copy,
+    :func:`objckpt.layouts.process_copy.open_process_copy`): the same plan, checks and landing.
+
+    Raises:
+        PartialCopyError: the copy holds one process's part and not what this target needs here.
+        As :func:`restore` otherwise.
+    """
+    if cast not in CASTS:
+        raise ValueError(f"cast must be one of {', '.join(map(repr, CASTS))}, got {cast!r}")
+    options = options or Options()
+    handle = Handle.of(checkpoint.store, options, stats)
+    try:
+        with runtime.collection_paused(options.pause_gc):
+            return _restore(handle, checkpoint, _Asked(target, partial, False, False, cast))
+    finally:
+        handle.close()
+
+
 @dataclass(frozen=True)
 class _Asked:
     """What a :func:`restore` call asks for, whichever locations serve it."""
@@ -211,26 +239,21 @@ def _restore_leaves(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked)
     read_once = asked.read_once and jax.process_count() > 1
     designator = Designator(options.split_replicas_above)
     # Leaves whose target boxes cut the saved pieces are read on the saved layout, then resharded.
+    # A copy of one process's part is read on the saved layout whenever the target differs:
+    # there, this process's own boxes cover what its devices need.
+    copy = checkpoint.holds_process is not None
     resharding = options.reshard and not read_once and devices_can_reshard()
-    reads = plan_read_shardings(manifest, selection) if resharding else {}
+    planner = ReadPlanner(prefer_saved=True) if copy else None
+    reads = plan_read_shardings(manifest, selection, planner=planner) if resharding else {}
     planned = {i: reads[i].read_target(t) if i in reads else t for i, t in selection.items()}
-    plans = {
-        i: plan_leaf(manifest.leaves[i], t, read_once=read_once, unsafe_cast=cast == "unsafe", designator=designator)
-        for i, t in sorted(planned.items())
-        if manifest.leaves[i].kind in ARRAY_KINDS
-    }
-    check_host_memory(plans, physical_memory())  # before any read: sizes come from the manifest
-    if checkpoint.pieces_on_demand:
-        manifest = read_needed_indexes(checkpoint, plans)
-        plans = {i: p.with_entry(manifest.leaves[i]) for i, p in plans.items()}
-    landing = Landing(plans)
-    landing.reserve_arena()  # maps memory on a thread while this one plans
-    requests = plan(manifest, plans, options, streamed=handle.traits.streams_reads)
-    if checkpoint.pieces_on_demand:
-        plans, requests = check_coverage(
-            checkpoint, plans, requests, lambda m, p: plan(m, p, options, streamed=handle.traits.streams_reads)
-        )
-        landing = landing if plans is landing.plans else landing.replanned(plans)
+    try:
+        manifest, landing, requests = _plan_reads(handle, checkpoint, planned, read_once, cast, designator)
+    except BaseException as e:
+        if reads or read_once:  # the other processes wait for this one before their collective: tell them
+            fetch_agreed(
+                _raise(e), handle.url, options.barrier_timeout, operation="restore" if read_once else "reshard"
+            )
+        raise
     base = stats.bytes_read
     total = sum(r.length for r in requests)
     with reporting(asked.progress, "restore", store.url, total, lambda: stats.bytes_read - base, stats):
@@ -270,6 +293,58 @@ def _restore_leaves(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked)
         treedef,
         [build(subtrees[path], lambda i: values[i]) if path in subtrees else values[index[path]] for path, _ in flat],
     )
+
+
+def _plan_reads(
+    handle: Handle,
+    checkpoint: NativeCheckpoint,
+    planned: dict[int, Any],
+    read_once: bool,
+    cast: str,
+    designator: Designator,
+) -> tuple[Manifest, Landing, list[ReadRequest]]:
+    """The reads of the array leaves ``planned`` (leaf → the target it is read onto): the manifest
+    with the pieces they need, where each lands, and the requests that fetch them.
+
+    Raises:
+        HostMemoryError: the leaves need more host memory than the machine has.
+        FormatError: the pieces do not tile a box (a whole checkpoint).
+        PartialCopyError: a copy of one process's part does not hold a box.
+    """
+    options = handle.options
+    manifest = checkpoint.manifest
+    plans = {
+        i: plan_leaf(manifest.leaves[i], t, read_once=read_once, unsafe_cast=cast == "unsafe", designator=designator)
+        for i, t in sorted(planned.items())
+        if manifest.leaves[i].kind in ARRAY_KINDS
+    }
+    check_host_memory(plans, physical_memory())  # before any read: sizes come from the manifest
+    if checkpoint.pieces_on_demand:
+        manifest = read_needed_indexes(checkpoint, plans)
+        plans = {i: p.with_entry(manifest.leaves[i]) for i, p in plans.items()}
+    if checkpoint.holds_process is not None:
+        for i, p in plans.items():
+            if (box := p.uncovered()) is not None:
+                raise PartialCopyError(
+                    f"{handle.url} (process {checkpoint.holds_process}'s part) does not hold leaf"
+                    f" {manifest.leaves[i].path}'s box {list(box[0])}-{list(box[1])}"
+                )
+    landing = Landing(plans)
+    landing.reserve_arena()  # maps memory on a thread while this one plans
+    requests = plan(manifest, plans, options, streamed=handle.traits.streams_reads)
+    if checkpoint.pieces_on_demand:
+        plans, requests = check_coverage(
+            checkpoint, plans, requests, lambda m, p: plan(m, p, options, streamed=handle.traits.streams_reads)
+        )
+        landing = landing if plans is landing.plans else landing.replanned(plans)
+    return manifest, landing, requests
+
+
+def _raise(error: BaseException) -> Callable[[], None]:
+    def run() -> None:
+        raise error
+
+    return run
 
 
 def _fetch_then_share(handle: Handle, requests: list[ReadRequest], landing: Landing) -> dict[int, Any]:

@@ -20,7 +20,13 @@ import jax
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import Manifest
 from objckpt.core.items import PerProcess, decode_value, is_item, load_into
-from objckpt.errors import ChecksumMismatchError, FormatError, ObjectNotFoundError, TargetMismatchError
+from objckpt.errors import (
+    ChecksumMismatchError,
+    FormatError,
+    ObjectNotFoundError,
+    PartialCopyError,
+    TargetMismatchError,
+)
 from objckpt.transfer import runtime
 from objckpt.transfer.handle import Handle
 
@@ -75,6 +81,8 @@ async def _read_values(handle: Handle, manifest: Manifest, wanted: dict[int, lis
 async def _read_one(handle: Handle, manifest: Manifest, leaf: int, process: int) -> Any:
     entry = manifest.leaves[leaf]
     ref = entry.value[process]
+    if ref is None:  # a copy of one process's part (objckpt.layouts.process_copy) holds only its own value
+        raise PartialCopyError(f"leaf {entry.path}: process {process}'s value is not in {handle.url}")
     length = ref["length"]
     data = b""
     where = f"leaf {entry.path}: process {process}'s value"

@@ -148,6 +148,7 @@ def choose(
     threshold: float = RESHARD_ABOVE,
     min_saved: int | None = None,
     always_above: float | None = None,
+    prefer_saved: bool = False,
 ) -> ReadChoice:
     """The choice for a leaf saved as ``grid``, restored split by ``spec`` on ``target`` (pure).
 
@@ -155,8 +156,9 @@ def choose(
     order and each one's process). Reshards when the direct worst host exceeds ``threshold``,
     the read sharding's worst host is lower, and the most any host fetches falls by at least
     ``min_saved`` bytes (default :data:`RESHARD_MIN_SAVED`) or the direct worst host exceeds
-    ``always_above`` (default :data:`RESHARD_ALWAYS_ABOVE`). Global facts only: every process
-    gets the same answer.
+    ``always_above`` (default :data:`RESHARD_ALWAYS_ABOVE`). ``prefer_saved``: reshard whenever a
+    read sharding exists and the target is not the saved sharding (a copy of one process's part
+    holds that process's saved boxes only). Global facts only: every process gets the same answer.
     """
     min_saved = RESHARD_MIN_SAVED if min_saved is None else min_saved
     always_above = RESHARD_ALWAYS_ABOVE if always_above is None else always_above
@@ -172,6 +174,8 @@ def choose(
     fetched = _union_volume(*_expand(lo, hi, cuts), members, shape) * grid.itemsize
     direct = _worst(fetched, needed)
     read = _read_layout(grid, target)
+    if prefer_saved and read is not None:
+        threshold, min_saved, always_above = -math.inf, 0, -math.inf
     if read is None or direct <= threshold:
         return ReadChoice(False, direct, math.inf, hosts=hosts, needed=needed, fetched_direct=fetched)
     read_mesh, read_spec = read
@@ -187,7 +191,7 @@ def choose(
     saved = int(fetched.max(initial=0)) - int(fetched_read.max(initial=0))  # on the host that fetches most
     worth = saved >= min_saved or direct > always_above
     return ReadChoice(
-        via_read < direct and worth,
+        (via_read < direct or prefer_saved) and worth,
         direct,
         via_read,
         read_mesh,
@@ -207,8 +211,8 @@ class ReadPlanner:
 
     ``process_of``: a device's process (default its ``process_index``; planning benchmarks
     with forced CPU devices in one process stand in for many hosts with another rule, as
-    :class:`objckpt.core.boxes.MeshTable` takes). ``threshold``, ``min_saved`` and
-    ``always_above``: see :func:`choose`. Meshes and answers are cached: the leaves of a
+    :class:`objckpt.core.boxes.MeshTable` takes). ``threshold``, ``min_saved``,
+    ``always_above`` and ``prefer_saved``: see :func:`choose`. Meshes and answers are cached: the leaves of a
     model share a few (saved grid, target sharding) pairs. The caches hold one entry per
     distinct pair (and per distinct mesh), grow only while the planner lives, and keep
     the target shardings' meshes alive with it: make one per restore.
@@ -221,8 +225,10 @@ class ReadPlanner:
         threshold: float = RESHARD_ABOVE,
         min_saved: int | None = None,
         always_above: float | None = None,
+        prefer_saved: bool = False,
     ) -> None:
         self._process_of = process_of or (lambda device: int(device.process_index))
+        self._prefer_saved = prefer_saved
         self._threshold = threshold
         self._min_saved = min_saved
         self._always_above = always_above
@@ -245,6 +251,7 @@ class ReadPlanner:
                 threshold=self._threshold,
                 min_saved=self._min_saved,
                 always_above=self._always_above,
+                prefer_saved=self._prefer_saved,
             )
         return found
 
