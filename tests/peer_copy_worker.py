@@ -20,7 +20,7 @@ from typing import Any
 import mp_worker
 import numpy as np
 
-from objckpt.manager.peer_copy import exchange_with_peers
+from objckpt.peers.transfer import exchange_with_peers
 
 PROCESS, COUNT, JOB = mp_worker.PROCESS, mp_worker.COUNT, mp_worker.JOB
 

@@ -26,6 +26,8 @@ LAYERS: list[set[str]] = [
     {"progress", "layouts"},
     {"saving", "restoring"},
     {"roots"},
+    {"locations"},
+    {"peers"},
     {"orbax", "safetensors"},
     {"tools"},
     {"manager"},

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from objckpt.errors import PeerCopyUnavailableError
-from objckpt.manager.peer_copy import _Segments, _spans, default_keeper, exchange_with_peers, keeper_map
+from objckpt.peers.transfer import _Segments, _spans, default_keeper, exchange_with_peers, keeper_map
 from tests import multiprocess
 
 WORKER = Path(__file__).with_name("peer_copy_worker.py")

@@ -22,13 +22,13 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt.core.checksum import crc32c
-from objckpt.errors import FormatError, StorePermissionError
 from objckpt.core.format.local import parse_local_manifest, seal, unseal
-from objckpt.manager.local_snapshot import snapshot
-from objckpt.manager.local_tier import ForeignStepError, LocalTier, write_step
-from objckpt.manager.peer_tier import check_whose, payload_of
+from objckpt.errors import FormatError, StorePermissionError
+from objckpt.locations.local_dirs import ForeignStepError, LocalTier, write_step
+from objckpt.peers.copies import check_whose, payload_of
 from objckpt.roots.layout import step_dir
 from objckpt.roots.sweep import delete_objects
+from objckpt.saving.local_snapshot import snapshot
 from objckpt.transfer import runtime
 from objckpt.transfer.retries import opened_store
 from tests.multiprocess import run_processes
@@ -36,7 +36,7 @@ from tests.multiprocess import run_processes
 WORKER = Path(__file__).with_name("tiers_worker.py")
 
 URL = "s3://bucket/root"
-KEY = b"k" * 32  # run1's key, as a manager keeps it in its root (objckpt.manager.tier_keys)
+KEY = b"k" * 32  # run1's key, as a manager keeps it in its root (objckpt.locations.run_keys)
 
 
 def _mesh() -> Any:

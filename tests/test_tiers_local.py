@@ -27,11 +27,11 @@ import objckpt
 from objckpt.core.format.local import MANIFEST, parse_local_manifest, seal, unseal
 from objckpt.errors import ChecksumMismatchError, FormatError, PartialCopyError, TargetMismatchError
 from objckpt.layouts.process_copy import open_process_copy
-from objckpt.manager.local_snapshot import snapshot
-from objckpt.manager.local_tier import LocalTier, complete_steps, read_manifest
-from objckpt.manager.peer_tier import payload_of, unpack
-from objckpt.manager.tier_agreement import LOCAL, PEER, STORE, Inventory, decide
+from objckpt.locations.agreement import LOCAL, PEER, STORE, Inventory, decide
+from objckpt.locations.local_dirs import LocalTier, complete_steps, read_manifest
+from objckpt.peers.copies import payload_of, unpack
 from objckpt.restoring.api import restore_copy
+from objckpt.saving.local_snapshot import snapshot
 from tests.multiprocess import run_processes
 
 WORKER = Path(__file__).with_name("tiers_worker.py")
@@ -82,7 +82,7 @@ def test_decide_falls_back_to_the_store_and_tries_local_on_another_process_count
 
 
 ROOT = "s3://bucket/root"
-KEYS = {"run1": b"k" * 32}  # the run keys a manager keeps in its root (objckpt.manager.tier_keys)
+KEYS = {"run1": b"k" * 32}  # the run keys a manager keeps in its root (objckpt.locations.run_keys)
 
 
 def _tree(step: int) -> dict[str, Any]:

@@ -122,7 +122,7 @@ def _exact(restored: dict[str, Any], step: int) -> list[str]:
 def _install_kill(kill: dict[str, Any]) -> None:
     """SIGKILL this process inside the local save of ``kill["step"]``: while its data file is half
     written (``point="data"``) or once it is written and the manifest half written (``"manifest"``)."""
-    from objckpt.manager import local_tier
+    from objckpt.locations import local_dirs as local_tier
 
     if PROCESS not in kill["victims"]:
         return

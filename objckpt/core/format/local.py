@@ -1,6 +1,6 @@
 """The local tier's format: one process's own part of a step, in one data file and a manifest.
 
-A local step lives in ``<local>/process_<p>/step_<N>/`` (:mod:`objckpt.manager.local_tier`)
+A local step lives in ``<local>/process_<p>/step_<N>/`` (:mod:`objckpt.locations.local_dirs`)
 and holds two files:
 
 - ``<save_id>.data``: the raw bytes of every box this process saved, back to back (each
@@ -26,7 +26,7 @@ The file is the manifest's JSON sealed, ``{"crc32c":<n>,"mac":"<hex>","manifest"
 both taken over the JSON's exact bytes: its crc32c, so a flipped bit anywhere in it is refused
 (as a flipped bit in the data file is refused by the box's crc32c), and an HMAC-SHA256 under
 the key of the manager run that saved it (:func:`authentic`). That key lives in the manager's
-root (:mod:`objckpt.manager.tier_keys`), never on the local disk: a manifest edited or made
+root (:mod:`objckpt.locations.run_keys`), never on the local disk: a manifest edited or made
 by someone who can write the local tier but not read the root, or a step whose root no
 longer holds its run's key (another job's, a root wiped and reused), is not authentic.
 

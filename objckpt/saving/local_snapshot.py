@@ -4,7 +4,7 @@
 phase: each box this process's devices hold is taken once (a replica on several local
 devices too), its device-to-host copy started at once, and copied into one buffer objckpt
 owns, so the caller may donate its arrays as soon as it returns. The result is the step's
-manifest (without checksums; :func:`objckpt.manager.local_tier.write_step` adds them) and the
+manifest (without checksums; :func:`objckpt.locations.local_dirs.write_step` adds them) and the
 bytes, laid out as :mod:`objckpt.core.format.local` says. No file I/O here.
 """
 
@@ -79,7 +79,7 @@ def _array_leaf(path: str, array: jax.Array, layout: _Layout) -> LocalLeaf:
 
 def sharding_record(sharding: Any) -> dict[str, Any] | None:
     """A ``NamedSharding`` as the local manifest records it (None: another kind of sharding, or a
-    spec this record cannot hold); :func:`objckpt.manager.local_restore.saved_sharding` reads it."""
+    spec this record cannot hold); :func:`objckpt.layouts.process_copy.saved_sharding` reads it."""
     if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh, jax.sharding.Mesh):
         return None
     spec: list[Any] = []

@@ -12,7 +12,7 @@ directory (on a pod each host has its own disk anyway; on one machine several
 processes share the path).
 
 A save has two phases, like :func:`objckpt.save_async`:
-:func:`~objckpt.manager.local_snapshot.snapshot` (the caller's thread) copies every box this process's devices hold, each once, off the devices into
+:func:`~objckpt.saving.local_snapshot.snapshot` (the caller's thread) copies every box this process's devices hold, each once, off the devices into
 one buffer objckpt owns, so the caller may donate its arrays at once; :meth:`LocalTier.write`
 (a background thread) writes the data file, syncs it, checksums each box (crc32c), and
 renames the manifest into place. A step saved again (a restarted run reaching it)
@@ -21,7 +21,7 @@ old data file goes.
 
 A step is this manager's only if its manifest names the manager's root and this process and
 is sealed under the key its run left in that root (:meth:`LocalTier.steps`,
-:meth:`LocalTier.held`, :mod:`objckpt.manager.tier_keys`): a ``local=`` directory another
+:meth:`LocalTier.held`, :mod:`objckpt.locations.run_keys`): a ``local=`` directory another
 job left behind, a peer copy that names another process, or an edited manifest is not a
 step here (logged, never read).
 
@@ -55,8 +55,8 @@ from objckpt.core.format.local import (
     parse_local_manifest,
 )
 from objckpt.errors import FormatError, StorePermissionError
-from objckpt.manager.local_snapshot import Snapshot
 from objckpt.roots.layout import STEP_DIR, step_dir
+from objckpt.saving.local_snapshot import Snapshot
 
 log = logging.getLogger("objckpt")
 
@@ -296,7 +296,7 @@ class LocalTier:
         self, root: Path, process_index: int, process_count: int, keep_last: int, *, url: str, key_of: KeyOf
     ) -> None:
         """``root``: the ``local=`` directory; ``url``: the manager root whose steps it holds; ``key_of``:
-        the key of a run of that root by its save id (:class:`objckpt.manager.tier_keys.RunKeys`)."""
+        the key of a run of that root by its save id (:class:`objckpt.locations.run_keys.RunKeys`)."""
         if keep_last < 1:
             raise ValueError(f"local_keep_last must be at least 1, got {keep_last}")
         self.root = root

@@ -20,7 +20,7 @@ A step is
 The step restored is the newest one in any tier (or the one asked for); the tiers to try
 for it are listed fastest first. "local" is also tried for a step the store holds when every
 process holds it locally but the process count differs: the restore itself then checks that
-each process's boxes cover its target (:mod:`objckpt.manager.local_restore`).
+each process's boxes cover its target (:mod:`objckpt.layouts.process_copy`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The local tier's peer copies, moved by :func:`objckpt.manager.peer_copy.exchange_with_peers`.
+"""The local tier's peer copies, moved by :func:`objckpt.peers.transfer.exchange_with_peers`.
 
 After a local save, every process sends that step (its data file, then its manifest, then
 a 16-byte trailer: ``OBJCKPT1`` and the manifest's length) to its keeper, which writes it
@@ -28,7 +28,7 @@ import numpy as np
 
 from objckpt.core.format.local import MANIFEST, LocalManifest, authentic, parse_local_manifest
 from objckpt.errors import FormatError
-from objckpt.manager.local_tier import (
+from objckpt.locations.local_dirs import (
     MANIFEST_LIMIT,
     ForeignStepError,
     LocalTier,
@@ -36,7 +36,7 @@ from objckpt.manager.local_tier import (
     read_regular,
     write_step,
 )
-from objckpt.manager.peer_copy import exchange_with_peers, keeper_map
+from objckpt.peers.transfer import exchange_with_peers, keeper_map
 from objckpt.roots.layout import step_dir
 
 log = logging.getLogger("objckpt")
@@ -220,3 +220,25 @@ def fetch_from_keepers(
     if received.manifest.step != step:
         raise FormatError(f"peer copy from process {keepers[here]}: step {received.manifest.step}, not {step}")
     return received
+
+
+class Keepers:
+    """The peer copies of ``tier``'s steps, as :class:`objckpt.locations.tiers.StepLocations` uses them."""
+
+    def __init__(self, tier: LocalTier, *, timeout: float, keeper_of: Keeper | None) -> None:
+        self.tier = tier
+        self.timeout = timeout
+        self.keeper_of = keeper_of
+
+    def keepers(self) -> list[int]:
+        return keeper_map(self.tier.process_count, self.keeper_of)
+
+    def send(self, step: int | None) -> int | None:
+        """:func:`send_to_keepers` of this process's ``step`` (None: nothing to send)."""
+        return send_to_keepers(self.tier, step, timeout=self.timeout, keeper_of=self.keeper_of)
+
+    def fetch(self, step: int, fetch: dict[int, int]) -> Received | None:
+        return fetch_from_keepers(self.tier, step, fetch, timeout=self.timeout, keeper_of=self.keeper_of)
+
+    def keep(self, received: Received) -> None:
+        keep_received(self.tier, received)

@@ -1,0 +1,268 @@
+"""Restoring a manager's step from the nearest location that holds it on every process.
+
+A step may be in each process's local directory (:mod:`objckpt.locations.local_dirs`), in the
+copies peers keep of it (:mod:`objckpt.peers.copies`), and in the manager's object store.
+:class:`StepLocations` has every process publish what it holds, all decide alike which step
+and which locations, fastest first (:mod:`objckpt.locations.agreement`), then tries them in
+that order: a local step or peer copy is opened as a checkpoint of one process's part
+(:func:`objckpt.layouts.process_copy.open_process_copy`) and read by the one restore
+(:func:`objckpt.restoring.api.restore_copy`: the same plan, crc32c checks, casts, target
+shardings and reshards as from a bucket); the object store is read by the manager's own
+restore. After each location every process says whether it succeeded, and if any did not,
+all move to the next together, which the log names with each process's reason. Each process
+logs where and how long; :attr:`StepLocations.last_restore` keeps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from objckpt.errors import (
+    CheckpointNotFoundError,
+    CoordinationError,
+    FormatError,
+    PartialCopyError,
+    PeerCopyUnavailableError,
+)
+from objckpt.locations.agreement import LOCAL, PEER, STORE, Inventory, agree, all_succeeded, decide
+from objckpt.locations.local_dirs import MANIFEST_LIMIT, LocalTier, step_dirs
+from objckpt.multihost import Coordinator
+from objckpt.options import Options
+from objckpt.transfer import runtime
+
+log = logging.getLogger("objckpt")
+
+
+class PeerCopies(Protocol):
+    """The peer copies of a job's local steps, as a restore uses them (:class:`objckpt.peers.copies.Keepers`)."""
+
+    def keepers(self) -> list[int]:
+        """The process that keeps each process's copy, by process."""
+
+    def fetch(self, step: int, fetch: dict[int, int]) -> Any:
+        """Bring the lost copies of ``step`` back (``{owner: keeper}``; every process calls it):
+        this process's step in memory, or None when it was sent none."""
+
+    def keep(self, received: Any) -> None:
+        """Write a copy brought back into this process's own directory."""
+
+
+@dataclass(frozen=True)
+class TierRestore:
+    """Where a restore came from: the step, the tier (``"local"``, ``"peer"``, ``"store"``), seconds.
+
+    Attributes:
+        step: the step restored.
+        tier: ``"local"``, ``"peer"`` or ``"store"``.
+        seconds: how long the restore took.
+    """
+
+    step: int
+    tier: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TierStatus:
+    """What each tier holds, as this process sees it (:meth:`CheckpointManager.tier_status`).
+
+    Attributes:
+        process: this process's index.
+        local_dir: this process's directory of the local tier.
+        local_steps: complete steps in it.
+        torn_steps: step directories without a manifest (a save in flight or cut off).
+        local_bytes: bytes the local tier holds for this process, peer copies included.
+        peer_held: the steps of other processes this one keeps (``{owner: steps}``).
+        store_url: the manager's root.
+        store_steps: the object store's committed steps.
+        peers: whether peer copies are being made.
+        last_restore: where this manager's last restore came from (step, tier, seconds); None
+            before any.
+    """
+
+    process: int
+    local_dir: str
+    local_steps: list[int]
+    torn_steps: list[int]
+    local_bytes: int
+    peer_held: dict[int, list[int]]
+    store_url: str
+    store_steps: list[int]
+    peers: bool
+    last_restore: TierRestore | None = None
+
+
+class StepLocations:
+    """The locations of a manager's steps across the job, and restores from the nearest one.
+
+    Every method that agrees (``latest_step``, ``restore``) is called by every process of the
+    job, as the manager's are. ``before``: called first by each (the manager waits there for
+    its local save in flight). ``peers``: the job's peer copies, None without them;
+    :attr:`peers` turns off for the rest of the run when one fails.
+    """
+
+    def __init__(
+        self,
+        tier: LocalTier,
+        *,
+        url: str,
+        coordinator: Coordinator,
+        options: Options,
+        timeout: float,
+        peers: PeerCopies | None,
+        before: Callable[[], None],
+    ) -> None:
+        self.tier = tier
+        self.url = url
+        self.coordinator = coordinator
+        self.options = options
+        self.timeout = timeout
+        self.peer_copies = peers
+        self.peers = peers is not None
+        self.wait = before
+        self._pending: Any = None
+        self.last_restore: TierRestore | None = None
+
+    def _inventory(self, store_steps: Callable[[], list[int]]) -> Inventory:
+        own = {s: (m.save_id, m.process_count) for s, m in self.tier.steps().items()}
+        held = {o: {s: m.save_id for s, m in steps.items()} for o, steps in self.tier.held().items()}
+        store = store_steps() if self.coordinator.is_primary else None
+        return Inventory(self.tier.process_index, own, held, self.peers, store)
+
+    def _decide(self, want: int | None, store_steps: Callable[[], list[int]]) -> Any:
+        self.wait()
+        invs = agree(self.coordinator, self.url, self._inventory(store_steps), timeout=self.timeout)
+        keepers = self.peer_copies.keepers() if self.peers and self.peer_copies is not None else None
+        return decide(invs, self.coordinator.process_count, want=want, keepers=keepers)
+
+    def latest_step(self, store_steps: Callable[[], list[int]]) -> int | None:
+        """The newest step complete in some tier, the same on every process."""
+        return self._decide(None, store_steps).step  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(
+        self,
+        step: int | None,
+        target: Any,
+        *,
+        partial: bool,
+        store_steps: Callable[[], list[int]],
+        from_store: Callable[[int], Any],
+    ) -> Any:
+        """``step`` (None: the newest anywhere) from the fastest tier that serves every process."""
+        started = time.perf_counter()
+        decision = self._decide(step, store_steps)
+        if decision.step is None or not decision.tiers:
+            where = f"step {step}" if step is not None else "a step"
+            raise CheckpointNotFoundError(
+                f"{where} is in no tier: not in the local tier {self.tier.root} of every process"
+                f"{' nor in their peer copies' if self.peers else ''}, not committed under {self.url}"
+            )
+        why: list[str] = []
+        for tier in decision.tiers:
+            if tier == STORE:
+                out = from_store(decision.step)
+                return self._done(decision.step, STORE, started, out)
+            received, fetch_error = self._fetch(decision) if tier == PEER else (None, None)
+            out, failed = self._try_local(decision, target, partial, received, fetch_error)
+            if not failed:
+                if received is not None:  # restored from memory: now into this process's own directory
+                    self._pending = runtime.submit(asyncio.to_thread(self._keep, received))
+                return self._done(decision.step, tier, started, out)
+            why.append(f"{tier}: " + "; ".join(f"process {p}: {e}" for p, e in sorted(failed.items())))
+            log.warning("objckpt: step %d not restored from the %s tier: %s", decision.step, tier, why[-1])
+        raise CheckpointNotFoundError(f"step {decision.step} could not be restored from any tier: {' | '.join(why)}")
+
+    def _fetch(self, decision: Any) -> tuple[Any, str | None]:
+        """This process's lost step brought back from its keeper (None if it lost none), or why not.
+
+        Every process takes part; a failure is returned, not raised, so every process still
+        reaches the agreement on the outcome (:meth:`_try_local`)."""
+        assert self.peer_copies is not None  # the peer location is decided only with peer copies
+        try:
+            received = self.peer_copies.fetch(decision.step, decision.fetch)
+        except (PeerCopyUnavailableError, CoordinationError, OSError, FormatError) as e:
+            log.warning("objckpt: bringing step %d back from the peer copies failed: %s", decision.step, e)
+            return None, f"the copy could not be brought back: {type(e).__name__}: {e}"
+        if received is None and self.tier.process_index in decision.fetch:
+            return None, f"process {decision.fetch[self.tier.process_index]} sent no copy of step {decision.step}"
+        return received, None
+
+    def _keep(self, received: Any) -> None:
+        """Write a step brought back from the keeper into this process's own directory (a failure is logged:
+        the restore it served has succeeded)."""
+        assert self.peer_copies is not None
+        try:
+            self.peer_copies.keep(received)
+        except OSError as e:
+            log.warning("objckpt local tier: the step brought back from the keeper was not kept: %s", e)
+
+    def _try_local(
+        self, decision: Any, target: Any, partial: bool, received: Any = None, fetch_error: str | None = None
+    ) -> tuple[Any, dict[int, str]]:
+        """Restore from this process's step (``received``: its copy brought back, in memory) through the
+        one restore (:func:`objckpt.restoring.api.restore_copy`), then agree with every process that
+        each one succeeded: ``{process: error}`` of those that did not.
+
+        Two agreements, on every process whatever happens: one once each has opened its part (a
+        restore that reshards on the devices runs a collective, which every process must join),
+        one at the end."""
+        from objckpt.layouts.process_copy import open_process_copy
+        from objckpt.restoring.api import restore_copy
+
+        out, error, checkpoint = None, fetch_error, None
+        if error is None:
+            try:
+                directory = self.tier.step_dir(decision.step)
+                manifest = received.manifest if received is not None else self.tier.read(directory)
+                if manifest.save_id != decision.save_id:
+                    raise PartialCopyError(f"step {decision.step} here is another run's save")
+                data = received.data if received is not None else self.tier.data(directory, manifest)
+                name = f"local tier of {self.url}, step {decision.step}"  # the same on every process
+                checkpoint = open_process_copy(name, manifest, data, size_limit=MANIFEST_LIMIT)
+            except Exception as e:  # any failure here: report it, so no process waits for this one alone
+                error = f"{type(e).__name__}: {e}"
+        failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout)
+        if not failed and checkpoint is not None:
+            try:
+                out = restore_copy(checkpoint, target, partial=partial, options=self.options)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout) or failed
+        return (None if failed else out), failed
+
+    def _done(self, step: int, tier: str, started: float, out: Any) -> Any:
+        seconds = time.perf_counter() - started
+        self.last_restore = TierRestore(step, tier, seconds)
+        log.info(
+            "objckpt: process %d restored step %d from the %s tier in %.3f s",
+            self.tier.process_index,
+            step,
+            tier,
+            seconds,
+        )
+        return out
+
+    def status(self, store_steps: list[int]) -> TierStatus:
+        own = self.tier.steps()
+        return TierStatus(
+            process=self.tier.process_index,
+            local_dir=str(self.tier.own),
+            local_steps=sorted(own),
+            torn_steps=sorted(s for s in step_dirs(self.tier.own) if s not in own),
+            local_bytes=self.tier.nbytes(),
+            peer_held={o: sorted(steps) for o, steps in self.tier.held().items()},
+            store_url=self.url,
+            store_steps=store_steps,
+            peers=self.peers,
+            last_restore=self.last_restore,
+        )
+
+
+__all__ = ["LOCAL", "PEER", "STORE", "StepLocations", "TierRestore", "TierStatus"]
