@@ -279,7 +279,15 @@ def gcs_bearer_proxy(gcs_service: GCSService, gce_metadata: CredentialServer) ->
         yield proxy
 
 
-_CLOUD_PREFIXES = ("AWS_", "GOOGLE_", "GCE_", "CLOUDSDK_", "STORAGE_EMULATOR_HOST", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
+_CLOUD_PREFIXES = (
+    "AWS_",
+    "GOOGLE_",
+    "GCE_",
+    "CLOUDSDK_",
+    "STORAGE_EMULATOR_HOST",
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from benchmarks import bench_scale
 from benchmarks.scale.hosts import extrapolate, sample_hosts, summarize
 from benchmarks.scale.report import markdown, passes
 from benchmarks.scale.state import D_MODEL, FFN, HEAD_DIM, N_HEADS, N_KV_HEADS, VOCAB
-from objckpt.core.layout import SMALL_OWNERS
+from objckpt.core.writer_rule import SMALL_OWNERS
 
 COUNTS = (16, 128)
 MiB = 1 << 20

@@ -15,9 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 from objckpt.core import boxes as boxes_module
 from objckpt.core.format import LeafEntry
-from objckpt.core.layout import Grid, Mesh
 from objckpt.core.pieces import Piece
 from objckpt.core.plan import BoxIndex
+from objckpt.core.writer_rule import Grid, Mesh
 from objckpt.restoring import leaf_plan
 from objckpt.restoring.leaf_plan import LeafPlan
 

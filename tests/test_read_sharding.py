@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from objckpt.core.layout import Grid, Mesh
+from objckpt.core.writer_rule import Grid, Mesh
 from objckpt.restoring import read_sharding
 from objckpt.restoring.read_sharding import REPLICA_AXIS, RESHARD_MIN_SAVED, ReadPlanner, choose
 
@@ -201,7 +201,9 @@ def test_the_choice_is_the_same_on_every_call_and_cached() -> None:
 @pytest.mark.parametrize("case", ["fsdp minor, tensor=8", "swapped axes"])
 def test_a_leaf_is_resharded_only_when_it_saves_the_busiest_host_the_floor(case: str) -> None:
     mesh, spec = CASES[case]
-    small = choose(_grid(SAVED, LAYERS, SHAPE), mesh, spec, min_saved=RESHARD_MIN_SAVED)  # 8 KiB: bytes saved < the 16 KiB floor
+    small = choose(
+        _grid(SAVED, LAYERS, SHAPE), mesh, spec, min_saved=RESHARD_MIN_SAVED
+    )  # 8 KiB: bytes saved < the 16 KiB floor
     assert small.direct_amplification > 1.5 and not small.reshard and small.amplification == small.direct_amplification
     assert small.moved_bytes == 0
     large = choose(_grid(SAVED, LAYERS, (4096, 2048)), mesh, spec, min_saved=RESHARD_MIN_SAVED)  # 32 MiB

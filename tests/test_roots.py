@@ -14,9 +14,9 @@ import objckpt
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import SaveInProgressError
 from objckpt.options import Options
-from objckpt.roots.layout import STEP_DIR, resolve_step_url, step_dir
 from objckpt.roots.listing import committed_steps, group_checkpoints, root_steps
 from objckpt.roots.orbax_steps import COMMIT_FILE, STEP_METADATA
+from objckpt.roots.step_names import STEP_DIR, resolve_step_url, step_dir
 from objckpt.roots.sweep import collect, delete_root
 from objckpt.saving.live_markers import marker_key
 from objckpt.storage.base import Store

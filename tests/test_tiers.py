@@ -36,7 +36,9 @@ def _test_functions(path: Path) -> set[str]:
 
 
 def test_every_name_in_the_tiers_names_a_test() -> None:
-    missing = [name for name in sorted(QUICK_MODULES | SPREAD_MODULES | LONG_MODULES) if not _test_functions(TESTS / name)]
+    missing = [
+        name for name in sorted(QUICK_MODULES | SPREAD_MODULES | LONG_MODULES) if not _test_functions(TESTS / name)
+    ]
     for entry in sorted(QUICK_TESTS | SERIAL_TESTS):
         module, function = entry.split("::")
         if function not in _test_functions(TESTS / module):

@@ -26,7 +26,7 @@ from objckpt.core.format.local import parse_local_manifest, seal, unseal
 from objckpt.errors import FormatError, StorePermissionError
 from objckpt.locations.local_dirs import ForeignStepError, LocalTier, write_step
 from objckpt.peers.copies import check_whose, payload_of
-from objckpt.roots.layout import step_dir
+from objckpt.roots.step_names import step_dir
 from objckpt.roots.sweep import delete_objects
 from objckpt.saving.local_snapshot import snapshot
 from objckpt.transfer import runtime

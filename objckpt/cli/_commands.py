@@ -14,8 +14,8 @@ from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
 from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import Options
 from objckpt.progress import human_bytes
-from objckpt.roots.layout import resolve_step_url
 from objckpt.roots.listing import group_checkpoints, root_steps
+from objckpt.roots.step_names import resolve_step_url
 from objckpt.roots.sweep import collect, delete_checkpoint
 from objckpt.saving.live_markers import committed_save_id, explain, live_markers
 from objckpt.tools.copy import copy

@@ -16,7 +16,7 @@ from objckpt.cli._stores import UsageError
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.options import Options
 from objckpt.progress import human_bytes
-from objckpt.roots.layout import STEP_DIR
+from objckpt.roots.step_names import STEP_DIR
 from objckpt.roots.sweep import delete_root
 from objckpt.storage import ObjectInfo, Store
 from objckpt.tools.copy_root import copy_steps

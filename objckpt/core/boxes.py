@@ -2,7 +2,7 @@
 
 Save side: decide which process writes which box of each ``jax.Array``. For a
 ``NamedSharding`` that cuts the array into equal cells (nearly always) the rule
-is :mod:`objckpt.core.layout`'s, applied to this process's own shards only: a
+is :mod:`objckpt.core.writer_rule`'s, applied to this process's own shards only: a
 replicated cell is cut into slabs along its leading axis, one per replica down
 to a minimum slab size, so under data parallelism every host uploads a share and
 no byte is written twice across the job. Any other sharding falls back to
@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from objckpt.core.device_reads import host_view
-from objckpt.core.layout import Grid, Mesh, Spec, grid_fits
 from objckpt.core.plan import Index, OwnedPiece
+from objckpt.core.writer_rule import Grid, Mesh, Spec, grid_fits
 
 Box = tuple[Index, Index]
 
@@ -38,7 +38,7 @@ class MeshTable:
     """The meshes a save's leaves are sharded on, numbered in the order first met.
 
     Every process meets the leaves in the same order, so it numbers the meshes
-    alike with no messaging. Each saved :class:`~objckpt.core.layout.Mesh` is
+    alike with no messaging. Each saved :class:`~objckpt.core.writer_rule.Mesh` is
     built once (its device ids and their processes: O(devices)) and shared by
     the leaves on it, with its cache of cell replicas.
     """

@@ -55,7 +55,7 @@ from objckpt.core.format.local import (
     parse_local_manifest,
 )
 from objckpt.errors import FormatError, StorePermissionError
-from objckpt.roots.layout import STEP_DIR, step_dir
+from objckpt.roots.step_names import STEP_DIR, step_dir
 from objckpt.saving.local_snapshot import Snapshot
 
 log = logging.getLogger("objckpt")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from objckpt.errors import CheckpointNotFoundError
 from objckpt.layouts.manifest_io import read_manifest
 from objckpt.options import Options
-from objckpt.roots.layout import step_dir
+from objckpt.roots.step_names import step_dir
 from objckpt.roots.sweep import delete_objects
 from objckpt.storage import Store
 

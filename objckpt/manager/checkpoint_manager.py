@@ -41,10 +41,10 @@ from objckpt.manager.save_schedule import SaveSchedule
 from objckpt.manager.step_deletion import apply_retention, delete_step, gc_root, gc_roots
 from objckpt.options import Options
 from objckpt.restoring.locations import Location, as_locations
-from objckpt.roots.layout import step_dir
 from objckpt.roots.listing import committed_steps, list_steps
 from objckpt.roots.metrics import step_metrics
 from objckpt.roots.orbax_steps import orbax_metrics, orbax_step_at
+from objckpt.roots.step_names import step_dir
 from objckpt.storage import Store
 from objckpt.tools.inspect import CheckpointInfo, inspect
 from objckpt.transfer import runtime

@@ -43,8 +43,8 @@ from objckpt.manager.abandoned_copies import AbandonedCopies, exists
 from objckpt.manager.retention import KeepBest, RetentionPolicy, StepRecord, steps_to_delete
 from objckpt.options import Options
 from objckpt.restoring.locations import Location
-from objckpt.roots.layout import step_dir
 from objckpt.roots.listing import committed_steps
+from objckpt.roots.step_names import step_dir
 from objckpt.roots.sweep import delete_checkpoint
 from objckpt.storage import Store
 from objckpt.transfer import runtime

@@ -17,9 +17,9 @@ from typing import Any
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import SaveInProgressError
 from objckpt.manager.retention import KeepBest, RetentionPolicy, StepRecord, steps_to_delete
-from objckpt.roots.layout import step_dir
 from objckpt.roots.listing import committed_steps
 from objckpt.roots.orbax_steps import delete_orbax_step, is_orbax_step
+from objckpt.roots.step_names import step_dir
 from objckpt.roots.sweep import collect, delete_checkpoint
 from objckpt.storage import Store
 

@@ -156,7 +156,7 @@ def convert_orbax_steps(
     """Convert the steps of an Orbax ``CheckpointManager`` root (all, or ``steps``) into
     objckpt's manager layout under ``dst_root``. Steps already committed there are left
     as they are (None in the result): rerunning after a failure resumes."""
-    from objckpt.roots.layout import step_dir
+    from objckpt.roots.step_names import step_dir
 
     options = options or Options()
     found = orbax_steps(src_root, src_storage_options, options)

@@ -37,7 +37,7 @@ from objckpt.locations.local_dirs import (
     write_step,
 )
 from objckpt.peers.transfer import exchange_with_peers, keeper_map
-from objckpt.roots.layout import step_dir
+from objckpt.roots.step_names import step_dir
 
 log = logging.getLogger("objckpt")
 

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from objckpt.core.boxes import Box, index_to_box
-from objckpt.core.layout import leading_slabs, slab_count
+from objckpt.core.writer_rule import leading_slabs, slab_count
 
 _UINT_FOR_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 

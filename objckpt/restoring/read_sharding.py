@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from objckpt.core.boxes import named_spec, saved_jax_mesh
 from objckpt.core.format import ARRAY_KINDS, Manifest
 from objckpt.core.format.v2 import leaf_grid
-from objckpt.core.layout import Grid, Mesh, Spec, leading_slabs, slab_count
+from objckpt.core.writer_rule import Grid, Mesh, Spec, leading_slabs, slab_count
 
 #: Read directly while the worst host fetches at most this many times the bytes it needs.
 RESHARD_ABOVE = 1.1
@@ -152,7 +152,7 @@ def choose(
 ) -> ReadChoice:
     """The choice for a leaf saved as ``grid``, restored split by ``spec`` on ``target`` (pure).
 
-    ``target``: the target mesh as a :class:`~objckpt.core.layout.Mesh` (device ids in mesh
+    ``target``: the target mesh as a :class:`~objckpt.core.writer_rule.Mesh` (device ids in mesh
     order and each one's process). Reshards when the direct worst host exceeds ``threshold``,
     the read sharding's worst host is lower, and the most any host fetches falls by at least
     ``min_saved`` bytes (default :data:`RESHARD_MIN_SAVED`) or the direct worst host exceeds

@@ -21,8 +21,8 @@ from typing import Any
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import CheckpointNotFoundError
 from objckpt.options import Options
-from objckpt.roots.layout import SHORT_STEP, STEP_DIR
 from objckpt.roots.orbax_steps import orbax_steps_in
+from objckpt.roots.step_names import SHORT_STEP, STEP_DIR
 from objckpt.storage import ObjectInfo, Store
 from objckpt.transfer import runtime
 from objckpt.transfer.retries import opened_store

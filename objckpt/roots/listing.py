@@ -2,7 +2,7 @@
 does not answer), and the checkpoints under a prefix as ``objckpt ls`` shows them.
 
 :func:`committed_steps` reads the steps of a manager root from one listing: a step
-is committed iff ``step_<N>/manifest.json`` is there (:mod:`objckpt.roots.layout`),
+is committed iff ``step_<N>/manifest.json`` is there (:mod:`objckpt.roots.step_names`),
 and, when asked, Orbax's committed steps too (:mod:`objckpt.roots.orbax_steps`).
 
 A resume script asks ``CheckpointManager.latest_step()`` first; with the root's
@@ -30,8 +30,8 @@ from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import StoreError
 from objckpt.options import Options
 from objckpt.restoring.locations import Location, open_locations, probing_store
-from objckpt.roots.layout import STEP_DIR
 from objckpt.roots.orbax_steps import COMMIT_FILE, orbax_steps_in, renames_to_commit
+from objckpt.roots.step_names import STEP_DIR
 from objckpt.saving.live_markers import is_marker
 from objckpt.storage import ObjectInfo, Store
 from objckpt.transfer import runtime

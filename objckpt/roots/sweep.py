@@ -22,8 +22,8 @@ from typing import Any
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import SaveInProgressError
 from objckpt.options import Options
-from objckpt.roots.layout import STEP_DIR
 from objckpt.roots.references import Unknown, may_be_a_base, referenced_by_others, step_references
+from objckpt.roots.step_names import STEP_DIR
 from objckpt.saving.live_markers import LIVE_DIR, committed_save_id, explain, is_live, is_marker, live_markers
 from objckpt.storage import ObjectInfo, Store
 

@@ -35,7 +35,7 @@ from objckpt.core.format import (
 )
 from objckpt.core.format.index import index_key, index_to_json
 from objckpt.core.format.index3_encode import index3_encode, item_breaks
-from objckpt.core.layout import Mesh
+from objckpt.core.writer_rule import Mesh
 from objckpt.errors import (
     CheckpointExistsError,
     CoordinationError,

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from objckpt.core.format import MANIFEST_KEY, LeafEntry
-from objckpt.core.layout import Mesh
 from objckpt.core.plan import BlobPlan
+from objckpt.core.writer_rule import Mesh
 from objckpt.errors import CheckpointExistsError, StoreError
 from objckpt.multihost import Coordinator
 from objckpt.saving.commit import Commit, Save

@@ -20,8 +20,8 @@ from typing import Any
 from objckpt.errors import CheckpointNotFoundError
 from objckpt.options import Options
 from objckpt.progress import ProgressArg
-from objckpt.roots.layout import step_dir
 from objckpt.roots.listing import root_steps
+from objckpt.roots.step_names import step_dir
 from objckpt.tools.copy import CopyStats, DestinationCommittedError, copy
 
 

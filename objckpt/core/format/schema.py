@@ -34,9 +34,9 @@ from objckpt.core.items import (
     stored_document,
     stored_size,
 )
-from objckpt.core.layout import Mesh
 from objckpt.core.pieces import Piece, _fast_piece, _piece_from_json, check_tiling
 from objckpt.core.strict import fields, is_int, need
+from objckpt.core.writer_rule import Mesh
 from objckpt.errors import FormatError
 
 if TYPE_CHECKING:

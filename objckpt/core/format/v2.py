@@ -12,7 +12,7 @@ An index object holds the pieces its process wrote and the blobs it put them
 in; it is written by that process before the commit.
 
 A reader computes from a leaf's layout which processes wrote the boxes it needs
-(:mod:`objckpt.core.layout`), reads those index objects only, and checks each
+(:mod:`objckpt.core.writer_rule`), reads those index objects only, and checks each
 one's size and crc32c against the root before parsing it as strictly as the
 root (:mod:`objckpt.core.format.index`). See
 ``docs/FORMAT.md``. No I/O.
@@ -41,8 +41,8 @@ from objckpt.core.format.schema import (
     leaf_to_json,
     parse_leaves,
 )
-from objckpt.core.layout import Box, Grid, Mesh, grid_fits
 from objckpt.core.strict import fields, is_int, need
+from objckpt.core.writer_rule import Box, Grid, Mesh, grid_fits
 from objckpt.errors import FormatError
 
 _ALL_OR_NONE = "every index object has a sha256 or none does"

@@ -1,4 +1,4 @@
-"""A manager root's step layout: ``<root>/step_0000000042/``, and a step named the short way.
+"""A manager root's step names: ``<root>/step_0000000042/``, and a step named the short way.
 
 Each step is a checkpoint like any other, in a directory whose name is the step
 zero-padded to ten digits (so listing order is step order). A step is committed
