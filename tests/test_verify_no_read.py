@@ -216,19 +216,19 @@ def test_no_read_verify_on_s3_names_a_blob_rewritten_with_its_own_crc32c(s3_serv
 @pytest.mark.s3
 def test_no_read_heads_are_signed_and_trust_the_stores_private_ca(store_target_factory, monkeypatch):
     """The HEADs go over HTTPS to a store with a private CA, signed by botocore: unsigned, S3 refuses them."""
-    from objckpt.storage.http import s3_heads
+    from objckpt.storage.http import s3_signed
 
     target = store_target_factory("s3-https")
     objckpt.save(target.url, _tree(), storage_options=target.storage_options, options=SMALL_BLOBS)
     report = objckpt.verify(target.url, read_data=False, storage_options=target.storage_options)
     assert report.ok and report.blobs > 2 and report.bytes_read < 64 * 1024, report
 
-    signed = s3_heads.S3ChecksumHeads._signed
+    signed = s3_signed.S3SignedRequests._signed
 
     def unsigned(self, method, request_path, headers):
         return {k: v for k, v in signed(self, method, request_path, headers).items() if k.lower() != "authorization"}
 
-    monkeypatch.setattr(s3_heads.S3ChecksumHeads, "_signed", unsigned)
+    monkeypatch.setattr(s3_signed.S3SignedRequests, "_signed", unsigned)
     refused = objckpt.verify(target.url, read_data=False, storage_options=target.storage_options)
     assert not refused.ok and len(refused.problems) == report.blobs, refused
     assert all("(its crc32c) failed (HTTP 403" in str(p) and p.blob.endswith(".blob") for p in refused.problems), (

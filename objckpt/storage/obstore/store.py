@@ -55,11 +55,11 @@ from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode
 from objckpt.storage.checksums import StoredChecksum
 from objckpt.storage.endpoint import ConfiguredEndpoint
 from objckpt.storage.errors import PROGRAMMING_ERRORS, map_obstore_error
-from objckpt.storage.http.network import ssl_context
 from objckpt.storage.http.reader import HttpRangeReader, StreamingStore
 from objckpt.storage.http.s3 import S3RangeReader
 from objckpt.storage.obstore.config import NativeSpec
 from objckpt.storage.obstore.s3_checksums import S3Checksums
+from objckpt.storage.obstore.tls import tls_of
 from objckpt.storage.phase import malloc_phase
 from objckpt.storage.urls import check_relative, redact_url
 
@@ -439,7 +439,6 @@ def range_reader(spec: NativeSpec, store: Any, request_timeout: float) -> HttpRa
     config = spec.config
     if spec.kind != "s3" or config.get("request_payer"):
         return None
-    client = spec.client
     return S3RangeReader(
         endpoint=spec.endpoint,
         bucket=spec.bucket,
@@ -447,9 +446,7 @@ def range_reader(spec: NativeSpec, store: Any, request_timeout: float) -> HttpRa
         signer=None if config.get("skip_signature") else store,
         virtual_hosted=bool(config.get("virtual_hosted_style_request")),
         timeout=request_timeout,
-        ssl_context=ssl_context(
-            extra_ca=client.get("root_certificate"), verify=not client.get("allow_invalid_certificates")
-        ),
+        ssl_context=tls_of(spec),
     )
 
 
