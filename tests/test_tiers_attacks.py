@@ -9,6 +9,8 @@ local tier's files the way a damaged disk, a reused directory or an attacker wou
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -22,10 +24,11 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt.core.checksum import crc32c
-from objckpt.core.format.local import parse_local_manifest, seal, unseal
-from objckpt.errors import FormatError, StorePermissionError
+from objckpt.core.format.local import RECORD
+from objckpt.errors import FormatError, PartialCopyError, StorePermissionError
 from objckpt.locations.local_dirs import ForeignStepError, LocalTier, write_step
 from objckpt.peers.copies import check_whose, payload_of
+from objckpt.restoring.api import restore_copy
 from objckpt.roots.step_names import step_dir
 from objckpt.roots.sweep import delete_objects
 from objckpt.saving.local_snapshot import snapshot
@@ -80,22 +83,31 @@ def _saved(s3_store: Any, local: Path, steps: range, url: str | None = None) -> 
     mgr.close()
 
 
-def _edit(path: Path, old: bytes, new: bytes, *, reseal: bool) -> None:
-    """Replace ``old`` (found once) by ``new`` in a local manifest; ``reseal``: recompute the crc32c
-    that seals it, as someone who can write the local disk would (a damaged disk does not); the
-    MAC under the run's key, which lives in the root, stays as it was."""
-    raw = path.read_bytes()
-    sealed = re.match(rb'\{"crc32c":(\d+),("mac":"[0-9a-f]+",)?"manifest":(.*)\}\Z', raw, re.DOTALL)
-    body = sealed.group(3) if sealed else raw
-    assert body.count(old) == 1, (old, body[:300])
-    body = body.replace(old, new)
-    if sealed and reseal:
-        raw = b'{"crc32c":%d,%s"manifest":%s}' % (crc32c(body), sealed.group(2) or b"", body)
-    elif sealed:
-        raw = raw.replace(old, new)
-    else:
-        raw = body
-    path.write_bytes(raw)
+def _edit_manifest(step: Path, old: bytes, new: bytes, *, reseal: bool) -> None:
+    """Replace ``old`` (found once) by ``new`` in a local step's ``manifest.json``; ``reseal``: make
+    the record pin the edit (its SHA-256, then the record's crc32c), as someone who can write the
+    local disk would (a damaged disk does not); the MAC under the run's key, which lives in the
+    root, stays as it was."""
+    manifest = (step / "manifest.json").read_bytes()
+    assert manifest.count(old) == 1, (old, manifest[:300])
+    manifest = manifest.replace(old, new)
+    (step / "manifest.json").write_bytes(manifest)
+    if reseal:
+        sealed = re.match(
+            rb'\{"crc32c":(\d+),("mac":"[0-9a-f]+",)"record":(.*)\}\Z', (step / RECORD).read_bytes(), re.DOTALL
+        )
+        assert sealed is not None
+        doc = json.loads(sealed.group(3))
+        doc["manifest"] = {"size": len(manifest), "sha256": hashlib.sha256(manifest).hexdigest()}
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        (step / RECORD).write_bytes(b'{"crc32c":%d,%s"record":%s}' % (crc32c(body), sealed.group(2), body))
+
+
+def _flip(path: Path, at: int) -> None:
+    """One bit of ``path`` flipped, at byte ``at`` (negative: from the end)."""
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 1
+    path.write_bytes(bytes(raw))
 
 
 def _restored_from(mgr: objckpt.CheckpointManager, step: int) -> str:
@@ -106,47 +118,59 @@ def _restored_from(mgr: objckpt.CheckpointManager, step: int) -> str:
     return mgr.tier_status().last_restore.tier  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("reseal", [False, True], ids=["flipped-bit", "flipped-and-resealed"])
-def test_a_flipped_bit_in_a_local_manifest_restores_from_the_object_store(s3_store, tmp_path, caplog, reseal):
-    """One bit (a box start 2 -> 0) makes two boxes claim the same values and none the next two:
-    the manifest's crc32c refuses it, and one who recomputes the crc32c meets the disjoint-boxes check
-    (and the MAC under the run's key, kept in the root).
-    Either way the step is not read from the local tier, and the store serves it bit for bit."""
+@pytest.mark.parametrize("where", ["manifest", "index", "blob"])
+def test_a_flipped_bit_in_a_local_step_restores_from_the_object_store(s3_store, tmp_path, caplog, where):
+    """One flipped bit anywhere in a local step: in its manifest (the record no longer pins it: not
+    a step), in its index object (the manifest's crc32c of it refuses it) or in a piece of a blob
+    (the piece's crc32c, over every re-read). Either way the step is not read from the local
+    tier, and the store serves it bit for bit."""
     local = tmp_path / "local"
     _saved(s3_store, local, range(11))
-    manifest = local / "process_0" / step_dir(10) / "manifest.json"
-    _edit(manifest, b"[[2],[2],", b"[[0],[2],", reseal=reseal)  # '2' (0x32) -> '0' (0x30): one bit
+    step = local / "process_0" / step_dir(10)
+    if where == "manifest":
+        _flip(step / "manifest.json", (step / "manifest.json").read_bytes().index(b'"lr":0.5') + 5)  # 0.5 -> 0.4
+    else:
+        [path] = step.rglob(f"*.{where}")
+        value = np.float32(_tree(10)["n"] * 10 + 10).tobytes()  # v[1] of step 10, in a piece of the blob
+        _flip(path, 20 if where == "index" else path.read_bytes().index(value))  # inside the index's head
     mgr = _manager(s3_store, local)
     with caplog.at_level("WARNING", logger="objckpt"):
         assert _restored_from(mgr, 10) == "store"
-    assert "not a usable step" in caplog.text
-    assert ("overlap" if reseal else "crc32c") in caplog.text
+    expected = {"manifest": "not a usable step", "index": "not restored from the local tier", "blob": "ChecksumMismatch"}
+    assert expected[where] in caplog.text
     mgr.close()
 
 
-def test_overlapping_boxes_are_refused_even_in_a_manifest_sealed_under_its_key(tmp_path):
-    """The disjoint-boxes check stands on its own: two boxes of a leaf claiming one slice are a
-    FormatError however the manifest is sealed."""
+@pytest.mark.parametrize("start", [0, 1], ids=["box-named-twice", "boxes-overlap"])
+def test_overlapping_boxes_are_refused_even_in_a_step_sealed_under_its_key(tmp_path, start):
+    """Two boxes of a leaf claiming one slice (a box start 2 -> 0: the same box twice; 2 -> 1:
+    two boxes that overlap), written with every checksum consistent and the record sealed under
+    the run's key: the index reader refuses a box named twice, the one restore the overlap (a
+    restore onto a replicated target would count a slice twice and leave another unwritten)."""
     tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=URL, key_of={"run1": KEY}.get)
     snap = snapshot(_tree(1), root=URL, step=1, save_id="run1", process_index=0, process_count=1, metadata={})
-    body = unseal(tier.write(snap).to_json(KEY))
-    assert body.count(b"[[2],[2],") == 1
-    with pytest.raises(FormatError, match="overlap"):
-        parse_local_manifest(seal(body.replace(b"[[2],[2],", b"[[0],[2],"), KEY))
+    v = next(i for i, e in enumerate(snap.entries) if e.path == "['v']")
+    moved = next(k for k, p in enumerate(snap.pieces) if p.leaf == v and p.start == (2,))
+    piece = snap.pieces[moved]
+    snap.pieces[moved] = dataclasses.replace(piece, start=(start,), stop=(start + 2,), source=(piece.source[0], (start,)))
+    tier.write(snap)
+    refused = (FormatError, "both name leaf") if start == 0 else (PartialCopyError, "its pieces there overlap")
+    with pytest.raises(refused[0], match=refused[1]):
+        restore_copy(tier.open(tier.step_dir(1), tier.steps()[1]), _target())
 
 
 @pytest.mark.parametrize("reseal", [False, True], ids=["edited", "edited-and-resealed"])
 def test_an_edited_json_value_in_a_local_manifest_is_refused(s3_store, tmp_path, caplog, reseal):
-    """A ``Json`` value 0.5 -> 0.7: the crc32c refuses it; with the crc32c recomputed, the MAC under
-    the run's key (which lives in the root, not on the local disk) does."""
+    """A ``Json`` value 0.5 -> 0.7 in the step's manifest: its record (which pins the manifest's
+    SHA-256) refuses it; with the record made to pin the edit, the MAC under the run's key (which
+    lives in the root, not on the local disk) does."""
     local = tmp_path / "local"
     _saved(s3_store, local, range(11))
-    manifest = local / "process_0" / step_dir(10) / "manifest.json"
-    _edit(manifest, b'"lr":0.5', b'"lr":0.7', reseal=reseal)
+    _edit_manifest(local / "process_0" / step_dir(10), b'"lr":0.5', b'"lr":0.7', reseal=reseal)
     mgr = _manager(s3_store, local)
     with caplog.at_level("WARNING", logger="objckpt"):
         assert _restored_from(mgr, 10) == "store"
-    assert ("not sealed under its run's key" if reseal else "crc32c") in caplog.text
+    assert ("not sealed under its run's key" if reseal else "not the one it pins") in caplog.text
     mgr.close()
 
 
@@ -225,46 +249,46 @@ def test_a_symlinked_process_directory_is_never_written_or_emptied(s3_store, tmp
 
 
 def test_a_data_file_linked_out_of_the_tier_is_never_read(s3_store, tmp_path, caplog):
-    """A step's data file replaced by a link to a file outside the tier (its very bytes): the
-    link is not followed, and the store serves the step."""
+    """A step's blob replaced by a link to a file outside the tier (its very bytes): the link is
+    not followed (the blob is missing to the restore), and the store serves the step."""
     local = tmp_path / "local"
     _saved(s3_store, local, range(11))
     directory = local / "process_0" / step_dir(10)
-    [data] = directory.glob("*.data")
-    moved = tmp_path / "elsewhere.data"
+    [data] = directory.rglob("*.blob")
+    moved = tmp_path / "elsewhere.blob"
     data.rename(moved)
     data.symlink_to(moved)
     mgr = _manager(s3_store, local)
     with caplog.at_level("WARNING", logger="objckpt"):
         assert _restored_from(mgr, 10) == "store"
-    assert "not a usable step" in caplog.text
+    assert "not restored from the local tier" in caplog.text and "does not exist" in caplog.text
     mgr.close()
 
 
 def test_a_peer_copy_naming_another_process_or_root_is_not_held(tmp_path):
-    """Process 0 keeps process 1's copies under ``peer/process_1/``: a step there whose manifest
+    """Process 0 keeps process 1's copies under ``peer/process_1/``: a step there whose record
     names process 0 (or another root) is not process 1's copy, is not offered, and is not sent."""
     tier = LocalTier(tmp_path, 0, 2, keep_last=2, url=URL, key_of={"run1": KEY}.get)
     mine = dict(save_id="run1", process_count=2, metadata={})
     good = snapshot(_tree(3), root=URL, step=3, process_index=1, **mine)  # type: ignore[arg-type]
-    write_step(tier.held_dir(1) / step_dir(3), good.manifest, good.buffer, key=KEY)
+    write_step(tier.held_dir(1) / step_dir(3), good, key=KEY, options=objckpt.Options())
     forged = snapshot(_tree(4), root=URL, step=4, process_index=0, **mine)  # type: ignore[arg-type]
-    write_step(tier.held_dir(1) / step_dir(4), forged.manifest, forged.buffer, key=KEY)
+    forged_record = write_step(tier.held_dir(1) / step_dir(4), forged, key=KEY, options=objckpt.Options())
     other = snapshot(_tree(5), root="s3://bucket/other", step=5, process_index=1, **mine)  # type: ignore[arg-type]
-    write_step(tier.held_dir(1) / step_dir(5), other.manifest, other.buffer, key=KEY)
+    write_step(tier.held_dir(1) / step_dir(5), other, key=KEY, options=objckpt.Options())
     unkeyed = snapshot(_tree(6), root=URL, step=6, process_index=1, **mine)  # type: ignore[arg-type]
-    write_step(tier.held_dir(1) / step_dir(6), unkeyed.manifest, unkeyed.buffer, key=b"x" * 32)  # not the run's key
+    write_step(tier.held_dir(1) / step_dir(6), unkeyed, key=b"x" * 32, options=objckpt.Options())  # not the run's key
     assert {o: sorted(s) for o, s in tier.held().items()} == {1: [3]}
-    assert len(payload_of(tier, tier.held_dir(1) / step_dir(3), 1)) == 2
+    assert len(payload_of(tier, tier.held_dir(1) / step_dir(3), 1)) >= 4  # its files, then the table
     with pytest.raises(FormatError, match="not sealed under its run's key"):
         payload_of(tier, tier.held_dir(1) / step_dir(6), 1)
     for step in (4, 5):
         with pytest.raises(ForeignStepError):
             payload_of(tier, tier.held_dir(1) / step_dir(step), 1)
     with pytest.raises(FormatError, match="process 0's step, not process 1's"):
-        check_whose(forged.manifest, URL, 1, "from process 0")
+        check_whose(forged_record, URL, 1, "from process 0")
     tier.retain()  # not this manager's to delete
-    assert (tier.held_dir(1) / step_dir(4) / "manifest.json").exists()
+    assert (tier.held_dir(1) / step_dir(4) / RECORD).exists()
 
 
 # ---------------------------------------------------------------------------- 2 processes

@@ -24,11 +24,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
-from objckpt.core.format.local import MANIFEST, parse_local_manifest, seal, unseal
+from objckpt.core.format.local import RECORD, parse_part_record, seal, unseal
 from objckpt.errors import ChecksumMismatchError, FormatError, PartialCopyError, TargetMismatchError
-from objckpt.layouts.process_copy import open_process_copy
+from objckpt.layouts.native import NativeCheckpoint
 from objckpt.locations.agreement import LOCAL, PEER, STORE, Inventory, decide
-from objckpt.locations.local_dirs import LocalTier, complete_steps, read_manifest
+from objckpt.locations.local_dirs import ForeignStepError, LocalTier, complete_steps, read_record
 from objckpt.peers.copies import payload_of, unpack
 from objckpt.restoring.api import restore_copy
 from objckpt.saving.local_snapshot import snapshot
@@ -97,50 +97,92 @@ def _tree(step: int) -> dict[str, Any]:
     }
 
 
+def _snap(step: int, **how: Any) -> Any:
+    return snapshot(
+        _tree(step), step=step, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={}, **how
+    )
+
+
+def test_a_local_step_is_an_objckpt_checkpoint_its_record_pins(tmp_path):
+    """What a local save writes is a checkpoint like any other (objckpt.inspect and verify read it),
+    and its record names the root, the step, the run, the process and the manifest's SHA-256."""
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
+    record = tier.write(_snap(1))
+    directory = tier.step_dir(1)
+    assert record == tier.read(directory) and record.step == 1 and record.save_id == "run1"
+    assert record.pins((directory / "manifest.json").read_bytes())
+    info = objckpt.inspect(directory.as_uri())
+    assert info.format_version == 3 and info.num_processes == 1 and info.save_id == "run1"
+    assert sorted(info.leaves) == ["['b']", "['config']", "['data']", "['n']", "['w']"]
+    assert {p.name for p in directory.rglob("*") if p.is_file()} >= {"manifest.json", RECORD}
+    assert any(p.suffix == ".index" for p in directory.rglob("*")) and any(
+        p.suffix == ".blob" for p in directory.rglob("*")
+    )
+
+
 def test_a_torn_local_save_is_never_read_and_retention_removes_it(tmp_path):
     tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
     for step in (1, 2, 3):
-        tier.write(
-            snapshot(_tree(step), step=step, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={})
-        )
+        tier.write(_snap(step))
     assert sorted(tier.steps()) == [2, 3]  # keep_last=2
-    snap = snapshot(_tree(4), step=4, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={})
     torn = tier.step_dir(4)
     torn.mkdir()
-    (torn / "run1.data").write_bytes(bytes(snap.buffer)[: snap.manifest.data_size // 2])
-    assert sorted(tier.steps()) == [2, 3]  # data without a manifest: no step
-    (torn / MANIFEST).write_bytes(snap.manifest.to_json(KEYS["run1"]))  # a manifest whose data file is short
+    (torn / "manifest.json").write_bytes((tier.step_dir(3) / "manifest.json").read_bytes())
+    assert sorted(tier.steps()) == [2, 3]  # a checkpoint without its record: no step
+    (torn / RECORD).write_bytes((tier.step_dir(3) / RECORD).read_bytes())  # a record of step 3, in step 4
     assert sorted(complete_steps(tier.own)) == [2, 3]
-    (torn / MANIFEST).unlink()
+    cut = tier.own / ".tmp-step_0000000005-0a1b2c3d"  # a write cut off before it was moved into place
+    cut.mkdir()
     tier.retain()
-    assert not torn.exists() and sorted(tier.steps()) == [2, 3]
+    assert not torn.exists() and not cut.exists() and sorted(tier.steps()) == [2, 3]
+
+
+def test_a_step_saved_again_replaces_the_old_one_whole(tmp_path):
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
+    first = tier.write(_snap(1))
+    again = tier.write(
+        snapshot(_tree(9), step=1, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={})
+    )
+    assert first != again and tier.read(tier.step_dir(1)) == again
+    out = _restore_step(tier, 1, {"w": np.zeros((64, 32), np.float32)}, partial=True)
+    assert np.array_equal(out["w"], np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + 9)
 
 
 def test_a_peer_payload_unpacks_to_its_step_and_a_short_or_foreign_one_is_refused(tmp_path):
     tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
-    tier.write(snapshot(_tree(1), step=1, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={}))
+    tier.write(_snap(1))
     payload = np.concatenate(payload_of(tier, tier.step_dir(1)))
     got = unpack(payload, "process 1", tier, 0)
-    assert got.manifest == read_manifest(tier.step_dir(1))
-    assert got.data.tobytes() == (tier.step_dir(1) / got.manifest.data).read_bytes()
-    tail = payload[got.manifest.data_size :]  # the manifest and trailer, without the data they describe
-    with pytest.raises(FormatError, match=r"peer copy from process 1: 0 data bytes, its manifest says \d+"):
-        unpack(tail, "process 1", tier, 0)
+    assert got.record == read_record(tier.step_dir(1))
+    on_disk = {str(p.relative_to(tier.step_dir(1))): p.read_bytes() for p in tier.step_dir(1).rglob("*") if p.is_file()}
+    assert {k: v.tobytes() for k, v in got.objects.items()} == on_disk
     with pytest.raises(FormatError, match="peer copy from process 1: not a local-tier step"):
         unpack(payload[:-1], "process 1", tier, 0)
     with pytest.raises(FormatError, match="peer copy from process 1: 3 bytes is not a local-tier step"):
         unpack(payload[:3], "process 1", tier, 0)
-
-
-def test_a_damaged_local_manifest_is_a_format_error_never_another_exception(tmp_path):
-    """Every field of a real local manifest replaced by each of a set of wrong values: the
-    strict parse answers FormatError or a valid manifest, never TypeError or KeyError."""
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
-    raw = tier.write(
-        snapshot(_tree(1), step=1, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={})
+    other = LocalTier(tmp_path / "other", 0, 1, keep_last=2, url="s3://bucket/another", key_of=KEYS.get)
+    other.write(
+        snapshot(
+            _tree(1), step=1, root="s3://bucket/another", save_id="run1", process_index=0, process_count=1, metadata={}
+        )
     )
+    with pytest.raises(ForeignStepError, match="a step of the root s3://bucket/another"):
+        unpack(np.concatenate(payload_of(other, other.step_dir(1))), "process 1", tier, 0)
+    # a checkpoint's file edited in flight: the record no longer pins its manifest
+    doctored = payload.copy()
+    start = bytes(doctored).index(b'"format":"objckpt"')
+    doctored[start + 1] ^= 1
+    with pytest.raises(FormatError, match="not the one its record pins"):
+        unpack(doctored, "process 1", tier, 0)
+
+
+def test_a_damaged_local_record_is_a_format_error_never_another_exception(tmp_path):
+    """Every field of a real local record replaced by each of a set of wrong values: the strict
+    parse answers FormatError or a valid record, never TypeError or KeyError."""
+    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
+    raw = tier.write(_snap(1))
     doc = json.loads(unseal(raw.to_json(KEYS["run1"])))
-    wrong = [None, 1, -1, "x", [], {}, [1], 1.5, True, [[0]], {"encoding": "zzz"}, [-1], [[0, 0], [4, 4], 0, 64, "x"]]
+    wrong = [None, 1, -1, "x", [], {}, [1], 1.5, True, [[0]], {"size": 1}, "f" * 64, 2**70, ""]
 
     def paths(node: Any, path: tuple[Any, ...] = ()) -> Any:
         yield path
@@ -157,18 +199,17 @@ def test_a_damaged_local_manifest_is_a_format_error_never_another_exception(tmp_
                 node = node[key]
             node[path[-1]] = value
             try:
-                parse_local_manifest(seal(json.dumps(mutated).encode(), KEYS["run1"]))
+                parse_part_record(seal(json.dumps(mutated).encode(), KEYS["run1"]))
             except FormatError:
                 pass
             checked += 1
-    assert checked > 500
+    assert checked > 100
 
 
-def _restore_step(tier: LocalTier, step: int, target, manifest=None):
+def _restore_step(tier: LocalTier, step: int, target: Any, *, partial: bool = False, checkpoint: Any = None) -> Any:
     """A local step restored by the one restore, as the manager's tiers do."""
-    manifest = manifest or tier.steps()[step]
-    data = tier.data(tier.step_dir(step), manifest)
-    return restore_copy(open_process_copy(f"local step {step}", manifest, data, size_limit=1 << 20), target)
+    checkpoint = checkpoint or tier.open(tier.step_dir(step), tier.steps()[step])
+    return restore_copy(checkpoint, target, partial=partial)
 
 
 def test_local_restore_reads_its_boxes_bit_exact_through_the_one_restore_and_refuses_what_it_does_not_hold(tmp_path):
@@ -192,29 +233,29 @@ def test_local_restore_reads_its_boxes_bit_exact_through_the_one_restore_and_ref
     as_bf16 = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16, sharding=target["w"].sharding)
     cast = _restore_step(tier, 7, {**target, "w": as_bf16})
     assert cast["w"].dtype == jnp.bfloat16
-    assert np.array_equal(
-        np.asarray(cast["w"], np.float32), np.asarray(tree["w"]).astype(jnp.bfloat16).astype(np.float32)
-    )
+    expected = np.asarray(tree["w"]).astype(jnp.bfloat16).astype(np.float32)
+    assert np.array_equal(np.asarray(cast["w"], np.float32), expected)
+    as_int = jax.ShapeDtypeStruct((64, 32), np.int32, sharding=target["w"].sharding)
     with pytest.raises(TargetMismatchError, match="w"):
-        _restore_step(tier, 7, {**target, "w": jax.ShapeDtypeStruct((64, 32), np.int32, sharding=target["w"].sharding)})
-    only_w = restore_copy(
-        open_process_copy(
-            "local step 7", tier.steps()[7], tier.data(tier.step_dir(7), tier.steps()[7]), size_limit=1 << 20
-        ),
-        {"w": target["w"]},
-        partial=True,
-    )
+        _restore_step(tier, 7, {**target, "w": as_int})
+    only_w = _restore_step(tier, 7, {"w": jax.ShapeDtypeStruct((64, 32), np.float32)}, partial=True)
     assert np.asarray(only_w["w"]).tobytes() == np.asarray(tree["w"]).tobytes()
-    # a box the copy does not hold (one of w's boxes left out): PartialCopyError naming the leaf, never a hole
-    manifest = tier.steps()[7]
-    leaves = tuple(dataclasses.replace(f, boxes=f.boxes[1:]) if f.path == "['w']" else f for f in manifest.leaves)
-    assert leaves != manifest.leaves
+    assert only_w["w"].sharding == tree["w"].sharding  # no sharding asked: the saved one, rebuilt
+    # a box the copy does not hold (one of w's pieces left out): PartialCopyError naming the leaf, never a hole
+    opened = tier.open(tier.step_dir(7), tier.steps()[7])
+    leaves = opened.manifest.leaves
+    w = next(i for i, leaf in enumerate(leaves) if leaf.path == "['w']")
+    fewer = list(leaves[w].pieces)[1:]
+    short = dataclasses.replace(
+        opened.manifest, leaves=(*leaves[:w], dataclasses.replace(leaves[w], pieces=tuple(fewer)), *leaves[w + 1 :])
+    )
+    holed = NativeCheckpoint(opened.store, short, size_limit=1 << 20, holds_process=0)
     with pytest.raises(PartialCopyError, match=r"leaf \['w'\]"):
-        _restore_step(tier, 7, target, dataclasses.replace(manifest, leaves=leaves))
-    data = tier.step_dir(7) / "run1.data"  # one flipped bit: the box's crc32c refuses it
-    raw = bytearray(data.read_bytes())
+        _restore_step(tier, 7, target, checkpoint=holed)
+    [blob] = tier.step_dir(7).rglob("*.blob")  # one flipped bit in a piece: its crc32c refuses it
+    raw = bytearray(blob.read_bytes())
     raw[1000] ^= 1
-    data.write_bytes(bytes(raw))
+    blob.write_bytes(bytes(raw))
     with pytest.raises(ChecksumMismatchError):
         _restore_step(tier, 7, target)
 
@@ -369,15 +410,17 @@ def test_sigkill_mid_local_save_restores_the_previous_step(s3_store, tmp_path, v
             assert codes == [0, 0, 0, 0]
             break
         assert all(codes[p] == -signal.SIGKILL for p in victims_now), codes
-        torn = [local / f"process_{p}" / f"step_{kill_step:010d}" for p in victims_now]
-        assert all(d.is_dir() and not (d / MANIFEST).exists() for d in torn)
+        # a victim's step is a directory it was writing, never moved into place: no step there
+        name = f"step_{kill_step:010d}"
+        assert all(not (local / f"process_{p}" / name / RECORD).exists() for p in victims_now)
+        assert all(any((local / f"process_{p}").glob(f".tmp-{name}-*")) for p in victims_now)
         # a survivor that ran to its end completed the step; JAX may stop the others first, once
         # its service hears of the victim's death (counted when they had completed it all the same)
         ran = [p for p in range(4) if p not in victims_now and codes[p] == 0]
         committed = [
             p
             for p in range(4)
-            if p not in victims_now and (local / f"process_{p}" / f"step_{kill_step:010d}" / MANIFEST).exists()
+            if p not in victims_now and (local / f"process_{p}" / f"step_{kill_step:010d}" / RECORD).exists()
         ]
         assert set(ran) <= set(committed), (ran, committed)
         completed += len(committed)

@@ -120,30 +120,33 @@ def _exact(restored: dict[str, Any], step: int) -> list[str]:
 
 
 def _install_kill(kill: dict[str, Any]) -> None:
-    """SIGKILL this process inside the local save of ``kill["step"]``: while its data file is half
-    written (``point="data"``) or once it is written and the manifest half written (``"manifest"``)."""
-    from objckpt.locations import local_dirs as local_tier
+    """SIGKILL this process inside the local save of ``kill["step"]``: while its first blob is half
+    written (``point="data"``) or once its checkpoint is written and the record half written
+    (``"manifest"``)."""
+    from objckpt.locations import local_dirs
+    from objckpt.saving.part_save import save_part
 
     if PROCESS not in kill["victims"]:
         return
-    original = local_tier.write_step
+    original = local_dirs.write_step
 
-    def write_step(directory: Path, manifest: Any, data: Any, *, key: bytes, checksum: bool = True) -> Any:
-        if manifest.step != kill["step"]:
-            return original(directory, manifest, data, key=key, checksum=checksum)
-        directory.mkdir(parents=True, exist_ok=True)
-        view = memoryview(data).cast("B")
+    def write_step(directory: Path, snap: Any, *, key: bytes, options: Any) -> Any:
+        if snap.step != kill["step"]:
+            return original(directory, snap, key=key, options=options)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local_dirs.tmp_dir(directory)
         if kill["point"] == "data":
-            (directory / manifest.data).write_bytes(view[: manifest.data_size // 2])
+            (tmp / "00").mkdir()
+            (tmp / "00" / f"{snap.save_id}-p0-000000.blob").write_bytes(bytes(snap.buffer)[: snap.buffer.size // 2])
         else:
-            (directory / manifest.data).write_bytes(view[: manifest.data_size])
-            (directory / f".manifest.json.{manifest.save_id}.tmp").write_bytes(manifest.to_json(key)[:100])
+            save_part(tmp.as_uri(), snap, options)
+            (tmp / ".part.json.tmp").write_bytes(b'{"crc32c":1,"mac":"')
         _killed(PROCESS).touch()
         if PROCESS == 0:  # JAX's service lives in process 0: the other victims die by their own kill first
             _wait_for_victims(kill)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    local_tier.write_step = write_step  # type: ignore[assignment]
+    local_dirs.write_step = write_step  # type: ignore[assignment]
 
 
 def _killed(process: int) -> Path:
@@ -186,17 +189,27 @@ def _die_or_survive(mgr: Any, die: dict[str, Any], tree_of: Any) -> None:
     os._exit(0)
 
 
-def _forge(path: Path, old: bytes, new: bytes) -> None:
-    """Edit a sealed local manifest and recompute its crc32c, as someone who can write the disk
-    but has not the run's key (which lives in the root) would."""
+def _forge(step: Path, old: bytes, new: bytes) -> None:
+    """Edit a local step's manifest, and its record to pin the edit (its SHA-256, its crc32c), as
+    someone who can write the disk but has not the run's key (which lives in the root) would."""
+    import hashlib
+    import json
     import re
 
     from objckpt.core.checksum import crc32c
 
-    sealed = re.match(rb'\{"crc32c":(\d+),("mac":"[0-9a-f]+",)"manifest":(.*)\}\Z', path.read_bytes(), re.DOTALL)
+    manifest = (step / "manifest.json").read_bytes()
+    assert manifest.count(old) == 1, old
+    manifest = manifest.replace(old, new)
+    (step / "manifest.json").write_bytes(manifest)
+    sealed = re.match(
+        rb'\{"crc32c":(\d+),("mac":"[0-9a-f]+",)"record":(.*)\}\Z', (step / "part.json").read_bytes(), re.DOTALL
+    )
     assert sealed is not None
-    body = sealed.group(3).replace(old, new)
-    path.write_bytes(b'{"crc32c":%d,%s"manifest":%s}' % (crc32c(body), sealed.group(2), body))
+    doc = json.loads(sealed.group(3))
+    doc["manifest"] = {"size": len(manifest), "sha256": hashlib.sha256(manifest).hexdigest()}
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    (step / "part.json").write_bytes(b'{"crc32c":%d,%s"record":%s}' % (crc32c(body), sealed.group(2), body))
 
 
 def _damage(round_: int) -> None:
@@ -210,11 +223,11 @@ def _damage(round_: int) -> None:
         if PROCESS == victim:
             shutil.rmtree(mine, ignore_errors=True)
         if PROCESS == (victim + COUNT // 2) % COUNT:
-            held = sorted((mine / "peer" / f"process_{victim}").glob("step_*/manifest.json"))
+            held = sorted((mine / "peer" / f"process_{victim}").glob("step_*/part.json"))
             if held:
-                _forge(held[-1], b'"lr":0.5', b'"lr":0.7')
+                _forge(held[-1].parent, b'"lr":0.5', b'"lr":0.7')
     if damage == "drop_newest_one" and PROCESS == victim:
-        steps = sorted(p for p in mine.glob("step_*") if (p / "manifest.json").exists())
+        steps = sorted(p for p in mine.glob("step_*") if (p / "part.json").exists())
         if steps:
             shutil.rmtree(steps[-1])
 

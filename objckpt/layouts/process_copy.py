@@ -1,111 +1,97 @@
-"""A local-tier step (format ``objckpt-local``) read as an objckpt checkpoint by the one restore.
+"""A local-tier step or a peer copy, opened as a checkpoint of one process's part for the one restore.
 
-A local step or a peer copy holds one process's part of a step: every box that process's
-devices held, in one data file, and a sealed manifest (:mod:`objckpt.core.format.local`).
-:func:`open_process_copy` converts that manifest on read into the restore's own shapes, a
-:class:`~objckpt.core.format.Manifest` whose pieces are the saved boxes (as ``[start, stop)``,
-each with its crc32c) in one blob, the data file, served from memory by a
-:class:`~objckpt.storage.in_memory.BufferStore`. So a restore from the local tier is the
-restore from a bucket: the same planner, crc32c checks, casts, partial restores, target
-shardings and reshards, the same landing on the devices.
+A local step is an objckpt checkpoint (format version 3) of one process's part of a step, its
+``manifest.json`` pinned by the step's sealed record (:mod:`objckpt.core.format.local`). It is
+read like any checkpoint, through a store (its files mapped from the local disk, or a copy a
+peer sent back, in memory: :class:`~objckpt.storage.in_memory.BufferStore`): the manifest is
+checked against the record, its one index object read whole (the part's own pieces), and the
+result handed to the one restore (:func:`objckpt.restoring.api.restore_copy`): the same
+planner, crc32c checks, casts, partial restores, target shardings and reshards as a bucket's.
 
-What differs is only what the copy holds. Its pieces cover what one process saved, so the
-checkpoint says so (:attr:`NativeCheckpoint.holds_process`): a box the copy does not cover is
-not a malformed checkpoint but a :class:`~objckpt.errors.PartialCopyError`, and the caller
-reads the next location. An array saved with a ``NamedSharding`` keeps it as a grid on its
-saved mesh (when this job has those devices), so a target sharded otherwise is read onto the
-saved layout, where this process's own boxes cover it, and resharded on the devices.
-Another process's ``PerProcess`` value is not in the copy (its entry is None).
+What differs is only what the copy holds, and :func:`open_part` says so in the manifest it
+returns: its pieces cover what one process saved (:attr:`NativeCheckpoint.holds_process`: a box
+the copy does not cover is a :class:`~objckpt.errors.PartialCopyError`, and the caller reads the
+next location); its process count is the job's, with only this process's ``PerProcess`` values
+(another's entry is None); and an array saved with a ``NamedSharding`` gets that sharding back
+as a grid on its saved mesh when this job has those devices, so a target sharded otherwise is
+read onto the saved layout, where this process's own boxes cover it, and resharded on the
+devices.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
 
-from objckpt.core.boxes import MeshTable, describe_sharding, grid_of
+from objckpt.core.boxes import MeshTable, grid_of
 from objckpt.core.dtypes import dtype_from_name
-from objckpt.core.format import BlobEntry, LeafEntry, Manifest
-from objckpt.core.format.local import LocalLeaf, LocalManifest
-from objckpt.core.pieces import Piece
+from objckpt.core.format import LeafEntry, Manifest
+from objckpt.core.format.local import PartRecord
+from objckpt.core.format.manifest import parse_manifest
+from objckpt.errors import FormatError
+from objckpt.layouts.manifest_io import read_indexes, read_manifest_bytes
 from objckpt.layouts.native import NativeCheckpoint
-from objckpt.storage.in_memory import BufferStore
+from objckpt.storage.base import Store
 
 
-def open_process_copy(url: str, manifest: LocalManifest, data: np.ndarray, *, size_limit: int) -> NativeCheckpoint:
-    """The step ``manifest`` describes, its data file's bytes ``data``, as a checkpoint of one
-    process's part. ``url`` names it in messages and must be the same on every process (a
-    restore that reshards agrees on it)."""
+async def open_part(store: Store, record: PartRecord, *, size_limit: int) -> NativeCheckpoint:
+    """The checkpoint at ``store`` as ``record``'s process's part of its step.
+
+    Raises:
+        CheckpointNotFoundError: no manifest.
+        FormatError: a manifest other than the one the record pins, not a one-process version 3
+            checkpoint of the record's save, or an index object that fails its checks.
+    """
+    raw = await read_manifest_bytes(store, size_limit=size_limit)
+    if not record.pins(raw):
+        raise FormatError(f"{store.url}: manifest.json is not the one its record pins (an edited or replaced step)")
+    manifest = parse_manifest(raw, size_limit=size_limit)
+    if manifest.save_id != record.save_id or manifest.num_processes != 1 or manifest.version < 3:
+        raise FormatError(f"{store.url}: not a one-process version 3 checkpoint of save {record.save_id}")
+    manifest = await read_indexes(store, manifest, [0], size_limit=size_limit, columnar=True)
+    converted = as_process_part(manifest, record.process_index, record.process_count)
+    return NativeCheckpoint(store, converted, size_limit=size_limit, holds_process=record.process_index)
+
+
+def as_process_part(manifest: Manifest, process: int, count: int) -> Manifest:
+    """``manifest`` (a one-process checkpoint with its pieces read) as process ``process``'s part of a
+    job of ``count`` processes (see the module docstring)."""
     meshes = MeshTable()
     devices = {int(d.id): d for d in jax.devices()}
-    leaves = tuple(_entry(i, leaf, manifest, meshes, devices) for i, leaf in enumerate(manifest.leaves))
-    converted = Manifest(
-        save_id=manifest.save_id,
-        created="",
-        tree=manifest.tree,
-        leaves=leaves,
-        blobs=(BlobEntry(manifest.data, manifest.data_size),),
-        num_processes=manifest.process_count,
-        metadata=manifest.metadata,
-        version=3,
-        meshes=tuple(meshes.meshes),
+    leaves = tuple(_entry(i, leaf, process, count, meshes, devices) for i, leaf in enumerate(manifest.leaves))
+    return dataclasses.replace(
+        manifest, leaves=leaves, num_processes=count, meshes=tuple(meshes.meshes), indexes=(), loaded=frozenset()
     )
-    store = BufferStore(url, {manifest.data: data})
-    return NativeCheckpoint(store, converted, size_limit=size_limit, holds_process=manifest.process_index)
 
 
-def _entry(
-    index: int, leaf: LocalLeaf, manifest: LocalManifest, meshes: MeshTable, devices: dict[int, Any]
-) -> LeafEntry:
-    pieces = tuple(
-        Piece(
-            box.start,
-            tuple(s + n for s, n in zip(box.start, box.shape)),
-            manifest.data,
-            box.offset,
-            box.length,
-            box.crc32c,
-        )
-        for box in leaf.boxes
-    )
-    own = {"processes": [manifest.process_index]}
-    if leaf.kind in ("none", "int", "bool", "float", "json"):
-        return LeafEntry(leaf.path, leaf.kind, value=float(leaf.value) if leaf.kind == "float" else leaf.value)
+def _entry(index: int, leaf: LeafEntry, process: int, count: int, meshes: MeshTable, devices: dict[int, Any]) -> LeafEntry:
     if leaf.kind == "per_process":
-        box = leaf.boxes[0] if leaf.boxes else None
-        mine = {
-            "encoding": leaf.value["encoding"],
-            "length": box.length if box else 0,
-            "crc32c": box.crc32c if box else 0,
-            "blob": manifest.data,
-            "offset": box.offset if box else 0,
-        }
-        values = [mine if p == manifest.process_index else None for p in range(manifest.process_count)]
-        return LeafEntry(leaf.path, "per_process", value=values)
-    if leaf.kind != "array":  # host data: ndarray, str, bytes
-        return LeafEntry(leaf.path, leaf.kind, leaf.dtype, leaf.shape, pieces, layout=own)
-    if leaf.prng_impl is not None:
-        return LeafEntry(leaf.path, "array", leaf.dtype, leaf.shape, pieces, sharding={"prng_impl": leaf.prng_impl})
-    layout: dict[str, Any] = own
-    saved = saved_sharding(leaf.sharding, devices)
-    if saved is not None:
-        dtype = dtype_from_name(leaf.dtype or "")
-        found = grid_of(index, jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=saved), meshes, slab_bytes=0)
-        if found is not None:
-            layout = found[1]
-    description = None if saved is None else describe_sharding(saved)
-    return LeafEntry(leaf.path, "array", leaf.dtype, leaf.shape, pieces, sharding=description, layout=layout)
+        values = [leaf.value[0] if p == process else None for p in range(count)]
+        return dataclasses.replace(leaf, value=values)
+    record = (leaf.sharding or {}).get("local")
+    saved = saved_sharding(record, devices)
+    if leaf.kind != "array" or saved is None:
+        return leaf
+    dtype = dtype_from_name(leaf.dtype or "")
+    found = grid_of(index, jax.ShapeDtypeStruct(tuple(leaf.shape or ()), dtype, sharding=saved), meshes, slab_bytes=0)
+    return leaf if found is None else dataclasses.replace(leaf, layout=found[1])
 
 
-def saved_sharding(record: dict[str, Any] | None, devices: dict[int, Any]) -> jax.sharding.NamedSharding | None:
-    """The ``NamedSharding`` a local manifest recorded, on this job's ``devices`` (by id); None when
-    none was recorded or a device it names is not in this job."""
-    if record is None or not all(i in devices for i in record["devices"]):
+def saved_sharding(record: Any, devices: dict[int, Any]) -> jax.sharding.NamedSharding | None:
+    """The ``NamedSharding`` a part recorded by device ids (:func:`objckpt.saving.local_snapshot.sharding_record`),
+    on this job's ``devices`` (by id); None when none was recorded, it is not one, or a device it
+    names is not in this job."""
+    try:
+        ids = [int(i) for i in record["devices"]]
+        if not all(i in devices for i in ids):
+            return None
+        placed = np.array([devices[i] for i in ids], dtype=object).reshape(record["mesh"])
+        types = tuple(getattr(jax.sharding.AxisType, t) for t in record["types"])
+        mesh = jax.sharding.Mesh(placed, tuple(record["axes"]), axis_types=types)
+        spec = [tuple(e) if isinstance(e, list) else e for e in record["spec"]]
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    except (KeyError, TypeError, ValueError, AttributeError):  # informational: what does not fit is ignored
         return None
-    placed = np.array([devices[i] for i in record["devices"]], dtype=object).reshape(record["mesh"])
-    types = tuple(getattr(jax.sharding.AxisType, t) for t in record["types"])
-    mesh = jax.sharding.Mesh(placed, tuple(record["axes"]), axis_types=types)
-    spec = [tuple(e) if isinstance(e, list) else e for e in record["spec"]]
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))

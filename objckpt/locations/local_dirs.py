@@ -2,8 +2,9 @@
 
 Layout, under the manager's ``local=`` directory (a path or ``file://`` URL; ``/dev/shm`` works)::
 
-    process_<p>/step_<N>/<save_id>.data      this process's boxes (objckpt.core.format.local)
-    process_<p>/step_<N>/manifest.json       written last: no manifest, no step
+    process_<p>/step_<N>/manifest.json, <hh>/*.index, <hh>/*.blob
+                                             this process's part of step N: an objckpt checkpoint
+    process_<p>/step_<N>/part.json           its sealed record, written last: no record, no step
     process_<p>/peer/process_<q>/step_<N>/   the same, for process q's step, held as its peer copy
 
 Each process reads and writes only ``process_<p>/`` under its own index: retention,
@@ -12,23 +13,25 @@ directory (on a pod each host has its own disk anyway; on one machine several
 processes share the path).
 
 A save has two phases, like :func:`objckpt.save_async`:
-:func:`~objckpt.saving.local_snapshot.snapshot` (the caller's thread) copies every box this process's devices hold, each once, off the devices into
-one buffer objckpt owns, so the caller may donate its arrays at once; :meth:`LocalTier.write`
-(a background thread) writes the data file, syncs it, checksums each box (crc32c), and
-renames the manifest into place. A step saved again (a restarted run reaching it)
-replaces the old one atomically: the new manifest is renamed over the old, then the
-old data file goes.
+:func:`~objckpt.saving.local_snapshot.snapshot` (the caller's thread) copies every box this
+process's devices hold, each once, off the devices into one buffer objckpt owns, so the caller
+may donate its arrays at once; :meth:`LocalTier.write` (a background thread) writes it by the
+one save pipeline as a one-process checkpoint (:func:`objckpt.saving.part_save.save_part`) into
+a new directory beside the step's, then the record (:mod:`objckpt.core.format.local`: the root,
+the step, the run's save id, the process, the manifest's SHA-256; sealed under the run's key),
+synced and renamed into place, and moves the directory to ``step_<N>``. A step saved again
+(a restarted run reaching it) replaces the old one: the old record goes first.
 
-A step is this manager's only if its manifest names the manager's root and this process and
-is sealed under the key its run left in that root (:meth:`LocalTier.steps`,
-:meth:`LocalTier.held`, :mod:`objckpt.locations.run_keys`): a ``local=`` directory another
-job left behind, a peer copy that names another process, or an edited manifest is not a
+A step is this manager's only if its record names the manager's root and this process, is
+sealed under the key its run left in that root (:meth:`LocalTier.steps`, :meth:`LocalTier.held`,
+:mod:`objckpt.locations.run_keys`), and pins the manifest beside it: a ``local=`` directory
+another job left behind, a peer copy that names another process, or an edited step is not a
 step here (logged, never read).
 
 Nothing in the tier is reached through a symbolic link that leads out of it: every directory
 written, read or deleted and every file read is resolved first and refused
 (:class:`~objckpt.errors.StorePermissionError`) when it lies outside ``local=``, and files are
-opened without following a link in their last component.
+opened without following a link in their last component (a linked blob is not read).
 """
 
 from __future__ import annotations
@@ -40,23 +43,22 @@ import shutil
 import stat
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from objckpt.core.checksum import crc32c
-from objckpt.core.format.local import (
-    MANIFEST,
-    LocalManifest,
-    authentic,
-    check_whole,
-    parse_local_manifest,
-)
+from objckpt.core.format import MANIFEST_KEY
+from objckpt.core.format.local import RECORD, PartRecord, authentic, parse_part_record, record_of
 from objckpt.errors import FormatError, StorePermissionError
+from objckpt.layouts.native import NativeCheckpoint
+from objckpt.layouts.process_copy import open_part
+from objckpt.options import Options
 from objckpt.roots.step_names import STEP_DIR, step_dir
 from objckpt.saving.local_snapshot import Snapshot
+from objckpt.saving.part_save import save_part
+from objckpt.storage.in_memory import BufferStore
+from objckpt.transfer import runtime
 
 log = logging.getLogger("objckpt")
 
@@ -105,10 +107,6 @@ class ForeignStepError(FormatError):
     """A whole local step that is not this manager's: another root's, or another process's."""
 
 
-def new_save_id() -> str:
-    return uuid.uuid4().hex
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -117,45 +115,56 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_step(
-    directory: Path, manifest: LocalManifest, data: Any, *, key: bytes, checksum: bool = True
-) -> LocalManifest:
-    """Write a step's data file, then its manifest (sealed under ``key``, its run's key; renamed into
-    place); return the manifest written.
+def tmp_dir(directory: Path) -> Path:
+    """A fresh directory beside ``directory`` (hidden from the step listing) to write a step into."""
+    tmp = directory.parent / f".tmp-{directory.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    return tmp
 
-    ``checksum``: compute each box's crc32c from ``data`` (a received peer copy already has them).
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    view = memoryview(data).cast("B")
-    if checksum:
-        leaves = tuple(
-            replace(
-                leaf, boxes=tuple(replace(b, crc32c=crc32c(view[b.offset : b.offset + b.length])) for b in leaf.boxes)
-            )
-            for leaf in manifest.leaves
+
+def write_step(directory: Path, snap: Snapshot, *, key: bytes, options: Options) -> PartRecord:
+    """Write ``snap`` as the step in ``directory`` (its record sealed under ``key``, its run's key):
+    the checkpoint by the save pipeline into a new directory, its record last, then the directory
+    moved into place; return the record."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_dir(directory)
+    try:
+        save_part(tmp.as_uri(), snap, options)
+        manifest = read_regular(tmp / MANIFEST_KEY, MANIFEST_LIMIT)
+        record = record_of(
+            manifest,
+            root=snap.root,
+            step=snap.step,
+            save_id=snap.save_id,
+            process_index=snap.process_index,
+            process_count=snap.process_count,
         )
-        manifest = replace(manifest, leaves=leaves)
-    with open(directory / manifest.data, "wb") as f:
-        f.write(view[: manifest.data_size])
-        f.flush()
-        os.fsync(f.fileno())
-    commit_manifest(directory, manifest, key)
-    return manifest
+        commit_record(tmp, record, key)
+        place(tmp, directory)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return record
 
 
-def commit_manifest(directory: Path, manifest: LocalManifest, key: bytes) -> None:
-    """Rename ``manifest`` (sealed under ``key``) into place (its data file is written and synced), then
-    drop older data files."""
-    tmp = directory / f".{MANIFEST}.{manifest.save_id}.tmp"
+def commit_record(directory: Path, record: PartRecord, key: bytes) -> None:
+    """Rename ``record`` (sealed under ``key``) into ``directory``, whose checkpoint is written, and sync."""
+    tmp = directory / f".{RECORD}.tmp"
     with open(tmp, "wb") as f:
-        f.write(manifest.to_json(key))
+        f.write(record.to_json(key))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
+    os.replace(tmp, directory / RECORD)
     _fsync_dir(directory)
-    for other in directory.iterdir():
-        if other.name not in (MANIFEST, manifest.data):
-            _remove(other)
+
+
+def place(tmp: Path, directory: Path) -> None:
+    """Move the complete step in ``tmp`` to ``directory``, replacing a step there (record first)."""
+    if directory.exists() or directory.is_symlink():
+        _remove(directory / RECORD)
+        _remove(directory)
+    os.replace(tmp, directory)
+    _fsync_dir(directory.parent)
 
 
 def _remove(path: Path) -> None:
@@ -171,55 +180,85 @@ def _remove(path: Path) -> None:
 KeyOf = Callable[[str], "bytes | None"]
 
 
-def read_manifest(
+def read_record(
     directory: Path,
     *,
     root: str | None = None,
     process_index: int | None = None,
     within: Path | None = None,
     key_of: KeyOf | None = None,
-) -> LocalManifest:
-    """The manifest of the step in ``directory``, checked against its data file.
+) -> PartRecord:
+    """The record of the step in ``directory``, checked against the manifest beside it.
 
-    ``root`` and ``process_index``, when given, must be the ones the manifest names (the
+    ``root`` and ``process_index``, when given, must be the ones the record names (the
     manager's root; the process whose step it is); ``within``: the tier's directory, which
     ``directory`` must resolve inside; ``key_of``: the key of a run by its save id (from the
-    root), under which the manifest must be sealed.
+    root), under which the record must be sealed.
 
     Raises:
-        FileNotFoundError: no manifest (a torn or absent step).
-        FormatError: a damaged manifest, a data file missing or of another size.
+        FileNotFoundError: no record (a torn or absent step).
+        FormatError: a damaged record, a manifest missing or other than the one it pins.
         ForeignStepError: another root's or another process's step, or a run whose key the root
             does not hold.
         StorePermissionError: ``directory`` leads out of ``within`` through a link.
     """
     if within is not None:
         inside(within, directory)
-    path = directory / MANIFEST
+    path = directory / RECORD
     raw = read_regular(path, MANIFEST_LIMIT)
     if len(raw) > MANIFEST_LIMIT:
         raise FormatError(f"{path}: over {MANIFEST_LIMIT} bytes")
-    manifest = parse_local_manifest(raw)
-    if root is not None and manifest.root != root:
-        raise ForeignStepError(f"{path}: a step of the root {manifest.root}, not of {root}")
-    if process_index is not None and manifest.process_index != process_index:
-        raise ForeignStepError(f"{path}: process {manifest.process_index}'s step, not process {process_index}'s")
+    record = parse_part_record(raw)
+    if root is not None and record.root != root:
+        raise ForeignStepError(f"{path}: a step of the root {record.root}, not of {root}")
+    if process_index is not None and record.process_index != process_index:
+        raise ForeignStepError(f"{path}: process {record.process_index}'s step, not process {process_index}'s")
     if key_of is not None:
-        key = key_of(manifest.save_id)
+        key = key_of(record.save_id)
         if key is None:
-            raise ForeignStepError(f"{path}: {root or manifest.root} holds no key of its run {manifest.save_id}")
+            raise ForeignStepError(f"{path}: {root or record.root} holds no key of its run {record.save_id}")
         if not authentic(raw, key):
-            raise FormatError(f"{path}: not sealed under its run's key (an edited or forged manifest)")
-    check_whole(manifest)
+            raise FormatError(f"{path}: not sealed under its run's key (an edited or forged record)")
     try:
-        size = os.stat(directory / manifest.data, follow_symlinks=False).st_size
+        manifest = read_regular(directory / MANIFEST_KEY, MANIFEST_LIMIT)
     except FileNotFoundError:
-        raise FormatError(f"{path}: its data file {manifest.data} is missing") from None
-    if size != manifest.data_size:
-        raise FormatError(f"{path}: its data file is {size} bytes, not {manifest.data_size}")
-    if STEP_DIR.match(directory.name) and int(STEP_DIR.match(directory.name).group(1)) != manifest.step:  # type: ignore[union-attr]
-        raise FormatError(f"{path}: names step {manifest.step}, not the directory's")
-    return manifest
+        raise FormatError(f"{path}: its {MANIFEST_KEY} is missing") from None
+    if not record.pins(manifest):
+        raise FormatError(f"{path}: {MANIFEST_KEY} is not the one it pins (an edited or replaced step)")
+    if STEP_DIR.match(directory.name) and int(STEP_DIR.match(directory.name).group(1)) != record.step:  # type: ignore[union-attr]
+        raise FormatError(f"{path}: names step {record.step}, not the directory's")
+    return record
+
+
+def step_objects(directory: Path) -> dict[str, np.ndarray]:
+    """Every regular file of the step in ``directory`` (its checkpoint's objects), by key, each a
+    private mapping of its pages (no copy; copy-on-write, so neither the restored arrays nor the
+    file change the other). Files are never written again once the step's record is in place:
+    a step saved again is a new directory. A link is never followed (it is left out, and a
+    restore that needs it fails and falls back)."""
+    out: dict[str, np.ndarray] = {}
+    for dirpath, _dirs, files in os.walk(directory):  # os.walk never descends into a linked directory
+        for name in files:
+            path = os.path.join(dirpath, name)
+            key = os.path.relpath(path, directory).replace(os.sep, "/")
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                if size == 0:
+                    out[key] = np.zeros(0, np.uint8)
+                    continue
+                # writable (a donated buffer may be written in place), never populated: populating
+                # a writable private mapping would copy every page; reading faults them in shared
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            out[key] = np.frombuffer(mapped, np.uint8)
+    return out
 
 
 def step_dirs(base: Path) -> dict[int, Path]:
@@ -243,13 +282,13 @@ def complete_steps(
     process_index: int | None = None,
     within: Path | None = None,
     key_of: KeyOf | None = None,
-) -> dict[int, LocalManifest]:
-    """The complete steps under ``base`` (a manifest that parses, its data file whole, and
-    ``root``'s and ``process_index``'s when given: :func:`read_manifest`), by step."""
+) -> dict[int, PartRecord]:
+    """The complete steps under ``base`` (a record that parses and pins its manifest, and
+    ``root``'s and ``process_index``'s when given: :func:`read_record`), by step."""
     out = {}
     for step, directory in step_dirs(base).items():
         try:
-            out[step] = read_manifest(directory, root=root, process_index=process_index, within=within, key_of=key_of)
+            out[step] = read_record(directory, root=root, process_index=process_index, within=within, key_of=key_of)
         except FileNotFoundError:
             continue
         except (FormatError, OSError) as e:
@@ -261,7 +300,7 @@ def retain(
     base: Path, keep_last: int, *, keep: frozenset[int] = frozenset(), within: Path | None = None, **whose: Any
 ) -> list[int]:
     """Delete all but the newest ``keep_last`` complete steps under ``base``, and every torn or
-    damaged step except those in ``keep``; manifest first, so a step stops existing at once.
+    damaged step except those in ``keep``; record first, so a step stops existing at once.
     A step of another root or process (``whose``: :func:`complete_steps`) is left alone: it
     is not this manager's to delete. Returns the steps deleted. ``within``: the tier's
     directory; a step directory that resolves outside it is never deleted."""
@@ -274,14 +313,24 @@ def retain(
         directory = base / step_dir(step)
         if within is not None:
             inside(within, directory)
-        _remove(directory / MANIFEST)
+        _remove(directory / RECORD)
         _remove(directory)
+    for entry in _entries(base):  # steps whose write was cut off before they were moved into place
+        if entry.name.startswith(".tmp-step_") and not entry.is_symlink():
+            _remove(entry)
     return sorted(doomed)
+
+
+def _entries(base: Path) -> list[Path]:
+    try:
+        return list(base.iterdir())
+    except FileNotFoundError:
+        return []
 
 
 def _foreign(directory: Path, within: Path | None, whose: dict[str, Any]) -> bool:
     try:
-        read_manifest(directory, within=within, **whose)
+        read_record(directory, within=within, **whose)
     except ForeignStepError:
         return True
     except (FormatError, OSError):
@@ -318,45 +367,39 @@ class LocalTier:
         """``path``, refused (StorePermissionError) if a link leads it out of ``local=``."""
         return inside(self.root, path)
 
-    def read(self, directory: Path, owner: int | None = None) -> LocalManifest:
-        """The manifest of the step in ``directory``, this manager's and ``owner``'s (default: this process's)."""
+    def read(self, directory: Path, owner: int | None = None) -> PartRecord:
+        """The record of the step in ``directory``, this manager's and ``owner``'s (default: this process's)."""
         owner = self.process_index if owner is None else owner
-        return read_manifest(directory, **self._whose(owner))
+        return read_record(directory, **self._whose(owner))
 
-    def data(self, directory: Path, manifest: LocalManifest) -> np.ndarray:
-        """The data file of the step in ``directory`` as bytes: a private mapping of its pages (no
-        copy; copy-on-write, so neither the restored arrays nor the file change the other). Data
-        files are never written again once their manifest is in place: a step saved again gets a
-        new file. A data file that is a link is never read (OSError)."""
-        if manifest.data_size == 0:
-            return np.zeros(0, np.uint8)
-        path = self.inside(directory) / manifest.data
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            if os.fstat(fd).st_size != manifest.data_size:
-                raise FormatError(f"{path} is not {manifest.data_size} bytes long, as its manifest says")
-            # writable (a donated buffer may be written in place), never populated: populating
-            # a writable private mapping would copy every page; reading faults them in shared
-            mapped = mmap.mmap(fd, manifest.data_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        return np.frombuffer(mapped, np.uint8)
+    def open(self, directory: Path, record: PartRecord, objects: dict[str, np.ndarray] | None = None) -> NativeCheckpoint:
+        """The step in ``directory`` (``objects``: its files already in memory, a copy brought back)
+        as a checkpoint of its process's part, for the one restore. ``name`` in messages is the
+        same on every process (a restore that reshards agrees on it).
 
-    def steps(self) -> dict[int, LocalManifest]:
+        Raises:
+            FormatError: the checkpoint is not the one the record pins, or fails its checks.
+        """
+        if objects is None:
+            objects = step_objects(self.inside(directory))
+        store = BufferStore(f"local tier of {self.url}, step {record.step}", objects)
+        return runtime.run_sync(open_part(store, record, size_limit=MANIFEST_LIMIT))
+
+    def steps(self) -> dict[int, PartRecord]:
         return complete_steps(self.own, **self._whose(self.process_index))
 
     def _whose(self, owner: int) -> dict[str, Any]:
         return {"root": self.url, "process_index": owner, "within": self.root, "key_of": self.key_of}
 
     def key(self, save_id: str) -> bytes:
-        """The key of the run ``save_id``, to seal a manifest with (FormatError: the root holds none)."""
+        """The key of the run ``save_id``, to seal a record with (FormatError: the root holds none)."""
         key = self.key_of(save_id)
         if key is None:
             raise FormatError(f"local tier: {self.url} holds no key of run {save_id}")
         return key
 
-    def held(self) -> dict[int, dict[int, LocalManifest]]:
-        """The peer copies this process holds: ``{owner: {step: manifest}}``."""
+    def held(self) -> dict[int, dict[int, PartRecord]]:
+        """The peer copies this process holds: ``{owner: {step: record}}``."""
         out = {}
         try:
             entries = list((self.own / "peer").iterdir())
@@ -370,12 +413,14 @@ class LocalTier:
                     out[owner] = steps
         return out
 
-    def write(self, snap: Snapshot) -> LocalManifest:
-        """The background phase of a local save, then retention of this process's own steps."""
-        directory = self.inside(self.step_dir(snap.manifest.step))
-        manifest = write_step(directory, snap.manifest, snap.buffer, key=self.key(snap.manifest.save_id))
+    def write(self, snap: Snapshot, options: Options | None = None) -> PartRecord:
+        """The background phase of a local save (``options``: the manager's), then retention of
+        this process's own steps."""
+        directory = self.inside(self.step_dir(snap.step))
+        self.inside(directory.parent)
+        record = write_step(directory, snap, key=self.key(snap.save_id), options=options or Options())
         self.retain()
-        return manifest
+        return record
 
     def retain(self) -> list[int]:
         """Keep the newest ``keep_last`` steps here and of each peer copy held; drop torn ones."""

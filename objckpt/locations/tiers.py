@@ -30,7 +30,7 @@ from objckpt.errors import (
     PeerCopyUnavailableError,
 )
 from objckpt.locations.agreement import LOCAL, PEER, STORE, Inventory, agree, all_succeeded, decide
-from objckpt.locations.local_dirs import MANIFEST_LIMIT, LocalTier, step_dirs
+from objckpt.locations.local_dirs import LocalTier, step_dirs
 from objckpt.multihost import Coordinator
 from objckpt.options import Options
 from objckpt.transfer import runtime
@@ -213,19 +213,16 @@ class StepLocations:
         Two agreements, on every process whatever happens: one once each has opened its part (a
         restore that reshards on the devices runs a collective, which every process must join),
         one at the end."""
-        from objckpt.layouts.process_copy import open_process_copy
         from objckpt.restoring.api import restore_copy
 
         out, error, checkpoint = None, fetch_error, None
         if error is None:
             try:
                 directory = self.tier.step_dir(decision.step)
-                manifest = received.manifest if received is not None else self.tier.read(directory)
-                if manifest.save_id != decision.save_id:
+                record = received.record if received is not None else self.tier.read(directory)
+                if record.save_id != decision.save_id:
                     raise PartialCopyError(f"step {decision.step} here is another run's save")
-                data = received.data if received is not None else self.tier.data(directory, manifest)
-                name = f"local tier of {self.url}, step {decision.step}"  # the same on every process
-                checkpoint = open_process_copy(name, manifest, data, size_limit=MANIFEST_LIMIT)
+                checkpoint = self.tier.open(directory, record, received.objects if received is not None else None)
             except Exception as e:  # any failure here: report it, so no process waits for this one alone
                 error = f"{type(e).__name__}: {e}"
         failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout)

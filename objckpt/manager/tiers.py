@@ -169,20 +169,20 @@ class Tiers:
         every process takes part in every peer copy, an empty one when its write failed."""
         started = time.perf_counter()
         try:
-            manifest = self.tier.write(snap)
+            record = self.tier.write(snap, self.options)
         except BaseException:
             if self.peers:
                 self._send(None)
             raise
         log.info(
             "objckpt local tier: step %d written by process %d (%d bytes) in %.3f s",
-            manifest.step,
+            record.step,
             self.tier.process_index,
-            manifest.data_size,
+            snap.nbytes,
             time.perf_counter() - started,
         )
         if self.peers:
-            self._send(manifest.step)
+            self._send(record.step)
 
     def _send(self, step: int | None) -> None:
         assert self.keepers is not None

@@ -325,9 +325,10 @@ def _plan_reads(
     if checkpoint.holds_process is not None:
         for i, p in plans.items():
             if (box := p.uncovered()) is not None:
+                why = "its pieces there overlap" if p.overlapping(box) is not None else "it lacks pieces of it"
                 raise PartialCopyError(
                     f"{handle.url} (process {checkpoint.holds_process}'s part) does not hold leaf"
-                    f" {manifest.leaves[i].path}'s box {list(box[0])}-{list(box[1])}"
+                    f" {manifest.leaves[i].path}'s box {list(box[0])}-{list(box[1])}: {why}"
                 )
     landing = Landing(plans)
     landing.reserve_arena()  # maps memory on a thread while this one plans
