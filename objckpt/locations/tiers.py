@@ -5,7 +5,7 @@ copies peers keep of it (:mod:`objckpt.peers.copies`), and in the manager's obje
 :class:`StepLocations` has every process publish what it holds, all decide alike which step
 and which locations, fastest first (:mod:`objckpt.locations.agreement`), then tries them in
 that order: a local step or peer copy is opened as a checkpoint of one process's part
-(:func:`objckpt.layouts.process_copy.open_process_copy`) and read by the one restore
+(:func:`objckpt.layouts.process_copy.open_part`) and read by the one restore
 (:func:`objckpt.restoring.api.restore_copy`: the same plan, crc32c checks, casts, target
 shardings and reshards as from a bucket); the object store is read by the manager's own
 restore. After each location every process says whether it succeeded, and if any did not,
@@ -75,7 +75,7 @@ class TierStatus:
         process: this process's index.
         local_dir: this process's directory of the local tier.
         local_steps: complete steps in it.
-        torn_steps: step directories without a manifest (a save in flight or cut off).
+        torn_steps: step directories without a record (a save in flight or cut off).
         local_bytes: bytes the local tier holds for this process, peer copies included.
         peer_held: the steps of other processes this one keeps (``{owner: steps}``).
         store_url: the manager's root.
@@ -127,6 +127,13 @@ class StepLocations:
         self.wait = before
         self._pending: Any = None
         self.last_restore: TierRestore | None = None
+
+    def wait_kept(self) -> None:
+        """Wait for the copy a restore brought back to be written into this process's directory
+        (a failure there is logged, not raised: the restore it served has succeeded)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def _inventory(self, store_steps: Callable[[], list[int]]) -> Inventory:
         own = {s: (m.save_id, m.process_count) for s, m in self.tier.steps().items()}

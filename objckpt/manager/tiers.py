@@ -205,7 +205,9 @@ class Tiers:
         )
 
     def wait(self) -> None:
-        """Wait for the local save in flight and its peer copy; re-raise the save's error (once)."""
+        """Wait for the local save in flight and its peer copy (and a copy a restore brought back
+        being written); re-raise the save's error (once)."""
+        self.locations.wait_kept()
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()

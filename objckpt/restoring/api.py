@@ -170,7 +170,7 @@ def restore_copy(
     cast: str = "checked",
 ) -> Any:
     """:func:`restore` from a checkpoint already opened (a local-tier step or a peer copy,
-    :func:`objckpt.layouts.process_copy.open_process_copy`): the same plan, checks and landing.
+    :func:`objckpt.layouts.process_copy.open_part`): the same plan, checks and landing.
 
     Raises:
         PartialCopyError: the copy holds one process's part and not what this target needs here.
