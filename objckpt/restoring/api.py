@@ -243,8 +243,8 @@ def _restore_leaves(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked)
     # there, this process's own boxes cover what its devices need.
     copy = checkpoint.holds_process is not None
     resharding = options.reshard and not read_once and devices_can_reshard()
-    planner = ReadPlanner(prefer_saved=True) if copy else None
-    reads = plan_read_shardings(manifest, selection, planner=planner) if resharding else {}
+    shaping = {"planner": ReadPlanner(prefer_saved=True)} if copy else {}
+    reads = plan_read_shardings(manifest, selection, **shaping) if resharding else {}
     planned = {i: reads[i].read_target(t) if i in reads else t for i, t in selection.items()}
     try:
         manifest, landing, requests = _plan_reads(handle, checkpoint, planned, read_once, cast, designator)
