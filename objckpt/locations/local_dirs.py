@@ -139,12 +139,27 @@ def write_step(directory: Path, snap: Snapshot, *, key: bytes, options: Options)
             process_index=snap.process_index,
             process_count=snap.process_count,
         )
+        sync_files(tmp)
         commit_record(tmp, record, key)
         place(tmp, directory)
     except BaseException:
         _remove(tmp)
         raise
     return record
+
+
+def sync_files(directory: Path) -> None:
+    """Flush every file under ``directory`` and the directories holding them to the disk, so a
+    record written after them never names bytes a power loss could take (the store's writes
+    are atomic renames, not synced)."""
+    for dirpath, _dirs, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
 
 
 def commit_record(directory: Path, record: PartRecord, key: bytes) -> None:
