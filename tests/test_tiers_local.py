@@ -29,8 +29,9 @@ from objckpt.errors import ChecksumMismatchError, FormatError, PartialCopyError,
 from objckpt.layouts.native import NativeCheckpoint
 from objckpt.locations.agreement import LOCAL, PEER, STORE, Inventory, decide
 from objckpt.locations.local_dirs import ForeignStepError, LocalTier, complete_steps, read_record
-from objckpt.peers.copies import payload_of, unpack
+from objckpt.peers.copies import _Incoming, payload_of, unpack
 from objckpt.restoring.api import restore_copy
+from objckpt.roots.step_names import step_dir
 from objckpt.saving.local_snapshot import snapshot
 from tests.multiprocess import run_processes
 
@@ -156,8 +157,10 @@ def test_a_peer_payload_unpacks_to_its_step_and_a_short_or_foreign_one_is_refuse
     assert got.record == read_record(tier.step_dir(1))
     on_disk = {str(p.relative_to(tier.step_dir(1))): p.read_bytes() for p in tier.step_dir(1).rglob("*") if p.is_file()}
     assert {k: v.tobytes() for k, v in got.objects.items()} == on_disk
-    with pytest.raises(FormatError, match="peer copy from process 1: not a local-tier step"):
+    with pytest.raises(FormatError, match="peer copy from process 1: its files do not fill the payload exactly"):
         unpack(payload[:-1], "process 1", tier, 0)
+    with pytest.raises(FormatError, match="peer copy from process 1: not a local-tier step"):
+        unpack(np.concatenate([np.frombuffer(b"OBJCKPT9", np.uint8), payload[8:]]), "process 1", tier, 0)
     with pytest.raises(FormatError, match="peer copy from process 1: 3 bytes is not a local-tier step"):
         unpack(payload[:3], "process 1", tier, 0)
     other = LocalTier(tmp_path / "other", 0, 1, keep_last=2, url="s3://bucket/another", key_of=KEYS.get)
@@ -174,6 +177,28 @@ def test_a_peer_payload_unpacks_to_its_step_and_a_short_or_foreign_one_is_refuse
     doctored[start + 1] ^= 1
     with pytest.raises(FormatError, match="not the one its record pins"):
         unpack(doctored, "process 1", tier, 0)
+
+
+def test_a_keeper_writes_each_file_of_a_peer_copy_as_it_arrives_in_chunks_of_any_size(tmp_path):
+    """The keeper's sink gets a payload in offset order, in chunks the transfer picks: a head cut
+    anywhere, files split across chunks. What it places is the owner's step, file for file."""
+    owner = LocalTier(tmp_path / "owner", 1, 2, keep_last=2, url=ROOT, key_of=KEYS.get)
+    owner.write(snapshot(_tree(3), step=3, root=ROOT, save_id="run1", process_index=1, process_count=2, metadata={}))
+    payload = np.concatenate(payload_of(owner, owner.step_dir(3)))
+    keeper = LocalTier(tmp_path / "keeper", 0, 2, keep_last=2, url=ROOT, key_of=KEYS.get)
+    incoming = _Incoming(keeper, 1)
+    for at in range(0, payload.size, 7):
+        incoming(at, memoryview(payload[at : at + 7]))
+    record = incoming.finish(payload.size)
+    assert record is not None and record == owner.read(owner.step_dir(3))
+    held = keeper.held_dir(1) / step_dir(3)
+    files = lambda d: {str(p.relative_to(d)): p.read_bytes() for p in d.rglob("*") if p.is_file()}  # noqa: E731
+    assert files(held) == files(owner.step_dir(3))
+    assert sorted(keeper.held()[1]) == [3] and not list(keeper.held_dir(1).glob(".tmp-*"))
+    short = _Incoming(keeper, 1)
+    short(0, memoryview(payload[:100]))
+    with pytest.raises(FormatError, match="100 of"):
+        short.finish(payload.size)
 
 
 def test_a_damaged_local_record_is_a_format_error_never_another_exception(tmp_path):

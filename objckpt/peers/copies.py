@@ -26,6 +26,7 @@ import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,9 @@ from objckpt.locations.local_dirs import (
     LocalTier,
     commit_record,
     place,
+    read_regular,
     step_objects,
+    sync_files,
     tmp_dir,
 )
 from objckpt.peers.transfer import exchange_with_peers, keeper_map
@@ -49,19 +52,20 @@ from objckpt.storage.urls import check_relative
 log = logging.getLogger("objckpt")
 
 _MAGIC = b"OBJCKPT2"
-_TRAILER = struct.Struct("<8sQ")
+_HEAD = struct.Struct("<8sQ")
 Keeper = Callable[[int, int], int]
 
 
 def payload_of(tier: LocalTier, directory: Path, owner: int | None = None) -> list[np.ndarray]:
-    """The step in ``directory`` (``owner``'s, default this process's) as one payload: each of its
-    files (mapped, read as they are sent), then the table of their names and sizes and the trailer."""
+    """The step in ``directory`` (``owner``'s, default this process's) as one payload: a head (the
+    ``OBJCKPT2`` trailer's magic, the table's length and the table of its files' names and
+    sizes), then each file (mapped, read as it is sent), so a keeper writes each as it arrives."""
     tier.read(directory, owner)  # this root's, this owner's, inside the tier, its manifest pinned
     objects = step_objects(tier.inside(directory))
     names = sorted(objects)
     table = json.dumps({"files": [[name, int(objects[name].size)] for name in names]}).encode()
-    tail = table + _TRAILER.pack(_MAGIC, len(table))
-    return [*(objects[name] for name in names), np.frombuffer(tail, np.uint8)]
+    head = _HEAD.pack(_MAGIC, len(table)) + table
+    return [np.frombuffer(head, np.uint8), *(objects[name] for name in names)]
 
 
 @dataclass(frozen=True)
@@ -72,19 +76,25 @@ class Received:
     objects: dict[str, np.ndarray]
 
 
-def _files_of(read: Callable[[int, int], bytes], nbytes: int, where: str) -> list[tuple[str, int, int]]:
-    """The files of a payload of ``nbytes`` read through ``read(offset, size)``: (key, offset, size)."""
-    if nbytes < _TRAILER.size:
+def _table(head: bytes, nbytes: int | None, where: str) -> tuple[int, list[tuple[str, int, int]]]:
+    """From a payload's first bytes (at least :data:`_HEAD` ``.size``, then as many as the table
+    takes), its files: (key, offset in the payload, size); and the length of the head (0: the
+    table is not all there yet). ``nbytes``: the payload's length, which the files must fill
+    exactly (None: not known yet, checked once it is)."""
+    if nbytes is not None and nbytes < _HEAD.size:
         raise FormatError(f"peer copy {where}: {nbytes} bytes is not a local-tier step")
-    magic, length = _TRAILER.unpack(read(nbytes - _TRAILER.size, _TRAILER.size))
-    end = nbytes - _TRAILER.size
-    if magic != _MAGIC or length > min(end, MANIFEST_LIMIT):
+    magic, length = _HEAD.unpack(head[: _HEAD.size])
+    room = MANIFEST_LIMIT if nbytes is None else min(nbytes - _HEAD.size, MANIFEST_LIMIT)
+    if magic != _MAGIC or length > room:
         raise FormatError(f"peer copy {where}: not a local-tier step")
-    table = strict_json(read(end - length, length), "peer copy table")
+    end = _HEAD.size + length
+    if len(head) < end:
+        return 0, []
+    table = strict_json(bytes(head[_HEAD.size : end]), "peer copy table")
     entries = table.get("files") if isinstance(table, dict) else None
     if not isinstance(entries, list):
         raise FormatError(f"peer copy {where}: its table lists no files")
-    out, offset = [], 0
+    out, offset = [], end
     for entry in entries:
         ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], int)
         if not ok or entry[1] < 0:
@@ -92,9 +102,9 @@ def _files_of(read: Callable[[int, int], bytes], nbytes: int, where: str) -> lis
         check_relative(entry[0], "file name", allow_empty=False, allow_partial=False)
         out.append((entry[0], offset, entry[1]))
         offset += entry[1]
-    if offset != end - length or len({k for k, _, _ in out}) != len(out):
+    if (nbytes is not None and offset != nbytes) or len({k for k, _, _ in out}) != len(out):
         raise FormatError(f"peer copy {where}: its files do not fill the payload exactly, or one is named twice")
-    return out
+    return end, out
 
 
 def _record_of(
@@ -134,7 +144,12 @@ def check_whose(record: PartRecord, url: str, owner: int, where: str) -> None:
 def unpack(payload: np.ndarray, where: str, tier: LocalTier, owner: int) -> Received:
     """A payload as its record and files, checked as ``owner``'s step of ``tier``'s root (:func:`_record_of`)."""
     read = lambda at, n: payload[at : at + n].tobytes()  # noqa: E731
-    files = _files_of(read, payload.size, f"from {where}")
+    if payload.size < _HEAD.size:
+        raise FormatError(f"peer copy from {where}: {payload.size} bytes is not a local-tier step")
+    length = _HEAD.unpack(read(0, _HEAD.size))[1]
+    _, files = _table(read(0, _HEAD.size + min(length, MANIFEST_LIMIT)), payload.size, f"from {where}")
+    if not files:
+        raise FormatError(f"peer copy from {where}: not a local-tier step")
     record = _record_of(read, files, f"from {where}", tier, owner)
     return Received(record, {key: payload[at : at + n] for key, at, n in files})
 
@@ -168,7 +183,8 @@ def keep_received(tier: LocalTier, received: Received) -> None:
 
 
 class _Incoming:
-    """A sink writing received bytes to a file, then turned into a step directory under ``base``."""
+    """A sink writing a received step's files as they arrive into a new directory under ``base``,
+    then, once checked, moved into place as a step."""
 
     def __init__(self, tier: LocalTier, owner: int) -> None:
         base = tier.inside(tier.held_dir(owner))
@@ -176,43 +192,87 @@ class _Incoming:
         tier.inside(base)
         self.tier, self.owner = tier, owner
         self.base = base
-        self.path = base / f".incoming-{os.getpid()}"
-        self.file = open(self.path, "wb")
+        self.tmp = tmp_dir(base / "step_incoming")
+        self.head = bytearray()
+        self.files: list[tuple[str, int, int]] | None = None
+        self.open: tuple[int, Any] | None = None  # (index in files, its file object)
         self.size = 0
 
     def __call__(self, offset: int, chunk: memoryview) -> None:
-        self.file.seek(offset)
-        self.file.write(chunk)
-        self.size = max(self.size, offset + len(chunk))
+        if offset != self.size:
+            raise FormatError(f"peer copy into {self.base}: bytes at {offset}, {self.size} expected")
+        self.size += len(chunk)
+        data = memoryview(chunk).cast("B")
+        if self.files is None:
+            self.head += data
+            if len(self.head) < _HEAD.size:
+                return
+            end, files = _table(bytes(self.head), None, f"into {self.base}")
+            if not end:
+                return
+            self.files, data = files, memoryview(bytes(self.head[end:]))
+            at = end
+        else:
+            at = offset
+        self._write(at, data)
+
+    def _write(self, at: int, data: memoryview) -> None:
+        """Bytes ``data`` of the payload at ``at``, into the files they belong to."""
+        assert self.files is not None
+        for k, (key, start, size) in enumerate(self.files):
+            lo, hi = max(at, start), min(at + len(data), start + size)
+            if lo >= hi:
+                continue
+            if self.open is None or self.open[0] != k:
+                self._close()
+                path = self.tmp / key
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.open = (k, open(path, "wb"))
+            self.open[1].write(data[lo - at : hi - at])
+
+    def _close(self) -> None:
+        if self.open is not None:
+            f = self.open[1]
+            self.open = None
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
 
     def finish(self, nbytes: int) -> PartRecord | None:
         """Place what arrived (``nbytes``; 0: nothing was sent) as a step; its record."""
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
         try:
+            self._close()
             if nbytes == 0:
                 return None
-            if self.size < nbytes:
+            if self.size != nbytes or self.files is None:
                 raise FormatError(f"peer copy into {self.base}: {self.size} of {nbytes} bytes arrived")
-            payload = np.memmap(self.path, np.uint8, "r", shape=(nbytes,))
-            read = lambda at, n: payload[at : at + n].tobytes()  # noqa: E731
+            ends = [start + size for _, start, size in self.files]
+            if (ends[-1] if ends else len(self.head)) != nbytes:
+                raise FormatError(f"peer copy into {self.base}: its files do not fill its {nbytes} bytes")
+            for key, _, _size in self.files:  # an empty file gets no bytes: made here
+                path = self.tmp / key
+                if not path.exists():
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.touch()
             where = f"into {self.base}"
-            files = _files_of(read, nbytes, where)
-            record = _record_of(read, files, where, self.tier, self.owner)
+            record = _record_of(lambda at, n: self._read(at, n), self.files, where, self.tier, self.owner)
             directory = self.tier.inside(self.base / step_dir(record.step))
-            tmp = tmp_dir(directory)
-            try:
-                _write_files(tmp, {k: payload[at : at + n] for k, at, n in files})
-                place(tmp, directory)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+            sync_files(self.tmp)
+            place(self.tmp, directory)
             self.tier.read(directory, self.owner)  # whole and consistent, or an error now
             return record
         finally:
-            if self.path.exists():
-                self.path.unlink()
+            self._close()
+            if self.tmp.exists():
+                shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _read(self, at: int, n: int) -> bytes:
+        """``n`` bytes of the payload at ``at``, from the file written there (one whole file)."""
+        assert self.files is not None
+        for key, start, size in self.files:
+            if start == at and size == n:
+                return read_regular(self.tmp / key, MANIFEST_LIMIT)[:n]
+        raise FormatError(f"peer copy into {self.base}: no file at byte {at}")
 
 
 def send_to_keepers(tier: LocalTier, step: int | None, *, timeout: float, keeper_of: Keeper | None) -> int | None:
