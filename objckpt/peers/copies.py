@@ -53,19 +53,35 @@ log = logging.getLogger("objckpt")
 
 _MAGIC = b"OBJCKPT2"
 _HEAD = struct.Struct("<8sQ")
+#: Where each file of a payload starts: a multiple of this, the bytes before it zero.
+_FILE_ALIGN = 4096
 Keeper = Callable[[int, int], int]
 
 
 def payload_of(tier: LocalTier, directory: Path, owner: int | None = None) -> list[np.ndarray]:
     """The step in ``directory`` (``owner``'s, default this process's) as one payload: a head (the
-    ``OBJCKPT2`` trailer's magic, the table's length and the table of its files' names and
-    sizes), then each file (mapped, read as it is sent), so a keeper writes each as it arrives."""
+    ``OBJCKPT2`` magic, the table's length and the table of its files' names and sizes), then
+    each file (mapped, read as it is sent) from the next multiple of 4 KiB, so a keeper writes
+    each as it arrives and an owner restores from the bytes in place."""
     tier.read(directory, owner)  # this root's, this owner's, inside the tier, its manifest pinned
     objects = step_objects(tier.inside(directory))
     names = sorted(objects)
     table = json.dumps({"files": [[name, int(objects[name].size)] for name in names]}).encode()
     head = _HEAD.pack(_MAGIC, len(table)) + table
-    return [np.frombuffer(head, np.uint8), *(objects[name] for name in names)]
+    segments = [np.frombuffer(head, np.uint8)]
+    end = len(head)
+    for name in names:  # each file starts on a page: a copy restored from memory lands its pieces aligned
+        gap = _aligned(end) - end
+        if gap:
+            segments.append(np.zeros(gap, np.uint8))
+        segments.append(objects[name])
+        end += gap + objects[name].size
+    return segments
+
+
+def _aligned(offset: int) -> int:
+    """``offset`` rounded up to where a file of a payload starts (:data:`_FILE_ALIGN`)."""
+    return -(-offset // _FILE_ALIGN) * _FILE_ALIGN
 
 
 @dataclass(frozen=True)
@@ -100,8 +116,9 @@ def _table(head: bytes, nbytes: int | None, where: str) -> tuple[int, list[tuple
         if not ok or entry[1] < 0:
             raise FormatError(f"peer copy {where}: a file entry {entry!r} is not [name, size]")
         check_relative(entry[0], "file name", allow_empty=False, allow_partial=False)
-        out.append((entry[0], offset, entry[1]))
-        offset += entry[1]
+        start = _aligned(offset)
+        out.append((entry[0], start, entry[1]))
+        offset = start + entry[1]
     if (nbytes is not None and offset != nbytes) or len({k for k, _, _ in out}) != len(out):
         raise FormatError(f"peer copy {where}: its files do not fill the payload exactly, or one is named twice")
     return end, out
