@@ -36,7 +36,7 @@ import http.client
 import socket
 import ssl
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -237,10 +237,16 @@ class HttpRangeReader:
             attempt.detach()
 
     def _send(
-        self, request_path: str, headers: dict[str, str], attempt: _Attempt, method: str = "GET"
+        self,
+        request_path: str,
+        headers: dict[str, str],
+        attempt: _Attempt,
+        method: str = "GET",
+        body: Sequence[memoryview] = (),
     ) -> http.client.HTTPResponse:
-        """Send the request and read the response head; once more on a new connection if a
-        kept-alive one turns out closed by the server (an idle timeout, not a failure)."""
+        """Send the request (``body``: its parts, each handed to the socket as it lies; the
+        headers say its length) and read the response head; once more on a new connection if
+        a kept-alive one turns out closed by the server (an idle timeout, not a failure)."""
         while True:
             conn = self._connection()
             reused = conn.sock is not None
@@ -248,7 +254,16 @@ class HttpRangeReader:
                 if not reused:
                     conn.connect()
                 attempt.attach(conn.sock)
-                conn.request(method, request_path, headers=headers)
+                if body:
+                    has_host = any(name.lower() == "host" for name in headers)
+                    conn.putrequest(method, request_path, skip_host=has_host, skip_accept_encoding=True)
+                    for name, value in headers.items():
+                        conn.putheader(name, value)
+                    conn.endheaders()
+                    for part in body:
+                        conn.sock.sendall(part)
+                else:
+                    conn.request(method, request_path, headers=headers)
                 return conn.getresponse()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 self._drop_connection()

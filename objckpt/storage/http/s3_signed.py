@@ -23,7 +23,6 @@ store's own checksums"). objckpt signs nothing itself: the signature, the creden
 from __future__ import annotations
 
 import asyncio
-import http.client
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,7 +132,7 @@ class S3SignedRequests(S3Endpoint):
             headers["if-none-match"] = "*"
         headers = self._signed("PUT", request_path, {**headers, **self._payer})
         with self._failures(what, attempt):
-            response = self._send_body(request_path, headers, body, attempt)
+            response = self._send(request_path, headers, attempt, method="PUT", body=body)
             answer = response.read(_ERROR_BODY_LIMIT)
             if not response.isclosed():
                 self._drop_connection()  # more left unread than an error body holds
@@ -145,28 +144,3 @@ class S3SignedRequests(S3Endpoint):
             if create and response.status == 409:  # another conditional write of the key in flight
                 raise TransientStoreError(f"{what} failed (HTTP 409{', ' + code if code else ''})")
             raise status_error(response.status, code, what)
-
-    def _send_body(
-        self, request_path: str, headers: dict[str, str], body: Sequence[memoryview], attempt: _Attempt
-    ) -> http.client.HTTPResponse:
-        """Send a PUT of ``body`` and read the response head; once more on a new connection if a
-        kept-alive one turns out closed by the server before it took the request."""
-        while True:
-            conn = self._connection()
-            reused = conn.sock is not None
-            try:
-                if not reused:
-                    conn.connect()
-                attempt.attach(conn.sock)
-                has_host = any(name.lower() == "host" for name in headers)
-                conn.putrequest("PUT", request_path, skip_host=has_host, skip_accept_encoding=True)
-                for name, value in headers.items():
-                    conn.putheader(name, value)
-                conn.endheaders()
-                for part in body:
-                    conn.sock.sendall(part)
-                return conn.getresponse()
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                self._drop_connection()
-                if not reused or attempt.aborted:
-                    raise
