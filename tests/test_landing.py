@@ -17,6 +17,7 @@ import json
 import platform
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import jax
@@ -607,8 +608,9 @@ def test_whole_boxes_bound_for_an_accelerator_go_from_the_response_without_a_cop
     """A leaf bound for an accelerator takes its whole-box pieces straight from the read's
     response, at any alignment: ``device_put`` copies them to the device, and a buffer of the
     box's own would cost one more host memcpy. Nothing is allocated for them, and the restore
-    stays exact."""
-    url = tmp_path.as_uri()
+    stays exact. (A store that reads whole responses, as ``memory://`` does; ``file://``
+    streams each piece straight into its box instead: test_read_in_place.py.)"""
+    url = f"memory://whole-boxes-{uuid.uuid4().hex}"
     values, shardings = _many_small_leaves(url)
     allocated: list[int] = []
 

@@ -252,6 +252,15 @@ class Landing:
         for box, (start, stop) in overlaps:
             buffers[box][box_to_slices(start, stop, origin=box[0])] = source[box_to_slices(start, stop, origin=origin)]
 
+    def place_of(self, i: int, box: Box, start: tuple[int, ...], stop: tuple[int, ...]) -> np.ndarray | None:
+        """The region ``[start, stop)`` of leaf ``i``'s buffer for ``box`` (made by :meth:`boxes_met`),
+        when it is one contiguous, writable run of memory a read can land in as is; else None."""
+        buffer = self._leaves[i].buffers.get(box)
+        if buffer is None or not buffer.flags.writeable:
+            return None
+        region = buffer[box_to_slices(start, stop, origin=box[0])]
+        return region if region.flags.c_contiguous else None
+
     def buffers(self, i: int) -> dict[Box, np.ndarray]:
         """Leaf ``i``'s host buffers now, by box (read-only use: tests and checks)."""
         return self._leaves[i].buffers

@@ -32,6 +32,7 @@ from objckpt.core.boxes import Box
 from objckpt.core.checksum import crc32c, crc32c_combine
 from objckpt.core.plan import PACKING_SLACK, ReadPart, ReadRequest, intersect
 from objckpt.errors import ChecksumMismatchError, IntegrityError
+from objckpt.restoring.aligned_reads import address
 from objckpt.restoring.landing import Landing
 from objckpt.restoring.leaf_plan import LeafPlan
 from objckpt.storage.streaming import STREAM_PIECE
@@ -39,6 +40,10 @@ from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.ordered import run_in_order
 
 Span = tuple[int, int]  # [first, last) bytes of a read's body
+
+#: Pieces smaller than this are handed over several at a time (:meth:`ScatterSink.next_size`);
+#: a larger one alone, as one place it can be read into.
+GROUPED_BELOW = 256 << 10
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
@@ -172,6 +177,7 @@ class ScatterSink:
         self._crc = 0  # of the current part's bytes in this span so far
         self._hash: Any = None  # its SHA-256 so far, for a piece that has one
         self._planned: tuple[int, int, int] = (-1, 0, 0)  # (position, slab axis, length)
+        self._in_place: tuple[int, int, int] | None = None  # (position, address, length) named by destination
         self.shared = {}
 
     def next_size(self, offset: int, limit: int) -> int:
@@ -193,23 +199,77 @@ class ScatterSink:
         """Bytes from ``position`` (where the current part starts) to the end of the last
         part after it that still fits in ``limit``: small pieces are handed over many at a
         time (one receive of 2 MiB instead of ~40 of 48 KiB, each a trip through the socket
-        and the GIL)."""
+        and the GIL). A large piece goes alone, so that a store can read it straight into its
+        box (:meth:`destination`)."""
         end = position
-        for part in self._parts[self._k :]:
+        for k, part in enumerate(self._parts[self._k :]):
             part_end = part.offset + part.piece.length
-            if part_end - position > limit:
+            if part_end - position > limit or (k and part.piece.length >= GROUPED_BELOW):
                 break
             end = part_end
+            if part.piece.length >= GROUPED_BELOW:
+                break
         return end - position
+
+    def destination(self, offset: int, size: int) -> memoryview | None:
+        """Where the ``size`` bytes at ``offset`` belong, when that is one contiguous run of one
+        box's buffer (:func:`objckpt.storage.streaming.destination_of`); None otherwise.
+
+        So it is for a slab (or a whole piece) lying inside a single box whose rows it spans
+        whole, as a piece does on a target sharded like the saved one along its inner
+        axes; a store that reads there hands the same view to :meth:`receive`, which
+        checks the bytes without copying them.
+        """
+        position = self.span[0] + offset
+        part = self._current(position)
+        if part is None or position < part.offset or position + size > part.offset + part.piece.length:
+            return None
+        piece, plan = part.piece, self.plans[part.leaf]
+        at = position - part.offset
+        if at == 0 and size == piece.length:
+            start, stop = piece.start, piece.stop
+        else:
+            axis, length = _slab(piece.shape, plan.dtype.itemsize, at, size)
+            if length != size:
+                return None
+            start, stop = _slab_box(piece.start, piece.shape, plan.dtype.itemsize, at, axis, length)
+        meets = self.landing.boxes_met(part.leaf, piece)
+        slab = (tuple(start), tuple(stop))
+        inside = [box for box, _ in meets if intersect(*slab, *box) == slab]
+        if len(inside) != 1:
+            return None
+        place = self.landing.place_of(part.leaf, inside[0], *slab)
+        if place is None:
+            return None
+        view = place.reshape(-1).view(np.uint8).data  # as bytes: a bfloat16 array exports no buffer format
+        self._in_place = (position, address(view), size)
+        return view
 
     def receive(self, offset: int, data: memoryview) -> None:
         position = self.span[0] + offset
+        if self._in_place == (position, address(data), len(data)):
+            self._in_place = None
+            self._check_in_place(position, data)
+            return
         part = self._current(position)
         if part is not None and part.offset >= position and part.offset + part.piece.length <= position + len(data):
             with self.copy_lock:  # starts with a whole piece: a run of small ones (see the class)
                 self._receive(position, data)
         else:
             self._receive(position, data)
+
+    def _check_in_place(self, position: int, data: memoryview) -> None:
+        """Bytes a store read straight into their box (:meth:`destination`): check them only."""
+        part = self._current(position)
+        assert part is not None
+        piece = part.piece
+        self._crc = crc32c(data, self._crc)
+        if piece.sha256 is not None:
+            if self._hash is None:
+                self._hash = hashlib.sha256()
+            self._hash.update(data)
+        if position + len(data) == min(part.offset + piece.length, self.span[1]):
+            self._end_part(part)
 
     def _receive(self, base: int, data: memoryview) -> None:
         """``data``, which starts at byte ``base`` of the read's body."""

@@ -9,6 +9,14 @@ CPU (docs/PERFORMANCE.md). Nor does the read need a buffer the size of its body.
 The sink sizes each piece (:meth:`ReadSink.next_size`) so that its pieces
 end where its own units do (whole rows of a box); the store receives exactly
 that many bytes into a buffer it reuses and hands them over.
+
+A store that fills a caller's buffer (a local file, read with ``readinto``) first
+asks the sink where the piece belongs (:func:`destination_of`): a sink whose
+piece lands in one contiguous run of its own memory (whole rows of one box) names
+that run, the store reads the bytes straight there and hands over that same view,
+and the sink only checks them. One host copy of each byte, not two: on an
+accelerator host the second copy, into memory freshly faulted in, was what held a
+restore above its read + ``device_put`` floor (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -35,6 +43,24 @@ class ReadSink(Protocol):
 
     def receive(self, offset: int, data: memoryview) -> None:
         """The bytes at ``offset``; ``data`` is only valid during the call."""
+
+
+def destination_of(sink: ReadSink, offset: int, size: int) -> memoryview | None:
+    """Where ``sink`` wants the ``size`` bytes at ``offset`` written, when it names a place.
+
+    A sink may define ``destination(offset, size)``: a writable, contiguous view of
+    exactly ``size`` bytes where that piece belongs, or None. A store that received
+    the piece there passes that very view to ``receive``, which then only checks it.
+    Sinks without the method (and pieces with no single place) get None: the store
+    receives into its own buffer and the sink copies.
+    """
+    method = getattr(sink, "destination", None)
+    if method is None:
+        return None
+    view = method(offset, size)
+    if view is not None and (view.readonly or view.nbytes != size or not view.c_contiguous):
+        raise ValueError(f"a sink named a destination unfit for {size} bytes at offset {offset}")
+    return view
 
 
 def feed(sink: ReadSink, data: memoryview | bytes, *, length: int, limit: int) -> int:

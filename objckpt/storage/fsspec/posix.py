@@ -39,8 +39,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 import uuid
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+from objckpt.storage.streaming import ReadSink, destination_of, piece_size
 
 #: Prefix of in-flight temporary files; listings skip names starting with it.
 TMP_PREFIX = ".objckpt-tmp-"
@@ -214,6 +217,66 @@ def read_range(root: str, key: str, start: int, end: int | None) -> bytes:
         if start:
             f.seek(start)
         return f.read() if end is None else f.read(end - start)
+
+
+class SinkRaised(Exception):
+    """What a sink raised inside :func:`stream_range`, carried out apart from the file's own errors."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(repr(error))
+        self.error = error
+
+
+def stream_range(
+    root: str, key: str, start: int, end: int, sink: ReadSink, piece: int, stopped: threading.Event
+) -> int:
+    """Hand bytes ``[start, end)`` of ``key`` (opened by :func:`open_regular`) to ``sink`` in the
+    pieces it sizes; how many bytes it was handed (fewer only where the file ends).
+
+    Each piece is read with ``readinto`` straight into the place the sink names for it
+    (:func:`objckpt.storage.streaming.destination_of`), else into one reused buffer of
+    at most ``piece`` bytes. Stops without calling the sink again once ``stopped`` is set
+    (the caller gave up waiting). A sink's error comes out as :class:`SinkRaised`.
+    """
+    buffer: memoryview | None = None
+    with open_regular(root, key) as f:
+        f.seek(start)
+        raw = f.raw if hasattr(f, "raw") else f
+        offset, length = 0, end - start
+
+        def sink_call(fn: Any, *args: Any) -> Any:
+            if stopped.is_set():
+                raise SinkRaised(TimeoutError("the read was abandoned"))
+            try:
+                return fn(*args)
+            except Exception as exc:
+                raise SinkRaised(exc) from exc
+
+        sink_call(sink.begin)
+        while offset < length:
+            size = sink_call(piece_size, sink, offset, min(piece, length - offset))
+            place = sink_call(destination_of, sink, offset, size)
+            if place is None:
+                if buffer is None:
+                    buffer = memoryview(bytearray(min(piece, length)))
+                place = buffer[:size]
+            got = _read_fully(raw, place)
+            if got < size:
+                return offset  # the file ends inside this piece: it is not handed over
+            sink_call(sink.receive, offset, place)
+            offset += size
+    return offset
+
+
+def _read_fully(f: Any, view: memoryview) -> int:
+    """``readinto`` until ``view`` is full or the file ends; the bytes read."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def stat_regular(root: str, key: str) -> os.stat_result:
