@@ -141,8 +141,11 @@ def _worker(job: dict[str, Any], process: int) -> dict[str, Any]:
             together()
             t0 = time.perf_counter()
             mgr = manager(job["url"], local, 1, 1)
+            t1 = time.perf_counter()
             step = mgr.latest_step()
+            t2 = time.perf_counter()
             restored = mgr.restore(step, abstract)
+            t3 = time.perf_counter()
             jax.block_until_ready(restored)
             seconds = time.perf_counter() - t0
             last = mgr.tier_status().last_restore
@@ -160,6 +163,15 @@ def _worker(job: dict[str, Any], process: int) -> dict[str, Any]:
                     "tier": last.tier if last else None,
                     "step": step,
                     "exact": exact,
+                    # where the slowest process's time went: the manager made, latest_step(),
+                    # restore() (its phases: TierRestore.phases), then the arrays ready
+                    "phases": {
+                        "manager": t1 - t0,
+                        "latest_step": t2 - t1,
+                        **({f"restore.{k}": v for k, v in last.phases.items()} if last else {}),
+                        "restore": t3 - t2,
+                        "ready": seconds - (t3 - t0),
+                    },
                 }
             )
             together()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from objckpt.errors import PeerCopyUnavailableError
-from objckpt.peers.transfer import _Segments, _spans, default_keeper, exchange_with_peers, keeper_map
+from objckpt.peers.transfer import _chunks, _Segments, _spans, default_keeper, exchange_with_peers, keeper_map
 from tests import multiprocess
 
 WORKER = Path(__file__).with_name("peer_copy_worker.py")
@@ -72,6 +72,22 @@ def test_chunks_are_full_then_the_rest() -> None:
     assert _spans(10, MIB) == [(0, 10)]
     assert _spans(MIB, MIB) == [(0, MIB)]
     assert _spans(3 * MIB + 5000, MIB) == [(0, MIB), (MIB, MIB), (2 * MIB, MIB), (3 * MIB, 5000)]
+
+
+def test_chunks_are_cut_where_segments_meet_so_no_part_is_joined() -> None:
+    assert _chunks(0, MIB, []) == []
+    assert _chunks(3 * MIB + 5, MIB, []) == [[(0, MIB)], [(MIB, MIB)], [(2 * MIB, MIB)], [(3 * MIB, 5)]]
+    assert _chunks(3 * MIB, MIB, [10, MIB, MIB + 20, 3 * MIB]) == [
+        [(0, 10), (10, MIB - 10)],
+        [(MIB, 20), (MIB + 20, MIB - 20)],
+        [(2 * MIB, MIB)],
+    ]
+    whole = np.arange(3000, dtype=np.uint8)
+    segments = _Segments([whole[:10], b"", whole[10:2100], whole[2100:]])
+    assert segments.cuts == [10, 2100]
+    for parts in _chunks(segments.size, 1024, segments.cuts):
+        for offset, size in parts:  # every part a view of the sender's own memory, never a copy
+            assert np.shares_memory(segments.read(offset, size), whole), (offset, size)
 
 
 def test_a_payload_in_segments_reads_as_one() -> None:

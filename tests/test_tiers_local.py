@@ -305,7 +305,10 @@ def test_manager_restores_from_local_then_store_and_gc_leaves_the_local_tier_alo
     target = {**_tree(0), "data": objckpt.PerProcess(), "config": objckpt.Json()}
     with caplog.at_level("INFO", logger="objckpt"):
         out = mgr.restore(None, target)
-    assert mgr.tier_status().last_restore.tier == "local"  # type: ignore[union-attr]
+    last = mgr.tier_status().last_restore
+    assert last is not None and last.tier == "local"
+    assert list(last.phases) == ["decide", "open", "agree_open", "restore", "agree_done"]  # where the time went
+    assert all(v >= 0 for v in last.phases.values()) and sum(last.phases.values()) <= last.seconds
     assert "restored step 10 from the local tier" in caplog.text
     assert np.asarray(out["w"]).tobytes() == np.asarray(_tree(10)["w"]).tobytes() and out["data"] == b"it=10"
     before = sorted(p.relative_to(local) for p in local.rglob("*"))
@@ -317,7 +320,9 @@ def test_manager_restores_from_local_then_store_and_gc_leaves_the_local_tier_alo
     for p in (local / "process_0").iterdir():
         p.rename(p.with_name("gone_" + p.name))  # the local tier lost: the store serves
     out = mgr.restore(None, target)
-    assert mgr.tier_status().last_restore.tier == "store" and out["n"] == 10  # type: ignore[union-attr]
+    last = mgr.tier_status().last_restore
+    assert last is not None and last.tier == "store" and out["n"] == 10
+    assert list(last.phases) == ["decide", "store"]
     assert np.asarray(out["w"]).tobytes() == np.asarray(_tree(10)["w"]).tobytes()
     with pytest.raises(objckpt.CheckpointNotFoundError, match="step 5"):
         mgr.restore(5, target)

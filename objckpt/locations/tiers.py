@@ -16,10 +16,11 @@ logs where and how long; :attr:`StepLocations.last_restore` keeps it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from objckpt.errors import (
@@ -60,11 +61,17 @@ class TierRestore:
         step: the step restored.
         tier: ``"local"``, ``"peer"`` or ``"store"``.
         seconds: how long the restore took.
+        phases: where those seconds went on this process, in order: ``"decide"`` (which step
+            and tier, agreed by every process), per tier tried ``"fetch"`` (a lost step
+            brought back from its keeper), ``"open"`` (the copy's record and manifest),
+            ``"agree_open"`` and ``"agree_done"`` (waits for every process), ``"restore"``
+            (the one restore); ``"store"`` for a restore from the object store.
     """
 
     step: int
     tier: str
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -164,7 +171,9 @@ class StepLocations:
     ) -> Any:
         """``step`` (None: the newest anywhere) from the fastest tier that serves every process."""
         started = time.perf_counter()
-        decision = self._decide(step, store_steps)
+        phases = _Phases()
+        with phases("decide"):
+            decision = self._decide(step, store_steps)
         if decision.step is None or not decision.tiers:
             where = f"step {step}" if step is not None else "a step"
             raise CheckpointNotFoundError(
@@ -174,14 +183,18 @@ class StepLocations:
         why: list[str] = []
         for tier in decision.tiers:
             if tier == STORE:
-                out = from_store(decision.step)
-                return self._done(decision.step, STORE, started, out)
-            received, fetch_error = self._fetch(decision) if tier == PEER else (None, None)
-            out, failed = self._try_local(decision, target, partial, received, fetch_error)
+                with phases("store"):
+                    out = from_store(decision.step)
+                return self._done(decision.step, STORE, started, out, phases)
+            received, fetch_error = None, None
+            if tier == PEER:
+                with phases("fetch"):
+                    received, fetch_error = self._fetch(decision)
+            out, failed = self._try_local(decision, target, partial, received, fetch_error, phases)
             if not failed:
                 if received is not None:  # restored from memory: now into this process's own directory
                     self._pending = runtime.submit(asyncio.to_thread(self._keep, received))
-                return self._done(decision.step, tier, started, out)
+                return self._done(decision.step, tier, started, out, phases)
             why.append(f"{tier}: " + "; ".join(f"process {p}: {e}" for p, e in sorted(failed.items())))
             log.warning("objckpt: step %d not restored from the %s tier: %s", decision.step, tier, why[-1])
         raise CheckpointNotFoundError(f"step {decision.step} could not be restored from any tier: {' | '.join(why)}")
@@ -211,7 +224,13 @@ class StepLocations:
             log.warning("objckpt local tier: the step brought back from the keeper was not kept: %s", e)
 
     def _try_local(
-        self, decision: Any, target: Any, partial: bool, received: Any = None, fetch_error: str | None = None
+        self,
+        decision: Any,
+        target: Any,
+        partial: bool,
+        received: Any = None,
+        fetch_error: str | None = None,
+        phases: _Phases | None = None,
     ) -> tuple[Any, dict[int, str]]:
         """Restore from this process's step (``received``: its copy brought back, in memory) through the
         one restore (:func:`objckpt.restoring.api.restore_copy`), then agree with every process that
@@ -222,28 +241,34 @@ class StepLocations:
         one at the end."""
         from objckpt.restoring.api import restore_copy
 
+        phases = phases if phases is not None else _Phases()
         out, error, checkpoint = None, fetch_error, None
         if error is None:
-            try:
-                directory = self.tier.step_dir(decision.step)
-                record = received.record if received is not None else self.tier.read(directory)
-                if record.save_id != decision.save_id:
-                    raise PartialCopyError(f"step {decision.step} here is another run's save")
-                checkpoint = self.tier.open(directory, record, received.objects if received is not None else None)
-            except Exception as e:  # any failure here: report it, so no process waits for this one alone
-                error = f"{type(e).__name__}: {e}"
-        failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout)
+            with phases("open"):
+                try:
+                    directory = self.tier.step_dir(decision.step)
+                    record = received.record if received is not None else self.tier.read(directory)
+                    if record.save_id != decision.save_id:
+                        raise PartialCopyError(f"step {decision.step} here is another run's save")
+                    objects = received.objects if received is not None else None
+                    checkpoint = self.tier.open(directory, record, objects)
+                except Exception as e:  # any failure here: report it, so no process waits for this one alone
+                    error = f"{type(e).__name__}: {e}"
+        with phases("agree_open"):
+            failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout)
         if not failed and checkpoint is not None:
-            try:
-                out = restore_copy(checkpoint, target, partial=partial, options=self.options)
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-        failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout) or failed
+            with phases("restore"):
+                try:
+                    out = restore_copy(checkpoint, target, partial=partial, options=self.options)
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
+        with phases("agree_done"):
+            failed = all_succeeded(self.coordinator, self.url, error, timeout=self.timeout) or failed
         return (None if failed else out), failed
 
-    def _done(self, step: int, tier: str, started: float, out: Any) -> Any:
+    def _done(self, step: int, tier: str, started: float, out: Any, phases: _Phases) -> Any:
         seconds = time.perf_counter() - started
-        self.last_restore = TierRestore(step, tier, seconds)
+        self.last_restore = TierRestore(step, tier, seconds, dict(phases.seconds))
         log.info(
             "objckpt: process %d restored step %d from the %s tier in %.3f s",
             self.tier.process_index,
@@ -270,3 +295,18 @@ class StepLocations:
 
 
 __all__ = ["LOCAL", "PEER", "STORE", "StepLocations", "TierRestore", "TierStatus"]
+
+
+class _Phases:
+    """Seconds per named phase of one restore (:attr:`TierRestore.phases`); a phase run again adds up."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started

@@ -8,8 +8,9 @@ keeper.
 
 The bytes move with JAX's own transfer service, never a protocol of our own:
 ``jax.experimental.transfer`` (the runtime's DCN transfer server, one per process, started
-on the first exchange). A process offers each chunk of its payload as a device array under
-an id (``await_pull``) and its keeper pulls it from there; the transfer is point to point
+on the first exchange). A process offers each chunk of its payload as device arrays under
+an id (``await_pull``), one per segment the chunk spans (a file of a step, sent from where it
+lies: never joined into a copy first), and its keeper pulls them from there; the transfer is point to point
 and is not a device program, so it runs beside the training step's collectives in any
 order, from a background thread. At most ``_WINDOW`` chunks of a payload are offered at a
 time: the keeper acknowledges each chunk it has taken through the coordination service, so
@@ -173,7 +174,15 @@ def exchange_with_peers(
     keys = _Keys(get_coordinator(), operation_tag("peer_copy", name))
     try:
         address = _server().address() if unavailable is None else None
-        infos = keys.agree("sizes", timeout, size=data.size, unavailable=unavailable, keepers=keepers, address=address)
+        infos = keys.agree(
+            "sizes",
+            timeout,
+            size=data.size,
+            cuts=data.cuts,
+            unavailable=unavailable,
+            keepers=keepers,
+            address=address,
+        )
         off: dict[str, list[int]] = {}
         for p, i in sorted(infos.items()):
             if i["unavailable"]:
@@ -195,7 +204,7 @@ def exchange_with_peers(
         except (MemoryError, OSError) as e:
             error = f"{type(e).__name__}: {e}"
         _check(keys.agree("ready", timeout, error=error), name)
-        into = _Receiver(nbytes, received, sink)
+        into = _Receiver(nbytes, received, sink, infos[owner]["cuts"])
         link = _Link(keys, here, owner, keepers[here], infos[owner]["address"], chunk_bytes, timeout)
         try:
             link.run(data, into)
@@ -226,6 +235,11 @@ class _Segments:
         self.parts = [_as_bytes(p) for p in parts]
         self.starts = np.cumsum([0] + [p.size for p in self.parts]).tolist()
         self.size = int(self.starts[-1])
+
+    @property
+    def cuts(self) -> list[int]:
+        """Where one segment ends and the next begins: no part of a chunk crosses one (:func:`_chunks`)."""
+        return [start for start, part in zip(self.starts[1:-1], self.parts[1:]) if part.size]
 
     def read(self, offset: int, size: int) -> np.ndarray:
         """``size`` bytes from ``offset``: a view when they lie in one segment, else joined."""
@@ -280,8 +294,9 @@ def _check(infos: dict[int, dict[str, Any]], name: str) -> None:
 class _Receiver:
     """Takes the received chunks: into the buffer, or to the sink until it fails (then drops them)."""
 
-    def __init__(self, nbytes: int, buffer: np.ndarray | None, sink: Sink | None) -> None:
+    def __init__(self, nbytes: int, buffer: np.ndarray | None, sink: Sink | None, cuts: Sequence[int] = ()) -> None:
         self.nbytes = nbytes
+        self.cuts = [int(c) for c in cuts]  # where the sender's segments meet (its chunks' parts end there)
         self.buffer = buffer
         self.sink = sink
         self.error: str | None = None
@@ -360,30 +375,31 @@ class _Link:
 
     def _offer(self, data: _Segments) -> None:
         server = _server()
-        mine = _spans(data.size, self.chunk_bytes)
-        for k, (offset, size) in enumerate(mine):
+        mine = _chunks(data.size, self.chunk_bytes, data.cuts)
+        for k, parts in enumerate(mine):
             if k >= _WINDOW:
                 self._await_ack(k - _WINDOW)
-            chunk = jax.device_put(data.read(offset, size), self.device)
-            server.await_pull(self._id(self.here, k), [chunk], timeout=self._deadline())
+            arrays = jax.device_put([data.read(offset, size) for offset, size in parts], self.device)
+            server.await_pull(self._id(self.here, k), arrays, timeout=self._deadline())
         for k in range(max(0, len(mine) - _WINDOW), len(mine)):  # the keeper has taken every chunk
             self._await_ack(k)
 
     def _pull(self, into: _Receiver, pool: concurrent.futures.Executor) -> None:
-        theirs = _spans(into.nbytes, self.chunk_bytes)
+        theirs = _chunks(into.nbytes, self.chunk_bytes, into.cuts)
         if not theirs:
             return
         connection = _server().connect(self.owner_address)
+        sharding = SingleDeviceSharding(self.device)
 
-        def pull(k: int) -> jax.Array:
-            spec = jax.ShapeDtypeStruct((theirs[k][1],), np.uint8, sharding=SingleDeviceSharding(self.device))
-            [got] = connection.pull(self._id(self.owner, k), [spec], timeout=self._deadline())
-            return got  # type: ignore[no-any-return]
+        def pull(k: int) -> list[jax.Array]:
+            specs = [jax.ShapeDtypeStruct((size,), np.uint8, sharding=sharding) for _, size in theirs[k]]
+            return connection.pull(self._id(self.owner, k), specs, timeout=self._deadline())  # type: ignore[no-any-return]
 
         inflight = {k: pool.submit(pull, k) for k in range(min(_WINDOW, len(theirs)))}
-        for k, (offset, _) in enumerate(theirs):
+        for k, parts in enumerate(theirs):
             got = inflight.pop(k).result()
-            into.take(offset, np.asarray(got))
+            for (offset, _), array in zip(parts, got, strict=True):
+                into.take(offset, np.asarray(array))
             del got
             self.keys.coordinator.publish(f"{self.keys.tag}/ack{k}", b"1")
             if k + _WINDOW < len(theirs):  # waits in the pool until the owner offers it (after this ack)
@@ -396,3 +412,19 @@ class _Link:
 def _spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """(offset, size) of every chunk of a payload of ``nbytes``: full ones, then the rest."""
     return [(off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]
+
+
+def _chunks(nbytes: int, chunk_bytes: int, cuts: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """Every chunk of :func:`_spans` as its parts, (offset, size) each, cut where a segment ends.
+
+    A chunk goes as one array per part (``await_pull`` and ``pull`` take lists), so a chunk
+    over the end of one file and the start of the next is sent from both as they lie, never
+    joined into a copy first. Both ends compute the same parts from the sender's ``cuts``.
+    """
+    inside = sorted({c for c in cuts if 0 < c < nbytes})
+    out = []
+    for offset, size in _spans(nbytes, chunk_bytes):
+        end = offset + size
+        bounds = [offset, *(c for c in inside if offset < c < end), end]
+        out.append([(a, b - a) for a, b in zip(bounds, bounds[1:])])
+    return out
