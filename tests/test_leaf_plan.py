@@ -18,6 +18,7 @@ import pytest
 
 from objckpt.core.checksum import crc32c
 from objckpt.core.format import LeafEntry
+from objckpt.core.format.rows import rows_from_pieces
 from objckpt.core.pieces import Piece
 from objckpt.core.plan import ReadPart, ReadRequest
 from objckpt.errors import ChecksumMismatchError
@@ -41,7 +42,8 @@ def _cells(shape, cell, values, blob="b", spacer=64):
 
 
 def _entry(pieces, shape=(8, 6)):
-    return LeafEntry("['w']", "array", "float32", shape, pieces)
+    """The leaf as a restore plans it: its pieces as rows (``Manifest.in_columns``)."""
+    return LeafEntry("['w']", "array", "float32", shape, rows_from_pieces([(0, pieces, 4)]).leaf(0) if pieces else ())
 
 
 def _rows(shape, parts):
@@ -102,9 +104,9 @@ def test_with_entry_plans_the_new_pieces_and_leaves_the_plan_as_it_was():
     values = np.arange(48, dtype=np.float32).reshape(8, 6)
     pieces, _ = _cells((8, 6), (4, 3), values)
     root = _sharded(_entry(()), _rows((8, 6), 2))  # format 2's root: no pieces yet
-    assert root.pieces == [] and root.box_pieces == {((0, 0), (4, 6)): 0, ((4, 0), (8, 6)): 0}
+    assert not root.pieces and root.box_pieces == {((0, 0), (4, 6)): 0, ((4, 0), (8, 6)): 0}
     full = root.with_entry(_entry(pieces))
-    assert full.pieces == list(pieces) and root.pieces == []
+    assert list(full.pieces) == list(pieces) and not root.pieces
     assert full.read_boxes == root.read_boxes and full.devices_by_box is root.devices_by_box
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from objckpt.core import plan as plan_module
 from objckpt.core.format import Piece
+from objckpt.core.format.rows import rows_from_pieces
 from objckpt.core.plan import (
     ALIGN,
     PACKING_SLACK,
@@ -19,9 +20,26 @@ from objckpt.core.plan import (
     blob_key,
     intersect,
     plan_blobs,
-    plan_reads,
     split_box,
 )
+from objckpt.core.plan_rows import plan_row_reads
+
+
+def plan_reads(wanted, *, layout=None, kept=None, **limits):
+    """The reads of ``wanted`` (leaf, piece) pairs as a restore plans them: every piece of
+    ``layout`` (by default the wanted ones) as rows, those wanted and kept as masks."""
+    wanted = list(wanted)
+    layout = [p for _, p in wanted] if layout is None else list(layout)
+    leaf_of = {(p.blob, p.offset): leaf for leaf, p in wanted}
+    by_leaf = {}
+    for p in layout:
+        by_leaf.setdefault(leaf_of.get((p.blob, p.offset), -1), []).append(p)
+    rows = rows_from_pieces((leaf, found, 1) for leaf, found in by_leaf.items())
+    got = rows.pieces(np.arange(len(rows)))
+    leaves = rows.leaf_of(np.arange(len(rows))).tolist()
+    mask = np.array([leaf != -1 for leaf in leaves])
+    kept_mask = np.array([leaf != -1 and kept is not None and kept(leaf, p) for leaf, p in zip(leaves, got)])
+    return plan_row_reads(rows, mask, kept=kept_mask, **limits)
 
 
 def _volume(start, stop):
@@ -150,13 +168,14 @@ def test_box_index_bisects_a_grid_and_tests_others_one_by_one():
 
 
 def test_plan_reads_coalesces_adjacent_only_by_default():
-    wanted = [(0, _piece("a", 0, 10)), (1, _piece("a", 10, 10)), (2, _piece("a", 30, 5)), (3, _piece("b", 0, 7))]
+    # a gap of 280 bytes: more than a spacer and its alignment, so not free bytes of the layout
+    wanted = [(0, _piece("a", 0, 10)), (1, _piece("a", 10, 10)), (2, _piece("a", 300, 5)), (3, _piece("b", 0, 7))]
     reqs = plan_reads(wanted, coalesce_gap=0, max_read_size=1 << 20)
     spans = sorted((r.blob, r.start, r.end) for r in reqs)
-    assert spans == [("a", 0, 20), ("a", 30, 35), ("b", 0, 7)]
-    merged = plan_reads(wanted, coalesce_gap=10, max_read_size=1 << 20)
-    assert sorted((r.blob, r.start, r.end) for r in merged) == [("a", 0, 35), ("b", 0, 7)]
-    capped = plan_reads(wanted, coalesce_gap=10, max_read_size=15)
+    assert spans == [("a", 0, 20), ("a", 300, 305), ("b", 0, 7)]
+    merged = plan_reads(wanted, coalesce_gap=280, max_read_size=1 << 20)
+    assert sorted((r.blob, r.start, r.end) for r in merged) == [("a", 0, 305), ("b", 0, 7)]
+    capped = plan_reads(wanted, coalesce_gap=280, max_read_size=15)
     assert all(r.length <= 15 for r in capped)
     for r in merged:
         for part in r.parts:
@@ -188,7 +207,6 @@ def test_plan_reads_knows_free_bytes_from_the_layout():
     # the free gap joins p1 and p2; the foreign piece (not wanted) keeps p3 apart
     assert [(r.start, r.end) for r in reqs] == [(64, 356), (448, 548)]
     assert [r.slack for r in reqs] == [64, 28]  # free bytes back to the blob start / the foreign piece's end
-    assert [r.slack for r in plan_reads(wanted, coalesce_gap=0, max_read_size=1 << 20)] == [0, 0, 0]
 
 
 def test_reads_of_kept_pieces_grow_to_their_own_limit():

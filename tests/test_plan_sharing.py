@@ -8,6 +8,8 @@ piece with the boxes, the coverage check, and the writers of a box under a grid.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -15,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from objckpt.core import boxes as boxes_module
 from objckpt.core.format import LeafEntry
+from objckpt.core.format.rows import Rows, rows_from_pieces
 from objckpt.core.pieces import Piece
 from objckpt.core.plan import BoxIndex
 from objckpt.core.writer_rule import Grid, Mesh
@@ -25,13 +28,25 @@ F32 = np.dtype(np.float32)
 BOXES = {((0, 0), (4, 6)): ["dev0"], ((4, 0), (8, 6)): ["dev1"]}
 
 
-def _layer(k: int, *, hole: bool = False) -> LeafEntry:
-    """Leaf ``k`` of a stack: 2 × 2 cells of (4, 3) in blob ``b{k}`` (``hole``: its last cell missing)."""
+def _cells(k: int, hole: bool) -> tuple[Piece, ...]:
     cells = [((r, c), (r + 4, c + 3)) for r in (0, 4) for c in (0, 3)]
     if hole:
         cells.pop()
-    pieces = tuple(Piece(a, b, f"b{k}", 64 + 64 * n, 48, n + k) for n, (a, b) in enumerate(cells))
-    return LeafEntry(f"['layers'][{k}]", "array", "float32", (8, 6), pieces)
+    return tuple(Piece(a, b, f"b{k}", 64 + 64 * n, 48, n + k) for n, (a, b) in enumerate(cells))
+
+
+@functools.cache
+def _stack() -> Rows:
+    """The pieces of 50 leaves of a stack, and of the same leaves with a hole (leaf 100 + k), as
+    the rows of one checkpoint (what a restore plans from)."""
+    return rows_from_pieces(
+        [(k, _cells(k, False), 4) for k in range(50)] + [(100 + k, _cells(k, True), 4) for k in range(50)]
+    )
+
+
+def _layer(k: int, *, hole: bool = False) -> LeafEntry:
+    """Leaf ``k`` of a stack: 2 × 2 cells of (4, 3) in blob ``b{k}`` (``hole``: its last cell missing)."""
+    return LeafEntry(f"['layers'][{k}]", "array", "float32", (8, 6), _stack().leaf(100 + k if hole else k))
 
 
 def test_leaves_sharing_boxes_and_piece_geometry_meet_them_once(monkeypatch):

@@ -1,5 +1,6 @@
 """Pieces held as columns (objckpt.core.format.rows) and reads planned from them (core.plan_rows):
-the same pieces and the same reads as the tuple path, with no object per piece until one is asked for."""
+the same pieces as tuples, and the reads a plain piece-by-piece planner plans (tests/reference_planner.py),
+with no object per piece until one is asked for."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import numpy as np
 import pytest
 
 from objckpt.core import plan_rows
-from objckpt.core.format.rows import _MIX, LeafPieces, RowsBuilder, distinct_rows
+from objckpt.core.format import LeafEntry, Manifest
+from objckpt.core.format.rows import _MIX, LeafPieces, RowsBuilder, distinct_rows, rows_from_pieces
 from objckpt.core.pieces import Piece
-from objckpt.core.plan import ALIGN, SPACED_MIN, SPACER, plan_reads
+from objckpt.core.plan import ALIGN, SPACED_MIN, SPACER
 from objckpt.core.plan_rows import LazyParts, plan_row_reads
+from tests.reference_planner import reference_reads
 
 pytestmark = pytest.mark.quick
 
@@ -88,6 +91,48 @@ def test_leaf_pieces_keep_digests() -> None:
     assert list(rows.leaf(0)) == [piece]
 
 
+def test_pieces_listed_as_tuples_become_the_same_rows() -> None:
+    """What turns version 1 and 2 pieces into the rows a restore plans from: every field kept,
+    ranks mixed, digests kept; a stored length other than the box's (a codec) is kept as a column."""
+    pieces = _layout(random.Random(5), blobs=4, leaves=3)
+    scalar = Piece((), (), "00/blob-0", 8, 4, 11)
+    coded = [Piece((0,), (1000,), "07/c", 64, 123, 5), Piece((1000,), (2000,), "07/c", 192, 77, 6)]
+    rows = rows_from_pieces([*((i, found, 4) for i, found in pieces.items()), (7, [scalar], 4)])
+    assert rows.stored is None  # every length is its box's: no column
+    for leaf, found in [*pieces.items(), (7, [scalar])]:
+        assert list(rows.leaf(leaf)) == found
+    coded_rows = rows_from_pieces([(0, pieces[0], 4), (1, coded, 4)])
+    assert coded_rows.stored is not None and list(coded_rows.leaf(1)) == coded
+    assert [p.length for p in coded_rows.leaf(1)] == [123, 77]
+    digested = [p._replace(sha256=f"{k:064x}") for k, p in enumerate(pieces[1])]
+    assert list(rows_from_pieces([(1, digested, 4)]).leaf(1)) == digested
+    with pytest.raises(Exception, match="sha256"):
+        rows_from_pieces([(1, digested, 4), (2, pieces[2], 4)])
+
+
+def test_a_manifest_in_columns_has_one_rows_for_every_leaf() -> None:
+    """Pieces as tuples, or as rows of two Rows (index objects read in two rounds), become rows of
+    one Rows: what the one read planner takes. A manifest already so is itself."""
+    pieces = _layout(random.Random(6), blobs=3, leaves=3)
+    leaf = lambda i, found: LeafEntry(f"l{i}", "array", "float32", (1 << 24, 1024), pieces=tuple(found))  # noqa: E731
+    tuples = Manifest("s", "t", {}, tuple(leaf(i, found) for i, found in pieces.items()), ())
+    columns = tuples.in_columns()
+    held = {id(e.pieces.rows) for e in columns.leaves if e.pieces}
+    assert len(held) == 1 and all(list(e.pieces) == pieces[i] for i, e in enumerate(columns.leaves))
+    assert columns.in_columns() is columns
+    two = Manifest(
+        "s",
+        "t",
+        {},
+        (leaf(0, ()), leaf(1, ()), leaf(2, ())),
+        (),
+    )
+    two = two.with_rows(_rows({0: pieces[0]}), {}, {0}).with_rows(_rows({1: pieces[1], 2: pieces[2]}), {}, {1})
+    joined = two.in_columns()
+    assert len({id(e.pieces.rows) for e in joined.leaves if e.pieces}) == 1
+    assert [list(e.pieces) for e in joined.leaves] == [pieces[0], pieces[1], pieces[2]]
+
+
 def test_geometry_keys_equal_for_equal_boxes_only() -> None:
     a = [Piece((0, 0), (2, 4), "x/b", 64, 32, 1), Piece((2, 0), (4, 4), "x/b", 128, 32, 2)]
     b = [p._replace(offset=p.offset + 1000, crc32c=9) for p in a]  # another layer: same boxes
@@ -108,7 +153,7 @@ def _as_tuples(requests):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_row_reads_are_the_tuple_path_reads(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_row_reads_are_the_reference_reads(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
     monkeypatch.setattr(plan_rows, "CHUNK_ROWS", rng.choice([1, 5, 1 << 18]))  # planned in chunks of whole blobs
     if seed % 3 == 2:  # the read-by-read path, which plans chunks whose pieces overlap
@@ -124,7 +169,7 @@ def test_row_reads_are_the_tuple_path_reads(seed: int, monkeypatch: pytest.Monke
     def kept(leaf: int, piece: Piece) -> bool:
         return leaf in kept_leaves and piece.crc32c % 3 != 0
 
-    expected = plan_reads(
+    expected = reference_reads(
         ((leaf, p) for leaf, found in wanted.items() for p in found),
         coalesce_gap=gap,
         max_read_size=limit,

@@ -136,7 +136,11 @@ def test_a_flipped_bit_in_a_local_step_restores_from_the_object_store(s3_store, 
     mgr = _manager(s3_store, local)
     with caplog.at_level("WARNING", logger="objckpt"):
         assert _restored_from(mgr, 10) == "store"
-    expected = {"manifest": "not a usable step", "index": "not restored from the local tier", "blob": "ChecksumMismatch"}
+    expected = {
+        "manifest": "not a usable step",
+        "index": "not restored from the local tier",
+        "blob": "ChecksumMismatch",
+    }
     assert expected[where] in caplog.text
     mgr.close()
 
@@ -152,7 +156,9 @@ def test_overlapping_boxes_are_refused_even_in_a_step_sealed_under_its_key(tmp_p
     v = next(i for i, e in enumerate(snap.entries) if e.path == "['v']")
     moved = next(k for k, p in enumerate(snap.pieces) if p.leaf == v and p.start == (2,))
     piece = snap.pieces[moved]
-    snap.pieces[moved] = dataclasses.replace(piece, start=(start,), stop=(start + 2,), source=(piece.source[0], (start,)))
+    snap.pieces[moved] = dataclasses.replace(
+        piece, start=(start,), stop=(start + 2,), source=(piece.source[0], (start,))
+    )
     tier.write(snap)
     refused = (FormatError, "both name leaf") if start == 0 else (PartialCopyError, "its pieces there overlap")
     with pytest.raises(refused[0], match=refused[1]):

@@ -1,13 +1,18 @@
-"""Coalesced reads planned from pieces held as columns (:mod:`objckpt.core.format.rows`).
+"""The coalesced ranged reads of a restore, planned from pieces held as columns (:mod:`objckpt.core.format.rows`).
 
-The same reads :func:`objckpt.core.plan.plan_reads` plans, by the same rules
-(pieces of a blob closer than ``coalesce_gap``, or separated only by bytes that
-belong to no piece, join one read up to ``max_read_size``; a read of only kept
-pieces may grow to a whole packed blob; each read records the free bytes just
-before it), computed with numpy over every wanted row at once. A host that
-restores every parameter of a pod-scale checkpoint wants millions of pieces in
-tens of thousands of reads: the loop runs once per read, not once per piece,
-and each read's parts (:class:`LazyParts`) are built only when the read lands. No I/O.
+The rules: pieces of a blob closer than ``coalesce_gap``, or separated only by bytes
+that belong to no piece (the spacing left for alignment), join one read up to
+``max_read_size`` (a single larger piece gets its own); a read of only kept pieces
+(the reader keeps the response as the arrays themselves, so it is not transient
+memory) may grow to ``max_kept_read_size`` plus ``PACKING_SLACK`` (a whole packed
+blob); each read records the free bytes just before it (its ``slack``). Every
+version's pieces are rows by the time a restore plans (:meth:`Manifest.in_columns`),
+so this is the one read planner. It works with numpy over every wanted row at once:
+a host that restores every parameter of a pod-scale checkpoint wants millions of
+pieces in tens of thousands of reads; the loop runs once per read, not once per
+piece, and each read's parts (:class:`LazyParts`) are built only when the read
+lands. No I/O. (tests/reference_planner.py plans the same reads piece by piece:
+the check these are right.)
 """
 
 from __future__ import annotations
@@ -79,8 +84,8 @@ def plan_row_reads(
     """Coalesce the pieces of the rows ``wanted`` (a mask over ``rows``) into ranged reads.
 
     Every row of ``rows`` is the layout (which bytes belong to a piece); ``kept`` (a mask over
-    ``rows``): the wanted rows whose bytes the reader keeps as the array itself (see
-    :func:`objckpt.core.plan.plan_reads` for each rule). The wanted rows are put in blob and
+    ``rows``): the wanted rows whose bytes the reader keeps as the array itself (the module
+    says each rule). The wanted rows are put in blob and
     offset order once, then planned a chunk of whole blobs at a time.
     """
     if not wanted.any():
@@ -162,7 +167,7 @@ def _jumps(
     kept_limit: int,
 ) -> np.ndarray | None:
     """For every wanted row, where a read that starts at it ends (the first row it leaves out),
-    by the rules of :func:`objckpt.core.plan.plan_reads`, in a few numpy passes: None where the
+    by the module's rules, in a few numpy passes: None where the
     shortcut does not hold (pieces that overlap in a blob, or ends too large to combine), and
     :func:`_plan_runs` plans the chunk read by read.
 

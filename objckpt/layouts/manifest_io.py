@@ -98,9 +98,10 @@ async def read_indexes(
 ) -> Manifest:
     """``manifest`` with the pieces of the index objects of ``processes`` (those not read yet).
 
-    ``columnar``: version 3 leaves get their pieces as columns
-    (:class:`~objckpt.core.format.rows.LeafPieces`, what a restore plans from: no object per
-    piece) rather than as :class:`Piece` tuples (what the tools that check every piece take).
+    ``columnar``: every leaf's pieces as rows of one :class:`~objckpt.core.format.rows.Rows`
+    (:class:`~objckpt.core.format.rows.LeafPieces`, what a restore plans from, of any version:
+    version 3 and 4 frames go into columns with no object per piece, version 1 and 2 pieces are
+    turned into them) rather than as :class:`Piece` tuples (what the tools that check every piece take).
 
     ``leaves``: per process, keep only the pieces of these leaves (a restore needs
     a few leaves from most of the processes it reads: see
@@ -113,13 +114,12 @@ async def read_indexes(
     """
     wanted = sorted(set(processes) - manifest.loaded)
     if manifest.version == 1 or not wanted:
-        return manifest
+        return manifest.in_columns() if columnar else manifest
     if manifest.version >= 3:
         table = LeafTable(manifest)
-        # Columns imply each row's length from its box; version 4 rows (compressed leaves) carry
-        # their own, so they are read as pieces.
-        columnar = columnar and manifest.version < 4
-        rows = RowsBuilder(digest=any(r.sha256 is not None for r in manifest.indexes)) if columnar else None
+        # Version 4 rows (leaves saved with a codec) carry their stored length; version 3's is their box's.
+        digest = any(r.sha256 is not None for r in manifest.indexes)
+        rows = RowsBuilder(digest, stored=manifest.version >= 4) if columnar else None
 
         async def one3(process: int) -> IndexDoc:
             kept = None if leaves is None else leaves.get(process, set())
@@ -128,7 +128,7 @@ async def read_indexes(
         docs = await _each(wanted, one3, parallel=INDEX_READS_AT_ONCE)
         if rows is not None:
             blobs = {k: v for doc in docs for k, v in doc.blobs.items()}
-            return manifest.with_rows(rows.build(), blobs, {doc.process for doc in docs})
+            return manifest.with_rows(rows.build(), blobs, {doc.process for doc in docs}).in_columns()
         return merge_indexes(manifest, sorted(docs, key=lambda d: d.process))
 
     async def one(process: int) -> IndexDoc:
@@ -147,7 +147,8 @@ async def read_indexes(
             ) from None
 
     docs = await _each(wanted, one, parallel=INDEX_READS_AT_ONCE)
-    return merge_indexes(manifest, sorted(docs, key=lambda d: d.process))
+    merged = merge_indexes(manifest, sorted(docs, key=lambda d: d.process))
+    return merged.in_columns() if columnar else merged
 
 
 async def _each(items: Iterable[T], fn: Callable[[T], Awaitable[R]], *, parallel: int) -> list[R]:

@@ -77,8 +77,10 @@ class NativeCheckpoint:
         Version 2: reads the index objects of the processes that wrote those boxes,
         keeping only the rows of those leaves (the layout's arithmetic names them:
         :func:`objckpt.core.format.v2.leaves_by_writer`). Version 1: nothing to read.
+        Every version's pieces come back as rows (:meth:`Manifest.in_columns`): what a restore plans from.
         """
         if not self._manifest.indexes:
+            self._manifest = self._manifest.in_columns()
             return self._manifest
         leaves = leaves_by_writer(self._manifest, boxes)
         self._manifest = await read_indexes(

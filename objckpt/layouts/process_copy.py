@@ -67,7 +67,9 @@ def as_process_part(manifest: Manifest, process: int, count: int) -> Manifest:
     )
 
 
-def _entry(index: int, leaf: LeafEntry, process: int, count: int, meshes: MeshTable, devices: dict[int, Any]) -> LeafEntry:
+def _entry(
+    index: int, leaf: LeafEntry, process: int, count: int, meshes: MeshTable, devices: dict[int, Any]
+) -> LeafEntry:
     if leaf.kind == "per_process":
         values = [leaf.value[0] if p == process else None for p in range(count)]
         return dataclasses.replace(leaf, value=values)

@@ -387,7 +387,9 @@ class LocalTier:
         owner = self.process_index if owner is None else owner
         return read_record(directory, **self._whose(owner))
 
-    def open(self, directory: Path, record: PartRecord, objects: dict[str, np.ndarray] | None = None) -> NativeCheckpoint:
+    def open(
+        self, directory: Path, record: PartRecord, objects: dict[str, np.ndarray] | None = None
+    ) -> NativeCheckpoint:
         """The step in ``directory`` (``objects``: its files already in memory, a copy brought back)
         as a checkpoint of its process's part, for the one restore. ``name`` in messages is the
         same on every process (a restore that reshards agrees on it).

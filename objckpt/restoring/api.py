@@ -319,9 +319,8 @@ def _plan_reads(
         if manifest.leaves[i].kind in ARRAY_KINDS
     }
     check_host_memory(plans, physical_memory())  # before any read: sizes come from the manifest
-    if checkpoint.pieces_on_demand:
-        manifest = read_needed_indexes(checkpoint, plans)
-        plans = {i: p.with_entry(manifest.leaves[i]) for i, p in plans.items()}
+    manifest = read_needed_indexes(checkpoint, plans)  # the pieces, as rows, of every version
+    plans = {i: p.with_entry(manifest.leaves[i]) for i, p in plans.items()}
     if checkpoint.holds_process is not None:
         for i, p in plans.items():
             if (box := p.uncovered()) is not None:

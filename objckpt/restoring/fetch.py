@@ -15,14 +15,13 @@ at the next location.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Awaitable, Callable, Mapping
 
 import numpy as np
 
-from objckpt.core.format import Manifest, Piece
+from objckpt.core.format import Manifest
 from objckpt.core.format.rows import LeafPieces, Rows
-from objckpt.core.plan import ReadRequest, plan_reads
+from objckpt.core.plan import ReadRequest
 from objckpt.core.plan_rows import plan_row_reads
 from objckpt.errors import IntegrityError
 from objckpt.options import Options
@@ -40,49 +39,13 @@ from objckpt.transfer.retries import reread_on_mismatch
 def plan(manifest: Manifest, plans: Mapping[int, LeafPlan], options: Options, *, streamed: bool) -> list[ReadRequest]:
     """The coalesced reads for ``plans`` (pure); ``streamed``: the store streams copied reads.
 
-    Pieces held as columns (a version 3 restore's) are planned with numpy, in one pass over
-    every wanted row (:func:`objckpt.core.plan_rows.plan_row_reads`); pieces held as tuples
-    one by one (:func:`objckpt.core.plan.plan_reads`). Both apply the same rules.
+    Every version's pieces are rows of one :class:`Rows` by now (:meth:`Manifest.in_columns`),
+    planned with numpy in one pass over every wanted row (:func:`objckpt.core.plan_rows.plan_row_reads`):
+    which rows are wanted, and which of them are kept (each one exactly the box it fills).
     """
-    rows = _rows_of(manifest, plans)
-    if rows is not None:
-        return _plan_rows(rows, plans, options, streamed=streamed)
-    wanted = itertools.chain.from_iterable(zip(itertools.repeat(i), leaf.pieces) for i, leaf in plans.items())
-    # LeafPlan.whole_box, asked once per piece: the per-leaf half of it once per leaf.
-    whole = {i: leaf.box_pieces for i, leaf in plans.items() if leaf.places_boxes and not leaf.casts}
-
-    def kept(leaf: int, piece: Piece) -> bool:
-        counts = whole.get(leaf)
-        return counts is not None and counts.get((piece.start, piece.stop)) == 1
-
-    return plan_reads(
-        wanted,
-        coalesce_gap=options.coalesce_gap,
-        max_read_size=options.copied_read_limit(streamed=streamed),
-        layout=itertools.chain.from_iterable(leaf.pieces for leaf in manifest.leaves),
-        kept=kept,
-        max_kept_read_size=options.read_chunk,
-    )
-
-
-def _rows_of(manifest: Manifest, plans: Mapping[int, LeafPlan]) -> Rows | None:
-    """The one :class:`Rows` every piece of ``manifest`` comes from, or None (tuples, or a mix)."""
-    found: Rows | None = None
-    for leaf in manifest.leaves:
-        pieces = leaf.pieces
-        if not pieces:
-            continue
-        if not isinstance(pieces, LeafPieces) or (found is not None and pieces.rows is not found):
-            return None
-        found = pieces.rows
-    for p in plans.values():
-        if p.pieces and not (isinstance(p.pieces, LeafPieces) and p.pieces.rows is found):
-            return None
-    return found
-
-
-def _plan_rows(rows: Rows, plans: Mapping[int, LeafPlan], options: Options, *, streamed: bool) -> list[ReadRequest]:
-    """:func:`plan` for pieces held as columns: the wanted rows and which of them are kept."""
+    rows = _rows_of(manifest)
+    if rows is None:
+        return []
     wanted = np.zeros(len(rows), dtype=bool)
     kept = np.zeros(len(rows), dtype=bool)
     whole_ids: dict[int, np.ndarray] = {}  # per piece-box meeting (shared by a layer stack): the box ids kept
@@ -90,7 +53,8 @@ def _plan_rows(rows: Rows, plans: Mapping[int, LeafPlan], options: Options, *, s
         pieces = p.pieces
         if not pieces:
             continue
-        assert isinstance(pieces, LeafPieces)
+        if not isinstance(pieces, LeafPieces) or pieces.rows is not rows:
+            raise TypeError(f"leaf {p.entry.path}'s pieces are not rows of its manifest's (Manifest.in_columns)")
         wanted[pieces.at] = True
         if p.places_boxes and not p.casts:
             key = id(p.box_pieces)
@@ -106,6 +70,14 @@ def _plan_rows(rows: Rows, plans: Mapping[int, LeafPlan], options: Options, *, s
         kept=kept,
         max_kept_read_size=options.read_chunk,
     )
+
+
+def _rows_of(manifest: Manifest) -> Rows | None:
+    """The one :class:`Rows` every piece of ``manifest`` is a row of (None: it has no pieces)."""
+    found = {id(leaf.pieces.rows): leaf.pieces.rows for leaf in manifest.leaves if isinstance(leaf.pieces, LeafPieces)}
+    if any(leaf.pieces and not isinstance(leaf.pieces, LeafPieces) for leaf in manifest.leaves) or len(found) > 1:
+        raise TypeError("a restore plans from a manifest whose pieces are rows of one Rows (Manifest.in_columns)")
+    return next(iter(found.values()), None)
 
 
 async def fetch(handle: Handle, requests: list[ReadRequest], landing: Landing) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -133,15 +132,15 @@ class LeafPlan:
 
     @functools.cached_property
     def _meeting(self) -> _Meeting:
-        return _meeting_of(tuple(self.read_boxes), self.entry.pieces)
+        return _meeting_of(tuple(self.read_boxes), _rows(self.entry))
 
     @functools.cached_property
     def _pieces(self) -> tuple[Sequence[Piece], dict[tuple[Any, Any], Meets], dict[Box, int]]:
         meeting = self._meeting
-        pieces = self.entry.pieces
-        if isinstance(pieces, LeafPieces):  # columns stay columns: the rows that meet a box
-            return pieces.take(meeting.position_array), meeting.meets, meeting.counts
-        return [pieces[k] for k in meeting.positions], meeting.meets, meeting.counts
+        pieces = _rows(self.entry)
+        if pieces is None:
+            return (), meeting.meets, meeting.counts
+        return pieces.take(meeting.position_array), meeting.meets, meeting.counts
 
     @functools.cached_property
     def pieces(self) -> Sequence[Piece]:
@@ -173,7 +172,7 @@ class LeafPlan:
 
         Looks at the entry's pieces only, not :attr:`pieces`: it is asked before planning them.
         """
-        saved = set(_geometry(self.entry.pieces))
+        saved = set(_geometry(_rows(self.entry)))
         return any(box not in saved for box in self.read_boxes)
 
     def meets_of(self, piece: Piece) -> Meets:
@@ -216,15 +215,20 @@ class _Part:
     piece: Piece | None = None
 
 
-#: A piece's geometry: its (start, stop), the first two fields of the named tuple.
-_GEOMETRY = operator.itemgetter(0, 1)
+def _rows(entry: LeafEntry) -> LeafPieces | None:
+    """The leaf's pieces, rows of its manifest's :class:`~objckpt.core.format.rows.Rows` (every
+    version's, :meth:`Manifest.in_columns`); None before its index rows are read."""
+    pieces = entry.pieces
+    if not pieces:
+        return None
+    if not isinstance(pieces, LeafPieces):
+        raise TypeError(f"leaf {entry.path}'s pieces are not rows (a restore plans from Manifest.in_columns)")
+    return pieces
 
 
-def _geometry(pieces: Sequence[Piece]) -> tuple[Box, ...]:
-    """Each piece's (start, stop), in order (from the columns' interned boxes when columns)."""
-    if isinstance(pieces, LeafPieces):
-        return pieces.geometry()
-    return tuple(map(_GEOMETRY, pieces))
+def _geometry(pieces: LeafPieces | None) -> tuple[Box, ...]:
+    """Each piece's (start, stop), in order (from the rows' interned boxes)."""
+    return () if pieces is None else pieces.geometry()
 
 
 class _Meeting:
@@ -256,7 +260,7 @@ class _Meeting:
 
     @functools.cached_property
     def position_array(self) -> np.ndarray:
-        """:attr:`positions` as an array (what pieces held as columns take)."""
+        """:attr:`positions` as an array (what :meth:`LeafPieces.take` takes)."""
         return np.asarray(self.positions, dtype=np.int64)
 
     @functools.cached_property
@@ -307,13 +311,13 @@ _MEETINGS: OrderedDict[tuple[tuple[Box, ...], Hashable], _Meeting] = OrderedDict
 _MEETINGS_KEPT = 64
 
 
-def _meeting_of(boxes: tuple[Box, ...], pieces: Sequence[Piece]) -> _Meeting:
+def _meeting_of(boxes: tuple[Box, ...], pieces: LeafPieces | None) -> _Meeting:
     """The :class:`_Meeting` of these boxes and the pieces' geometry, built once while it is in use.
 
-    Keyed by the geometry's content: pieces held as columns by their interned boxes' ids
-    (:meth:`LeafPieces.geometry_key`, no tuple per piece), others by their boxes.
+    Keyed by the geometry's content: their interned boxes' ids
+    (:meth:`LeafPieces.geometry_key`, no tuple per piece).
     """
-    shape: Hashable = pieces.geometry_key() if isinstance(pieces, LeafPieces) else _geometry(pieces)
+    shape: Hashable = () if pieces is None else pieces.geometry_key()
     key = (boxes, shape)
     found = _MEETINGS.get(key)
     if found is not None:

@@ -298,14 +298,18 @@ def decode_frame(
 
 def add_frame(builder: RowsBuilder, base: int, rows: FrameRows) -> None:
     """A checked frame's wanted rows into ``builder`` (``base``: where its index object's blobs
-    start in the builder's list, :meth:`RowsBuilder.add_blobs`): columns, no piece objects."""
+    start in the builder's list, :meth:`RowsBuilder.add_blobs`): columns, no piece objects.
+    A builder that keeps stored lengths (version 4) takes each row's."""
     for g in rows.groups:
+        length = rows.length if builder.stored else None
         if len(g.sel) == len(rows.leaf):  # every row of the frame: its columns as they are
-            builder.add(base, rows.leaf, g.distinct, g.inverse, rows.blob, rows.offset, rows.crc, rows.shas)
+            builder.add(base, rows.leaf, g.distinct, g.inverse, rows.blob, rows.offset, rows.crc, rows.shas, length)
             continue
         shas = None if rows.shas is None else rows.shas[g.sel]
         columns = rows.leaf[g.sel], rows.blob[g.sel], rows.offset[g.sel], rows.crc[g.sel]
-        builder.add(base, columns[0], g.distinct, g.inverse, *columns[1:], shas)
+        builder.add(
+            base, columns[0], g.distinct, g.inverse, *columns[1:], shas, None if length is None else length[g.sel]
+        )
 
 
 def check_frame(

@@ -5,12 +5,17 @@ inference host reads millions of index rows (the 405B state saved from 4,096
 devices: 3.65 million). As one :class:`~objckpt.core.pieces.Piece` each, they
 took 11 CPU-s to build and over 1 GiB to hold before a byte was read. Here
 they stay numpy columns (:class:`Rows`: blob, offset, crc32c, box id, digest;
-a piece's length is its box's bytes), sorted by leaf; each leaf's pieces are a :class:`LeafPieces` view that
+a piece's length is its box's bytes, or a column of its own where pieces are stored
+encoded), sorted by leaf; each leaf's pieces are a :class:`LeafPieces` view that
 is a ``Sequence[Piece]`` to every reader of pieces, building a piece only when
 one is asked for, while planning (:mod:`objckpt.restoring.leaf_plan`) and read
 coalescing (:mod:`objckpt.core.plan_rows`) work on the columns. Boxes are
 interned: the leaves of a layer stack repeat the same few thousand boxes, so a
-row holds a 4-byte box id. No I/O.
+row holds a 4-byte box id.
+
+Every restore plans from rows: pieces listed as tuples (a version 1 manifest, version 2
+index objects) are turned into rows once they are read (:func:`rows_from_pieces`), so
+one planner serves every format version. No I/O.
 """
 
 from __future__ import annotations
@@ -102,7 +107,11 @@ class Boxes:
 
 
 class Rows:
-    """The pieces read from version 3 index objects, as columns sorted by leaf (see the module)."""
+    """A checkpoint's pieces as columns sorted by leaf (see the module).
+
+    ``stored``: each row's stored byte length, where some differ from their box's bytes
+    (leaves saved with a codec); None when every row's is its box's.
+    """
 
     def __init__(
         self,
@@ -114,9 +123,11 @@ class Rows:
         crc: np.ndarray,
         box: np.ndarray,
         sha: np.ndarray | None,
+        stored: np.ndarray | None = None,
     ) -> None:
         """Columns already sorted by ``leaf`` (:meth:`RowsBuilder.build` sorts them)."""
         self.keys = keys
+        self.stored = stored
         self.boxes = boxes
         self.blob = blob
         self.offset = offset
@@ -143,7 +154,9 @@ class Rows:
         return LeafPieces(self, np.arange(a, b, dtype=np.int32 if b < 1 << 31 else np.int64))
 
     def length(self, at: np.ndarray) -> np.ndarray:
-        """The byte length of each of rows ``at`` (its box's bytes)."""
+        """The stored byte length of each of rows ``at`` (its box's bytes, unless encoded)."""
+        if self.stored is not None:
+            return self.stored[at]
         return self.boxes.nbytes[self.box[at]]
 
     def leaf_of(self, at: np.ndarray) -> np.ndarray:
@@ -228,17 +241,19 @@ class LeafPieces(Sequence[Piece]):
 
 
 class RowsBuilder:
-    """Collects the checked rows of version 3 frames (of many index objects), then makes :class:`Rows`.
+    """Collects checked rows (of version 3 frames, of many index objects), then makes :class:`Rows`.
 
     Each index object's blobs are added once (:meth:`add_blobs`, which gives the base its
     rows' blob positions are offset by); :meth:`add` takes one frame's wanted rows.
+    ``stored``: rows carry their stored length (version 4: leaves saved with a codec).
     """
 
-    def __init__(self, digest: bool) -> None:
+    def __init__(self, digest: bool, *, stored: bool = False) -> None:
         self.keys: list[str] = []
         self.boxes = Boxes()
         self.digest = digest
-        self._columns: list[list[np.ndarray]] = [[] for _ in range(6)]
+        self.stored = stored
+        self._columns: list[list[np.ndarray]] = [[] for _ in range(7)]
 
     def add_blobs(self, keys: list[str]) -> int:
         base = len(self.keys)
@@ -255,10 +270,11 @@ class RowsBuilder:
         offset: np.ndarray,
         crc: np.ndarray,
         sha: np.ndarray | None,
+        length: np.ndarray | None = None,
     ) -> None:
         """Rows of one rank: leaves, their boxes given once each (``distinct``: starts, stops,
         itemsize per box, checked) and each row's position in it (``inverse``), blob positions in
-        their index object's list, offsets, crc32c (and digests)."""
+        their index object's list, offsets, crc32c (and digests, and stored lengths)."""
         box = self.boxes.intern_distinct(distinct)[inverse]
         parts: tuple[np.ndarray, ...] = (
             leaf.astype(np.int32),
@@ -273,6 +289,10 @@ class RowsBuilder:
             if sha is None:  # the root gives some index objects digests and not others
                 raise FormatError("index objects of one checkpoint disagree on whether pieces have a sha256")
             self._columns[5].append(np.ascontiguousarray(sha))
+        if self.stored:
+            if length is None:
+                raise FormatError("rows of a checkpoint with encoded leaves lack their stored lengths")
+            self._columns[6].append(length.astype(np.int64))
 
     def build(self) -> Rows:
         """The rows collected, sorted by leaf: each column joined, then put in leaf order, one at a
@@ -288,6 +308,12 @@ class RowsBuilder:
             parts.clear()
         else:
             columns.append(None)
+        if self.stored:
+            parts = self._columns[6]
+            columns.append(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+            parts.clear()
+        else:
+            columns.append(None)
         leaf = columns[0]
         assert leaf is not None
         # Stable, and a radix sort where leaf numbers fit 16 bits (5x faster on millions of rows).
@@ -300,6 +326,55 @@ class RowsBuilder:
                 columns[k] = column[order]
                 del column
         del order
-        leaf, blob, offset, crc, box, sha = columns
+        leaf, blob, offset, crc, box, sha, stored = columns
         assert leaf is not None and blob is not None and offset is not None and crc is not None and box is not None
-        return Rows(self.keys, self.boxes, leaf, blob, offset, crc, box, sha)
+        return Rows(self.keys, self.boxes, leaf, blob, offset, crc, box, sha, stored)
+
+
+def rows_from_pieces(leaves: Iterable[tuple[int, Sequence[Piece], int]]) -> Rows:
+    """Pieces held as tuples (leaf index, its pieces, its itemsize) as one :class:`Rows`.
+
+    What turns a version 1 manifest's pieces and version 2 index objects' into the columns
+    every restore plans from. Pieces are grouped by rank (a row's box has its leaf's rank); a
+    stored-length column is kept only where some piece's length is not its box's bytes.
+    """
+    by_rank: dict[int, list[tuple[int, Piece, int]]] = {}
+    for i, pieces, itemsize in leaves:
+        for p in pieces:
+            by_rank.setdefault(len(p.start), []).append((i, p, itemsize))
+    rows = [row for group in by_rank.values() for row in group]
+    digest = any(p.sha256 is not None for _, p, _ in rows)
+    if digest and not all(p.sha256 is not None for _, p, _ in rows):
+        raise FormatError("pieces of one checkpoint disagree on whether they have a sha256")
+    blobs: dict[str, int] = {}
+    for _, p, _ in rows:
+        blobs.setdefault(p.blob, len(blobs))
+    keyed_groups = []
+    stored = False
+    for rank, group in by_rank.items():
+        keyed = np.array([(*p.start, *p.stop, size) for _, p, size in group], dtype=np.int64).reshape(len(group), -1)
+        lengths = np.array([p.length for _, p, _ in group], dtype=np.int64)
+        extent = np.prod(keyed[:, rank : 2 * rank] - keyed[:, :rank], axis=1) * keyed[:, -1]
+        stored = stored or bool((extent != lengths).any())
+        keyed_groups.append((group, keyed, lengths))
+    builder = RowsBuilder(digest, stored=stored)
+    base = builder.add_blobs(list(blobs))
+    for group, keyed, lengths in keyed_groups:
+        first, inverse = distinct_rows(keyed)
+        builder.add(
+            base,
+            np.array([i for i, _, _ in group], dtype=np.int32),
+            keyed[first],
+            inverse,
+            np.array([blobs[p.blob] for _, p, _ in group], dtype=np.int32),
+            np.array([p.offset for _, p, _ in group], dtype=np.int64),
+            np.array([p.crc32c for _, p, _ in group], dtype=np.uint32),
+            _digests([p.sha256 or "" for _, p, _ in group]) if digest else None,
+            lengths,
+        )
+    return builder.build()
+
+
+def _digests(hexes: list[str]) -> np.ndarray:
+    """Hex SHA-256 digests as rows of 32 bytes."""
+    return np.frombuffer(b"".join(map(bytes.fromhex, hexes)), np.uint8).reshape(len(hexes), 32).copy()

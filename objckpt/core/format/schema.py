@@ -182,6 +182,25 @@ class Manifest:
             loaded=self.loaded | frozenset(processes),
         )
 
+    def in_columns(self) -> Manifest:
+        """This manifest with every leaf's pieces as rows of one :class:`Rows` (what a restore
+        plans from, whatever the version that listed them): itself when they already are."""
+        from objckpt.core.format.rows import LeafPieces, rows_from_pieces  # numpy: not for `objckpt --help`
+
+        held = {id(leaf.pieces.rows) for leaf in self.leaves if isinstance(leaf.pieces, LeafPieces)}
+        tuples = any(leaf.pieces and not isinstance(leaf.pieces, LeafPieces) for leaf in self.leaves)
+        if len(held) <= 1 and not tuples:
+            return self
+        rows = rows_from_pieces(
+            (i, leaf.pieces, dtype.itemsize if (dtype := dtype_from_name(leaf.dtype or "")) else 0)
+            for i, leaf in enumerate(self.leaves)
+            if leaf.pieces
+        )
+        leaves = tuple(
+            replace(leaf, pieces=rows.leaf(i)) if leaf.pieces else leaf for i, leaf in enumerate(self.leaves)
+        )
+        return replace(self, leaves=leaves)
+
 
 def leaf_to_json(leaf: LeafEntry) -> dict[str, Any]:
     """One leaf as a manifest writes it (version 2 drops ``pieces`` and adds ``layout``)."""
