@@ -159,3 +159,50 @@ def test_the_checker_sees_a_circle_and_an_upward_import() -> None:
     assert upward_imports({"objckpt.restoring.x": {"objckpt.saving.y"}, "objckpt.saving.y": set()}) == [
         "objckpt.restoring.x -> objckpt.saving.y (peers)"
     ]
+
+
+# The calls that make a leaf's arrays from host bytes (put host data on devices, join boxes
+# into a global array): restoring/ holds them, so every restore's arrays come from one place.
+ARRAY_MAKERS = (
+    "device_put",
+    "make_array_from_single_device_arrays",
+    "make_array_from_callback",
+    "make_array_from_process_local_data",
+)
+# Modules outside restoring/ that call one, and why none of them restores a leaf from bytes.
+MAKERS_ELSEWHERE = {
+    # a save's snapshot of the live arrays: device → device (or host) copies of arrays, no bytes read
+    "objckpt.saving.host_copies",
+    # bytes carried between processes as uint8 device arrays; what they hold becomes arrays
+    # through the one restore, once written to the keeper's local store
+    "objckpt.peers.transfer",
+}
+
+
+def array_makers() -> dict[str, list[str]]:
+    """Per module outside ``objckpt/restoring/``, the array-making calls it holds (by name)."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        if name.startswith("objckpt.restoring"):
+            continue
+        tree = parse_source(path.read_text(), filename=str(path))
+        calls = [
+            node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, (ast.Attribute, ast.Name))
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) in ARRAY_MAKERS
+        ]
+        if calls:
+            out[name] = calls
+    return out
+
+
+def test_only_restoring_turns_bytes_into_arrays() -> None:
+    """Orbax, safetensors and objckpt's own restore make their arrays through restoring/
+    (``restoring.placement``, ``restoring.landing``); nothing else puts read bytes on devices."""
+    found = array_makers()
+    strays = {name: calls for name, calls in found.items() if name not in MAKERS_ELSEWHERE}
+    assert not strays, f"modules outside objckpt/restoring/ that make arrays: {strays}"
+    assert set(found) == MAKERS_ELSEWHERE, "an allowed module no longer makes arrays: drop it from MAKERS_ELSEWHERE"

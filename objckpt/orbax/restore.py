@@ -24,7 +24,6 @@ import math
 import time
 from typing import Any
 
-import jax
 import numpy as np
 
 from objckpt.core.tree import check_names, flatten_target, unflatten_target
@@ -45,6 +44,7 @@ from objckpt.orbax.tensorstore_io import (
 from objckpt.restoring import host_memory
 from objckpt.restoring.casts import cast_values, check_cast
 from objckpt.restoring.host_memory import refuse_over_limit
+from objckpt.restoring.placement import box_on_devices, is_array_target, joined, on_default_device, sharding_of
 from objckpt.restoring.target_shardings import on_saved_orbax_shardings
 from objckpt.transfer.stats import TransferStats
 
@@ -119,7 +119,7 @@ def _select(item: OrbaxItem, target: Any, partial: bool) -> dict[int, Any]:
 
 def _check_target(leaf: OrbaxLeaf, array: Any, target: Any, cast: str) -> None:
     shape, dtype = tuple(array.shape), numpy_dtype(array.dtype)
-    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+    if is_array_target(target):
         if tuple(target.shape) != shape:
             raise TargetMismatchError(f"leaf {leaf.path}: saved shape {shape}, target shape {tuple(target.shape)}")
         if np.dtype(target.dtype) != dtype and cast != "unsafe":
@@ -253,23 +253,23 @@ def _read_all(
 
 def _place(leaf: OrbaxLeaf, host: np.ndarray, target: Any, devices: list[Any], cast: str) -> list[Any]:
     """One landed box: on each of its devices for an array target (cast as asked), else as it is."""
-    if not isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+    if not is_array_target(target):
         if leaf.kind == "scalar":
             return [host.item()]  # Orbax restores its scalars as Python numbers
         if isinstance(target, np.ndarray) and target.dtype != host.dtype:
             return [_cast(leaf, host, target.dtype, cast)]
         return [host]
     host = _cast(leaf, host, np.dtype(target.dtype), cast)
-    if getattr(target, "sharding", None) is None:
-        return [jax.device_put(host)]
-    return [jax.device_put(host, device) for device in devices]
+    if sharding_of(target) is None:
+        return [on_default_device(host)]
+    return box_on_devices(host, devices)
 
 
 def _assemble(leaf: OrbaxLeaf, array: Any, target: Any, shards: list[Any]) -> Any:
     """A leaf from its placed boxes: the global array on the target's sharding, or the one host value."""
-    sharding = getattr(target, "sharding", None)
-    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)) and sharding is not None:
-        return jax.make_array_from_single_device_arrays(tuple(array.shape), sharding, shards)
+    sharding = sharding_of(target)
+    if sharding is not None:
+        return joined(tuple(array.shape), sharding, shards)
     return shards[0]
 
 

@@ -41,6 +41,15 @@ from objckpt.errors import FormatError, TargetMismatchError
 from objckpt.options import Options
 from objckpt.restoring.casts import cast_values, check_cast
 from objckpt.restoring.host_memory import physical_memory, refuse_over_limit
+from objckpt.restoring.placement import (
+    box_on_devices,
+    boxes_joined,
+    is_array_target,
+    joined,
+    on_default_device,
+    sharding_of,
+    whole_on,
+)
 from objckpt.safetensors.files import Tensors
 from objckpt.safetensors.header import TensorEntry, numpy_dtype
 from objckpt.safetensors.shards import nested
@@ -176,7 +185,7 @@ def _select(
 def _plan(name: str, found: tuple[str, TensorEntry], target: Any, cast: str) -> _Leaf:
     key, entry = found
     shape = entry.shape
-    if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)):
+    if is_array_target(target):
         if tuple(target.shape) != shape:
             raise TargetMismatchError(f"tensor {name}: saved shape {shape}, target shape {tuple(target.shape)}")
         saved, wanted = numpy_dtype(entry.dtype), np.dtype(target.dtype)
@@ -190,11 +199,12 @@ def _plan(name: str, found: tuple[str, TensorEntry], target: Any, cast: str) -> 
 
 def _boxes(target: Any, shape: tuple[int, ...]) -> list[tuple[Box, list[Any]]]:
     """The distinct boxes the target's addressable devices hold, each with its devices."""
-    sharding = getattr(target, "sharding", None) if isinstance(target, (jax.ShapeDtypeStruct, jax.Array)) else None
+    sharding = sharding_of(target)
     if sharding is None:
         return [(tuple(slice(0, n) for n in shape), [None])]
     by_box: dict[tuple[tuple[int, int], ...], tuple[Box, list[Any]]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
+        assert index is not None  # a device of the sharding holds an index of the shape
         norm = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
         by_box.setdefault(tuple((s.start, s.stop) for s in norm), (norm, []))[1].append(device)
     return list(by_box.values())
@@ -311,7 +321,7 @@ def _scatters(leaf: _Leaf) -> bool:
     streamed piece. Else its rows land whole and ``device_put`` cuts the boxes (one more copy)."""
     target = leaf.target
     return (
-        isinstance(target, (jax.ShapeDtypeStruct, jax.Array))
+        is_array_target(target)
         and getattr(target, "sharding", None) is not None
         and len(leaf.boxes) > 1
         and bool(leaf.entry.shape)
@@ -395,32 +405,31 @@ def _finish(leaf: _Leaf, cast: str) -> Any:
         rows = leaf.buffers[r0].view(dtype).reshape((-1, *inner))
         return rows[(slice(box[0].start - r0, box[0].stop - r0), *box[1:])]
 
-    is_array_target = isinstance(target, (jax.ShapeDtypeStruct, jax.Array))
-    want = np.dtype(target.dtype) if is_array_target else (target.dtype if isinstance(target, np.ndarray) else dtype)
-    sharding = getattr(target, "sharding", None) if is_array_target else None
+    array_target = is_array_target(target)
+    want = np.dtype(target.dtype) if array_target else (target.dtype if isinstance(target, np.ndarray) else dtype)
+    sharding = sharding_of(target)
     whole = tuple(slice(0, n) for n in entry.shape)
     if leaf.box_arrays is not None:  # scattered: each box's array is filled, and on its devices
         arrays, leaf.box_arrays = leaf.box_arrays, None
-        placed = [jax.device_put(a, d) for a, (_, devices) in zip(arrays, leaf.boxes, strict=True) for d in devices]
-        return jax.make_array_from_single_device_arrays(tuple(entry.shape), target.sharding, placed)
+        return boxes_joined(tuple(entry.shape), target.sharding, zip(arrays, (d for _, d in leaf.boxes), strict=True))
     if sharding is not None and leaf.spans == [(0, leaf.rows)] and sharding.is_fully_addressable:
         # Every row is here: one device_put slices the boxes out and places them (no Python per box).
         host = box_value(whole)
         if host.dtype != want:
             host = cast_values(leaf.name, host.copy(order="C"), want, unsafe=cast == "unsafe")
         leaf.buffers.clear()
-        return jax.device_put(host, sharding)
+        return whole_on(host, sharding)
     shards: list[Any] = []
     for box, devices in leaf.boxes:
         host = box_value(box)
         if host.dtype != want:
             host = cast_values(leaf.name, host.copy(order="C"), want, unsafe=cast == "unsafe")
-        if not is_array_target:
+        if not array_target:
             leaf.buffers.clear()
             return host if host.flags.c_contiguous and host.flags.writeable else np.array(host)
         if devices == [None]:
             leaf.buffers.clear()
-            return jax.device_put(host)
-        shards.extend(jax.device_put(host, d) for d in devices)
+            return on_default_device(host)
+        shards.extend(box_on_devices(host, devices))
     leaf.buffers.clear()
-    return jax.make_array_from_single_device_arrays(tuple(entry.shape), target.sharding, shards)
+    return joined(tuple(entry.shape), target.sharding, shards)
