@@ -29,7 +29,6 @@ turns peer copies off with a warning and training goes on.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import time
@@ -49,7 +48,7 @@ from objckpt.multihost import Coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.saving.local_snapshot import snapshot
 from objckpt.storage.base import Store
-from objckpt.transfer import runtime
+from objckpt.transfer.background import in_background
 
 log = logging.getLogger("objckpt")
 
@@ -102,7 +101,7 @@ class Tiers:
             from objckpt.peers.transfer import keeper_map, peer_copy_unavailable
 
             keeper_map(coordinator.process_count, keeper_of)  # a ValueError now, not at the first copy
-            why = peer_copy_unavailable()
+            why = peer_copy_unavailable(options.background_nice)
             if why is not None:
                 log.warning("objckpt local tier: peer copies are off: %s", why)
                 keeping = False
@@ -110,7 +109,9 @@ class Tiers:
         if keeping:
             from objckpt.peers.copies import Keepers
 
-            self.keepers = Keepers(self.tier, timeout=self.peer_timeout, keeper_of=keeper_of)
+            self.keepers = Keepers(
+                self.tier, timeout=self.peer_timeout, keeper_of=keeper_of, nice=self.options.background_nice
+            )
         self.locations = StepLocations(
             self.tier,
             url=root_url,
@@ -161,7 +162,10 @@ class Tiers:
             process_count=self.tier.process_count,
             metadata=metadata,
         )
-        self._pending = runtime.submit(asyncio.to_thread(self._write_and_send, snap))
+        # On a thread of its own that yields the CPU to training (Options.background_nice).
+        self._pending = in_background(
+            lambda: self._write_and_send(snap), name="objckpt-local-tier", nice=self.options.background_nice
+        )
         return time.perf_counter() - started
 
     def _write_and_send(self, snap: Any) -> None:
