@@ -206,11 +206,12 @@ class Options:
             (docs/PERFORMANCE.md, "The accelerator path"). Raise it for an async save
             with ``compression``, whose zstd runs within these threads. Requests that
             wait on the network take no thread.
-        background_nice: how far below the training process's priority (a Linux nice
-            increment, 0-19) the work a ``CheckpointManager`` local save leaves running
-            runs: writing the step and its peer copy, on threads objckpt starts for it
-            (never the caller's). The scheduler then runs training first when both are
-            ready. 10 (the default); 0 runs it at the caller's priority. Ignored off Linux.
+        background_nice: how far below the caller's priority (a Linux nice increment,
+            0-19) the work a ``CheckpointManager`` local save leaves running runs: the job
+            that drives the step's write and its peer copy (the pulls, the keeper's writes,
+            and JAX's transfer server, which moves the bytes), on threads objckpt starts
+            for it, never the caller's. The scheduler then runs training first when both
+            are ready. 10 (the default); 0 runs it at the caller's priority. Ignored off Linux.
     """
 
     blob_size: int = 32 * MiB
