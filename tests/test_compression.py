@@ -28,8 +28,8 @@ import objckpt
 from objckpt.core import codecs
 from objckpt.core.checksum import crc32c
 from objckpt.core.format import parse_manifest
-from objckpt.core.format.index3 import parse_index3
 from objckpt.core.format.index3_encode import index3_encode
+from objckpt.core.format.index3_frames import parse_index3
 from objckpt.errors import FormatError
 
 ZSTD = objckpt.Options(compression="zstd")

@@ -96,7 +96,7 @@ def build_save(
     blob's size and CRC-32C as its upload sends it; with the save's figures."""
     from objckpt.core.checksum import crc32c
     from objckpt.core.format import MANIFEST_KEY, manifest_to_json
-    from objckpt.core.format.index3 import parse_index3
+    from objckpt.core.format.index3_frames import parse_index3
 
     saver = Saver(leaves, processes)
     started = time.perf_counter()
@@ -140,7 +140,7 @@ def one_process(leaves: list[Any], skeleton: Any, processes: int, host: int = 1)
     the CPU a ``--no-read`` verify spends on one process's index object (parse, and the expected
     CRC-32C of each of its blobs), times ``processes``; requests as in the stacked layout."""
     from objckpt.core.format import BlobEntry
-    from objckpt.core.format.index3 import parse_index3
+    from objckpt.core.format.index3_frames import parse_index3
     from objckpt.tools.verify_stored import expected_crc32c
 
     saver = Saver(leaves, processes)

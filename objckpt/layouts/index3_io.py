@@ -16,17 +16,9 @@ from collections.abc import Collection
 
 from objckpt.core.format import Manifest
 from objckpt.core.format.index import IndexDoc
-from objckpt.core.format.index3 import (
-    Head,
-    LeafTable,
-    Pinned,
-    Tally,
-    add_frame,
-    check_frame,
-    decode_frame,
-    leaf_array,
-    parse_head,
-)
+from objckpt.core.format.index3 import Head, Pinned, leaf_array, parse_head
+from objckpt.core.format.index3_bounds import LeafTable, Tally
+from objckpt.core.format.index3_frames import add_frame, check_frame, decode_frame
 from objckpt.core.format.rows import RowsBuilder
 from objckpt.core.pieces import Piece
 from objckpt.errors import FormatError

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from objckpt.core.format import ARRAY_KINDS, MANIFEST_KEY, Manifest, parse_manifest
 from objckpt.core.format.index import IndexDoc, merge_indexes, parse_index
-from objckpt.core.format.index3 import LeafTable
+from objckpt.core.format.index3_bounds import LeafTable
 from objckpt.core.format.rows import RowsBuilder
 from objckpt.core.pieces import check_tiling
 from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError

@@ -45,7 +45,7 @@ from typing import Any
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import MANIFEST_KEY, BlobEntry, IndexRef, Manifest, manifest_to_json, parse_manifest
 from objckpt.core.format.bases import is_ref
-from objckpt.core.format.index3 import parse_index3
+from objckpt.core.format.index3_frames import parse_index3
 from objckpt.core.format.standalone import local_key, standalone_index, standalone_root
 from objckpt.errors import CheckpointExistsError, FormatError, IntegrityError, ObjectExistsError, StoreError
 from objckpt.layouts.manifest_io import read_checkpoint
