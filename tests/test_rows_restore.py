@@ -1,7 +1,8 @@
-"""A version 3 restore plans from pieces held as columns, end to end through the local S3 server:
-the leaves' pieces are LeafPieces, the reads' parts LazyParts, and every restore is bit-exact
-(with digests, across spans of a long streamed read, onto a target that cuts the saved pieces);
-a version 2 checkpoint still plans from tuples."""
+"""Every restore plans from pieces held as columns (one planner for every format version), end to
+end through the local S3 server: the leaves' pieces are LeafPieces, the reads' parts LazyParts,
+and every restore is bit-exact (with digests, across spans of a long streamed read, onto a target
+that cuts the saved pieces), whether version 3 frames, version 2 index objects or a version 1
+manifest listed the pieces."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import objckpt
 from objckpt.core.format.rows import LeafPieces
 from objckpt.core.plan_rows import LazyParts
 from objckpt.restoring import api
+from objckpt.storage import from_url
+from tests.helpers import rewrite_as_v1
 
 pytestmark = pytest.mark.s3
 
@@ -38,8 +41,10 @@ def planned(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, list]]:
     return seen
 
 
-@pytest.mark.parametrize(("version", "digest"), [(3, None), (3, "sha256"), (2, None)], ids=["v3", "v3-digest", "v2"])
-def test_version_3_restores_plan_from_columns(s3_store, planned, version: int, digest: str | None) -> None:
+@pytest.mark.parametrize(
+    ("version", "digest"), [(3, None), (3, "sha256"), (2, None), (1, None)], ids=["v3", "v3-digest", "v2", "v1"]
+)
+def test_every_version_restores_plan_from_columns(s3_store, planned, version: int, digest: str | None) -> None:
     rng = np.random.default_rng(0)
     hosts = {
         "w": rng.standard_normal((256, 64), dtype=np.float32),
@@ -53,8 +58,10 @@ def test_version_3_restores_plan_from_columns(s3_store, planned, version: int, d
         "n": jax.device_put(hosts["n"], NamedSharding(saved, P())),
     }
     # Small blobs and read chunks: many pieces per read, and reads streamed in several spans.
-    options = objckpt.Options(format_version=version, digest=digest, blob_size=64 << 10, read_chunk=16 << 10)
+    options = objckpt.Options(format_version=max(version, 2), digest=digest, blob_size=64 << 10, read_chunk=16 << 10)
     objckpt.save(s3_store.url, state, options=options, storage_options=s3_store.storage_options)
+    if version == 1:  # the same blobs, every piece listed in the root manifest
+        rewrite_as_v1(from_url(s3_store.url, **s3_store.storage_options))
     other = _mesh((2, 4))
     targets = {
         "w": NamedSharding(other, P("b", "a")),  # cuts every saved piece
@@ -69,10 +76,8 @@ def test_version_3_restores_plan_from_columns(s3_store, planned, version: int, d
     (manifest, requests), *_ = planned
     array_leaves = [leaf for leaf in manifest.leaves if leaf.pieces]
     assert len(array_leaves) == 3 and requests
-    if version == 3:
-        assert all(isinstance(leaf.pieces, LeafPieces) for leaf in array_leaves)
-        assert all(isinstance(r.parts, LazyParts) for r in requests)
-        assert any(len(r.parts) > 1 for r in requests)
-    else:
-        assert not any(isinstance(leaf.pieces, LeafPieces) for leaf in array_leaves)
-        assert all(isinstance(r.parts, tuple) for r in requests)
+    assert manifest.version == version
+    assert all(isinstance(leaf.pieces, LeafPieces) for leaf in array_leaves)
+    assert len({id(leaf.pieces.rows) for leaf in array_leaves}) == 1  # rows of one Rows
+    assert all(isinstance(r.parts, LazyParts) for r in requests)
+    assert any(len(r.parts) > 1 for r in requests)
