@@ -28,6 +28,8 @@ store is the local S3 (SeaweedFS, ``backends.launcher``) at 10 ms RTT through
    (``local_interval_steps=--interval``: one local save per segment; ``peers=1`` and ``peers=0``),
    interleaved; the overhead is the median segment's extra seconds over the plain median, and
    ``interval_for_5pct`` the interval at which those extra seconds per local save are 5 % (derived).
+   ``steps.where`` splits each mode's segment into its steps' updates, save calls and sleep
+   overshoot (the slowest process, median over repeats): where the extra seconds go.
 
 Writes benchmarks/results/tiers.json (``--out``) and prints a table. ``--quick`` (64 MiB
 ``small`` state, short steps, one repeat) checks the machinery, not the figures.
@@ -222,16 +224,28 @@ def _worker(job: dict[str, Any], process: int) -> dict[str, Any]:
             together()
             t0 = time.perf_counter()
             saves = []
+            parts = []  # per step: (update, save call, sleep past step_s) seconds
             for _ in range(interval):
+                a = time.perf_counter()
                 train = update(train)
                 jax.block_until_ready(train)
+                b = time.perf_counter()
                 if mode != "plain":
-                    s0 = time.perf_counter()
                     if managers[int(mode == "local")].save(step, train):
-                        saves.append(time.perf_counter() - s0)
+                        saves.append(time.perf_counter() - b)
+                c = time.perf_counter()
                 time.sleep(step_s)
+                parts.append((b - a, c - b, time.perf_counter() - c - step_s))
                 step += 1
-            segments.append({"rep": rep, "mode": mode, "seconds": time.perf_counter() - t0, "save_calls_s": saves})
+            segments.append(
+                {
+                    "rep": rep,
+                    "mode": mode,
+                    "seconds": time.perf_counter() - t0,
+                    "save_calls_s": saves,
+                    "step_parts_s": parts,
+                }
+            )
     for mgr in managers.values():
         mgr.close()
     out["segments"] = segments
@@ -276,6 +290,18 @@ def summarise(results: list[dict[str, Any]], job: dict[str, Any]) -> dict[str, A
             seg[mode].append(max(s["seconds"] for s in per))
             if mode != "plain":
                 save_calls[mode] += [max(calls) for calls in zip(*(s["save_calls_s"] for s in per))]
+    # Where a segment's seconds go, per mode: each step's update, save call and sleep overshoot,
+    # summed over the segment (per process), the median over repeats of the slowest process.
+    where: dict[str, dict[str, float]] = {}
+    for mode in MODES:
+        sums = []
+        for rep in range(job["repeats"]):
+            per = [next(s for s in res["segments"] if (s["rep"], s["mode"]) == (rep, mode)) for res in results]
+            totals = [[sum(p[k] for p in s.get("step_parts_s", [])) for k in range(3)] for s in per]
+            sums.append([max(t[k] for t in totals) for k in range(3)])
+        where[mode] = {
+            name: statistics.median(x[k] for x in sums) for k, name in enumerate(("update_s", "save_s", "oversleep_s"))
+        }
     plain = statistics.median(seg["plain"])
     plain_step = plain / job["interval"]
     steps: dict[str, Any] = {
@@ -284,6 +310,7 @@ def summarise(results: list[dict[str, Any]], job: dict[str, Any]) -> dict[str, A
         "plain_segment_s": plain,
         "plain_step_s": plain_step,
         "runs": seg,
+        "where": where,
     }
     for mode in MODES[1:]:
         extra = statistics.median(seg[mode]) - plain  # seconds one local save adds

@@ -36,6 +36,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from objckpt.errors import (
     CoordinationError,
     FormatError,
@@ -122,6 +124,9 @@ class Tiers:
             before=self.wait,
         )
         self._pending: concurrent.futures.Future[None] | None = None
+        # The last local save's buffer once written (Options.keep_snapshot_buffer): the next one
+        # copies into it, its pages already in, instead of faulting in a fresh one.
+        self._spare: np.ndarray | None = None
         self.run_id = self._agree_run_id()
 
     def _agree_run_id(self) -> str:
@@ -153,6 +158,7 @@ class Tiers:
         """
         self.wait()
         started = time.perf_counter()
+        spare, self._spare = self._spare, None
         snap = snapshot(
             tree,
             root=self.url,
@@ -161,6 +167,7 @@ class Tiers:
             process_index=self.tier.process_index,
             process_count=self.tier.process_count,
             metadata=metadata,
+            buffer=spare,
         )
         # On a thread of its own that yields the CPU to training (Options.background_nice).
         self._pending = in_background(
@@ -187,6 +194,8 @@ class Tiers:
         )
         if self.peers:
             self._send(record.step)
+        if self.options.keep_snapshot_buffer:  # written (peers send the files): the next save fills it
+            self._spare = snap.buffer
 
     def _send(self, step: int | None) -> None:
         assert self.keepers is not None

@@ -177,16 +177,20 @@ def snapshot(
     process_index: int,
     process_count: int,
     metadata: dict[str, Any],
+    buffer: np.ndarray | None = None,
 ) -> Snapshot:
     """The blocking phase of a local save: this process's boxes copied into one owned buffer.
 
     ``root``: the manager root the step belongs to (recorded, and checked on every read);
-    ``save_id``: the manager run's, the part's checkpoint's own.
+    ``save_id``: the manager run's, the part's checkpoint's own. ``buffer``: a uint8 buffer
+    to copy into, used when it holds the part (a previous local save's, written already:
+    its pages are in, so the copy faults none, 5-9x faster here); else a fresh one.
     """
     leaves, skeleton = flatten(tree)
     layout = _Layout()
     entries = [_leaf(i, leaf.path, leaf.value, layout) for i, leaf in enumerate(leaves)]
-    buffer = host_buffer(layout.size)
+    if buffer is None or buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < layout.size:
+        buffer = host_buffer(layout.size)
     for offset, length, source in layout.copies:
         if length:
             host = np.asarray(source)
