@@ -215,8 +215,8 @@ class Options:
         keep_snapshot_buffer: a ``CheckpointManager`` with a local tier keeps the buffer
             its last local save copied this process's part into, once written, and the
             next local save copies into it: its pages are in already, so the copy, which
-            blocks training, faults in none (256 MiB a process in bench_tiers: 0.45 ->
-            0.1 s). The cost: host memory of this process's part held between local saves,
+            blocks training, faults in none (256 MiB a process in bench_tiers: 0.4-0.5 s
+            -> 0.11-0.15 s). The cost: host memory of this process's part held between local saves,
             which each local save needs anyway. False: a fresh buffer each time, freed
             once written.
     """
