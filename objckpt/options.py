@@ -206,12 +206,6 @@ class Options:
             (docs/PERFORMANCE.md, "The accelerator path"). Raise it for an async save
             with ``compression``, whose zstd runs within these threads. Requests that
             wait on the network take no thread.
-        background_nice: how far below the caller's priority (a Linux nice increment,
-            0-19) the work a ``CheckpointManager`` local save leaves running runs: the job
-            that drives the step's write and its peer copy (the pulls, the keeper's writes,
-            and JAX's transfer server, which moves the bytes), on threads objckpt starts
-            for it, never the caller's. The scheduler then runs training first when both
-            are ready. 10 (the default); 0 runs it at the caller's priority. Ignored off Linux.
         keep_snapshot_buffer: a ``CheckpointManager`` with a local tier keeps the buffer
             its last local save copied this process's part into, once written, and the
             next local save copies into it: its pages are in already, so the copy, which
@@ -247,7 +241,6 @@ class Options:
     device_snapshot: str = "off"
     compression: str | None = None
     save_threads: int | None = None
-    background_nice: int = 10
     keep_snapshot_buffer: bool = True
 
     def __post_init__(self) -> None:
@@ -287,8 +280,6 @@ class Options:
                 raise ImportError(
                     'Options(compression="zstd") needs the zstandard package: pip install zstandard (objckpt[compression])'
                 )
-        if type(self.background_nice) is not int or not 0 <= self.background_nice <= 19:
-            raise ValueError(f"Options.background_nice must be an int from 0 to 19, got {self.background_nice!r}")
         if self.device_snapshot not in ("off", "auto", "on"):
             raise ValueError(f"Options.device_snapshot must be 'off', 'auto' or 'on', got {self.device_snapshot!r}")
 

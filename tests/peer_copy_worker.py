@@ -14,7 +14,6 @@ Jobs (``kind``):
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from typing import Any
 
@@ -65,7 +64,6 @@ def one_round(i: int, spec: dict[str, Any]) -> dict[str, Any]:
             chunk_bytes=spec.get("chunk_bytes", 64 << 20),
             sink=sink if spec.get("sink") else None,
             name=f"round{i}",
-            nice=spec.get("nice", 0),
         )
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
@@ -90,22 +88,10 @@ def throughput() -> dict[str, Any]:
     return {"seconds": seconds}
 
 
-def thread_nices() -> dict[str, list[int]]:
-    """The nice value of each thread of this process, by thread name (Linux's /proc)."""
-    out: dict[str, list[int]] = {}
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            nice = int(f.read().rsplit(")", 1)[1].split()[16])
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            out.setdefault(f.read().strip(), []).append(nice)
-    return out
-
-
 def run() -> dict[str, Any]:
     kind = JOB["kind"]
     if kind == "exchange":
-        rounds = [one_round(i, spec) for i, spec in enumerate(JOB["rounds"])]
-        return {"rounds": rounds, "nices": thread_nices(), "caller_nice": os.getpriority(os.PRIO_PROCESS, 0)}
+        return {"rounds": [one_round(i, spec) for i, spec in enumerate(JOB["rounds"])]}
     if kind == "throughput":
         return throughput()
     raise ValueError(f"unknown job kind {kind!r}")

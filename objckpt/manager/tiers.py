@@ -29,6 +29,7 @@ turns peer copies off with a warning and training goes on.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import time
@@ -50,7 +51,7 @@ from objckpt.multihost import Coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.saving.local_snapshot import snapshot
 from objckpt.storage.base import Store
-from objckpt.transfer.background import in_background
+from objckpt.transfer import runtime
 
 log = logging.getLogger("objckpt")
 
@@ -103,7 +104,7 @@ class Tiers:
             from objckpt.peers.transfer import keeper_map, peer_copy_unavailable
 
             keeper_map(coordinator.process_count, keeper_of)  # a ValueError now, not at the first copy
-            why = peer_copy_unavailable(options.background_nice)
+            why = peer_copy_unavailable()
             if why is not None:
                 log.warning("objckpt local tier: peer copies are off: %s", why)
                 keeping = False
@@ -111,9 +112,7 @@ class Tiers:
         if keeping:
             from objckpt.peers.copies import Keepers
 
-            self.keepers = Keepers(
-                self.tier, timeout=self.peer_timeout, keeper_of=keeper_of, nice=self.options.background_nice
-            )
+            self.keepers = Keepers(self.tier, timeout=self.peer_timeout, keeper_of=keeper_of)
         self.locations = StepLocations(
             self.tier,
             url=root_url,
@@ -169,10 +168,7 @@ class Tiers:
             metadata=metadata,
             buffer=spare,
         )
-        # On a thread of its own that yields the CPU to training (Options.background_nice).
-        self._pending = in_background(
-            lambda: self._write_and_send(snap), name="objckpt-local-tier", nice=self.options.background_nice
-        )
+        self._pending = runtime.submit(asyncio.to_thread(self._write_and_send, snap))
         return time.perf_counter() - started
 
     def _write_and_send(self, snap: Any) -> None:

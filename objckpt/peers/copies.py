@@ -292,9 +292,7 @@ class _Incoming:
         raise FormatError(f"peer copy into {self.base}: no file at byte {at}")
 
 
-def send_to_keepers(
-    tier: LocalTier, step: int | None, *, timeout: float, keeper_of: Keeper | None, nice: int = 0
-) -> int | None:
+def send_to_keepers(tier: LocalTier, step: int | None, *, timeout: float, keeper_of: Keeper | None) -> int | None:
     """Send this process's ``step`` (None or absent: nothing) to its keeper; keep what this process receives.
 
     Returns the step received from the process this one keeps (None: it sent nothing).
@@ -309,16 +307,14 @@ def send_to_keepers(
     keepers = keeper_map(count, keeper_of)
     owner = keepers.index(tier.process_index)
     incoming = _Incoming(tier, owner)
-    copy = exchange_with_peers(
-        payload, timeout=timeout, keeper_of=keeper_of, sink=incoming, name="local_tier", nice=nice
-    )
+    copy = exchange_with_peers(payload, timeout=timeout, keeper_of=keeper_of, sink=incoming, name="local_tier")
     record = incoming.finish(copy.nbytes)
     tier.retain()
     return record.step if record is not None else None
 
 
 def fetch_from_keepers(
-    tier: LocalTier, step: int, fetch: dict[int, int], *, timeout: float, keeper_of: Keeper | None, nice: int = 0
+    tier: LocalTier, step: int, fetch: dict[int, int], *, timeout: float, keeper_of: Keeper | None
 ) -> Received | None:
     """Bring back, from their keepers, the copies of ``step`` that the processes in ``fetch`` lost.
 
@@ -337,7 +333,7 @@ def fetch_from_keepers(
     payload: list[np.ndarray] = []
     if fetch.get(mine) == here:
         payload = payload_of(tier, tier.held_dir(mine) / step_dir(step), mine)
-    copy = exchange_with_peers(payload, timeout=timeout, keeper_of=back, name="local_tier_back", nice=nice)
+    copy = exchange_with_peers(payload, timeout=timeout, keeper_of=back, name="local_tier_back")
     if copy.nbytes == 0 or copy.data is None:
         return None
     received = unpack(copy.data, f"process {keepers[here]}", tier, here)
@@ -347,28 +343,22 @@ def fetch_from_keepers(
 
 
 class Keepers:
-    """The peer copies of ``tier``'s steps, as :class:`objckpt.locations.tiers.StepLocations` uses them.
+    """The peer copies of ``tier``'s steps, as :class:`objckpt.locations.tiers.StepLocations` uses them."""
 
-    ``nice``: the priority the transfer server runs at below the caller's (``Options.background_nice``).
-    """
-
-    def __init__(self, tier: LocalTier, *, timeout: float, keeper_of: Keeper | None, nice: int = 0) -> None:
+    def __init__(self, tier: LocalTier, *, timeout: float, keeper_of: Keeper | None) -> None:
         self.tier = tier
         self.timeout = timeout
         self.keeper_of = keeper_of
-        self.nice = nice
 
     def keepers(self) -> list[int]:
         return keeper_map(self.tier.process_count, self.keeper_of)
 
     def send(self, step: int | None) -> int | None:
         """:func:`send_to_keepers` of this process's ``step`` (None: nothing to send)."""
-        return send_to_keepers(self.tier, step, timeout=self.timeout, keeper_of=self.keeper_of, nice=self.nice)
+        return send_to_keepers(self.tier, step, timeout=self.timeout, keeper_of=self.keeper_of)
 
     def fetch(self, step: int, fetch: dict[int, int]) -> Received | None:
-        return fetch_from_keepers(
-            self.tier, step, fetch, timeout=self.timeout, keeper_of=self.keeper_of, nice=self.nice
-        )
+        return fetch_from_keepers(self.tier, step, fetch, timeout=self.timeout, keeper_of=self.keeper_of)
 
     def keep(self, received: Received) -> None:
         keep_received(self.tier, received)

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import functools
 import hashlib
 import json
 import socket
-import threading
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,7 +43,6 @@ from jax.sharding import SingleDeviceSharding
 
 from objckpt.errors import CoordinationError, PeerCopyUnavailableError
 from objckpt.multihost import Coordinator, coordinator_host, get_coordinator, operation_tag
-from objckpt.transfer.background import in_background
 from objckpt.transfer.buffers import host_buffer
 
 CHUNK_BYTES = 32 << 20
@@ -109,17 +108,16 @@ def keeper_map(count: int, keeper_of: Callable[[int, int], int] | None = None) -
     return keepers
 
 
-def peer_copy_unavailable(nice: int = 0) -> str | None:
+def peer_copy_unavailable() -> str | None:
     """Why this process cannot take part in a peer copy, or None when it can.
 
     One process: nothing to exchange with. Otherwise JAX's transfer server must start on this
-    process's devices (``jax.experimental.transfer``; absent from old JAX releases); ``nice``:
-    its threads' priority below the caller's, when this call starts it (see :func:`_server`).
+    process's devices (``jax.experimental.transfer``; absent from old JAX releases).
     """
     if jax.process_count() == 1:
         return "a single process has no peer"
     try:
-        _server(nice)
+        _server()
     except Exception as e:  # an old JAX, or a backend without a transfer server
         return f"JAX's transfer server does not start here ({type(e).__name__}: {e})"
     return None
@@ -133,7 +131,6 @@ def exchange_with_peers(
     chunk_bytes: int = CHUNK_BYTES,
     sink: Sink | None = None,
     name: str = "peer_copy",
-    nice: int = 0,
 ) -> PeerCopy:
     """Send this process's ``payload`` to its keeper; receive the payload of the process it keeps.
 
@@ -154,8 +151,6 @@ def exchange_with_peers(
         sink: if given, called as ``sink(offset, chunk)`` in offset order with the received
             bytes instead of collecting them; ``chunk`` is valid during the call only.
         name: names the barriers (with a per-process count, like every objckpt operation).
-        nice: how far below the caller's priority (a Linux nice increment) the transfer
-            server's threads run, when this exchange starts the server (the first one does).
 
     Returns:
         The owner's bytes (``data``), or ``data=None`` when a ``sink`` took them.
@@ -169,7 +164,7 @@ def exchange_with_peers(
     """
     if chunk_bytes < _MIN_CHUNK:
         raise ValueError(f"peer copy: chunk_bytes must be at least {_MIN_CHUNK}, got {chunk_bytes}")
-    unavailable = peer_copy_unavailable(nice)
+    unavailable = peer_copy_unavailable()
     count, here = jax.process_count(), jax.process_index()
     if count == 1:
         raise PeerCopyUnavailableError(f"peer copy: {unavailable}")
@@ -178,7 +173,7 @@ def exchange_with_peers(
     data = _Segments(payload)
     keys = _Keys(get_coordinator(), operation_tag("peer_copy", name))
     try:
-        address = _server(nice).address() if unavailable is None else None
+        address = _server().address() if unavailable is None else None
         infos = keys.agree(
             "sizes",
             timeout,
@@ -321,24 +316,9 @@ class _Receiver:
             self.error = f"{type(e).__name__}: {e}"[:1000]
 
 
-_SERVER: list[Any] = []  # this process's transfer server, once started
-_SERVER_LOCK = threading.Lock()
-
-
-def _server(nice: int = 0) -> Any:
-    """This process's transfer server, started once on its first local device's client.
-
-    Started from a thread of its own whose nice value is raised by ``nice`` (the first
-    exchange's): the server's send and receive threads inherit it, so the bytes of every
-    peer copy move at that priority, whichever thread exchanges (docs/TIERS.md).
-    """
-    with _SERVER_LOCK:
-        if not _SERVER:
-            _SERVER.append(in_background(_start_server, name="objckpt-peer-server", nice=nice).result())
-        return _SERVER[0]
-
-
-def _start_server() -> Any:
+@functools.cache
+def _server() -> Any:
+    """This process's transfer server, started once on its first local device's client."""
     from jax.experimental import transfer
 
     host = _this_host()
