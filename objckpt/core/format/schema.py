@@ -72,7 +72,7 @@ class LeafEntry:
     kind: str
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
-    # A tuple, or (a restore's version 3 leaves) columns read as a sequence: format.rows.LeafPieces.
+    # A tuple (as parsed), or (what a restore plans from, every version) rows read as a sequence: format.rows.LeafPieces.
     pieces: Sequence[Piece] = ()
     value: Any = None
     sharding: dict[str, Any] | None = None
