@@ -25,7 +25,9 @@ from objckpt.storage import from_url
 from objckpt.storage.errors import map_obstore_error
 from objckpt.storage.fsspec.gcs import GcsFsspecStore
 from objckpt.storage.fsspec.local import LocalFsspecStore
-from objckpt.storage.fsspec.store import FsspecStore, MemoryFsspecStore, S3FsspecStore
+from objckpt.storage.fsspec.memory import MemoryFsspecStore
+from objckpt.storage.fsspec.s3 import S3FsspecStore
+from objckpt.storage.fsspec.store import FsspecStore
 from objckpt.storage.obstore.config import NotTranslatable, translate_gcs, translate_s3
 from objckpt.storage.obstore.store import ObstoreStore
 from objckpt.storage.opening import BACKEND_ENV

@@ -38,7 +38,8 @@ from objckpt.errors import (
 from objckpt.storage import Store, from_url, register_store
 from objckpt.storage import registry as _registry
 from objckpt.storage.errors import map_error
-from objckpt.storage.fsspec.store import FsspecStore, S3FsspecStore
+from objckpt.storage.fsspec.s3 import S3FsspecStore
+from objckpt.storage.fsspec.store import FsspecStore
 from objckpt.storage.obstore.store import ObstoreStore
 from objckpt.storage.opening import BACKEND_ENV, BACKEND_OPTION
 from objckpt.testing import StoreConformance

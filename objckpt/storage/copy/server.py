@@ -112,8 +112,8 @@ def account_of(store: Store) -> CopyAccount | None:
             return None  # local disk; obstore's GCS client (only on request) is not used to copy
         who = _spec_credentials(spec)
         return None if who is None else CopyAccount("s3", _endpoint(spec.endpoint), who)
-    fsspec_store = sys.modules.get("objckpt.storage.fsspec.store")
-    if fsspec_store is not None and isinstance(store, fsspec_store.S3FsspecStore):
+    fsspec_s3 = sys.modules.get("objckpt.storage.fsspec.s3")
+    if fsspec_s3 is not None and isinstance(store, fsspec_s3.S3FsspecStore):
         return _s3fs_account(store.fs)
     fsspec_gcs = sys.modules.get("objckpt.storage.fsspec.gcs")
     if fsspec_gcs is not None and isinstance(store, fsspec_gcs.GcsFsspecStore):

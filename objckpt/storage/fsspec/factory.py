@@ -14,7 +14,9 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from objckpt.storage.fsspec.local import LocalFsspecStore
-from objckpt.storage.fsspec.store import FsspecStore, MemoryFsspecStore, S3FsspecStore
+from objckpt.storage.fsspec.memory import MemoryFsspecStore
+from objckpt.storage.fsspec.s3 import S3FsspecStore
+from objckpt.storage.fsspec.store import FsspecStore
 
 
 def store_class(fs: AbstractFileSystem) -> type[FsspecStore]:

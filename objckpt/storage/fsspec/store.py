@@ -37,7 +37,6 @@ import asyncio
 import builtins
 import datetime as _dt
 import inspect
-import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -47,7 +46,6 @@ from fsspec.implementations.dirfs import DirFileSystem
 
 from objckpt.errors import ObjectNotFoundError, StoreError, TransientStoreError
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode
-from objckpt.storage.checksums import StoredChecksum, parse_crc32c_header
 from objckpt.storage.endpoint import ConfiguredEndpoint
 from objckpt.storage.errors import PROGRAMMING_ERRORS as _PROGRAMMING_ERRORS
 from objckpt.storage.errors import http_status as _http_status
@@ -61,7 +59,6 @@ T = TypeVar("T")
 
 # The in-process memory filesystem is one dict per process; a check-then-write
 # create is atomic only if every writer takes this lock.
-_MEMORY_LOCK = threading.Lock()
 
 
 class _InnerTimeout(Exception):
@@ -443,62 +440,3 @@ class FsspecStore(StreamingStore):
         clone._root = head
         clone.url = self.url.rstrip("/").rpartition("/")[0]
         return clone
-
-
-# ------------------------------------------------------------ per filesystem
-
-
-class S3FsspecStore(FsspecStore):
-    """s3fs: create-if-absent is its ``If-None-Match: *`` PUT; listings filter server-side;
-    stored checksums read back by ``HeadObject(ChecksumMode=ENABLED)``
-    (:mod:`objckpt.storage.checksums`). Its uploads send no CRC-32C: given one in a header,
-    botocore SHA-256-signs the body even over HTTPS, a pass over every byte the unsigned
-    uploads skip; the native S3 store sends it (checked on arrival) without that pass."""
-
-    _lists_by_prefix = True
-    checks_at_arrival = False
-    keeps_checksums = True
-    lists_checksums = False  # S3 lists no checksums: one HEAD per object
-
-    async def head_checksum(self, key: str) -> StoredChecksum:
-        """The object's size and the CRC-32C S3 keeps of it."""
-        _check_relative(key, "key", allow_empty=False, allow_partial=False)
-        what = f"head {self._url(key)} (its crc32c)"
-        bucket, name = self.bucket_object(key)
-        try:
-            answer = await self._fs(what, "call_s3", "head_object", Bucket=bucket, Key=name, ChecksumMode="ENABLED")
-        except _PROGRAMMING_ERRORS:
-            raise
-        except Exception as exc:
-            raise map_error(exc, what) from exc
-        return StoredChecksum(key, int(answer["ContentLength"]), parse_crc32c_header(answer.get("ChecksumCRC32C")))
-
-    async def list_checksums(self, prefix: str = "") -> builtins.list[StoredChecksum]:
-        """Every object under ``prefix`` with its size; S3 lists no checksums (``crc32c`` None)."""
-        return [StoredChecksum(o.key, o.size, None) for o in await self.list(prefix)]
-
-    def _atomic_create(self, requested: bool | None) -> bool:
-        return True
-
-    async def _read_whole(self, what: str, key: str) -> bytes:
-        # s3fs would HEAD first to decide on a chunked download; one GET is faster
-        # for the small objects this is used for (the transfer engine splits big ones).
-        return bytes(await self._fs(what, "cat_file", self._path(key), max_concurrency=1))
-
-
-class MemoryFsspecStore(FsspecStore):
-    """fsspec's in-process memory filesystem: create-if-absent is check-then-write
-    under one process-wide lock, which every writer through objckpt takes."""
-
-    def _atomic_create(self, requested: bool | None) -> bool:
-        return True
-
-    async def _write(self, what: str, key: str, data: Body, create: bool) -> None:
-        await self._in_thread(what, _memory_put, self.fs, self._path(key), data, create)
-
-
-def _memory_put(fs: AbstractFileSystem, path: str, data: Body, create: bool) -> None:
-    with _MEMORY_LOCK:
-        if create and fs.exists(path):
-            raise FileExistsError(path)
-        fs.pipe_file(path, b"".join(data) if isinstance(data, tuple) else bytes(data))
