@@ -44,7 +44,14 @@ from objckpt.orbax.tensorstore_io import (
 from objckpt.restoring import host_memory
 from objckpt.restoring.casts import cast_values, check_cast
 from objckpt.restoring.host_memory import refuse_over_limit
-from objckpt.restoring.placement import box_on_devices, is_array_target, joined, on_default_device, sharding_of
+from objckpt.restoring.placement import (
+    box_on_devices,
+    boxes_of,
+    is_array_target,
+    joined,
+    on_default_device,
+    sharding_of,
+)
 from objckpt.restoring.target_shardings import on_saved_orbax_shardings
 from objckpt.transfer.stats import TransferStats
 
@@ -83,7 +90,7 @@ def restore_orbax(
         for i, t in selection.items():
             if i in arrays:
                 _check_target(item.leaves[i], arrays[i], t, cast)
-        boxes = {i: _boxes(selection[i], tuple(int(n) for n in a.shape)) for i, a in arrays.items()}
+        boxes = {i: boxes_of(selection[i], tuple(int(n) for n in a.shape)) for i, a in arrays.items()}
         _check_host_memory(item, selection, arrays, boxes, host_memory.physical_memory())  # before any read
         try:
             values = _read_all(ts, item, selection, arrays, boxes, options, stats, cast, waiter, pending)
@@ -158,22 +165,9 @@ def _check_host_memory(
 
 def _stays_on_host(target: Any, boxes: list[tuple[tuple[slice, ...], list[Any]]]) -> bool:
     """Whether a leaf's boxes stay in host memory: a host value, or devices that are the host's."""
-    if getattr(target, "sharding", None) is None:
+    if sharding_of(target) is None:
         return True
     return all(device.platform == "cpu" for _, devices in boxes for device in devices)
-
-
-def _boxes(target: Any, shape: tuple[int, ...]) -> list[tuple[tuple[slice, ...], list[Any]]]:
-    """The distinct boxes the target's addressable devices hold, each with its devices."""
-    sharding = getattr(target, "sharding", None)
-    if sharding is None:
-        return [(tuple(slice(0, n) for n in shape), [None])]
-    by_box: dict[tuple[tuple[int, int], ...], tuple[tuple[slice, ...], list[Any]]] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        norm = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
-        key = tuple((s.start, s.stop) for s in norm)
-        by_box.setdefault(key, (norm, []))[1].append(device)
-    return list(by_box.values())
 
 
 def _read_all(
@@ -181,7 +175,7 @@ def _read_all(
     item: OrbaxItem,
     selection: dict[int, Any],
     arrays: dict[int, Any],
-    boxes_of: dict[int, list[tuple[tuple[slice, ...], list[Any]]]],
+    boxes_by_leaf: dict[int, list[tuple[tuple[slice, ...], list[Any]]]],
     options: Options,
     stats: TransferStats,
     cast: str,
@@ -228,7 +222,7 @@ def _read_all(
         array = arrays[i]
         dtype = numpy_dtype(array.dtype)
         chunk = chunk_shape(array)
-        boxes = boxes_of[i]
+        boxes = boxes_by_leaf[i]
         expected[i] = sum(len(devices) for _, devices in boxes)
         for box, devices in boxes:
             nbytes = _box_bytes(box, dtype.itemsize)

@@ -29,6 +29,20 @@ def sharding_of(target: Any) -> jax.sharding.Sharding | None:
     return getattr(target, "sharding", None) if is_array_target(target) else None
 
 
+def boxes_of(target: Any, shape: tuple[int, ...]) -> list[tuple[tuple[slice, ...], list[Any]]]:
+    """The distinct boxes (slices) the target's addressable devices hold, each with its devices;
+    one whole box on ``[None]`` for a target with no sharding (a host value, the default device)."""
+    sharding = sharding_of(target)
+    if sharding is None:
+        return [(tuple(slice(0, n) for n in shape), [None])]
+    by_box: dict[tuple[tuple[int, int], ...], tuple[tuple[slice, ...], list[Any]]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        assert index is not None  # a device of the sharding holds an index of the shape
+        norm = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+        by_box.setdefault(tuple((s.start, s.stop) for s in norm), (norm, []))[1].append(device)
+    return list(by_box.values())
+
+
 def box_on_devices(host: np.ndarray, devices: Sequence[Any]) -> list[jax.Array]:
     """One host box put on each of ``devices`` (its copies under the target's sharding)."""
     return [jax.device_put(host, device) for device in devices]

@@ -44,6 +44,7 @@ from objckpt.restoring.host_memory import physical_memory, refuse_over_limit
 from objckpt.restoring.placement import (
     box_on_devices,
     boxes_joined,
+    boxes_of,
     is_array_target,
     joined,
     on_default_device,
@@ -191,23 +192,10 @@ def _plan(name: str, found: tuple[str, TensorEntry], target: Any, cast: str) -> 
         saved, wanted = numpy_dtype(entry.dtype), np.dtype(target.dtype)
         if saved != wanted and cast != "unsafe":
             check_cast(name, saved, wanted)
-    boxes = _boxes(target, shape)
+    boxes = boxes_of(target, shape)
     leaf = _Leaf(name, key, entry, target, boxes, [])
     leaf.spans = _merge([(b[0].start, b[0].stop) if shape else (0, 1) for b, _ in boxes])
     return leaf
-
-
-def _boxes(target: Any, shape: tuple[int, ...]) -> list[tuple[Box, list[Any]]]:
-    """The distinct boxes the target's addressable devices hold, each with its devices."""
-    sharding = sharding_of(target)
-    if sharding is None:
-        return [(tuple(slice(0, n) for n in shape), [None])]
-    by_box: dict[tuple[tuple[int, int], ...], tuple[Box, list[Any]]] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        assert index is not None  # a device of the sharding holds an index of the shape
-        norm = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
-        by_box.setdefault(tuple((s.start, s.stop) for s in norm), (norm, []))[1].append(device)
-    return list(by_box.values())
 
 
 def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -322,7 +310,7 @@ def _scatters(leaf: _Leaf) -> bool:
     target = leaf.target
     return (
         is_array_target(target)
-        and getattr(target, "sharding", None) is not None
+        and sharding_of(target) is not None
         and len(leaf.boxes) > 1
         and bool(leaf.entry.shape)
         and 0 < leaf.row_bytes <= STREAM_PIECE
