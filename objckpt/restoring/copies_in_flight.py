@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,26 +25,66 @@ TRANSFER_WINDOW = 256 << 20
 
 class CopiesInFlight:
     """Copies to an accelerator started and not yet seen done, at most ``limit`` bytes of them
-    beyond the one just started: :meth:`started` waits for the oldest past that."""
+    beyond the one just started: :meth:`started` waits for the oldest past that.
 
-    def __init__(self, limit: int, wait: Callable[[Any], Any] = jax.block_until_ready) -> None:
-        self.limit, self._wait = limit, wait
+    Each copy may name the host buffers it was made from; once the copy is seen done (waited
+    for, or found ready by ``ready``, which never blocks) they go to ``done``, which recycles
+    them (:class:`objckpt.restoring.recycled.RecycledBuffers`).
+    """
+
+    def __init__(
+        self,
+        limit: int,
+        wait: Callable[[Any], Any] = jax.block_until_ready,
+        *,
+        ready: Callable[[Any], bool] | None = None,
+        done: Callable[[list[Any]], object] = lambda hosts: None,
+    ) -> None:
+        self.limit, self._wait, self._done = limit, wait, done
+        self._ready = ready or copies_ended
         self._lock = threading.Lock()
-        self._flight: collections.deque[tuple[Any, int]] = collections.deque()
+        self._flight: collections.deque[tuple[Any, int, list[Any]]] = collections.deque()
         self._bytes = 0
         self.peak = 0  # most bytes seen in flight (tests and benchmarks read it)
 
-    def started(self, arrays: Any, nbytes: int) -> None:
-        """``arrays`` (any pytree of device arrays) were just put from ``nbytes`` of host memory."""
+    def started(self, arrays: Any, nbytes: int, hosts: Sequence[Any] = ()) -> None:
+        """``arrays`` (any pytree of device arrays) were just put from ``nbytes`` of host memory
+        (``hosts``: the buffers to hand to ``done`` once the copy has ended)."""
         with self._lock:
-            self._flight.append((arrays, nbytes))
+            self._flight.append((arrays, nbytes, list(hosts)))
             self._bytes += nbytes
             self.peak = max(self.peak, self._bytes)
         while True:
             with self._lock:
                 if self._bytes <= self.limit or not self._flight:
-                    return
-                oldest, size = self._flight.popleft()
+                    break
+                oldest, size, held = self._flight.popleft()
             self._wait(oldest)  # outside the lock: other threads keep landing meanwhile
             with self._lock:
                 self._bytes -= size
+            self._done(held)
+        self.release_ended()
+
+    def release_ended(self) -> None:
+        """Hand ``done`` the buffers of the oldest copies that have ended by now, without waiting.
+
+        Stops at the first copy with no buffers to hand back: nothing waits for those to be
+        recycled, so the window alone retires them, in order.
+        """
+        while True:
+            with self._lock:
+                if not self._flight or not self._flight[0][2] or not self._ready(self._flight[0][0]):
+                    return
+                _, size, held = self._flight.popleft()
+                self._bytes -= size
+            self._done(held)
+
+
+def copies_ended(arrays: Any) -> bool:
+    """Whether every array of a pytree is ready, its copy to the device over (never blocks;
+    an object that cannot say counts as not ready)."""
+    for array in jax.tree.leaves(arrays):
+        is_ready = getattr(array, "is_ready", None)
+        if is_ready is None or not is_ready():
+            return False
+    return True

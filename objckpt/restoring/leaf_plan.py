@@ -78,6 +78,7 @@ class LeafPlan:
     unsafe_cast: bool = False  # cast="unsafe": numpy's astype, values unchecked
     whole_leaf_bytes: int = WHOLE_LEAF_BYTES
     on_host: bool = True  # see stays_on_host
+    recycles: bool = False  # devices that copy a host buffer and let it go (see recycles_buffers)
 
     @property
     def stays_on_host(self) -> bool:
@@ -90,6 +91,15 @@ class LeafPlan:
         bound for an accelerator gets plain buffers, not faulted in ahead, copied to its devices by DMA.
         """
         return self.on_host
+
+    @property
+    def recycles_buffers(self) -> bool:
+        """Whether the host buffers the leaf's boxes land in are lent and taken back
+        (:mod:`objckpt.restoring.recycled`): a leaf none of whose devices is the host's, placed
+        in device memory. There ``device_put`` copies a buffer and lets it go once the copy
+        ends; a CPU device may keep the buffer as its array, and pinned host memory is not
+        known to copy."""
+        return self.recycles and self.places_boxes
 
     @property
     def places_boxes(self) -> bool:
@@ -373,6 +383,9 @@ def plan_leaf(
     except Exception as e:
         raise TargetMismatchError(f"leaf {entry.path}: sharding {sharding} does not fit shape {shape}: {e}") from None
     on_host = all(device.platform == "cpu" for boxed in devices_by_box.values() for device in boxed)
+    recycles = getattr(sharding, "memory_kind", None) in (None, "device") and not any(
+        device.platform == "cpu" for boxed in devices_by_box.values() for device in boxed
+    )
     designated = None
     if read_once and isinstance(sharding, NamedSharding) and read_once_supported(sharding, out_dtype):
         designated = (designator or Designator(1 << 20)).designate(sharding, shape, dtype.itemsize)
@@ -386,6 +399,7 @@ def plan_leaf(
         unsafe_cast=unsafe_cast,
         whole_leaf_bytes=whole_leaf_bytes,
         on_host=on_host,
+        recycles=recycles,
     )
 
 
