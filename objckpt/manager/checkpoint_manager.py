@@ -30,7 +30,6 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.metadata import to_json_value
 from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError
 from objckpt.manager.preemption import Preemption
@@ -39,14 +38,12 @@ from objckpt.manager.retention import RetentionPolicy, manager_policies
 from objckpt.manager.save_policy import SavePolicy
 from objckpt.manager.save_schedule import SaveSchedule
 from objckpt.manager.step_deletion import apply_retention, delete_step, gc_root, gc_roots
+from objckpt.manager.step_reads import StepReads
 from objckpt.options import Options
 from objckpt.restoring.locations import Location, as_locations
 from objckpt.roots.listing import committed_steps, list_steps
-from objckpt.roots.metrics import step_metrics
-from objckpt.roots.orbax_steps import orbax_metrics, orbax_step_at
-from objckpt.roots.step_names import step_dir
 from objckpt.storage import Store
-from objckpt.tools.inspect import CheckpointInfo, inspect
+from objckpt.tools.inspect import CheckpointInfo
 from objckpt.transfer import runtime
 from objckpt.transfer.retries import close_store, open_store
 
@@ -208,6 +205,14 @@ class CheckpointManager:
         timeout = self.options.barrier_timeout
         self._schedule = SaveSchedule(self.save_policy, self._preemption, self._coordinator, self.root_url, timeout)
         self.replicas = as_locations(replicas, self.storage_options, primary=self.root_url)
+        self._reads = StepReads(
+            self.store,
+            self.root_url,
+            storage_options=self.storage_options,
+            options=self.options,
+            replicas=self.replicas,
+            metrics_seen=self._metrics,
+        )
         self.replication_timeout = replication_timeout
         self._replicator: Replicator | None = None
         self._tiers: Tiers | None = None
@@ -229,7 +234,7 @@ class CheckpointManager:
 
     def step_url(self, step: int) -> str:
         """The URL of ``step``'s checkpoint: ``<root_url>/step_0000000042``, a checkpoint like any other."""
-        return f"{self.root_url}/{step_dir(step)}"
+        return self._reads.step_url(step)
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` saves: by the save rules or because it is the preemption sync point.
@@ -288,7 +293,7 @@ class CheckpointManager:
             self._tiers.save(step, tree, {"objckpt.manager": {"step": step}})
         if not force and not self.should_save(step):
             return local
-        if self._orbax(step):
+        if self._reads.is_orbax(step):
             raise CheckpointExistsError(f"step {step} is an Orbax step under {self.store.url}: save another step")
         metrics = to_json_value(dict(metrics or {}), "metrics")
         user_metadata = to_json_value(dict(metadata or {}), "metadata")
@@ -413,56 +418,26 @@ class CheckpointManager:
         and the fastest tier that serves every process (:mod:`objckpt.manager.tiers`). A step this
         manager is still saving (the latest, when ``step`` is None) is restored once it commits."""
         self._settle(step)
+        from_store = lambda s: self._reads.restore(s, target, partial=partial, cast=cast)  # noqa: E731
         if self._tiers is not None:
-            store = lambda s: self._restore_store(s, target, partial, cast)  # noqa: E731
-            return self._tiers.restore(step, target, partial=partial, store_steps=self.steps, from_store=store)
-        return self._restore_store(self._resolve(step), target, partial, cast)
-
-    def _restore_store(self, step: int, target: Any, partial: bool, cast: str) -> Any:
-        from objckpt.restoring.api import restore
-
-        if self._orbax(step):  # through objckpt.orbax; Orbax steps are not replicated
-            url, replicas = f"{self.root_url}/{step}", []
-        else:
-            url, replicas = self.step_url(step), [location.child(step_dir(step)) for location in self.replicas]
-        return restore(
-            url,
-            target,
-            storage_options=self.storage_options,
-            partial=partial,
-            replicas=replicas,
-            options=self.options,
-            cast=cast,
-        )
+            return self._tiers.restore(step, target, partial=partial, store_steps=self.steps, from_store=from_store)
+        return from_store(self._resolve(step))
 
     def inspect(self, step: int | None = None) -> CheckpointInfo:
         """What ``step`` (the latest committed one by default) holds, from its manifest alone:
         :func:`objckpt.inspect` of :meth:`step_url`; a step still saving here, once it commits."""
         self._settle(step)
-        step = self._resolve(step)
-        url = f"{self.root_url}/{step}" if self._orbax(step) else self.step_url(step)
-        return inspect(url, storage_options=self.storage_options, options=self.options)
+        return self._reads.inspect(self._resolve(step))
 
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics ``step`` was saved with (read from its manifest if not seen here;
         for an Orbax step, what Orbax saved: :func:`~objckpt.roots.orbax_steps.orbax_metrics`)."""
-        if step not in self._metrics and self._orbax(step):
-            self._metrics[step] = runtime.run_sync(orbax_metrics(self.store, step))
-        if step not in self._metrics:
-            limit = self.options.manifest_size_limit
-            self._metrics[step] = runtime.run_sync(step_metrics(self.store.child(step_dir(step)), size_limit=limit))
-        return self._metrics[step]
+        return self._reads.metrics(step)
 
     def _settle(self, step: int | None) -> None:
         """Wait for this manager's save in flight when ``step`` is it (None: the latest, which it becomes)."""
         if self.is_saving_in_progress() and (step is None or step == self._pending_step):
             self.wait()
-
-    def _orbax(self, step: int) -> bool:
-        """Whether ``step`` is Orbax's: committed by Orbax under the root, not by objckpt (HEADs)."""
-        return orbax_step_at(
-            self.store, step, f"{step_dir(step)}/{MANIFEST_KEY}", self.options, replicas=bool(self.replicas)
-        )
 
     def _resolve(self, step: int | None) -> int:
         if step is not None:
