@@ -18,7 +18,7 @@ from helpers import full_manifest
 from restore_seams import paths, restore_with
 
 import objckpt
-from objckpt.restoring.copies_in_flight import CopiesInFlight
+from objckpt.restoring.copies_in_flight import CopiesInFlight, copies_ended
 from objckpt.restoring.landing import Devices, Landing
 from objckpt.restoring.leaf_plan import plan_leaf
 from objckpt.restoring.recycled import GRANULE, SMALLEST, RecycledBuffers
@@ -96,6 +96,20 @@ def test_ended_copies_give_their_buffers_back_before_a_fresh_mapping_is_made():
     ended[1] = True
     reused, fresh = pool.take((4 * MiB,), np.uint8)
     assert fresh is None and _address(reused) in (_address(a), _address(b))
+
+
+def test_a_copy_has_ended_when_every_array_of_it_is_ready():
+    """The default readiness check: every array of the pytree says it is ready; an object
+    that cannot say (no ``is_ready``) counts as still copying, so its buffers are never lent again early."""
+
+    class Copying:
+        def is_ready(self):
+            return False
+
+    done = jax.device_put(np.ones(4))
+    assert copies_ended([done, {"b": done}])
+    assert not copies_ended([done, Copying()])
+    assert not copies_ended([done, object()])
 
 
 def test_copies_past_the_window_hand_their_buffers_back_in_order():
