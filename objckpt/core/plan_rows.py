@@ -85,8 +85,8 @@ def plan_row_reads(
 
     Every row of ``rows`` is the layout (which bytes belong to a piece); ``kept`` (a mask over
     ``rows``): the wanted rows whose bytes the reader keeps as the array itself (the module
-    says each rule). The wanted rows are put in blob and
-    offset order once, then planned a chunk of whole blobs at a time.
+    says each rule). The wanted rows are put in read order once (blob by blob, each by offset,
+    the blobs leaf after leaf: :func:`_layout_order`), then planned a chunk of whole blobs at a time.
     """
     if not wanted.any():
         return []
@@ -101,8 +101,9 @@ def plan_row_reads(
     lo = 0
     while lo < len(place):
         hi = min(lo + CHUNK_ROWS, len(place))
-        if hi < len(place):  # end the chunk at a blob's end
-            hi = int(np.searchsorted(blobs, blobs[hi - 1], "right"))
+        if hi < len(place):  # end the chunk at a blob's end (a blob's rows are together in the layout)
+            past = np.flatnonzero(blobs[hi:] != blobs[hi - 1])
+            hi += int(past[0]) if len(past) else len(place) - hi
         _plan_chunk(rows, layout, place[lo:hi], keep, coalesce_gap, max_read_size, kept_limit, requests)
         lo = hi
     return requests
@@ -266,15 +267,34 @@ def _slacks(rows: Rows, layout: np.ndarray, place: np.ndarray, blob: np.ndarray,
 
 
 def _layout_order(rows: Rows) -> np.ndarray:
-    """The rows in (blob, offset) order: one sort of a combined key where both fit it."""
+    """The rows blob by blob, each blob's by offset, the blobs in the order of the first leaf
+    each holds (:func:`_blob_order`): one sort of a combined key where both fit it."""
     if not len(rows):
         return np.zeros(0, dtype=np.int32)
+    blob = _blob_order(rows)[rows.blob]
     if int(rows.offset.max()) < 1 << 40 and len(rows.keys) < 1 << 22:
-        key = rows.blob.astype(np.int64)  # built in place: one temporary of 8 bytes a row
+        key = blob  # built in place: one temporary of 8 bytes a row
         key <<= 40
         key |= rows.offset
         order = np.argsort(key)
         del key
     else:
-        order = np.lexsort((rows.offset, rows.blob))
+        order = np.lexsort((rows.offset, blob))
     return order.astype(np.int32) if len(order) < 1 << 31 else order
+
+
+def _blob_order(rows: Rows) -> np.ndarray:
+    """Per blob (by its number in ``rows.keys``), its place in the read order: blobs ordered by
+    the first row in them (rows are in leaf order), so reads go leaf after leaf, as the save packed them.
+
+    Not by key: a blob's key starts with a hash (:func:`objckpt.core.plan.blob_key`), and an
+    index lists its blobs by key. Read in that order, a leaf whose pieces span several blobs
+    had its first piece read long before its last, and restore holds a leaf's host buffer
+    from the first to the last: an 8 GiB restore onto a TPU held 83-88 such buffers at once
+    (4.7 GiB), where read leaf after leaf a few are open at any time.
+    """
+    first = np.full(len(rows.keys), len(rows), dtype=np.int64)  # a blob with no row: after every other
+    np.minimum.at(first, rows.blob, np.arange(len(rows), dtype=np.int64))
+    order = np.empty(len(rows.keys), dtype=np.int64)
+    order[np.argsort(first, kind="stable")] = np.arange(len(rows.keys))
+    return order
