@@ -85,10 +85,10 @@ class LeafPlan:
         """Whether the leaf's restored boxes stay in host memory: a numpy result, or devices
         that are the host's (the CPU backend, where a device array is host memory).
 
-        Only such leaves get restore's host-memory techniques (buffers in aligned private
-        mappings, pages faulted in ahead, :mod:`objckpt.restoring.arena`): their buffers are the
-        result, so how their pages are made and touched is what the restore pays for. A leaf
-        bound for an accelerator gets plain buffers, not faulted in ahead, copied to its devices by DMA.
+        Only such leaves get buffers that are the result (aligned private mappings, the small
+        ones cut from :mod:`objckpt.restoring.arena`), so how their pages are made and touched
+        is what the restore pays for. A leaf bound for an accelerator borrows its buffers
+        instead, each given back once its copy to the devices has ended (:attr:`recycles_buffers`).
         """
         return self.on_host
 

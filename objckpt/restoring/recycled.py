@@ -3,10 +3,10 @@
 A box bound for an accelerator lives in host memory only from its first read until
 ``device_put`` has copied it to its devices. Fresh memory for each box costs twice. Reads'
 threads allocate with numpy, from glibc arenas of their own, whose freed memory the next
-box, landing on another thread, does not reuse: every box faults fresh pages in (on a TPU
-v5e host a fresh page costs 2.3× its memcpy), and the freed ones stay in the process's RSS.
-An 8 GiB restore took 7.5 s and held +3.0 GiB that way, against 5.0 s when one arena served
-every thread (``MALLOC_ARENA_MAX=1``, a process-wide setting objckpt does not make).
+box, landing on another thread, may not reuse: boxes fault fresh pages in (on a TPU v5e host
+a fresh page costs 2.3× its memcpy), and freed ones stay in the process's free lists. On the
+chip, an 8 GiB restore from tmpfs took 7.2–7.8 s with recycled buffers against 7.9–8.3 s
+without, and left 0.04 GiB in glibc's free lists instead of 0.6 (docs/PERFORMANCE.md).
 
 :class:`RecycledBuffers` keeps the memory itself instead. A box gets the smallest free
 mapping it fits (one not much larger than it), or a fresh one whose pages the caller faults
