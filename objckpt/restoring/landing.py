@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -35,35 +34,11 @@ from objckpt.errors import ChecksumMismatchError, FormatError
 from objckpt.restoring.aligned_reads import address
 from objckpt.restoring.arena import AssemblyArena
 from objckpt.restoring.casts import cast_values
-from objckpt.restoring.copies_in_flight import TRANSFER_WINDOW, CopiesInFlight, copies_ended
+from objckpt.restoring.copies_in_flight import TRANSFER_WINDOW, CopiesInFlight
+from objckpt.restoring.landing_seams import Devices, HostMemory
 from objckpt.restoring.leaf_plan import LeafPlan, Meets
 from objckpt.restoring.recycled import RecycledBuffers
-from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_arrays, aligned_zeros, fault_in
-
-
-@dataclass(frozen=True)
-class HostMemory:
-    """How a landing makes host memory: aligned arrays, faulting pages in, the arena for assembled leaves.
-
-    The defaults are :mod:`objckpt.transfer.buffers`' and
-    :class:`~objckpt.restoring.arena.AssemblyArena`; a test passes its own to
-    count or poison what the landing makes.
-    """
-
-    arrays: Callable[..., list[np.ndarray]] = aligned_arrays  # (shapes, dtype, *, zeroed)
-    fault_in: Callable[[np.ndarray], object] = fault_in
-    arena: Callable[[list[tuple[int, list[Box], np.dtype]]], AssemblyArena] = AssemblyArena
-
-
-@dataclass(frozen=True)
-class Devices:
-    """How a landing puts finished host arrays on devices (JAX's calls by default; a test counts them)."""
-
-    put: Callable[..., Any] = jax.device_put
-    from_callback: Callable[..., jax.Array] = jax.make_array_from_callback
-    from_single_arrays: Callable[..., jax.Array] = jax.make_array_from_single_device_arrays
-    wait: Callable[[Any], Any] = jax.block_until_ready  # until arrays' copies to their devices end
-    ended: Callable[[Any], bool] = copies_ended  # whether they have ended, without waiting
+from objckpt.transfer.buffers import DEVICE_ALIGNMENT, aligned_zeros
 
 
 class _Leaf:
