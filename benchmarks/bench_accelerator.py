@@ -26,7 +26,10 @@ Each cell (one state and store) carries the medians of the repeats, the raw samp
 issue's targets checked (``targets``: per target ``ok``, the measured ``value`` and its
 ``limit``). Writes ``benchmarks/results/accelerator.json`` (``--out``), rewritten after every
 measurement, and prints a table. A device lease too short for every cell runs them in turns,
-each with ``--merge`` of the previous file (each cell records its ``commit``). ``--quick`` (a 64 MiB state on disk, one repeat, a ~20 ms step)
+each with ``--merge`` of the previous file (each cell records its ``commit``); a call too short
+for one cell's repeats (8 GiB: about 245 s a repeat) takes ``--resume`` of the file the last
+call wrote, which keeps that cell's runs when its commit is the same and goes on from the first
+repeat not measured in every system. ``--quick`` (a 64 MiB state on disk, one repeat, a ~20 ms step)
 checks the machinery on a CPU in about a minute and writes to a temp file unless ``--out`` is given.
 """
 
@@ -226,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--merge", default=None, help="an earlier results file whose other cells are kept (runs split across leases)"
     )
+    ap.add_argument(
+        "--resume", default=None, help="a file from an earlier call at the same commit whose cells' repeats go on"
+    )
     ap.add_argument("--commit", default=None, help="the code's commit, where `git` cannot tell (a copied tree)")
     args = ap.parse_args(argv)
     quick = args.quick
@@ -257,6 +263,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     cells = {}
     names = {f"{gib:g}GiB-{store}" for gib in states for store in stores}
+    earlier = {}  # the same cells from an earlier call at this commit, whose runs go on
+    if args.resume and Path(args.resume).exists():
+        earlier = {
+            c["name"]: c
+            for c in json.loads(Path(args.resume).read_text())["cells"]
+            if c["name"] in names and c.get("commit") == report["commit"]
+        }
     if args.merge and Path(args.merge).exists():  # the cells measured in an earlier lease, as they were
         kept = [c for c in json.loads(Path(args.merge).read_text())["cells"] if c["name"] not in names]
         report["cells"].extend(kept)
@@ -265,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
             base = store_path(store, args.disk_dir)
             cell = {"name": f"{gib:g}GiB-{store}", "state_gib": gib, "store": store, "path": base}
             cell.update(fs_type=fs_type(base), commit=report["commit"], runs={s: [] for s in systems})
+            if cell["name"] in earlier:
+                cell["runs"].update({s: earlier[cell["name"]]["runs"].get(s, []) for s in systems})
+                summarise(cell)
             cells[gib, store] = cell
             report["cells"].append(cell)
     job_base = {
@@ -280,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
             for store in stores:
                 cell = cells[gib, store]
                 for system in order:
+                    if len(cell["runs"][system]) > rep:  # measured by the call resumed
+                        continue
                     job = {**job_base, "system": system, "state_gib": gib, "store": store, "base": cell["path"]}
                     t0 = time.perf_counter()
                     result = run_one(job, args.timeout)
