@@ -121,3 +121,64 @@ def test_ratios_and_targets_follow_from_the_medians(report: dict[str, Any]) -> N
         assert targets["blocked_vs_orbax"]["value"] == pytest.approx(cell["blocked_s"] / cell["orbax_blocked_s"])
         assert targets["restore_vs_orbax"]["ok"] == (cell["restore_s"] < cell["orbax_restore_s"])
         assert targets["save_total_vs_orbax"]["ok"] == (cell["save_total_s"] <= cell["orbax_save_total_s"])
+
+
+def _bench(*args: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_accelerator.py", "--quick", "--timeout", "240", *args],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(Path(args[args.index("--out") + 1]).read_text())  # type: ignore[no-any-return]
+
+
+def test_resume_goes_on_from_the_repeats_measured_at_the_same_commit_only(
+    report: dict[str, Any], tmp_path: Path
+) -> None:
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(report))
+    (cell,) = report["cells"]
+    systems = ["floors", "objckpt"]
+
+    # Same commit, two repeats: the first of each system is kept as it was, the second measured.
+    resumed = _bench(
+        "--systems",
+        *systems,
+        "--repeats",
+        "2",
+        "--commit",
+        report["commit"],
+        "--resume",
+        str(earlier),
+        "--out",
+        str(tmp_path / "resumed.json"),
+    )
+    (got,) = resumed["cells"]
+    for system in systems:
+        assert [r["repeat"] for r in got["runs"][system]] == [0, 1]
+        assert got["runs"][system][0] == cell["runs"][system][0]
+        assert got["runs"][system][1] != cell["runs"][system][0]
+    assert got["blocked_s"] == statistics.median(r["blocked_s"] for r in got["runs"]["objckpt"])
+
+    # Another commit: nothing is kept.
+    fresh = _bench(
+        "--systems",
+        *systems,
+        "--repeats",
+        "1",
+        "--commit",
+        "another",
+        "--resume",
+        str(earlier),
+        "--out",
+        str(tmp_path / "fresh.json"),
+    )
+    (got,) = fresh["cells"]
+    assert got["commit"] == "another"
+    for system in systems:
+        assert len(got["runs"][system]) == 1
+        assert got["runs"][system][0] != cell["runs"][system][0]
