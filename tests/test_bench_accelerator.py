@@ -51,11 +51,11 @@ TIMES = (
 ORBAX = importlib.util.find_spec("orbax.checkpoint") is not None
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("bench_accelerator") / "accelerator.json"
+def _bench(*args: str) -> dict[str, Any]:
+    """bench_accelerator --quick with ``args`` (which name ``--out``) in a fresh process: its report."""
+    out = Path(args[args.index("--out") + 1])
     done = subprocess.run(
-        [sys.executable, "benchmarks/bench_accelerator.py", "--quick", "--out", str(out), "--timeout", "240"],
+        [sys.executable, "benchmarks/bench_accelerator.py", "--quick", "--timeout", "240", *args],
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
         capture_output=True,
@@ -65,6 +65,11 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"wrote {out}" in done.stdout
     return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _bench("--out", str(tmp_path_factory.mktemp("bench_accelerator") / "accelerator.json"))
 
 
 def test_one_cell_with_every_field_and_positive_times(report: dict[str, Any]) -> None:
@@ -121,19 +126,6 @@ def test_ratios_and_targets_follow_from_the_medians(report: dict[str, Any]) -> N
         assert targets["blocked_vs_orbax"]["value"] == pytest.approx(cell["blocked_s"] / cell["orbax_blocked_s"])
         assert targets["restore_vs_orbax"]["ok"] == (cell["restore_s"] < cell["orbax_restore_s"])
         assert targets["save_total_vs_orbax"]["ok"] == (cell["save_total_s"] <= cell["orbax_save_total_s"])
-
-
-def _bench(*args: str) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "benchmarks/bench_accelerator.py", "--quick", "--timeout", "240", *args],
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(Path(args[args.index("--out") + 1]).read_text())  # type: ignore[no-any-return]
 
 
 def test_resume_goes_on_from_the_repeats_measured_at_the_same_commit_only(
