@@ -1,24 +1,49 @@
 #!/usr/bin/env bash
-# bench_accelerator on a lent TPU machine, in one call (no network there: file:// and tmpfs only).
+# bench_accelerator on a lent accelerator machine (a TPU VM, or the CUDA image of an NVIDIA GPU),
+# in one call (no network there: file:// and tmpfs only).
 #
-#   bash benchmarks/accelerator_run.sh OUT_DIR [bench_accelerator.py arguments...]
+#   bash benchmarks/accelerator_run.sh --fetch-wheels          # here, before the call: .whl-accel/
+#   bash benchmarks/accelerator_run.sh OUT_DIR [bench_accelerator.py arguments...]   # there
 #
-# Installs what the machine lacks: fsspec, crc32c and tqdm from wheels carried in .whl-tpu/
-# (fetched beforehand with `pip download --no-deps --only-binary=:all: --python-version 3.11
-# --platform manylinux_2_17_x86_64 ... -d .whl-tpu fsspec crc32c tqdm`), and orbax-checkpoint from
-# the machine's own package index, both under /tmp and at the end of PYTHONPATH so the machine's
-# JAX stays first. Then prints benchmarks/accelerator_facts.py's facts and runs
-# benchmarks/bench_accelerator.py with the arguments given, writing accelerator.json and the logs
-# into OUT_DIR. With `--profile /tmp/profiles` among them it also writes the cProfile summaries of
-# every save and restore (profiles.txt); the timed figures of a profiled run carry the
-# profiler's overhead, so the committed results come from runs without it.
+# Those machines have no package index of the outside world, and each its own Python (3.11 on the
+# TPU VM, 3.12 on the CUDA image). `--fetch-wheels` downloads fsspec, crc32c and tqdm for both
+# into .whl-accel/ (carry it: `carry: [".whl-accel"]`). There, each of them that the machine's
+# Python cannot import is installed from those wheels (pip picks the one for its Python), and
+# orbax-checkpoint, where it is not importable, from the machine's own package index if it has
+# one; all under /tmp and at the end of PYTHONPATH, so the machine's JAX stays first. Then prints
+# benchmarks/accelerator_facts.py's facts and runs benchmarks/bench_accelerator.py with the
+# arguments given, writing accelerator.json and the logs into OUT_DIR. With `--profile
+# /tmp/profiles` among them it also writes the cProfile summaries of every save and restore
+# (profiles.txt); the timed figures of a profiled run carry the profiler's overhead, so the
+# committed results come from runs without it.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+wheels=.whl-accel
+needed=(fsspec crc32c tqdm)
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  for py in 3.11 3.12; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" \
+      --platform manylinux_2_17_x86_64 -d "$wheels" "${needed[@]}"
+  done
+  ls "$wheels"
+  exit 0
+fi
 out="$1"; shift
 mkdir -p "$out"
 export PIP_CONFIG_FILE=/dev/null PYTHONUNBUFFERED=1
-python3 -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-tpu/*.whl
-python3 -m pip install --isolated -q --only-binary=:all: --index-url file:///opt/pypi/simple --target /tmp/orbax orbax-checkpoint \
-  > "$out/pip.log" 2>&1 || echo "orbax-checkpoint did not install: its columns are skipped (see $out/pip.log)"
+missing=()
+for name in "${needed[@]}"; do
+  python3 -c "import $name" 2>/dev/null || missing+=("$name")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "installing from $wheels: ${missing[*]}"
+  python3 -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir \
+    --find-links "$wheels" --target /tmp/site "${missing[@]}"
+fi
+if ! python3 -c "import orbax.checkpoint" 2>/dev/null; then
+  python3 -m pip install --isolated -q --only-binary=:all: --index-url file:///opt/pypi/simple --target /tmp/orbax \
+    orbax-checkpoint > "$out/pip.log" 2>&1 || echo "orbax-checkpoint did not install: its columns are skipped (see $out/pip.log)"
+fi
 export PYTHONPATH="${PYTHONPATH:-}:/tmp/site:/tmp/orbax:$PWD"
 python3 benchmarks/accelerator_facts.py 2>&1 | tee "$out/facts.log"
 python3 benchmarks/bench_accelerator.py --out "$out/accelerator.json" "$@" 2>&1 | tee "$out/bench.log"
