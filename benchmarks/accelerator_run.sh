@@ -3,7 +3,7 @@
 # in one call (no network there: file:// and tmpfs only).
 #
 #   bash benchmarks/accelerator_run.sh --fetch-wheels          # here, before the call: .whl-accel/
-#   bash benchmarks/accelerator_run.sh OUT_DIR [bench_accelerator.py arguments...]   # there
+#   bash benchmarks/accelerator_run.sh OUT_DIR [--no-facts] [bench_accelerator.py arguments...]   # there
 #
 # Those machines have no package index of the outside world, and each its own Python (3.11 on the
 # TPU VM, 3.12 on the CUDA image). `--fetch-wheels` downloads fsspec, crc32c and tqdm for both
@@ -11,8 +11,9 @@
 # Python cannot import is installed from those wheels (pip picks the one for its Python), and
 # orbax-checkpoint, where it is not importable, from the machine's own package index if it has
 # one; all under /tmp and at the end of PYTHONPATH, so the machine's JAX stays first. Then prints
-# benchmarks/accelerator_facts.py's facts and runs benchmarks/bench_accelerator.py with the
-# arguments given, writing accelerator.json and the logs into OUT_DIR. With `--profile
+# benchmarks/accelerator_facts.py's facts (`--no-facts` skips them: about 40 s on a chip) and
+# runs benchmarks/bench_accelerator.py with the arguments given, writing accelerator.json and the
+# logs into OUT_DIR. With `--profile
 # /tmp/profiles` among them it also writes the cProfile summaries of every save and restore
 # (profiles.txt); the timed figures of a profiled run carry the profiler's overhead, so the
 # committed results come from runs without it.
@@ -29,6 +30,8 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   exit 0
 fi
 out="$1"; shift
+facts=1
+if [ "${1:-}" = "--no-facts" ]; then facts=0; shift; fi
 mkdir -p "$out"
 export PIP_CONFIG_FILE=/dev/null PYTHONUNBUFFERED=1
 missing=()
@@ -45,7 +48,7 @@ if ! python3 -c "import orbax.checkpoint" 2>/dev/null; then
     orbax-checkpoint > "$out/pip.log" 2>&1 || echo "orbax-checkpoint did not install: its columns are skipped (see $out/pip.log)"
 fi
 export PYTHONPATH="${PYTHONPATH:-}:/tmp/site:/tmp/orbax:$PWD"
-python3 benchmarks/accelerator_facts.py 2>&1 | tee "$out/facts.log"
+if [ "$facts" = 1 ]; then python3 benchmarks/accelerator_facts.py 2>&1 | tee "$out/facts.log"; fi
 python3 benchmarks/bench_accelerator.py --out "$out/accelerator.json" "$@" 2>&1 | tee "$out/bench.log"
 for f in /tmp/profiles/*.prof; do  # one file: the device tool brings back at most 8
   [ -e "$f" ] || continue
