@@ -17,6 +17,7 @@ bits), so a restore that brought back other bytes fails the run.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -273,56 +274,60 @@ def measure_floors(job: dict[str, Any]) -> dict[str, Any]:
 
 def measure_system(job: dict[str, Any]) -> dict[str, Any]:
     """A ``CheckpointManager`` save (async) with a training step running until it commits, then
-    a restore onto the device; ``job["system"]`` is ``objckpt`` or ``orbax``."""
+    a restore onto the device; ``job["system"]`` is ``objckpt``, ``objckpt_snapshot`` or ``orbax``.
+
+    With ``job["saves"]`` above 1, that many saves follow one another in this process, as in a
+    job's run: before each later one the previous checkpoint is deleted (untimed, so that the
+    store holds one state at a time) and the state moves on by a step of its own (a jitted
+    update that donates it, so the saved arrays are new ones, as after a training step). The
+    first save's figures stay the cell's (``save_total_s``...); the later ones' medians come as
+    ``later_*``, and the restore reads the last save back."""
     import jax
 
     system, gib = job["system"], job["state_gib"]
+    saves = int(job.get("saves", 1))
     step = Step(job["step_s"], job["step_dim"])
     state = build_state(gib)
-    want = fingerprints(state)
-    target = abstract(state)
-    mgr, save, wait, restore = _system(system, job["path"])
+    mgr, save, wait, restore, delete = _system(system, job["path"])
     alone = steps_alone(step, job["steps_alone"])
+    med_alone = statistics.median(alone)
     gc.collect()
     device_peak = device_peak_bytes()
     profile = Profile(job.get("profile_dir"), system, job["state_gib"], job.get("store", "?"))
     sampler = RssSampler()
+    later: list[dict[str, float]] = []
     try:
         base = sampler.mark()
-        started = time.perf_counter()
         with profile("save"):
-            save(state)
-        blocked = time.perf_counter() - started
-        committed: list[float] = []
-
-        def waiting() -> None:
-            wait()
-            committed.append(time.perf_counter())
-
-        waiter = threading.Thread(target=waiting)
-        waiter.start()
-        during = steps_while(step, waiter)
-        waiter.join()
+            first = _save_beside_steps(functools.partial(save, 1, state), wait, step, med_alone)
         peak = sampler.peak()
         device_peak_delta = device_peak_bytes() - device_peak
         attached = host_copy_attached(state)
         gc.collect()
         time.sleep(0.2)
         after = rss_bytes()
+        if saves > 1:
+            advance = _advance()
+        for k in range(2, saves + 1):
+            delete(k - 1)
+            state = jax.block_until_ready(advance(state))
+            gc.collect()
+            later.append(_save_beside_steps(functools.partial(save, k, state), wait, step, med_alone))
+        want = fingerprints(state)
+        target = abstract(state)
         del state
         gc.collect()
         base_restore = sampler.mark()
         with profile("restore"):
-            restore_s, restored = _timed(lambda: jax.block_until_ready(restore(target)))
+            restore_s, restored = _timed(lambda: jax.block_until_ready(restore(saves, target)))
         peak_restore = sampler.peak()
     finally:
         sampler.close()
     exact = fingerprints(restored) == want
     mgr.close()
-    med_alone = statistics.median(alone)
-    return {
-        "blocked_s": blocked,
-        "save_total_s": committed[0] - started,
+    during = first.pop("during")
+    out = {
+        **first,
         "peak_host_ram_gib": (peak - base) / GiB,
         "after_commit_host_ram_gib": (after - base) / GiB,
         "host_copy_attached": attached,
@@ -331,12 +336,51 @@ def measure_system(job: dict[str, Any]) -> dict[str, Any]:
         "step_max_s": max(during),
         "steps_during": len(during),
         "step_matmuls": step.matmuls,
-        "lost_s": blocked + sum(max(0.0, t - med_alone) for t in during),
         "device_peak_delta_gib": device_peak_delta / GiB,
         "restore_s": restore_s,
         "restore_peak_host_ram_gib": (peak_restore - base_restore) / GiB,
         "exact": exact,
+        "saves": saves,
     }
+    if later:
+        for key in ("blocked_s", "save_total_s", "lost_s"):
+            out[f"later_{key}"] = statistics.median(one[key] for one in later)
+        out["later_step_during_s"] = statistics.median(statistics.median(one["during"]) for one in later)
+    return out
+
+
+def _save_beside_steps(save: Any, wait: Any, step: Step, med_alone: float) -> dict[str, Any]:
+    """``save()``, then training steps until ``wait()`` returns: seconds blocked, until committed,
+    the steps' times (``during``) and the training time lost (blocked plus the steps' excess)."""
+    started = time.perf_counter()
+    save()
+    blocked = time.perf_counter() - started
+    committed: list[float] = []
+
+    def waiting() -> None:
+        wait()
+        committed.append(time.perf_counter())
+
+    waiter = threading.Thread(target=waiting)
+    waiter.start()
+    during = steps_while(step, waiter)
+    waiter.join()
+    if not committed:
+        raise RuntimeError("the save did not commit (its wait raised; see the thread's traceback above)")
+    return {
+        "blocked_s": blocked,
+        "save_total_s": committed[0] - started,
+        "during": during,
+        "lost_s": blocked + sum(max(0.0, t - med_alone) for t in during),
+    }
+
+
+def _advance() -> Any:
+    """A training step's stand-in for the state: every leaf moves on (plus one), in place (donated)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda s: jax.tree.map(lambda x: x + jnp.ones((), x.dtype), s), donate_argnums=0)
 
 
 def device_peak_bytes() -> int:
@@ -379,9 +423,9 @@ class Profile:
         return run()
 
 
-def _system(system: str, path: str) -> tuple[Any, Any, Any, Any]:
-    """(manager, save(state), wait(), restore(target)) for step 1 under ``path``; ``objckpt_snapshot``
-    is objckpt with ``Options(device_snapshot="on")``."""
+def _system(system: str, path: str) -> tuple[Any, Any, Any, Any, Any]:
+    """(manager, save(step, state), wait(), restore(step, target), delete(step)) under ``path``;
+    ``objckpt_snapshot`` is objckpt with ``Options(device_snapshot="on")``."""
     if system in ("objckpt", "objckpt_snapshot"):
         import objckpt
 
@@ -389,18 +433,20 @@ def _system(system: str, path: str) -> tuple[Any, Any, Any, Any]:
         mgr = objckpt.CheckpointManager(Path(path).as_uri() if "://" not in path else path, options=options)
         return (
             mgr,
-            lambda state: mgr.save(1, state, force=True),
+            lambda step, state: mgr.save(step, state, force=True),
             mgr.wait,
-            lambda target: mgr.restore(1, target),
+            lambda step, target: mgr.restore(step, target),
+            mgr.delete,
         )
     import orbax.checkpoint as ocp
 
     mgr = ocp.CheckpointManager(Path(path).absolute())
     return (
         mgr,
-        lambda state: mgr.save(1, args=ocp.args.StandardSave(state)),
+        lambda step, state: mgr.save(step, args=ocp.args.StandardSave(state)),
         mgr.wait_until_finished,
-        lambda target: mgr.restore(1, args=ocp.args.StandardRestore(target)),
+        lambda step, target: mgr.restore(step, args=ocp.args.StandardRestore(target)),
+        mgr.delete,
     )
 
 

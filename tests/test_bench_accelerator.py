@@ -174,3 +174,29 @@ def test_resume_goes_on_from_the_repeats_measured_at_the_same_commit_only(
     for system in systems:
         assert len(got["runs"][system]) == 1
         assert got["runs"][system][0] != cell["runs"][system][0]
+
+
+def test_later_saves_in_one_process_are_reported_and_the_last_one_restores_exactly(
+    report: dict[str, Any], tmp_path: Path
+) -> None:
+    # The module's report saved once per process: no later_* figures.
+    assert report["saves"] == 1 and "later_save_total_s" not in report["cells"][0]
+    systems = ["floors", "objckpt", "orbax"] if ORBAX else ["floors", "objckpt"]
+    got = _bench("--systems", *systems, "--saves", "3", "--out", str(tmp_path / "saves.json"))
+    assert got["saves"] == 3
+    (cell,) = got["cells"]
+    for system in systems[1:]:
+        (run,) = cell["runs"][system]
+        assert run["saves"] == 3
+        # The restore read the third save of a state that moved on twice: bit-exact only if every
+        # later save wrote the state as it was then, not the first one's bytes.
+        assert run["exact"] is True, system
+        assert 0 < run["later_blocked_s"] <= run["later_save_total_s"], system
+        assert run["later_lost_s"] >= run["later_blocked_s"], system
+        assert run["later_step_during_s"] > 0, system
+    assert cell["later_save_total_s"] == cell["runs"]["objckpt"][0]["later_save_total_s"]
+    if ORBAX:
+        assert cell["orbax_later_save_total_s"] == cell["runs"]["orbax"][0]["later_save_total_s"]
+    # Reported beside the targets, which stay the first save's.
+    assert not any(name.startswith("later") for name in cell["targets"])
+    assert cell["save_total_s"] == cell["runs"]["objckpt"][0]["save_total_s"]
