@@ -37,7 +37,8 @@ measurement, and prints a table. A device lease too short for every cell runs th
 each with ``--merge`` of the previous file (each cell records its ``commit``); a call too short
 for one cell's repeats (8 GiB: about 245 s a repeat) takes ``--resume`` of the file the last
 call wrote, which keeps that cell's runs when its commit is the same and goes on from the first
-repeat not measured in every system. ``--quick`` (a 64 MiB state on disk, one repeat, a ~20 ms step)
+repeat not measured in every system. A file holds one device's cells: a ``--merge`` or
+``--resume`` of cells measured on another device is refused. ``--quick`` (a 64 MiB state on disk, one repeat, a ~20 ms step)
 checks the machinery on a CPU in about a minute and writes to a temp file unless ``--out`` is given.
 """
 
@@ -216,6 +217,20 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def check_one_device_kind(cells: list[dict[str, Any]], kind: str, source: str | None) -> None:
+    """Refuse to write a file whose cells come from different devices: a cell kept by ``--merge``
+    or ``--resume`` from another chip (say a GPU run merged into the TPU's file) would pass for
+    this one's."""
+    seen = {c.get("device_kind") for c in cells}
+    seen |= {r.get("device_kind") for c in cells for runs in c.get("runs", {}).values() for r in runs}
+    others = sorted(k for k in seen if k not in (None, kind))
+    if others:
+        raise SystemExit(
+            f"{source}: its cells were measured on {', '.join(others)}, this run on {kind}; "
+            "write this device's results to a file of its own (--out, without --merge or --resume of that one)"
+        )
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(
@@ -328,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
                     cell["platform"], cell["device_kind"] = result["platform"], result["device_kind"]
                     report.setdefault("platform", result["platform"])
                     report.setdefault("device_kind", result["device_kind"])
+                    check_one_device_kind(report["cells"], result["device_kind"], args.merge or args.resume)
                     summarise(cell)
                     report["seconds"] = time.perf_counter() - started
                     out.parent.mkdir(parents=True, exist_ok=True)

@@ -200,3 +200,31 @@ def test_later_saves_in_one_process_are_reported_and_the_last_one_restores_exact
     # Reported beside the targets, which stay the first save's.
     assert not any(name.startswith("later") for name in cell["targets"])
     assert cell["save_total_s"] == cell["runs"]["objckpt"][0]["save_total_s"]
+
+
+def test_cells_from_another_device_are_refused_not_merged(report: dict[str, Any], tmp_path: Path) -> None:
+    # An earlier file from a TPU, with a cell this run would not measure and one it would resume.
+    tpu = json.loads(json.dumps(report))
+    (cell,) = tpu["cells"]
+    cell["device_kind"] = "TPU v5 lite"
+    for runs in cell["runs"].values():
+        for run in runs:
+            run["device_kind"] = "TPU v5 lite"
+    other = {**json.loads(json.dumps(cell)), "name": "8GiB-tmpfs"}
+    tpu["cells"].append(other)
+    earlier = tmp_path / "tpu.json"
+    earlier.write_text(json.dumps(tpu))
+    for flag in ("--merge", "--resume"):
+        out = tmp_path / f"out{flag}.json"
+        done = subprocess.run(
+            [sys.executable, "benchmarks/bench_accelerator.py", "--quick", "--systems", "floors", "--repeats", "2"]
+            + ["--commit", report["commit"], flag, str(earlier), "--out", str(out)],
+            cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode != 0, flag
+        assert "measured on TPU v5 lite, this run on cpu" in done.stderr, done.stderr[-2000:]
+        assert not out.exists(), flag  # nothing written that mixes the two
