@@ -217,6 +217,18 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def resumed_runs(earlier: dict[str, Any], systems: list[str], commit: str) -> dict[str, list[dict[str, Any]]]:
+    """The runs of an earlier call's cell that go on in this one (``--resume``): every system's
+    at the same commit; the floors' at any commit, since they time JAX and the store, not
+    objckpt's code (each run keeps the commit it was measured at)."""
+    kept: dict[str, list[dict[str, Any]]] = {}
+    for system, runs in earlier.get("runs", {}).items():
+        if system in systems or system == "floors":
+            if system == "floors" or earlier.get("commit") == commit:
+                kept[system] = [{**r, "commit": r.get("commit", earlier.get("commit"))} for r in runs]
+    return kept
+
+
 def check_one_device_kind(cells: list[dict[str, Any]], kind: str, source: str | None) -> None:
     """Refuse to write a file whose cells come from different devices: a cell kept by ``--merge``
     or ``--resume`` from another chip (say a GPU run merged into the TPU's file) would pass for
@@ -284,8 +296,6 @@ def main(argv: list[str] | None = None) -> None:
     if "orbax" in systems and importlib.util.find_spec("orbax.checkpoint") is None:
         systems.remove("orbax")
         notes.append("orbax skipped: orbax.checkpoint is not importable here")
-    if not {"floors", "objckpt"} <= set(systems):
-        notes.append("no targets without both floors and objckpt")
     report: dict[str, Any] = {
         "benchmark": "bench_accelerator",
         "quick": quick,
@@ -299,13 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     cells = {}
     names = {f"{gib:g}GiB-{store}" for gib in states for store in stores}
-    earlier = {}  # the same cells from an earlier call at this commit, whose runs go on
+    earlier = {}  # the same cells from an earlier call, whose runs go on
     if args.resume and Path(args.resume).exists():
-        earlier = {
-            c["name"]: c
-            for c in json.loads(Path(args.resume).read_text())["cells"]
-            if c["name"] in names and c.get("commit") == report["commit"]
-        }
+        earlier = {c["name"]: c for c in json.loads(Path(args.resume).read_text())["cells"] if c["name"] in names}
     if args.merge and Path(args.merge).exists():  # the cells measured in an earlier lease, as they were
         kept = [c for c in json.loads(Path(args.merge).read_text())["cells"] if c["name"] not in names]
         report["cells"].extend(kept)
@@ -315,8 +321,12 @@ def main(argv: list[str] | None = None) -> None:
             cell = {"name": f"{gib:g}GiB-{store}", "state_gib": gib, "store": store, "path": base}
             cell.update(fs_type=fs_type(base), commit=report["commit"], runs={s: [] for s in systems})
             if cell["name"] in earlier:
-                cell["runs"].update({s: earlier[cell["name"]]["runs"].get(s, []) for s in systems})
+                cell["runs"].update(resumed_runs(earlier[cell["name"]], systems, report["commit"]))
                 summarise(cell)
+            if cell["runs"].get("floors"):
+                cell["floors_commits"] = sorted({r["commit"] for r in cell["runs"]["floors"]})
+            if not (cell["runs"].get("floors") or "floors" in systems) or "objckpt" not in systems:
+                notes.append(f"{cell['name']}: no targets without both floors and objckpt")
             cells[gib, store] = cell
             report["cells"].append(cell)
     job_base = {
@@ -338,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
                     job = {**job_base, "system": system, "state_gib": gib, "store": store, "base": cell["path"]}
                     t0 = time.perf_counter()
                     result = run_one(job, args.timeout)
-                    result["repeat"] = rep
+                    result["repeat"], result["commit"] = rep, report["commit"]
                     cell["runs"][system].append(result)
                     cell["platform"], cell["device_kind"] = result["platform"], result["device_kind"]
                     report.setdefault("platform", result["platform"])
