@@ -37,7 +37,9 @@ measurement, and prints a table. A device lease too short for every cell runs th
 each with ``--merge`` of the previous file (each cell records its ``commit``); a call too short
 for one cell's repeats (8 GiB: about 245 s a repeat) takes ``--resume`` of the file the last
 call wrote, which keeps that cell's runs when its commit is the same and goes on from the first
-repeat not measured in every system. A file holds one device's cells: a ``--merge`` or
+repeat not measured in every system; the floors' runs it keeps at any commit (they time JAX and
+the store, not objckpt's code), so ``--systems objckpt orbax --resume FILE`` re-measures a cell
+at new code against the floors already in FILE. A file holds one device's cells: a ``--merge`` or
 ``--resume`` of cells measured on another device is refused. ``--quick`` (a 64 MiB state on disk, one repeat, a ~20 ms step)
 checks the machinery on a CPU in about a minute and writes to a temp file unless ``--out`` is given.
 """
