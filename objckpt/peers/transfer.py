@@ -39,8 +39,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
+from objckpt.core.jax_compat import single_device_sharding
 from objckpt.errors import CoordinationError, PeerCopyUnavailableError
 from objckpt.multihost import Coordinator, coordinator_host, get_coordinator, operation_tag
 from objckpt.transfer.buffers import host_buffer
@@ -389,7 +389,7 @@ class _Link:
         if not theirs:
             return
         connection = _server().connect(self.owner_address)
-        sharding = SingleDeviceSharding(self.device)
+        sharding = single_device_sharding(self.device)
 
         def pull(k: int) -> list[jax.Array]:
             specs = [jax.ShapeDtypeStruct((size,), np.uint8, sharding=sharding) for _, size in theirs[k]]

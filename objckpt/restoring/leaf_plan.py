@@ -37,6 +37,7 @@ from objckpt.core.boxes import Box, forget_needed_boxes, needed_boxes
 from objckpt.core.dtypes import dtype_from_name
 from objckpt.core.format import LeafEntry, Piece
 from objckpt.core.format.rows import LeafPieces
+from objckpt.core.jax_compat import single_device_sharding
 from objckpt.core.pieces import find_overlap
 from objckpt.core.plan import BoxIndex
 from objckpt.errors import TargetMismatchError
@@ -374,7 +375,7 @@ def plan_leaf(
         )
     if entry.kind in ("str", "bytes"):
         raise TargetMismatchError(f"leaf {entry.path}: saved a {entry.kind}, the target asks for an array")
-    sharding = getattr(target, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    sharding = getattr(target, "sharding", None) or single_device_sharding(jax.local_devices()[0])
     out_dtype = np.dtype(target.dtype)
     if not unsafe_cast:
         check_cast(entry.path, dtype, out_dtype)
