@@ -66,7 +66,7 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
     monkeypatch.setattr(ArrayImpl, "copy_to_host_async", recording_start)
     monkeypatch.setattr(ArrayImpl, "_single_device_array_to_np_array_did_copy", accelerator_read)
     whole = getattr(ArrayImpl, "_to_np_array_did_copy", None)
-    if whole is not None:  # what ``_value`` reads through since JAX 0.11 (before: the call above)
+    if whole is not None:  # what ``_value`` reads through in JAX 0.12 (before: the call above)
 
         def accelerator_value(self: Any) -> tuple[np.ndarray, bool]:
             if len(self.sharding.device_set) == 1:

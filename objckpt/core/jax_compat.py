@@ -15,8 +15,8 @@ import jax
 def single_device_sharding(device: Any) -> jax.sharding.Sharding:
     """The sharding that places a whole array on ``device``.
 
-    ``jax.sharding.make_single_device_sharding`` since JAX 0.11, where constructing
-    ``SingleDeviceSharding`` directly is deprecated; the class itself before.
+    ``jax.sharding.make_single_device_sharding`` where JAX has it (0.10 onwards; JAX 0.12 warns
+    that constructing ``SingleDeviceSharding`` directly is deprecated); the class itself before.
     """
     make = getattr(jax.sharding, "make_single_device_sharding", None)
     if make is not None:
