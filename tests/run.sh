@@ -6,7 +6,8 @@
 #
 #   ./tests/run.sh            everything, as CI runs it; pytest on OBJCKPT_TEST_WORKERS
 #                             processes (pytest-xdist, default 3; 0: one process), then the
-#                             tests marked `serial` in one process
+#                             tests marked `serial` in one process, then the quick tier on the
+#                             newest JAX (tests/newest_jax.sh: Python 3.12, .venv-newest)
 #   ./tests/run.sh --quick    the inner loop: ruff, then the tests marked `quick` (pure planning
 #                             and format tests, one save/restore per store kind; conftest.py)
 #
@@ -51,4 +52,10 @@ if [ "$rc" = 5 ] && [ "$serial_rc" = 5 ]; then exit 5; fi
 [ "$rc" = 5 ] && rc=0
 [ "$serial_rc" = 5 ] && serial_rc=0
 [ "$rc" = 0 ] && rc=$serial_rc
+# The whole suite (no arguments): then the quick tier on the newest JAX, which needs Python 3.12.
+if [ "${#args[@]}" = 0 ]; then
+  newest_rc=0
+  bash tests/newest_jax.sh || newest_rc=$?
+  [ "$rc" = 0 ] && rc=$newest_rc
+fi
 exit "$rc"
