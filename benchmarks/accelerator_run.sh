@@ -48,6 +48,8 @@ if ! python3 -c "import orbax.checkpoint" 2>/dev/null; then
     orbax-checkpoint > "$out/pip.log" 2>&1 || echo "orbax-checkpoint did not install: its columns are skipped (see $out/pip.log)"
 fi
 export PYTHONPATH="${PYTHONPATH:-}:/tmp/site:/tmp/orbax:$PWD"
+# The room the stores have (tmpfs on a small VM can be a few GiB), before anything is measured.
+{ nproc; free -g; df -h /dev/shm /tmp; } 2>&1 | tee "$out/machine.log"
 if [ "$facts" = 1 ]; then python3 benchmarks/accelerator_facts.py 2>&1 | tee "$out/facts.log"; fi
 python3 benchmarks/bench_accelerator.py --out "$out/accelerator.json" "$@" 2>&1 | tee "$out/bench.log"
 for f in /tmp/profiles/*.prof; do  # one file: the device tool brings back at most 8
