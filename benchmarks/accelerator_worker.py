@@ -17,6 +17,7 @@ bits), so a restore that brought back other bytes fails the run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -288,6 +289,8 @@ def measure_system(job: dict[str, Any]) -> dict[str, Any]:
     saves = int(job.get("saves", 1))
     step = Step(job["step_s"], job["step_dim"])
     state = build_state(gib)
+    want = fingerprints(state)
+    target = abstract(state)
     mgr, save, wait, restore, delete = _system(system, job["path"])
     alone = steps_alone(step, job["steps_alone"])
     med_alone = statistics.median(alone)
@@ -298,8 +301,7 @@ def measure_system(job: dict[str, Any]) -> dict[str, Any]:
     later: list[dict[str, float]] = []
     try:
         base = sampler.mark()
-        with profile("save"):
-            first = _save_beside_steps(functools.partial(save, 1, state), wait, step, med_alone)
+        first = _save_beside_steps(functools.partial(save, 1, state), wait, step, med_alone, profile("save"))
         peak = sampler.peak()
         device_peak_delta = device_peak_bytes() - device_peak
         attached = host_copy_attached(state)
@@ -313,8 +315,8 @@ def measure_system(job: dict[str, Any]) -> dict[str, Any]:
             state = jax.block_until_ready(advance(state))
             gc.collect()
             later.append(_save_beside_steps(functools.partial(save, k, state), wait, step, med_alone))
-        want = fingerprints(state)
-        target = abstract(state)
+        if later:
+            want = fingerprints(state)
         del state
         gc.collect()
         base_restore = sampler.mark()
@@ -349,11 +351,13 @@ def measure_system(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _save_beside_steps(save: Any, wait: Any, step: Step, med_alone: float) -> dict[str, Any]:
-    """``save()``, then training steps until ``wait()`` returns: seconds blocked, until committed,
-    the steps' times (``during``) and the training time lost (blocked plus the steps' excess)."""
+def _save_beside_steps(save: Any, wait: Any, step: Step, med_alone: float, around: Any = None) -> dict[str, Any]:
+    """``save()`` (inside ``around``: the profiler, if any), then training steps until ``wait()``
+    returns: seconds blocked, until committed, the steps' times (``during``) and the training
+    time lost (blocked plus the steps' excess)."""
     started = time.perf_counter()
-    save()
+    with around or contextlib.nullcontext():
+        save()
     blocked = time.perf_counter() - started
     committed: list[float] = []
 
