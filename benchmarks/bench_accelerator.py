@@ -39,9 +39,10 @@ for one cell's repeats (8 GiB: about 245 s a repeat) takes ``--resume`` of the f
 call wrote, which keeps that cell's runs when its commit is the same and goes on from the first
 repeat not measured in every system; the floors' runs it keeps at any commit (they time JAX and
 the store, not objckpt's code), so ``--systems objckpt orbax --resume FILE`` re-measures a cell
-at new code against the floors already in FILE. A file holds one device's cells: a ``--merge`` or
-``--resume`` of cells measured on another device is refused. ``--quick`` (a 64 MiB state on disk, one repeat, a ~20 ms step)
-checks the machinery on a CPU in about a minute and writes to a temp file unless ``--out`` is given.
+at new code against the floors already in FILE (the cell's ``floors_commits`` say which). A file
+holds one device's cells: a ``--merge`` or ``--resume`` of cells measured on another device is
+refused. ``--quick`` (a 64 MiB state on disk, one repeat, a ~20 ms step) checks the machinery on
+a CPU in about a minute and writes to a temp file unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def summarise(cell: dict[str, Any]) -> None:
         return
     for key in ("device_get_s", "per_leaf_s", "async_batched_s", "device_put_s", "raw_write_s", "raw_read_s"):
         cell[key] = median(floors, key)
+    cell["floors_commits"] = sorted({r.get("commit", cell.get("commit")) for r in floors} - {None})
     cell["save_floor_s"] = median(floors, "save_floor_s")
     cell["restore_floor_s"] = median(floors, "restore_floor_s")
     for key in (
@@ -325,8 +327,6 @@ def main(argv: list[str] | None = None) -> None:
             if cell["name"] in earlier:
                 cell["runs"].update(resumed_runs(earlier[cell["name"]], systems, report["commit"]))
                 summarise(cell)
-            if cell["runs"].get("floors"):
-                cell["floors_commits"] = sorted({r["commit"] for r in cell["runs"]["floors"]})
             if not (cell["runs"].get("floors") or "floors" in systems) or "objckpt" not in systems:
                 notes.append(f"{cell['name']}: no targets without both floors and objckpt")
             cells[gib, store] = cell
