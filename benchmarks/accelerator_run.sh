@@ -13,11 +13,15 @@
 # one; all under /tmp and at the end of PYTHONPATH, so the machine's JAX stays first. Then prints
 # benchmarks/accelerator_facts.py's facts (`--no-facts` skips them: about 40 s on a chip) and
 # runs benchmarks/bench_accelerator.py with the arguments given, writing accelerator.json and the
-# logs into OUT_DIR. With `--profile
-# /tmp/profiles` among them it also writes the cProfile summaries of every save and restore
-# (profiles.txt); the timed figures of a profiled run carry the profiler's overhead, so the
-# committed results come from runs without it.
+# logs into OUT_DIR (taken relative to where it is called from). With `--profile /tmp/profiles`
+# among them it also writes the cProfile summaries of every save and restore (profiles.txt); the
+# timed figures of a profiled run carry the profiler's overhead, so the committed results come
+# from runs without it.
 set -euo pipefail
+if [ "${1:-}" != "--fetch-wheels" ]; then
+  mkdir -p "$1"
+  out="$(cd "$1" && pwd)"; shift
+fi
 cd "$(dirname "$0")/.."
 wheels=.whl-accel
 needed=(fsspec crc32c tqdm)
@@ -29,10 +33,8 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   ls "$wheels"
   exit 0
 fi
-out="$1"; shift
 facts=1
 if [ "${1:-}" = "--no-facts" ]; then facts=0; shift; fi
-mkdir -p "$out"
 export PIP_CONFIG_FILE=/dev/null PYTHONUNBUFFERED=1
 missing=()
 for name in "${needed[@]}"; do
