@@ -110,7 +110,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         row = {"method": stats.method, "bytes": stats.bytes_copied}
     elif phase.startswith("export"):
         kw = {"max_shard_bytes": spec["max_shard_bytes"]} if spec.get("max_shard_bytes") else {}
-        stats = objckpt.export_safetensors(spec["src"], spec["dst"], names=_drop_step, storage_options=opts, **kw)
+        stats = objckpt.export_safetensors(spec["src"], spec["dst"], names=_drop_step, src_storage_options=opts, **kw)
         row = {"files": len(stats.files), "bytes": stats.tensor_bytes, "bytes_read": stats.bytes_read}
     else:  # restore <safetensors|objckpt> <mesh|one device>
         target = workloads.abstract_tree(workload, "save")
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             base = {"workload": workload.name, "storage_options": opts, "src": src}
             sharded = service.url(f"bench-st/export-{uuid.uuid4().hex[:6]}")
             objckpt.export_safetensors(
-                src, sharded, names=_drop_step, max_shard_bytes=args.shard_mib * MiB, storage_options=opts
+                src, sharded, names=_drop_step, max_shard_bytes=args.shard_mib * MiB, src_storage_options=opts
             )
             for i in range(args.repeats):
                 order = list(PHASES[i % len(PHASES) :] + PHASES[: i % len(PHASES)])

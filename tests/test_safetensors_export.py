@@ -172,7 +172,7 @@ def test_export_to_a_bucket_from_a_bucket(kind: str, store_target_factory: Any, 
     objckpt.save(src.url, state, storage_options=src.storage_options)
     reports: list[objckpt.Progress] = []
     stats = objckpt.export_safetensors(
-        src.url, dst.url, max_shard_bytes=16 * 1024, storage_options=src.storage_options, progress=reports.append
+        src.url, dst.url, max_shard_bytes=16 * 1024, src_storage_options=src.storage_options, progress=reports.append
     )
     assert reports and reports[-1].finished and reports[-1].done_bytes == reports[-1].total_bytes == stats.tensor_bytes
     assert reports[-1].operation == "export"

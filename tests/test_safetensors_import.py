@@ -197,7 +197,7 @@ def test_an_export_round_trips_onto_other_shardings(kind: str, store_target_fact
         }
     }  # fmt: skip
     objckpt.save(src.url, state, storage_options=src.storage_options)
-    stats = objckpt.export_safetensors(src.url, dst.url, max_shard_bytes=1024, storage_options=src.storage_options)
+    stats = objckpt.export_safetensors(src.url, dst.url, max_shard_bytes=1024, src_storage_options=src.storage_options)
     assert stats.files == [
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",

@@ -12,9 +12,15 @@ the restore's window, whatever the checkpoint's size. The index
 (``model.safetensors.index.json``) is written last, so a directory with an index
 has every file it names.
 
+An export over an earlier one (``overwrite=True``) first deletes the earlier
+index and ``model.safetensors``, the files loaders open first, so that until the
+new export's index (or single file) lands no reader takes old and new files for
+one export; then it deletes the earlier shard files the new export does not name.
+
 Several processes can export one checkpoint together: ``part=(k, n)`` writes the
 files whose number is ``k`` modulo ``n`` (the plan is the same on every
-process); the process with ``k == 0`` writes the index once its own files are
+process); every part checks the destination (or clears it, overwriting) before
+it writes; the process with ``k == 0`` writes the index once its own files are
 written, so the caller starts it last or waits for the others before using the
 index.
 """
@@ -22,7 +28,9 @@ index.
 from __future__ import annotations
 
 import logging
+import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +44,7 @@ from objckpt.options import Options
 from objckpt.progress import ProgressArg, finish_from_caller, start
 from objckpt.restoring.api import restore
 from objckpt.restoring.casts import cast_values
+from objckpt.restoring.locations import as_locations
 from objckpt.safetensors.header import encode_header, numpy_dtype
 from objckpt.safetensors.shards import (
     INDEX_FILE,
@@ -56,6 +65,8 @@ log = logging.getLogger("objckpt")
 
 #: The default largest file of an export: 5 GiB, S3's largest single PUT and Hugging Face's own default size.
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+#: A sharded export's file name (``model-00001-of-00003.safetensors``).
+_SHARD_FILE = re.compile(r"model-\d+-of-\d+\.safetensors")
 #: What an export's files carry in ``__metadata__``: the format Hugging Face loaders accept for plain tensors.
 FILE_METADATA = {"format": "pt"}
 
@@ -89,12 +100,14 @@ def export_safetensors(
     names: Names = None,
     dtype: str | None = None,
     subtree: str | None = None,
-    storage_options: dict[str, Any] | None = None,
-    dest_storage_options: dict[str, Any] | None = None,
+    src_storage_options: dict[str, Any] | None = None,
+    dst_storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     overwrite: bool = False,
     part: tuple[int, int] | None = None,
     progress: ProgressArg = False,
+    storage_options: dict[str, Any] | None = None,
+    dest_storage_options: dict[str, Any] | None = None,
 ) -> ExportStats:
     """Write the checkpoint at ``url`` as safetensors files under ``dest``.
 
@@ -110,14 +123,18 @@ def export_safetensors(
         dtype: a floating dtype (``"bfloat16"``) that floating leaves are written in
             (checked: a finite value that overflows fails the export); others keep theirs.
         subtree: export only the leaves under this ``.``-joined prefix (``"params"``).
-        storage_options: the source's store options, and the destination's unless
-            ``dest_storage_options`` is given.
-        dest_storage_options: the destination's store options.
+        src_storage_options: the source's store options; the destination's too when
+            ``dst_storage_options`` is not given and ``dest`` is the same kind of store
+            (S3, GCS, local disk...).
+        dst_storage_options: the destination's store options.
         options: tuning (the restore's reads; the writes' concurrency, timeouts, retries).
-        overwrite: replace files an earlier export left at ``dest``; without it a
-            destination holding ``model.safetensors`` or the index is refused.
+        overwrite: replace an earlier export at ``dest``, leaving none of its files; without
+            it a destination holding ``model.safetensors``, the index or this part's first
+            file is refused.
         part: ``(k, n)``: this process writes the files numbered ``k`` modulo ``n``.
         progress: as for :func:`objckpt.restore` (operation ``"export"``).
+        storage_options: deprecated spelling of ``src_storage_options`` (a DeprecationWarning).
+        dest_storage_options: deprecated spelling of ``dst_storage_options`` (a DeprecationWarning).
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``url``.
@@ -130,7 +147,10 @@ def export_safetensors(
     if not (0 <= k < n):
         raise ValueError(f"part must be (k, n) with 0 <= k < n, got {part!r}")
     options = options or Options()
-    dest_options = storage_options if dest_storage_options is None else dest_storage_options
+    storage_options = _renamed("storage_options", storage_options, "src_storage_options", src_storage_options)
+    dest_options = _renamed("dest_storage_options", dest_storage_options, "dst_storage_options", dst_storage_options)
+    if dest_options is None:
+        dest_options = as_locations([dest], storage_options, primary=url)[0].storage_options
     started = time.perf_counter()
     read_stats, write_stats = TransferStats(), TransferStats()
     with opened(url, storage_options, options) as source:
@@ -148,8 +168,7 @@ def export_safetensors(
     total = sum(t.nbytes for i in mine for t in shards[i])
     stats = ExportStats()
     with opened(dest, dest_options, options, write_stats) as out:
-        if not overwrite and k == 0:
-            runtime.run_sync(_refuse_existing(out, files))
+        runtime.run_sync(_clear_or_refuse(out, [files[i] for i in mine[:1]], overwrite))
         reporter = start(
             progress,
             "export",
@@ -176,6 +195,8 @@ def export_safetensors(
             if k == 0 and len(shards) > 1:
                 runtime.run_sync(out.engine.put(INDEX_FILE, index_document(shards, files)))
                 stats.files.append(INDEX_FILE)
+            if k == 0 and overwrite:
+                runtime.run_sync(_remove_stale(out, files))
             complete = True
         finally:
             finish_from_caller(reporter, complete=complete)
@@ -194,9 +215,26 @@ def export_safetensors(
     return stats
 
 
-async def _refuse_existing(out: Any, files: list[str]) -> None:
-    """Refuse a destination that holds an export's index or single file, or the first file planned."""
-    for key in dict.fromkeys([INDEX_FILE, SINGLE_FILE, files[0]]):
+def _renamed(old: str, old_value: Any, new: str, new_value: Any) -> Any:
+    """The value of keyword ``new``, or of its deprecated spelling ``old`` (with a warning naming ``new``)."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise TypeError(f"export_safetensors: pass {new}= alone ({old}= is its deprecated spelling)")
+    warnings.warn(f"export_safetensors({old}=) is deprecated: pass {new}=", DeprecationWarning, stacklevel=3)
+    return old_value
+
+
+async def _clear_or_refuse(out: Any, first: list[str], overwrite: bool) -> None:
+    """Before a part's first write: with ``overwrite``, delete the destination's index and single
+    file, an export's entry points, so that no reader takes old and new files for one export until
+    the new one's last file lands; without it, refuse a destination holding either of them or the
+    part's ``first`` file."""
+    if overwrite:
+        for key in (INDEX_FILE, SINGLE_FILE):
+            await out.store.delete(key)
+        return
+    for key in dict.fromkeys([INDEX_FILE, SINGLE_FILE, *first]):
         try:
             await out.store.head(key)
         except (ObjectNotFoundError, FileNotFoundError):
@@ -204,6 +242,14 @@ async def _refuse_existing(out: Any, files: list[str]) -> None:
         raise ObjectExistsError(
             f"{out.url}/{key} exists: the destination holds an export (pass overwrite=True to replace it)"
         )
+
+
+async def _remove_stale(out: Any, files: list[str]) -> None:
+    """Delete the shard files at the destination that the export just written does not name
+    (an earlier export's, or a cut-off one's): none of them can pass for part of it."""
+    for info in await out.store.list("model-"):
+        if info.key not in files and _SHARD_FILE.fullmatch(info.key):
+            await out.store.delete(info.key)
 
 
 def _read_shard(
