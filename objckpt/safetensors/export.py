@@ -140,6 +140,7 @@ def export_safetensors(
         CheckpointNotFoundError: no committed checkpoint at ``url``.
         FormatError: a leaf safetensors cannot hold (named), names that clash, nothing to export.
         ObjectExistsError: ``dest`` already holds an export (and ``overwrite`` is false).
+        TypeError: an option given in both its spellings (``storage_options`` and ``src_storage_options``).
     """
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
