@@ -313,10 +313,11 @@ def test_manager_restores_from_local_then_store_and_gc_leaves_the_local_tier_alo
     assert np.asarray(out["w"]).tobytes() == np.asarray(_tree(10)["w"]).tobytes() and out["data"] == b"it=10"
     before = sorted(p.relative_to(local) for p in local.rglob("*"))
     mgr.gc(grace_seconds=0)
-    mgr.delete(0)
-    assert sorted(p.relative_to(local) for p in local.rglob("*")) == before  # gc and rm never reach it
+    mgr.delete(0)  # an old step: no roll-back
+    assert sorted(p.relative_to(local) for p in local.rglob("*")) == before  # gc and delete never reach it
     out = mgr.restore(5, target)  # only local: the store never had step 5
     assert mgr.tier_status().last_restore.tier == "local" and out["n"] == 5  # type: ignore[union-attr]
+    assert mgr.tier_status().local_steps == [5]  # the job goes on from 5: local step 10 retired
     for p in (local / "process_0").iterdir():
         p.rename(p.with_name("gone_" + p.name))  # the local tier lost: the store serves
     out = mgr.restore(None, target)

@@ -20,7 +20,12 @@ one save pipeline as a one-process checkpoint (:func:`objckpt.saving.part_save.s
 a new directory beside the step's, then the record (:mod:`objckpt.core.format.local`: the root,
 the step, the run's save id, the process, the manifest's SHA-256; sealed under the run's key),
 synced and renamed into place, and moves the directory to ``step_<N>``. A step saved again
-(a restarted run reaching it) replaces the old one: the old record goes first.
+(a restarted run reaching it) replaces the old one: the old record goes first; a step another
+job (root) or process left there is never replaced (:class:`ForeignStepError`: the save is skipped).
+
+The steps form one line: a job at step N (it saved N, or restored it) did not come from a step
+above N, so the manager's steps above it are retired (:meth:`LocalTier.retire`, and the
+retention after each save), whichever run saved them: a roll-back never comes back.
 
 A step is this manager's only if its record names the manager's root and this process, is
 sealed under the key its run left in that root (:meth:`LocalTier.steps`, :meth:`LocalTier.held`,
@@ -141,6 +146,12 @@ def write_step(directory: Path, snap: Snapshot, *, key: bytes, options: Options)
         )
         sync_files(tmp)
         commit_record(tmp, record, key)
+        try:  # another job's (root's) or process's step is not this save's to replace
+            read_record(directory, root=snap.root, process_index=snap.process_index)
+        except ForeignStepError as e:
+            raise ForeignStepError(f"{e}: another job's step, left as it is (give each job its own local=)") from None
+        except (FormatError, OSError):
+            pass
         place(tmp, directory)
     except BaseException:
         _remove(tmp)
@@ -312,28 +323,41 @@ def complete_steps(
 
 
 def retain(
-    base: Path, keep_last: int, *, keep: frozenset[int] = frozenset(), within: Path | None = None, **whose: Any
+    base: Path,
+    keep_last: int,
+    *,
+    keep: frozenset[int] = frozenset(),
+    within: Path | None = None,
+    above: int | None = None,
+    **whose: Any,
 ) -> list[int]:
-    """Delete all but the newest ``keep_last`` complete steps under ``base``, and every torn or
-    damaged step except those in ``keep``; record first, so a step stops existing at once.
+    """Delete all but the newest ``keep_last`` complete steps under ``base`` (``above``: the step
+    just saved; the steps above it, of a line the job left, go first), and every torn or damaged
+    step except those in ``keep``; record first, so a step stops existing at once.
     A step of another root or process (``whose``: :func:`complete_steps`) is left alone: it
     is not this manager's to delete. Returns the steps deleted. ``within``: the tier's
     directory; a step directory that resolves outside it is never deleted."""
     complete = sorted(complete_steps(base, within=within, **whose))
-    doomed = set(complete[: max(0, len(complete) - keep_last)])
+    line = [s for s in complete if above is None or s <= above]
+    doomed = set(complete) - set(line) | set(line[: max(0, len(line) - keep_last)])
     for step, directory in step_dirs(base).items():
         if step not in complete and step not in keep and not _foreign(directory, within, whose):
             doomed.add(step)
-    for step in sorted(doomed):
+    remove_steps(base, doomed, within)
+    for entry in _entries(base):  # steps whose write was cut off before they were moved into place
+        if entry.name.startswith(".tmp-step_") and not entry.is_symlink():
+            _remove(entry)
+    return sorted(doomed)
+
+
+def remove_steps(base: Path, steps: Any, within: Path | None) -> None:
+    """Delete ``steps`` under ``base``, each record first (refused when a link leads out of ``within``)."""
+    for step in sorted(steps):
         directory = base / step_dir(step)
         if within is not None:
             inside(within, directory)
         _remove(directory / RECORD)
         _remove(directory)
-    for entry in _entries(base):  # steps whose write was cut off before they were moved into place
-        if entry.name.startswith(".tmp-step_") and not entry.is_symlink():
-            _remove(entry)
-    return sorted(doomed)
 
 
 def _entries(base: Path) -> list[Path]:
@@ -436,14 +460,25 @@ class LocalTier:
         directory = self.inside(self.step_dir(snap.step))
         self.inside(directory.parent)
         record = write_step(directory, snap, key=self.key(snap.save_id), options=options or Options())
-        self.retain()
+        self.retain(above=snap.step)
         return record
 
-    def retain(self) -> list[int]:
-        """Keep the newest ``keep_last`` steps here and of each peer copy held; drop torn ones."""
-        deleted = retain(self.inside(self.own), self.keep_last, **self._whose(self.process_index))
+    def retain(self, above: int | None = None) -> list[int]:
+        """Keep the newest ``keep_last`` steps here and of each peer copy held (``above``: the step
+        just saved, none above it); drop torn ones."""
+        deleted = retain(self.inside(self.own), self.keep_last, above=above, **self._whose(self.process_index))
         for owner in self.held():
-            retain(self.inside(self.held_dir(owner)), self.keep_last, **self._whose(owner))
+            retain(self.inside(self.held_dir(owner)), self.keep_last, above=above, **self._whose(owner))
+        return deleted
+
+    def retire(self, above: int) -> list[int]:
+        """Delete this manager's steps above ``above``, its own and the peer copies it holds (the
+        job goes on from ``above``: they are of a line it left); its own steps deleted."""
+        deleted = []
+        for owner, base in [(self.process_index, self.own), *((o, self.held_dir(o)) for o in self.held())]:
+            doomed = [s for s in complete_steps(base, **self._whose(owner)) if s > above]
+            remove_steps(self.inside(base), doomed, self.root)
+            deleted += doomed if owner == self.process_index else []
         return deleted
 
     def nbytes(self) -> int:

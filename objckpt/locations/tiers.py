@@ -10,7 +10,9 @@ that order: a local step or peer copy is opened as a checkpoint of one process's
 shardings and reshards as from a bucket); the object store is read by the manager's own
 restore. After each location every process says whether it succeeded, and if any did not,
 all move to the next together, which the log names with each process's reason. Each process
-logs where and how long; :attr:`StepLocations.last_restore` keeps it.
+says where and how long in one line (the ``objckpt`` logger at INFO, or stderr where no logging
+is configured); :attr:`StepLocations.last_restore` keeps it. The step restored is where the job
+goes on from: every process retires its local steps above it (a line the job left).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -269,13 +272,17 @@ class StepLocations:
     def _done(self, step: int, tier: str, started: float, out: Any, phases: _Phases) -> Any:
         seconds = time.perf_counter() - started
         self.last_restore = TierRestore(step, tier, seconds, dict(phases.seconds))
-        log.info(
-            "objckpt: process %d restored step %d from the %s tier in %.3f s",
-            self.tier.process_index,
-            step,
-            tier,
-            seconds,
+        line = (
+            f"objckpt: process {self.tier.process_index} restored step {step} from the {tier} tier in {seconds:.3f} s"
         )
+        if log.hasHandlers():
+            log.info(line)
+        else:  # no logging configured: still one line saying where the state came from
+            print(line, file=sys.stderr)
+        try:
+            self.tier.retire(step)
+        except OSError as e:
+            log.warning("objckpt local tier: the local steps above step %d were not retired: %s", step, e)
         return out
 
     def status(self, store_steps: list[int]) -> TierStatus:

@@ -289,9 +289,9 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         local = self._tiers is not None and self._tiers.due(step)
-        if self._tiers is not None and local:
-            self._tiers.save(step, tree, {"objckpt.manager": {"step": step}})
         if not force and not self.should_save(step):
+            if self._tiers is not None and local:
+                self._tiers.save(step, tree, {"objckpt.manager": {"step": step}})
             return local
         if self._reads.is_orbax(step):
             raise CheckpointExistsError(f"step {step} is an Orbax step under {self.store.url}: save another step")
@@ -314,6 +314,8 @@ class CheckpointManager:
             )
             self._pending = runtime.submit(self._after_save(handle, step, metrics))
             self._pending_step = step
+        if self._tiers is not None and local:  # after the store's save: a local disk never holds it up
+            self._tiers.save(step, tree, {"objckpt.manager": {"step": step}})
         if wait or self.reached_preemption(step):
             self.wait()
         return True
@@ -465,7 +467,9 @@ class CheckpointManager:
         await delete_step(self.store, step, lease=self.options.live_marker_lease)
 
     def delete(self, step: int) -> None:
-        """Delete one step (manifest first), an Orbax step too.
+        """Delete one step (manifest first), an Orbax step too. With a local tier, deleting the
+        newest committed steps rolls back: the local steps above the newest one left are retired
+        on this process (docs/TIERS.md).
 
         Raises:
             SaveInProgressError: a save is writing into the step (a live-save
@@ -473,6 +477,8 @@ class CheckpointManager:
         """
         self.wait()
         runtime.run_sync(self._delete_step(step))
+        if self._tiers is not None:
+            self._tiers.deleted(step, self.steps())
 
     def gc(self, grace_seconds: float | None = None) -> list[str]:
         """Delete blobs no committed manifest references, once older than the grace period,

@@ -8,7 +8,9 @@ holds when it is given ``local=``:
   directory in the background (:mod:`objckpt.locations.local_dirs`). With ``peers=1`` the same
   background job then sends the step to the process's keeper (:mod:`objckpt.peers.copies`:
   JAX's transfer server, not a device program, so it runs beside the training step). At
-  most one local save is in flight; the next one waits for it and re-raises its error.
+  most one local save is in flight; the next one waits for it. A local save that fails (a
+  full or unwritable disk, another job's step in the way) is a warning, and the next one
+  tries again: the object store's saves never wait on the local disk.
 - **restoring**: :class:`~objckpt.locations.tiers.StepLocations` (which step, from which
   location, every process alike; each copy read by the one restore).
 
@@ -153,7 +155,8 @@ class Tiers:
         """Snapshot ``tree`` as local step ``step``, then write it and send it to the keeper in
         the background; the seconds blocked.
 
-        First waits for the previous local save and its peer copy (re-raising its error).
+        First waits for the previous local save and its peer copy (re-raising the peer copy's
+        CoordinationError; a failed local write was a warning).
         """
         self.wait()
         started = time.perf_counter()
@@ -177,6 +180,13 @@ class Tiers:
         started = time.perf_counter()
         try:
             record = self.tier.write(snap, self.options)
+        except (OSError, FormatError) as e:  # the disk, not the job: training and the store's saves go on
+            log.warning(
+                "objckpt local tier: step %d not saved locally by process %d: %s", snap.step, snap.process_index, e
+            )
+            if self.peers:
+                self._send(None)
+            return
         except BaseException:
             if self.peers:
                 self._send(None)
@@ -220,6 +230,14 @@ class Tiers:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def deleted(self, step: int, store_steps: list[int]) -> None:
+        """After ``delete(step)``: when no committed step at or above ``step`` is left (a roll-back),
+        this process's local steps above the newest one left are retired."""
+        head = max(store_steps, default=-1)
+        if step > head:
+            self.wait()
+            self.tier.retire(head)
 
     def close(self) -> None:
         """Wait for the local save in flight and its peer copy; re-raise its error."""
