@@ -249,10 +249,7 @@ def _begin(
     reporter = None
     try:
         if base is not None:  # the marker is in the base now: read it, then reference what is equal
-            limit = options.manifest_size_limit
-            matched = incremental.match(
-                owned, entries, runtime.run_sync(incremental.read_base(handle.store, base, size_limit=limit)), base
-            )
+            matched = incremental.against_base(handle, owned, entries, base, coded)
             owned = matched.upload
             save = dataclasses.replace(
                 save, refs=tuple(matched.refs), ref_blobs=matched.ref_blobs, bases=tuple(matched.bases)

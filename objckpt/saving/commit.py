@@ -44,9 +44,11 @@ from objckpt.errors import (
     ObjectNotFoundError,
     StoreError,
 )
+from objckpt.layouts.manifest_io import read_indexes
 from objckpt.multihost import Coordinator
 from objckpt.saving.live_markers import LiveMarker, MarkerGroup
 from objckpt.saving.upload import PieceRecord
+from objckpt.storage.base import Store
 from objckpt.transfer.handle import Handle
 
 log = logging.getLogger("objckpt")
@@ -310,8 +312,14 @@ class Commit:
             ],
             bases=tuple(b for b in self.bases if b[0] in used),
         )
+        data = manifest_to_json(manifest)
         try:
-            await self.engine.put(MANIFEST_KEY, manifest_to_json(manifest), mode="create")
+            await check_readable(self.store, data, size_limit=self.options.manifest_size_limit)
+        except Exception as e:
+            why = f"the checkpoint would not read back ({type(e).__name__}: {e})"
+            return json.dumps({"status": "aborted", "why": why}).encode()
+        try:
+            await self.engine.put(MANIFEST_KEY, data, mode="create")
         except ObjectExistsError:
             if not await self._is_ours():
                 return json.dumps({"status": "exists"}).encode()
@@ -357,6 +365,17 @@ class Commit:
                 await self.store.delete(key)
             except Exception:  # gc removes whatever remains
                 pass
+
+
+async def check_readable(store: Store, root: bytes, *, size_limit: int) -> None:
+    """A restore's checks of the root ``root`` and of every index object it lists in ``store``,
+    made before ``root`` is committed, so that no save commits what no reader accepts.
+
+    Raises:
+        FormatError: what a reader would raise (the index object, the field, why).
+    """
+    manifest = parse_manifest(root, size_limit=size_limit)
+    await read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=size_limit, columnar=True)
 
 
 def _blob_sizes(records: list[PieceRecord]) -> dict[str, int]:
