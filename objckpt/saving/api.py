@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
@@ -58,6 +59,8 @@ from objckpt.transfer.stats import TransferStats
 
 T = TypeVar("T")
 log = logging.getLogger("objckpt")
+_SLICE = 0.1  # seconds: how long a wait for a save runs between chances for a Ctrl-C
+_ABORT_GRACE = 0.6  # seconds: how long an interrupted save may take to abort and delete what it wrote
 
 
 class SaveHandle:
@@ -72,8 +75,16 @@ class SaveHandle:
         seconds_blocked: how long ``save_async`` held the caller (the device→host copy).
     """
 
-    def __init__(self, future: concurrent.futures.Future[None], stats: TransferStats, seconds_blocked: float, url: str):
+    def __init__(
+        self,
+        future: concurrent.futures.Future[None],
+        stats: TransferStats,
+        seconds_blocked: float,
+        url: str,
+        transfer: Handle | None = None,
+    ):
         self._future = future
+        self._transfer = transfer
         self.stats = stats
         self.seconds_blocked = seconds_blocked
         self.url = url
@@ -84,7 +95,22 @@ class SaveHandle:
         Raises:
             TimeoutError: the save is still running after ``timeout`` seconds.
         """
-        self._future.result(timeout)
+        # Short waits: a Ctrl-C reaches the waiting thread only when it runs Python between them.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _SLICE if deadline is None else max(0.0, min(_SLICE, deadline - time.monotonic()))
+            try:
+                return self._future.result(left)
+            except TimeoutError:
+                if self._future.done() or (deadline is not None and time.monotonic() >= deadline):
+                    raise
+
+    def _interrupted(self) -> None:
+        """Abort the save's uploads and delete what they wrote (:func:`_discard`), waiting up to
+        :data:`_ABORT_GRACE` seconds; the commit then fails on its own, writing no manifest."""
+        if self._transfer is not None and not self._future.done():
+            with contextlib.suppress(TimeoutError):
+                runtime.submit(_discard(self._transfer)).result(_ABORT_GRACE)
 
     def done(self) -> bool:
         """Whether the save has ended, committed or failed (``result()`` says which)."""
@@ -140,13 +166,20 @@ def save(
     Returns:
         This process's figures (bytes, objects, requests, retries, seconds).
 
+    A Ctrl-C (KeyboardInterrupt) stops it within a second or so: its uploads are aborted and
+    what they wrote is deleted, best effort; ``objckpt rm --force URL`` removes anything left.
+
     Raises:
         CheckpointExistsError: ``url`` already holds a committed checkpoint (left intact).
     """
     # The caller waits for the uploads anyway: let them start with the first
     # blob copied instead of after the last (save_async holds them back).
     handle = _start(url, tree, storage_options, options, metadata, progress, hold_uploads=False, base=base)
-    handle.result()
+    try:
+        handle.result()
+    except KeyboardInterrupt:
+        handle._interrupted()
+        raise
     return handle.stats
 
 
@@ -264,6 +297,8 @@ def _begin(
         uploads = pipeline.upload(save, blobs, hold_uploads=hold_uploads, coded=coded)
     except BaseException:
         finish_from_caller(reporter, complete=False)
+        with contextlib.suppress(Exception):  # uploads already started: stopped, what they wrote deleted
+            runtime.run_sync(_discard(handle))
         pipeline.abandon(save)
         raise
     seconds_blocked = time.perf_counter() - entered
@@ -279,7 +314,7 @@ def _begin(
     )
     future = runtime.submit(_then_close(closing(commit, reporter), handle))
     in_flight.track(handle.url, future)
-    return SaveHandle(future, stats, seconds_blocked, handle.url)
+    return SaveHandle(future, stats, seconds_blocked, handle.url, handle)
 
 
 async def _then_close(run: Awaitable[T], handle: Handle) -> T:
@@ -290,6 +325,20 @@ async def _then_close(run: Awaitable[T], handle: Handle) -> T:
     finally:
         await handle.aclose()
         await asyncio.to_thread(release_freed_memory)
+
+
+async def _discard(handle: Handle) -> None:
+    """Abort a save's uploads and delete the objects they started writing, within
+    :data:`_ABORT_GRACE` seconds (best effort: nothing of the save is committed, and
+    ``objckpt rm --force`` removes what is left)."""
+    await handle.engine.abort(grace=_ABORT_GRACE / 3)
+
+    async def delete(key: str) -> None:
+        with contextlib.suppress(Exception):
+            await handle.store.delete(key)
+
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*map(delete, set(handle.engine.written))), _ABORT_GRACE / 2)
 
 
 def _shared_save_id(coordinator: Coordinator, tag: str, timeout: float) -> str:

@@ -12,13 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from objckpt.errors import (
-    BucketNotFoundError,
-    ObjectNotFoundError,
-    ThrottledError,
-)
+from objckpt.errors import BucketNotFoundError, ObjectNotFoundError, StoreError, ThrottledError
 from objckpt.options import Options, RetryConfig
 from objckpt.storage.base import ObjectInfo, PutMode, Store
 from objckpt.storage.checksums import checks_at_arrival
@@ -87,6 +83,10 @@ class TransferEngine:
         self.stats = stats if stats is not None else TransferStats()
         self.limit = AdaptiveLimit(max_concurrency, name=store.url, adaptive=adaptive)
         self._parent: Store | None = None  # reads of incremental checkpoints' bases go through it
+        #: the keys this engine has started writing: what an aborted save deletes (:meth:`abort`)
+        self.written: list[str] = []
+        self._attempts: set[asyncio.Future[Any]] = set()
+        self._aborted = False
 
     @classmethod
     def from_options(cls, store: Store, options: Options, stats: TransferStats | None = None) -> TransferEngine:
@@ -122,9 +122,14 @@ class TransferEngine:
             ticket = await self.limit.acquire()
             outcome: Outcome = "other"
             try:
+                if self._aborted:
+                    raise StoreError(f"{what}: not sent, the operation was aborted")
                 self.stats.add(requests=1)
                 started = time.monotonic()
-                result = await asyncio.wait_for(fn(), timeout)
+                running = asyncio.ensure_future(fn())
+                self._attempts.add(running)
+                running.add_done_callback(self._attempts.discard)
+                result = await asyncio.wait_for(running, timeout)
                 outcome = "ok"
                 if time.monotonic() - started > self.attempt_timeout:  # it needed the longer timeout
                     self.attempt_timeout = timeout
@@ -139,6 +144,15 @@ class TransferEngine:
         return await retry_attempts(
             what, attempt, retry=self.retry, request_timeout=self.attempt_timeout, stats=self.stats
         )
+
+    async def abort(self, grace: float) -> None:
+        """Refuse every request from now on and cancel the attempts in flight, waiting up to
+        ``grace`` seconds for them to end (an interrupted save: :func:`objckpt.save`)."""
+        self._aborted = True
+        for running in list(self._attempts):
+            running.cancel()
+        if self._attempts:
+            await asyncio.wait(list(self._attempts), timeout=grace)
 
     async def put(
         self,
@@ -164,6 +178,7 @@ class TransferEngine:
         def once() -> Awaitable[None]:
             nonlocal attempts
             attempts += 1
+            self.written.append(key)
             if checked is not None and crc32c is not None:
                 return checked.put_checked(key, data, crc32c=crc32c, mode=mode)
             if isinstance(data, list):

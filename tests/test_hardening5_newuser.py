@@ -1,0 +1,104 @@
+"""Issue 77 (Hardening 5), items 24-27 and 29: what a new user meets first.
+
+24: Ctrl-C during a synchronous save stops it promptly, aborts its uploads and leaves nothing
+that ``objckpt rm --force URL`` does not remove. 25: every "no checkpoint" error names the
+nearest steps, and ``export`` takes ``ROOT/30``. 26: the retention warning says how old a live
+marker is. 27: inspect of a safetensors directory and of an incremental checkpoint; NNX names.
+29: an abandoned replica copy leaves nothing once ``close()`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from objckpt.storage import from_url
+from objckpt.transfer import runtime
+
+_SCRIPT = Path(sys.executable).with_name("objckpt")
+CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "objckpt.cli"]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=180, check=False)
+
+
+def _keys(url: str, storage_options: dict | None) -> list[str]:
+    store = from_url(url, **(storage_options or {}))
+    return [o.key for o in runtime.run_sync(store.list())]
+
+
+# ------------------------------------------------------------------ item 24: Ctrl-C during save
+
+_SAVER = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    import jax, jax.numpy as jnp
+    import objckpt
+    from objckpt.transfer import runtime
+
+    # Any thread of a process may take its SIGINT; here objckpt's I/O thread does, always.
+    runtime.get_loop()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    url, options = sys.argv[1], json.loads(sys.argv[2])
+    tree = {f"w{i}": jnp.full((16, 1024, 1024), i, jnp.float32) for i in range(8)}  # 512 MiB
+    jax.block_until_ready(tree)
+    said = []
+
+    def progress(p):
+        if not said and 64 << 20 <= p.done_bytes < p.total_bytes:
+            said.append(1)
+            print("uploading", flush=True)
+
+    try:
+        objckpt.save(url, tree, storage_options=options, progress=progress)
+    except KeyboardInterrupt:
+        print("save raised at", time.time(), file=sys.stderr, flush=True)
+        raise
+    print("committed", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["s3", "local"])
+def test_ctrl_c_stops_a_synchronous_save_and_rm_force_clears_it(kind, store_target_factory, s3_service):
+    target = store_target_factory(kind)
+    url = target.url if kind == "s3" else "file://" + target.url
+    # One CPU device: the child's own teardown (JAX's) is not what is timed.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "XLA_FLAGS"))}
+    env.update(s3_service.env())
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SAVER, url, json.dumps(target.storage_options or {})],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "uploading\n", child.stderr
+        child.send_signal(signal.SIGINT)
+        signalled, at = time.monotonic(), time.time()
+        _, err = child.communicate(timeout=60)
+        seconds = time.monotonic() - signalled
+    finally:
+        child.kill()
+    assert child.returncode == -signal.SIGINT and "KeyboardInterrupt" in err, err
+    raised = float(err.split("save raised at ")[1].split()[0]) - at
+    assert seconds < 2.0, f"the child exited {seconds:.1f} s after SIGINT (save raised after {raised:.2f} s)"
+    assert "manifest.json" not in _keys(url, target.storage_options)
+    removed = _cli("rm", "--force", url, env=env)
+    assert removed.returncode == 0, removed.stderr
+    assert _keys(url, target.storage_options) == []
+    if kind == "s3":
+        prefix = url.split("/", 3)[3]
+        uploads = s3_service._boto_client().list_multipart_uploads(Bucket=s3_service.bucket, Prefix=prefix)
+        assert uploads.get("Uploads", []) == []
