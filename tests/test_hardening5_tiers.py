@@ -141,6 +141,10 @@ def test_an_unwritable_local_directory_loses_no_store_save(s3_store, tmp_path, c
         mgr.close()
     assert _store_steps(s3_store) == list(range(6))
     assert caplog.text.count("not saved locally") >= 5 and "Not a directory" in caplog.text
+    mgr = _manager(s3_store, tmp_path / "file" / "local")  # the restart: no local step, the store serves
+    assert (mgr.latest_step(), mgr.tier_status().local_steps) == (5, [])
+    _check(mgr.restore(None, _target()), 5)
+    mgr.close()
 
 
 def test_a_full_local_disk_loses_no_store_save(s3_store, tmp_path, caplog, monkeypatch):

@@ -291,7 +291,7 @@ def step_dirs(base: Path) -> dict[int, Path]:
     """The step directories under ``base``, complete or not, by step."""
     try:
         entries = list(base.iterdir())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none, or a local= that cannot hold one
         return {}
     out = {}
     for entry in entries:
@@ -363,7 +363,7 @@ def remove_steps(base: Path, steps: Any, within: Path | None) -> None:
 def _entries(base: Path) -> list[Path]:
     try:
         return list(base.iterdir())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
 
 
@@ -444,7 +444,7 @@ class LocalTier:
         out = {}
         try:
             entries = list((self.own / "peer").iterdir())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return {}
         for entry in entries:
             if entry.name.startswith("process_") and entry.name[8:].isdigit():
