@@ -18,7 +18,10 @@ A step is
 - **store** when the object store has committed it.
 
 The step restored is the newest one in any tier (or the one asked for); the tiers to try
-for it are listed fastest first. "local" is also tried for a step the store holds when every
+for it are listed fastest first. The local and peer tiers hold one line of steps: every process
+retires its steps above a step the job restored or saved, or above the store's newest once its
+newest steps are deleted (:meth:`objckpt.locations.local_dirs.LocalTier.retire`), so the newest
+step here is never one of a line the job left. "local" is also tried for a step the store holds when every
 process holds it locally but the process count differs: the restore itself then checks that
 each process's boxes cover its target (:mod:`objckpt.layouts.process_copy`).
 """
