@@ -18,8 +18,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import objckpt
+from objckpt.cli import main as cli_main
 from objckpt.storage import from_url
 from objckpt.transfer import runtime
 
@@ -102,3 +105,51 @@ def test_ctrl_c_stops_a_synchronous_save_and_rm_force_clears_it(kind, store_targ
         prefix = url.split("/", 3)[3]
         uploads = s3_service._boto_client().list_multipart_uploads(Bucket=s3_service.bucket, Prefix=prefix)
         assert uploads.get("Uploads", []) == []
+
+
+# ------------------------------------------------------------------ item 25: step hints everywhere
+
+
+def _root(url: str, storage_options: dict | None, steps: tuple[int, ...]) -> None:
+    mgr = objckpt.CheckpointManager(url, storage_options=storage_options)
+    for step in steps:
+        mgr.save(step, {"w": np.arange(4, dtype=np.float32)}, force=True)
+    mgr.wait()
+    mgr.close()
+
+
+def _not_found(call, *args, **kwargs) -> str:
+    with pytest.raises(objckpt.CheckpointNotFoundError) as e:
+        call(*args, **kwargs)
+    return str(e.value)
+
+
+@pytest.mark.s3
+def test_restore_the_manager_and_export_name_the_steps_nearest_a_missing_one(
+    s3_service, s3_store, tmp_path, monkeypatch, capsys
+):
+    url, so = s3_store.url, s3_store.storage_options
+    _root(url, so, (10, 20, 30))
+    near = (
+        f"; the manager root {url} has no committed step 25: the steps nearest it are 10, 20, 30"
+        f" (3 in all, the latest 30; try {url}/step_0000000030)"
+    )
+    for name in ("step_25", "25"):
+        message = _not_found(objckpt.restore, f"{url}/{name}", storage_options=so)
+        assert message == f"no committed checkpoint at {url}/{name} (no manifest.json){near}", message
+    mgr = objckpt.CheckpointManager(url, storage_options=so)
+    assert _not_found(mgr.restore, 25).endswith(near)
+    mgr.close()
+    # A misspelt step: the URL of the step meant.
+    assert _not_found(objckpt.restore, f"{url}/stpe_30", storage_options=so).endswith(
+        f"; the manager root {url} holds step 30 as {url}/step_0000000030"
+    )
+    for name, value in s3_service.env().items():
+        monkeypatch.setenv(name, value)
+    assert cli_main(["export", f"{url}/25", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().endswith(near), err
+    # export takes the short form that inspect, verify, cp and rm take
+    assert cli_main(["export", f"{url}/30", str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    assert f"exported {url}/step_0000000030 to" in capsys.readouterr().out
+    assert (tmp_path / "out" / "model.safetensors").exists()

@@ -14,14 +14,15 @@ from objckpt.errors import CheckpointNotFoundError, SaveInProgressError
 from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import Options
 from objckpt.progress import human_bytes
-from objckpt.roots.listing import group_checkpoints, root_steps
+from objckpt.roots.hints import explained
+from objckpt.roots.listing import group_checkpoints, mark_referenced, root_steps
 from objckpt.roots.step_names import resolve_step_url
-from objckpt.roots.sweep import collect, delete_checkpoint
+from objckpt.roots.sweep import collect
 from objckpt.saving.live_markers import committed_save_id, explain, live_markers
 from objckpt.tools.copy import copy
 from objckpt.tools.verify import verify
 from objckpt.transfer import runtime
-from objckpt.transfer.retries import close_store, open_store
+from objckpt.transfer.retries import close_store, open_store, opened_store
 
 
 def _options(args: argparse.Namespace) -> Options:
@@ -158,7 +159,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write a checkpoint in another format (safetensors): :mod:`objckpt.cli._export`."""
     from objckpt.cli._export import export
 
-    return export(args, _options(args))
+    args.src = _step_url(args, args.src, "src")
+    try:
+        return export(args, _options(args))
+    except CheckpointNotFoundError as e:
+        storage_options = options_from_args(args, args.src, "src")
+        with opened_store(args.src, storage_options, Options()) as store:
+            raise explained(e, store, storage_options, Options()) from None
 
 
 def _layout_of(url: str, storage_options: dict[str, Any], options: Options) -> str | None:

@@ -11,6 +11,7 @@ holds little more than the leaves in flight.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ from objckpt.core.format import ARRAY_KINDS, Manifest
 from objckpt.core.format.v2 import require_digest
 from objckpt.core.plan import ReadRequest
 from objckpt.core.tree import build, flatten_target, unflatten_target
-from objckpt.errors import PartialCopyError
+from objckpt.errors import CheckpointNotFoundError, PartialCopyError
 from objckpt.layouts.native import NativeCheckpoint
 from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import Options
@@ -152,12 +153,29 @@ def restore(
     asked = _Asked(target, partial, read_once, progress, cast)
     if replicas:
         locations = [Location(str(url), storage_options), *as_locations(replicas, storage_options, primary=str(url))]
-        return _restore_nearest(locations, asked, options, stats)
+        try:
+            return _restore_nearest(locations, asked, options, stats)
+        except CheckpointNotFoundError as e:
+            with opened(url, storage_options, options) as handle:
+                raise _explained(e, handle, storage_options) from None
     with opened(url, storage_options, options, stats) as handle, runtime.collection_paused(options.pause_gc):
-        checkpoint = open_checkpoint(handle.store, options=options, storage_options=storage_options, look_above=True)
+        try:
+            checkpoint = open_checkpoint(
+                handle.store, options=options, storage_options=storage_options, look_above=True
+            )
+        except CheckpointNotFoundError as e:
+            raise _explained(e, handle, storage_options) from None
         if not isinstance(checkpoint, NativeCheckpoint):  # another layout (Orbax): its reader restores itself
             return checkpoint.restore(target, partial=partial, options=options, stats=stats, cast=cast)
         return _restore(handle, checkpoint, asked)
+
+
+def _explained(error: CheckpointNotFoundError, handle: Handle, storage_options: dict[str, Any] | None) -> Exception:
+    """``error`` with what the URL is near (a manager root's steps beside it): the hint of
+    :mod:`objckpt.roots.hints`, a layer above this one, found by name as the layouts registry
+    finds its readers."""
+    hints = importlib.import_module("objckpt.roots.hints")
+    return hints.explained(error, handle.store, storage_options, handle.options)
 
 
 def restore_copy(

@@ -8,13 +8,14 @@ beside it). It costs one listing of the prefix, and one of its parent when the
 prefix's last segment names a step (``40``, ``step_40``, ``step_0000000040``);
 no step is read. Steps are objckpt's (``step_<N>/manifest.json``) and Orbax's
 committed numeric step directories (:mod:`objckpt.roots.orbax_steps`). Read-only;
-``inspect`` and ``verify`` (:mod:`objckpt.tools`) add it to their not-found error
-(``restore`` sits below this layer and keeps the plain message).
+``inspect``, ``verify`` (:mod:`objckpt.tools`), ``objckpt export`` and ``restore`` (which
+sits below this layer and finds :func:`explained` by name) add it to their not-found error.
 """
 
 from __future__ import annotations
 
 import bisect
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,6 +31,8 @@ from objckpt.transfer.retries import opened_store
 #: How many steps a hint names: the latest of a root, or those on each side of a missing step.
 SHOWN = 5
 NEAR = 2
+#: A step named with "step" misspelt: ``stpe_40``, ``setp-40``, ``step40``.
+_MISSPELT_STEP = re.compile(r"^[step]{2,5}[_-]?(\d+)$", re.IGNORECASE)
 
 
 def explained(
@@ -75,10 +78,11 @@ def step_dirs(objects: Iterable[ObjectInfo], url: str) -> dict[int, str]:
 
 
 def _parent_and_step(url: str) -> tuple[str | None, int]:
-    """The root above ``url`` and the step its last segment names; (None, 0) when it names none
-    or the root would be a bucket (never listed whole for a hint)."""
+    """The root above ``url`` and the step its last segment names (a misspelt ``stpe_40``
+    included); (None, 0) when it names none or the root would be a bucket (never listed
+    whole for a hint)."""
     parent, slash, name = url.rpartition("/")
-    match = SHORT_STEP.match(name)
+    match = SHORT_STEP.match(name) or _MISSPELT_STEP.match(name)
     if not slash or match is None or not parent or parent.endswith(":/"):
         return None, 0
     scheme, sep, rest = parent.partition("://")
