@@ -15,9 +15,9 @@ from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import Options
 from objckpt.progress import human_bytes
 from objckpt.roots.hints import explained
-from objckpt.roots.listing import group_checkpoints, mark_referenced, root_steps
+from objckpt.roots.listing import group_checkpoints, root_steps
 from objckpt.roots.step_names import resolve_step_url
-from objckpt.roots.sweep import collect
+from objckpt.roots.sweep import collect, delete_checkpoint
 from objckpt.saving.live_markers import committed_save_id, explain, live_markers
 from objckpt.tools.copy import copy
 from objckpt.tools.verify import verify
