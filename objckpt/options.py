@@ -34,7 +34,10 @@ class RetryConfig:
             next attempt gets twice the time: ``Options.request_timeout``).
         initial_backoff: seconds before the first retry; doubles each time (full jitter).
         max_backoff: cap on one backoff sleep.
-        deadline: total seconds one request may take across all its attempts.
+        deadline: total seconds one request may take across all its attempts: each
+            attempt is cut to what is left of it. When the last attempt timed out, the
+            error says the server never answered; the first one that times out logs a
+            warning naming the endpoint.
         checksum_reads: reads of the same bytes, the first included, before a
             checksum mismatch is called corruption at rest (an ``IntegrityError``
             that says it persisted over that many reads); a mismatch that a

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -257,10 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as error:
-        if args.debug:
-            raise
-        line = redact(scrub(_one_line(error)), secret_values(*_given_options(args)))
-        print(f"objckpt: error: {line}", file=sys.stderr)
+        secrets = secret_values(*_given_options(args))
+        if args.debug:  # the traceback, through the redaction every --debug log record passes
+            from objckpt.logs import redact_text
+
+            print(redact_text(scrub("".join(traceback.format_exception(error))), secrets), end="", file=sys.stderr)
+        else:
+            print(f"objckpt: error: {redact(scrub(_one_line(error)), secrets)}", file=sys.stderr)
         from objckpt.errors import StorageOptionError
 
         return 2 if isinstance(error, (UsageError, StorageOptionError)) else 1

@@ -17,9 +17,9 @@ is refused it raises :class:`~objckpt.errors.EndpointRefusedError` saying
 (it connects, times out, the name does not resolve) lets the request go
 ahead as before. An endpoint that accepted a connection once in this process
 is not probed again, so a server that restarts later is retried like any
-transient fault. No probe is made where the clients would go through a proxy
-(``HTTPS_PROXY``/``HTTP_PROXY`` without a ``NO_PROXY`` match): a direct
-connection says nothing about the proxied route.
+transient fault. No probe is made where the store's client would go through a
+proxy (``HTTPS_PROXY``/``HTTP_PROXY`` without a ``NO_PROXY`` match, matched as
+that client matches it): a direct connection says nothing about the proxied route.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from objckpt.errors import EndpointRefusedError
+from objckpt.storage.http.network import in_networks
 
 #: Connects tried before an endpoint is called refused, each within PROBE_TIMEOUT_S, PROBE_PAUSE_S apart.
 PROBE_ATTEMPTS = 2
@@ -49,9 +50,12 @@ class ConfiguredEndpoint:
         url: The endpoint (``http://host:port``; a bare ``host:port`` is read as ``http``).
         setting: Where it came from, as the user wrote it (``"storage_options['endpoint_url']"``,
             ``"AWS_ENDPOINT_URL_S3"``, ...).
+        networks: The store's client lets ``NO_PROXY`` addresses and networks (``127.0.0.0/8``)
+            bypass the proxy, as obstore's does (:func:`~objckpt.storage.http.network.in_networks`);
+            botocore and aiohttp do not.
     """
 
-    def __init__(self, url: str, setting: str) -> None:
+    def __init__(self, url: str, setting: str, *, networks: bool = False) -> None:
         self.url = url if "://" in url else f"http://{url}"
         self.setting = setting
         parts = urlsplit(self.url)
@@ -62,7 +66,7 @@ class ConfiguredEndpoint:
         except ValueError:
             port = None
         self.port = port or (443 if self.scheme == "https" else 80)
-        self._checked = not self.host or _proxied(self.url)
+        self._checked = not self.host or _proxied(self.url, networks=networks)
 
     def __repr__(self) -> str:
         return f"ConfiguredEndpoint({self.address!r} from {self.setting})"
@@ -120,13 +124,22 @@ async def _probe(host: str, port: int) -> str:
     return "refused"
 
 
-def _proxied(url: str) -> bool:
-    """Whether HTTP clients reading the proxy variables would reach ``url`` through a proxy."""
+def _proxied(url: str, *, networks: bool) -> bool:
+    """Whether the store's client, reading the proxy variables, would reach ``url`` through a proxy."""
     parts = urlsplit(url)
     proxies = urllib.request.getproxies()
     if not proxies.get(parts.scheme.lower()) and not proxies.get("all"):
         return False
+    if networks and in_networks(parts.hostname or "", proxies.get("no", "")):
+        return False
     return not urllib.request.proxy_bypass(parts.netloc or "")
+
+
+def endpoint_of(store: Any) -> str:
+    """Where ``store`` (or the store a retrying wrapper holds, its ``inner``) sends its requests,
+    for messages: ``host:port (the setting that named it)``; ``""`` for a cloud's own endpoint."""
+    configured = getattr(getattr(store, "inner", store), "configured_endpoint", None)
+    return f"{configured.address} ({configured.setting})" if isinstance(configured, ConfiguredEndpoint) else ""
 
 
 def s3_endpoint(options: Mapping[str, Any], environ: Mapping[str, str]) -> ConfiguredEndpoint | None:

@@ -16,7 +16,8 @@ here, so the transfer engine can decide retries by exception type alone:
 requests, local OS errors); :func:`map_obstore_error` covers obstore, whose
 exception classes already carry the category. Messages are scrubbed of
 URL credentials, and a service's error body (S3's XML, GCS's JSON) is shown
-as its code and message only (:func:`service_detail`), never as raw markup.
+as its code and message only (:func:`service_detail`), never as raw markup;
+an obstore error is chained as the cause without it (:func:`redacted_cause`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from objckpt.errors import (
     ThrottledError,
     TransientStoreError,
 )
+from objckpt.logs import redact_text
 from objckpt.storage.urls import scrub
 
 #: Bugs, not storage failures: never disguised as a StoreError.
@@ -340,6 +342,25 @@ def _denied(exc: BaseException, what: str, status: int | None) -> StorePermissio
             )
         )
     return StorePermissionError(scrub(f"{what} failed: access denied ({answer or type(exc).__name__})"))
+
+
+def redacted_cause(exc: BaseException) -> BaseException:
+    """``exc`` made again to be chained as a mapped error's cause: its class (where it can be
+    made from a message), its text without the service's answer (:func:`service_detail`, when
+    it holds one), URL credentials or secret-looking values.
+
+    obstore's text holds the whole response body, and AWS's ``SignatureDoesNotMatch`` echoes
+    the signed request in it, session token included (in hex too); a cause kept whole would
+    print it in every traceback.
+    """
+    text = str(exc)
+    if _BODY_START.search(text) or "body: Some(" in text:
+        text = service_detail(text)
+    text = redact_text(scrub(text))
+    try:
+        return type(exc)(text)
+    except Exception:  # a class that is not made from a message
+        return StoreError(f"{type(exc).__name__}: {text}")
 
 
 def map_obstore_error(exc: BaseException, what: str, *, create: bool = False) -> StoreError:

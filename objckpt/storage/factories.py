@@ -102,7 +102,7 @@ def _open_native(url: str, options: dict[str, Any], backend: str, translate: str
             raise ValueError(f"{redact_url(url)} cannot use the obstore store: {exc}") from exc
         return None
     named = (s3_endpoint if spec.kind == "s3" else gcs_endpoint)(rest, os.environ)
-    configured = ConfiguredEndpoint(spec.endpoint, named.setting) if spec.endpoint and named else None
+    configured = ConfiguredEndpoint(spec.endpoint, named.setting, networks=True) if spec.endpoint and named else None
     return obstore_store.open_spec(spec, url, **store_kw, configured_endpoint=configured)
 
 

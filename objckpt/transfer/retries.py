@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -21,10 +22,12 @@ from objckpt.errors import ChecksumMismatchError, StoreError, ThrottledError, Tr
 from objckpt.options import Options, RetryConfig
 from objckpt.storage import from_url
 from objckpt.storage.base import ObjectInfo, PutMode, Store
+from objckpt.storage.endpoint import endpoint_of
 from objckpt.transfer import runtime
 from objckpt.transfer.stats import TransferStats
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 #: How a key leads one level up: an incremental checkpoint's reference into a base
 #: (:mod:`objckpt.core.format.bases`); only the format's readers make such keys.
@@ -52,11 +55,17 @@ async def call_with_retries(
     retry: RetryConfig,
     request_timeout: float,
     stats: TransferStats | None = None,
+    endpoint: str = "",
 ) -> T:
     """Run ``fn()`` with a timeout per attempt, retrying transient failures
     (:func:`retry_attempts`, each attempt under ``asyncio.wait_for``)."""
     return await retry_attempts(
-        what, lambda timeout: asyncio.wait_for(fn(), timeout), retry=retry, request_timeout=request_timeout, stats=stats
+        what,
+        lambda timeout: asyncio.wait_for(fn(), timeout),
+        retry=retry,
+        request_timeout=request_timeout,
+        stats=stats,
+        endpoint=endpoint,
     )
 
 
@@ -67,6 +76,7 @@ async def retry_attempts(
     retry: RetryConfig,
     request_timeout: float,
     stats: TransferStats | None = None,
+    endpoint: str = "",
 ) -> T:
     """Run ``attempt(timeout)``, retrying transient failures; ``attempt`` applies its timeout
     itself, to the time its request is on the wire (not to a wait for a concurrency slot).
@@ -75,32 +85,65 @@ async def retry_attempts(
     stores), a timeout or a connection error; anything else is raised at once.
     Backoff is exponential with full jitter, bounded by ``retry.deadline``.
 
-    An attempt that times out gives the next one twice its time (within what is left of
-    the deadline), as TCP backs off its retransmission timeout. A request that is slow
-    but moving (its bytes share the link and the CPU with the operation's other
-    requests, on a busy host) then ends within a few attempts, where the same timeout
-    each time would cut it at the same point every time and fail it after
-    ``max_attempts``; a stalled server still costs the first attempt only ``request_timeout``.
+    An attempt that times out (``attempt``'s own timeout, or the store's: a
+    :class:`TransientStoreError` caused by a ``TimeoutError``) gives the next one twice its
+    time, as TCP backs off its retransmission timeout. A request that is slow but moving
+    (its bytes share the link and the CPU with the operation's other requests, on a busy
+    host) then ends within a few attempts, where the same timeout each time would cut it at
+    the same point every time and fail it after ``max_attempts``; a stalled server still
+    costs the first attempt only ``request_timeout``. Every attempt is cut to what is left
+    of ``retry.deadline``, so the deadline bounds the whole request. The first attempt
+    that times out logs a warning naming ``endpoint`` (one a minute per endpoint: a
+    stalled server times out every request in flight at once); when the last one did, the
+    error says the server never answered.
     """
-    deadline = time.monotonic() + retry.deadline
-    timeout = request_timeout
-    attempts = 0
+    started = time.monotonic()
+    deadline = started + retry.deadline
+    timeout, attempts, silent = request_timeout, 0, 0.0  # silent: the longest attempt that timed out
     while True:
         attempts += 1
+        given = min(timeout, deadline - time.monotonic())
+        began = time.monotonic()
         try:
-            return await attempt(timeout)
+            return await attempt(given)
         except (TransientStoreError, TimeoutError, ConnectionError) as e:
             if isinstance(e, StoreError) and not isinstance(e, TransientStoreError):
                 raise  # a store's own verdict: not worth retrying (a refused endpoint is also a ConnectionError)
+            timed_out = isinstance(e, TimeoutError) or isinstance(e.__cause__, TimeoutError)
+            waited = round(time.monotonic() - began, 1) if timed_out else 0.0
+            server = f"the server at {endpoint}" if endpoint else "the server"
             backoff = random.uniform(0, min(retry.max_backoff, retry.initial_backoff * 2 ** (attempts - 1)))
-            if attempts >= retry.max_attempts or time.monotonic() + backoff > deadline:
-                kind = f"timed out (the last attempt given {timeout:g} s)" if isinstance(e, TimeoutError) else "failed"
-                raise StoreError(f"{what} {kind} after {attempts} attempts: {e}") from e
-            if isinstance(e, TimeoutError):
-                timeout = max(timeout, min(2 * timeout, deadline - time.monotonic() - backoff))
+            if attempts >= retry.max_attempts or time.monotonic() + backoff >= deadline:
+                if not timed_out:
+                    raise StoreError(f"{what} failed after {attempts} attempts: {e}") from e
+                raise StoreError(
+                    f"{what} timed out (the last attempt given {given:.3g} s) after {attempts} attempts in "
+                    f"{time.monotonic() - started:.3g} s: {server} never answered within {max(silent, waited):g} s"
+                ) from e
+            if timed_out:
+                if not silent:
+                    _warn_silent(what, server, waited, deadline - time.monotonic())
+                silent, timeout = max(silent, waited), 2 * given
             if stats is not None:
                 stats.add(retries=1)
             await asyncio.sleep(backoff)
+
+
+#: When each endpoint's last "no answer" warning was logged (``time.monotonic()``).
+_warned: dict[str, float] = {}
+
+
+def _warn_silent(what: str, server: str, waited: float, left: float) -> None:
+    """Warn that ``server`` gave no answer to ``what`` in ``waited`` s, at most once a minute per server."""
+    now = time.monotonic()
+    if now - _warned.get(server, -60.0) < 60.0:
+        return
+    _warned[server] = now
+    log.warning(
+        "%s: %s did not answer within %g s; retrying, each attempt given twice the time, for at most "
+        "%.0f s more (Options.request_timeout, RetryConfig.deadline)",
+        what, server, waited, left,
+    )  # fmt: skip
 
 
 async def reread_on_mismatch(read: Callable[[], Awaitable[T]], *, reads: int, stats: TransferStats | None = None) -> T:
@@ -141,6 +184,7 @@ class RetryingStore(Store):
         self.supports_create = inner.supports_create
         self._retry = retry
         self._timeout = request_timeout
+        self.endpoint = endpoint_of(inner)  # named when it gives no answer
 
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         async def attempt() -> T:
@@ -152,7 +196,7 @@ class RetryingStore(Store):
                 raise
 
         return await call_with_retries(
-            what, attempt, retry=self._retry, request_timeout=self._timeout, stats=self.stats
+            what, attempt, retry=self._retry, request_timeout=self._timeout, stats=self.stats, endpoint=self.endpoint
         )
 
     async def get_range(self, key: str, *, start: int, end: int) -> bytes:

@@ -9,7 +9,9 @@ configures every path:
 * **Proxies**: ``HTTPS_PROXY``/``https_proxy`` for ``https://`` endpoints,
   ``HTTP_PROXY``/``http_proxy`` for ``http://`` ones, both skipped for hosts
   matched by ``NO_PROXY``/``no_proxy`` (the standard library's
-  ``urllib.request`` rules). A proxy URL may carry ``user:password@``.
+  ``urllib.request`` rules, and for the reader beside obstore, addresses and
+  networks such as ``127.0.0.0/8`` as obstore matches them). A proxy URL may
+  carry ``user:password@``.
 * **Trusted CAs**: an explicit CA bundle (a storage option, or
   ``AWS_CA_BUNDLE``, else ``REQUESTS_CA_BUNDLE``, for S3 as botocore reads
   them, and ``REQUESTS_CA_BUNDLE`` for GCS as Google's clients do) is trusted
@@ -21,7 +23,9 @@ Nothing here changes process-global state.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import ipaddress
 import os
 import ssl
 import urllib.request
@@ -39,8 +43,9 @@ class Proxy:
     authorization: str | None = field(default=None, repr=False)  # a ``Proxy-Authorization`` value
 
 
-def proxy_for(url: str, environ: Mapping[str, str] | None = None) -> Proxy | None:
-    """The proxy the environment names for ``url``, or None (none set, or ``NO_PROXY`` matches).
+def proxy_for(url: str, environ: Mapping[str, str] | None = None, *, networks: bool = False) -> Proxy | None:
+    """The proxy the environment names for ``url``, or None (none set, or ``NO_PROXY`` matches;
+    with ``networks``, also by :func:`in_networks`, as the client beside this reader does).
 
     Raises:
         ValueError: the proxy variable is not an ``http://host[:port]`` URL.
@@ -54,7 +59,7 @@ def proxy_for(url: str, environ: Mapping[str, str] | None = None) -> Proxy | Non
         return None
     host = parts.hostname + (f":{parts.port}" if parts.port else "")
     no_proxy = proxies.get("no")
-    if no_proxy and _bypassed(host, no_proxy):
+    if no_proxy and (_bypassed(host, no_proxy) or (networks and in_networks(parts.hostname, no_proxy))):
         return None
     if "://" not in proxy_url:
         proxy_url = f"http://{proxy_url}"
@@ -80,6 +85,21 @@ def _proxies(items: tuple[tuple[str, str], ...]) -> dict[str, str]:
 def _bypassed(host: str, no_proxy: str) -> bool:
     """``urllib.request``'s ``NO_PROXY`` matching, given the value rather than the process environment."""
     return bool(urllib.request.proxy_bypass_environment(host, {"no": no_proxy}))  # type: ignore[attr-defined]
+
+
+def in_networks(host: str, no_proxy: str) -> bool:
+    """Whether ``host`` is an IP address inside a ``NO_PROXY`` entry written as an address or a
+    network (``127.0.0.0/8``): the rule of obstore's client (reqwest), curl and requests, which
+    urllib's, and so botocore's and aiohttp's, lacks."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    for entry in no_proxy.split(","):
+        with contextlib.suppress(ValueError):
+            if address in ipaddress.ip_network(entry.strip(), strict=False):
+                return True
+    return False
 
 
 def ssl_context(ca_file: str | None = None, *, extra_ca: bytes | None = None, verify: bool = True) -> ssl.SSLContext:

@@ -89,6 +89,9 @@ class HttpRangeReader:
             :func:`objckpt.storage.http.network.ssl_context`); the system roots by default.
     """
 
+    #: ``NO_PROXY`` addresses and networks bypass the proxy, as for the client beside this reader
+    no_proxy_networks = False
+
     def __init__(
         self,
         *,
@@ -109,7 +112,7 @@ class HttpRangeReader:
         self._endpoint_path = parts.path.rstrip("/")
         self.timeout = float(timeout)
         self._ssl = (ssl_context or ssl.create_default_context()) if self._https else None
-        self._proxy = proxy_for(f"{parts.scheme}://{self._host_header}/")
+        self._proxy = proxy_for(f"{parts.scheme}://{self._host_header}/", networks=self.no_proxy_networks)
         self._local = threading.local()
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()

@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from objckpt.errors import StoreError
-from objckpt.storage.errors import map_obstore_error
+from objckpt.storage.errors import map_obstore_error, redacted_cause
 from objckpt.storage.http.reader import HttpRangeReader
 
 #: How long a presigned URL stays valid: it is used at once, so this only has
@@ -78,6 +78,8 @@ class S3RangeReader(S3Endpoint):
             GET; None sends unsigned requests (public buckets).
     """
 
+    no_proxy_networks = True  # as obstore, beside which it reads
+
     def __init__(self, *, signer: Any | None, **endpoint: Any) -> None:
         super().__init__(**endpoint)
         self._signer = signer
@@ -90,7 +92,7 @@ class S3RangeReader(S3Endpoint):
         try:
             signed = obstore.sign(self._signer, "GET", path, PRESIGN_VALIDITY)
         except Exception as exc:  # e.g. the credential source did not answer
-            raise map_obstore_error(exc, f"sign a GET of {path!r}") from exc
+            raise map_obstore_error(exc, f"sign a GET of {path!r}") from redacted_cause(exc)
         url = urlsplit(signed)
         if url.netloc != self._host_header:
             # never send a request somewhere other than the endpoint this reader connects to

@@ -10,9 +10,13 @@ Choices, and why:
 * **Retries: obstore's are off** (``max_retries=0``). objckpt's transfer
   engine retries with backoff under a per-operation deadline and counts
   them; two retry layers would multiply attempts and hide stalls.
-* **Timeouts, twice**: obstore's client ``timeout`` bounds each HTTP request
-  inside Rust, and ``asyncio.wait_for(request_timeout)`` bounds the whole
-  call here (a multipart upload or a listing is several requests).
+* **Timeouts, twice**: ``asyncio.wait_for(request_timeout)`` bounds the whole
+  call here (a multipart upload or a listing is several requests) and cancels
+  its requests in Rust; obstore's client ``timeout``, a second longer, bounds
+  each HTTP request as a backstop.
+* **Errors keep no response body**: a mapped error's cause is obstore's exception
+  made again without the service's answer (:func:`~objckpt.storage.errors.redacted_cause`):
+  AWS echoes the signed request, session token included, in a ``SignatureDoesNotMatch``.
 * **No copy on put**: a ``bytes``/``bytearray``/``memoryview``/numpy buffer
   is handed to obstore through the buffer protocol (cast to unsigned bytes,
   never copied unless it is strided). ``get_range`` returns ``bytes`` as
@@ -54,7 +58,7 @@ from objckpt.errors import ObjectNotFoundError, ThrottledError, TransientStoreEr
 from objckpt.storage.base import DEFAULT_REQUEST_TIMEOUT_S, ObjectInfo, PutMode
 from objckpt.storage.checksums import StoredChecksum
 from objckpt.storage.endpoint import ConfiguredEndpoint
-from objckpt.storage.errors import PROGRAMMING_ERRORS, map_obstore_error
+from objckpt.storage.errors import PROGRAMMING_ERRORS, map_obstore_error, redacted_cause
 from objckpt.storage.http.reader import HttpRangeReader, StreamingStore
 from objckpt.storage.http.s3 import S3RangeReader
 from objckpt.storage.obstore.config import NativeSpec
@@ -107,8 +111,7 @@ class ObstoreStore(StreamingStore):
         url: The root URL shown in messages; credentials are stripped.
         prefix: Key prefix of the root inside ``store`` (``""`` or ``"a/b"``).
         request_timeout: Seconds allowed per call; exceeding it raises
-            :class:`TransientStoreError`. Give obstore's client the same
-            ``timeout`` so a stalled request is also abandoned in Rust.
+            :class:`TransientStoreError` (caused by a ``TimeoutError``).
         multipart_threshold: Overwrite puts larger than this many bytes use
             a multipart upload.
         multipart_chunk_size: Part size of those uploads.
@@ -182,12 +185,16 @@ class ObstoreStore(StreamingStore):
             await self.configured_endpoint.check(what)
         try:
             return await asyncio.wait_for(make(), self.request_timeout)
-        except TimeoutError as exc:  # ours: obstore reports its own timeouts as GenericError
+        except TimeoutError as exc:  # ours (the client's own, a little later, would say "error sending request")
             raise TransientStoreError(f"{what} timed out after {self.request_timeout:g} s") from exc
         except PROGRAMMING_ERRORS:
             raise
         except Exception as exc:
-            raise map_obstore_error(exc, what, create=create) from exc
+            error = map_obstore_error(exc, what, create=create)
+            if error is exc:
+                raise
+            cause = redacted_cause(exc)  # obstore's text holds the service's whole answer
+        raise error from cause
 
     # -------------------------------------------------------------------- reads
 
@@ -370,9 +377,11 @@ class ObstoreStore(StreamingStore):
 
 def client_options(*, request_timeout: float, allow_http: bool, extra: dict[str, Any] | None = None) -> ClientConfig:
     """obstore ``ClientConfig``: the per-request timeout, plain HTTP only when asked, plus
-    ``extra`` (a trusted CA, from :class:`NativeSpec`)."""
+    ``extra`` (a trusted CA, from :class:`NativeSpec`). The timeout is a backstop a second
+    past the call's own (:meth:`ObstoreStore._call`), which cancels the request in Rust too
+    and says that it timed out."""
     options: dict[str, Any] = {
-        "timeout": _dt.timedelta(seconds=request_timeout),
+        "timeout": _dt.timedelta(seconds=request_timeout + 1),
         "connect_timeout": _dt.timedelta(seconds=min(10.0, request_timeout)),
         "allow_http": allow_http,
         **(extra or {}),
