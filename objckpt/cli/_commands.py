@@ -15,9 +15,9 @@ from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import Options
 from objckpt.progress import human_bytes
 from objckpt.roots.hints import explained
-from objckpt.roots.listing import group_checkpoints, root_steps
+from objckpt.roots.listing import group_checkpoints, mark_referenced, root_steps
 from objckpt.roots.step_names import resolve_step_url
-from objckpt.roots.sweep import collect, delete_checkpoint
+from objckpt.roots.sweep import collect
 from objckpt.saving.live_markers import committed_save_id, explain, live_markers
 from objckpt.tools.copy import copy
 from objckpt.tools.verify import verify
@@ -45,7 +45,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
         return cmd_ls_replicas(args)
     store = open_store(args.root, options_from_args(args, args.root), Options())
-    entries = group_checkpoints(runtime.run_sync(store.list()), store.url)
+    objects = runtime.run_sync(store.list())
+    entries = group_checkpoints(objects, store.url)
+    runtime.run_sync(mark_referenced(store, entries, objects, Options().manifest_size_limit))
     base = store.url.rstrip("/")
     if args.json:
         dump(
@@ -55,6 +57,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "step": e.step,
                     "url": f"{base}/{e.name}" if e.name else base,
                     "committed": e.committed,
+                    "referenced": e.referenced,
                     "bytes": e.nbytes,
                     "objects": e.objects,
                     "time": iso_time(e.time),
@@ -74,7 +77,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = [
         [
             str(e.step) if steps_only else (e.name or "."),
-            "yes" if e.committed else "no",
+            e.status,
             human_bytes(e.nbytes),
             str(e.objects),
             utc_time(e.time),
@@ -326,16 +329,6 @@ def cmd_rm(args: argparse.Namespace) -> int:
             f"{explain(store.url, live, lease=args.lease_seconds, committed_save_id=committed)}; nothing removed."
             " Pass --force to remove it anyway (a save still writing then fails at its commit)"
         )
-    if MANIFEST_KEY not in keys and not args.force:
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint at {store.url} ({len(objects)} objects without a manifest);"
-            " pass --force to delete them"
-        )
-    runtime.run_sync(delete_checkpoint(store, lease=args.lease_seconds, force=args.force))
-    total = sum(o.size for o in objects)
-    if args.json:
-        dump({"url": store.url, "committed": MANIFEST_KEY in keys, "objects": len(objects), "bytes": total})
-        return 0
-    what = "checkpoint" if MANIFEST_KEY in keys else "uncommitted objects at"
-    print(f"removed {what} {store.url}: {len(objects)} objects, {human_bytes(total)}")
-    return 0
+    from objckpt.cli._roots import remove_checkpoint
+
+    return remove_checkpoint(args, store, objects)

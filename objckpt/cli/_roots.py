@@ -1,5 +1,5 @@
-"""Whole manager roots on the command line: ``rm --recursive ROOT``, ``cp ROOT DST``, and
-``gc``'s refusal of anything but a root.
+"""Manager roots and their checkpoints on the command line: ``rm`` (one checkpoint, or
+``--recursive ROOT``), ``cp ROOT DST``, and ``gc``'s refusal of anything but a root.
 
 ``rm --recursive`` removes a whole root (or prefix of checkpoints) in the order
 :func:`objckpt.roots.sweep.delete_root` keeps (manifests first, a save in flight
@@ -14,10 +14,12 @@ from typing import Any
 from objckpt.cli._output import dump
 from objckpt.cli._stores import UsageError
 from objckpt.core.format import MANIFEST_KEY
+from objckpt.errors import CheckpointNotFoundError
 from objckpt.options import Options
 from objckpt.progress import human_bytes
+from objckpt.roots.references import Unknown, referenced_by_others
 from objckpt.roots.step_names import STEP_DIR
-from objckpt.roots.sweep import delete_root
+from objckpt.roots.sweep import delete_checkpoint, delete_root
 from objckpt.storage import ObjectInfo, Store
 from objckpt.tools.copy_root import copy_steps
 from objckpt.transfer import runtime
@@ -34,6 +36,46 @@ def remove_root(args: argparse.Namespace, store: Store, objects: list[ObjectInfo
         f"removed {store.url} and everything under it: {len(manifests)} committed checkpoint(s),"
         f" {len(objects)} objects, {human_bytes(total)}"
     )
+    return 0
+
+
+def remove_checkpoint(args: argparse.Namespace, store: Store, objects: list[ObjectInfo]) -> int:
+    """``rm URL`` of one checkpoint (or objects without a manifest), as the manager deletes a step:
+    the manifest first, then every object no other committed checkpoint references (an
+    incremental base's blobs stay, and the message says so); the exit status."""
+    keys = {o.key for o in objects}
+    committed = MANIFEST_KEY in keys
+    if not committed and not args.force:
+        try:  # a base whose manifest went: --force would delete nothing either
+            held = runtime.run_sync(referenced_by_others(store, keys, Options().manifest_size_limit))
+        except Unknown:
+            held = set()
+        if held == keys:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at {store.url}: its {len(objects)} objects"
+                f" ({human_bytes(sum(o.size for o in objects))}) are blobs that committed checkpoints beside it"
+                " reference (an incremental base); gc collects them once none does. Nothing removed"
+            )
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint at {store.url} ({len(objects)} objects without a manifest);"
+            " pass --force to delete them"
+        )
+    gone_keys = {MANIFEST_KEY, *runtime.run_sync(delete_checkpoint(store, lease=args.lease_seconds, force=args.force))}
+    gone = [o for o in objects if o.key in gone_keys]
+    kept = [o for o in objects if o.key not in gone_keys]
+    size, kept_size = sum(o.size for o in gone), sum(o.size for o in kept)
+    if args.json:
+        counts = {"objects": len(gone), "bytes": size, "kept_objects": len(kept), "kept_bytes": kept_size}
+        dump({"url": store.url, "committed": committed, **counts})
+        return 0
+    what = "checkpoint" if committed else "uncommitted objects at"
+    said = (
+        f"; kept {len(kept)} objects, {human_bytes(kept_size)}, that committed checkpoints beside it reference"
+        " (gc collects them once none does)"
+        if kept
+        else ""
+    )
+    print(f"removed {what} {store.url}: {len(gone)} objects, {human_bytes(size)}{said}")
     return 0
 
 

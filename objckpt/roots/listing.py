@@ -31,6 +31,7 @@ from objckpt.errors import StoreError
 from objckpt.options import Options
 from objckpt.restoring.locations import Location, open_locations, probing_store
 from objckpt.roots.orbax_steps import COMMIT_FILE, orbax_steps_in, renames_to_commit
+from objckpt.roots.references import Unknown, referenced
 from objckpt.roots.step_names import STEP_DIR
 from objckpt.saving.live_markers import is_marker
 from objckpt.storage import ObjectInfo, Store
@@ -124,6 +125,29 @@ class Listed:
     objects: int
     time: float | None
     format: str = "objckpt"  # or "orbax"
+    referenced: int = 0  # without a manifest: its objects that committed checkpoints beside it reference
+
+    @property
+    def status(self) -> str:
+        """``yes``, ``no``, or ``referenced``: no manifest (retention or ``rm`` deleted it), but
+        blobs that committed incremental checkpoints beside it reference, which stay until ``gc``."""
+        return "yes" if self.committed else "referenced" if self.referenced else "no"
+
+
+async def mark_referenced(store: Store, entries: list[Listed], objects: list[ObjectInfo], size_limit: int) -> None:
+    """Count the objects of each uncommitted directory of ``entries`` (directly under ``store``,
+    listed as ``objects``) that the committed checkpoints beside it reference; left at 0 where
+    a manifest cannot be read. Reads each committed root only when there is such a directory."""
+    bare = {e.name for e in entries if not e.committed and e.format == "objckpt" and e.name and "/" not in e.name}
+    heads = [e.name for e in entries if e.committed and e.format == "objckpt" and e.name and "/" not in e.name]
+    if not bare or not heads:
+        return
+    try:
+        found = await referenced(store, heads, [o.key for o in objects if o.key.partition("/")[0] in bare], size_limit)
+    except Unknown:
+        return
+    for e in entries:
+        e.referenced = sum(k.startswith(f"{e.name}/") for k in found) if e.name in bare else 0
 
 
 #: Files that mark an Orbax checkpoint (a step of Orbax's CheckpointManager, or one item).

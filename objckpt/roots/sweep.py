@@ -22,7 +22,7 @@ from typing import Any
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import SaveInProgressError
 from objckpt.options import Options
-from objckpt.roots.references import Unknown, may_be_a_base, referenced_by_others, step_references
+from objckpt.roots.references import Unknown, may_be_a_base, referenced, referenced_by_others
 from objckpt.roots.step_names import STEP_DIR
 from objckpt.saving.live_markers import LIVE_DIR, committed_save_id, explain, is_live, is_marker, live_markers
 from objckpt.storage import ObjectInfo, Store
@@ -55,12 +55,13 @@ async def delete_checkpoint(store: Store, *, lease: float = LEASE, force: bool =
         await _refuse_if_live(store, lease, f"deleted its {MANIFEST_KEY} only; gc collects the rest after the save")
     if MANIFEST_KEY in keys:  # a save committed since: its manifest goes first too
         await store.delete(MANIFEST_KEY)
+    rest = [k for k in keys if k != MANIFEST_KEY]
     try:  # blobs that incremental checkpoints beside it reference stay, until gc finds none does
-        kept = await referenced_by_others(store, Options.manifest_size_limit) if base else set()
+        kept = await referenced_by_others(store, rest, Options.manifest_size_limit) if base else set()
     except Unknown as e:
         log.warning("objckpt deleted %s/%s only; gc collects the rest: %s", store.url, MANIFEST_KEY, e)
         return [MANIFEST_KEY]
-    doomed = [k for k in keys if k != MANIFEST_KEY and k not in kept]
+    doomed = [k for k in rest if k not in kept]
     await delete_objects(store, doomed)
     return doomed
 
@@ -95,21 +96,23 @@ async def unreferenced_objects(
         if STEP_DIR.match(head) and tail:
             by_step[head].append(obj)
     now = time.time()
-    referenced = await _all_referenced(
-        store, {h for h, objs in by_step.items() if _listed(h, objs)}, manifest_size_limit
-    )
-    if referenced is None:
-        return []
+    # Never a manifest: gc deletes keys from a listing, and a later save may commit that key.
+    old = [
+        o
+        for head, objs in by_step.items()
+        for o in objs
+        if o.key != f"{head}/{MANIFEST_KEY}"
+        and (grace <= 0 or (o.last_modified is not None and now - o.last_modified >= grace))
+    ]
+    heads = [h for h, objs in by_step.items() if _listed(h, objs)]
+    unreferenced: dict[str, list[ObjectInfo]] = defaultdict(list)
+    for o in await _unreferenced(store, heads, old, manifest_size_limit):
+        unreferenced[o.key.partition("/")[0]].append(o)
     candidates: list[ObjectInfo] = []
-    for head, objs in by_step.items():
-        old = [o for o in objs if grace <= 0 or (o.last_modified is not None and now - o.last_modified >= grace)]
-        # Never the manifest: gc deletes keys from a listing, and a later save may commit that key.
-        mine = [o for o in old if o.key not in referenced and o.key != f"{head}/{MANIFEST_KEY}"]
-        if not mine:
-            continue
+    for head, mine in sorted(unreferenced.items()):
         live = await live_markers(store.child(head), lease=lease)
         if live:
-            listed = _listed(head, objs)
+            listed = _listed(head, by_step[head])
             committed = await committed_save_id(store.child(head), size_limit=manifest_size_limit) if listed else None
             log.info(
                 "objckpt gc skips %s", explain(f"{store.url}/{head}", live, lease=lease, committed_save_id=committed)
@@ -118,11 +121,8 @@ async def unreferenced_objects(
         candidates.extend(mine)
     if not candidates:
         return []
-    heads = {o.key.partition("/")[0] for o in await store.list("step_") if o.key.endswith(f"/{MANIFEST_KEY}")}
-    referenced = await _all_referenced(store, heads, manifest_size_limit)
-    if referenced is None:
-        return []
-    return [o for o in candidates if o.key not in referenced]
+    heads = sorted({o.key.partition("/")[0] for o in await store.list("step_") if o.key.endswith(f"/{MANIFEST_KEY}")})
+    return await _unreferenced(store, heads, candidates, manifest_size_limit)
 
 
 def _listed(head: str, objs: list[ObjectInfo]) -> bool:
@@ -140,17 +140,17 @@ async def collect(
     return found
 
 
-async def _all_referenced(store: Store, heads: set[str], manifest_size_limit: int) -> set[str] | None:
-    """Keys (relative to the root) that the manifests of steps ``heads`` reference, their bases'
-    included; None when one is unreadable (gc then collects nothing, and says so)."""
-    out: set[str] = set()
-    for head in sorted(heads):
-        try:
-            out |= await step_references(store, head, manifest_size_limit)
-        except Unknown as e:
-            log.warning("objckpt gc collects nothing under %s: a manifest cannot be read (%s)", store.url, e)
-            return None
-    return out
+async def _unreferenced(
+    store: Store, heads: list[str], objects: list[ObjectInfo], manifest_size_limit: int
+) -> list[ObjectInfo]:
+    """Those of ``objects`` that the manifests of steps ``heads`` do not reference (their bases'
+    references included); none when one is unreadable (gc then collects nothing, and says so)."""
+    try:
+        found = await referenced(store, heads, {o.key for o in objects}, manifest_size_limit)
+    except Unknown as e:
+        log.warning("objckpt gc collects nothing under %s: a manifest cannot be read (%s)", store.url, e)
+        return []
+    return [o for o in objects if o.key not in found]
 
 
 async def delete_objects(store: Store, keys: list[str]) -> None:

@@ -302,6 +302,9 @@ async def _copy(
     source, target = src.engine, dst.engine
     present = {o.key: o.size for o in await dst.store.list()}
     by_blob = pieces_by_blob(manifest)
+    unused = next((b.key for b in manifest.blobs if is_ref(b.key) and b.key not in by_blob), None)
+    if unused:  # a crafted head: the copy would carry bytes of the base that no piece is
+        raise IntegrityError(f"{src.url}: an index object lists the base's blob {unused}, which no row uses")
     chunk = min(READ_CHUNK, options.copied_read_limit(streamed=False))
     reads = options.retry.checksum_reads
     if server_side:

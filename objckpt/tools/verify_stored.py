@@ -9,7 +9,10 @@ and returns it on ``HeadObject(ChecksumMode=ENABLED)``, one request per object. 
 the two finds a blob missing, resized, or changed after the save (bytes written by anyone
 else carry another checksum, or, on S3, none), without downloading the checkpoint. A blob
 whose store keeps no CRC-32C (on S3: written without one, by another client or by an objckpt
-that sent none) cannot be checked this way and is reported by name.
+that sent none) cannot be checked this way and is reported by name. A base's blob that an
+incremental checkpoint references (``../<base>/...``, asked for at the parent prefix) also holds
+pieces of the base that the checkpoint does not reference, so its checksum cannot follow from the
+manifest: it is checked for presence and size only (the full read checks each referenced piece).
 
 What this cannot say: which piece of a changed blob differs (the full read does), and it
 trusts that the bytes a checksum was made from are the bytes sent (the store checked them
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 from objckpt.core.checksum import blob_crc32c
 from objckpt.core.format import BlobEntry, Manifest
+from objckpt.core.format.bases import is_ref, split_ref
 from objckpt.errors import ChecksumsUnavailableError, FormatError, StoreError
 from objckpt.layouts.base import VerifyProblem
 from objckpt.storage.checksums import KeepsChecksums, StoredChecksum, keeps_checksums
 from objckpt.tools.blob_pieces import PieceRef, pieces_by_blob
 from objckpt.transfer.handle import Handle
+from objckpt.transfer.retries import parent_of
 
 #: Checksum requests (S3 HEADs) queued ahead of the engine's window at once.
 QUEUED = 1024
@@ -57,27 +62,34 @@ async def verify_stored(handle: Handle, kept: KeepsChecksums, manifest: Manifest
     present = {c.key: c for c in listed}
     by_blob = pieces_by_blob(manifest)
     problems: list[VerifyProblem] = []
+    # A base's blob (a reference) is not under the checkpoint's prefix: asked for at the parent.
+    up = keeps_checksums(parent_of(handle.bulk)) if manifest.bases else None
 
     async def one(blob: BlobEntry) -> None:
         pieces = by_blob.get(blob.key, [])
         stored = present.get(blob.key)
-        if stored is not None and stored.size == blob.size and stored.crc32c is None and not kept.lists_checksums:
+        at, key = (up, "/".join(split_ref(blob.key))) if is_ref(blob.key) and up else (kept, blob.key)
+        unlisted = stored is not None and stored.size == blob.size and stored.crc32c is None
+        if at is up or (unlisted and not kept.lists_checksums):
             try:
-                stored = await engine.call(f"HEAD {url}/{blob.key}", lambda: kept.head_checksum(blob.key))
+                stored = await engine.call(f"HEAD {url}/{blob.key}", lambda: at.head_checksum(key))
             except FileNotFoundError:
                 stored = None
             except StoreError as e:
                 problems.append(VerifyProblem("unreadable", blob.key, f"unreadable blob {url}/{blob.key}: {e}"))
                 return
-        problems.extend(compare(url, blob, pieces, stored))
+        problems.extend(compare(url, blob, pieces, stored, whole=at is not up))
 
     await engine.for_each(manifest.blobs, one, window_bytes=QUEUED, size=lambda b: 1)
     problems.sort(key=lambda p: (p.blob, p.start or 0, p.kind))
     return problems
 
 
-def compare(url: str, blob: BlobEntry, pieces: list[PieceRef], stored: StoredChecksum | None) -> list[VerifyProblem]:
-    """What is wrong with one blob, from what the store says of it (``stored``, None: absent)."""
+def compare(
+    url: str, blob: BlobEntry, pieces: list[PieceRef], stored: StoredChecksum | None, *, whole: bool = True
+) -> list[VerifyProblem]:
+    """What is wrong with one blob, from what the store says of it (``stored``, None: absent);
+    its checksum too when ``pieces`` are the ``whole`` blob's (not a base's blob a reference reads)."""
     leaves = sorted({path for path, _ in pieces})
     what = f"{len(pieces)} piece(s) of {', '.join(leaves) if leaves else 'no leaf'}"
     key = blob.key
@@ -103,6 +115,8 @@ def compare(url: str, blob: BlobEntry, pieces: list[PieceRef], stored: StoredChe
                 end=stored.size,
             )
         ]
+    if not whole:
+        return []
     if stored.crc32c is None:
         return [
             VerifyProblem(
