@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 from objckpt.locations import local_dirs
+from objckpt.locations.agreement import Decision, Inventory, decide
 from objckpt.roots.step_names import step_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,11 +60,12 @@ def _check(out: dict[str, Any], step: int, offset: float = 0.0) -> None:
 @pytest.mark.parametrize("resume", ["manager", "objckpt.restore"])
 def test_store_steps_deleted_and_a_resume_from_20_never_bring_the_deleted_branch_back(s3_store, tmp_path, resume):
     """Saves 0..50 (the store every 10 steps, local 45 and 50); the user deletes store steps 30-50
-    with a manager that has no local tier (the local tier never sees it) and resumes from 20 to
-    27 (local 25). The restart takes the store-backed line: the resumed run's own step 25 from
-    the local tier, never the deleted 50. Resumed through the manager (its restore retires the
-    local steps above 20) or by a plain ``objckpt.restore`` of step 20 (the local save of 25
-    retires them; retention had deleted 25 itself, the oldest by number)."""
+    with a manager that has no local tier (the local tier never sees it): the next manager's
+    ``latest_step()`` is 20. It resumes from 20 to 27 (local 25); the restart takes the
+    store-backed line: the resumed run's own step 25 from the local tier, never the deleted 50.
+    Resumed through the manager (its restore retires the local steps above 20) or by a plain
+    ``objckpt.restore`` of step 20 (the local save of 25 retires them; retention had deleted 25
+    itself, the oldest by number)."""
     local = tmp_path / "local"
     mgr = _manager(s3_store, local, save_interval_steps=10)
     for step in range(51):
@@ -76,6 +78,7 @@ def test_store_steps_deleted_and_a_resume_from_20_never_bring_the_deleted_branch
     plain.close()
 
     mgr = _manager(s3_store, local, save_interval_steps=10)
+    assert mgr.latest_step() == 20  # 45 and 50 were saved after the store committed 30: a deleted line
     if resume == "manager":
         _check(mgr.restore(20, _target()), 20)
         assert mgr.tier_status().local_steps == []  # the job goes on from 20: 45 and 50 retired at once
@@ -95,6 +98,22 @@ def test_store_steps_deleted_and_a_resume_from_20_never_bring_the_deleted_branch
     with pytest.raises(objckpt.CheckpointNotFoundError, match="step 50"):
         mgr.restore(50, _target())
     mgr.close()
+
+
+def test_every_process_leaves_out_a_deleted_line_whichever_process_recorded_it() -> None:
+    """``decide`` is pure and the same on every process: a step is of a deleted line when any
+    process's copy of it was saved after the store committed a step newer than the store's newest
+    now; such a step is neither local nor peer, and the newest step of the line left is taken."""
+    own = {45: ("run1", 2), 50: ("run1", 2), 25: ("run2", 2)}
+    invs = {
+        0: Inventory(0, own=dict(own), stored={45: 30, 50: 30, 25: -1}, store=[0, 10, 20]),
+        1: Inventory(1, own=dict(own), stored={}),  # its manifests said nothing (an older manager)
+    }
+    invs = {p: Inventory.from_json(p, i.to_json()) for p, i in invs.items()}  # as the processes send them
+    assert decide(invs, 2, want=None, keepers=[1, 0]) == Decision(25, ("local",), "run2")
+    assert decide(invs, 2, want=50, keepers=[1, 0]) == Decision(50, ())
+    invs[0] = Inventory(0, own=dict(own), stored={45: 30, 50: 30, 25: -1}, store=[0, 10, 20, 30])
+    assert decide(invs, 2, want=None, keepers=None).step == 50  # the store still holds 30: not a roll-back
 
 
 def test_deleting_the_newest_store_steps_through_the_manager_retires_their_local_copies(s3_store, tmp_path):

@@ -4,7 +4,8 @@ Each process publishes a small inventory through JAX's coordination service
 (:class:`objckpt.multihost.Coordinator`: key-value store and a barrier with a timeout):
 the complete steps in its own local directory (step → save id and the process count that
 saved it), the peer copies it holds (owner → step → save id), whether it can take part in
-a peer copy, and, from the primary only, the object store's committed steps. After the
+a peer copy, the newest store step its manager had seen committed when it saved each step
+it holds, and, from the primary only, the object store's committed steps. After the
 barrier every process reads every inventory and runs the same pure :func:`decide`, so all
 reach the same answer without another message.
 
@@ -21,7 +22,10 @@ The step restored is the newest one in any tier (or the one asked for); the tier
 for it are listed fastest first. The local and peer tiers hold one line of steps: every process
 retires its steps above a step the job restored or saved, or above the store's newest once its
 newest steps are deleted (:meth:`objckpt.locations.local_dirs.LocalTier.retire`), so the newest
-step here is never one of a line the job left. "local" is also tried for a step the store holds when every
+step here is never one of a line the job left. A local or peer step saved after the store had
+committed a step that is gone now, with no newer store step left (a roll-back the local tier
+never saw: ``objckpt rm``), is of a deleted line and not counted (retention never deletes the
+newest committed step). "local" is also tried for a step the store holds when every
 process holds it locally but the process count differs: the restore itself then checks that
 each process's boxes cover its target (:mod:`objckpt.layouts.process_copy`).
 """
@@ -46,6 +50,7 @@ class Inventory:
     held: dict[int, dict[int, str]] = field(default_factory=dict)  # owner: {step: save id}
     can_exchange: bool = False
     store: list[int] | None = None  # the primary's listing of the object store
+    stored: dict[int, int] = field(default_factory=dict)  # step held: the newest store step seen committed before it
 
     def to_json(self) -> bytes:
         return json.dumps(
@@ -54,6 +59,7 @@ class Inventory:
                 "held": {str(o): {str(s): i for s, i in steps.items()} for o, steps in self.held.items()},
                 "x": self.can_exchange,
                 "store": self.store,
+                "stored": {str(s): v for s, v in self.stored.items()},
             },
             separators=(",", ":"),
         ).encode()
@@ -67,6 +73,7 @@ class Inventory:
             held={int(o): {int(s): str(i) for s, i in steps.items()} for o, steps in doc["held"].items()},
             can_exchange=bool(doc["x"]),
             store=None if doc["store"] is None else [int(s) for s in doc["store"]],
+            stored={int(s): int(v) for s, v in doc["stored"].items()},
         )
 
 
@@ -121,16 +128,19 @@ def decide(invs: dict[int, Inventory], count: int, *, want: int | None, keepers:
     keeper of each process, or None when the manager keeps no peer copies.
     """
     store = {s for i in invs.values() if i.store is not None for s in i.store}
+    head = max(store, default=-1)
+    deleted_line = {s for i in invs.values() for s, seen in i.stored.items() if seen > head}
     candidates = {s for i in invs.values() for s in i.own} | store
     if want is not None:
         candidates = {want}
     for step in sorted(candidates, reverse=True):
         tiers: list[str] = []
-        save_id = _local(invs, count, step, strict=True)
+        live = step not in deleted_line
+        save_id = _local(invs, count, step, strict=True) if live else None
         fetch: dict[int, int] = {}
         if save_id is not None:
             tiers.append(LOCAL)
-        elif keepers is not None and (peer := _peer(invs, count, step, keepers)) is not None:
+        elif live and keepers is not None and (peer := _peer(invs, count, step, keepers)) is not None:
             save_id, fetch = peer
             tiers.append(PEER)
         if step in store:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 import time
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import (
     CheckpointNotFoundError,
     CoordinationError,
@@ -34,9 +36,10 @@ from objckpt.errors import (
     PeerCopyUnavailableError,
 )
 from objckpt.locations.agreement import LOCAL, PEER, STORE, Inventory, agree, all_succeeded, decide
-from objckpt.locations.local_dirs import LocalTier, step_dirs
+from objckpt.locations.local_dirs import MANIFEST_LIMIT, LocalTier, read_regular, step_dirs
 from objckpt.multihost import Coordinator
 from objckpt.options import Options
+from objckpt.roots.step_names import step_dir
 from objckpt.transfer import runtime
 
 log = logging.getLogger("objckpt")
@@ -149,7 +152,10 @@ class StepLocations:
         own = {s: (m.save_id, m.process_count) for s, m in self.tier.steps().items()}
         held = {o: {s: m.save_id for s, m in steps.items()} for o, steps in self.tier.held().items()}
         store = store_steps() if self.coordinator.is_primary else None
-        return Inventory(self.tier.process_index, own, held, self.peers, store)
+        stored = {s: _stored(self.tier.step_dir(s)) for s in own}
+        for o, steps in held.items():
+            stored.update({s: max(stored.get(s, -1), _stored(self.tier.held_dir(o) / step_dir(s))) for s in steps})
+        return Inventory(self.tier.process_index, own, held, self.peers, store, stored)
 
     def _decide(self, want: int | None, store_steps: Callable[[], list[int]]) -> Any:
         self.wait()
@@ -302,6 +308,19 @@ class StepLocations:
 
 
 __all__ = ["LOCAL", "PEER", "STORE", "StepLocations", "TierRestore", "TierStatus"]
+
+
+def _stored(directory: Any) -> int:
+    """The newest store step the manager had seen committed when it saved the step in
+    ``directory`` (``metadata["objckpt.manager"]["stored"]`` of its manifest, which its record
+    pins); -1 when it says none."""
+    try:
+        seen = json.loads(read_regular(directory / MANIFEST_KEY, MANIFEST_LIMIT))["metadata"]["objckpt.manager"][
+            "stored"
+        ]
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+    return seen if type(seen) is int else -1
 
 
 class _Phases:

@@ -192,6 +192,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._pending: concurrent.futures.Future[None] | None = None
         self._pending_step: int | None = None  # the step of the save in flight
+        self._stored = -1  # the newest step this manager has seen committed (its local saves record it)
         self._metrics: dict[int, dict[str, Any]] = {}
         self._closed = False
         self.save_policy = SavePolicy.of(
@@ -289,9 +290,10 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         local = self._tiers is not None and self._tiers.due(step)
+        local_metadata = {"objckpt.manager": {"step": step, "stored": self._stored}}
         if not force and not self.should_save(step):
             if self._tiers is not None and local:
-                self._tiers.save(step, tree, {"objckpt.manager": {"step": step}})
+                self._tiers.save(step, tree, local_metadata)
             return local
         if self._reads.is_orbax(step):
             raise CheckpointExistsError(f"step {step} is an Orbax step under {self.store.url}: save another step")
@@ -315,7 +317,7 @@ class CheckpointManager:
             self._pending = runtime.submit(self._after_save(handle, step, metrics))
             self._pending_step = step
         if self._tiers is not None and local:  # after the store's save: a local disk never holds it up
-            self._tiers.save(step, tree, {"objckpt.manager": {"step": step}})
+            self._tiers.save(step, tree, local_metadata)
         if wait or self.reached_preemption(step):
             self.wait()
         return True
@@ -346,6 +348,7 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+            self._stored = max(self._stored, self._pending_step or 0)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for the save in flight, then for the replicas (up to ``timeout`` seconds,
