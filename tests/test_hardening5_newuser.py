@@ -10,12 +10,14 @@ marker is. 27: inspect of a safetensors directory and of an incremental checkpoi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +155,34 @@ def test_restore_the_manager_and_export_name_the_steps_nearest_a_missing_one(
     assert cli_main(["export", f"{url}/30", str(tmp_path / "out")]) == 0, capsys.readouterr().err
     assert f"exported {url}/step_0000000030 to" in capsys.readouterr().out
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------ item 26: a dead writer's marker
+
+
+def test_retention_names_an_old_marker_of_another_save_as_maybe_a_dead_writers(local_store, caplog):
+    from objckpt.saving.live_markers import marker_key
+
+    url = f"file://{local_store.url}"
+    mgr = objckpt.CheckpointManager(url, keep_last=1)
+    mgr.save(1, {"x": np.arange(10)}, wait=True)
+    # What a writer killed meanwhile leaves in the step (an incremental save marks its base too).
+    marker = marker_key(uuid.uuid4().hex, 0)
+    path = Path(local_store.url) / "step_0000000001" / marker
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
+    when = time.time() - 200  # two refresh intervals (120 s of the 600 s lease) and more
+    os.utime(path, (when, when))
+    with caplog.at_level(logging.WARNING, logger="objckpt"):
+        mgr.save(2, {"x": np.arange(10) + 2}, wait=True)
+    assert mgr.steps() == [1, 2]
+    [warning] = [r.getMessage() for r in caplog.records if "retention left step 1" in r.getMessage()]
+    step = f"{url}/step_0000000001"
+    assert "a save is writing" not in warning, warning
+    assert f"live-save marker {marker} is 200 s old, not rewritten since" in warning, warning
+    assert "it may be a dead writer's" in warning and "lease (600 s)" in warning, warning
+    assert f"`objckpt rm --force {step}` deletes it now" in warning, warning
+    assert cli_main(["rm", "--force", step]) == 0
+    mgr.save(3, {"x": np.arange(10) + 3}, wait=True)
+    assert mgr.steps() == [3]
+    mgr.close()

@@ -114,16 +114,26 @@ def explain(url: str, markers: list[ObjectInfo], *, lease: float, committed_save
     its manifest (None without one). Markers of that save belong to a save that
     has committed: it was interrupted after its commit (a SIGKILL runs no
     cleanup), or, while its marker is younger than two refresh intervals, may
-    be finishing. Any other marker is a save writing there now.
+    be finishing. Any other marker is a save writing there now, or, once it is
+    older than two refresh intervals (a running save rewrites it every one), may
+    be a dead writer's: the sentence then says what removes it.
     """
     own = [m for m in markers if committed_save_id is not None and marker_save_id(m.key) == committed_save_id]
     others = [m for m in markers if m not in own]
+    first = (others or own)[0]
+    age = None if first.last_modified is None else time.time() - first.last_modified
+    stale = age is not None and age > 2 * lease / REFRESHES_PER_LEASE
+    more = f" (and {len(others or own) - 1} more)" if len(others or own) > 1 else ""
+    if others and stale:
+        return (
+            f"live-save marker {first.key}{more} is {age:.0f} s old, not rewritten since (a running save rewrites"
+            f" it every {lease / REFRESHES_PER_LEASE:g} s): it may be a dead writer's, and holds deleters off {url}"
+            f" until it is older than the lease ({lease:g} s); if no save to {url} is running,"
+            f" `objckpt rm --force {url}` deletes it now"
+        )
     if others:
         return f"a save is writing to {url} ({describe(others)}, lease {lease:g} s)"
-    first = own[0]
-    more = f" (and {len(own) - 1} more)" if len(own) > 1 else ""
-    age = None if first.last_modified is None else time.time() - first.last_modified
-    if age is not None and age > 2 * lease / REFRESHES_PER_LEASE:
+    if stale:
         state = (
             f"was interrupted after its commit and left its live-save marker {first.key}{more}"
             f" ({age:.0f} s old, not rewritten since)"
