@@ -170,7 +170,7 @@ def test_a_tensor_in_two_files(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "f1.safetensors", "x": "f2.safetensors"}})
     )
-    with pytest.raises(FormatError, match="'a' is in both"):
+    with pytest.raises(FormatError, match="f2.safetensors holds tensor 'a', which .* maps to 'f1.safetensors'"):
         objckpt.restore(str(tmp_path))
 
 

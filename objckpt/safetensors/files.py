@@ -7,7 +7,11 @@ sharded layout) or ``model.safetensors``. The index is held to its shape (a
 header to the spec (:mod:`objckpt.safetensors.header`); the index must name
 each tensor of each file once, and nothing else. A header costs one ranged
 read of its file's first 64 KiB (a second one when it is longer), at most
-:data:`~objckpt.safetensors.header.MAX_HEADER_BYTES`.
+:data:`~objckpt.safetensors.header.MAX_HEADER_BYTES`, and with an index at most what
+the tensors the index gives its file can take (:func:`header_bounds`). Headers are read
+:data:`HEADERS_AT_ONCE` at a time, started as others end, each checked against the index
+as it arrives; the first error cancels the rest, so an index naming a million files costs
+a window of reads, not a million tasks.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from objckpt.errors import FormatError, ObjectNotFoundError
-from objckpt.safetensors.header import Header, TensorEntry, header_length, parse_header
+from objckpt.safetensors.header import MAX_HEADER_BYTES, Header, TensorEntry, header_length, parse_header
 from objckpt.safetensors.shards import INDEX_FILE, SINGLE_FILE
+from objckpt.transfer.engine import first_error
 
 #: Bytes read first from each file: the length and, usually, the whole header.
 FIRST_READ = 64 * 1024
@@ -28,6 +34,11 @@ FIRST_READ = 64 * 1024
 MAX_INDEX_BYTES = 64 * 2**20
 #: Headers read at once.
 HEADERS_AT_ONCE = 16
+#: A header's bytes for each tensor the index gives its file, besides the name (JSON escapes
+#: included): a rank-64 shape of 20-digit dimensions, the offsets, the dtype and whitespace.
+HEADER_PER_TENSOR = 4096
+#: A header's bytes besides its tensors: ``__metadata__`` and padding.
+HEADER_SLACK = 1 << 20
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*\.safetensors$")
 
 
@@ -61,8 +72,8 @@ async def find_files(store: Any, *, single: str | None = None) -> list[str] | tu
     a sharded directory, ``[model.safetensors]``, or None when nothing of safetensors is there."""
     if single is not None:
         return [single]
-    try:
-        raw = await store.get(INDEX_FILE)
+    try:  # one byte past the limit, never the whole object: an index may claim gigabytes
+        raw = bytes(await store.get_range(INDEX_FILE, start=0, end=MAX_INDEX_BYTES + 1))
     except (ObjectNotFoundError, FileNotFoundError):
         raw = None
     if raw is not None:
@@ -82,7 +93,7 @@ def parse_index(raw: bytes, *, where: str) -> dict[str, str]:
             ``.safetensors`` file names, or a ``metadata.total_size`` that is no integer.
     """
     if len(raw) > MAX_INDEX_BYTES:
-        raise FormatError(f"{where}: {len(raw)} bytes exceeds the index limit of {MAX_INDEX_BYTES} bytes")
+        raise FormatError(f"{where}: more than the index limit of {MAX_INDEX_BYTES} bytes")
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -99,9 +110,19 @@ def parse_index(raw: bytes, *, where: str) -> dict[str, str]:
     return weight_map
 
 
-async def read_header(store: Any, key: str, *, where: str) -> tuple[Header, int]:
+def header_bounds(weight_map: dict[str, str]) -> dict[str, int]:
+    """Each file's longest header the index allows: :data:`HEADER_SLACK`, plus for each tensor
+    the index gives it :data:`HEADER_PER_TENSOR` and its name escaped (12 bytes a character)."""
+    bounds: dict[str, int] = {}
+    for name, file in weight_map.items():
+        bounds[file] = bounds.get(file, HEADER_SLACK) + HEADER_PER_TENSOR + 12 * len(name)
+    return bounds
+
+
+async def read_header(store: Any, key: str, *, where: str, limit: int = MAX_HEADER_BYTES) -> tuple[Header, int]:
     """One file's checked header and its size: a HEAD and a first ranged read at once (one
-    round trip), then a second read only for a header longer than the first."""
+    round trip), then a second read only for a header longer than the first; a header
+    longer than ``limit`` is refused from its first 8 bytes."""
     answers: tuple[Any, Any] = await asyncio.gather(
         store.head(key), store.get_range(key, start=0, end=FIRST_READ), return_exceptions=True
     )
@@ -114,7 +135,7 @@ async def read_header(store: Any, key: str, *, where: str) -> tuple[Header, int]
             raise first_read
         first_read = b""  # a store may refuse a range of an empty or tiny file: too short either way
     first = bytes(first_read)[:size]
-    n = header_length(first, where=where, file_size=size)
+    n = header_length(first, where=where, file_size=size, limit=limit)
     raw = first[8 : 8 + n]
     if len(raw) < n:
         raw += bytes(await store.get_range(key, start=len(first), end=8 + n))
@@ -123,38 +144,60 @@ async def read_header(store: Any, key: str, *, where: str) -> tuple[Header, int]
     return parse_header(raw, where=where, file_size=size), size
 
 
+async def each(items: list[str], fn: Callable[[str], Awaitable[None]], *, parallel: int) -> None:
+    """``fn`` over ``items``, at most ``parallel`` at once, started as others end; the first
+    error cancels the rest, waits for them and is raised."""
+    source = iter(items)
+
+    async def worker() -> None:
+        for item in source:
+            await fn(item)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(parallel, len(items))):
+                group.create_task(worker())
+    except BaseExceptionGroup as errors:  # callers expect the error itself, not a group
+        raise first_error(errors) from None
+
+
 async def read_tensors(store: Any, found: list[str] | tuple[str, dict[str, str]]) -> Tensors:
-    """Every file's header (:data:`HEADERS_AT_ONCE` at a time), checked against the index.
+    """Every file's header (:data:`HEADERS_AT_ONCE` at a time), each checked against the index
+    as it arrives and bounded by the tensors the index gives its file.
 
     Raises:
-        FormatError: a header off the spec, a tensor in two files, or an index that does not
-            name exactly the files' tensors (the first difference named).
+        FormatError: a header off the spec or over its bound, a tensor in two files, or an
+            index that does not name exactly the files' tensors (the first difference named).
     """
     if isinstance(found, tuple):
         index, weight_map = found
-        keys = list(dict.fromkeys(weight_map.values()))
+        bounds = header_bounds(weight_map)
+        keys = list(bounds)
     else:
-        index, weight_map, keys = None, None, found
-    limit = asyncio.Semaphore(HEADERS_AT_ONCE)
+        index, weight_map, bounds, keys = None, None, {}, found
+    read: dict[str, tuple[Header, int]] = {}
+    mapped = weight_map or {}
 
-    async def one(key: str) -> tuple[Header, int]:
-        async with limit:
-            return await read_header(store, key, where=f"{store.url}/{key}")
+    async def one(key: str) -> None:
+        where = f"{store.url}/{key}"
+        limit = min(bounds.get(key, MAX_HEADER_BYTES), MAX_HEADER_BYTES)
+        header, size = await read_header(store, key, where=where, limit=limit)
+        for t in header.tensors if index is not None else ():
+            if mapped.get(t.name) != key:
+                raise FormatError(
+                    f"{where} holds tensor {t.name!r}, which {INDEX_FILE} maps to {mapped.get(t.name, 'no file')!r}"
+                )
+        read[key] = header, size
 
-    results = await asyncio.gather(*(one(k) for k in keys))
-    files = {k: h for k, (h, _) in zip(keys, results, strict=True)}
-    sizes = {k: s for k, (_, s) in zip(keys, results, strict=True)}
+    await each(keys, one, parallel=HEADERS_AT_ONCE)
+    files = {k: read[k][0] for k in keys}
+    sizes = {k: read[k][1] for k in keys}
     by_name: dict[str, tuple[str, TensorEntry]] = {}
     for key, header in files.items():
         for t in header.tensors:
             if t.name in by_name:
                 raise FormatError(f"tensor {t.name!r} is in both {store.url}/{by_name[t.name][0]} and {key}")
             by_name[t.name] = (key, t)
-            if weight_map is not None and weight_map.get(t.name) != key:
-                raise FormatError(
-                    f"{store.url}/{key} holds tensor {t.name!r}, which {INDEX_FILE} maps to"
-                    f" {weight_map.get(t.name, 'no file')!r}"
-                )
     if weight_map is not None:
         missing = [name for name in weight_map if name not in by_name]
         if missing:

@@ -8,8 +8,8 @@ as strictly as the ``safetensors`` library does, since a header comes from
 someone else's bucket: a bounded header size read before anything else, valid
 UTF-8, one JSON object with no name twice, known dtypes, shapes whose element
 count times the dtype's size is exactly the tensor's byte length (in Python
-ints: no overflow), and offsets that tile the buffer in order from 0 to its
-end, with no overlap and no hole. Anything else is a
+ints: no overflow) and that numpy can hold (:data:`MAX_ARRAY_BYTES`), and offsets
+that tile the buffer in order from 0 to its end, with no overlap and no hole. Anything else is a
 :class:`~objckpt.errors.FormatError` naming the file, the tensor and the numbers.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,6 +55,9 @@ DTYPE_TO_ST: dict[str, str] = {v: k for k, v in ST_TO_DTYPE.items()}
 MAX_HEADER_BYTES = 100_000_000
 #: The most dimensions a tensor may have.
 MAX_RANK = 64
+#: What numpy can hold: a tensor's non-zero dimensions times its element size stay below this,
+#: a zero-size tensor's too (``np.zeros((0, 2**62), np.float32)`` is a ``ValueError``).
+MAX_ARRAY_BYTES = 2**63
 #: The reserved name of the header's free-form string metadata.
 METADATA_KEY = "__metadata__"
 
@@ -109,7 +113,8 @@ def header_length(prefix: bytes, *, where: str, file_size: int, limit: int = MAX
         raise FormatError(f"{where}: {file_size} bytes is too short for a safetensors file (8-byte header length)")
     (n,) = struct.unpack("<Q", prefix[:8])
     if n > limit:
-        raise FormatError(f"{where}: header length {n} bytes exceeds the limit of {limit} bytes")
+        why = "" if limit >= MAX_HEADER_BYTES else ", what the tensors the index gives this file can take"
+        raise FormatError(f"{where}: header length {n} bytes exceeds the limit of {limit} bytes{why}")
     if 8 + n > file_size:
         raise FormatError(f"{where}: header length {n} bytes runs past the end of the file ({file_size} bytes)")
     if n < 2:
@@ -230,6 +235,11 @@ def _entry(name: str, value: Any, where: str, data_start: int) -> TensorEntry:
     begin, end = offsets
     if type(begin) is not int or type(end) is not int or begin < 0 or end < begin or len(shape) > MAX_RANK:
         return _refuse_entry(name, value, where)
+    if count == 0 and math.prod(n for n in shape if n) * itemsize >= MAX_ARRAY_BYTES:
+        raise FormatError(
+            f"{where}: tensor {name!r}: shape {shape} is larger than an array can be (its non-zero"
+            f" dimensions times {itemsize} bytes reach 2^63)"
+        )
     if end - begin != count * itemsize:
         raise FormatError(
             f"{where}: tensor {name!r}: data_offsets [{begin}, {end}) hold {end - begin} bytes, but"

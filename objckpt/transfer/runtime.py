@@ -2,7 +2,10 @@
 
 Every store call and transfer runs on this loop, so hundreds of requests can be
 in flight from a single thread, and the caller's thread stays free for the
-device→host copies. Sync entry points submit coroutines here and wait.
+device→host copies. Sync entry points submit coroutines here and wait; a
+loop whose thread ends (a ``MemoryError`` it could not hand to a task) fails
+every future it was given, so no caller waits forever, and the next call
+starts a new loop.
 
 The thread is a daemon: a process that is done (or killed by a test) never waits
 on it, and correctness never depends on it finishing (the manifest commits last).
@@ -32,6 +35,8 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
+from objckpt.errors import ObjckptError
+
 T = TypeVar("T")
 
 _lock = threading.Lock()
@@ -47,7 +52,13 @@ EXIT_GRACE_S = 2.0
 
 
 class _IOLoop(asyncio.SelectorEventLoop):
-    """The I/O loop, counting the calls other threads make into it, so exit can wait for them."""
+    """The I/O loop, counting the calls other threads make into it, so exit can wait for them,
+    and holding the futures :func:`submit` gave out, so a loop whose thread ends fails them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.submitted: set[concurrent.futures.Future[Any]] = set()
+        self.ended: BaseException | None = None  # why its thread ended, once it has
 
     def call_soon_threadsafe(  # type: ignore[override]  # same call, the generic spelled plainly
         self, callback: Callable[..., object], *args: Any, context: contextvars.Context | None = None
@@ -70,7 +81,15 @@ def get_loop() -> asyncio.AbstractEventLoop:
             def _run() -> None:
                 asyncio.set_event_loop(loop)
                 loop.call_soon(started.set)
-                loop.run_forever()
+                try:
+                    loop.run_forever()
+                except BaseException as e:  # e.g. a MemoryError the loop could not hand to a task
+                    loop.ended = e
+                    raise
+                finally:
+                    loop.ended = loop.ended or RuntimeError("the loop stopped")
+                    for future in list(loop.submitted):
+                        _fail(future, loop.ended)
 
             thread = threading.Thread(target=_run, name="objckpt-io", daemon=True)
             thread.start()
@@ -113,8 +132,23 @@ def _settle_at_exit() -> None:
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-    """Schedule ``coro`` on the I/O loop; returns a thread-safe future."""
-    return asyncio.run_coroutine_threadsafe(coro, get_loop())
+    """Schedule ``coro`` on the I/O loop; returns a thread-safe future, failed with an
+    :class:`~objckpt.errors.ObjckptError` if the loop's thread ends before it is done."""
+    loop = get_loop()
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    assert isinstance(loop, _IOLoop)
+    loop.submitted.add(future)
+    future.add_done_callback(loop.submitted.discard)
+    if loop.ended is not None:  # it ended while this was being submitted
+        _fail(future, loop.ended)
+    return future
+
+
+def _fail(future: concurrent.futures.Future[Any], cause: BaseException) -> None:
+    error = ObjckptError(f"objckpt's I/O thread ended ({type(cause).__name__}: {cause}) before this call was done")
+    error.__cause__ = cause
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        future.set_exception(error)
 
 
 def run_sync(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
