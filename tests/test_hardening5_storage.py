@@ -154,6 +154,27 @@ def test_the_stores_own_timeout_is_a_timeout_too(silent, aws_env) -> None:
     assert "error sending request" not in text, text
 
 
+def test_the_transfer_engines_requests_name_the_endpoint_too(silent, aws_env) -> None:
+    from objckpt.storage import from_url
+    from objckpt.transfer import runtime
+    from objckpt.transfer.engine import TransferEngine
+
+    store = from_url("s3://bucket/engine", endpoint_url=f"http://127.0.0.1:{silent.port}")
+    retry = objckpt.RetryConfig(deadline=1.5)
+
+    async def put() -> None:
+        engine = TransferEngine(store, max_concurrency=2, request_timeout=0.5, retry=retry, adaptive=False)
+        await engine.put("blob", b"x" * 1024)
+
+    try:
+        with pytest.raises(StoreError) as caught:
+            runtime.run_sync(put())
+    finally:
+        runtime.run_sync(store.close())
+    text = str(caught.value)
+    assert f"the server at 127.0.0.1:{silent.port}" in text and "never answered within" in text, text
+
+
 # ------------------------------------------------------------------ item 15: NO_PROXY as networks
 
 

@@ -18,6 +18,7 @@ from objckpt.errors import BucketNotFoundError, ObjectNotFoundError, StoreError,
 from objckpt.options import Options, RetryConfig
 from objckpt.storage.base import ObjectInfo, PutMode, Store
 from objckpt.storage.checksums import checks_at_arrival
+from objckpt.storage.endpoint import endpoint_of
 from objckpt.storage.streaming import ReadSink
 from objckpt.transfer.cpu_slots import CpuSlots, default_save_threads
 from objckpt.transfer.retries import REF_UP, parent_of, retry_attempts
@@ -142,7 +143,12 @@ class TransferEngine:
                 self.limit.release(ticket, outcome)
 
         return await retry_attempts(
-            what, attempt, retry=self.retry, request_timeout=self.attempt_timeout, stats=self.stats
+            what,
+            attempt,
+            retry=self.retry,
+            request_timeout=self.attempt_timeout,
+            stats=self.stats,
+            endpoint=endpoint_of(self.store),
         )
 
     async def abort(self, grace: float) -> None:
