@@ -70,6 +70,7 @@ class LeafTable:
                 self.coded[i] = leaf.codec is not None
                 self.itemsize[i] = dtype.itemsize
                 self.kind[i] = kinds.setdefault((dtype.itemsize, tuple(shape)), len(kinds))
+        kinds = kinds or {(0, ()): 0}  # no array leaf: one empty kind keeps every leaf's lookups in range
         width = max((len(shape) for _, shape in kinds), default=0)
         self.kind_shape = np.zeros((len(kinds), width), dtype=np.int64)
         self.kind_itemsize = np.zeros(len(kinds), dtype=np.int64)
