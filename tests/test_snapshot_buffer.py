@@ -47,7 +47,9 @@ def test_local_saves_reuse_the_last_ones_buffer_and_restore_exact(tmp_path, buff
         assert len(set(buffers)) >= 2
     restarted = objckpt.CheckpointManager(str(tmp_path / "root"), local_keep_last=3, **kwargs)
     try:
-        for step in (1, 2, 3):  # each step's own bytes, though one buffer held all three in turn
+        # each step's own bytes, though one buffer held all three in turn (newest first: a restore
+        # retires the local steps above the one it restores)
+        for step in (3, 2, 1):
             got = restarted.restore(step, _tree(0))
             assert restarted.tier_status().last_restore.tier == "local"
             for k, v in _tree(step).items():
