@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,3 +187,73 @@ def test_retention_names_an_old_marker_of_another_save_as_maybe_a_dead_writers(l
     mgr.save(3, {"x": np.arange(10) + 3}, wait=True)
     assert mgr.steps() == [3]
     mgr.close()
+
+
+# ------------------------------------------------------------------ item 27: what inspect and export say
+
+
+@pytest.mark.s3
+def test_inspect_names_a_safetensors_directory_and_an_incremental_checkpoints_bases(
+    s3_service, s3_store, monkeypatch, capsys
+):
+    url, so = s3_store.url, s3_store.storage_options
+    digest = objckpt.Options(format_version=3, digest="sha256")
+    tree = {"a": np.arange(64, dtype=np.float32), "b": np.ones(4096, np.float32)}
+    objckpt.save(f"{url}/full", tree, storage_options=so, options=digest)
+    tree["a"] = tree["a"] + 1
+    objckpt.save(f"{url}/next", tree, storage_options=so, base=f"{url}/full")
+    objckpt.export_safetensors(f"{url}/full", f"{url}/hf", src_storage_options=so)
+    for name, value in s3_service.env().items():
+        monkeypatch.setenv(name, value)
+
+    assert cli_main(["inspect", f"{url}/hf"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"safetensors checkpoint {url}/hf\n"), out
+    assert "written by safetensors" in out and "format v0" not in out and "save_id" not in out, out
+
+    assert cli_main(["inspect", f"{url}/next"]) == 0
+    out = capsys.readouterr().out
+    assert "\nincremental: 256 B from its own blobs, 16.0 KiB from full\n" in out, out
+    assert cli_main(["inspect", "--json", f"{url}/next"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_from"] == {"": 256, "full": 16384}
+
+
+def test_an_nnx_state_exports_names_ending_in_value_and_the_documented_names_drops_it(tmp_path):
+    from jax.tree_util import GetAttrKey, register_pytree_with_keys_class
+
+    @register_pytree_with_keys_class
+    class Variable:  # how flax.nnx.Variable flattens: its array under the attribute key `value`
+        def __init__(self, value):
+            self.value = value
+
+        def tree_flatten_with_keys(self):
+            return ((GetAttrKey("value"), self.value),), None
+
+        def tree_flatten(self):
+            return (self.value,), None
+
+        @classmethod
+        def tree_unflatten(cls, aux, children):
+            return cls(*children)
+
+    from safetensors.numpy import load_file
+
+    state = {"linear": {"kernel": Variable(np.ones((2, 3), np.float32)), "bias": Variable(np.zeros(3, np.float32))}}
+    objckpt.save(str(tmp_path / "ck"), state)
+    objckpt.export_safetensors(str(tmp_path / "ck"), str(tmp_path / "as_is"))
+    assert sorted(load_file(tmp_path / "as_is" / "model.safetensors")) == ["linear.bias.value", "linear.kernel.value"]
+    doc = (Path(__file__).parents[1] / "docs" / "SAFETENSORS.md").read_text()
+    [names] = re.findall(r"`names=(lambda name: [^`]+)` drops it", doc)  # the note on NNX names
+    objckpt.export_safetensors(str(tmp_path / "ck"), str(tmp_path / "named"), names=eval(names))
+    assert sorted(load_file(tmp_path / "named" / "model.safetensors")) == ["linear.bias", "linear.kernel"]
+
+
+def test_the_readme_install_line_names_every_extra_it_advertises():
+    import tomllib
+
+    root = Path(__file__).parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    install = (root / "README.md").read_text().split("## Save and restore")[0]
+    line = next(line for line in install.splitlines() if line.startswith("pip install -e"))
+    for extra in set(extras) - {"dev", "bench"}:  # the user's extras; dev and bench are named below it
+        assert extra in line, f"README's install line does not name the {extra!r} extra: {line}"

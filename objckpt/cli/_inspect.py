@@ -29,6 +29,8 @@ ROW_CHARS = 200
 SHOWN_BYTES = 4 << 10
 #: The columns a list or object of plain values may take on one line of a pretty document.
 WIDTH = 80
+#: How ``inspect`` names a layout other than objckpt's (by ``CheckpointInfo.format``).
+_LAYOUT_NAMES = {"orbax": "Orbax"}
 #: One key of a leaf path as ``jax.tree_util.keystr`` writes it: ``['name']``, ``[0]``, ``.attr``.
 _KEY = re.compile(r"\[(?:'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"|(-?\d+))\]|\.([A-Za-z_]\w*)")
 
@@ -60,24 +62,30 @@ def show(args: argparse.Namespace, url: str) -> int:
             if leaf.key_type is not None:  # a typed PRNG key array: its key type and its own shape
                 dtype, shape = leaf.key_type, shape[:-1]
             rows.append([leaf.path, str(dtype), str(shape), human_bytes(leaf.nbytes), _sharding(leaf)])
-    print(f"{'Orbax checkpoint' if info.format == 'orbax' else 'checkpoint'} {info.url}")
+    foreign = _LAYOUT_NAMES.get(info.format, info.format) if info.format != "objckpt" else None
+    print(f"{foreign + ' ' if foreign else ''}checkpoint {info.url}")
     print(table(["LEAF", "DTYPE", "SHAPE", "SIZE", "SAVED SHARDING"], rows, right={3}))
     for leaf in documents:
         print(f"\n{leaf.path} (json):")
         print(_cut(_pretty(leaf.value), args.url, leaf.path))
     if documents:
         print()
-    if info.format == "orbax":
+    if foreign:  # no objckpt format version, no save_id
         print(
             f"total: {len(info.leaves)} leaves, {human_bytes(info.total_bytes)} ({info.total_bytes} bytes);"
-            f" written by Orbax, created {info.created or 'unknown'}, {info.num_processes} process(es)"
+            f" written by {foreign}, created {info.created or 'unknown'}, {info.num_processes} process(es)"
         )
+        if info.metadata:
+            print(f"metadata: {json.dumps(info.metadata, sort_keys=True, default=str)}")
         return 0
     print(
         f"total: {len(info.leaves)} leaves, {human_bytes(info.total_bytes)} ({info.total_bytes} bytes)"
         f" in {info.num_blobs} blobs{info.stored_summary()}; format v{info.format_version}, created {info.created},"
         f" {info.num_processes} process(es), save_id {info.save_id}"
     )
+    if info.bytes_from is not None:  # an incremental checkpoint: where its bytes are stored
+        where = [f"{human_bytes(n)} from {name or 'its own blobs'}" for name, n in sorted(info.bytes_from.items())]
+        print(f"incremental: {', '.join(where)}")
     print(f"metadata: {json.dumps(info.metadata, sort_keys=True, default=str) if info.metadata else '{}'}")
     return 0
 
@@ -226,5 +234,6 @@ def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
         "stored_bytes": info.stored_bytes,
         "num_blobs": info.num_blobs,
         "metadata": info.metadata,
+        "bytes_from": info.bytes_from,
         "leaves": [_leaf_doc(leaf) for leaf in info.leaves.values()],
     }
