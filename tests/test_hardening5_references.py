@@ -105,6 +105,7 @@ def test_a_delete_reads_only_the_steps_that_name_it(
     seen = _record(store, monkeypatch)
     runtime.run_sync(delete_checkpoint(store.child(THREE)))  # steps 2 and 4 name step 1 only
     assert not [url for url, _, _ in seen if url in heads and f"/{THREE}/" not in url], seen
+    assert not [s for s in seen if s[0] == f"LIST {store.url}" and not s[1]], "the root was listed recursively"
     monkeypatch.undo()
     assert not runtime.run_sync(store.list(f"{THREE}/"))
     # Step 1, which every step names: its blobs stay, step 4 restores, gc keeps them.
@@ -232,3 +233,13 @@ def test_ls_and_rm_say_a_base_keeps_what_later_steps_reference(
     status, out, err = _cli(target, monkeypatch, capsys, "rm", f"{target.url}/{ONE}", "--force")
     assert status == 0 and ": 0 objects" in out and f"kept {len(kept)} objects" in out, out
     assert sorted(o.key for o in runtime.run_sync(store.list(f"{ONE}/"))) == kept
+
+
+@pytest.mark.parametrize("kind", ["memory", "local", "s3", "gcs"])
+def test_list_names_lists_one_level(kind: str, request: pytest.FixtureRequest) -> None:
+    store = request.getfixturevalue(f"{kind}_store").open()
+    for key in ("a/x/1", "a/2", "b/3", "c"):
+        runtime.run_sync(store.put(key, b"1"))
+    assert runtime.run_sync(store.list_names()) == ["a", "b", "c"]
+    assert runtime.run_sync(store.list_names("a/")) == ["2", "x"]
+    assert runtime.run_sync(store.list_names("zz/")) == []

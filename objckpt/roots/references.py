@@ -129,14 +129,6 @@ async def _each(items: Iterable[Any], fn: Callable[[Any], Awaitable[T]]) -> list
     return list(await asyncio.gather(*(fn(item) for item in items)))
 
 
-async def committed_heads(root: Store) -> list[str]:
-    """The names of the checkpoints directly under ``root`` that have a manifest (one listing)."""
-    suffix = f"/{MANIFEST_KEY}"
-    return sorted(
-        {o.key[: -len(suffix)] for o in await root.list() if o.key.endswith(suffix) and o.key.count("/") == 1}
-    )
-
-
 async def may_be_a_base(step: Store, size_limit: int) -> bool:
     """Could checkpoints beside ``step`` reference its blobs? Only one with SHA-256 digests can be
     a base; one without a readable manifest may have been (its objects are kept as if it were).
@@ -152,7 +144,8 @@ async def may_be_a_base(step: Store, size_limit: int) -> bool:
 
 
 async def referenced_by_others(step: Store, keys: Collection[str], size_limit: int) -> set[str]:
-    """Those of ``keys`` (relative to ``step``) that the other committed checkpoints beside it reference.
+    """Those of ``keys`` (relative to ``step``) that the other committed checkpoints beside it
+    reference (found by listing the parent one level, not every object beneath it).
 
     Raises:
         Unknown: one of them cannot be read.
@@ -161,6 +154,6 @@ async def referenced_by_others(step: Store, keys: Collection[str], size_limit: i
     if parent is None or not keys:
         return set()
     name = step.url.rstrip("/").rpartition("/")[2]
-    others = [h for h in await committed_heads(parent) if h != name]
+    others = [n for n in await parent.list_names() if n != name]  # one level: what has no manifest is skipped
     found = await referenced(parent, others, {f"{name}/{k}" for k in keys}, size_limit)
     return {k[len(name) + 1 :] for k in found}

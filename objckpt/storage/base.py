@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -161,6 +162,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (recursive), keys relative to the root."""
+
+    async def list_names(self, prefix: str = "") -> builtins.list[str]:
+        """The names one level under ``prefix`` (``""`` or ending in ``/``), sorted: the first path
+        component below it of every key, once (a manager root's steps, not their objects). The
+        default lists recursively; stores that can list one level override it."""
+        return sorted({o.key[len(prefix) :].partition("/")[0] for o in await self.list(prefix)})
 
     @abc.abstractmethod
     async def head(self, key: str) -> ObjectInfo:

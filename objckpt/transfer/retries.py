@@ -11,6 +11,7 @@ throttled bucket never fails a save or restore on its first 503.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import random
@@ -222,6 +223,9 @@ class RetryingStore(Store):
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         return await self._call(f"LIST {self.url}/{prefix}", lambda: self.inner.list(prefix))
+
+    async def list_names(self, prefix: str = "") -> builtins.list[str]:
+        return await self._call(f"LIST {self.url}/{prefix} (one level)", lambda: self.inner.list_names(prefix))
 
     async def head(self, key: str) -> ObjectInfo:
         return await self._call(f"HEAD {self.url}/{key}", lambda: self._read_at(key)[0].head(self._read_at(key)[1]))

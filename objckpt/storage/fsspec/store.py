@@ -352,6 +352,21 @@ class FsspecStore(StreamingStore):
             for rel, info in await self._listed(prefix)
         ]
 
+    async def list_names(self, prefix: str = "") -> builtins.list[str]:
+        _check_relative(prefix, "prefix", allow_empty=True, allow_partial=True)
+        what = f"list {self._url(prefix)} (one level)"
+        try:
+            found = await self._fs(what, "ls", self._path(prefix.rstrip("/")) if prefix else self._root or "/")
+        except _PROGRAMMING_ERRORS:
+            raise
+        except Exception as exc:
+            mapped = map_error(exc, what)
+            if isinstance(mapped, ObjectNotFoundError):
+                return []
+            raise mapped from exc
+        names = {(e["name"] if isinstance(e, dict) else str(e)).rstrip("/").rpartition("/")[2] for e in found}
+        return sorted(n for n in names if n and not self._hidden(n))
+
     async def _listed(self, prefix: str) -> builtins.list[tuple[str, dict[str, Any]]]:
         """Every object under ``prefix`` as ``(key, the filesystem's info)``, sorted by key."""
         _check_relative(prefix, "prefix", allow_empty=True, allow_partial=True)

@@ -276,6 +276,17 @@ class ObstoreStore(StreamingStore):
         out.sort(key=lambda o: o.key)
         return out
 
+    async def list_names(self, prefix: str = "") -> builtins.list[str]:
+        check_relative(prefix, "prefix", allow_empty=True, allow_partial=True)
+        base = self._path(prefix.rstrip("/")) if prefix else self._prefix.rstrip("/")
+        what = f"list {self._url(prefix)} (one level)"
+        try:
+            found = await self._call(what, lambda: obs.list_with_delimiter_async(self._store, base or None))
+        except ObjectNotFoundError:
+            return []
+        paths = [*found["common_prefixes"], *(meta["path"] for meta in found["objects"])]
+        return sorted({p.rstrip("/").rpartition("/")[2] for p in paths})
+
     # ------------------------------------------------------------------- writes
 
     async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
