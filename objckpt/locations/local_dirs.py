@@ -47,7 +47,7 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -350,7 +350,7 @@ def retain(
     return sorted(doomed)
 
 
-def remove_steps(base: Path, steps: Any, within: Path | None) -> None:
+def remove_steps(base: Path, steps: Iterable[int], within: Path | None) -> None:
     """Delete ``steps`` under ``base``, each record first (refused when a link leads out of ``within``)."""
     for step in sorted(steps):
         directory = base / step_dir(step)

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from objckpt.core.format import MANIFEST_KEY
@@ -310,7 +311,7 @@ class StepLocations:
 __all__ = ["LOCAL", "PEER", "STORE", "StepLocations", "TierRestore", "TierStatus"]
 
 
-def _stored(directory: Any) -> int:
+def _stored(directory: Path) -> int:
     """The newest store step the manager had seen committed when it saved the step in
     ``directory`` (``metadata["objckpt.manager"]["stored"]`` of its manifest, which its record
     pins); -1 when it says none."""

@@ -348,7 +348,7 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
-            self._stored = max(self._stored, self._pending_step or 0)
+            self._stored = max(self._stored, -1 if self._pending_step is None else self._pending_step)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for the save in flight, then for the replicas (up to ``timeout`` seconds,
