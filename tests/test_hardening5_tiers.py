@@ -218,14 +218,15 @@ def test_the_store_save_starts_before_the_local_one(s3_store, tmp_path, monkeypa
 
 def test_another_job_on_the_same_local_directory_never_replaces_this_jobs_steps(s3_store, tmp_path, caplog):
     """Jobs A and B (two roots) share ``local=``: B reaching A's step numbers skips its local save
-    with a warning instead of removing A's step; A's restart restores its own step 10, bit for
-    bit, from the local tier."""
+    with a warning instead of removing A's step, and its retention leaves A's write in flight
+    alone; A's restart restores its own step 10, bit for bit, from the local tier."""
     local = tmp_path / "local"
     other = f"{s3_store.url}-other"
     a = _manager(s3_store, local)
     for step in range(11):
         a.save(step, _tree(step))
     a.close()
+    in_flight = local_dirs.tmp_dir(local / "process_0" / step_dir(15), s3_store.url)  # A's next write, under way
     b = _manager(s3_store, local, url=other)
     with caplog.at_level("WARNING", logger="objckpt"):
         for step in range(11):
@@ -234,6 +235,7 @@ def test_another_job_on_the_same_local_directory_never_replaces_this_jobs_steps(
     assert b.tier_status().local_steps == [0]  # where A holds no step (retention removed A's 0)
     b.close()
     assert caplog.text.count("another job's step, left as it is") == 2  # steps 5 and 10
+    assert in_flight.is_dir()  # B's retention leaves A's write in flight alone
     a = _manager(s3_store, local)
     assert a.tier_status().local_steps == [5, 10]
     _check(a.restore(None, _target()), 10)

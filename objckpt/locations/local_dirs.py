@@ -47,6 +47,7 @@ import os
 import shutil
 import stat
 import uuid
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -120,9 +121,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def tmp_dir(directory: Path) -> Path:
-    """A fresh directory beside ``directory`` (hidden from the step listing) to write a step into."""
-    tmp = directory.parent / f".tmp-{directory.name}-{uuid.uuid4().hex[:8]}"
+def tmp_dir(directory: Path, root: str | None = None) -> Path:
+    """A fresh directory beside ``directory`` (hidden from the step listing) to write a step into;
+    named by ``root``, the manager root writing it, so that another job's retention in a shared
+    ``local=`` leaves it alone (:func:`retain`)."""
+    tmp = directory.parent / f".tmp-{directory.name}-{uuid.uuid4().hex[:8]}{_tag(root)}"
     tmp.mkdir(parents=True)
     return tmp
 
@@ -132,7 +135,7 @@ def write_step(directory: Path, snap: Snapshot, *, key: bytes, options: Options)
     the checkpoint by the save pipeline into a new directory, its record last, then the directory
     moved into place; return the record."""
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_dir(directory)
+    tmp = tmp_dir(directory, snap.root)
     try:
         save_part(tmp.as_uri(), snap, options)
         manifest = read_regular(tmp / MANIFEST_KEY, MANIFEST_LIMIT)
@@ -344,10 +347,16 @@ def retain(
         if step not in complete and step not in keep and not _foreign(directory, within, whose):
             doomed.add(step)
     remove_steps(base, doomed, within)
-    for entry in _entries(base):  # steps whose write was cut off before they were moved into place
-        if entry.name.startswith(".tmp-step_") and not entry.is_symlink():
+    ours = _tag(whose.get("root"))
+    for entry in _entries(base):  # writes cut off before they were moved into place (this root's or unnamed)
+        name = entry.name
+        if name.startswith(".tmp-step_") and (name.count("-") < 3 or name.endswith(ours)) and not entry.is_symlink():
             _remove(entry)
     return sorted(doomed)
+
+
+def _tag(root: str | None) -> str:
+    return "" if root is None else f"-{zlib.crc32(root.encode()):08x}"
 
 
 def remove_steps(base: Path, steps: Iterable[int], within: Path | None) -> None:
