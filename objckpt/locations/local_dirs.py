@@ -22,10 +22,8 @@ the step, the run's save id, the process, the manifest's SHA-256; sealed under t
 synced and renamed into place, and moves the directory to ``step_<N>``. A step saved again
 (a restarted run reaching it) replaces the old one: the old record goes first; a step another
 job (root) or process left there is never replaced (:class:`ForeignStepError`: the save is skipped).
-
-The steps form one line: a job at step N (it saved N, or restored it) did not come from a step
-above N, so the manager's steps above it are retired (:meth:`LocalTier.retire`, and the
-retention after each save), whichever run saved them: a roll-back never comes back.
+The steps form one line: a job at step N (it saved or restored N) did not come from a step above
+N, so this manager's steps above N are retired (:meth:`LocalTier.retire`, :func:`retain`).
 
 A step is this manager's only if its record names the manager's root and this process, is
 sealed under the key its run left in that root (:meth:`LocalTier.steps`, :meth:`LocalTier.held`,
@@ -355,7 +353,7 @@ def retain(
     return sorted(doomed)
 
 
-def _tag(root: str | None) -> str:
+def _tag(root: str | None) -> str:  # a write in flight's mark of its root (tmp_dir)
     return "" if root is None else f"-{zlib.crc32(root.encode()):08x}"
 
 
