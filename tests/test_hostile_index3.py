@@ -43,14 +43,15 @@ def _planar(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a.view(np.uint8).reshape(len(a), a.itemsize).T).tobytes()
 
 
-def _raw(starts: np.ndarray, stops: np.ndarray, leaf: np.ndarray | None = None) -> bytes:
-    """A frame's raw bytes: rank-1 rows of blob 0 at offset 0, crc32c 0, boxes ``starts..stops``."""
+def _raw(starts: np.ndarray, stops: np.ndarray, leaf: np.ndarray | None = None, offset: Any = 0) -> bytes:
+    """A frame's raw bytes: rank-1 rows of blob 0 at ``offset`` (0), crc32c 0, boxes ``starts..stops``."""
     n = len(starts)
     leaf = np.zeros(n, np.int64) if leaf is None else leaf
     delta = np.diff(leaf, prepend=leaf[0]).astype("<i4")
     coords = np.stack([starts.astype("<i8"), stops.astype("<i8")], 1).reshape(-1)
     zeros = np.zeros(n, "<u4")
-    return _planar(delta) + _planar(zeros) + _planar(np.zeros(n, "<u8")) + zeros.tobytes() + _planar(coords)
+    offsets = np.broadcast_to(np.asarray(offset, "<u8"), (n,)).copy()
+    return _planar(delta) + _planar(zeros) + _planar(offsets) + zeros.tobytes() + _planar(coords)
 
 
 def _assemble(doc: dict, frames: list[tuple[int, int, int, bytes]]) -> tuple[bytes, int]:
@@ -69,12 +70,18 @@ def _head(store) -> dict:
     return json.loads(bytes(runtime.run_sync(store.get(ref["key"])))[12 : ref["head"]])
 
 
-def _replace(store, frames: list[tuple[int, int, int, bytes]], shape: list[int] | None = None) -> str:
+def _replace(
+    store, frames: list[tuple[int, int, int, bytes]], shape: list[int] | None = None, blob_size: int | None = None
+) -> str:
     """Index object 0 replaced by ``frames`` and pinned in the root (and leaf 0's shape set to
-    ``shape``), as an attacker who can write the checkpoint would. Its key."""
+    ``shape``, its blob's size declared ``blob_size``), as an attacker who can write the checkpoint
+    would. Its key."""
     root = _root(store)
     ref = root["indexes"][0]
-    data, head = _assemble(_head(store), frames)
+    doc = _head(store)
+    if blob_size is not None:
+        doc["blobs"][0][1] = ref["blob_bytes"] = blob_size
+    data, head = _assemble(doc, frames)
     runtime.run_sync(store.put(ref["key"], data))
     ref.update(size=len(data), head=head, crc32c=crc32c(data[:head]))
     if shape is not None:
@@ -94,14 +101,15 @@ _CHILD = """
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 import objckpt
-src, dst, so = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+src, dst, so, which = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4].split(",")
 runs = {
     "restore": lambda: objckpt.restore(src, storage_options=so),
     "verify": lambda: objckpt.verify(src, storage_options=so),
     "cp": lambda: objckpt.copy(src, dst, src_storage_options=so, dst_storage_options=so),
 }
 out = {}
-for name, run in runs.items():
+for name in which:
+    run = runs[name]
     started = time.process_time()
     try:
         run()
@@ -116,21 +124,21 @@ print(json.dumps(out))
 """
 
 
-def _in_capped_child(src, dst) -> dict[str, Any]:
+def _in_capped_child(src, dst, runs: str = "restore,verify,cp") -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "OBJCKPT_"))}
     env.update(JAX_PLATFORMS="cpu", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
-    argv = [sys.executable, "-c", _CHILD, src.url, dst.url, json.dumps(src.storage_options)]
+    argv = [sys.executable, "-c", _CHILD, src.url, dst.url, json.dumps(src.storage_options), runs]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _assert_bounded(result: dict[str, Any], key: str, pattern: str) -> None:
-    """Restore, verify and cp each ended in an objckpt error naming ``key`` and matching
+def _assert_bounded(result: dict[str, Any], key: str, pattern: str, runs: str = "restore,verify,cp") -> None:
+    """Restore, verify and cp (``runs``) each ended in an objckpt error naming ``key`` and matching
     ``pattern``, within 5 CPU-s; the child stayed under 1 GiB resident."""
     import re
 
-    for name in ("restore", "verify", "cp"):
+    for name in runs.split(","):
         error, cpu = result[name]
         assert error.startswith("objckpt.errors."), (name, error)
         assert key in error and re.search(pattern, error), (name, error)
@@ -154,6 +162,32 @@ def test_a_small_object_of_repeated_rows_ends_in_an_error_within_bounds(store_ta
     raw = _raw(np.zeros(FULL, np.int64), np.full(FULL, SIZE, np.int64))
     key = _replace(src.open(), [(0, 0, FULL, raw)] * frames)
     _assert_bounded(_in_capped_child(src, dst), key, pattern)
+    assert not runtime.run_sync(dst.open().list())
+
+
+@pytest.mark.parametrize(
+    ("case", "pattern"),
+    [
+        # one element a row, every other element: the rows cover half the leaf
+        ("holes", r"\['w'\]\): pieces of all index objects: pieces cover 1864132 elements of 3728264 \(holes or"),
+        # one element a row, the whole leaf, every row on the blob's first 4 bytes
+        ("shared bytes", r"-p0-000000\.blob: pieces at bytes \[0, 4\) and \[0, 4\) overlap"),
+    ],
+)
+def test_verify_and_cp_of_an_object_of_distinct_rows_end_in_an_error_within_bounds(store_target_factory, case, pattern):
+    """Issue 77 item 17: ~100 KB of distinct rows (1.86 million, at the raw limit) cost verify and
+    cp 10 CPU-s and 690 MB as one piece object each. They read them as columns (boxes as arrays),
+    check the tiling in columns and the blob bytes per index object, and build pieces blob by blob."""
+    src, dst = store_target_factory("s3"), store_target_factory("s3")
+    _save(src, {"w": np.arange(SIZE, dtype=np.float32)})
+    step = 2 if case == "holes" else 1
+    frames = []
+    for k in range(4):
+        rows = np.arange(FULL) + k * FULL
+        frames.append((0, 0, FULL, _raw(rows * step, rows * step + 1, offset=4 * rows if step == 2 else 0)))
+    key = _replace(src.open(), frames, shape=[4 * FULL * step], blob_size=16 * FULL)
+    runs = "verify,cp"
+    _assert_bounded(_in_capped_child(src, dst, runs), "['w']" if case == "holes" else key, pattern, runs)
     assert not runtime.run_sync(dst.open().list())
 
 

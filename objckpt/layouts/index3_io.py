@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Collection
 
+import numpy as np
+
 from objckpt.core.format import Manifest
 from objckpt.core.format.index import IndexDoc
 from objckpt.core.format.index3 import Head, Pinned, leaf_array, parse_head
-from objckpt.core.format.index3_bounds import LeafTable, Tally
+from objckpt.core.format.index3_bounds import LeafTable, Tally, check_blob_bytes
 from objckpt.core.format.index3_frames import add_frame, check_frame, decode_frame
 from objckpt.core.format.rows import RowsBuilder
 from objckpt.core.pieces import Piece
@@ -31,6 +33,7 @@ WHOLE_BELOW = 64 << 10
 FRAME_GAP = 16 << 10
 #: The largest GET of frames.
 FRAME_READ = 8 << 20
+_BYTES = ("blob", "offset", "length")
 
 
 async def read_index3(
@@ -55,6 +58,7 @@ async def read_index3(
         FormatError: the object is missing, larger than ``size_limit``, or fails a check
             (head, a frame's checksum or size, a row) on every one of its reads; or its rows
             and those of the objects read before with ``table`` cover more of a leaf than it holds.
+            Read whole (``leaves`` None): two of its rows share a byte of a blob.
     """
     ref = manifest.indexes[process]
     doc_name = f"index object {ref.key}"
@@ -110,6 +114,11 @@ async def _read_once(
             decode_frame(head, k, body, table, doc_name, wanted, pieces, tally)
         return IndexDoc(process, head.blobs, pieces), tally
     checked = [check_frame(head, k, body, table, doc_name, wanted, tally) for k, body in zip(picks, bodies)]
+    if leaves is None:  # every row of the object: none shares a blob's byte with another
+        try:
+            check_blob_bytes(head.keys, *(np.concatenate([getattr(f, c) for f in checked]) for c in _BYTES))
+        except FormatError as e:
+            raise Pinned(f"{doc_name}: {e}") from None
     base = rows.add_blobs(head.keys)
     for frame in checked:
         add_frame(rows, base, frame)

@@ -15,10 +15,12 @@ import itertools
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
+import numpy as np
+
 from objckpt.core.format import ARRAY_KINDS, MANIFEST_KEY, Manifest, parse_manifest
 from objckpt.core.format.index import IndexDoc, merge_indexes, parse_index
-from objckpt.core.format.index3_bounds import LeafTable
-from objckpt.core.format.rows import RowsBuilder
+from objckpt.core.format.index3_bounds import ArrayBoxes, LeafTable, check_rows_tiling
+from objckpt.core.format.rows import LeafPieces, RowsBuilder
 from objckpt.core.pieces import check_tiling
 from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError
 from objckpt.layouts.index3_io import read_index3
@@ -95,13 +97,16 @@ async def read_indexes(
     size_limit: int,
     leaves: dict[int, set[int]] | None = None,
     columnar: bool = False,
+    whole: bool = False,
 ) -> Manifest:
     """``manifest`` with the pieces of the index objects of ``processes`` (those not read yet).
 
     ``columnar``: every leaf's pieces as rows of one :class:`~objckpt.core.format.rows.Rows`
     (:class:`~objckpt.core.format.rows.LeafPieces`, what a restore plans from, of any version:
     version 3 and 4 frames go into columns with no object per piece, version 1 and 2 pieces are
-    turned into them) rather than as :class:`Piece` tuples (what the tools that check every piece take).
+    turned into them) rather than as :class:`Piece` tuples (version 1 and 2: what the tools that
+    check every piece take). ``whole`` (version 3 and later, with ``columnar``): every row of every
+    object, its boxes held as arrays (:class:`~objckpt.core.format.index3_bounds.ArrayBoxes`).
 
     ``leaves``: per process, keep only the pieces of these leaves (a restore needs
     a few leaves from most of the processes it reads: see
@@ -120,6 +125,8 @@ async def read_indexes(
         # Version 4 rows (leaves saved with a codec) carry their stored length; version 3's is their box's.
         digest = any(r.sha256 is not None for r in manifest.indexes)
         rows = RowsBuilder(digest, stored=manifest.version >= 4) if columnar else None
+        if rows is not None and whole:
+            rows.boxes = ArrayBoxes(table.kind_shape.shape[1])  # type: ignore[assignment]
 
         async def one3(process: int) -> IndexDoc:
             kept = None if leaves is None else leaves.get(process, set())
@@ -192,9 +199,26 @@ async def read_checkpoint(store: Store, *, size_limit: int) -> Manifest:
 
 async def read_every_piece(store: Store, manifest: Manifest, *, size_limit: int) -> Manifest:
     """``manifest`` with the pieces of every index object not read yet, checked to tile
-    each leaf exactly (:func:`check_whole_tiling`)."""
-    manifest = await read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=size_limit)
-    check_whole_tiling(manifest)
+    each leaf exactly (:func:`check_whole_tiling`). Version 3 and later: as rows, checked in
+    columns (no object per piece until one is asked for; no two rows of an index object share
+    a blob's byte, :func:`objckpt.layouts.index3_io.read_index3`)."""
+    every = range(len(manifest.indexes))
+    if manifest.version < 3:
+        manifest = await read_indexes(store, manifest, every, size_limit=size_limit)
+        check_whole_tiling(manifest)
+        return manifest
+    manifest = await read_indexes(store, manifest, every, size_limit=size_limit, columnar=True, whole=True)
+    held = next((leaf.pieces for leaf in manifest.leaves if isinstance(leaf.pieces, LeafPieces)), None)
+    if held is None:
+        check_whole_tiling(manifest)  # no row at all
+        return manifest
+    rows, boxes = held.rows, held.rows.boxes
+    assert isinstance(boxes, ArrayBoxes)
+    leaf = rows.leaf_of(np.arange(len(rows)))
+    for i in check_rows_tiling(manifest, leaf, rows.box, boxes):
+        entry = manifest.leaves[i]
+        if entry.kind in ARRAY_KINDS and entry.shape is not None:
+            check_tiling(tuple(entry.pieces), entry.shape, f"'leaves[{i}]' ({entry.path}): pieces of all index objects")
     return manifest
 
 

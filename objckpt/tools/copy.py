@@ -45,7 +45,7 @@ from typing import Any
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format import MANIFEST_KEY, BlobEntry, IndexRef, Manifest, manifest_to_json, parse_manifest
 from objckpt.core.format.bases import is_ref
-from objckpt.core.format.index3_frames import parse_index3
+from objckpt.core.format.index3 import parse_head
 from objckpt.core.format.standalone import local_key, standalone_index, standalone_root
 from objckpt.errors import CheckpointExistsError, FormatError, IntegrityError, ObjectExistsError, StoreError
 from objckpt.layouts.manifest_io import read_checkpoint
@@ -414,7 +414,7 @@ async def _copy_indexes(source: TransferEngine, target: TransferEngine, src: Any
         data = await source.get(ref.key)
         if manifest.version >= 3:
             try:
-                parse_index3(data, manifest, process)
+                _check_pinned(data, manifest, process)
             except FormatError as e:
                 raise IntegrityError(f"{e} (copying from {src.url}); nothing was committed") from None
         elif len(data) != ref.size or crc32c(data) != ref.crc32c or ref.sha256 not in (None, sha256_hex(data)):
@@ -424,6 +424,24 @@ async def _copy_indexes(source: TransferEngine, target: TransferEngine, src: Any
         rewritten.append(ref)
         await target.put(ref.key, data)
     return standalone_root(manifest, rewritten) if manifest.bases else manifest
+
+
+def _check_pinned(data: bytes, manifest: Manifest, process: int) -> None:
+    """A version 3 index object read again for its copy holds the bytes its rows were checked
+    in (when the checkpoint was read): its head matches the root's checksums, each frame its
+    head's; the rows are not decoded again.
+
+    Raises:
+        FormatError: naming the index object and what differs.
+    """
+    ref = manifest.indexes[process]
+    if len(data) != ref.size:
+        raise FormatError(f"index object {ref.key} is {len(data)} bytes, the manifest says {ref.size}")
+    for k, f in enumerate(parse_head(data, manifest, process).frames):
+        body = data[f.offset : f.offset + f.length]
+        wrong = "crc32c" if crc32c(body) != f.crc32c else "sha256" if f.sha256 not in (None, sha256_hex(body)) else ""
+        if wrong:
+            raise FormatError(f"index object {ref.key} frame {k} does not match its {wrong} in the head")
 
 
 def _count_skipped(stats: CopyStats, blob: BlobEntry) -> None:

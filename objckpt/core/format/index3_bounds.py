@@ -260,3 +260,107 @@ def distinct_boxes(
         return pairs, inverse, None, None
     pairs[:, 2 * r] = itemsize
     return pairs, inverse, np.prod(extent, axis=1) * itemsize, None
+
+
+class ArrayBoxes:
+    """Boxes held as arrays, one per distinct box of a frame, for a reader of every row of a
+    checkpoint (``verify``, ``cp``, ``gc``) in place of the interned
+    :class:`~objckpt.core.format.rows.Boxes`: rows that never repeat a box (a crafted object's)
+    cost their columns' bytes, not a tuple each. Box ``k`` is ``start[k, :rank[k]]`` to
+    ``stop[k, :rank[k]]``, padded to ``width`` axes with ``[0, 1)``; it becomes a tuple only
+    when a piece of it is built (:attr:`boxes`, what :class:`~objckpt.core.format.rows.Rows` reads)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self._parts: list[np.ndarray] = []
+        self._count = 0
+        self.boxes = _BoxTuples(self)
+
+    def intern_distinct(self, keyed: np.ndarray) -> np.ndarray:
+        """Ids (int32) of the boxes ``keyed`` (rows of starts, stops, itemsize), new each."""
+        r, w = (keyed.shape[1] - 1) // 2, self.width
+        part = np.zeros((len(keyed), 2 * w + 2), dtype=np.int64)
+        part[:, :r], part[:, w : w + r], part[:, w + r : 2 * w] = keyed[:, :r], keyed[:, r : 2 * r], 1
+        part[:, 2 * w], part[:, 2 * w + 1] = keyed[:, 2 * r], r
+        self._parts.append(part)
+        self._count += len(keyed)
+        return np.arange(self._count - len(keyed), self._count, dtype=np.int32)
+
+    @functools.cached_property
+    def table(self) -> np.ndarray:
+        """Every box: starts, stops, itemsize, rank (asked once the rows are complete)."""
+        w = self.width
+        table = np.concatenate(self._parts) if self._parts else np.zeros((0, 2 * w + 2), dtype=np.int64)
+        self._parts.clear()
+        return table
+
+    @functools.cached_property
+    def nbytes(self) -> np.ndarray:
+        """Each box's bytes, by id."""
+        w = self.width
+        return np.prod(self.table[:, w : 2 * w] - self.table[:, :w], axis=1) * self.table[:, 2 * w]
+
+
+class _BoxTuples:
+    def __init__(self, boxes: ArrayBoxes) -> None:
+        self._of = boxes
+
+    def __getitem__(self, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        w, row = self._of.width, self._of.table[k].tolist()
+        return tuple(row[: row[-1]]), tuple(row[w : w + row[-1]])
+
+
+def check_rows_tiling(manifest: Manifest, leaf: np.ndarray, box: np.ndarray, boxes: ArrayBoxes) -> list[int]:
+    """Rows (each one's ``leaf`` and ``box`` id in ``boxes``) of every index object, checked in
+    columns to tile each leaf of ``manifest`` exactly: each leaf's volumes add up to its elements,
+    and its boxes are a grid (distinct, every combination of disjoint intervals per axis), which
+    leaves neither hole nor overlap. A few numpy passes, whatever the rows.
+
+    Returns:
+        The leaves whose rows add up but are no grid, for a check piece by piece
+        (:func:`objckpt.core.pieces.check_tiling`; saves write grids).
+
+    Raises:
+        FormatError: naming a leaf whose rows' volumes do not add up to its elements.
+    """
+    table, n, w = LeafTable(manifest), len(manifest.leaves), boxes.width
+    start, stop = boxes.table[box, :w], boxes.table[box, w : 2 * w]
+    covered = np.bincount(leaf, weights=np.prod((stop - start).astype(np.float64), axis=1), minlength=n)
+    elements = table.kind_elements[table.kind]
+    off = (table.rank >= 0) & (np.abs(covered - elements) > np.where(elements < 2.0**53, 0, elements * 2.0**-40))
+    if off.any():
+        i = int(np.argmax(off))
+        raise FormatError(
+            f"manifest field 'leaves[{i}]' ({manifest.leaves[i].path}): pieces of all index objects: pieces cover "
+            f"{int(covered[i])} elements of {int(elements[i])} (holes or overlaps)"
+        )
+    rows, cells, bad = np.bincount(leaf, minlength=n), np.ones(n), np.zeros(n, dtype=bool)
+    for d in range(w):
+        order = np.lexsort((stop[:, d], start[:, d], leaf))
+        at, a, b = leaf[order], start[order, d], stop[order, d]
+        new = np.concatenate(([True], (at[1:] != at[:-1]) | (a[1:] != a[:-1]) | (b[1:] != b[:-1])))
+        at, a, b = at[new], a[new], b[new]
+        bad[at[1:][(at[1:] == at[:-1]) & (b[:-1] > a[1:])]] = True  # two intervals of an axis overlap
+        cells *= np.bincount(at, minlength=n)
+    first, _ = distinct_rows(np.column_stack((leaf.astype(np.int64), start, stop)))
+    grid = ~bad & (cells == rows) & (np.bincount(leaf[first], minlength=n) == rows)
+    return np.flatnonzero((table.rank < 0) | ((rows > 0) & ~grid)).tolist()
+
+
+def check_blob_bytes(keys: Sequence[str], blob: np.ndarray, offset: np.ndarray, length: np.ndarray) -> None:
+    """No two rows (each one's ``blob``, a position in ``keys``, ``offset`` and ``length``) share a
+    byte of their blob: a save never writes two pieces over the same bytes.
+
+    Raises:
+        FormatError: naming the blob and both byte ranges.
+    """
+    order = np.lexsort((offset, blob))
+    b, s = blob[order], offset[order].astype(np.int64)
+    e = s + length[order]
+    clash = (b[1:] == b[:-1]) & (s[1:] < e[:-1])
+    if clash.any():
+        k = int(np.argmax(clash))
+        raise FormatError(
+            f"blob {keys[int(b[k])]}: pieces at bytes [{s[k]}, {e[k]}) and [{s[k + 1]}, {e[k + 1]}) overlap "
+            "(a save never writes two pieces over the same bytes)"
+        )
