@@ -270,8 +270,8 @@ def _build(
 
 
 def parse_index3(data: bytes, manifest: Manifest, process: int, *, leaves: Collection[int] | None = None) -> IndexDoc:
-    """A whole version 3 index object (head and every frame) checked and read: what ``cp`` checks
-    before it copies one, and what tests read. ``leaves``: keep only the rows of these.
+    """A whole version 3 index object (head and every frame) checked and read into pieces (what
+    tests read). ``leaves``: keep only the rows of these.
 
     Raises:
         FormatError: naming the index object and the field or frame.
