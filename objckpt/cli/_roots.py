@@ -40,42 +40,28 @@ def remove_root(args: argparse.Namespace, store: Store, objects: list[ObjectInfo
 
 
 def remove_checkpoint(args: argparse.Namespace, store: Store, objects: list[ObjectInfo]) -> int:
-    """``rm URL`` of one checkpoint (or objects without a manifest), as the manager deletes a step:
-    the manifest first, then every object no other committed checkpoint references (an
-    incremental base's blobs stay, and the message says so); the exit status."""
+    """``rm URL`` of one checkpoint (or of objects without a manifest), as the manager deletes a
+    step: the blobs other committed checkpoints reference stay, and it says so; the exit status."""
     keys = {o.key for o in objects}
     committed = MANIFEST_KEY in keys
     if not committed and not args.force:
-        try:  # a base whose manifest went: --force would delete nothing either
+        try:  # a base whose manifest went: --force would keep its blobs too
             held = runtime.run_sync(referenced_by_others(store, keys, Options().manifest_size_limit))
         except Unknown:
             held = set()
+        why = "pass --force to delete them"
         if held == keys:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint at {store.url}: its {len(objects)} objects"
-                f" ({human_bytes(sum(o.size for o in objects))}) are blobs that committed checkpoints beside it"
-                " reference (an incremental base); gc collects them once none does. Nothing removed"
-            )
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint at {store.url} ({len(objects)} objects without a manifest);"
-            " pass --force to delete them"
-        )
-    gone_keys = {MANIFEST_KEY, *runtime.run_sync(delete_checkpoint(store, lease=args.lease_seconds, force=args.force))}
-    gone = [o for o in objects if o.key in gone_keys]
-    kept = [o for o in objects if o.key not in gone_keys]
-    size, kept_size = sum(o.size for o in gone), sum(o.size for o in kept)
+            why = "committed checkpoints beside it reference them (gc collects them once none does); nothing removed"
+        raise CheckpointNotFoundError(f"no committed checkpoint at {store.url} ({len(objects)} objects); {why}")
+    gone = {MANIFEST_KEY, *runtime.run_sync(delete_checkpoint(store, lease=args.lease_seconds, force=args.force))}
+    size, kept = sum(o.size for o in objects if o.key in gone), [o for o in objects if o.key not in gone]
+    counts = {"objects": len(objects) - len(kept), "bytes": size, "kept_objects": len(kept)}
     if args.json:
-        counts = {"objects": len(gone), "bytes": size, "kept_objects": len(kept), "kept_bytes": kept_size}
-        dump({"url": store.url, "committed": committed, **counts})
+        dump({"url": store.url, "committed": committed, **counts, "kept_bytes": sum(o.size for o in kept)})
         return 0
     what = "checkpoint" if committed else "uncommitted objects at"
-    said = (
-        f"; kept {len(kept)} objects, {human_bytes(kept_size)}, that committed checkpoints beside it reference"
-        " (gc collects them once none does)"
-        if kept
-        else ""
-    )
-    print(f"removed {what} {store.url}: {len(gone)} objects, {human_bytes(size)}{said}")
+    print(f"removed {what} {store.url}: {counts['objects']} objects, {human_bytes(size)}", end="")
+    print(f"; kept {len(kept)} objects that committed checkpoints beside it reference" if kept else "")
     return 0
 
 

@@ -129,25 +129,22 @@ class Listed:
 
     @property
     def status(self) -> str:
-        """``yes``, ``no``, or ``referenced``: no manifest (retention or ``rm`` deleted it), but
-        blobs that committed incremental checkpoints beside it reference, which stay until ``gc``."""
+        """``yes``, ``no``, or ``referenced``: no manifest, but blobs that committed steps reference."""
         return "yes" if self.committed else "referenced" if self.referenced else "no"
 
 
 async def mark_referenced(store: Store, entries: list[Listed], objects: list[ObjectInfo], size_limit: int) -> None:
-    """Count the objects of each uncommitted directory of ``entries`` (directly under ``store``,
-    listed as ``objects``) that the committed checkpoints beside it reference; left at 0 where
-    a manifest cannot be read. Reads each committed root only when there is such a directory."""
-    bare = {e.name for e in entries if not e.committed and e.format == "objckpt" and e.name and "/" not in e.name}
-    heads = [e.name for e in entries if e.committed and e.format == "objckpt" and e.name and "/" not in e.name]
-    if not bare or not heads:
-        return
+    """Count the objects (``objects``: the listing) of each uncommitted directory of ``entries``
+    that committed checkpoints beside it reference; read only when there is such a directory."""
+    top = [e for e in entries if e.format == "objckpt" and e.name and "/" not in e.name]
+    bare = {e.name for e in top if not e.committed}
     try:
+        heads = [e.name for e in top if e.committed] if bare else []
         found = await referenced(store, heads, [o.key for o in objects if o.key.partition("/")[0] in bare], size_limit)
     except Unknown:
-        return
-    for e in entries:
-        e.referenced = sum(k.startswith(f"{e.name}/") for k in found) if e.name in bare else 0
+        return  # a manifest cannot be read: left unsaid
+    for e in top:
+        e.referenced = sum(k.startswith(f"{e.name}/") for k in found)
 
 
 #: Files that mark an Orbax checkpoint (a step of Orbax's CheckpointManager, or one item).

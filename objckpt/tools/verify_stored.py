@@ -10,9 +10,8 @@ the two finds a blob missing, resized, or changed after the save (bytes written 
 else carry another checksum, or, on S3, none), without downloading the checkpoint. A blob
 whose store keeps no CRC-32C (on S3: written without one, by another client or by an objckpt
 that sent none) cannot be checked this way and is reported by name. A base's blob that an
-incremental checkpoint references (``../<base>/...``, asked for at the parent prefix) also holds
-pieces of the base that the checkpoint does not reference, so its checksum cannot follow from the
-manifest: it is checked for presence and size only (the full read checks each referenced piece).
+incremental checkpoint references (asked for under the base) holds pieces it does not reference
+too: only its presence and size are checked (the full read checks each referenced piece).
 
 What this cannot say: which piece of a changed blob differs (the full read does), and it
 trusts that the bytes a checksum was made from are the bytes sent (the store checked them
@@ -62,7 +61,6 @@ async def verify_stored(handle: Handle, kept: KeepsChecksums, manifest: Manifest
     present = {c.key: c for c in listed}
     by_blob = pieces_by_blob(manifest)
     problems: list[VerifyProblem] = []
-    # A base's blob (a reference) is not under the checkpoint's prefix: asked for at the parent.
     up = keeps_checksums(parent_of(handle.bulk)) if manifest.bases else None
 
     async def one(blob: BlobEntry) -> None:
