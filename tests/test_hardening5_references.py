@@ -22,7 +22,7 @@ import objckpt
 from objckpt.cli import main
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format.index3 import MAGIC
-from objckpt.errors import IntegrityError
+from objckpt.errors import FormatError
 from objckpt.roots.sweep import delete_checkpoint, unreferenced_objects
 from objckpt.transfer import runtime
 
@@ -169,7 +169,9 @@ def test_cp_refuses_a_listed_reference_no_row_uses(kind: str, request: pytest.Fi
     secret = b"a neighbour's bytes" * 10
     runtime.run_sync(store.put(f"{ONE}/{neighbour}", secret))
     _list_extra_blob(store, TWO, f"../{ONE}/{neighbour}", len(secret))
-    with pytest.raises(IntegrityError, match="no row"):
+    with pytest.raises(
+        FormatError, match=r"lists the base's blob \.\./step_0000000001/ab/\w+-p0-000099\.blob, which no row uses"
+    ):
         objckpt.copy(f"{target.url}/{TWO}", f"{target.url}-copy/{TWO}", src_storage_options=so, dst_storage_options=so)
     copied = target.open().parent().child(target.url.rpartition("/")[2] + "-copy")  # type: ignore[union-attr]
     assert not runtime.run_sync(copied.list())

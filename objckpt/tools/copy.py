@@ -304,7 +304,10 @@ async def _copy(
     by_blob = pieces_by_blob(manifest)
     unused = next((b.key for b in manifest.blobs if is_ref(b.key) and b.key not in by_blob), None)
     if unused:  # a crafted head: the copy would carry bytes of the base that no piece is
-        raise IntegrityError(f"{src.url}: an index object lists the base's blob {unused}, which no row uses")
+        raise FormatError(
+            f"{src.url}: an index object lists the base's blob {unused}, which no row uses (the copy would carry"
+            f" bytes that are no piece of it); nothing was copied to {dst.url}"
+        )
     chunk = min(READ_CHUNK, options.copied_read_limit(streamed=False))
     reads = options.retry.checksum_reads
     if server_side:
