@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -26,7 +27,10 @@ import pytest
 
 import objckpt
 from objckpt.cli import main as cli_main
+from objckpt.core.format import MANIFEST_KEY
+from objckpt.manager.abandoned_copies import SETTLE_S
 from objckpt.storage import from_url
+from objckpt.storage.fsspec import posix
 from objckpt.transfer import runtime
 
 _SCRIPT = Path(sys.executable).with_name("objckpt")
@@ -257,3 +261,95 @@ def test_the_readme_install_line_names_every_extra_it_advertises():
     line = next(line for line in install.splitlines() if line.startswith("pip install -e"))
     for extra in set(extras) - {"dev", "bench"}:  # the user's extras; dev and bench are named below it
         assert extra in line, f"README's install line does not name the {extra!r} extra: {line}"
+
+
+# ------------------------------------------------------------------ item 29: replicas
+
+
+def _replica_disk(monkeypatch, under: Path, hold) -> dict[str, float]:
+    """Writes of the local store under ``under`` go through ``hold(key)`` on their worker thread
+    first (a slow disk); returns when each key's first write began and ended (time.monotonic)."""
+    write = posix.write_inside
+    seen: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def slow_write(root: str, key: str, data, *, exclusive: bool) -> None:
+        if not root.startswith(str(under)):
+            return write(root, key, data, exclusive=exclusive)
+        name = os.path.relpath(os.path.join(root, key), under)  # the key under the replica's root
+        with lock:
+            first = f"start {name}" not in seen
+            if first:
+                seen[f"start {name}"] = time.monotonic()
+        if first:
+            hold(name)
+        write(root, key, data, exclusive=exclusive)
+        if first:
+            seen[f"end {name}"] = time.monotonic()
+
+    monkeypatch.setattr(posix, "write_inside", slow_write)
+    return seen
+
+
+def test_an_abandoned_copys_write_landing_after_the_settling_time_is_deleted_before_close_returns(
+    tmp_path, monkeypatch, caplog
+):
+    """Step 1's copy to b stops (the root deleted it) with one of its writes held on its thread
+    for longer than SETTLE_S after the sweeps began: close() waits for that thread, then sweeps."""
+    root, b = tmp_path / "root", tmp_path / "b"
+    gate, held = threading.Event(), []
+
+    def hold(key: str) -> None:
+        if not held and key.endswith(".blob"):
+            held.append(key)
+            gate.wait(30)
+        else:
+            time.sleep(0.2)
+
+    seen = _replica_disk(monkeypatch, b, hold)
+    options = objckpt.Options(blob_size=16 * 1024, max_concurrency=4, read_window=64 * 1024)
+    swept = lambda: any("abandoned copy of step 1" in r.getMessage() for r in caplog.records)  # noqa: E731
+    state = lambda step, n=16 * 1024: {"w": np.arange(n, dtype=np.float32) * (step + 1)}  # noqa: E731
+    try:
+        with (
+            caplog.at_level("INFO", logger="objckpt"),
+            objckpt.CheckpointManager(str(root), keep_last=2, replicas=[str(b)], options=options) as mgr,
+        ):
+            mgr.save(1, state(1, 96 * 1024), wait=True)  # 24 blobs: the copy to b takes seconds
+            deadline = time.monotonic() + 60
+            while not held:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            mgr.save(2, state(2), wait=True)
+            mgr.save(3, state(3), wait=True)  # the root deletes step 1: the copy stops
+            while not swept():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            threading.Timer(SETTLE_S + 1.5, gate.set).start()  # lands after the settling time
+    finally:
+        gate.set()
+    deadline = time.monotonic() + 30
+    while f"end {held[0]}" not in seen:  # the held write has landed (before close returned, or after)
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    keys = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+    assert [k for k in keys if k.startswith("step_0000000001")] == [], keys
+
+
+def test_no_attempt_of_a_copy_runs_when_its_manifest_is_written(tmp_path, monkeypatch):
+    """The first write of each index object at b takes longer than the request timeout: it is
+    retried, and the retry lands first. The replica's manifest is written after the first
+    attempt's thread returned, not while it still writes."""
+    root, b = tmp_path / "root", tmp_path / "b"
+    seen = _replica_disk(monkeypatch, b, lambda key: time.sleep(1.5 if key.endswith(".index") else 0))
+    options = objckpt.Options(request_timeout=0.5)
+    with objckpt.CheckpointManager(str(root), replicas=[str(b)], options=options) as mgr:
+        mgr.save(1, {"w": np.arange(1000, dtype=np.float32)}, wait=True)
+    deadline = time.monotonic() + 30
+    while not any(k.startswith("end ") and k.endswith(".index") for k in seen):  # the first attempt's thread
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    [index] = [k.removeprefix("end ") for k in list(seen) if k.startswith("end ") and k.endswith(".index")]
+    manifest = f"step_0000000001/{MANIFEST_KEY}"
+    assert seen[f"start {manifest}"] >= seen[f"end {index}"], (seen, "the manifest began before the index landed")
+    assert (b / manifest).exists()

@@ -9,20 +9,24 @@ does a server-side copy call on its thread pool, and a server may carry out a re
 reply was never read. One listing right after the copy stopped misses those.
 
 So each abandoned copy is kept here with the keys it writes (its blobs and index objects,
-known before it wrote anything) until a sweep finds none of them at the replica at least
-:data:`SETTLE_S` seconds after the copy stopped; every sweep deletes those it finds. A key
-found late arms the wait again. A request that outlives :data:`SETTLE_S` after the copy
-stopped (a server-side copy of a very large blob, still running on the server) can land
-after the last sweep: what it wrote is ``gc``'s, as a killed process's is. A step whose
+known before it wrote anything) and its calls still running on worker threads
+(:func:`objckpt.transfer.runtime.threads_joining`), until a sweep finds none of those keys at
+the replica at least :data:`SETTLE_S` seconds after the copy stopped and its last thread
+returned, however long that took; every sweep deletes those it finds. A key found late arms
+the wait again. What a server carries out more than :data:`SETTLE_S` after its client stopped
+waiting (a server-side copy of a very large blob) can land after the last sweep: what it
+wrote is ``gc``'s, as a killed process's is. A step whose
 manifest is at the replica is committed there (the copy's own manifest landed, or another
 writer's): it is left to the replica's retention, never deleted here.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from objckpt.errors import CheckpointNotFoundError
 from objckpt.layouts.manifest_io import read_manifest
@@ -44,6 +48,7 @@ class AbandonedCopy:
     step: int
     writes: set[str]
     settle_at: float  # time.monotonic()
+    threads: set[concurrent.futures.Future[Any]] = field(default_factory=set)  # those still running
 
 
 class AbandonedCopies:
@@ -57,11 +62,13 @@ class AbandonedCopies:
     def __bool__(self) -> bool:
         return bool(self.copies)
 
-    def add(self, step: int, writes: set[str]) -> None:
-        """The copy of ``step``, which writes ``writes``, has stopped (its coroutine returned)."""
+    def add(self, step: int, writes: set[str], threads: set[concurrent.futures.Future[Any]] | None = None) -> None:
+        """The copy of ``step``, which writes ``writes``, has stopped (its coroutine returned);
+        ``threads``: its calls on worker threads, each in the set until it returns."""
         known = self.copies.get(step)
         keys = set(writes) | (known.writes if known is not None else set())
-        self.copies[step] = AbandonedCopy(step, keys, time.monotonic() + self.settle_s)
+        running = (threads or set()) | (known.threads if known is not None else set())
+        self.copies[step] = AbandonedCopy(step, keys, time.monotonic() + self.settle_s, running)
 
     def next_sweep_in(self) -> float | None:
         """Seconds until the earliest copy can settle; None when there is none."""
@@ -79,6 +86,8 @@ class AbandonedCopies:
                 committed.add(copy.step)
                 del self.copies[copy.step]
                 continue
+            if any(not f.done() for f in list(copy.threads)):  # a write on its thread may still land
+                copy.settle_at = max(copy.settle_at, time.monotonic() + self.settle_s)
             listed_at = time.monotonic()
             doomed = [o.key for o in await target.list() if o.key in copy.writes]
             await delete_objects(target, doomed)

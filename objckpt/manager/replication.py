@@ -105,6 +105,7 @@ class _Replica:
     have: set[int] = field(default_factory=set)
     conflicts: set[int] = field(default_factory=set)  # steps holding another save there: left alone
     partial: dict[int, set[str]] = field(default_factory=dict)  # copies not committed yet: the keys each writes
+    threads: dict[int, set[Any]] = field(default_factory=dict)  # and their calls on worker threads still running
     abandoned: AbandonedCopies = field(init=False)  # copies whose step left the root: swept until settled
     status: ReplicaStatus = field(init=False)
     wake: asyncio.Event | None = None
@@ -285,7 +286,8 @@ class Replicator:
         # root, what it wrote at the replica is deleted (:meth:`_drop_abandoned`).
         writes = replica.partial.setdefault(step, set())
         try:
-            stats = await copy_stores_async(source, target, self.copy_options, writes=writes)
+            with runtime.threads_joining(replica.threads.setdefault(step, set())):
+                stats = await copy_stores_async(source, target, self.copy_options, writes=writes)
         except CheckpointNotFoundError:
             if step in self.root_steps and not await exists(source, self.options):
                 self.root_steps.pop(step, None)  # deleted at the root meanwhile: nothing to copy
@@ -295,6 +297,7 @@ class Replicator:
             raise
         except DestinationCommittedError as e:
             replica.partial.pop(step, None)  # refused before writing anything
+            replica.threads.pop(step, None)
             if not e.same:
                 replica.conflicts.add(step)
                 raise CheckpointExistsError(
@@ -304,6 +307,7 @@ class Replicator:
             replica.retained = False
             return
         replica.partial.pop(step, None)
+        replica.threads.pop(step, None)
         replica.have.add(step)
         replica.retained = False
         with self._lock:
@@ -317,9 +321,9 @@ class Replicator:
         has stopped (:mod:`objckpt.manager.abandoned_copies`). A step committed there meanwhile
         (the copy's manifest landed, or another writer's) joins the replica's steps instead."""
         for step in [s for s in replica.partial if s not in self.root_steps]:
-            writes = replica.partial.pop(step)
+            writes, threads = replica.partial.pop(step), replica.threads.pop(step, set())
             if writes:  # empty: it stopped before writing anything
-                replica.abandoned.add(step, writes)
+                replica.abandoned.add(step, writes, threads)
         if not replica.abandoned:
             return
         committed = await replica.abandoned.sweep(replica.store, self.options) - replica.conflicts

@@ -10,6 +10,8 @@ one retry loop. How many requests are in flight follows the store's throttling a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -20,6 +22,7 @@ from objckpt.storage.base import ObjectInfo, PutMode, Store
 from objckpt.storage.checksums import checks_at_arrival
 from objckpt.storage.endpoint import endpoint_of
 from objckpt.storage.streaming import ReadSink
+from objckpt.transfer import runtime
 from objckpt.transfer.cpu_slots import CpuSlots, default_save_threads
 from objckpt.transfer.retries import REF_UP, parent_of, retry_attempts
 from objckpt.transfer.stats import TransferStats
@@ -27,6 +30,7 @@ from objckpt.transfer.throttle import AdaptiveLimit, Outcome
 
 T = TypeVar("T")
 Item = TypeVar("Item")
+log = logging.getLogger("objckpt")
 
 
 class AsyncByteBudget:
@@ -87,6 +91,7 @@ class TransferEngine:
         #: the keys this engine has started writing: what an aborted save deletes (:meth:`abort`)
         self.written: list[str] = []
         self._attempts: set[asyncio.Future[Any]] = set()
+        self._threads: set[concurrent.futures.Future[Any]] = set()  # the attempts' worker threads, until they return
         self._aborted = False
 
     @classmethod
@@ -127,7 +132,8 @@ class TransferEngine:
                     raise StoreError(f"{what}: not sent, the operation was aborted")
                 self.stats.add(requests=1)
                 started = time.monotonic()
-                running = asyncio.ensure_future(fn())
+                with runtime.threads_joining(self._threads):
+                    running = asyncio.ensure_future(fn())
                 self._attempts.add(running)
                 running.add_done_callback(self._attempts.discard)
                 result = await asyncio.wait_for(running, timeout)
@@ -157,8 +163,16 @@ class TransferEngine:
         self._aborted = True
         for running in list(self._attempts):
             running.cancel()
-        if self._attempts:
-            await asyncio.wait(list(self._attempts), timeout=grace)
+        await self.settle(grace)
+
+    async def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no attempt of this engine runs, its worker threads
+        included: one abandoned on its timeout or cancelled may still be writing there (a local
+        disk's write runs on its thread to the end). Whether none runs."""
+        running = [*self._attempts, *map(asyncio.wrap_future, list(self._threads))]
+        if running:
+            await asyncio.wait(running, timeout=timeout)
+        return not self._attempts and not self._threads
 
     async def put(
         self,
@@ -191,6 +205,10 @@ class TransferEngine:
                 return self.store.put_parts(key, data, mode=mode)
             return self.store.put(key, data, mode=mode)
 
+        # A create-if-absent write is a commit: it starts once every earlier attempt has ended
+        # (within the retry deadline, which bounds every request).
+        if mode == "create" and not await self.settle(self.retry.deadline):
+            log.warning("objckpt writes %s/%s while earlier requests of it still run", self.store.url, key)
         try:
             request = self.call(f"PUT {self.store.url}/{key}", once)
             # A write into this host's file system is a memcpy per byte: it waits for a CPU slot

@@ -70,6 +70,36 @@ class _IOLoop(asyncio.SelectorEventLoop):
             _wakeups_in_flight.pop()
 
 
+#: The sets the worker threads started here join (:func:`threads_joining`).
+_JOINING: contextvars.ContextVar[tuple[set[concurrent.futures.Future[Any]], ...]] = contextvars.ContextVar(
+    "objckpt_threads_joining", default=()
+)
+
+
+class JoiningExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The I/O loop's default executor (``asyncio.to_thread``): a call submitted where
+    :func:`threads_joining` is in effect is in its set until its thread returns, whatever
+    became of the task that awaited it (a cancelled request's write to a local disk runs on)."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        future = super().submit(fn, *args, **kwargs)
+        for held in _JOINING.get():
+            held.add(future)
+            future.add_done_callback(held.discard)
+        return future
+
+
+@contextlib.contextmanager
+def threads_joining(held: set[concurrent.futures.Future[Any]]) -> Iterator[None]:
+    """Inside the block, and in the tasks made in it, each call the I/O loop runs on a worker
+    thread is in ``held`` until that thread returns."""
+    token = _JOINING.set((*_JOINING.get(), held))
+    try:
+        yield
+    finally:
+        _JOINING.reset(token)
+
+
 def get_loop() -> asyncio.AbstractEventLoop:
     """The shared I/O loop, started on first use."""
     global _loop, _thread
@@ -80,6 +110,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
 
             def _run() -> None:
                 asyncio.set_event_loop(loop)
+                loop.set_default_executor(JoiningExecutor(thread_name_prefix="objckpt-io-thread"))
                 loop.call_soon(started.set)
                 try:
                     loop.run_forever()
