@@ -50,9 +50,8 @@ class ConfiguredEndpoint:
         url: The endpoint (``http://host:port``; a bare ``host:port`` is read as ``http``).
         setting: Where it came from, as the user wrote it (``"storage_options['endpoint_url']"``,
             ``"AWS_ENDPOINT_URL_S3"``, ...).
-        networks: The store's client lets ``NO_PROXY`` addresses and networks (``127.0.0.0/8``)
-            bypass the proxy, as obstore's does (:func:`~objckpt.storage.http.network.in_networks`);
-            botocore and aiohttp do not.
+        networks: The store's client, as obstore's (not botocore's nor aiohttp's), lets ``NO_PROXY``
+            addresses and networks bypass the proxy (:func:`~objckpt.storage.http.network.in_networks`).
     """
 
     def __init__(self, url: str, setting: str, *, networks: bool = False) -> None:

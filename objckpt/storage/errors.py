@@ -345,14 +345,9 @@ def _denied(exc: BaseException, what: str, status: int | None) -> StorePermissio
 
 
 def redacted_cause(exc: BaseException) -> BaseException:
-    """``exc`` made again to be chained as a mapped error's cause: its class (where it can be
-    made from a message), its text without the service's answer (:func:`service_detail`, when
-    it holds one), URL credentials or secret-looking values.
-
-    obstore's text holds the whole response body, and AWS's ``SignatureDoesNotMatch`` echoes
-    the signed request in it, session token included (in hex too); a cause kept whole would
-    print it in every traceback.
-    """
+    """``exc`` made again, to chain as a mapped error's cause, without the service's answer
+    (:func:`service_detail`), URL credentials or secret-looking values: obstore's text holds
+    the whole body, and AWS's ``SignatureDoesNotMatch`` echoes the signed request in it."""
     text = str(exc)
     if _BODY_START.search(text) or "body: Some(" in text:
         text = service_detail(text)

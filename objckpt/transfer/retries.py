@@ -49,27 +49,6 @@ def parent_of(store: Store) -> Store:
     return up
 
 
-async def call_with_retries(
-    what: str,
-    fn: Callable[[], Awaitable[T]],
-    *,
-    retry: RetryConfig,
-    request_timeout: float,
-    stats: TransferStats | None = None,
-    endpoint: str = "",
-) -> T:
-    """Run ``fn()`` with a timeout per attempt, retrying transient failures
-    (:func:`retry_attempts`, each attempt under ``asyncio.wait_for``)."""
-    return await retry_attempts(
-        what,
-        lambda timeout: asyncio.wait_for(fn(), timeout),
-        retry=retry,
-        request_timeout=request_timeout,
-        stats=stats,
-        endpoint=endpoint,
-    )
-
-
 async def retry_attempts(
     what: str,
     attempt: Callable[[float], Awaitable[T]],
@@ -86,17 +65,14 @@ async def retry_attempts(
     stores), a timeout or a connection error; anything else is raised at once.
     Backoff is exponential with full jitter, bounded by ``retry.deadline``.
 
-    An attempt that times out (``attempt``'s own timeout, or the store's: a
-    :class:`TransientStoreError` caused by a ``TimeoutError``) gives the next one twice its
-    time, as TCP backs off its retransmission timeout. A request that is slow but moving
-    (its bytes share the link and the CPU with the operation's other requests, on a busy
-    host) then ends within a few attempts, where the same timeout each time would cut it at
-    the same point every time and fail it after ``max_attempts``; a stalled server still
-    costs the first attempt only ``request_timeout``. Every attempt is cut to what is left
-    of ``retry.deadline``, so the deadline bounds the whole request. The first attempt
-    that times out logs a warning naming ``endpoint`` (one a minute per endpoint: a
-    stalled server times out every request in flight at once); when the last one did, the
-    error says the server never answered.
+    An attempt that times out (its own timeout, or the store's: a :class:`TransientStoreError`
+    caused by a ``TimeoutError``) gives the next one twice its time, as TCP backs off its
+    retransmission timeout. A request that is slow but moving (its bytes share the link and
+    the CPU with the operation's other requests, on a busy host) then ends within a few
+    attempts, where the same timeout each time would cut it at the same point every time;
+    a stalled server still costs the first attempt only ``request_timeout``. Each attempt
+    is cut to what is left of ``retry.deadline``. The first that times out is logged, naming
+    ``endpoint`` (once a minute per endpoint: a stall times out every request in flight).
     """
     started = time.monotonic()
     deadline = started + retry.deadline
@@ -130,21 +106,16 @@ async def retry_attempts(
             await asyncio.sleep(backoff)
 
 
-#: When each endpoint's last "no answer" warning was logged (``time.monotonic()``).
-_warned: dict[str, float] = {}
+_warned: dict[str, float] = {}  # when each server was last warned about (time.monotonic())
 
 
 def _warn_silent(what: str, server: str, waited: float, left: float) -> None:
-    """Warn that ``server`` gave no answer to ``what`` in ``waited`` s, at most once a minute per server."""
-    now = time.monotonic()
-    if now - _warned.get(server, -60.0) < 60.0:
-        return
-    _warned[server] = now
-    log.warning(
-        "%s: %s did not answer within %g s; retrying, each attempt given twice the time, for at most "
-        "%.0f s more (Options.request_timeout, RetryConfig.deadline)",
-        what, server, waited, left,
-    )  # fmt: skip
+    if time.monotonic() - _warned.get(server, -60.0) >= 60.0:
+        _warned[server] = time.monotonic()
+        log.warning(
+            f"{what}: {server} did not answer within {waited:g} s; retrying, each attempt given twice the time, "
+            f"for at most {left:.0f} s more (Options.request_timeout, RetryConfig.deadline)"
+        )
 
 
 async def reread_on_mismatch(read: Callable[[], Awaitable[T]], *, reads: int, stats: TransferStats | None = None) -> T:
@@ -188,15 +159,15 @@ class RetryingStore(Store):
         self.endpoint = endpoint_of(inner)  # named when it gives no answer
 
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        async def attempt() -> T:
+        async def attempt(timeout: float) -> T:
             try:
-                return await fn()
+                return await asyncio.wait_for(fn(), timeout)
             except ThrottledError:  # counted as the engine counts its own (TransferStats.throttled)
                 if self.stats is not None:
                     self.stats.add(throttled=1)
                 raise
 
-        return await call_with_retries(
+        return await retry_attempts(
             what, attempt, retry=self._retry, request_timeout=self._timeout, stats=self.stats, endpoint=self.endpoint
         )
 

@@ -14,9 +14,8 @@ Choices, and why:
   call here (a multipart upload or a listing is several requests) and cancels
   its requests in Rust; obstore's client ``timeout``, a second longer, bounds
   each HTTP request as a backstop.
-* **Errors keep no response body**: a mapped error's cause is obstore's exception
-  made again without the service's answer (:func:`~objckpt.storage.errors.redacted_cause`):
-  AWS echoes the signed request, session token included, in a ``SignatureDoesNotMatch``.
+* **Errors keep no response body**, their causes included
+  (:func:`~objckpt.storage.errors.redacted_cause`): AWS echoes the session token in one.
 * **No copy on put**: a ``bytes``/``bytearray``/``memoryview``/numpy buffer
   is handed to obstore through the buffer protocol (cast to unsigned bytes,
   never copied unless it is strided). ``get_range`` returns ``bytes`` as
@@ -388,9 +387,7 @@ class ObstoreStore(StreamingStore):
 
 def client_options(*, request_timeout: float, allow_http: bool, extra: dict[str, Any] | None = None) -> ClientConfig:
     """obstore ``ClientConfig``: the per-request timeout, plain HTTP only when asked, plus
-    ``extra`` (a trusted CA, from :class:`NativeSpec`). The timeout is a backstop a second
-    past the call's own (:meth:`ObstoreStore._call`), which cancels the request in Rust too
-    and says that it timed out."""
+    ``extra`` (a trusted CA, from :class:`NativeSpec`); the timeout is a second past the call's own."""
     options: dict[str, Any] = {
         "timeout": _dt.timedelta(seconds=request_timeout + 1),
         "connect_timeout": _dt.timedelta(seconds=min(10.0, request_timeout)),
