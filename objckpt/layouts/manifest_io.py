@@ -19,7 +19,7 @@ import numpy as np
 
 from objckpt.core.format import ARRAY_KINDS, MANIFEST_KEY, Manifest, parse_manifest
 from objckpt.core.format.index import IndexDoc, merge_indexes, parse_index
-from objckpt.core.format.index3_bounds import ArrayBoxes, LeafTable, check_rows_tiling
+from objckpt.core.format.index3_bounds import ArrayBoxes, LeafTable, check_covered, check_rows_tiling
 from objckpt.core.format.rows import LeafPieces, RowsBuilder
 from objckpt.core.pieces import check_tiling
 from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError
@@ -133,6 +133,8 @@ async def read_indexes(
             return await read_index3(store, manifest, process, table, size_limit=size_limit, leaves=kept, rows=rows)
 
         docs = await _each(wanted, one3, parallel=INDEX_READS_AT_ONCE)
+        if whole:
+            check_covered(table, manifest)  # before the rows are put in order
         if rows is not None:
             blobs = {k: v for doc in docs for k, v in doc.blobs.items()}
             return manifest.with_rows(rows.build(), blobs, {doc.process for doc in docs}).in_columns()

@@ -310,30 +310,36 @@ class _BoxTuples:
         return tuple(row[: row[-1]]), tuple(row[w : w + row[-1]])
 
 
-def check_rows_tiling(manifest: Manifest, leaf: np.ndarray, box: np.ndarray, boxes: ArrayBoxes) -> list[int]:
-    """Rows (each one's ``leaf`` and ``box`` id in ``boxes``) of every index object, checked in
-    columns to tile each leaf of ``manifest`` exactly: each leaf's volumes add up to its elements,
-    and its boxes are a grid (distinct, every combination of disjoint intervals per axis), which
-    leaves neither hole nor overlap. A few numpy passes, whatever the rows.
-
-    Returns:
-        The leaves whose rows add up but are no grid, for a check piece by piece
-        (:func:`objckpt.core.pieces.check_tiling`; saves write grids).
+def check_covered(table: LeafTable, manifest: Manifest) -> None:
+    """The rows of every index object (summed in ``table``) cover each leaf's elements exactly: a
+    whole read's first tiling check, before its rows are put in order (:func:`check_rows_tiling`).
 
     Raises:
         FormatError: naming a leaf whose rows' volumes do not add up to its elements.
     """
-    table, n, w = LeafTable(manifest), len(manifest.leaves), boxes.width
-    start, stop = boxes.table[box, :w], boxes.table[box, w : 2 * w]
-    covered = np.bincount(leaf, weights=np.prod((stop - start).astype(np.float64), axis=1), minlength=n)
     elements = table.kind_elements[table.kind]
-    off = (table.rank >= 0) & (np.abs(covered - elements) > np.where(elements < 2.0**53, 0, elements * 2.0**-40))
+    big = np.where(elements < 2.0**53, 0, elements * 2.0**-40)
+    off = (table.rank >= 0) & (np.abs(table.covered - table.itemsize * elements) > table.itemsize * big)
     if off.any():
         i = int(np.argmax(off))
         raise FormatError(
             f"manifest field 'leaves[{i}]' ({manifest.leaves[i].path}): pieces of all index objects: pieces cover "
-            f"{int(covered[i])} elements of {int(elements[i])} (holes or overlaps)"
+            f"{int(table.covered[i] // table.itemsize[i])} elements of {int(elements[i])} (holes or overlaps)"
         )
+
+
+def check_rows_tiling(manifest: Manifest, leaf: np.ndarray, box: np.ndarray, boxes: ArrayBoxes) -> list[int]:
+    """Rows (each one's ``leaf`` and ``box`` id in ``boxes``) of every index object, whose volumes
+    add up to each leaf's elements (:func:`check_covered`), checked in columns to tile each leaf
+    of ``manifest`` exactly: its boxes are a grid (distinct, every combination of disjoint
+    intervals per axis), which leaves neither hole nor overlap. A few numpy passes, whatever the rows.
+
+    Returns:
+        The leaves whose rows are no grid, for a check piece by piece
+        (:func:`objckpt.core.pieces.check_tiling`; saves write grids).
+    """
+    table, n, w = LeafTable(manifest), len(manifest.leaves), boxes.width
+    start, stop = boxes.table[box, :w], boxes.table[box, w : 2 * w]
     rows, cells, bad = np.bincount(leaf, minlength=n), np.ones(n), np.zeros(n, dtype=bool)
     for d in range(w):
         order = np.lexsort((stop[:, d], start[:, d], leaf))
