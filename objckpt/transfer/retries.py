@@ -71,7 +71,7 @@ async def retry_attempts(
     the CPU with the operation's other requests, on a busy host) then ends within a few
     attempts, where the same timeout each time would cut it at the same point every time;
     a stalled server still costs the first attempt only ``request_timeout``. Each attempt
-    is cut to what is left of ``retry.deadline``. The first that times out is logged, naming
+    is cut to what is left of ``retry.deadline``. The first that times out and is retried is logged, naming
     ``endpoint`` (once a minute per endpoint: a stall times out every request in flight).
     """
     started = time.monotonic()
