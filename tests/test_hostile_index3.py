@@ -286,3 +286,16 @@ def test_a_leaf_two_index_objects_both_tile_is_refused_when_the_second_is_read(s
         r"index object \S+-p[01]\.index: the rows of leaf 0 \(\['w'\]\) in this and the index objects read "
         rf"before it cover more than its {SIZE} elements",
     )
+
+
+def test_rows_that_add_up_but_overlap_are_refused_by_verify_and_cp(saved, store_target_factory):
+    """Boxes [0, 40) and [30, 54) of a leaf of 64 elements: their volumes add up to its elements
+    and their bytes share none of the blob's, but they overlap (and leave [54, 64) a hole): the
+    columnar grid test finds the leaf, and the piece-by-piece check names both boxes."""
+    starts, stops = np.array([0, 30]), np.array([40, 54])
+    _replace(saved.open(), [(0, 0, 2, _raw(starts, stops, offset=np.array([0, 160])))])
+    pattern = r"\['w'\]\): pieces of all index objects: boxes \(0,\)-\(40,\) and \(30,\)-\(54,\) overlap"
+    with pytest.raises(FormatError, match=pattern):
+        objckpt.verify(saved.url)
+    with pytest.raises(FormatError, match=pattern):
+        objckpt.copy(saved.url, store_target_factory("memory").url)
