@@ -17,6 +17,7 @@ a window of reads, not a million tasks.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -48,15 +49,24 @@ class Tensors:
 
     Attributes:
         files: each file's key (relative to the store the files were read from) and header, in order.
-        by_name: each tensor's file key and entry.
+        by_name: each tensor's entry (no other object per tensor: a header may list millions).
         sizes: each file's size.
         index: the index document's key, or None for a single file.
+        digests: each file's header's SHA-256 (``verify`` sees a header unchanged without parsing it again).
+        weight_map: the index's map of each tensor to its file (checked to be exactly the
+            files' tensors), or None for a single file.
     """
 
     files: dict[str, Header]
-    by_name: dict[str, tuple[str, TensorEntry]]
+    by_name: dict[str, TensorEntry]
     sizes: dict[str, int]
     index: str | None
+    digests: dict[str, bytes]
+    weight_map: dict[str, str] | None
+
+    def file_of(self, name: str) -> str:
+        """The key of the file holding tensor ``name``."""
+        return self.weight_map[name] if self.weight_map is not None else next(iter(self.files))
 
 
 def split_file_url(url: str) -> tuple[str, str] | None:
@@ -119,10 +129,10 @@ def header_bounds(weight_map: dict[str, str]) -> dict[str, int]:
     return bounds
 
 
-async def read_header(store: Any, key: str, *, where: str, limit: int = MAX_HEADER_BYTES) -> tuple[Header, int]:
-    """One file's checked header and its size: a HEAD and a first ranged read at once (one
-    round trip), then a second read only for a header longer than the first; a header
-    longer than ``limit`` is refused from its first 8 bytes."""
+async def read_header(store: Any, key: str, *, where: str, limit: int = MAX_HEADER_BYTES) -> tuple[bytes, int]:
+    """One file's header (the JSON bytes, unchecked) and its size: a HEAD and a first ranged
+    read at once (one round trip), then a second read only for a header longer than the
+    first; a header longer than ``limit`` is refused from its first 8 bytes."""
     answers: tuple[Any, Any] = await asyncio.gather(
         store.head(key), store.get_range(key, start=0, end=FIRST_READ), return_exceptions=True
     )
@@ -141,7 +151,7 @@ async def read_header(store: Any, key: str, *, where: str, limit: int = MAX_HEAD
         raw += bytes(await store.get_range(key, start=len(first), end=8 + n))
     if len(raw) != n:
         raise FormatError(f"{where}: the header is {n} bytes, {len(raw)} were read (the file changed?)")
-    return parse_header(raw, where=where, file_size=size), size
+    return raw, size
 
 
 async def each(items: list[str], fn: Callable[[str], Awaitable[None]], *, parallel: int) -> None:
@@ -175,29 +185,31 @@ async def read_tensors(store: Any, found: list[str] | tuple[str, dict[str, str]]
         keys = list(bounds)
     else:
         index, weight_map, bounds, keys = None, None, {}, found
-    read: dict[str, tuple[Header, int]] = {}
+    read: dict[str, tuple[Header, int, bytes]] = {}
     mapped = weight_map or {}
 
     async def one(key: str) -> None:
         where = f"{store.url}/{key}"
         limit = min(bounds.get(key, MAX_HEADER_BYTES), MAX_HEADER_BYTES)
-        header, size = await read_header(store, key, where=where, limit=limit)
+        raw, size = await read_header(store, key, where=where, limit=limit)
+        header = parse_header(raw, where=where, file_size=size)
         for t in header.tensors if index is not None else ():
             if mapped.get(t.name) != key:
                 raise FormatError(
                     f"{where} holds tensor {t.name!r}, which {INDEX_FILE} maps to {mapped.get(t.name, 'no file')!r}"
                 )
-        read[key] = header, size
+        read[key] = header, size, hashlib.sha256(raw).digest()
 
     await each(keys, one, parallel=HEADERS_AT_ONCE)
     files = {k: read[k][0] for k in keys}
     sizes = {k: read[k][1] for k in keys}
-    by_name: dict[str, tuple[str, TensorEntry]] = {}
-    for key, header in files.items():
-        for t in header.tensors:
-            if t.name in by_name:
-                raise FormatError(f"tensor {t.name!r} is in both {store.url}/{by_name[t.name][0]} and {key}")
-            by_name[t.name] = (key, t)
+    digests = {k: read[k][2] for k in keys}
+    by_name = {t.name: t for header in files.values() for t in header.tensors}
+    if len(by_name) != sum(len(header.tensors) for header in files.values()):  # files without an index
+        seen: set[str] = set()
+        names = (t.name for header in files.values() for t in header.tensors)
+        twice = next(name for name in names if name in seen or seen.add(name))  # type: ignore[func-returns-value]
+        raise FormatError(f"{store.url}: tensor {twice!r} is in more than one of {', '.join(files)}")
     if weight_map is not None:
         missing = [name for name in weight_map if name not in by_name]
         if missing:
@@ -205,4 +217,4 @@ async def read_tensors(store: Any, found: list[str] | tuple[str, dict[str, str]]
                 f"{store.url}/{INDEX_FILE} names tensor {missing[0]!r} in {weight_map[missing[0]]},"
                 f" which does not hold it ({len(missing)} such tensor(s))"
             )
-    return Tensors(files, by_name, sizes, index)
+    return Tensors(files, by_name, sizes, index, digests, weight_map)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -136,7 +135,7 @@ def parse_header(raw: bytes, *, where: str, file_size: int) -> Header:
     if not text.startswith("{"):
         raise FormatError(f"{where}: header does not start with '{{' (a JSON object)")
     try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates(where), parse_constant=_no_constant(where))
+        doc = json.loads(text, object_pairs_hook=_objects(where), parse_constant=_no_constant(where))
     except FormatError:
         raise
     except (ValueError, RecursionError) as e:  # JSON errors, ints too long to convert, nesting
@@ -176,8 +175,26 @@ def _order(t: TensorEntry) -> tuple[int, int, str]:
     return (t.start, t.end, t.name)
 
 
-def _no_duplicates(where: str) -> Any:
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+#: The keys of a tensor's entry, in the order the ``safetensors`` library writes them.
+_ENTRY_KEYS = ("dtype", "shape", "data_offsets")
+
+
+def _objects(where: str) -> Any:
+    """The parser's hook for each JSON object: a tensor's entry of the right shape becomes the
+    flat tuple ``(dtype, shape, begin, end)`` (JSON makes no tuples, so nothing else is one),
+    which the collector stops tracking at once, instead of a dict and two lists that it walks
+    at every full collection while the header is parsed; any other object becomes a dict with
+    no name twice."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> Any:
+        if len(pairs) == 3:
+            (k0, st_dtype), (k1, shape), (k2, offsets) = pairs
+            if (k0, k1, k2) != _ENTRY_KEYS:  # another order of the keys
+                entry = dict(pairs)
+                st_dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+                k0 = "dtype" if len(entry) == 3 else ""  # else a name twice, refused below
+            if k0 and type(st_dtype) is str and type(shape) is list and type(offsets) is list and len(offsets) == 2:
+                return (st_dtype, tuple(shape), offsets[0], offsets[1])
         out = dict(pairs)
         if len(out) != len(pairs):
             seen: set[str] = set()
@@ -221,36 +238,38 @@ def _itemsizes() -> dict[str, int]:
 def _entry(name: str, value: Any, where: str, data_start: int) -> TensorEntry:
     if not name:
         raise FormatError(f"{where}: a tensor with an empty name")
-    if type(value) is not dict or len(value) != 3:
+    if type(value) is not tuple:  # an object that is no entry of the right shape (see _objects)
         return _refuse_entry(name, value, where)
-    st_dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
-    itemsize = _itemsizes().get(st_dtype) if type(st_dtype) is str else None
-    if itemsize is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+    st_dtype, shape, begin, end = value
+    itemsize = _itemsizes().get(st_dtype)
+    if itemsize is None:
         return _refuse_entry(name, value, where)
-    count = 1
+    count = span = 1  # span: the non-zero dimensions' product, which numpy holds even when count is 0
     for n in shape:
         if type(n) is not int or n < 0:
             return _refuse_entry(name, value, where)
         count *= n
-    begin, end = offsets
+        span *= n or 1
     if type(begin) is not int or type(end) is not int or begin < 0 or end < begin or len(shape) > MAX_RANK:
         return _refuse_entry(name, value, where)
-    if count == 0 and math.prod(n for n in shape if n) * itemsize >= MAX_ARRAY_BYTES:
-        raise FormatError(
-            f"{where}: tensor {name!r}: shape {shape} is larger than an array can be (its non-zero"
-            f" dimensions times {itemsize} bytes reach 2^63)"
-        )
     if end - begin != count * itemsize:
         raise FormatError(
             f"{where}: tensor {name!r}: data_offsets [{begin}, {end}) hold {end - begin} bytes, but"
-            f" {st_dtype}{shape} needs {count * itemsize}"
+            f" {st_dtype}{list(shape)} needs {count * itemsize}"
         )
-    return TensorEntry(name, ST_TO_DTYPE[str(st_dtype)], tuple(shape), data_start + begin, data_start + end)
+    if span * itemsize >= MAX_ARRAY_BYTES:
+        raise FormatError(
+            f"{where}: tensor {name!r}: shape {list(shape)} is larger than an array can be (its non-zero"
+            f" dimensions times {itemsize} bytes reach 2^63)"
+        )
+    return TensorEntry(name, ST_TO_DTYPE[st_dtype], shape, data_start + begin, data_start + end)
 
 
 def _refuse_entry(name: str, value: Any, where: str) -> TensorEntry:
     """The error for an entry the fast checks of :func:`_entry` refused, saying which rule it breaks."""
     what = f"{where}: tensor {name!r}"
+    if type(value) is tuple:
+        value = {"dtype": value[0], "shape": list(value[1]), "data_offsets": list(value[2:])}
     if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
         keys = sorted(value) if isinstance(value, dict) else type(value).__name__
         raise FormatError(f"{what}: needs exactly dtype, shape and data_offsets, has {keys}")

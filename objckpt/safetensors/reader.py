@@ -12,6 +12,7 @@ holds no checksums) and restores onto any target (:mod:`objckpt.safetensors.rest
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -21,6 +22,7 @@ from objckpt.layouts.base import CheckpointInfo, LeafInfo, OpenRequest, VerifyPr
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, reporting
 from objckpt.safetensors.files import Tensors, find_files, read_header, read_tensors, split_file_url
+from objckpt.safetensors.header import parse_header
 from objckpt.safetensors.shards import INDEX_FILE, SINGLE_FILE, nested
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine
@@ -78,7 +80,7 @@ class SafetensorsReader:
         """Every tensor's name, dtype, shape and size, from the headers alone."""
         leaves = {
             name: LeafInfo(name, "array", entry.shape, entry.dtype, entry.nbytes)
-            for name, (_, entry) in self.tensors.by_name.items()
+            for name, entry in self.tensors.by_name.items()
         }
         metadata: dict[str, Any] = {}
         for header in self.tensors.files.values():
@@ -124,7 +126,8 @@ class SafetensorsReader:
             )
 
     def verify(self, options: Options, stats: TransferStats, progress: ProgressArg) -> VerifyReport:
-        """Every file's header read and checked again, its size compared, every byte read."""
+        """Every file's header read again and compared with the one checked at open (by its
+        SHA-256; one that differs is checked again), its size compared, every byte read."""
         started = time.perf_counter()
         report = VerifyReport(url=self.url, format=FORMAT, checks="headers held to the spec, every byte read")
         total = sum(self.tensors.sizes.values())
@@ -144,12 +147,15 @@ async def _verify_files(store: Any, tensors: Tensors, options: Options, stats: T
     for key, size in tensors.sizes.items():
         where = f"{store.url}/{key}"
         try:
-            header, now = await read_header(store, key, where=where)
+            raw, now = await read_header(store, key, where=where)
+            if now != size or hashlib.sha256(raw).digest() != tensors.digests[key]:
+                parse_header(raw, where=where, file_size=now)  # off the spec: unreadable; else changed
+                problems.append(
+                    VerifyProblem("size", key, f"{where} changed since it was opened ({size} → {now} bytes)")
+                )
+                continue
         except (FormatError, ObjectNotFoundError, FileNotFoundError) as e:
             problems.append(VerifyProblem("missing" if isinstance(e, FileNotFoundError) else "unreadable", key, str(e)))
-            continue
-        if now != size or header != tensors.files[key]:
-            problems.append(VerifyProblem("size", key, f"{where} changed since it was opened ({size} → {now} bytes)"))
             continue
         chunks.extend((key, lo, min(size, lo + VERIFY_CHUNK)) for lo in range(0, size, VERIFY_CHUNK))
 

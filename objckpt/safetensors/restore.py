@@ -132,9 +132,16 @@ def restore_tensors(
     """
     started = time.perf_counter()
     selection, subtrees, rebuild = _select(tensors, url, target, partial, names or {})
-    leaves = [_plan(name, tensors.by_name[name], value, cast) for name, value in selection.items()]
+    values: dict[str, Any] = {}
+    leaves = []
+    for name, value in selection.items():
+        entry = tensors.by_name[name]
+        if entry.nbytes == 0 and not is_array_target(value):  # nothing to read or place: made here
+            values[name] = np.zeros(entry.shape, _host_dtype(entry, value))
+        else:
+            leaves.append(_plan(name, tensors.file_of(name), entry, value, cast))
     _check_host_memory(leaves, url)
-    values = runtime.run_sync(_read_all(store, leaves, options, stats, cast))
+    values.update(runtime.run_sync(_read_all(store, leaves, options, stats, cast)))
     stats.seconds = time.perf_counter() - started
     log.info(
         "objckpt restored the safetensors checkpoint %s: %d tensors, %d bytes in %.2f s",
@@ -183,8 +190,7 @@ def _select(
     return selection, subtrees, rebuild
 
 
-def _plan(name: str, found: tuple[str, TensorEntry], target: Any, cast: str) -> _Leaf:
-    key, entry = found
+def _plan(name: str, key: str, entry: TensorEntry, target: Any, cast: str) -> _Leaf:
     shape = entry.shape
     if is_array_target(target):
         if tuple(target.shape) != shape:
@@ -196,6 +202,11 @@ def _plan(name: str, found: tuple[str, TensorEntry], target: Any, cast: str) -> 
     leaf = _Leaf(name, key, entry, target, boxes, [])
     leaf.spans = _merge([(b[0].start, b[0].stop) if shape else (0, 1) for b, _ in boxes])
     return leaf
+
+
+def _host_dtype(entry: TensorEntry, target: Any) -> np.dtype:
+    """The dtype of a tensor restored to host numpy: a numpy placeholder's, else the saved one."""
+    return target.dtype if isinstance(target, np.ndarray) else numpy_dtype(entry.dtype)
 
 
 def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -394,7 +405,7 @@ def _finish(leaf: _Leaf, cast: str) -> Any:
         return rows[(slice(box[0].start - r0, box[0].stop - r0), *box[1:])]
 
     array_target = is_array_target(target)
-    want = np.dtype(target.dtype) if array_target else (target.dtype if isinstance(target, np.ndarray) else dtype)
+    want = np.dtype(target.dtype) if array_target else _host_dtype(entry, target)
     sharding = sharding_of(target)
     whole = tuple(slice(0, n) for n in entry.shape)
     if leaf.box_arrays is not None:  # scattered: each box's array is filled, and on its devices
