@@ -104,9 +104,11 @@ def test_ctrl_c_stops_a_synchronous_save_and_rm_force_clears_it(kind, store_targ
     assert child.returncode == -signal.SIGINT and "KeyboardInterrupt" in err, err
     raised = float(err.split("save raised at ")[1].split()[0]) - at
     assert seconds < 2.0, f"the child exited {seconds:.1f} s after SIGINT (save raised after {raised:.2f} s)"
-    assert "manifest.json" not in _keys(url, target.storage_options)
-    removed = _cli("rm", "--force", url, env=env)
-    assert removed.returncode == 0, removed.stderr
+    left = _keys(url, target.storage_options)
+    assert "manifest.json" not in left, left
+    if left:  # what the save could not delete in time (a write under way, the marker)
+        removed = _cli("rm", "--force", url, env=env)
+        assert removed.returncode == 0, removed.stderr
     assert _keys(url, target.storage_options) == []
     if kind == "s3":
         prefix = url.split("/", 3)[3]
