@@ -20,9 +20,8 @@ from objckpt.core.format import Manifest
 from objckpt.core.format.index import IndexDoc
 from objckpt.core.format.index3 import Head, Pinned, leaf_array, parse_head
 from objckpt.core.format.index3_bounds import LeafTable, Tally, check_blob_bytes
-from objckpt.core.format.index3_frames import add_frame, check_frame, decode_frame
+from objckpt.core.format.index3_frames import add_frame, check_frame
 from objckpt.core.format.rows import RowsBuilder
-from objckpt.core.pieces import Piece
 from objckpt.errors import FormatError
 from objckpt.layouts.rereads import until_checked
 from objckpt.storage import Store
@@ -43,13 +42,12 @@ async def read_index3(
     table: LeafTable,
     *,
     size_limit: int,
+    rows: RowsBuilder,
     leaves: Collection[int] | None = None,
-    rows: RowsBuilder | None = None,
 ) -> IndexDoc:
-    """Process ``process``'s index object: its blobs and the pieces of ``leaves`` (None: all).
-
-    ``rows``: the pieces go there as columns (added once every frame read has passed its
-    checks, so a read that is retried adds nothing twice), not into the document.
+    """Process ``process``'s index object: its blobs (the document), and the pieces of ``leaves``
+    (None: all) into ``rows`` as columns (added once every frame read has passed its checks, so a
+    read that is retried adds nothing twice).
 
     The elements its rows cover are added to ``table``'s sums once every frame read has passed
     its checks (:meth:`LeafTable.merge`).
@@ -91,7 +89,7 @@ async def _read_once(
     table: LeafTable,
     leaves: Collection[int] | None,
     doc_name: str,
-    rows: RowsBuilder | None = None,
+    rows: RowsBuilder,
 ) -> tuple[IndexDoc, Tally]:
     ref = manifest.indexes[process]
     wanted = None if leaves is None else leaf_array(leaves)
@@ -101,18 +99,13 @@ async def _read_once(
         raise FormatError(f"{doc_name} is longer than the {ref.size} bytes the manifest says")
     head = parse_head(first, manifest, process, table)
     picks = head.frames_for(wanted)
-    pieces: dict[int, list[Piece]] = {}
     tally = Tally()
     if not picks:
-        return IndexDoc(process, head.blobs, pieces), tally
+        return IndexDoc(process, head.blobs, {}), tally
     if whole:
         bodies = [first[head.frames[k].offset : head.frames[k].offset + head.frames[k].length] for k in picks]
     else:
         bodies = await _fetch_frames(store, ref.key, head, picks, doc_name)
-    if rows is None:
-        for k, body in zip(picks, bodies):
-            decode_frame(head, k, body, table, doc_name, wanted, pieces, tally)
-        return IndexDoc(process, head.blobs, pieces), tally
     checked = [check_frame(head, k, body, table, doc_name, wanted, tally) for k, body in zip(picks, bodies)]
     if leaves is None:  # every row of the object: none shares a blob's byte with another
         try:
@@ -122,7 +115,7 @@ async def _read_once(
     base = rows.add_blobs(head.keys)
     for frame in checked:
         add_frame(rows, base, frame)
-    return IndexDoc(process, head.blobs, pieces), tally
+    return IndexDoc(process, head.blobs, {}), tally
 
 
 async def _fetch_frames(store: Store, key: str, head: Head, picks: list[int], doc_name: str) -> list[bytes]:

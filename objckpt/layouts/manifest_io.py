@@ -103,10 +103,10 @@ async def read_indexes(
 
     ``columnar``: every leaf's pieces as rows of one :class:`~objckpt.core.format.rows.Rows`
     (:class:`~objckpt.core.format.rows.LeafPieces`, what a restore plans from, of any version:
-    version 3 and 4 frames go into columns with no object per piece, version 1 and 2 pieces are
-    turned into them) rather than as :class:`Piece` tuples (version 1 and 2: what the tools that
-    check every piece take). ``whole`` (version 3 and later, with ``columnar``): every row of every
-    object, its boxes held as arrays (:class:`~objckpt.core.format.index3_bounds.ArrayBoxes`).
+    version 1 and 2 pieces are turned into them) rather than as :class:`Piece` tuples (version 1
+    and 2 only: version 3 and 4 frames always go into columns, with no object per piece).
+    ``whole`` (version 3 and later): every row of every object, its boxes held as arrays
+    (:class:`~objckpt.core.format.index3_bounds.ArrayBoxes`).
 
     ``leaves``: per process, keep only the pieces of these leaves (a restore needs
     a few leaves from most of the processes it reads: see
@@ -124,8 +124,8 @@ async def read_indexes(
         table = LeafTable(manifest)
         # Version 4 rows (leaves saved with a codec) carry their stored length; version 3's is their box's.
         digest = any(r.sha256 is not None for r in manifest.indexes)
-        rows = RowsBuilder(digest, stored=manifest.version >= 4) if columnar else None
-        if rows is not None and whole:
+        rows = RowsBuilder(digest, stored=manifest.version >= 4)
+        if whole:
             rows.boxes = ArrayBoxes(table.kind_shape.shape[1])  # type: ignore[assignment]
 
         async def one3(process: int) -> IndexDoc:
@@ -135,10 +135,8 @@ async def read_indexes(
         docs = await _each(wanted, one3, parallel=INDEX_READS_AT_ONCE)
         if whole:
             check_covered(table, manifest)  # before the rows are put in order
-        if rows is not None:
-            blobs = {k: v for doc in docs for k, v in doc.blobs.items()}
-            return manifest.with_rows(rows.build(), blobs, {doc.process for doc in docs}).in_columns()
-        return merge_indexes(manifest, sorted(docs, key=lambda d: d.process))
+        blobs = {k: v for doc in docs for k, v in doc.blobs.items()}
+        return manifest.with_rows(rows.build(), blobs, {doc.process for doc in docs}).in_columns()
 
     async def one(process: int) -> IndexDoc:
         ref = manifest.indexes[process]
@@ -209,7 +207,7 @@ async def read_every_piece(store: Store, manifest: Manifest, *, size_limit: int)
         manifest = await read_indexes(store, manifest, every, size_limit=size_limit)
         check_whole_tiling(manifest)
         return manifest
-    manifest = await read_indexes(store, manifest, every, size_limit=size_limit, columnar=True, whole=True)
+    manifest = await read_indexes(store, manifest, every, size_limit=size_limit, whole=True)
     held = next((leaf.pieces for leaf in manifest.leaves if isinstance(leaf.pieces, LeafPieces)), None)
     if held is None:
         check_whole_tiling(manifest)  # no row at all

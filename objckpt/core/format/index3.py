@@ -92,7 +92,7 @@ class Head:
 
 def leaf_array(leaves: Collection[int] | np.ndarray) -> np.ndarray:
     """``leaves`` as a sorted int64 array of distinct leaves (what :meth:`Head.frames_for` and
-    :func:`decode_frame` take; a reader of many index objects converts its set once; an array
+    :func:`check_frame` take; a reader of many index objects converts its set once; an array
     is taken as such)."""
     if isinstance(leaves, np.ndarray):
         return leaves

@@ -1,19 +1,16 @@
-"""Version 3 index frames: each frame's rows checked and read (as pieces, or into columns),
-and a whole index object read at once.
+"""Version 3 index frames: each frame's rows checked and read into columns, and a whole index
+object read at once.
 
 A reader holds the head (:mod:`objckpt.core.format.index3`, which pins each frame by its
 checksum); here each frame it fetches is checked before it is decompressed (its checksums,
 then to exactly its declared length: no zip bombs), every row is validated with numpy
 (:mod:`objckpt.core.format.index3_bounds`: boxes inside their leaf, no box named twice, no
 leaf covered past its elements, bytes inside their blob), and only the wanted rows become
-pieces (:func:`decode_frame`) or rows of a :class:`~objckpt.core.format.rows.Rows`
-(:func:`add_frame`). See ``docs/FORMAT.md`` ("version 3"). No I/O.
+rows of a :class:`~objckpt.core.format.rows.Rows` (:func:`add_frame`). See ``docs/FORMAT.md`` ("version 3"). No I/O.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import zlib
 from collections.abc import Collection
 from typing import Any, NamedTuple
@@ -26,7 +23,6 @@ from objckpt.core.format.index3 import _FIXED, _LENGTH, _SHA, Head, Pinned, leaf
 from objckpt.core.format.index3_bounds import LeafTable, Tally, box_text, cover, distinct_boxes, repeated
 from objckpt.core.format.rows import RowsBuilder
 from objckpt.core.format.schema import Manifest
-from objckpt.core.pieces import Piece
 from objckpt.errors import FormatError
 
 
@@ -52,30 +48,6 @@ class FrameRows(NamedTuple):
     crc: np.ndarray
     shas: np.ndarray | None
     groups: list[Group]
-
-
-def decode_frame(
-    head: Head,
-    k: int,
-    body: bytes,
-    table: LeafTable,
-    doc_name: str,
-    keep: Collection[int] | np.ndarray | None = None,
-    out: dict[int, list[Piece]] | None = None,
-    tally: Tally | None = None,
-) -> dict[int, list[Piece]]:
-    """Frame ``k``'s rows of the leaves ``keep`` (None: all), by leaf, after checking every row;
-    added to ``out`` when given (a reader of several frames collects them in one dict).
-    ``tally``: as :func:`check_frame`'s.
-
-    Raises:
-        FormatError: naming the index object, the frame and what is wrong.
-    """
-    rows = check_frame(head, k, body, table, doc_name, keep, tally)
-    out = {} if out is None else out
-    for g in rows.groups:
-        _build(out, g.sel, g.box, rows.leaf, head.keys, rows.blob, rows.offset, rows.length, rows.crc, rows.shas)
-    return out
 
 
 def add_frame(builder: RowsBuilder, base: int, rows: FrameRows) -> None:
@@ -234,41 +206,6 @@ def _unplanar(raw: bytes, offset: int, count: int, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(planes.T).view(dtype).reshape(count)
 
 
-_NEW_PIECE = functools.partial(tuple.__new__, Piece)
-
-
-def _build(
-    out: dict[int, list[Piece]],
-    sel: np.ndarray,
-    box: np.ndarray | None,
-    leaf: np.ndarray,
-    keys: list[str],
-    *columns: np.ndarray | None,
-) -> None:
-    """Pieces of the rows ``sel`` (one rank; ``box``: their starts then stops), appended by leaf."""
-    blob, offset, length, crc, shas = columns
-    assert blob is not None and offset is not None and length is not None and crc is not None
-    if box is None:
-        starts: Any = itertools.repeat(())
-        stops: Any = starts
-    else:  # one pair of coordinate tuples per distinct box (leaves of one shape and sharding repeat them)
-        r = box.shape[1] // 2
-        boxes = np.ascontiguousarray(box).view(np.dtype((np.void, 16 * r))).ravel()
-        distinct, inverse = np.unique(boxes, return_inverse=True)
-        cols = distinct.view(box.dtype).reshape(-1, 2 * r).T.tolist()  # zip makes the tuples in C
-        firsts, lasts = list(zip(*cols[:r])), list(zip(*cols[r:]))
-        at = inverse.ravel().tolist()
-        starts, stops = map(firsts.__getitem__, at), map(lasts.__getitem__, at)
-    names = map(keys.__getitem__, blob[sel].tolist())
-    digests = itertools.repeat(None) if shas is None else [bytes(d).hex() for d in shas[sel]]
-    rows = zip(starts, stops, names, offset[sel].tolist(), length[sel].tolist(), crc[sel].tolist(), digests)
-    pieces = list(map(_NEW_PIECE, rows))  # tuple.__new__: no Python frame per piece
-    leaves = leaf[sel]
-    bounds = [0, *(np.flatnonzero(np.diff(leaves)) + 1).tolist(), len(sel)]
-    for a, b in zip(bounds, bounds[1:]):
-        out.setdefault(int(leaves[a]), []).extend(pieces[a:b])
-
-
 def parse_index3(data: bytes, manifest: Manifest, process: int, *, leaves: Collection[int] | None = None) -> IndexDoc:
     """A whole version 3 index object (head and every frame) checked and read into pieces (what
     tests read). ``leaves``: keep only the rows of these.
@@ -285,12 +222,13 @@ def parse_index3(data: bytes, manifest: Manifest, process: int, *, leaves: Colle
         head = parse_head(data, manifest, process, table)
     except Pinned as e:
         raise FormatError(str(e)) from None
-    pieces: dict[int, list[Piece]] = {}
-    tally = Tally()
+    tally, builder = Tally(), RowsBuilder(ref.sha256 is not None, stored=manifest.version >= 4)
+    base = builder.add_blobs(head.keys)
     try:
-        for k in head.frames_for(None):
-            f = head.frames[k]
-            decode_frame(head, k, data[f.offset : f.offset + f.length], table, doc_name, leaves, pieces, tally)
+        for k, f in enumerate(head.frames):
+            body = data[f.offset : f.offset + f.length]
+            add_frame(builder, base, check_frame(head, k, body, table, doc_name, leaves, tally))
     except Pinned as e:
         raise FormatError(str(e)) from None
-    return IndexDoc(process, head.blobs, pieces)
+    rows = builder.build()
+    return IndexDoc(process, head.blobs, {i: list(rows.leaf(i)) for i in rows.bounds})
