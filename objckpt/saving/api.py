@@ -95,22 +95,10 @@ class SaveHandle:
         Raises:
             TimeoutError: the save is still running after ``timeout`` seconds.
         """
-        # Short waits: a Ctrl-C reaches the waiting thread only when it runs Python between them.
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = _SLICE if deadline is None else max(0.0, min(_SLICE, deadline - time.monotonic()))
-            try:
-                return self._future.result(left)
-            except TimeoutError:
-                if self._future.done() or (deadline is not None and time.monotonic() >= deadline):
-                    raise
-
-    def _interrupted(self) -> None:
-        """Abort the save's uploads and delete what they wrote (:func:`_discard`), waiting up to
-        :data:`_ABORT_GRACE` seconds; the commit then fails on its own, writing no manifest."""
-        if self._transfer is not None and not self._future.done():
-            with contextlib.suppress(TimeoutError):
-                runtime.submit(_discard(self._transfer)).result(_ABORT_GRACE)
+        while not self._future.done() and (deadline is None or time.monotonic() < deadline):
+            concurrent.futures.wait([self._future], _SLICE)  # a Ctrl-C gets through between short waits
+        self._future.result(0)
 
     def done(self) -> bool:
         """Whether the save has ended, committed or failed (``result()`` says which)."""
@@ -177,8 +165,10 @@ def save(
     handle = _start(url, tree, storage_options, options, metadata, progress, hold_uploads=False, base=base)
     try:
         handle.result()
-    except KeyboardInterrupt:
-        handle._interrupted()
+    except KeyboardInterrupt:  # the commit then fails on its own, writing no manifest
+        if handle._transfer is not None and not handle.done():
+            with contextlib.suppress(TimeoutError):
+                runtime.submit(_discard(handle._transfer)).result(_ABORT_GRACE)
         raise
     return handle.stats
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -30,7 +29,6 @@ from objckpt.transfer.throttle import AdaptiveLimit, Outcome
 
 T = TypeVar("T")
 Item = TypeVar("Item")
-log = logging.getLogger("objckpt")
 
 
 class AsyncByteBudget:
@@ -165,14 +163,12 @@ class TransferEngine:
             running.cancel()
         await self.settle(grace)
 
-    async def settle(self, timeout: float) -> bool:
+    async def settle(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds until no attempt of this engine runs, its worker threads
-        included: one abandoned on its timeout or cancelled may still be writing there (a local
-        disk's write runs on its thread to the end). Whether none runs."""
+        included (a timed-out or cancelled attempt's write to a local disk runs on to its end)."""
         running = [*self._attempts, *map(asyncio.wrap_future, list(self._threads))]
         if running:
             await asyncio.wait(running, timeout=timeout)
-        return not self._attempts and not self._threads
 
     async def put(
         self,
@@ -205,10 +201,8 @@ class TransferEngine:
                 return self.store.put_parts(key, data, mode=mode)
             return self.store.put(key, data, mode=mode)
 
-        # A create-if-absent write is a commit: it starts once every earlier attempt has ended
-        # (within the retry deadline, which bounds every request).
-        if mode == "create" and not await self.settle(self.retry.deadline):
-            log.warning("objckpt writes %s/%s while earlier requests of it still run", self.store.url, key)
+        if mode == "create":  # a commit: once every earlier attempt has ended (the deadline bounds each)
+            await self.settle(self.retry.deadline)
         try:
             request = self.call(f"PUT {self.store.url}/{key}", once)
             # A write into this host's file system is a memcpy per byte: it waits for a CPU slot

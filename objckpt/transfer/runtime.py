@@ -70,7 +70,7 @@ class _IOLoop(asyncio.SelectorEventLoop):
             _wakeups_in_flight.pop()
 
 
-#: The sets the worker threads started here join (:func:`threads_joining`).
+#: The sets a worker thread started here joins (:func:`threads_joining`).
 _JOINING: contextvars.ContextVar[tuple[set[concurrent.futures.Future[Any]], ...]] = contextvars.ContextVar(
     "objckpt_threads_joining", default=()
 )
