@@ -332,10 +332,9 @@ async def _copy(
             stats.bytes_server_side += blob.size
             dst_stats.add(objects_written=1)  # wakes a progress reporter: these bytes never pass the counters
 
-    async def one(blob: BlobEntry) -> None:
-        pieces = by_blob.get(blob.key, [])
+    async def one(blob: BlobEntry) -> None:  # pieces built once the blob's bytes are there to check
         if is_ref(blob.key):  # a base's blob: copied into the copy, which then stands alone
-            await _copy_referenced(blob, pieces)
+            await _copy_referenced(blob)
             return
         if present.get(blob.key) == blob.size:
             if not verify_existing:
@@ -349,7 +348,7 @@ async def _copy(
                 if same is False:
                     log.info("objckpt cp: replacing %s/%s: the server says its bytes differ", dst.url, blob.key)
             if not server.active:
-                problems = await check_blob(target, blob, pieces, blob.size, chunk=chunk)  # a miss costs a copy
+                problems = await check_blob(target, blob, by_blob.get(blob.key, []), blob.size, chunk=chunk)
                 if not problems:
                     _count_skipped(stats, blob)
                     return
@@ -357,12 +356,15 @@ async def _copy(
         if server.active and await server.copy(blob):
             copied(blob, on_server=True)
             return
+        pieces: list[Any] = []
         for attempt in range(1, reads + 1):  # a mismatch is read again: bits flip in flight too
             data = await read_blob(source, blob.key, blob.size, chunk=chunk)
             if len(data) != blob.size:
                 raise IntegrityError(
                     f"short blob {src.url}/{blob.key}: {len(data)} bytes, the manifest says {blob.size}"
                 )
+            if attempt == 1:
+                pieces = by_blob.get(blob.key, [])
             problems = await asyncio.to_thread(check_pieces, src.url, blob.key, data, pieces)
             if not problems:
                 break
@@ -375,13 +377,17 @@ async def _copy(
         await target.put(blob.key, body, crc32c=expected_crc32c(blob, pieces))  # checked and kept by S3
         copied(blob, on_server=False)
 
-    async def _copy_referenced(blob: BlobEntry, pieces: list[Any]) -> None:
+    async def _copy_referenced(blob: BlobEntry) -> None:
         key = local_key(blob.key)
         if present.get(key) == blob.size and not verify_existing:
             _count_skipped(stats, blob)
             return
         data = await read_blob(source, blob.key, blob.size, chunk=chunk)
-        problems = await asyncio.to_thread(check_pieces, src.url, blob.key, data, pieces)
+        problems = (
+            []
+            if len(data) != blob.size
+            else await asyncio.to_thread(check_pieces, src.url, blob.key, data, by_blob.get(blob.key, []))
+        )
         if len(data) != blob.size or problems:
             why = problems[0] if problems else f"short blob {src.url}/{blob.key}"
             raise IntegrityError(f"{why}; nothing was committed at {dst.url}")
