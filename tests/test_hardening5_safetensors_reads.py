@@ -339,6 +339,9 @@ def test_entries_with_their_keys_in_another_order_or_a_key_twice(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(_raw_file('{"w":' + twice + "}", bytes(4)))
     with pytest.raises(FormatError, match="names 'dtype' twice"):
         objckpt.inspect(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(_raw_file(entry, bytes(4)))  # the header is one entry
+    with pytest.raises(FormatError, match="not a JSON object of tensors"):
+        objckpt.inspect(str(tmp_path))
 
 
 def _raw_file(text: str, data: bytes) -> bytes:

@@ -8,9 +8,10 @@ as strictly as the ``safetensors`` library does, since a header comes from
 someone else's bucket: a bounded header size read before anything else, valid
 UTF-8, one JSON object with no name twice, known dtypes, shapes whose element
 count times the dtype's size is exactly the tensor's byte length (in Python
-ints: no overflow) and that numpy can hold (:data:`MAX_ARRAY_BYTES`), and offsets
-that tile the buffer in order from 0 to its end, with no overlap and no hole. Anything else is a
-:class:`~objckpt.errors.FormatError` naming the file, the tensor and the numbers.
+ints: no overflow) and that numpy can hold (:data:`MAX_ARRAY_BYTES`), and
+offsets that tile the buffer in order from 0 to its end, with no overlap and no
+hole. Anything else is a :class:`~objckpt.errors.FormatError` naming the file,
+the tensor and the numbers.
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ def parse_header(raw: bytes, *, where: str, file_size: int) -> Header:
         raise
     except (ValueError, RecursionError) as e:  # JSON errors, ints too long to convert, nesting
         raise FormatError(f"{where}: header is not valid JSON ({_short(e)})") from None
-    if not isinstance(doc, dict):  # pragma: no cover  (a text starting with '{' parses to a dict)
-        raise FormatError(f"{where}: header is not a JSON object")
+    if not isinstance(doc, dict):  # three names, dtype, shape and data_offsets, not mapped to objects
+        raise FormatError(f"{where}: header is not a JSON object of tensors")
     metadata = _metadata(doc.pop(METADATA_KEY, None), where)
     tensors = sorted((_entry(name, value, where, data_start) for name, value in doc.items()), key=_order)
     position, prev = data_start, None
@@ -182,9 +183,9 @@ _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 def _objects(where: str) -> Any:
     """The parser's hook for each JSON object: a tensor's entry of the right shape becomes the
     flat tuple ``(dtype, shape, begin, end)`` (JSON makes no tuples, so nothing else is one),
-    which the collector stops tracking at once, instead of a dict and two lists that it walks
-    at every full collection while the header is parsed; any other object becomes a dict with
-    no name twice."""
+    which the collector stops tracking at its first pass, instead of a dict and two lists that
+    it walks at every full collection while the header is parsed (millions of them in a large
+    header); any other object becomes a dict with no name twice."""
 
     def hook(pairs: list[tuple[str, Any]]) -> Any:
         if len(pairs) == 3:
