@@ -268,13 +268,13 @@ class ArrayBoxes:
     :class:`~objckpt.core.format.rows.Boxes`: rows that never repeat a box (a crafted object's)
     cost their columns' bytes, not a tuple each. Box ``k`` is ``start[k, :rank[k]]`` to
     ``stop[k, :rank[k]]``, padded to ``width`` axes with ``[0, 1)``; it becomes a tuple only
-    when a piece of it is built (:attr:`boxes`, what :class:`~objckpt.core.format.rows.Rows` reads)."""
+    when a piece of it is built (``boxes[k]``, what :class:`~objckpt.core.format.rows.Rows` reads)."""
 
     def __init__(self, width: int) -> None:
         self.width = width
         self._parts: list[np.ndarray] = []
         self._count = 0
-        self.boxes = _BoxTuples(self)
+        self.boxes = self  # what Rows reads boxes from, one tuple when a piece is built
 
     def intern_distinct(self, keyed: np.ndarray) -> np.ndarray:
         """Ids (int32) of the boxes ``keyed`` (rows of starts, stops, itemsize), new each."""
@@ -300,13 +300,8 @@ class ArrayBoxes:
         w = self.width
         return np.prod(self.table[:, w : 2 * w] - self.table[:, :w], axis=1) * self.table[:, 2 * w]
 
-
-class _BoxTuples:
-    def __init__(self, boxes: ArrayBoxes) -> None:
-        self._of = boxes
-
     def __getitem__(self, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        w, row = self._of.width, self._of.table[k].tolist()
+        w, row = self.width, self.table[k].tolist()
         return tuple(row[: row[-1]]), tuple(row[w : w + row[-1]])
 
 
