@@ -103,6 +103,7 @@ def test_an_index_naming_two_million_files_ends_in_an_error(s3_store):
     assert 60 << 20 < len(index) < 64 << 20
     _put(s3_store, {INDEX_FILE: index.encode()})
     result = _in_capped_child("inspect", s3_store.url, s3_store.storage_options)
+    print("an index of 1.9M files:", result)
     assert result["error"].startswith("objckpt.errors.ObjectNotFoundError"), result
     assert ".safetensors" in result["error"], result
     assert result["cpu"] < 60 and result["rss"] < 2 << 30, result

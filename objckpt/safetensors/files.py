@@ -7,11 +7,11 @@ sharded layout) or ``model.safetensors``. The index is held to its shape (a
 header to the spec (:mod:`objckpt.safetensors.header`); the index must name
 each tensor of each file once, and nothing else. A header costs one ranged
 read of its file's first 64 KiB (a second one when it is longer), at most
-:data:`~objckpt.safetensors.header.MAX_HEADER_BYTES`, and with an index at most what
-the tensors the index gives its file can take (:func:`header_bounds`). Headers are read
-:data:`HEADERS_AT_ONCE` at a time, started as others end, each checked against the index
-as it arrives; the first error cancels the rest, so an index naming a million files costs
-a window of reads, not a million tasks.
+:data:`~objckpt.safetensors.header.MAX_HEADER_BYTES`, and with an index at most
+what the tensors the index gives its file can take. Headers are read
+:data:`HEADERS_AT_ONCE` at a time, started as others end, each checked against
+the index as it arrives; the first error cancels the rest, so an index naming a
+million files costs a window of reads, not a million tasks.
 """
 
 from __future__ import annotations
@@ -120,15 +120,6 @@ def parse_index(raw: bytes, *, where: str) -> dict[str, str]:
     return weight_map
 
 
-def header_bounds(weight_map: dict[str, str]) -> dict[str, int]:
-    """Each file's longest header the index allows: :data:`HEADER_SLACK`, plus for each tensor
-    the index gives it :data:`HEADER_PER_TENSOR` and its name escaped (12 bytes a character)."""
-    bounds: dict[str, int] = {}
-    for name, file in weight_map.items():
-        bounds[file] = bounds.get(file, HEADER_SLACK) + HEADER_PER_TENSOR + 12 * len(name)
-    return bounds
-
-
 async def read_header(store: Any, key: str, *, where: str, limit: int = MAX_HEADER_BYTES) -> tuple[bytes, int]:
     """One file's header (the JSON bytes, unchecked) and its size: a HEAD and a first ranged
     read at once (one round trip), then a second read only for a header longer than the
@@ -173,18 +164,20 @@ async def each(items: list[str], fn: Callable[[str], Awaitable[None]], *, parall
 
 async def read_tensors(store: Any, found: list[str] | tuple[str, dict[str, str]]) -> Tensors:
     """Every file's header (:data:`HEADERS_AT_ONCE` at a time), each checked against the index
-    as it arrives and bounded by the tensors the index gives its file.
+    as it arrives and bounded by the tensors the index gives its file. ``found``: the index's
+    key and ``weight_map``, or one file (a name is in one file of an index, and once in a file).
 
     Raises:
         FormatError: a header off the spec or over its bound, a tensor in two files, or an
             index that does not name exactly the files' tensors (the first difference named).
     """
+    index, weight_map, keys = None, None, found if isinstance(found, list) else []
+    bounds: dict[str, int] = {}  # each file's longest header the index allows
     if isinstance(found, tuple):
         index, weight_map = found
-        bounds = header_bounds(weight_map)
+        for name, file in weight_map.items():  # HEADER_SLACK, and a tensor's room and escaped name
+            bounds[file] = bounds.get(file, HEADER_SLACK) + HEADER_PER_TENSOR + 12 * len(name)
         keys = list(bounds)
-    else:
-        index, weight_map, bounds, keys = None, None, {}, found
     read: dict[str, tuple[Header, int, bytes]] = {}
     mapped = weight_map or {}
 
@@ -204,12 +197,7 @@ async def read_tensors(store: Any, found: list[str] | tuple[str, dict[str, str]]
     files = {k: read[k][0] for k in keys}
     sizes = {k: read[k][1] for k in keys}
     digests = {k: read[k][2] for k in keys}
-    by_name = {t.name: t for header in files.values() for t in header.tensors}
-    if len(by_name) != sum(len(header.tensors) for header in files.values()):  # files without an index
-        seen: set[str] = set()
-        names = (t.name for header in files.values() for t in header.tensors)
-        twice = next(name for name in names if name in seen or seen.add(name))  # type: ignore[func-returns-value]
-        raise FormatError(f"{store.url}: tensor {twice!r} is in more than one of {', '.join(files)}")
+    by_name = {t.name: t for header in files.values() for t in header.tensors}  # no name in two: see above
     if weight_map is not None:
         missing = [name for name in weight_map if name not in by_name]
         if missing:
