@@ -113,14 +113,12 @@ def get_loop() -> asyncio.AbstractEventLoop:
                 loop.set_default_executor(JoiningExecutor(thread_name_prefix="objckpt-io-thread"))
                 loop.call_soon(started.set)
                 try:
-                    loop.run_forever()
+                    loop.run_forever()  # nothing stops it: it ends only by an error
                 except BaseException as e:  # e.g. a MemoryError the loop could not hand to a task
                     loop.ended = e
-                    raise
-                finally:
-                    loop.ended = loop.ended or RuntimeError("the loop stopped")
                     for future in list(loop.submitted):
-                        _fail(future, loop.ended)
+                        _fail(future, e)
+                    raise
 
             thread = threading.Thread(target=_run, name="objckpt-io", daemon=True)
             thread.start()
