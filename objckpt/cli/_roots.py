@@ -1,5 +1,5 @@
-"""Manager roots and their checkpoints on the command line: ``rm`` (one checkpoint, or
-``--recursive ROOT``), ``cp ROOT DST``, and ``gc``'s refusal of anything but a root.
+"""Manager roots and their checkpoints on the command line: ``rm`` (one checkpoint, an
+Orbax or safetensors one too, or ``--recursive ROOT``), ``cp ROOT DST``, and ``gc``'s refusal of anything but a root.
 
 ``rm --recursive`` removes a whole root (or prefix of checkpoints) in the order
 :func:`objckpt.roots.sweep.delete_root` keeps (manifests first, a save in flight
@@ -14,12 +14,13 @@ from typing import Any
 from objckpt.cli._output import dump
 from objckpt.cli._stores import UsageError
 from objckpt.core.format import MANIFEST_KEY
-from objckpt.errors import CheckpointNotFoundError
+from objckpt.errors import CheckpointNotFoundError, FormatError
+from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import Options
 from objckpt.progress import human_bytes
 from objckpt.roots.references import Unknown, referenced_by_others
 from objckpt.roots.step_names import STEP_DIR
-from objckpt.roots.sweep import delete_checkpoint, delete_root
+from objckpt.roots.sweep import delete_checkpoint, delete_objects, delete_root
 from objckpt.storage import ObjectInfo, Store
 from objckpt.tools.copy_root import copy_steps
 from objckpt.transfer import runtime
@@ -44,6 +45,16 @@ def remove_checkpoint(args: argparse.Namespace, store: Store, objects: list[Obje
     step: the blobs other committed checkpoints reference stay, and it says so; the exit status."""
     keys = {o.key for o in objects}
     committed = MANIFEST_KEY in keys
+    if not committed and not args.force and (layout := _other_layout(store)) is not None:
+        first = [k for k in _MARKERS if k in keys]  # it stops being a checkpoint at once
+        runtime.run_sync(delete_objects(store, first))
+        runtime.run_sync(delete_objects(store, sorted(keys - set(first))))
+        size = sum(o.size for o in objects)
+        if args.json:
+            dump({"url": store.url, "committed": True, "format": layout, "objects": len(objects), "bytes": size})
+        else:
+            print(f"removed {layout} checkpoint {store.url}: {len(objects)} objects, {human_bytes(size)}")
+        return 0
     if not committed and not args.force:
         try:  # a base whose manifest went: --force would keep its blobs too
             held = runtime.run_sync(referenced_by_others(store, keys, Options().manifest_size_limit))
@@ -63,6 +74,26 @@ def remove_checkpoint(args: argparse.Namespace, store: Store, objects: list[Obje
     print(f"removed {what} {store.url}: {counts['objects']} objects, {human_bytes(size)}", end="")
     print(f"; kept {len(kept)} objects that committed checkpoints beside it reference" if kept else "")
     return 0
+
+
+#: The objects that make a prefix another layout's checkpoint (Orbax's commit files and
+#: metadata, a safetensors index or single file): ``rm`` deletes them first.
+_MARKERS = (
+    "commit_success.txt",
+    "_CHECKPOINT_METADATA",
+    "_METADATA",
+    "model.safetensors.index.json",
+    "model.safetensors",
+)
+
+
+def _other_layout(store: Store) -> str | None:
+    """The name of the layout other than objckpt's that recognises ``store`` (``"orbax"``,
+    ``"safetensors"``), or None."""
+    try:
+        return open_checkpoint(store).format
+    except (CheckpointNotFoundError, FormatError):
+        return None
 
 
 def copy_root(

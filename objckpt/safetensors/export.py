@@ -92,6 +92,15 @@ class ExportStats:
     seconds: float = 0.0
 
 
+#: What export says of a checkpoint of another layout, and what to run instead.
+_NOT_NATIVE = {
+    "orbax": "an Orbax checkpoint: export reads objckpt checkpoints; convert it first (`objckpt cp URL NEW_URL`"
+    " or objckpt.convert_orbax), then export NEW_URL",
+    "safetensors": "a safetensors checkpoint already: export reads objckpt checkpoints; copy its files as they are,"
+    " or restore it (objckpt.restore)",
+}
+
+
 def export_safetensors(
     url: str,
     dest: str,
@@ -157,7 +166,8 @@ def export_safetensors(
     with opened(url, storage_options, options) as source:
         checkpoint = open_checkpoint(source.store, options=options, storage_options=storage_options)
         if not isinstance(checkpoint, NativeCheckpoint):
-            raise FormatError(f"{url} is a {checkpoint.format} checkpoint: export reads objckpt checkpoints")
+            what = _NOT_NATIVE.get(checkpoint.format, f"a {checkpoint.format} checkpoint: export reads objckpt's")
+            raise FormatError(f"{url} is {what}")
         manifest = checkpoint.manifest
     leaves = list(manifest.leaves)
     tensors = choose_tensors(
