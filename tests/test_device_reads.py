@@ -138,7 +138,18 @@ def _manager_save(url: str, state: Any) -> None:
         mgr.save(3, state, wait=True)
 
 
-@pytest.mark.parametrize("save", [_save_sync, _save_async, _manager_save], ids=["save", "save_async", "manager"])
+def _manager_local_save(url: str, state: Any) -> None:
+    """A manager step due for the local tier only (its store save rule is not met)."""
+    root = url.removeprefix("file://")
+    with objckpt.CheckpointManager(url, local=f"{root}-local", save_interval_steps=1000) as mgr:
+        mgr.save(3, state, wait=True)
+
+
+@pytest.mark.parametrize(
+    "save",
+    [_save_sync, _save_async, _manager_save, _manager_local_save],
+    ids=["save", "save_async", "manager", "manager_local"],
+)
 def test_every_copy_starts_before_the_first_read_and_none_is_cached(
     save: Any, events: list[Event], tmp_path: Any
 ) -> None:
@@ -153,7 +164,11 @@ def test_every_copy_starts_before_the_first_read_and_none_is_cached(
     assert all(kind == "start" for kind, *_ in events[:first_read])
     assert first_read == len(shards), "every copy is under way before the first read"
     _check_no_host_copy_left(events, state)
-    if save is _manager_save:
+    if save is _manager_local_save:
+        with objckpt.CheckpointManager(tmp_path.as_uri(), local=f"{tmp_path}-local") as mgr:
+            restored = mgr.restore(3, state)
+            assert mgr.tier_status().last_restore.tier == "local"
+    elif save is _manager_save:
         restored = objckpt.CheckpointManager(tmp_path.as_uri()).restore(3, state)
     else:
         restored = objckpt.restore(tmp_path.as_uri(), state)

@@ -2,8 +2,9 @@
 
 :func:`snapshot` runs in the caller's thread, like :func:`objckpt.save_async`'s blocking
 phase: each box this process's devices hold is taken once (a replica on several local
-devices too), its device-to-host copy started at once, and copied into one buffer objckpt
-owns, so the caller may donate its arrays as soon as it returns. The result is what the save
+devices too), its device-to-host copy started at once through an alias
+(:mod:`objckpt.core.device_reads`: no host copy is left on the caller's arrays), and copied
+into one buffer objckpt owns, so the caller may donate its arrays as soon as it returns. The result is what the save
 pipeline writes as a one-process checkpoint of this process's part of the step
 (:func:`objckpt.locations.local_dirs.write_step`): each leaf's entry, and each box as a piece
 whose bytes lie in the buffer. No file I/O here.
@@ -27,6 +28,7 @@ import jax
 import numpy as np
 
 from objckpt.core.boxes import describe_sharding, index_to_box
+from objckpt.core.device_reads import host_alias, host_view, start_host_copy
 from objckpt.core.dtypes import dtype_name
 from objckpt.core.format import LeafEntry
 from objckpt.core.items import Json, PerProcess, encode_value, is_item, json_document, state_of
@@ -99,8 +101,9 @@ def _array_leaf(index: int, path: str, array: jax.Array, layout: _Layout) -> Lea
         if start in seen:
             continue
         seen.add(start)
-        shard.data.copy_to_host_async()
-        layout.box(index, start, shard.data, dtype)
+        alias = host_alias(shard.data)  # the host copy lives on the alias, never on the user's array
+        start_host_copy(alias)
+        layout.box(index, start, alias, dtype)
     if prng is not None:
         sharding: dict[str, Any] = {"prng_impl": prng}
     else:
@@ -193,7 +196,7 @@ def snapshot(
         buffer = host_buffer(layout.size)
     for offset, length, source in layout.copies:
         if length:
-            host = np.asarray(source)
+            host = host_view(source)
             np.copyto(buffer[offset : offset + length].view(host.dtype).reshape(host.shape), host)
     pieces = []
     for leaf, start, shape, dtype, offset in layout.pieces:
