@@ -355,8 +355,14 @@ class FsspecStore(StreamingStore):
     async def list_names(self, prefix: str = "") -> builtins.list[str]:
         _check_relative(prefix, "prefix", allow_empty=True, allow_partial=True)
         what = f"list {self._url(prefix)} (one level)"
+        found = await self._listing(what, "ls", self._path(prefix.rstrip("/")) if prefix else self._root or "/")
+        names = {(e["name"] if isinstance(e, dict) else str(e)).rstrip("/").rpartition("/")[2] for e in found}
+        return sorted(n for n in names if n and not self._hidden(n))
+
+    async def _listing(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The filesystem's ``method`` listing, or ``[]`` where the directory is not there."""
         try:
-            found = await self._fs(what, "ls", self._path(prefix.rstrip("/")) if prefix else self._root or "/")
+            return await self._fs(what, method, *args, **kwargs)
         except _PROGRAMMING_ERRORS:
             raise
         except Exception as exc:
@@ -364,8 +370,6 @@ class FsspecStore(StreamingStore):
             if isinstance(mapped, ObjectNotFoundError):
                 return []
             raise mapped from exc
-        names = {(e["name"] if isinstance(e, dict) else str(e)).rstrip("/").rpartition("/")[2] for e in found}
-        return sorted(n for n in names if n and not self._hidden(n))
 
     async def _listed(self, prefix: str) -> builtins.list[tuple[str, dict[str, Any]]]:
         """Every object under ``prefix`` as ``(key, the filesystem's info)``, sorted by key."""
@@ -376,15 +380,7 @@ class FsspecStore(StreamingStore):
         kwargs: dict[str, Any] = {"detail": True}
         if self._lists_by_prefix and stem:
             kwargs["prefix"] = stem  # filtered server-side
-        try:
-            entries = await self._fs(what, "find", base, **kwargs)
-        except _PROGRAMMING_ERRORS:
-            raise
-        except Exception as exc:
-            mapped = map_error(exc, what)
-            if isinstance(mapped, ObjectNotFoundError):
-                return []
-            raise mapped from exc
+        entries = await self._listing(what, "find", base, **kwargs) or {}
         root_slash = f"{self._root.rstrip('/')}/"
         out: builtins.list[tuple[str, dict[str, Any]]] = []
         for name, info in entries.items():
