@@ -83,7 +83,7 @@ def _entry(
 
 
 def saved_sharding(record: Any, devices: dict[int, Any]) -> jax.sharding.NamedSharding | None:
-    """The ``NamedSharding`` a part recorded by device ids (:func:`objckpt.saving.local_snapshot.sharding_record`),
+    """The ``NamedSharding`` a part recorded by device ids (:func:`objckpt.saving.classify.sharding_record`),
     on this job's ``devices`` (by id); None when none was recorded, it is not one, or a device it
     names is not in this job."""
     try:

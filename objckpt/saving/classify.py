@@ -7,16 +7,29 @@ Items (:mod:`objckpt.core.items`): a ``Json`` document lives inline in the
 manifest; each process writes its own ``PerProcess`` value as one host piece,
 which the commit moves out of the index into the root's leaf entry; a
 ``Stateful`` object is saved as its ``state_dict()`` (bytes by the primary, else JSON).
+
+Two scopes share these rules: a save's (each process writes the boxes it owns by the grid
+rule, host data by the primary) and a local save's part (``held``: every box this process's
+devices hold, each once, and host data on every process; :mod:`objckpt.saving.local_snapshot`).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import jax
 import numpy as np
 
-from objckpt.core.boxes import MeshTable, describe_sharding, grid_of, grid_pieces, local_shards, owned_pieces
+from objckpt.core.boxes import (
+    MeshTable,
+    describe_sharding,
+    grid_of,
+    grid_pieces,
+    index_to_box,
+    local_shards,
+    owned_pieces,
+)
 from objckpt.core.dtypes import dtype_name
 from objckpt.core.format import LeafEntry
 from objckpt.core.items import UNSET, Json, PerProcess, encode_value, is_item, json_document, state_of
@@ -26,13 +39,16 @@ from objckpt.errors import DeletedArrayError
 
 
 def classify(
-    index: int, leaf: Leaf, *, is_primary: bool, split_above: int, meshes: MeshTable
+    index: int, leaf: Leaf, *, is_primary: bool, split_above: int, meshes: MeshTable, held: bool = False
 ) -> tuple[LeafEntry, list[OwnedPiece]]:
     """The manifest entry (without pieces, with its layout) for one leaf, and the pieces this process writes.
 
     ``meshes`` numbers the meshes of the leaves met so far (every process alike);
-    ``split_above`` is the smallest slab a replicated box is cut into.
+    ``split_above`` is the smallest slab a replicated box is cut into. ``held``: the scope of a
+    local save's part (the module docstring); an array with a ``NamedSharding`` then also
+    records its mesh by device ids (:func:`sharding_record`, as ``sharding["local"]``).
     """
+    is_primary = is_primary or held
     value = leaf.value
     if value is None:
         return LeafEntry(leaf.path, "none"), []
@@ -56,14 +72,18 @@ def classify(
         entry = LeafEntry(
             leaf.path, "array", dtype_name(key_data.dtype), tuple(key_data.shape), sharding={"prng_impl": impl}
         )
-        return _array_pieces(index, key_data, entry, meshes, split_above)
+        return _array_pieces(index, key_data, entry, meshes, split_above, held)
     if isinstance(value, jax.Array):
         try:
             name = dtype_name(value.dtype)
         except TypeError as e:
             raise TypeError(f"leaf {leaf.path}: {e}") from None
-        entry = LeafEntry(leaf.path, "array", name, tuple(value.shape), sharding=describe_sharding(value.sharding))
-        return _array_pieces(index, value, entry, meshes, split_above)
+        sharding = describe_sharding(value.sharding)
+        record = sharding_record(value.sharding) if held else None
+        if record is not None:
+            sharding["local"] = record
+        entry = LeafEntry(leaf.path, "array", name, tuple(value.shape), sharding=sharding)
+        return _array_pieces(index, value, entry, meshes, split_above, held)
     if isinstance(value, (str, bytes)):
         kind = "str" if isinstance(value, str) else "bytes"
         data = np.frombuffer(value.encode() if isinstance(value, str) else value, dtype=np.uint8)
@@ -106,10 +126,19 @@ def _item(index: int, path: str, item: object, is_primary: bool) -> tuple[LeafEn
 
 
 def _array_pieces(
-    index: int, array: jax.Array, entry: LeafEntry, meshes: MeshTable, split_above: int
+    index: int, array: jax.Array, entry: LeafEntry, meshes: MeshTable, split_above: int, held: bool
 ) -> tuple[LeafEntry, list[OwnedPiece]]:
-    """``entry`` with its layout, and this process's pieces of ``array``: by the grid rule
-    when its sharding is a grid, else by scanning every device (and naming the writers)."""
+    """``entry`` with its layout, and this process's pieces of ``array``: every box its devices
+    hold, each once (``held``); by the grid rule when its sharding is a grid; else by scanning
+    every device (and naming the writers)."""
+    if held:
+        itemsize, seen, pieces = np.dtype(array.dtype).itemsize, set(), []
+        for device, where, data in local_shards(array):
+            start, stop = index_to_box(where, tuple(array.shape))
+            if start not in seen:
+                seen.add(start)
+                pieces.append(OwnedPiece(index, start, stop, itemsize, source=(data, start), device=device))
+        return replace(entry, layout=_PRIMARY), pieces
     found = grid_of(index, array, meshes, slab_bytes=split_above)
     if found is not None:
         grid, layout = found
@@ -123,3 +152,26 @@ def _host_pieces(index: int, data: np.ndarray, is_primary: bool) -> list[OwnedPi
         return []
     shape = tuple(data.shape)
     return [OwnedPiece(index, (0,) * len(shape), shape, data.dtype.itemsize, source=(data, (0,) * len(shape)))]
+
+
+def sharding_record(sharding: Any) -> dict[str, Any] | None:
+    """A ``NamedSharding`` by its mesh's device ids (None: another kind of sharding, or a spec this
+    record cannot hold); :func:`objckpt.layouts.process_copy.saved_sharding` reads it."""
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh, jax.sharding.Mesh):
+        return None
+    spec: list[Any] = []
+    for entry in sharding.spec:
+        if entry is None or isinstance(entry, str):
+            spec.append(entry)
+        elif isinstance(entry, tuple) and all(isinstance(n, str) for n in entry):
+            spec.append(list(entry))
+        else:  # an unconstrained or otherwise special entry
+            return None
+    mesh = sharding.mesh
+    return {
+        "mesh": [int(n) for n in mesh.devices.shape],
+        "axes": [str(a) for a in mesh.axis_names],
+        "types": [t.name for t in mesh.axis_types],
+        "devices": [int(d.id) for d in mesh.devices.flat],
+        "spec": spec,
+    }

@@ -9,7 +9,8 @@ pipeline writes as a one-process checkpoint of this process's part of the step
 (:func:`objckpt.locations.local_dirs.write_step`): each leaf's entry, and each box as a piece
 whose bytes lie in the buffer. No file I/O here.
 
-A leaf's entry is the one a save of the whole tree would write, with two differences that
+A leaf's entry is the one a save of the whole tree would write (one classifier decides both:
+:func:`objckpt.saving.classify.classify`, in its ``held`` scope), with two differences that
 make it a part: its pieces are the boxes this process holds (every process writes its
 replicas of a replicated leaf, so a process never needs another's bytes), and an array saved
 with a ``NamedSharding`` records that sharding's mesh by device ids (``sharding.local``:
@@ -24,24 +25,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
 
-from objckpt.core.boxes import describe_sharding, index_to_box
+from objckpt.core.boxes import MeshTable
 from objckpt.core.device_reads import host_alias, host_view, start_host_copy
-from objckpt.core.dtypes import dtype_name
 from objckpt.core.format import LeafEntry
-from objckpt.core.items import Json, PerProcess, encode_value, is_item, json_document, state_of
 from objckpt.core.metadata import to_json_value
 from objckpt.core.plan import OwnedPiece
 from objckpt.core.tree import flatten
-from objckpt.errors import DeletedArrayError
+from objckpt.saving.classify import classify
 from objckpt.transfer.buffers import host_buffer
 
 #: The byte alignment of each box in the snapshot's buffer.
 ALIGN = 64
-#: The layout of every leaf of a part: its one index object holds its pieces.
-PART = {"processes": [0]}
 
 
 @dataclass
@@ -82,95 +78,6 @@ class _Layout:
         self.pieces.append((leaf, start, shape, dtype, offset))
 
 
-def _host_leaf(index: int, path: str, kind: str, data: np.ndarray, layout: _Layout) -> LeafEntry:
-    if data.size:
-        layout.box(index, (0,) * data.ndim, data, data.dtype)
-    return LeafEntry(path, kind, dtype_name(data.dtype), tuple(data.shape), layout=PART)
-
-
-def _array_leaf(index: int, path: str, array: jax.Array, layout: _Layout) -> LeafEntry:
-    """Every box this process's devices hold, each once (replicas on several local devices too)."""
-    prng = None
-    if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
-        prng = str(jax.random.key_impl(array))
-        array = jax.random.key_data(array)
-    dtype = np.dtype(array.dtype)
-    seen: set[tuple[int, ...]] = set()
-    for shard in array.addressable_shards:
-        start = tuple(int(n) for n in index_to_box(shard.index, tuple(array.shape))[0])
-        if start in seen:
-            continue
-        seen.add(start)
-        alias = host_alias(shard.data)  # the host copy lives on the alias, never on the user's array
-        start_host_copy(alias)
-        layout.box(index, start, alias, dtype)
-    if prng is not None:
-        sharding: dict[str, Any] = {"prng_impl": prng}
-    else:
-        sharding = describe_sharding(array.sharding)
-        record = sharding_record(array.sharding)
-        if record is not None:
-            sharding["local"] = record
-    return LeafEntry(path, "array", dtype_name(dtype), tuple(array.shape), sharding=sharding, layout=PART)
-
-
-def sharding_record(sharding: Any) -> dict[str, Any] | None:
-    """A ``NamedSharding`` by its mesh's device ids (None: another kind of sharding, or a spec this
-    record cannot hold); :func:`objckpt.layouts.process_copy.saved_sharding` reads it."""
-    if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh, jax.sharding.Mesh):
-        return None
-    spec: list[Any] = []
-    for entry in sharding.spec:
-        if entry is None or isinstance(entry, str):
-            spec.append(entry)
-        elif isinstance(entry, tuple) and all(isinstance(n, str) for n in entry):
-            spec.append(list(entry))
-        else:  # an unconstrained or otherwise special entry
-            return None
-    mesh = sharding.mesh
-    return {
-        "mesh": [int(n) for n in mesh.devices.shape],
-        "axes": [str(a) for a in mesh.axis_names],
-        "types": [t.name for t in mesh.axis_types],
-        "devices": [int(d.id) for d in mesh.devices.flat],
-        "spec": spec,
-    }
-
-
-def _leaf(index: int, path: str, value: Any, layout: _Layout) -> LeafEntry:
-    if value is None:
-        return LeafEntry(path, "none")
-    if is_item(value):
-        if type(value) is PerProcess:
-            data, encoding = encode_value(value.value, path)
-            if data:
-                layout.box(index, (0,), np.frombuffer(data, np.uint8), np.dtype(np.uint8))
-            return LeafEntry(path, "per_process", value={"encoding": encoding, "length": len(data)})
-        if type(value) is Json:
-            return LeafEntry(path, "json", value=json_document(state_of(value.value, path), path)[0])
-        state = state_of(value, path)
-        if isinstance(state, (bytes, bytearray, memoryview)):
-            return _host_leaf(index, path, "bytes", np.frombuffer(bytes(state), np.uint8), layout)
-        return LeafEntry(path, "json", value=json_document(state, path)[0])
-    if isinstance(value, bool):
-        return LeafEntry(path, "bool", value=value)
-    if isinstance(value, int):
-        return LeafEntry(path, "int", value=value)
-    if isinstance(value, float):
-        return LeafEntry(path, "float", value=value)
-    if isinstance(value, jax.Array):
-        if value.is_deleted():
-            raise DeletedArrayError(f"leaf {path}: the jax.Array was donated or deleted, so it cannot be saved")
-        return _array_leaf(index, path, value, layout)
-    if isinstance(value, str):
-        return _host_leaf(index, path, "str", np.frombuffer(value.encode(), np.uint8), layout)
-    if isinstance(value, bytes):
-        return _host_leaf(index, path, "bytes", np.frombuffer(value, np.uint8), layout)
-    if isinstance(value, (np.ndarray, np.generic)):
-        return _host_leaf(index, path, "ndarray", np.asarray(value), layout)
-    raise TypeError(f"leaf {path}: cannot checkpoint a {type(value).__module__}.{type(value).__qualname__}")
-
-
 def snapshot(
     tree: Any,
     *,
@@ -190,8 +97,14 @@ def snapshot(
     its pages are in, so the copy faults none, 5-9x faster here); else a fresh one.
     """
     leaves, skeleton = flatten(tree)
-    layout = _Layout()
-    entries = [_leaf(i, leaf.path, leaf.value, layout) for i, leaf in enumerate(leaves)]
+    layout, meshes, entries = _Layout(), MeshTable(), list[LeafEntry]()
+    for i, leaf in enumerate(leaves):  # what a save writes, in the scope of this process's part
+        entry, held = classify(i, leaf, is_primary=True, split_above=0, meshes=meshes, held=True)
+        entries.append(entry)
+        for piece in held:
+            data = host_alias(piece.source[0])  # the host copy lives on the alias, never on the user's array
+            start_host_copy(data)
+            layout.box(i, piece.start, data, np.dtype(data.dtype))
     if buffer is None or buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < layout.size:
         buffer = host_buffer(layout.size)
     for offset, length, source in layout.copies:
@@ -199,10 +112,10 @@ def snapshot(
             host = host_view(source)
             np.copyto(buffer[offset : offset + length].view(host.dtype).reshape(host.shape), host)
     pieces = []
-    for leaf, start, shape, dtype, offset in layout.pieces:
+    for index, start, shape, dtype, offset in layout.pieces:
         data = buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
         stop = tuple(a + n for a, n in zip(start, shape))
-        pieces.append(OwnedPiece(leaf, start, stop, dtype.itemsize, source=(data, start)))
+        pieces.append(OwnedPiece(index, start, stop, dtype.itemsize, source=(data, start)))
     return Snapshot(
         root=root,
         step=step,
