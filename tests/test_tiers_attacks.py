@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from objckpt.core.checksum import crc32c
 from objckpt.core.format.local import RECORD
-from objckpt.errors import FormatError, PartialCopyError
+from objckpt.errors import FormatError, PartialCopyError, StoreError
 from objckpt.locations.local_dirs import ForeignStepError, LocalTier, write_step
 from objckpt.peers.copies import check_whose, payload_of
 from objckpt.restoring.api import restore_copy
@@ -159,9 +159,13 @@ def test_overlapping_boxes_are_refused_even_in_a_step_sealed_under_its_key(tmp_p
     snap.pieces[moved] = dataclasses.replace(
         piece, start=(start,), stop=(start + 2,), source=(piece.source[0], (start,))
     )
+    if start == 0:  # the save reads its index objects back as a reader does: never committed
+        with pytest.raises(StoreError, match="would not read back.*both name leaf"):
+            tier.write(snap)
+        assert tier.steps() == {}
+        return
     tier.write(snap)
-    refused = (FormatError, "both name leaf") if start == 0 else (PartialCopyError, "its pieces there overlap")
-    with pytest.raises(refused[0], match=refused[1]):
+    with pytest.raises(PartialCopyError, match="its pieces there overlap"):
         restore_copy(tier.open(tier.step_dir(1), tier.steps()[1]), _target())
 
 
