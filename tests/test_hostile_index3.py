@@ -30,6 +30,8 @@ import objckpt
 from objckpt.core.checksum import crc32c
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.format import index3 as ix
+from objckpt.core.format import index3_bounds as bounds
+from objckpt.core.format.index import index_key
 from objckpt.errors import FormatError
 from objckpt.transfer import runtime
 
@@ -37,6 +39,7 @@ ROOT = str(Path(objckpt.__file__).resolve().parents[1])
 SIZE = 64  # elements of the saved leaf
 ROW = ix._FIXED + 16  # raw bytes of a rank-1 row
 FULL = ix.FRAME_LIMIT // ROW  # rank-1 rows in a frame at the frame limit (466,033)
+ROWS = bounds.ROW_FLOOR  # the rows a read of a one-leaf, one-process root takes in, past one per leaf and blob
 
 
 def _planar(a: np.ndarray) -> bytes:
@@ -152,8 +155,8 @@ def _assert_bounded(result: dict[str, Any], key: str, pattern: str, runs: str = 
         # the issue's objects: a few hundred kilobytes of identical rows at the frame limit
         (20, r"'frames\[4\]': the frames up to this one inflate to \d+ bytes, over the \d+"),
         (100, r"'frames\[4\]': the frames up to this one inflate to \d+ bytes, over the \d+"),
-        # within that bound: refused at the first frame, where a box repeats
-        (3, r"frame 0 \(bytes .*\): rows 0 and 1 both name leaf 0's box \(0,\)-\(64,\)"),
+        # within that bound: refused at its head, whose 1.4 million rows are past what the root allows
+        (3, r"its rows and those of the index objects read before it number 1398099, over the 65538"),
     ],
 )
 def test_a_small_object_of_repeated_rows_ends_in_an_error_within_bounds(store_target_factory, frames, pattern):
@@ -169,31 +172,77 @@ def test_a_small_object_of_repeated_rows_ends_in_an_error_within_bounds(store_ta
     ("case", "pattern"),
     [
         # one element a row, every other element: the rows cover half the leaf
-        ("holes", r"\['w'\]\): pieces of all index objects: pieces cover 1864132 elements of 3728264 \(holes or"),
+        (
+            "holes",
+            r"\['w'\]\)?:? (pieces of all index objects: pieces cover 32768 elements of 65536|do not tile .*) \(holes",
+        ),
         # one element a row, the whole leaf, every row on the blob's first 4 bytes
         ("shared bytes", r"-p0-000000\.blob: pieces at bytes \[0, 4\) and \[0, 4\) overlap"),
-        # one element a row, the whole leaf, in a blob declared 7 MB that holds 256 bytes: cp builds
+        # one element a row, the whole leaf, in a blob declared 256 KB that holds 256 bytes: cp builds
         # no piece of a blob its source does not hold (streamed: read short; server-side: listed short)
-        ("short blob", r"(short blob \S+: 256 bytes, the manifest says|its index object declares) 7456528"),
+        ("short blob", r"(short blob \S+: 256 bytes, the manifest says|its index object declares) 262144"),
     ],
 )
 def test_verify_and_cp_of_an_object_of_distinct_rows_end_in_an_error_within_bounds(store_target_factory, case, pattern):
-    """Issue 77 item 17: ~100 KB of distinct rows (1.86 million, at the raw limit) cost verify and
-    cp 10 CPU-s and 690 MB as one piece object each. They read them as columns (boxes as arrays),
-    check the tiling in columns and the blob bytes per index object, and build pieces blob by blob."""
+    """Issue 77 item 17: 65,536 distinct rows (the most a read of a leaf saved by one process takes
+    in, past the root's allowance) are read as columns (boxes as arrays): verify and cp check the
+    tiling in columns and the blob bytes per index object, and build pieces blob by blob."""
     src, dst = store_target_factory("s3"), store_target_factory("s3")
     _save(src, {"w": np.arange(SIZE, dtype=np.float32)})
-    step = 2 if case == "holes" else 1
-    frames = []
-    for k in range(4):
-        rows = np.arange(FULL) + k * FULL
-        frames.append(
-            (0, 0, FULL, _raw(rows * step, rows * step + 1, offset=0 if case == "shared bytes" else 4 * rows))
-        )
-    key = _replace(src.open(), frames, shape=[4 * FULL * step], blob_size=16 * FULL)
-    runs = "cp" if case == "short blob" else "verify,cp"
-    named = {"holes": "['w']", "shared bytes": key, "short blob": "7456528"}[case]
+    step, n = (2, ROWS // 2) if case == "holes" else (1, ROWS)
+    rows = np.arange(n)
+    frame = _raw(rows * step, rows * step + 1, offset=0 if case == "shared bytes" else 4 * rows)
+    key = _replace(src.open(), [(0, 0, n, frame)], shape=[ROWS], blob_size=4 * ROWS)
+    runs = {"holes": "restore,verify,cp", "shared bytes": "verify,cp", "short blob": "cp"}[case]
+    named = {"holes": "['w']", "shared bytes": key, "short blob": "262144"}[case]
     _assert_bounded(_in_capped_child(src, dst, runs), named, pattern, runs)
+    assert not runtime.run_sync(dst.open().list())
+
+
+@pytest.mark.parametrize(("objects", "leaves", "frames"), [(1, 1, 4), (6, 1, 4), (1, 64_000, 16)])
+def test_index_objects_of_more_rows_than_the_root_allows_end_in_an_error_within_bounds(
+    store_target_factory, objects, leaves, frames
+):
+    """Issue 77 item 17: each object ~100 KB of distinct one-element rows (466,033 a frame) of leaf 0,
+    together tiling it, in blobs declared to hold them; with 64,000 declared leaves one object may
+    inflate to 256 MiB more (7.46 million rows in ~450 KB). A read draws every head's row count from
+    one budget (one row per leaf and device, one per blob, and 65,536) before it inflates a frame:
+    restore, verify and cp end at the first head past it, whatever the number of objects."""
+    src, dst = store_target_factory("s3"), store_target_factory("s3")
+    _save(src, {"w": np.arange(SIZE, dtype=np.float32)})
+    store, root, head = src.open(), _root(src.open()), _head(src.open())
+    per, refs = frames * FULL, []
+    for p in range(objects):
+        rows = [np.arange(FULL) + k * FULL for k in range(frames)]
+        blob = head["blobs"][0][0].replace("-p0-", f"-p{p}-")
+        doc = {**head, "process": p, "blobs": [[blob, 4 * per]]}
+        data, length = _assemble(doc, [(0, 0, FULL, _raw(r + p * per, r + p * per + 1, offset=4 * r)) for r in rows])
+        key = index_key(root["save_id"], p)
+        runtime.run_sync(store.put(key, data))
+        refs.append(
+            {
+                **root["indexes"][0],
+                "key": key,
+                "size": len(data),
+                "head": length,
+                "crc32c": crc32c(data[:length]),
+                "blob_bytes": 4 * per,
+            }
+        )
+    root["leaves"][0].pop("layout", None)
+    root["leaves"][0]["shape"] = [objects * per]
+    root["leaves"] += [{**root["leaves"][0], "path": f"['x{i}']", "shape": [4]} for i in range(1, leaves)]
+    root["tree"] = {
+        "t": "dict",
+        "k": [f"x{i}" for i in range(leaves)],
+        "c": [{"t": "leaf", "i": i} for i in range(leaves)],
+    }
+    root.update(indexes=refs, num_processes=objects)
+    runtime.run_sync(store.delete(MANIFEST_KEY))
+    runtime.run_sync(store.put(MANIFEST_KEY, json.dumps(root).encode(), mode="create"))
+    limit = leaves * objects + objects + ROWS
+    pattern = rf"-p\d+\.index: its rows and those of the index objects read before it number \d+, over the {limit}"
+    _assert_bounded(_in_capped_child(src, dst), ".index", pattern)
     assert not runtime.run_sync(dst.open().list())
 
 

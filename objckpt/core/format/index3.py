@@ -158,6 +158,8 @@ def _pinned_head(head: bytes, manifest: Manifest, process: int, table: LeafTable
     )
     frames = _frames(doc["frames"], ref.head, ref.size, len(manifest.leaves), ref.sha256 is not None, doc_name)
     check_frame_count(frames, table, manifest, doc_name)
+    if table is not None:
+        table.draw(process, sum(f.rows for f in frames), doc_name)
     return Head(process, keys, sizes, frames)
 
 

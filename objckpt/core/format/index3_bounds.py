@@ -7,7 +7,8 @@ that by what the checkpoint can hold: the frames of an object inflate to at most
 :data:`OBJECT_RAW_LIMIT` (and :data:`RAW_PER_LEAF` more per leaf of the root); an object has at
 most one frame per :data:`FRAME_FLOOR` raw bytes, per item it spans, and one; no two rows of a
 leaf in a frame name one box; and the rows of a leaf cover no more than its elements, summed
-from frame to frame (:class:`Tally`) and from object to object (:meth:`LeafTable.merge`).
+from frame to frame (:class:`Tally`) and from object to object (:meth:`LeafTable.merge`); and
+the heads of all the objects of a read list at most the rows its root allows (:meth:`LeafTable.draw`).
 A frame's boxes are checked once per distinct (box, leaf kind) pair (:func:`distinct_boxes`):
 each non-empty and inside its leaf, its bytes below :data:`BYTES_LIMIT`. Every check is a few numpy passes over a frame's columns. See ``docs/FORMAT.md`` ("Bounds").
 No I/O.
@@ -38,6 +39,9 @@ RAW_PER_LEAF = 4 << 10
 #: and one more (writers cut at each item and past ``index3_encode.FRAME_TARGET``, 128 KiB, or
 #: 32 KiB in the first writers): each frame costs a reader a fixed amount of work, however small.
 FRAME_FLOOR = 16 << 10
+#: The rows all index objects of a read hold at most: this, one per leaf and device and one per blob
+#: of the root (a save writes at most one piece of a leaf per device, and cuts one more at each blob).
+ROW_FLOOR = 1 << 16
 
 
 class LeafTable:
@@ -81,6 +85,10 @@ class LeafTable:
             self.kind_elements[k] = element_count(shape)
         #: Per leaf, the most bytes its rows may cover (its elements × itemsize, as float64 sums allow).
         self.cover_limit = cover_limit(self.kind_elements * self.kind_itemsize)[self.kind]
+        devices = max([manifest.num_processes, *(len(mesh.devices) for mesh in manifest.meshes)])
+        self.row_limit = ROW_FLOOR + devices * n + sum(ref.blobs for ref in manifest.indexes)
+        self.drawn: dict[int, int] = {}  # per process, the rows its head lists (a re-read draws them anew)
+        self.rows = 0
 
     @functools.cached_property
     def item(self) -> np.ndarray:
@@ -89,6 +97,18 @@ class LeafTable:
         starts = np.zeros(len(self._manifest.leaves), dtype=np.int64)
         starts[item_starts([leaf.path for leaf in self._manifest.leaves])] = 1
         return np.cumsum(starts)
+
+    def draw(self, process: int, rows: int, doc_name: str) -> None:
+        """The ``rows`` process ``process``'s head lists, counted against the read's :attr:`row_limit`
+        (:data:`ROW_FLOOR`) before any frame is inflated: no count of index objects costs more."""
+        self.rows += rows - self.drawn.get(process, 0)
+        self.drawn[process] = rows
+        if self.rows > self.row_limit:
+            raise FormatError(
+                f"{doc_name}: its rows and those of the index objects read before it number {self.rows}"
+                f", over the {self.row_limit} a checkpoint of its leaves, devices and blobs holds (one per leaf and "
+                f"device, one per blob, and {ROW_FLOOR})"
+            )
 
     def merge(self, tally: Tally, doc_name: str) -> None:
         """The bytes ``tally`` (an index object's checked rows) covers, added to those of the
