@@ -156,7 +156,7 @@ def _assert_bounded(result: dict[str, Any], key: str, pattern: str, runs: str = 
         (20, r"'frames\[4\]': the frames up to this one inflate to \d+ bytes, over the \d+"),
         (100, r"'frames\[4\]': the frames up to this one inflate to \d+ bytes, over the \d+"),
         # within that bound: refused at its head, whose 1.4 million rows are past what the root allows
-        (3, r"its rows and those of the index objects read before it number 1398099, over the 65538"),
+        (3, rf"its rows and those of the index objects read before it number 1398099, over the {ROWS + 2}"),
     ],
 )
 def test_a_small_object_of_repeated_rows_ends_in_an_error_within_bounds(store_target_factory, frames, pattern):
@@ -174,17 +174,17 @@ def test_a_small_object_of_repeated_rows_ends_in_an_error_within_bounds(store_ta
         # one element a row, every other element: the rows cover half the leaf
         (
             "holes",
-            r"\['w'\]\)?:? (pieces of all index objects: pieces cover 32768 elements of 65536|do not tile .*) \(holes",
+            rf"\['w'\]\)?:? (pieces of all index objects: pieces cover {ROWS // 2} elements of {ROWS}|do not tile .*) \(holes",
         ),
         # one element a row, the whole leaf, every row on the blob's first 4 bytes
         ("shared bytes", r"-p0-000000\.blob: pieces at bytes \[0, 4\) and \[0, 4\) overlap"),
-        # one element a row, the whole leaf, in a blob declared 256 KB that holds 256 bytes: cp builds
+        # one element a row, the whole leaf, in a blob declared 128 KB that holds 256 bytes: cp builds
         # no piece of a blob its source does not hold (streamed: read short; server-side: listed short)
-        ("short blob", r"(short blob \S+: 256 bytes, the manifest says|its index object declares) 262144"),
+        ("short blob", rf"(short blob \S+: 256 bytes, the manifest says|its index object declares) {4 * ROWS}"),
     ],
 )
 def test_verify_and_cp_of_an_object_of_distinct_rows_end_in_an_error_within_bounds(store_target_factory, case, pattern):
-    """Issue 77 item 17: 65,536 distinct rows (the most a read of a leaf saved by one process takes
+    """Issue 77 item 17: 32,768 distinct rows (the most a read of a leaf saved by one process takes
     in, past the root's allowance) are read as columns (boxes as arrays): verify and cp check the
     tiling in columns and the blob bytes per index object, and build pieces blob by blob."""
     src, dst = store_target_factory("s3"), store_target_factory("s3")
@@ -194,7 +194,7 @@ def test_verify_and_cp_of_an_object_of_distinct_rows_end_in_an_error_within_boun
     frame = _raw(rows * step, rows * step + 1, offset=0 if case == "shared bytes" else 4 * rows)
     key = _replace(src.open(), [(0, 0, n, frame)], shape=[ROWS], blob_size=4 * ROWS)
     runs = {"holes": "restore,verify,cp", "shared bytes": "verify,cp", "short blob": "cp"}[case]
-    named = {"holes": "['w']", "shared bytes": key, "short blob": "262144"}[case]
+    named = {"holes": "['w']", "shared bytes": key, "short blob": str(4 * ROWS)}[case]
     _assert_bounded(_in_capped_child(src, dst, runs), named, pattern, runs)
     assert not runtime.run_sync(dst.open().list())
 
@@ -206,7 +206,7 @@ def test_index_objects_of_more_rows_than_the_root_allows_end_in_an_error_within_
     """Issue 77 item 17: each object ~100 KB of distinct one-element rows (466,033 a frame) of leaf 0,
     together tiling it, in blobs declared to hold them; with 64,000 declared leaves one object may
     inflate to 256 MiB more (7.46 million rows in ~450 KB). A read draws every head's row count from
-    one budget (one row per leaf and device, one per blob, and 65,536) before it inflates a frame:
+    one budget (one row per leaf and device, one per blob, and 32,768) before it inflates a frame:
     restore, verify and cp end at the first head past it, whatever the number of objects."""
     src, dst = store_target_factory("s3"), store_target_factory("s3")
     _save(src, {"w": np.arange(SIZE, dtype=np.float32)})

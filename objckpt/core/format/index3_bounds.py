@@ -41,7 +41,7 @@ RAW_PER_LEAF = 4 << 10
 FRAME_FLOOR = 16 << 10
 #: The rows all index objects of a read hold at most: this, one per leaf and device and one per blob
 #: of the root (a save writes at most one piece of a leaf per device, and cuts one more at each blob).
-ROW_FLOOR = 1 << 16
+ROW_FLOOR = 1 << 15
 
 
 class LeafTable:
