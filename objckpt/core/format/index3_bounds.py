@@ -39,8 +39,8 @@ RAW_PER_LEAF = 4 << 10
 #: and one more (writers cut at each item and past ``index3_encode.FRAME_TARGET``, 128 KiB, or
 #: 32 KiB in the first writers): each frame costs a reader a fixed amount of work, however small.
 FRAME_FLOOR = 16 << 10
-#: The rows all index objects of a read hold at most: this, one per leaf and device and one per blob
-#: of the root (a save writes at most one piece of a leaf per device, and cuts one more at each blob).
+#: The rows all index objects of a read hold at most: this, one per leaf of stored data and device, one per
+#: blob of the root (a save writes at most one piece of a leaf per device, and cuts one more at each blob).
 ROW_FLOOR = 1 << 15
 
 
@@ -86,7 +86,8 @@ class LeafTable:
         #: Per leaf, the most bytes its rows may cover (its elements × itemsize, as float64 sums allow).
         self.cover_limit = cover_limit(self.kind_elements * self.kind_itemsize)[self.kind]
         devices = max([manifest.num_processes, *(len(mesh.devices) for mesh in manifest.meshes)])
-        self.row_limit = ROW_FLOOR + devices * n + sum(ref.blobs for ref in manifest.indexes)
+        stored = int((self.rank >= 0).sum())  # the leaves rows may name
+        self.row_limit = ROW_FLOOR + devices * stored + sum(ref.blobs for ref in manifest.indexes)
         self.drawn: dict[int, int] = {}  # per process, the rows its head lists (a re-read draws them anew)
         self.rows = 0
 
