@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from helpers import full_manifest
-
-from objckpt.core.format import ARRAY_KINDS
+from objckpt.core.format import ARRAY_KINDS, Manifest
+from objckpt.layouts.manifest_io import read_indexes, read_manifest
 from objckpt.options import Options
 from objckpt.restoring.fetch import fetch, plan
 from objckpt.restoring.landing import Devices, HostMemory, Landing
@@ -81,7 +80,7 @@ def restore_with(
     stats = stats if stats is not None else TransferStats()
     if options.tune_malloc:
         tune_malloc()
-    manifest = full_manifest(store).in_columns()  # as a restore plans from it: rows
+    manifest = _as_a_restore_reads(store)
     index = {leaf.path: i for i, leaf in enumerate(manifest.leaves)}
     plans = {
         index[path]: plan_leaf(manifest.leaves[index[path]], t, whole_leaf_bytes=whole_leaf_bytes)
@@ -95,6 +94,17 @@ def restore_with(
     requests = plan(manifest, plans, options, streamed=store.streams_reads)
     runtime.run_sync(fetch(Handle.of(store, options, stats), requests, landed))
     return {manifest.leaves[i].path: value for i, value in landed.results()}
+
+
+def _as_a_restore_reads(store: Any, size_limit: int = 1 << 30) -> Manifest:
+    """The root and every index object, read as a restore reads them: rows in columns, boxes interned."""
+
+    async def read() -> Manifest:
+        manifest = await read_manifest(store, size_limit=size_limit)
+        every = range(len(manifest.indexes))
+        return (await read_indexes(store, manifest, every, size_limit=size_limit, columnar=True)).in_columns()
+
+    return runtime.run_sync(read())
 
 
 def paths(tree: dict[str, Any]) -> dict[str, Any]:
