@@ -354,3 +354,22 @@ def test_rows_that_add_up_but_overlap_are_refused_by_verify_and_cp(saved, store_
         objckpt.verify(saved.url)
     with pytest.raises(FormatError, match=pattern):
         objckpt.copy(saved.url, store_target_factory("memory").url)
+
+
+def test_verify_of_a_short_blob_builds_no_piece_past_its_end(store_target_factory, monkeypatch):
+    """Issue 77 item 17: a blob declared 8 MB holds 320, and 32,768 distinct rows of one element
+    lie in it: verify reports it short with every cut-off piece counted and named by leaf, and builds
+    pieces only for the rows inside the bytes the store lists (two here)."""
+    from objckpt.core.format.rows import Rows
+
+    src = store_target_factory("s3")
+    _save(src, {"w": np.arange(SIZE, dtype=np.float32)})
+    rows = np.arange(ROWS)
+    _replace(src.open(), [(0, 0, ROWS, _raw(rows, rows + 1, offset=256 * rows))], shape=[ROWS], blob_size=256 * ROWS)
+    built = []
+    pieces = Rows.pieces
+    monkeypatch.setattr(Rows, "pieces", lambda self, at: built.append(len(at)) or pieces(self, at))
+    problems = objckpt.verify(src.url, storage_options=src.storage_options).problems
+    (short,) = [p for p in problems if p.kind == "short"]  # the two rows inside its 320 bytes: checksums
+    assert f"320 bytes, the manifest says {256 * ROWS} ({ROWS - 2} piece(s) of ['w'] cut off)" in short.message
+    assert sum(built) == 2, built

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from objckpt.core.format import Manifest, Piece
+from objckpt.core.format.index3_bounds import BYTES_LIMIT
 from objckpt.core.format.rows import LeafPieces, Rows
 
 PieceRef = tuple[str, Piece]  # (leaf path, piece)
@@ -33,6 +34,12 @@ def pieces_by_blob(manifest: Manifest) -> Mapping[str, list[PieceRef]]:
     return out if rows is None else _RowsByBlob(manifest, rows, dict(out))
 
 
+def pieces_up_to(by_blob: Mapping[str, list[PieceRef]], key: str, size: int) -> tuple[list[PieceRef], int, set[str]]:
+    """The pieces of blob ``key``, of rows only those that end within its first ``size`` bytes built,
+    and the count and leaves of the rows left out: a short blob costs no piece past its end."""
+    return by_blob.up_to(key, size) if isinstance(by_blob, _RowsByBlob) else (by_blob.get(key, []), 0, set())
+
+
 class _RowsByBlob(Mapping[str, list[PieceRef]]):
     """:func:`pieces_by_blob` of rows: each blob's pieces built when asked for, not held."""
 
@@ -49,10 +56,15 @@ class _RowsByBlob(Mapping[str, list[PieceRef]]):
     def __getitem__(self, key: str) -> list[PieceRef]:
         if key not in self._ids and key not in self._more:
             raise KeyError(key)
+        return self.up_to(key, BYTES_LIMIT)[0]
+
+    def up_to(self, key: str, size: int) -> tuple[list[PieceRef], int, set[str]]:
         parts = [self._order[self._cuts[k] : self._cuts[k + 1]] for k in self._ids.get(key, ())]
         at = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-        paths = map(self._paths.__getitem__, self._rows.leaf_of(at).tolist())
-        return [*zip(paths, self._rows.pieces(at)), *self._more.get(key, ())]
+        fits = self._rows.offset[at].astype(np.int64) + self._rows.length(at) <= size
+        cut = {self._paths[i] for i in np.unique(self._rows.leaf_of(at[~fits])).tolist()}
+        paths = map(self._paths.__getitem__, self._rows.leaf_of(at[fits]).tolist())
+        return [*zip(paths, self._rows.pieces(at[fits])), *self._more.get(key, ())], int((~fits).sum()), cut
 
     def __contains__(self, key: object) -> bool:
         return key in self._ids or key in self._more

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -35,7 +35,7 @@ from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import MiB, Options
 from objckpt.progress import ProgressArg, reporting
 from objckpt.roots.hints import explained
-from objckpt.tools.blob_pieces import PieceRef, pieces_by_blob
+from objckpt.tools.blob_pieces import PieceRef, pieces_by_blob, pieces_up_to
 from objckpt.tools.verify_stored import stored_checksums, verify_stored
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine
@@ -164,8 +164,8 @@ async def _verify(handle: Handle, manifest: Manifest) -> list[VerifyProblem]:
 
     async def one(blob: BlobEntry) -> None:
         listed = await _base_size(engine, blob.key) if is_ref(blob.key) else present.get(blob.key)
-        pieces = by_blob.get(blob.key, [])
-        problems.extend(await check_blob(engine, blob, pieces, listed, chunk=chunk, reads=reads, coded=coded))
+        pieces, *cut = pieces_up_to(by_blob, blob.key, min(blob.size, listed or 0))  # none past the listed end
+        problems.extend(await check_blob(engine, blob, pieces, listed, chunk=chunk, reads=reads, coded=coded, cut=cut))
 
     window = min(options.read_window, options.memory_budget)
     await engine.for_each(manifest.blobs, one, window_bytes=window, size=lambda b: max(b.size, 1))
@@ -247,6 +247,7 @@ async def check_blob(
     chunk: int,
     reads: int = 1,
     coded: Mapping[str, int] | None = None,
+    cut: Sequence[Any] = (0, ()),
 ) -> list[VerifyProblem]:
     """Read one blob and return everything wrong with it (nothing: it is intact).
 
@@ -261,10 +262,11 @@ async def check_blob(
             included, before it is reported (:func:`recheck`).
         coded: the compressed leaves (path → itemsize, :func:`coded_leaves`): each of their
             pieces whose checksum matches is decoded too (:func:`check_decoding`).
+        cut: the count and leaves of the blob's pieces left out of ``pieces`` (past its listed end).
     """
     url = engine.store.url
-    leaves = sorted({path for path, _ in pieces})
-    what = f"{len(pieces)} piece(s) of {', '.join(leaves) if leaves else 'no leaf'}"
+    leaves = sorted({path for path, _ in pieces} | set(cut[1]))
+    what = f"{len(pieces) + cut[0]} piece(s) of {', '.join(leaves) if leaves else 'no leaf'}"
     if listed_size is None:
         return [VerifyProblem("missing", blob.key, f"missing blob {url}/{blob.key} ({blob.size} bytes; {what})")]
     try:
@@ -275,14 +277,14 @@ async def check_blob(
         return [VerifyProblem("unreadable", blob.key, f"unreadable blob {url}/{blob.key}: {e}")]
     problems = []
     if len(data) < blob.size:
-        cut = [p for p in pieces if p[1].offset + p[1].length > len(data)]
-        cut_leaves = ", ".join(sorted({path for path, _ in cut}))
+        short = [p for p in pieces if p[1].offset + p[1].length > len(data)]
+        cut_leaves = ", ".join(sorted({path for path, _ in short} | set(cut[1])))
         problems.append(
             VerifyProblem(
                 "short",
                 blob.key,
                 f"short blob {url}/{blob.key}: {len(data)} bytes, the manifest says {blob.size}"
-                f" ({len(cut)} piece(s) of {cut_leaves or 'no leaf'} cut off)",
+                f" ({len(short) + cut[0]} piece(s) of {cut_leaves or 'no leaf'} cut off)",
                 start=len(data),
                 end=blob.size,
             )
