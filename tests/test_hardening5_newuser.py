@@ -79,6 +79,7 @@ _SAVER = textwrap.dedent(
 )
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, after the others (tests/run.sh)
 @pytest.mark.parametrize("kind", ["s3", "local"])
 def test_ctrl_c_stops_a_synchronous_save_and_rm_force_clears_it(kind, store_target_factory, s3_service):
     target = store_target_factory(kind)
