@@ -133,6 +133,31 @@ def test_damaged_source_commits_nothing(memory_store, local_store):
         objckpt.inspect(local_store.url)
 
 
+@pytest.mark.parametrize("dst_kind", ["local", "s3"])
+def test_a_copy_that_would_not_read_back_commits_nothing(memory_store, store_target_factory, dst_kind, monkeypatch):
+    """An index object that reaches the destination changed (a store that alters what it is
+    sent): the copy's manifest goes through the save's one manifest write, which reads the copy
+    back as a restore would first, so nothing is committed and the error says why."""
+    from objckpt.transfer.engine import TransferEngine
+
+    dst = store_target_factory(dst_kind)
+    objckpt.save(memory_store.url, _tree(), options=SMALL_BLOBS)
+    put = TransferEngine.put
+
+    async def altering(self, key, data, *args, **kwargs):
+        if key.endswith(".index") and self.store.url.startswith(dst.url.rstrip("/")):
+            body = bytearray(b"".join(bytes(p) for p in data) if isinstance(data, list) else bytes(data))
+            body[-1] ^= 0x01
+            data, kwargs = bytes(body), {k: v for k, v in kwargs.items() if k != "crc32c"}
+        return await put(self, key, data, *args, **kwargs)
+
+    monkeypatch.setattr(TransferEngine, "put", altering)
+    with pytest.raises(objckpt.StoreError, match="would not read back"):
+        objckpt.copy(memory_store.url, dst.url, dst_storage_options=dst.storage_options, server_side=False)
+    with pytest.raises(objckpt.CheckpointNotFoundError):
+        objckpt.inspect(dst.url, storage_options=dst.storage_options)
+
+
 def test_copy_without_source_checkpoint(memory_store, local_store):
     with pytest.raises(objckpt.CheckpointNotFoundError):
         objckpt.copy(memory_store.url, local_store.url)

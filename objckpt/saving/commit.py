@@ -49,6 +49,7 @@ from objckpt.multihost import Coordinator
 from objckpt.saving.live_markers import LiveMarker, MarkerGroup
 from objckpt.saving.upload import PieceRecord
 from objckpt.storage.base import Store
+from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.handle import Handle
 
 log = logging.getLogger("objckpt")
@@ -312,28 +313,13 @@ class Commit:
             ],
             bases=tuple(b for b in self.bases if b[0] in used),
         )
-        data = manifest_to_json(manifest)
         try:
-            await check_readable(self.store, data, size_limit=self.options.manifest_size_limit)
-        except Exception as e:
-            why = f"the checkpoint would not read back ({type(e).__name__}: {e})"
-            return json.dumps({"status": "aborted", "why": why}).encode()
-        try:
-            await self.engine.put(MANIFEST_KEY, data, mode="create")
-        except ObjectExistsError:
-            if not await self._is_ours():
-                return json.dumps({"status": "exists"}).encode()
+            ours = await commit_manifest(self.engine, manifest, size_limit=self.options.manifest_size_limit)
+        except Unreadable as e:
+            return json.dumps({"status": "aborted", "why": str(e)}).encode()
         except BaseException as e:
             return json.dumps({"status": "aborted", "why": f"manifest write failed: {e}"}).encode()
-        return json.dumps({"status": "committed"}).encode()
-
-    async def _is_ours(self) -> bool:
-        """After "already exists": did our own earlier attempt land (its reply lost)?"""
-        try:
-            data = await self.engine.get(MANIFEST_KEY)
-            return parse_manifest(data, size_limit=self.options.manifest_size_limit).save_id == self.save_id
-        except Exception:
-            return False
+        return json.dumps({"status": "committed" if ours else "exists"}).encode()
 
     def _manifest(
         self, entries: list[LeafEntry], indexes: list[IndexRef], bases: tuple[tuple[str, str], ...] = ()
@@ -368,14 +354,45 @@ class Commit:
 
 
 async def check_readable(store: Store, root: bytes, *, size_limit: int) -> None:
-    """A restore's checks of the root ``root`` and of every index object it lists in ``store``,
-    made before ``root`` is committed, so that no save commits what no reader accepts.
+    """A restore's checks of the root ``root`` and of every index object it lists in ``store``.
 
     Raises:
         FormatError: what a reader would raise (the index object, the field, why).
     """
     manifest = parse_manifest(root, size_limit=size_limit)
     await read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=size_limit, columnar=True)
+
+
+class Unreadable(StoreError):
+    """A root :func:`commit_manifest` refused: the checkpoint would not read back."""
+
+
+async def commit_manifest(engine: TransferEngine, manifest: Manifest, *, size_limit: int) -> bool:
+    """The one create-if-absent write of a checkpoint's root, a save's and a copy's alike.
+
+    It runs once every earlier attempt of ``engine``'s writes has ended (:meth:`TransferEngine.put`
+    settles them) and after a restore's checks of the root and of every index object it lists,
+    read back from ``engine.store``: no checkpoint that no reader accepts is ever committed.
+    Returns True once ``manifest`` is committed (our own earlier attempt whose reply was lost
+    included), False when another checkpoint's root is there.
+
+    Raises:
+        Unreadable: what a reader would raise of it (the index object, the field, why); nothing
+            is written.
+    """
+    data = manifest_to_json(manifest)
+    try:
+        await check_readable(engine.store, data, size_limit=size_limit)
+    except Exception as e:
+        raise Unreadable(f"the checkpoint would not read back ({type(e).__name__}: {e})") from None
+    try:
+        await engine.put(MANIFEST_KEY, data, mode="create")
+    except ObjectExistsError:
+        try:
+            return parse_manifest(await engine.get(MANIFEST_KEY), size_limit=size_limit).save_id == manifest.save_id
+        except Exception:
+            return False
+    return True
 
 
 def _blob_sizes(records: list[PieceRecord]) -> dict[str, int]:
