@@ -20,6 +20,7 @@ import pytest
 
 import objckpt
 from objckpt.errors import CheckpointNotFoundError, StoreError
+from objckpt.layouts import manifest_io
 from objckpt.saving import commit, incremental
 from objckpt.transfer import runtime
 
@@ -41,7 +42,7 @@ async def _no_check(*args: Any, **kwargs: Any) -> None:
 
 def _guard(on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not on:
-        monkeypatch.setattr(commit, "check_readable", _no_check)
+        monkeypatch.setattr(manifest_io, "check_readable", _no_check)
 
 
 def _manager(target: Any, root: str, **kw: Any) -> objckpt.CheckpointManager:

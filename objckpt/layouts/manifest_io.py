@@ -5,7 +5,8 @@ A restore reads the root and the index objects of the processes that wrote what
 it needs (:func:`read_indexes`); tools that look at a whole checkpoint
 (``verify``, ``cp``, ``gc``) read them all (:func:`read_every_piece`,
 :func:`read_checkpoint`); ``inspect`` and the manager's metrics read the root alone
-(:func:`read_manifest`).
+(:func:`read_manifest`). Writing the root is here too, in one function for every writer
+(:func:`commit_manifest`: a save's commit, a copy's), after the checks these readers make.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from typing import TypeVar
 
 import numpy as np
 
-from objckpt.core.format import ARRAY_KINDS, MANIFEST_KEY, Manifest, parse_manifest
+from objckpt.core.format import ARRAY_KINDS, MANIFEST_KEY, Manifest, manifest_to_json, parse_manifest
 from objckpt.core.format.index import IndexDoc, merge_indexes, parse_index
 from objckpt.core.format.index3_bounds import ArrayBoxes, LeafTable, check_covered, check_rows_tiling
 from objckpt.core.format.rows import LeafPieces, RowsBuilder
 from objckpt.core.pieces import check_tiling
-from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError
+from objckpt.errors import BucketNotFoundError, CheckpointNotFoundError, FormatError, ObjectExistsError, StoreError
 from objckpt.layouts.index3_io import read_index3
 from objckpt.layouts.rereads import MANIFEST_READS, until_checked
 from objckpt.storage import Store
+from objckpt.transfer.engine import TransferEngine
 
 #: Index objects read at once.
 INDEX_READS_AT_ONCE = 16
@@ -232,3 +234,45 @@ def check_whole_tiling(manifest: Manifest) -> None:
     for i, leaf in enumerate(manifest.leaves):
         if leaf.kind in ARRAY_KINDS and leaf.shape is not None:
             check_tiling(tuple(leaf.pieces), leaf.shape, f"'leaves[{i}]' ({leaf.path}): pieces of all index objects")
+
+
+async def check_readable(store: Store, root: bytes, *, size_limit: int) -> None:
+    """A restore's checks of the root ``root`` and of every index object it lists in ``store``.
+
+    Raises:
+        FormatError: what a reader would raise (the index object, the field, why).
+    """
+    manifest = parse_manifest(root, size_limit=size_limit)
+    await read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=size_limit, columnar=True)
+
+
+class Unreadable(StoreError):
+    """A root :func:`commit_manifest` refused: the checkpoint would not read back."""
+
+
+async def commit_manifest(engine: TransferEngine, manifest: Manifest, *, store: Store, size_limit: int) -> bool:
+    """The one create-if-absent write of a checkpoint's root, a save's and a copy's alike.
+
+    It runs once every earlier attempt of ``engine``'s writes has ended (:meth:`TransferEngine.put`
+    settles them) and after a restore's checks of the root and of every index object it lists,
+    read back from ``store`` (``engine``'s, with its retries): no checkpoint that no reader accepts is ever committed.
+    Returns True once ``manifest`` is committed (our own earlier attempt whose reply was lost
+    included), False when another checkpoint's root is there.
+
+    Raises:
+        Unreadable: what a reader would raise of it (the index object, the field, why); nothing
+            is written.
+    """
+    data = manifest_to_json(manifest)
+    try:
+        await check_readable(store, data, size_limit=size_limit)
+    except Exception as e:
+        raise Unreadable(f"the checkpoint would not read back ({type(e).__name__}: {e})") from None
+    try:
+        await engine.put(MANIFEST_KEY, data, mode="create")
+    except ObjectExistsError:
+        try:
+            return parse_manifest(await engine.get(MANIFEST_KEY), size_limit=size_limit).save_id == manifest.save_id
+        except Exception:
+            return False
+    return True

@@ -26,12 +26,9 @@ from typing import Any
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.codecs import CODEC
 from objckpt.core.format import (
-    MANIFEST_KEY,
     IndexRef,
     LeafEntry,
     Manifest,
-    manifest_to_json,
-    parse_manifest,
 )
 from objckpt.core.format.index import index_key, index_to_json
 from objckpt.core.format.index3_encode import index3_encode, item_breaks
@@ -40,16 +37,13 @@ from objckpt.errors import (
     CheckpointExistsError,
     CoordinationError,
     IntegrityError,
-    ObjectExistsError,
     ObjectNotFoundError,
     StoreError,
 )
-from objckpt.layouts.manifest_io import read_indexes
+from objckpt.layouts.manifest_io import Unreadable, commit_manifest
 from objckpt.multihost import Coordinator
 from objckpt.saving.live_markers import LiveMarker, MarkerGroup
 from objckpt.saving.upload import PieceRecord
-from objckpt.storage.base import Store
-from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.handle import Handle
 
 log = logging.getLogger("objckpt")
@@ -314,7 +308,8 @@ class Commit:
             bases=tuple(b for b in self.bases if b[0] in used),
         )
         try:
-            ours = await commit_manifest(self.engine, manifest, size_limit=self.options.manifest_size_limit)
+            limit = self.options.manifest_size_limit
+            ours = await commit_manifest(self.engine, manifest, store=self.store, size_limit=limit)
         except Unreadable as e:
             return json.dumps({"status": "aborted", "why": str(e)}).encode()
         except BaseException as e:
@@ -351,48 +346,6 @@ class Commit:
                 await self.store.delete(key)
             except Exception:  # gc removes whatever remains
                 pass
-
-
-async def check_readable(store: Store, root: bytes, *, size_limit: int) -> None:
-    """A restore's checks of the root ``root`` and of every index object it lists in ``store``.
-
-    Raises:
-        FormatError: what a reader would raise (the index object, the field, why).
-    """
-    manifest = parse_manifest(root, size_limit=size_limit)
-    await read_indexes(store, manifest, range(len(manifest.indexes)), size_limit=size_limit, columnar=True)
-
-
-class Unreadable(StoreError):
-    """A root :func:`commit_manifest` refused: the checkpoint would not read back."""
-
-
-async def commit_manifest(engine: TransferEngine, manifest: Manifest, *, size_limit: int) -> bool:
-    """The one create-if-absent write of a checkpoint's root, a save's and a copy's alike.
-
-    It runs once every earlier attempt of ``engine``'s writes has ended (:meth:`TransferEngine.put`
-    settles them) and after a restore's checks of the root and of every index object it lists,
-    read back from ``engine.store``: no checkpoint that no reader accepts is ever committed.
-    Returns True once ``manifest`` is committed (our own earlier attempt whose reply was lost
-    included), False when another checkpoint's root is there.
-
-    Raises:
-        Unreadable: what a reader would raise of it (the index object, the field, why); nothing
-            is written.
-    """
-    data = manifest_to_json(manifest)
-    try:
-        await check_readable(engine.store, data, size_limit=size_limit)
-    except Exception as e:
-        raise Unreadable(f"the checkpoint would not read back ({type(e).__name__}: {e})") from None
-    try:
-        await engine.put(MANIFEST_KEY, data, mode="create")
-    except ObjectExistsError:
-        try:
-            return parse_manifest(await engine.get(MANIFEST_KEY), size_limit=size_limit).save_id == manifest.save_id
-        except Exception:
-            return False
-    return True
 
 
 def _blob_sizes(records: list[PieceRecord]) -> dict[str, int]:

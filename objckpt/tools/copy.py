@@ -48,11 +48,10 @@ from objckpt.core.format.bases import is_ref
 from objckpt.core.format.index3 import parse_head
 from objckpt.core.format.standalone import local_key, standalone_index, standalone_root
 from objckpt.errors import CheckpointExistsError, FormatError, IntegrityError, StoreError
-from objckpt.layouts.manifest_io import read_checkpoint
+from objckpt.layouts.manifest_io import commit_manifest, read_checkpoint
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, human_bytes
 from objckpt.progress import start as start_progress
-from objckpt.saving.commit import commit_manifest
 from objckpt.storage.base import Store
 from objckpt.storage.copy import server as server_copy
 from objckpt.tools.server_side import ServerSide
@@ -473,7 +472,7 @@ async def _refuse_committed(dst: Any, manifest: Manifest, options: Options) -> N
 async def _commit(target: TransferEngine, dst: Any, manifest: Manifest, options: Options) -> None:
     """Write the manifest last, through the save's one manifest write (:func:`commit_manifest`:
     the copy read back as a reader reads it first); a lost reply to our own write is success."""
-    if not await commit_manifest(target, manifest, size_limit=options.manifest_size_limit):
+    if not await commit_manifest(target, manifest, store=dst, size_limit=options.manifest_size_limit):
         save_id = await committed_save_id(dst, options)
         if save_id != manifest.save_id:
             raise DestinationCommittedError(
