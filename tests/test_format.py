@@ -105,21 +105,21 @@ _PIECE_MUTATIONS = [
 
 
 @pytest.mark.parametrize(("field", "value"), _PIECE_MUTATIONS)
-def test_the_fast_piece_check_refuses_whatever_the_full_one_refuses(field, value):
+def test_thefast_piece_check_refuses_whatever_the_full_one_refuses(field, value):
     """Pieces are parsed by a fast check that formats no messages, falling back to the
     full one, which names the field: both must refuse the same pieces."""
-    from objckpt.core.pieces import _fast_piece, _piece_from_json
+    from objckpt.core.pieces import fast_piece, piece_from_json
 
     piece = {"start": [0, 0], "stop": [2, 4], "blob": "ab/b", "offset": 64, "length": 32, "crc32c": 5}
     blobs = {"ab/b": 96}
-    assert _fast_piece(dict(piece), [4, 4], 4, blobs) == _piece_from_json(dict(piece), "p", [4, 4], 4, blobs)
+    assert fast_piece(dict(piece), [4, 4], 4, blobs) == piece_from_json(dict(piece), "p", [4, 4], 4, blobs)
     if value is KeyError:
         del piece[field]
     else:
         piece[field] = value
-    assert _fast_piece(piece, [4, 4], 4, blobs) is None
+    assert fast_piece(piece, [4, 4], 4, blobs) is None
     with pytest.raises(FormatError):
-        _piece_from_json(piece, "p", [4, 4], 4, blobs)
+        piece_from_json(piece, "p", [4, 4], 4, blobs)
 
 
 def test_hole_is_rejected():

@@ -37,7 +37,7 @@ from objckpt.transfer import runtime
 
 ROOT = str(Path(objckpt.__file__).resolve().parents[1])
 SIZE = 64  # elements of the saved leaf
-ROW = ix._FIXED + 16  # raw bytes of a rank-1 row
+ROW = ix.ROW_FIXED + 16  # raw bytes of a rank-1 row
 FULL = ix.FRAME_LIMIT // ROW  # rank-1 rows in a frame at the frame limit (466,033)
 ROWS = bounds.ROW_FLOOR  # the rows a read of a one-leaf, one-process root takes in, past one per leaf and blob
 

@@ -45,7 +45,7 @@ def child(layers: int) -> dict[str, Any]:
     from benchmarks.scale.state import make_mesh, state_tree, target_leaves, targets_at
     from objckpt.core.format import index3, index3_bounds, index3_encode, manifest_to_json, parse_manifest
     from objckpt.core.format.index import index_key
-    from objckpt.core.format.index3 import _FIXED
+    from objckpt.core.format.index3 import ROW_FIXED
     from objckpt.core.format.index3_frames import parse_index3
     from objckpt.core.tree import flatten
     from objckpt.layouts import index3_io
@@ -79,7 +79,7 @@ def child(layers: int) -> dict[str, Any]:
             rows["all"] += len(pieces)
             if leaf in wanted:
                 rows["params"] += len(pieces)
-                rows["params_bytes"] += len(pieces) * (_FIXED + 16 * len(manifest.leaves[leaf].shape or ()))
+                rows["params_bytes"] += len(pieces) * (ROW_FIXED + 16 * len(manifest.leaves[leaf].shape or ()))
     return {
         "root_bytes": len(root),
         "heads_bytes": sum(ref.head for ref in manifest.indexes),

@@ -35,25 +35,17 @@ class Piece(NamedTuple):
         return tuple(b - a for a, b in zip(self.start, self.stop))
 
 
-def _need(cond: bool, where: str, what: str) -> None:
-    need(cond, where, what)
-
-
-def _fields(obj: Any, where: str, required: set[str]) -> None:
-    fields(obj, where, required)
-
-
 _PIECE_KEYS = frozenset({"start", "stop", "blob", "offset", "length", "crc32c"})
 
 
-def _fast_piece(raw: Any, shape: list[int], itemsize: int, blobs: dict[str, int]) -> Piece | None:
-    """The piece if it passes every check of :func:`_piece_from_json`, else None (which
+def fast_piece(raw: Any, shape: list[int], itemsize: int, blobs: dict[str, int]) -> Piece | None:
+    """The piece if it passes every check of :func:`piece_from_json`, else None (which
     then names what is wrong).
 
     Why twice: building each check's message and field name up front costs more
     than the checks themselves, once per piece; this tests the same conditions
     and formats nothing. ``type(x) is int`` excludes booleans, as
-    :func:`_is_int` does.
+    :func:`~objckpt.core.strict.is_int` does.
     """
     if type(raw) is not dict or raw.keys() != _PIECE_KEYS:
         return None
@@ -87,25 +79,26 @@ def _fast_piece(raw: Any, shape: list[int], itemsize: int, blobs: dict[str, int]
     return Piece(tuple(start), tuple(stop), blob, offset, length, crc)
 
 
-def _piece_from_json(raw: Any, where: str, shape: list[int], itemsize: int, blobs: dict[str, int]) -> Piece:
-    _fields(raw, where, {"start", "stop", "blob", "offset", "length", "crc32c"})
+def piece_from_json(raw: Any, where: str, shape: list[int], itemsize: int, blobs: dict[str, int]) -> Piece:
+    """The piece ``raw`` of a leaf of ``shape``, checked field by field; FormatError naming ``where``."""
+    fields(raw, where, {"start", "stop", "blob", "offset", "length", "crc32c"})
     start, stop = raw["start"], raw["stop"]
     for name, box in (("start", start), ("stop", stop)):
-        _need(
+        need(
             isinstance(box, list) and len(box) == len(shape) and all(is_int(v) for v in box),
             f"{where}.{name}",
             f"must be {len(shape)} integers",
         )
     for d, (a, b, n) in enumerate(zip(start, stop, shape)):
-        _need(0 <= a < b <= n, f"{where}", f"box [{a}, {b}) outside dimension {d} of size {n}")
+        need(0 <= a < b <= n, f"{where}", f"box [{a}, {b}) outside dimension {d} of size {n}")
     blob = raw["blob"]
-    _need(isinstance(blob, str) and blob in blobs, f"{where}.blob", f"names no blob in 'blobs': {blob!r}")
+    need(isinstance(blob, str) and blob in blobs, f"{where}.blob", f"names no blob in 'blobs': {blob!r}")
     offset, length = raw["offset"], raw["length"]
-    _need(is_int(offset) and offset >= 0, f"{where}.offset", "must be a non-negative integer")
+    need(is_int(offset) and offset >= 0, f"{where}.offset", "must be a non-negative integer")
     expected = math.prod(b - a for a, b in zip(start, stop)) * itemsize
-    _need(is_int(length) and length == expected, f"{where}.length", f"must be {expected} (dtype × box)")
-    _need(offset + length <= blobs[blob], f"{where}", f"bytes [{offset}, {offset + length}) exceed blob {blob!r}")
-    _need(is_int(raw["crc32c"]) and 0 <= raw["crc32c"] < 2**32, f"{where}.crc32c", "must be a 32-bit integer")
+    need(is_int(length) and length == expected, f"{where}.length", f"must be {expected} (dtype × box)")
+    need(offset + length <= blobs[blob], f"{where}", f"bytes [{offset}, {offset + length}) exceed blob {blob!r}")
+    need(is_int(raw["crc32c"]) and 0 <= raw["crc32c"] < 2**32, f"{where}.crc32c", "must be a 32-bit integer")
     return Piece(tuple(start), tuple(stop), blob, offset, length, raw["crc32c"])
 
 

@@ -36,14 +36,14 @@ from objckpt.core.items import PER_PROCESS_MAX_BYTES
 from objckpt.errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError
 from objckpt.orbax.containment import check_local_item
 from objckpt.orbax.layout import (
-    _METADATA_LIMIT,
+    METADATA_LIMIT,
     PYTREE_HANDLERS,
     OrbaxItem,
-    _is_metrics_item,
-    _item_handlers,
-    _json,
-    _metadata_files,
-    _processes,
+    array_processes,
+    is_metrics_item,
+    item_handlers,
+    metadata_files,
+    metadata_json,
     parse_item,
     read_item,
 )
@@ -131,10 +131,10 @@ def orbax_checkpoint_at(store: Any, parent: Any = None) -> OrbaxItem | OrbaxComp
 async def read_checkpoint(store: Any, url: str, parent: Any = None) -> OrbaxItem | OrbaxComposite:
     """The Orbax item or Composite step at ``store`` (see :func:`~objckpt.orbax.layout.read_item`):
     a step with several items besides the metrics, none of them ``default``, is a Composite."""
-    files = await _metadata_files(store)
+    files = await metadata_files(store)
     if files.get("_METADATA") is None:
-        handlers = _item_handlers(url, files.get("_CHECKPOINT_METADATA"))
-        names = sorted(k for k in handlers if not _is_metrics_item(k, handlers[k]))
+        handlers = item_handlers(url, files.get("_CHECKPOINT_METADATA"))
+        names = sorted(k for k in handlers if not is_metrics_item(k, handlers[k]))
         if len(names) > 1 and "default" not in handlers:
             return await _read_composite(store, url, {k: handlers[k] for k in names}, files["_CHECKPOINT_METADATA"])
     return await read_item(store, url, parent, files)
@@ -149,7 +149,10 @@ async def _read_composite(store: Any, url: str, handlers: dict[str, str], step_m
         child = store.child(name)
         if handler.endswith(PYTREE_HANDLERS):
             pytree = parse_item(
-                item_url, await _metadata_files(child), step_metadata=step_meta, num_processes=await _processes(child)
+                item_url,
+                await metadata_files(child),
+                step_metadata=step_meta,
+                num_processes=await array_processes(child),
             )
             created = created or pytree.created
             items[name] = pytree
@@ -185,10 +188,10 @@ async def _json_item(store: Any, url: str, handler: str) -> JsonItem | Unreadabl
     name = "metadata" if "metadata" in files else next(iter(files)) if len(files) == 1 else None
     if name is None:
         return UnreadableItem(url, handler, f"a JSON item should hold one file, it holds {sorted(files) or 'none'}")
-    if files[name] > _METADATA_LIMIT:
-        raise FormatError(f"{url}/{name} is {files[name]} bytes: over the {_METADATA_LIMIT}-byte limit for a JSON item")
+    if files[name] > METADATA_LIMIT:
+        raise FormatError(f"{url}/{name} is {files[name]} bytes: over the {METADATA_LIMIT}-byte limit for a JSON item")
     data = await _read_listed(store, f"{url}/{name}", name, files[name])
-    return JsonItem(url=url, filename=name, value=_json(data, f"{url}/{name}"), nbytes=len(data))
+    return JsonItem(url=url, filename=name, value=metadata_json(data, f"{url}/{name}"), nbytes=len(data))
 
 
 async def _grain_item(store: Any, url: str) -> PerProcessItem:

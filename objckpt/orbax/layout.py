@@ -43,7 +43,8 @@ PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
 _KINDS = {"jax.Array": "array", "np.ndarray": "array", "scalar": "scalar", "string": "string"}
 _DICT_KEY, _SEQUENCE_KEY = 2, 1  # orbax's KeyType values
 _LEAF = object()  # a leaf's place in a skeleton built only to check the key paths
-_METADATA_LIMIT = 64 << 20
+#: Largest Orbax metadata file (or JSON item) objckpt reads.
+METADATA_LIMIT = 64 << 20
 #: Deepest key path a leaf may have (objckpt's own manifests allow the same nesting).
 MAX_DEPTH = 256
 
@@ -123,8 +124,9 @@ def _child(url: str, leaf: OrbaxLeaf, node: Any, key: Any, empty: Any, placed: s
     return child
 
 
-def _json(data: bytes, what: str) -> Any:
-    if len(data) > _METADATA_LIMIT:
+def metadata_json(data: bytes, what: str) -> Any:
+    """An Orbax metadata document parsed; a FormatError naming ``what`` if too large or not JSON."""
+    if len(data) > METADATA_LIMIT:
         raise FormatError(f"{what} is {len(data)} bytes: too large for Orbax metadata")
     try:
         return json.loads(data)
@@ -145,7 +147,7 @@ def parse_item(
     for raw_meta in (checkpoint_meta, step_metadata):
         if raw_meta is None:
             continue
-        described = _json(raw_meta, f"{url}/_CHECKPOINT_METADATA")
+        described = metadata_json(raw_meta, f"{url}/_CHECKPOINT_METADATA")
         if not isinstance(described, dict):
             continue
         handler = described.get("item_handlers")
@@ -155,7 +157,7 @@ def parse_item(
     raw = files.get("_METADATA")
     if raw is None:
         raise FormatError(f"Orbax item {url} has no _METADATA (written by an Orbax older than 0.5?)")
-    meta = _json(raw, f"{url}/_METADATA")
+    meta = metadata_json(raw, f"{url}/_METADATA")
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
     if not isinstance(tree, dict):
         raise FormatError(f"{url}/_METADATA has no tree_metadata")
@@ -170,7 +172,7 @@ def parse_item(
     if len(set(names)) != len(names):
         raise FormatError(f"{url}/_METADATA names a parameter twice")
     strings_raw = files.get("_strings.json")
-    strings = _json(strings_raw, f"{url}/_strings.json") if strings_raw is not None else {}
+    strings = metadata_json(strings_raw, f"{url}/_strings.json") if strings_raw is not None else {}
     if not isinstance(strings, dict) or not all(isinstance(v, str) for v in strings.values()):
         raise FormatError(f"{url}/_strings.json is not an object of strings")
     for leaf in leaves:
@@ -260,7 +262,7 @@ def _shardings(url: str, raw: bytes | None) -> dict[str, dict[str, Any]]:
     """``_sharding``: base64 parameter name → the sharding's JSON description."""
     if raw is None:
         return {}
-    table = _json(raw, f"{url}/_sharding")
+    table = metadata_json(raw, f"{url}/_sharding")
     out = {}
     if not isinstance(table, dict):
         raise FormatError(f"{url}/_sharding is not an object")
@@ -339,12 +341,12 @@ async def read_item(
         FormatError: the item cannot be read (naming it and why), or a step holds
             several items and none is ``default``.
     """
-    files = files if files is not None else await _metadata_files(store)
+    files = files if files is not None else await metadata_files(store)
     if files.get("_METADATA") is not None:
-        return parse_item(url, files, num_processes=await _processes(store))
-    handlers = _item_handlers(url, files.get("_CHECKPOINT_METADATA"))
+        return parse_item(url, files, num_processes=await array_processes(store))
+    handlers = item_handlers(url, files.get("_CHECKPOINT_METADATA"))
     if handlers:  # a step directory: {item: handler}
-        items = sorted(k for k in handlers if not _is_metrics_item(k, handlers[k]))  # the manager's metrics: no state
+        items = sorted(k for k in handlers if not is_metrics_item(k, handlers[k]))  # the manager's metrics: no state
         name = "default" if "default" in handlers else items[0] if len(items) == 1 else None
         if name is None:
             raise FormatError(
@@ -356,23 +358,23 @@ async def read_item(
         step_metadata = files.get("_CHECKPOINT_METADATA")
         return parse_item(
             f"{url}/{name}",
-            await _metadata_files(child),
+            await metadata_files(child),
             step_metadata=step_metadata,
-            num_processes=await _processes(child),
+            num_processes=await array_processes(child),
         )
     if parent is not None:
         name = url.rstrip("/").rsplit("/", 1)[-1]
-        handler = _item_handlers(url, (await _metadata_files(parent)).get("_CHECKPOINT_METADATA")).get(name)
+        handler = item_handlers(url, (await metadata_files(parent)).get("_CHECKPOINT_METADATA")).get(name)
         if handler is not None:
             _check_handler(url, handler)
     raise CheckpointNotFoundError(f"no objckpt or Orbax checkpoint at {url}")
 
 
-def _item_handlers(url: str, raw: bytes | None) -> dict[str, str]:
+def item_handlers(url: str, raw: bytes | None) -> dict[str, str]:
     """A step's ``_CHECKPOINT_METADATA``: its items and the handler that wrote each (empty for an item's own)."""
     if raw is None:
         return {}
-    handlers = _json(raw, f"{url}/_CHECKPOINT_METADATA")
+    handlers = metadata_json(raw, f"{url}/_CHECKPOINT_METADATA")
     handlers = handlers.get("item_handlers") if isinstance(handlers, dict) else None
     if not isinstance(handlers, dict):
         return {}
@@ -381,7 +383,7 @@ def _item_handlers(url: str, raw: bytes | None) -> dict[str, str]:
     return {str(k): str(v) for k, v in handlers.items()}
 
 
-def _is_metrics_item(name: str, handler: str) -> bool:
+def is_metrics_item(name: str, handler: str) -> bool:
     """Whether an item is the JSON ``metrics`` item Orbax's ``CheckpointManager`` writes beside the state."""
     return name == "metrics" and handler.endswith("JsonCheckpointHandler")
 
@@ -394,7 +396,7 @@ def _check_handler(url: str, handler: str) -> None:
         )
 
 
-async def _processes(store: Any) -> int:
+async def array_processes(store: Any) -> int:
     """How many processes wrote arrays (Orbax's ``array_metadatas/process_N``), at least 1."""
     try:
         listed = await store.list("array_metadatas/")
@@ -403,13 +405,13 @@ async def _processes(store: Any) -> int:
     return max(1, sum(1 for info in listed if info.key.rsplit("/", 1)[-1].startswith("process_")))
 
 
-async def _metadata_files(store: Any) -> dict[str, bytes | None]:
+async def metadata_files(store: Any) -> dict[str, bytes | None]:
     """The item's metadata files (None where absent), each read once its size is known to be
-    within :data:`_METADATA_LIMIT` (a FormatError naming the file otherwise)."""
+    within :data:`METADATA_LIMIT` (a FormatError naming the file otherwise)."""
     url = str(store.url).rstrip("/")
     names = ("_METADATA", "_CHECKPOINT_METADATA", "_sharding", "_strings.json")
     # All at once: probing a prefix that holds none (another layout's) costs one round trip, not four.
-    found = await asyncio.gather(*(read_small(store, name, _METADATA_LIMIT, f"{url}/{name}") for name in names))
+    found = await asyncio.gather(*(read_small(store, name, METADATA_LIMIT, f"{url}/{name}") for name in names))
     return dict(zip(names, found, strict=True))
 
 

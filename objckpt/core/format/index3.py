@@ -40,12 +40,12 @@ from objckpt.core.strict import fields, is_int, need, strict_json
 from objckpt.errors import FormatError
 
 MAGIC = b"OBJCKIX3"
-_PREFIX = len(MAGIC) + 4  # the magic, then the JSON's byte length (u32 little-endian)
+HEAD_PREFIX = len(MAGIC) + 4  # the magic, then the JSON's byte length (u32 little-endian)
 #: The largest frame a reader decompresses (writers stay near ``index3_encode.FRAME_TARGET``).
 FRAME_LIMIT = 16 << 20
-_FIXED = 20  # bytes per row before its coordinates: leaf u32, blob u32, offset u64, crc32c u32
-_SHA = 32
-_LENGTH = 8  # version 4: each row's stored byte length (u64, byte-planar, after the coordinates)
+ROW_FIXED = 20  # bytes per row before its coordinates: leaf u32, blob u32, offset u64, crc32c u32
+ROW_SHA = 32  # a row's SHA-256 (Options.digest), after the coordinates
+ROW_LENGTH = 8  # version 4: each row's stored byte length (u64, byte-planar, after the coordinates)
 
 
 class Pinned(FormatError):
@@ -115,7 +115,7 @@ def parse_head(data: bytes, manifest: Manifest, process: int, table: LeafTable |
     ref = manifest.indexes[process]
     doc_name = f"index object {ref.key}"
     head = data[: ref.head]
-    if len(head) != ref.head or ref.head < _PREFIX:
+    if len(head) != ref.head or ref.head < HEAD_PREFIX:
         raise FormatError(f"{doc_name} is truncated: its head is {ref.head} bytes, {len(head)} were read")
     if head[: len(MAGIC)] != MAGIC:
         raise FormatError(f"{doc_name} does not start with the version 3 magic {MAGIC!r}")
@@ -135,8 +135,8 @@ def _pinned_head(head: bytes, manifest: Manifest, process: int, table: LeafTable
     """:func:`parse_head` of a head that matched its checksums."""
     ref = manifest.indexes[process]
     (length,) = struct.unpack_from("<I", head, len(MAGIC))
-    need(_PREFIX + length == ref.head, "(head)", f"JSON of {length} bytes in a head of {ref.head}", doc_name)
-    doc = strict_json(head[_PREFIX:], doc_name)
+    need(HEAD_PREFIX + length == ref.head, "(head)", f"JSON of {length} bytes in a head of {ref.head}", doc_name)
+    doc = strict_json(head[HEAD_PREFIX:], doc_name)
     fields(doc, "(top level)", {"format", "version", "save_id", "process", "blobs", "frames"}, set(), doc_name)
     need(doc["format"] == INDEX_FORMAT, "'format'", f"must be {INDEX_FORMAT!r}", doc_name)
     version = 4 if manifest.version >= 4 else 3  # version 4 objects belong to version 4 roots
@@ -225,7 +225,7 @@ def _frames(raw: Any, head: int, size: int, leaves: int, digest: bool, doc_name:
         )
         need(frame.offset == offset, where, f"offset {frame.offset}, the previous frame ends at {offset}", doc_name)
         need(frame.length >= 1 and offset + frame.length <= size, where, "bytes beyond the object", doc_name)
-        need(1 <= frame.rows and frame.rows * _FIXED <= frame.raw_length <= FRAME_LIMIT, where, "bad size", doc_name)
+        need(1 <= frame.rows and frame.rows * ROW_FIXED <= frame.raw_length <= FRAME_LIMIT, where, "bad size", doc_name)
         need(frame.crc32c < 2**32, where, "crc32c must be a 32-bit integer", doc_name)
         need(not digest or is_sha256_hex(frame.sha256), where, "sha256 must be 64 lowercase hex digits", doc_name)
         inflated += frame.raw_length

@@ -20,7 +20,7 @@ import numpy as np
 
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format.index import INDEX_FORMAT
-from objckpt.core.format.index3 import _FIXED, _LENGTH, _PREFIX, _SHA, MAGIC
+from objckpt.core.format.index3 import HEAD_PREFIX, MAGIC, ROW_FIXED, ROW_LENGTH, ROW_SHA
 from objckpt.core.format.index3_bounds import item_starts
 from objckpt.core.pieces import Piece
 
@@ -93,9 +93,9 @@ def index3_encode(
             entry[2] = offset
             offset += len(body)
         text = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-        if _PREFIX + len(text) == head_len:
+        if HEAD_PREFIX + len(text) == head_len:
             break
-        head_len = _PREFIX + len(text)
+        head_len = HEAD_PREFIX + len(text)
     return Encoded(MAGIC + struct.pack("<I", len(text)) + text + b"".join(bodies), head_len)
 
 
@@ -114,7 +114,7 @@ def _cuts(
     cuts = [0]
     size = 0
     for n, (leaf, piece) in enumerate(rows):
-        row = _FIXED + 16 * len(piece.start) + (_SHA if digest else 0) + (_LENGTH if lengths else 0)
+        row = ROW_FIXED + 16 * len(piece.start) + (ROW_SHA if digest else 0) + (ROW_LENGTH if lengths else 0)
         new_leaf = n > 0 and rows[n - 1][0] != leaf
         if n > cuts[-1] and ((new_leaf and leaf in breaks) or (size + row > target and (new_leaf or size >= target))):
             cuts.append(n)

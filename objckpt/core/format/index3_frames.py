@@ -19,7 +19,7 @@ import numpy as np
 
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format.index import IndexDoc
-from objckpt.core.format.index3 import _FIXED, _LENGTH, _SHA, Head, Pinned, leaf_array, parse_head
+from objckpt.core.format.index3 import ROW_FIXED, ROW_LENGTH, ROW_SHA, Head, Pinned, leaf_array, parse_head
 from objckpt.core.format.index3_bounds import LeafTable, Tally, box_text, cover, distinct_boxes, repeated
 from objckpt.core.format.rows import RowsBuilder
 from objckpt.core.format.schema import Manifest
@@ -126,12 +126,12 @@ def check_frame(
     digest = f.sha256 is not None
     uniform = int(rank[0]) if rank.min() == rank.max() else None  # one rank: rows as they lie
     count = n * 2 * uniform if uniform is not None else int(width.sum())
-    stored = _LENGTH * n if table.lengths else 0
-    if _FIXED * n + 8 * count + stored + (_SHA * n if digest else 0) != f.raw_length:
+    stored = ROW_LENGTH * n if table.lengths else 0
+    if ROW_FIXED * n + 8 * count + stored + (ROW_SHA * n if digest else 0) != f.raw_length:
         raise bad(f"{f.raw_length} bytes do not hold {n} rows of these leaves")
     if (blob >= len(head.keys)).any():
         raise bad(f"row {int(np.argmax(blob >= len(head.keys)))}: blob position not in 'blobs'")
-    coords = _unplanar(raw, _FIXED * n, count, "<i8")
+    coords = _unplanar(raw, ROW_FIXED * n, count, "<i8")
     length = np.empty(n, dtype=np.int64)
     groups: list[Group] = []
     starts = None if uniform is not None else np.concatenate(([0], np.cumsum(width)[:-1]))
@@ -154,7 +154,7 @@ def check_frame(
         groups.append(Group(sel, grid if r else None, distinct, inverse))
     covered = length  # the raw bytes of each row's box: what it covers of its leaf
     if stored:
-        length = _stored_lengths(_unplanar(raw, _FIXED * n + 8 * count, n, "<u8"), covered, leaf, table, bad)
+        length = _stored_lengths(_unplanar(raw, ROW_FIXED * n + 8 * count, n, "<u8"), covered, leaf, table, bad)
     size = np.asarray(head.sizes, dtype=np.int64)[blob]
     fits = offset <= size.astype(np.uint64)
     fits[fits] = offset[fits].astype(np.int64) + length[fits] <= size[fits]
@@ -164,7 +164,7 @@ def check_frame(
     cover(leaf, delta, covered, table, tally, bad)
     shas = None
     if digest:
-        shas = np.frombuffer(raw, np.uint8, _SHA * n, f.raw_length - _SHA * n).reshape(n, _SHA).copy()
+        shas = np.frombuffer(raw, np.uint8, ROW_SHA * n, f.raw_length - ROW_SHA * n).reshape(n, ROW_SHA).copy()
     wanted = None
     if keep is not None:
         keep = leaf_array(keep)

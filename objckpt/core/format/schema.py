@@ -34,7 +34,7 @@ from objckpt.core.items import (
     stored_document,
     stored_size,
 )
-from objckpt.core.pieces import Piece, _fast_piece, _piece_from_json, check_tiling
+from objckpt.core.pieces import Piece, check_tiling, fast_piece, piece_from_json
 from objckpt.core.strict import fields, is_int, need
 from objckpt.core.writer_rule import Mesh
 from objckpt.errors import FormatError
@@ -346,8 +346,8 @@ def _leaf_from_json(
         return LeafEntry(path, kind, raw["dtype"], tuple(shape), sharding=sharding, layout=layout, codec=codec)
     need(isinstance(raw["pieces"], list), f"{where}.pieces", "must be a list")
     pieces = tuple(
-        _fast_piece(p, shape, dtype.itemsize, blobs)
-        or _piece_from_json(p, f"{where}.pieces[{j}]", shape, dtype.itemsize, blobs)
+        fast_piece(p, shape, dtype.itemsize, blobs)
+        or piece_from_json(p, f"{where}.pieces[{j}]", shape, dtype.itemsize, blobs)
         for j, p in enumerate(raw["pieces"])
     )
     check_tiling(pieces, tuple(shape), f"{where}.pieces")

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.format.bases import is_ref, split_ref
-from objckpt.core.format.index3 import _PREFIX, MAGIC
+from objckpt.core.format.index3 import HEAD_PREFIX, MAGIC
 from objckpt.core.format.schema import IndexRef, Manifest
 from objckpt.core.strict import strict_json
 
@@ -32,14 +32,14 @@ def standalone_index(data: bytes, ref: IndexRef) -> tuple[bytes, IndexRef]:
     keys of its own, and the root entry that pins it."""
     head = data[: ref.head]
     (length,) = struct.unpack_from("<I", head, len(MAGIC))
-    doc = strict_json(head[_PREFIX : _PREFIX + length], ref.key)
+    doc = strict_json(head[HEAD_PREFIX : HEAD_PREFIX + length], ref.key)
     doc["blobs"] = [[local_key(k), size] for k, size in doc["blobs"]]
     frames = doc["frames"]
     delta = 0
     for _ in range(8):  # the offsets' digits change the head's length: a few rounds settle it
         doc["frames"] = [[f[0], f[1], f[2] + delta, *f[3:]] for f in frames]
         text = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-        new_delta = _PREFIX + len(text) - ref.head
+        new_delta = HEAD_PREFIX + len(text) - ref.head
         if new_delta == delta:
             break
         delta = new_delta
