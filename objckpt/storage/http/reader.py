@@ -47,11 +47,11 @@ from objckpt.storage.http.network import proxy_for
 from objckpt.storage.streaming import STREAM_PIECE, ReadSink, piece_size
 from objckpt.storage.urls import check_relative
 
-_ERROR_BODY_LIMIT = 2048  # bytes of an error response kept for its code (S3's XML <Code>, GCS's JSON reason)
+ERROR_BODY_LIMIT = 2048  # bytes of an error response kept for its code (S3's XML <Code>, GCS's JSON reason)
 _WORKERS = 64  # threads per reader; the transfer engine's slots bound requests in flight
 
 
-class _Attempt:
+class Attempt:
     """One read in flight: lets the awaiting side shut its socket down from another thread."""
 
     def __init__(self) -> None:
@@ -145,7 +145,7 @@ class HttpRangeReader:
         or whatever the sink raises. Once it returns or raises, the sink is not
         called any more.
         """
-        attempt = _Attempt()
+        attempt = Attempt()
         future = self._pool().submit(self._read, path, start, length, sink, what, attempt)
         try:
             return await asyncio.wrap_future(future)
@@ -203,7 +203,7 @@ class HttpRangeReader:
                 self._connections.discard(conn)
             conn.close()
 
-    def _read(self, path: str, start: int, length: int, sink: ReadSink, what: str, attempt: _Attempt) -> int:
+    def _read(self, path: str, start: int, length: int, sink: ReadSink, what: str, attempt: Attempt) -> int:
         request_path = self._request_path(path)
         headers = self._authorize(request_path, {"range": f"bytes={start}-{start + length - 1}"})
         with self._failures(what, attempt):
@@ -213,14 +213,14 @@ class HttpRangeReader:
                 raise StoreError(f"{what}: the server ignored the byte range (HTTP 200)")
             if response.status in (200, 206):
                 return self._stream(response, length, sink, what)
-            body = response.read(_ERROR_BODY_LIMIT)
+            body = response.read(ERROR_BODY_LIMIT)
             self._drop_connection()
             if response.status == 416:  # the range starts at or past the end
                 return 0
             raise status_error(response.status, self._error_code(body), what)
 
     @contextlib.contextmanager
-    def _failures(self, what: str, attempt: _Attempt) -> Iterator[None]:
+    def _failures(self, what: str, attempt: Attempt) -> Iterator[None]:
         """Around one request on this thread's connection: a socket or protocol failure becomes
         a :class:`TransientStoreError` naming ``what``, and any failure but one of ours (an HTTP
         status, a short body) drops the connection, which may hold unread bytes."""
@@ -243,7 +243,7 @@ class HttpRangeReader:
         self,
         request_path: str,
         headers: dict[str, str],
-        attempt: _Attempt,
+        attempt: Attempt,
         method: str = "GET",
         body: Sequence[memoryview] = (),
     ) -> http.client.HTTPResponse:

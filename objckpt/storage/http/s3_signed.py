@@ -28,7 +28,7 @@ from typing import Any
 
 from objckpt.errors import ObjectExistsError, StoreError, TransientStoreError
 from objckpt.storage.checksums import StoredChecksum, crc32c_header, parse_crc32c_header
-from objckpt.storage.http.reader import _ERROR_BODY_LIMIT, _Attempt, status_error
+from objckpt.storage.http.reader import ERROR_BODY_LIMIT, Attempt, status_error
 from objckpt.storage.http.s3 import S3Endpoint
 
 
@@ -83,7 +83,7 @@ class S3SignedRequests(S3Endpoint):
         Raises :class:`ObjectNotFoundError`, :class:`StorePermissionError`,
         :class:`TransientStoreError` (timeouts, resets, 429/5xx) or :class:`StoreError`, naming ``what``.
         """
-        attempt = _Attempt()
+        attempt = Attempt()
         future = self._pool().submit(self._head, path, key, what, attempt)
         try:
             return await asyncio.wrap_future(future)
@@ -91,12 +91,12 @@ class S3SignedRequests(S3Endpoint):
             attempt.abort()
             raise
 
-    def _head(self, path: str, key: str, what: str, attempt: _Attempt) -> StoredChecksum:
+    def _head(self, path: str, key: str, what: str, attempt: Attempt) -> StoredChecksum:
         request_path = self._request_path(path)
         headers = self._signed("HEAD", request_path, {"x-amz-checksum-mode": "ENABLED", **self._payer})
         with self._failures(what, attempt):
             response = self._send(request_path, headers, attempt, method="HEAD")
-            response.read(_ERROR_BODY_LIMIT)  # a HEAD's answer has no body: the connection stays usable
+            response.read(ERROR_BODY_LIMIT)  # a HEAD's answer has no body: the connection stays usable
             if response.status != 200:
                 raise status_error(response.status, response.getheader("x-amz-error-code", ""), what)
             length = response.getheader("content-length")
@@ -114,7 +114,7 @@ class S3SignedRequests(S3Endpoint):
         :meth:`head_checksum` (``BadDigest``, bytes that do not match the CRC-32C: a
         :class:`StoreError` naming it).
         """
-        attempt = _Attempt()
+        attempt = Attempt()
         future = self._pool().submit(self._put, path, parts, crc32c, create, what, attempt)
         try:
             await asyncio.wrap_future(future)
@@ -123,7 +123,7 @@ class S3SignedRequests(S3Endpoint):
             raise
 
     def _put(
-        self, path: str, parts: Sequence[memoryview], crc: int, create: bool, what: str, attempt: _Attempt
+        self, path: str, parts: Sequence[memoryview], crc: int, create: bool, what: str, attempt: Attempt
     ) -> None:
         request_path = self._request_path(path)
         body = [memoryview(p).cast("B") for p in parts if len(p)]
@@ -133,7 +133,7 @@ class S3SignedRequests(S3Endpoint):
         headers = self._signed("PUT", request_path, {**headers, **self._payer})
         with self._failures(what, attempt):
             response = self._send(request_path, headers, attempt, method="PUT", body=body)
-            answer = response.read(_ERROR_BODY_LIMIT)
+            answer = response.read(ERROR_BODY_LIMIT)
             if not response.isclosed():
                 self._drop_connection()  # more left unread than an error body holds
             if response.status == 200:
