@@ -122,9 +122,7 @@ class S3SignedRequests(S3Endpoint):
             attempt.abort()
             raise
 
-    def _put(
-        self, path: str, parts: Sequence[memoryview], crc: int, create: bool, what: str, attempt: Attempt
-    ) -> None:
+    def _put(self, path: str, parts: Sequence[memoryview], crc: int, create: bool, what: str, attempt: Attempt) -> None:
         request_path = self._request_path(path)
         body = [memoryview(p).cast("B") for p in parts if len(p)]
         headers = {"content-length": str(sum(len(p) for p in body)), "x-amz-checksum-crc32c": crc32c_header(crc)}
