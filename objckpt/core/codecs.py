@@ -28,8 +28,6 @@ from objckpt.errors import FormatError
 
 #: The codec name a version 4 leaf records (``"codec"``).
 CODEC = "shuffle-zstd"
-#: The values ``Options.compression`` takes.
-COMPRESSIONS = ("zstd",)
 #: Compressed leaves are saved in pieces of at most this many raw bytes (docs/PERFORMANCE.md
 #: "Compression" says why): a read that needs part of a saved shard fetches only the chunks
 #: its box meets, and each chunk is one independent zstd job for a core.

@@ -271,12 +271,6 @@ def _grid_axes(boxes: list[tuple[Index, Index]]) -> list[tuple[list[int], list[i
     return axes if count == len(boxes) else None
 
 
-def pieces_needed(pieces: Sequence[Piece], boxes: Sequence[tuple[Index, Index]]) -> list[Piece]:
-    """The saved pieces that intersect any of the needed boxes, each once."""
-    index = BoxIndex(boxes)
-    return [p for p in pieces if index.meeting(p.start, p.stop)]
-
-
 class ReadPart(NamedTuple):
     """One piece inside a ranged read, at ``offset`` bytes into the response.
 

@@ -36,8 +36,6 @@ from objckpt.errors import CheckpointNotFoundError, FormatError, ObjectNotFoundE
 from objckpt.orbax.containment import check_array_name, check_item_name, check_local_item, read_small
 from objckpt.transfer import runtime
 
-#: Files whose presence marks an Orbax item directory.
-MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
 #: Handlers whose items are a pytree of arrays, scalars and strings (what objckpt reads).
 PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
 _KINDS = {"jax.Array": "array", "np.ndarray": "array", "scalar": "scalar", "string": "string"}
@@ -413,8 +411,3 @@ async def metadata_files(store: Any) -> dict[str, bytes | None]:
     # All at once: probing a prefix that holds none (another layout's) costs one round trip, not four.
     found = await asyncio.gather(*(read_small(store, name, METADATA_LIMIT, f"{url}/{name}") for name in names))
     return dict(zip(names, found, strict=True))
-
-
-def is_orbax_listing(keys: list[str]) -> bool:
-    """Whether these keys (relative to a directory) are an Orbax item or a step of items."""
-    return any(k in MARKERS or (k.count("/") == 1 and k.split("/")[1] in MARKERS) for k in keys)

@@ -144,15 +144,8 @@ def _check_host_memory(
     boxes: dict[int, list[tuple[tuple[slice, ...], list[Any]]]],
     limit: int | None,
 ) -> None:
-    """Refuse, before any read, a restore needing more host memory than ``limit`` bytes, as
-    :func:`objckpt.restoring.leaf_plan.check_host_memory` does for objckpt checkpoints: a leaf
-    that stays in host memory needs all its boxes, one bound for other devices its largest
-    box; each leaf must fit, and the leaves staying in host memory together. The sizes
-    come from zarr headers, which can declare any shape.
-
-    Raises:
-        HostMemoryError: naming the leaf (or the largest leaves) and both sizes.
-    """
+    """:func:`objckpt.restoring.leaf_plan.check_host_memory` for an Orbax item (sizes from its
+    zarr headers): all of a host leaf's boxes, the largest box of one bound for other devices."""
     needs = []
     for i, array in arrays.items():
         dtype = numpy_dtype(array.dtype)

@@ -20,7 +20,7 @@ map memory just then (new threads' stacks, the allocator's first arenas).
 Leaves are grouped into mappings of at most :data:`GROUP_BYTES`, so freeing
 some restored leaves can free memory while others live on. Leaves whose boxes
 all equal saved pieces are left out: their responses become the arrays. So
-are leaves bound for an accelerator (:attr:`objckpt.restoring.leaf_plan.LeafPlan.stays_on_host`).
+are leaves bound for an accelerator (:attr:`objckpt.restoring.leaf_plan.LeafPlan.on_host`).
 The memory is what those leaves' buffers would hold anyway, only taken a
 little earlier.
 """

@@ -88,7 +88,7 @@ async def fetch(handle: Handle, requests: list[ReadRequest], landing: Landing) -
         await asyncio.to_thread(landing.finish_unread, i)
 
     # Reads start early to land aligned only where an aligned piece can become a device
-    # array without a copy: leaves placed on the CPU backend (LeafPlan.stays_on_host).
+    # array without a copy: leaves placed on the CPU backend (LeafPlan.on_host).
     on_cpu = any(p.places_boxes and p.on_host for p in plans.values())
     alignment = ResponseAlignment.of(store) if on_cpu else ResponseAlignment(None)
     # An adopted read is not memory above the restored arrays on the CPU backend (the

@@ -78,20 +78,11 @@ class LeafPlan:
     designated: Mapping[Box, list[tuple[Box, Any]]] | None = None  # read-once: each box's slabs and their reader
     unsafe_cast: bool = False  # cast="unsafe": numpy's astype, values unchecked
     whole_leaf_bytes: int = WHOLE_LEAF_BYTES
-    on_host: bool = True  # see stays_on_host
+    # Whether the restored boxes stay in host memory (a numpy result, or CPU devices): only
+    # then are the buffers the result (aligned private mappings, small ones from restoring.arena),
+    # else they are borrowed and given back once copied to the devices (recycles_buffers).
+    on_host: bool = True
     recycles: bool = False  # devices that copy a host buffer and let it go (see recycles_buffers)
-
-    @property
-    def stays_on_host(self) -> bool:
-        """Whether the leaf's restored boxes stay in host memory: a numpy result, or devices
-        that are the host's (the CPU backend, where a device array is host memory).
-
-        Only such leaves get buffers that are the result (aligned private mappings, the small
-        ones cut from :mod:`objckpt.restoring.arena`), so how their pages are made and touched
-        is what the restore pays for. A leaf bound for an accelerator borrows its buffers
-        instead, each given back once its copy to the devices has ended (:attr:`recycles_buffers`).
-        """
-        return self.on_host
 
     @property
     def recycles_buffers(self) -> bool:
@@ -134,7 +125,7 @@ class LeafPlan:
     @property
     def host_bytes(self) -> int:
         """Host bytes the leaf needs at once on this process: every box it reads when they stay
-        in host memory (:attr:`stays_on_host`), else its largest box (boxes go to their devices,
+        in host memory (:attr:`on_host`), else its largest box (boxes go to their devices,
         and their host buffers are freed, as they complete)."""
         sizes = [math.prod(b - a for a, b in zip(*box)) * self.dtype.itemsize for box in self.read_boxes]
         if not sizes:
@@ -146,17 +137,10 @@ class LeafPlan:
         return _meeting_of(tuple(self.read_boxes), _rows(self.entry))
 
     @functools.cached_property
-    def _pieces(self) -> tuple[Sequence[Piece], dict[tuple[Any, Any], Meets], dict[Box, int]]:
-        meeting = self._meeting
-        pieces = _rows(self.entry)
-        if pieces is None:
-            return (), meeting.meets, meeting.counts
-        return pieces.take(meeting.position_array), meeting.meets, meeting.counts
-
-    @functools.cached_property
     def pieces(self) -> Sequence[Piece]:
         """The saved pieces this process reads for the leaf (those meeting a box it reads)."""
-        return self._pieces[0]
+        rows = _rows(self.entry)
+        return () if rows is None else rows.take(self._meeting.position_array)
 
     @functools.cached_property
     def meets(self) -> dict[tuple[Any, Any], Meets]:
@@ -165,12 +149,12 @@ class LeafPlan:
         Landing, scattering and counting a piece look them up rather than
         intersecting it with every box again (a small model has ~1,300 pieces).
         """
-        return self._pieces[1]
+        return self._meeting.meets
 
     @functools.cached_property
     def box_pieces(self) -> dict[Box, int]:
         """Per box read: how many planned pieces meet it (what landing counts down)."""
-        return self._pieces[2]
+        return self._meeting.counts
 
     @functools.cached_property
     def assembled(self) -> list[Box]:
@@ -443,12 +427,9 @@ def _key_shape(impl: str, data_shape: tuple[int, ...], dtype: str) -> tuple[int,
 
 
 def check_host_memory(plans: Mapping[int, LeafPlan], limit: int | None) -> None:
-    """Refuse, before any read, a restore that needs more host memory than ``limit`` bytes.
-
-    Each leaf's :attr:`LeafPlan.host_bytes` must fit, and so must the leaves that
-    stay in host memory, together. Why before: the sizes come from the manifest,
-    and a hostile (or mistaken) one declares a leaf of petabytes; failing at once,
-    naming the leaf, beats failing an allocation (or the machine) midway.
+    """Refuse, before any read (:mod:`objckpt.restoring.host_memory` says why), a restore that needs
+    more host memory than ``limit`` bytes: each leaf's :attr:`LeafPlan.host_bytes`, and the leaves
+    that stay in host memory together.
 
     Raises:
         HostMemoryError: naming the leaf (or the largest leaves) and both sizes.

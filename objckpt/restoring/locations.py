@@ -222,10 +222,6 @@ class FailoverStore(Store):
         phases = {s.response_phase() if isinstance(s, AlignedResponses) else bytes_phase() for s in self.stores}
         return phases.pop() if len(phases) == 1 else None
 
-    @property
-    def current_url(self) -> str:
-        return self.stores[min(self._current, len(self.stores) - 1)].url
-
     def _leave(self, index: int, error: BaseException) -> bool:
         """Leave location ``index`` (if still current); whether another one is left to try."""
         if index == self._current:

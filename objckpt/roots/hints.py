@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Iterable
 from typing import Any
 
-from objckpt.core.format import MANIFEST_KEY
 from objckpt.errors import CheckpointNotFoundError
 from objckpt.options import Options
-from objckpt.roots.orbax_steps import orbax_steps_in
-from objckpt.roots.step_names import SHORT_STEP, STEP_DIR
-from objckpt.storage import ObjectInfo, Store
+from objckpt.roots.listing import step_dirs
+from objckpt.roots.step_names import SHORT_STEP
+from objckpt.storage import Store
 from objckpt.transfer import runtime
 from objckpt.transfer.retries import opened_store
 
@@ -62,19 +60,6 @@ def not_found_hint(store: Store, storage_options: dict[str, Any] | None, options
     except OSError:
         return ""
     return _missing_step_hint(parent, name, steps) if steps else ""
-
-
-def step_dirs(objects: Iterable[ObjectInfo], url: str) -> dict[int, str]:
-    """The committed steps in one listing of the root at ``url``: step → its directory's name
-    (``step_0000000042`` for objckpt's, ``42`` for Orbax's; objckpt's wins a number both hold)."""
-    objects = list(objects)
-    steps = {step: str(step) for step in orbax_steps_in(objects, url)}
-    for obj in objects:
-        head, _, tail = obj.key.partition("/")
-        match = STEP_DIR.match(head)
-        if match and tail == MANIFEST_KEY:
-            steps[int(match.group(1))] = head
-    return steps
 
 
 def _parent_and_step(url: str) -> tuple[str | None, int]:

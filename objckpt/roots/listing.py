@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,14 +48,20 @@ Lister = Callable[[Store], Coroutine[Any, Any, list[int]]]
 async def committed_steps(store: Store, *, orbax: bool = False) -> list[int]:
     """The committed steps under the manager root ``store``, ascending (one listing, no blob read);
     with ``orbax``, Orbax's too (:func:`~objckpt.roots.orbax_steps.orbax_steps_in`)."""
-    objects = await store.list("" if orbax else "step_")
-    steps = set(orbax_steps_in(objects, store.url) if orbax else ())
+    return sorted(step_dirs(await store.list("" if orbax else "step_"), store.url))
+
+
+def step_dirs(objects: Iterable[ObjectInfo], url: str) -> dict[int, str]:
+    """The committed steps in one listing of the root at ``url``: step → its directory's name
+    (``step_0000000042`` for objckpt's, ``42`` for Orbax's; objckpt's wins a number both hold)."""
+    objects = list(objects)
+    steps = {step: str(step) for step in orbax_steps_in(objects, url)}
     for obj in objects:
         head, _, tail = obj.key.partition("/")
         match = STEP_DIR.match(head)
         if match and tail == MANIFEST_KEY:
-            steps.add(int(match.group(1)))
-    return sorted(steps)
+            steps[int(match.group(1))] = head
+    return steps
 
 
 def root_steps(

@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 
 FORMAT_NAME = "objckpt"
 FORMAT_VERSION = 3  # what saves write (Options.format_version)
-WRITE_VERSIONS = (2, 3)  # what saves can write
 READ_VERSIONS = (1, 2, 3, 4)  # what readers take (4: version 3 with compressed leaves)
 MANIFEST_KEY = "manifest.json"
 
