@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from objckpt.core.items import Json, PerProcess, Stateful
     from objckpt.manager.checkpoint_manager import CheckpointManager
     from objckpt.manager.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
+    from objckpt.manager.save_policy import SavePolicy
+    from objckpt.manager.settings import LocalCopies, Replication, Retention
     from objckpt.options import Options, RetryConfig
     from objckpt.orbax.convert import ConvertStats, convert_orbax, convert_orbax_steps
     from objckpt.progress import Progress
@@ -64,6 +66,10 @@ _LAZY = {
     "KeepEvery": "objckpt.manager.retention",
     "KeepLast": "objckpt.manager.retention",
     "RetentionPolicy": "objckpt.manager.retention",
+    "SavePolicy": "objckpt.manager.save_policy",
+    "LocalCopies": "objckpt.manager.settings",
+    "Replication": "objckpt.manager.settings",
+    "Retention": "objckpt.manager.settings",
     "Options": "objckpt.options",
     "RetryConfig": "objckpt.options",
     "ConvertStats": "objckpt.orbax.convert",
@@ -129,6 +135,7 @@ __all__ = [
     "KeepEvery",
     "KeepLast",
     "LeafInfo",
+    "LocalCopies",
     "Location",
     "ObjckptError",
     "ObjectExistsError",
@@ -138,10 +145,13 @@ __all__ = [
     "PeerCopyUnavailableError",
     "PerProcess",
     "Progress",
+    "Replication",
+    "Retention",
     "RetentionPolicy",
     "RetryConfig",
     "SaveHandle",
     "SaveInProgressError",
+    "SavePolicy",
     "Stateful",
     "StorageOptionError",
     "StoreError",

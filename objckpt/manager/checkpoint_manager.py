@@ -26,17 +26,19 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from objckpt.core.metadata import to_json_value
 from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError
 from objckpt.manager.preemption import Preemption
 from objckpt.manager.replication import ReplicaStatus, Replicator
-from objckpt.manager.retention import RetentionPolicy, manager_policies
+from objckpt.manager.retention import RetentionPolicy
 from objckpt.manager.save_policy import SavePolicy
 from objckpt.manager.save_schedule import SaveSchedule
+from objckpt.manager.settings import LocalCopies, Replication, Retention, grouped
 from objckpt.manager.step_deletion import apply_retention, delete_step, gc_root, gc_roots
 from objckpt.manager.step_reads import StepReads
 from objckpt.options import Options
@@ -62,63 +64,38 @@ class CheckpointManager:
 
     Args:
         root_url: where step directories live.
-        keep_last: keep the N most recent steps.
-        keep_every: keep every step that is a multiple of K, forever.
-        keep_best: keep the N best steps by ``best_metric``.
-        best_metric: the metric name ``keep_best`` ranks by.
-        best_mode: "max" or "min".
         storage_options: passed to the store.
         options: tuning for saves and restores.
-        gc_grace_seconds: ``gc`` leaves uncommitted blobs younger than this alone.
-        policies: extra :class:`RetentionPolicy` objects.
-        replicas: other roots (URLs, or :class:`objckpt.Location` with their own
-            storage options) that every committed step is copied to in the
-            background (:mod:`objckpt.manager.replication`): server-side where
-            the provider allows, each copy committed by its own manifest (same
-            ``save_id``), newest step first when a replica falls behind. The
-            retention policies and ``gc`` apply to every replica;
-            :meth:`replica_status` says where each stands; :meth:`restore` reads
-            from the nearest copy and fails over. In multi-process runs the
-            primary process replicates.
-        replication_timeout: seconds :meth:`close` waits for the replicas to hold
-            every step the root keeps (default 600) before it stops replicating;
-            what was cut off is caught up by the next manager on the same roots.
-        delete_orbax_steps: let retention rank and delete Orbax's steps under the root
-            with objckpt's own; by default it neither counts nor deletes them.
-        save_interval_steps: :meth:`save` saves steps that are multiples of N
-            (Orbax's ``save_interval_steps``).
-        save_on_steps: and these steps (Orbax's ``save_on_steps``).
-        final_step: and the loop's last step, so a run ending between intervals keeps it.
-        min_interval_seconds: and once this many seconds have passed since the previous
-            save started; with ``continuous``, the least time between saves.
-        continuous: and whenever no save is in flight: the next save starts as soon as
-            the previous one has committed, so steps are as dense as the store allows.
+        save_rules: which steps :meth:`save` saves (:class:`~objckpt.manager.save_policy.SavePolicy`).
+        retention: which steps are kept (:class:`~objckpt.manager.settings.Retention`); by
+            default all of them.
+        local: copies on each host, no object-store traffic (docs/TIERS.md): a
+            :class:`~objckpt.manager.settings.LocalCopies`, or its directory alone.
+        replicas: other roots that every committed step is copied to in the background
+            (:mod:`objckpt.manager.replication`): a :class:`~objckpt.manager.settings.Replication`,
+            or its list of URLs and :class:`objckpt.Location` alone. Server-side where the
+            provider allows, each copy committed by its own manifest (same ``save_id``), newest
+            step first when a replica falls behind. Retention and ``gc`` apply at every replica;
+            :meth:`replica_status` says where each stands; :meth:`restore` reads from the nearest
+            copy and fails over. In multi-process runs the primary process replicates.
+        incremental: each save's base is the newest committed step (``objckpt.save(..., base=...)``,
+            with SHA-256 digests): off by default; its cost in docs/INCREMENTAL.md.
         catch_sigterm: in a single process, install a SIGTERM handler (from the main
             thread) that turns the signal into a preemption notice instead of an exit;
             :meth:`close` puts the previous handler back. Off by default: the manager
             changes no signal handler unless asked. A multi-process job needs no flag:
             ``jax.distributed.initialize`` starts JAX's preemption service, which
             receives SIGTERM.
-        local: the recovery tiers (docs/TIERS.md, :class:`~objckpt.manager.tiers.Tiers`): a
-            directory on each host (a path or ``file://`` URL; a disk, NVMe or ``/dev/shm``)
-            where each process keeps its own shards, with no object-store traffic. None (the
-            default): no local tier, and the next four arguments do nothing.
-        local_interval_steps: :meth:`save` saves locally every K steps, whatever the
-            object-store save rules say.
-        local_keep_last: each process keeps its N newest local steps.
-        peers: 1 (the default, with more than one process): each process also keeps a copy
-            of another process's newest local step, sent through JAX's transfer server; 0: no
-            peer copies.
-        peer_of: ``peer_of(p, P)`` is the process whose steps process ``p`` of ``P`` keeps;
-            default ``(p + P // 2) % P``, a process half the job away.
-        incremental: each save's base is the newest committed step (``objckpt.save(..., base=...)``,
-            with SHA-256 digests): off by default; its cost in docs/INCREMENTAL.md.
+        **deprecated: the keywords taken before the settings were grouped (``keep_last=``,
+            ``save_interval_steps=``...): each still works for one release, with a
+            ``DeprecationWarning`` naming its new place (:func:`~objckpt.manager.settings.grouped`).
 
-    With none of the five save rules, every step saves. Whatever the rules, the step at
+    With no save rule, every step saves. Whatever the rules, the step at
     which a preemption notice has reached every process saves (:meth:`reached_preemption`);
     ``save(step, ..., force=True)`` saves any step. A preempted loop::
 
-        mgr = objckpt.CheckpointManager(url, save_interval_steps=1000, final_step=num_steps - 1)
+        rules = objckpt.SavePolicy(save_interval_steps=1000, final_step=num_steps - 1)
+        mgr = objckpt.CheckpointManager(url, save_rules=rules)
         start = mgr.latest_step()
         state = mgr.restore(start, abstract_state) if start is not None else init_state()
         for step in range(0 if start is None else start + 1, num_steps):
@@ -128,61 +105,43 @@ class CheckpointManager:
                 break
         mgr.close()                            # waits for the last save; then exit 0
 
-    Without any retention argument nothing is ever deleted. The latest committed step is
+    Without ``retention`` nothing is ever deleted. The latest committed step is
     always kept. Steps Orbax's ``CheckpointManager`` committed under the root are steps
     here too (:mod:`objckpt.roots.orbax_steps`); new steps are saved beside them.
 
     Attributes:
         store: the root's :class:`~objckpt.storage.Store`, open until :meth:`close`.
-        save_policy: the save rules (``save_interval_steps``... ``continuous``) as one
-            :class:`~objckpt.manager.save_policy.SavePolicy`.
-        policies: the retention policies, ``keep_*`` and ``policies=`` together.
+        save_policy: the save rules, ``save_rules`` (a :class:`~objckpt.manager.save_policy.SavePolicy`).
+        retention: the :class:`~objckpt.manager.settings.Retention` settings.
+        policies: the retention policies, ``keep_*`` and ``policies`` together.
+        replicas: where the replicas are, as :class:`objckpt.Location` (empty without replicas).
     """
 
     def __init__(
         self,
         root_url: str,
         *,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
-        keep_best: int | None = None,
-        best_metric: str | None = None,
-        best_mode: str = "max",
         storage_options: dict[str, Any] | None = None,
         options: Options | None = None,
-        gc_grace_seconds: float = 3600.0,
-        policies: list[RetentionPolicy] | None = None,
-        replicas: Sequence[str | Location] | None = None,
-        replication_timeout: float = 600.0,
-        delete_orbax_steps: bool = False,
-        save_interval_steps: int | None = None,
-        save_on_steps: Iterable[int] | None = None,
-        final_step: int | None = None,
-        min_interval_seconds: float | None = None,
-        continuous: bool = False,
-        catch_sigterm: bool = False,
-        local: Any = None,
-        local_interval_steps: int = 1,
-        local_keep_last: int = 2,
-        peers: int = 1,
-        peer_of: Callable[[int, int], int] | None = None,
+        save_rules: SavePolicy | None = None,
+        retention: Retention | None = None,
+        local: LocalCopies | str | os.PathLike[str] | None = None,
+        replicas: Replication | Sequence[str | Location] | None = None,
         incremental: bool = False,
+        catch_sigterm: bool = False,
+        **deprecated: Any,
     ) -> None:
+        groups = grouped(dict(save_rules=save_rules, retention=retention, local=local, replicas=replicas), deprecated)
+        self.save_policy: SavePolicy = groups["save_rules"]
+        self.retention: Retention = groups["retention"]
         self.root_url = str(root_url).rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.options = options or Options()
-        self.gc_grace_seconds = gc_grace_seconds
-        self.delete_orbax_steps = delete_orbax_steps
+        self.gc_grace_seconds = self.retention.gc_grace_seconds
+        self.delete_orbax_steps = self.retention.delete_orbax_steps
         self.incremental = incremental
         self.store: Store = open_store(self.root_url, self.storage_options, self.options)
-        self.policies: list[RetentionPolicy] = manager_policies(
-            policies or [],
-            keep_last=keep_last,
-            keep_every=keep_every,
-            keep_best=keep_best,
-            best_metric=best_metric,
-            best_mode=best_mode,
-        )
+        self.policies: list[RetentionPolicy] = self.retention.all_policies()
         # The save path is imported now, with JAX already in: a training loop's first save
         # then blocks for its copy, not for loading (and compiling) the modules behind it.
         import objckpt.saving.api  # noqa: F401
@@ -195,17 +154,10 @@ class CheckpointManager:
         self._stored = -1  # the newest step this manager has seen committed (its local saves record it)
         self._metrics: dict[int, dict[str, Any]] = {}
         self._closed = False
-        self.save_policy = SavePolicy.of(
-            save_interval_steps=save_interval_steps,
-            save_on_steps=save_on_steps,
-            final_step=final_step,
-            min_interval_seconds=min_interval_seconds,
-            continuous=continuous,
-        )
         self._preemption = Preemption(catch_sigterm=catch_sigterm, process_count=self._coordinator.process_count)
         timeout = self.options.barrier_timeout
         self._schedule = SaveSchedule(self.save_policy, self._preemption, self._coordinator, self.root_url, timeout)
-        self.replicas = as_locations(replicas, self.storage_options, primary=self.root_url)
+        self.replicas = as_locations(groups["replicas"].locations, self.storage_options, primary=self.root_url)
         self._reads = StepReads(
             self.store,
             self.root_url,
@@ -214,13 +166,13 @@ class CheckpointManager:
             replicas=self.replicas,
             metrics_seen=self._metrics,
         )
-        self.replication_timeout = replication_timeout
+        self.replication_timeout = groups["replicas"].timeout
         self._replicator: Replicator | None = None
         self._tiers: Tiers | None = None
-        if local is not None:
+        if groups["local"] is not None:
             from objckpt.manager.tiers import Tiers
 
-            args = (local, local_interval_steps, local_keep_last, peers, peer_of, self._coordinator, timeout)
+            args = (groups["local"], self._coordinator, timeout)
             self._tiers = Tiers(self.root_url, *args, store=self.store, options=self.options)
         if self.replicas and self._coordinator.is_primary:
             self._replicator = Replicator(

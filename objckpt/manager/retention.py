@@ -32,8 +32,8 @@ class StepRecord:
 class RetentionPolicy(Protocol):
     """Which committed steps to keep: a manager deletes each step that no policy keeps.
 
-    Any object with this ``keep`` method is one (``CheckpointManager(..., policies=[...])``);
-    the newest committed step is kept whatever the policies say.
+    Any object with this ``keep`` method is one (``Retention(policies=[...])``); the
+    newest committed step is kept whatever the policies say.
     """
 
     def keep(self, steps: Sequence[StepRecord]) -> set[int]:
@@ -107,32 +107,3 @@ def steps_to_delete(steps: Sequence[StepRecord], policies: Sequence[RetentionPol
     for policy in policies:
         kept |= policy.keep(ordered)
     return [s.step for s in ordered if s.step not in kept]
-
-
-def manager_policies(
-    policies: Sequence[RetentionPolicy],
-    *,
-    keep_last: int | None,
-    keep_every: int | None,
-    keep_best: int | None,
-    best_metric: str | None,
-    best_mode: str,
-) -> list[RetentionPolicy]:
-    """A manager's policies: ``policies`` plus those its ``keep_*`` arguments name.
-
-    Raises:
-        ValueError: ``keep_every`` is not positive, ``keep_best`` has no ``best_metric``,
-            or ``best_mode`` is neither "max" nor "min".
-    """
-    out = list(policies)
-    if keep_last is not None:
-        out.append(KeepLast(keep_last))
-    if keep_every is not None:
-        if keep_every <= 0:
-            raise ValueError(f"keep_every must be positive, got {keep_every}")
-        out.append(KeepEvery(keep_every))
-    if keep_best is not None:
-        if not best_metric:
-            raise ValueError("keep_best needs best_metric")
-        out.append(KeepBest(keep_best, best_metric, best_mode))
-    return out

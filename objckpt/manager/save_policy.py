@@ -13,7 +13,6 @@ continuous checkpointing with a minimum interval): a migrated loop keeps its mea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,13 +20,13 @@ if TYPE_CHECKING:
     from objckpt.multihost import Coordinator
 
 
-@dataclass
+@dataclass(frozen=True)
 class SavePolicy:
     """Which steps save.
 
     Args:
         save_interval_steps: save every step that is a multiple of N.
-        save_on_steps: also save these steps.
+        save_on_steps: also save these steps (any iterable of step numbers).
         final_step: the loop's last step; it always saves, so a run that ends
             between intervals keeps its last step.
         min_interval_seconds: save once this many seconds have passed since the
@@ -52,27 +51,9 @@ class SavePolicy:
             raise ValueError(f"save_interval_steps must be positive, got {self.save_interval_steps}")
         if self.min_interval_seconds is not None and self.min_interval_seconds < 0:
             raise ValueError(f"min_interval_seconds must be >= 0, got {self.min_interval_seconds}")
-        self.save_on_steps = frozenset(int(s) for s in self.save_on_steps)
+        object.__setattr__(self, "save_on_steps", frozenset(int(s) for s in self.save_on_steps))
         if not self.given:
-            self.save_interval_steps = 1
-
-    @classmethod
-    def of(
-        cls,
-        *,
-        save_interval_steps: int | None,
-        save_on_steps: Iterable[int] | None,
-        final_step: int | None,
-        min_interval_seconds: float | None,
-        continuous: bool,
-    ) -> SavePolicy:
-        return cls(
-            save_interval_steps=save_interval_steps,
-            save_on_steps=frozenset(save_on_steps or ()),
-            final_step=final_step,
-            min_interval_seconds=min_interval_seconds,
-            continuous=continuous,
-        )
+            object.__setattr__(self, "save_interval_steps", 1)
 
     @property
     def given(self) -> bool:

@@ -3,7 +3,7 @@
 :class:`Tiers` is what :class:`~objckpt.manager.checkpoint_manager.CheckpointManager`
 holds when it is given ``local=``:
 
-- **saving**: every ``local_interval_steps`` steps each process snapshots its own boxes
+- **saving**: every ``interval_steps`` steps each process snapshots its own boxes
   (the caller's thread, like ``save_async``'s blocking phase) and writes them to its local
   directory in the background (:mod:`objckpt.locations.local_dirs`). With ``peers=1`` the same
   background job then sends the step to the process's keeper (:mod:`objckpt.peers.copies`:
@@ -49,6 +49,7 @@ from objckpt.errors import (
 from objckpt.locations.local_dirs import LocalTier, local_path
 from objckpt.locations.run_keys import RunKeys
 from objckpt.locations.tiers import LOCAL, PEER, STORE, StepLocations, TierRestore, TierStatus
+from objckpt.manager.settings import LocalCopies
 from objckpt.multihost import Coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.saving.local_snapshot import snapshot
@@ -56,8 +57,6 @@ from objckpt.storage.base import Store
 from objckpt.transfer import runtime
 
 log = logging.getLogger("objckpt")
-
-Keeper = Callable[[int, int], int]
 
 #: The longest a peer copy waits, at each barrier or chunk, for a process that makes no progress.
 PEER_STALL_SECONDS = 30.0
@@ -69,11 +68,7 @@ class Tiers:
     def __init__(
         self,
         root_url: str,
-        local: Any,
-        interval: int,
-        keep_last: int,
-        peers: int,
-        keeper_of: Keeper | None,
+        local: LocalCopies,
         coordinator: Coordinator,
         timeout: float,
         *,
@@ -82,11 +77,7 @@ class Tiers:
     ) -> None:
         """``store``: the manager's root, where each run's key lives (:mod:`objckpt.locations.run_keys`);
         ``options``: the manager's, which its restores from the local tier use too."""
-        if interval < 1:
-            raise ValueError(f"local_interval_steps must be at least 1, got {interval}")
-        if peers not in (0, 1):
-            raise ValueError(f"peers must be 0 or 1 (one peer copy), got {peers}")
-        root = local_path(local)
+        root, keeper_of = local_path(local.path), local.peer_of
         if "://" not in root_url or root_url.startswith("file://"):
             store_dir = local_path(root_url)
             if root == store_dir or store_dir in root.parents:
@@ -96,12 +87,12 @@ class Tiers:
         self.coordinator = coordinator
         self.keys = RunKeys(store)
         index, count = coordinator.process_index, coordinator.process_count
-        self.tier = LocalTier(root, index, count, keep_last, url=root_url, key_of=self.keys)
-        self.interval = interval
+        self.tier = LocalTier(root, index, count, local.keep_last, url=root_url, key_of=self.keys)
+        self.interval = local.interval_steps
         self.keeper_of = keeper_of
         self.timeout = timeout
         self.peer_timeout = min(timeout, PEER_STALL_SECONDS)
-        keeping = bool(peers) and coordinator.process_count > 1
+        keeping = bool(local.peers) and coordinator.process_count > 1
         if keeping:
             from objckpt.peers.transfer import keeper_map, peer_copy_unavailable
 
