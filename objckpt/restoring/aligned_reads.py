@@ -98,39 +98,41 @@ async def read_aligned(
 
     A read of up to ``chunk`` bytes plus ``PACKING_SLACK`` (a whole packed
     blob) is a single GET, started a few bytes early when that lands the bytes
-    aligned (:class:`ResponseAlignment`). A longer one goes out as sub-range
-    GETs of ``chunk`` bytes, at most ``parallel`` at once, each started only
-    when there is room (:func:`objckpt.transfer.ordered.run_in_order`): the first that
-    comes back short (the blob is shorter than the read) is the last, so a
-    manifest that declares more bytes than the blob holds costs only the bytes
-    there are. The parts are joined before any checksum is checked, since a
-    piece's crc32c covers the whole piece. Returns the bytes from
-    ``request.start`` on: fewer only if the blob is shorter.
+    aligned (:class:`ResponseAlignment`). A longer one goes out as :func:`read_parts`,
+    joined before any checksum is checked, since a piece's crc32c covers the whole
+    piece. Returns the bytes from ``request.start`` on: fewer only if the blob is shorter.
     """
     if request.length <= chunk + PACKING_SLACK:
         pad = alignment.pad(request)
         response = await engine.get_range(request.blob, request.start - pad, request.end)
         alignment.observe(response)
         return memoryview(response)[pad:]
-
-    async def part(start: int) -> memoryview:
-        return await engine.get_range(request.blob, start, min(start + chunk, request.end))
-
-    def short(start: int, data: memoryview) -> bool:
-        return len(data) < min(chunk, request.end - start)
-
-    parts = await run_in_order(range(request.start, request.end, chunk), part, parallel=parallel, last=short)
-    return await asyncio.to_thread(_join, parts, request.length, chunk)
+    parts = await read_parts(engine, request.blob, request.start, request.end, chunk, parallel=parallel)
+    return await asyncio.to_thread(_join, parts, request.length)
 
 
-def _join(parts: list[memoryview], length: int, chunk: int) -> memoryview:
-    """Concatenate sub-range parts up to the first short one (off the loop thread, into
-    aligned memory of the bytes that came, not of the length asked for)."""
-    kept = []
-    for part in parts:
-        kept.append(part)
-        if len(part) < chunk:
-            break
+async def read_parts(
+    engine: TransferEngine, key: str, start: int, end: int, chunk: int, *, parallel: int
+) -> list[memoryview]:
+    """Bytes ``[start, end)`` of ``key`` as sub-range GETs of ``chunk`` bytes, at most ``parallel`` at
+    once, each started only when there is room (:func:`objckpt.transfer.ordered.run_in_order`). The
+    first that comes back short (the object ends there) is the last returned, so a manifest that
+    declares more bytes than a blob holds costs only the bytes there are."""
+
+    async def part(at: int) -> memoryview:
+        return await engine.get_range(key, at, min(at + chunk, end))
+
+    def short(at: int, data: memoryview) -> bool:
+        return len(data) < min(chunk, end - at)
+
+    parts = await run_in_order(range(start, end, chunk), part, parallel=parallel, last=short)
+    cut = next((k for k, data in enumerate(parts) if len(data) < chunk), len(parts) - 1)
+    return parts[: cut + 1]
+
+
+def _join(kept: list[memoryview], length: int) -> memoryview:
+    """Concatenate sub-range parts (off the loop thread, into aligned memory of the bytes that
+    came, not of the length asked for)."""
     filled = min(length, sum(len(part) for part in kept))
     if filled == 0:
         return memoryview(b"")

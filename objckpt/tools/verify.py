@@ -34,13 +34,13 @@ from objckpt.layouts.native import NativeCheckpoint
 from objckpt.layouts.registry import open_checkpoint
 from objckpt.options import MiB, Options
 from objckpt.progress import ProgressArg, reporting
+from objckpt.restoring.aligned_reads import read_parts
 from objckpt.roots.hints import explained
 from objckpt.tools.blob_pieces import PieceRef, pieces_by_blob, pieces_up_to
 from objckpt.tools.verify_stored import stored_checksums, verify_stored
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.handle import Handle, opened
-from objckpt.transfer.ordered import run_in_order
 from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
@@ -187,30 +187,12 @@ READ_PARALLEL = 4
 
 
 async def read_blob(engine: TransferEngine, key: str, size: int, *, chunk: int) -> memoryview | bytearray:
-    """The first ``size`` bytes of blob ``key`` by concurrent ranged reads.
-
-    Returns fewer bytes only if the object is shorter. The ranges are started
-    a few at a time (:func:`objckpt.transfer.ordered.run_in_order`) and the first that
-    comes back short ends the read, so ``size`` (the manifest's word) costs
-    only the bytes the object has. Raises what the store raises
-    (``ObjectNotFoundError`` for a missing blob).
-    """
+    """The first ``size`` bytes of blob ``key`` by concurrent ranged reads
+    (:func:`~objckpt.restoring.aligned_reads.read_parts`): fewer only if the object is shorter.
+    Raises what the store raises (``ObjectNotFoundError`` for a missing blob)."""
     if size <= chunk:
         return await engine.get_range(key, 0, size)
-
-    async def part(start: int) -> memoryview:
-        return await engine.get_range(key, start, min(start + chunk, size))
-
-    def short(start: int, data: memoryview) -> bool:
-        return len(data) < min(chunk, size - start)
-
-    parts = await run_in_order(range(0, size, chunk), part, parallel=READ_PARALLEL, last=short)
-    buffer = bytearray()
-    for data in parts:
-        buffer += data
-        if len(data) < chunk:  # the object ends inside this range (or this is its last one)
-            break
-    return buffer
+    return bytearray().join(await read_parts(engine, key, 0, size, chunk, parallel=READ_PARALLEL))
 
 
 def check_pieces(
@@ -225,16 +207,8 @@ def check_pieces(
             continue  # reported once per blob as "short"
         wrong = damage(view[p.offset : end], p.crc32c, p.sha256)
         if wrong is not None:
-            problems.append(
-                VerifyProblem(
-                    wrong,
-                    key,
-                    f"{wrong} mismatch in leaf {path}: blob {url}/{key} bytes [{p.offset}, {end})",
-                    leaf=path,
-                    start=p.offset,
-                    end=end,
-                )
-            )
+            message = f"{wrong} mismatch in leaf {path}: blob {url}/{key} bytes [{p.offset}, {end})"
+            problems.append(VerifyProblem(wrong, key, message, leaf=path, start=p.offset, end=end))
     return problems
 
 
@@ -267,38 +241,27 @@ async def check_blob(
     url = engine.store.url
     leaves = sorted({path for path, _ in pieces} | set(cut[1]))
     what = f"{len(pieces) + cut[0]} piece(s) of {', '.join(leaves) if leaves else 'no leaf'}"
+    missing = [VerifyProblem("missing", blob.key, f"missing blob {url}/{blob.key} ({blob.size} bytes; {what})")]
     if listed_size is None:
-        return [VerifyProblem("missing", blob.key, f"missing blob {url}/{blob.key} ({blob.size} bytes; {what})")]
+        return missing
     try:
         data = await read_blob(engine, blob.key, min(blob.size, listed_size), chunk=chunk)
     except FileNotFoundError:
-        return [VerifyProblem("missing", blob.key, f"missing blob {url}/{blob.key} ({blob.size} bytes; {what})")]
+        return missing
     except StoreError as e:
         return [VerifyProblem("unreadable", blob.key, f"unreadable blob {url}/{blob.key}: {e}")]
     problems = []
     if len(data) < blob.size:
         short = [p for p in pieces if p[1].offset + p[1].length > len(data)]
         cut_leaves = ", ".join(sorted({path for path, _ in short} | set(cut[1])))
-        problems.append(
-            VerifyProblem(
-                "short",
-                blob.key,
-                f"short blob {url}/{blob.key}: {len(data)} bytes, the manifest says {blob.size}"
-                f" ({len(short) + cut[0]} piece(s) of {cut_leaves or 'no leaf'} cut off)",
-                start=len(data),
-                end=blob.size,
-            )
+        message = (
+            f"short blob {url}/{blob.key}: {len(data)} bytes, the manifest says {blob.size}"
+            f" ({len(short) + cut[0]} piece(s) of {cut_leaves or 'no leaf'} cut off)"
         )
+        problems.append(VerifyProblem("short", blob.key, message, start=len(data), end=blob.size))
     elif listed_size > blob.size:
-        problems.append(
-            VerifyProblem(
-                "size",
-                blob.key,
-                f"blob {url}/{blob.key} is {listed_size} bytes, the manifest says {blob.size}",
-                start=blob.size,
-                end=listed_size,
-            )
-        )
+        message = f"blob {url}/{blob.key} is {listed_size} bytes, the manifest says {blob.size}"
+        problems.append(VerifyProblem("size", blob.key, message, start=blob.size, end=listed_size))
     mismatches = await asyncio.to_thread(check_pieces, url, blob.key, data, pieces)
     if coded:
         damaged = {m.start for m in mismatches}
@@ -311,12 +274,8 @@ async def check_blob(
 
 def coded_leaves(manifest: Manifest) -> dict[str, int]:
     """The compressed leaves of ``manifest`` (format version 4), path → itemsize."""
-    out = {}
-    for leaf in manifest.leaves:
-        dtype = dtype_from_name(leaf.dtype) if leaf.codec is not None and leaf.dtype is not None else None
-        if dtype is not None:
-            out[leaf.path] = dtype.itemsize
-    return out
+    coded = {leaf.path: dtype_from_name(leaf.dtype) for leaf in manifest.leaves if leaf.codec and leaf.dtype}
+    return {path: dtype.itemsize for path, dtype in coded.items() if dtype is not None}
 
 
 def check_decoding(
