@@ -57,8 +57,7 @@ def _compressor() -> Any:
         zstd = zstandard()
         # Fast strategy with a tiny match table and long matches only: the planes worth
         # compressing (exponents) are low-entropy noise that the entropy coder shrinks and
-        # matches barely do. Measured on bf16 weights' exponent plane: 2.94× at 0.9 GB per
-        # CPU-second, against level 1's 2.72× at ~0.3 (docs/PERFORMANCE.md "Compression").
+        # matches barely do (docs/PERFORMANCE.md "Compression" compares it with level 1).
         params = zstd.ZstdCompressionParameters(
             window_log=17,
             hash_log=6,

@@ -55,10 +55,9 @@ RESHARD_ABOVE = 1.1
 #: reshard is a collective (one ``jax.device_put`` every process joins, and a round of device
 #: traffic); for a leaf of a few KiB that costs more than the bytes it saves, which on a
 #: store are one round trip's worth at most. Not more than that: a layer stack saved unstacked
-#: from a pod gives each host tens to hundreds of KiB per leaf (a 405B layer's bf16 wk on
-#: 1,024 hosts: 32 KiB), and read directly such leaves cost a GET for every sliver of every
-#: piece they cut (``bench_scale``, fsdp the minor device axis: 30 GETs per 16 MiB with a
-#: 1 MiB floor, 9.5 with 64 KiB, 0.64 with this one). Read at call time (tests lower it).
+#: from a pod gives each host tens of KiB per leaf, and read directly such leaves cost a GET
+#: for every sliver of every piece they cut (docs/PERFORMANCE.md "Pod scale"). Read at call
+#: time (tests lower it).
 RESHARD_MIN_SAVED = 16 << 10
 
 #: ... unless reading directly fetches more than this many times the bytes needed: then the

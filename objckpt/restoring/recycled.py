@@ -3,10 +3,8 @@
 A box bound for an accelerator lives in host memory only from its first read until
 ``device_put`` has copied it to its devices. Fresh memory for each box costs twice. Reads'
 threads allocate with numpy, from glibc arenas of their own, whose freed memory the next
-box, landing on another thread, may not reuse: boxes fault fresh pages in (on a TPU v5e host
-a fresh page costs 2.3× its memcpy), and freed ones stay in the process's free lists. On the
-chip, an 8 GiB restore from tmpfs took 7.2–7.8 s with recycled buffers against 7.9–8.3 s
-without, and left 0.04 GiB in glibc's free lists instead of 0.6 (docs/PERFORMANCE.md).
+box, landing on another thread, may not reuse: boxes fault fresh pages in, and freed ones stay
+in the process's free lists (docs/PERFORMANCE.md measures both on a TPU host).
 
 :class:`RecycledBuffers` keeps the memory itself instead. A box gets the smallest free
 mapping it fits (one not much larger than it), or a fresh one whose pages the caller faults

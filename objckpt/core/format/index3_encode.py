@@ -25,9 +25,8 @@ from objckpt.core.format.index3_bounds import item_starts
 from objckpt.core.pieces import Piece
 
 #: A frame's rows are cut at the first leaf boundary past this many uncompressed bytes (a leaf with
-#: more rows than fit is cut between rows): ~2,500 rank-2 rows, ~16 KiB compressed. Measured on the
-#: 405B state's index objects at 4,096 devices (params only from all 1,024): 32 KiB frames read
-#: 27.5 MiB in 16.8 CPU-s, 128 KiB ones 25.4 MiB in 13.5 (better compression, fewer frames).
+#: more rows than fit is cut between rows): ~2,500 rank-2 rows, ~16 KiB compressed (docs/PERFORMANCE.md
+#: "Pod scale" compares frame sizes).
 FRAME_TARGET = 128 << 10
 
 
