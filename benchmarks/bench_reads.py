@@ -3,7 +3,7 @@
     python -m benchmarks.bench_reads [--rtts 0,10,40] [--repeats 3] [--sample 2000]
 
 4 JAX processes × 2 CPU devices (JAX's CPU collectives on: the benchmark's choice, never
-objckpt's) save the 1 GiB ``medium`` state of ``benchmarks/peers/workloads.py`` once to the
+objckpt's) save the 1 GiB ``medium`` state of ``benchmarks/rivals/workloads.py`` once to the
 local S3 (SeaweedFS, ``backends.launcher``) on a (4, 2) ("data", "model") mesh, 2-D leaves
 ``P("data", "model")``, 1-D ones replicated. Each process then, per RTT (0 ms direct; 10 and
 40 ms through ``backends.proxy.FaultProxy``) and per target, all processes at once:
@@ -113,7 +113,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
 
     import objckpt
     import objckpt.restoring.api as api
-    from benchmarks.peers.workloads import get
+    from benchmarks.rivals.workloads import get
     from objckpt.multihost import get_coordinator
     from objckpt.storage.registry import from_url
 
@@ -308,7 +308,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sample", type=int, default=2000, help="exact GETs timed per process and target")
     parser.add_argument("--gap", type=int, default=4096, help="runs closer than this merge (counted, not timed)")
-    parser.add_argument("--workload", default="medium", help="benchmarks/peers/workloads.py's (small: a smoke test)")
+    parser.add_argument("--workload", default="medium", help="benchmarks/rivals/workloads.py's (small: a smoke test)")
     parser.add_argument("--out", default="reads.json")
     parser.add_argument("--timeout", type=float, default=1200)
     args = parser.parse_args()

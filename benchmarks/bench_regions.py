@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 import backends  # noqa: E402
 import objckpt  # noqa: E402
 from backends.proxy import FaultProxy  # noqa: E402
-from benchmarks.peers import workloads  # noqa: E402
+from benchmarks.rivals import workloads  # noqa: E402
 
 FAR_BUCKET = "objckpt-bench-far"
 PHASES = ("replicate server-side", "replicate streamed", "restore near", "restore far", "restore near failing at 50%")

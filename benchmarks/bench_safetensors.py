@@ -52,7 +52,7 @@ def _drop_step(name: str) -> str | None:
 def _check(workload: Any, restored: Any) -> None:
     import numpy as np
 
-    from benchmarks.peers import workloads
+    from benchmarks.rivals import workloads
 
     for leaf, got in zip(workload.leaves, workloads.flat(workload, restored), strict=True):
         if not np.array_equal(np.asarray(got), workloads.leaf_values(leaf)):
@@ -92,7 +92,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from jax.sharding import SingleDeviceSharding
 
     import objckpt
-    from benchmarks.peers import workloads
+    from benchmarks.rivals import workloads
 
     opts = spec["storage_options"]
     workload = workloads.get(spec["workload"])
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     import backends
     import objckpt
     from backends.proxy import FaultProxy
-    from benchmarks.peers import workloads
+    from benchmarks.rivals import workloads
 
     workload = workloads.get(args.workload)
     service = backends.start_s3()

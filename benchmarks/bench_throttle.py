@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import backends  # noqa: E402
 import objckpt  # noqa: E402
 from backends.proxy import FaultProxy  # noqa: E402
-from benchmarks.peers import workloads  # noqa: E402
+from benchmarks.rivals import workloads  # noqa: E402
 from objckpt.transfer import throttle  # noqa: E402
 
 MODES = {"adaptive": True, "remembered": True, "fixed": False}

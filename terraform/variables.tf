@@ -212,15 +212,15 @@ variable "benchmark_commands" {
     sees CKPT_URL (gs://BUCKET/<scratch_prefix>bench/<run id>), XR_URL (the same in the second
     bucket, empty without one) and RESULTS_DIR (a directory uploaded to the bucket). A command's
     output goes to RESULTS_DIR/NN.log; a command that is skipped or fails does not stop the others.
-    benchmarks/demo.py and benchmarks/bench_peers.py (--url) take a bucket URL; the others run
-    against local servers. bench_peers writes its tables to benchmarks/results/, which is uploaded.
+    benchmarks/demo.py and benchmarks/bench_rivals.py (--url) take a bucket URL; the others run
+    against local servers. bench_rivals writes its tables to benchmarks/results/, which is uploaded.
   EOT
   type        = list(string)
   default = [
     "python -m benchmarks.demo --mib 256 \"$CKPT_URL\"",
     "python -m benchmarks.demo --mib 2048 \"$CKPT_URL\"",
     "if [ -n \"$XR_URL\" ]; then python -m benchmarks.demo --mib 2048 \"$XR_URL\"; else echo 'no second bucket: skipped'; fi",
-    "python -m pip install -q orbax-checkpoint || echo 'no orbax-checkpoint: Orbax is reported as skipped'; python -m benchmarks.bench_peers --url \"$CKPT_URL\" --workloads medium,large --systems raw,objckpt,orbax,naive --name peers-bucket",
+    "python -m pip install -q orbax-checkpoint || echo 'no orbax-checkpoint: Orbax is reported as skipped'; python -m benchmarks.bench_rivals --url \"$CKPT_URL\" --workloads medium,large --systems raw,objckpt,orbax,naive --name peers-bucket",
   ]
 
   validation {

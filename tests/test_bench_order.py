@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from benchmarks import bench_peers
+from benchmarks import bench_rivals
 
 
 class _NoServers:
-    """Just enough of ``LocalServers`` for :func:`bench_peers.measure` (no phase really runs)."""
+    """Just enough of ``LocalServers`` for :func:`bench_rivals.measure` (no phase really runs)."""
 
     def context(self, store: str, ms: int, **fields: Any) -> dict[str, Any]:
         return {"store": store, **fields}
@@ -32,14 +32,14 @@ class _NoServers:
 @pytest.fixture
 def phases_run(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     ran: list[str] = []
-    monkeypatch.setattr(bench_peers, "settle", lambda: None)
-    monkeypatch.setattr(bench_peers, "run_phase", lambda ctx, timeout, log_dir: ran.append(ctx["phase"]) or {})
+    monkeypatch.setattr(bench_rivals, "settle", lambda: None)
+    monkeypatch.setattr(bench_rivals, "run_phase", lambda ctx, timeout, log_dir: ran.append(ctx["phase"]) or {})
     return ran
 
 
 def _measure(system: str, rep: int) -> list[str]:
     args = argparse.Namespace(profile=False, profile_dir=Path("."), timeout=1.0, log_dir=Path("."))
-    rows = bench_peers.measure(_NoServers(), "s3", 0, "small", system, rep, args, "run")  # type: ignore[arg-type]
+    rows = bench_rivals.measure(_NoServers(), "s3", 0, "small", system, rep, args, "run")  # type: ignore[arg-type]
     return [row["phase"] for row in rows]
 
 

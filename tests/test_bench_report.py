@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.peers.report import check_targets, markdown, summarize
+from benchmarks.rivals.report import check_targets, markdown, summarize
 
 GiB = 1 << 30
 _META = {"started": "today", "machine": "2 cores", "repeats": 3, "raw_client": "obstore"}
@@ -163,10 +163,10 @@ def test_http_and_https_rows_are_kept_apart():
 def test_https_flag_is_parsed_and_excluded_with_url():
     import pytest
 
-    from benchmarks import bench_peers
+    from benchmarks import bench_rivals
 
-    args = bench_peers.parse(["--quick", "--https", "--systems", "raw,objckpt"])
+    args = bench_rivals.parse(["--quick", "--https", "--systems", "raw,objckpt"])
     assert args.https is True and args.name == "peers-quick-https"
-    assert bench_peers.parse(["--quick"]).https is False
+    assert bench_rivals.parse(["--quick"]).https is False
     with pytest.raises(SystemExit):
-        bench_peers.parse(["--url", "s3://bucket/x", "--https"])
+        bench_rivals.parse(["--url", "s3://bucket/x", "--https"])

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from backends import S3Service
-from benchmarks import bench_peers
-from benchmarks.peers.endpoints import Buckets
+from benchmarks import bench_rivals
+from benchmarks.rivals.endpoints import Buckets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def test_url_runs_raw_and_objckpt_against_the_bucket_and_cleans_up(s3_service: S
     root = "bench-url-test"
     env = {**os.environ, **s3_service.env(), "PYTHONPATH": str(REPO)}
     env.pop("STORAGE_EMULATOR_HOST", None)
-    argv = [sys.executable, "-m", "benchmarks.bench_peers", "--url", s3_service.url(root)]
+    argv = [sys.executable, "-m", "benchmarks.bench_rivals", "--url", s3_service.url(root)]
     argv += [
         "--workloads",
         "small",
@@ -74,12 +74,12 @@ def test_url_runs_raw_and_objckpt_against_the_bucket_and_cleans_up(s3_service: S
 
 def test_url_is_checked_and_excludes_local_options() -> None:
     with pytest.raises(SystemExit):
-        bench_peers.parse(["--url", "http://example.com/x"])
+        bench_rivals.parse(["--url", "http://example.com/x"])
     with pytest.raises(SystemExit):
-        bench_peers.parse(["--url", "s3://a/x", "--url", "s3://b/y"])  # one bucket per store
+        bench_rivals.parse(["--url", "s3://a/x", "--url", "s3://b/y"])  # one bucket per store
     with pytest.raises(SystemExit):
-        bench_peers.parse(["--url", "gs://a/x", "--profiles", "0,40"])  # a real bucket's RTT is its own
-    args = bench_peers.parse(["--url", "s3://a/runs/", "--url", "gs://b"])
+        bench_rivals.parse(["--url", "gs://a/x", "--profiles", "0,40"])  # a real bucket's RTT is its own
+    args = bench_rivals.parse(["--url", "s3://a/runs/", "--url", "gs://b"])
     assert args.plan == {"medium": {"s3": (0,), "gcs": (0,)}} and args.stores == ["s3", "gcs"]
 
 

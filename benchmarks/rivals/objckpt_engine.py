@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.peers import workloads
-from benchmarks.peers.common import Context
+from benchmarks.rivals import workloads
+from benchmarks.rivals.common import Context
 
 NAME = "objckpt"
 

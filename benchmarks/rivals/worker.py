@@ -1,5 +1,5 @@
-"""One measured phase in a fresh process: ``python -m benchmarks.peers.worker`` with the
-:class:`~benchmarks.peers.common.Context` as JSON on stdin.
+"""One measured phase in a fresh process: ``python -m benchmarks.rivals.worker`` with the
+:class:`~benchmarks.rivals.common.Context` as JSON on stdin.
 
 Prints one line ``RESULT {json}``: wall seconds of the timed call, client CPU seconds
 (all threads), RSS before the call and the peak during it (VmHWM reset just before),
@@ -16,7 +16,7 @@ import traceback
 
 
 def main() -> None:
-    from benchmarks.peers.common import Context
+    from benchmarks.rivals.common import Context
 
     ctx = Context(**json.loads(sys.stdin.read()))
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -24,7 +24,7 @@ def main() -> None:
 
     import importlib
 
-    from benchmarks.peers import MODULES
+    from benchmarks.rivals import MODULES
 
     system = importlib.import_module(MODULES[ctx.system])
     os.environ.update(system.env(ctx))
@@ -36,7 +36,7 @@ def main() -> None:
 
     import gc
 
-    from benchmarks.peers import common, workloads
+    from benchmarks.rivals import common, workloads
 
     workload = workloads.get(ctx.workload)
     try:

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.peers import workloads
-from benchmarks.peers.common import Context
+from benchmarks.rivals import workloads
+from benchmarks.rivals.common import Context
 
 NAME = "naive"
 

@@ -1,6 +1,6 @@
-"""Where the peers benchmark measures: local servers behind latency proxies, or real buckets.
+"""Where the rivals benchmark measures: local servers behind latency proxies, or real buckets.
 
-Both give the driver the same five calls: a :class:`~benchmarks.peers.common.Context`
+Both give the driver the same five calls: a :class:`~benchmarks.rivals.common.Context`
 per measurement, the requests a proxy saw, counting and deleting what a system wrote,
 reclaiming space, and closing.
 
@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers.common import SCHEMES, Context
+from benchmarks.rivals.common import SCHEMES, Context
 
 
 class LocalServers:

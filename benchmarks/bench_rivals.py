@@ -1,12 +1,12 @@
-"""objckpt next to its peers and the raw ceiling, on S3 and GCS, at three latencies.
+"""objckpt next to its rivals and the raw ceiling, on S3 and GCS, at three latencies.
 
-    python -m benchmarks.bench_peers            # the default run (~50 min on 2 cores)
-    python -m benchmarks.bench_peers --quick    # medium on S3 at 0 and 10 ms, 3 repeats (~17 min)
-    python -m benchmarks.bench_peers --quick --https   # the same, each cell over HTTP and over HTTPS
-    python -m benchmarks.bench_peers --workloads medium --stores s3 --profiles 0,10,40 --repeats 3
-    python -m benchmarks.bench_peers --url gs://bucket/scratch --workloads medium,large   # real buckets
+    python -m benchmarks.bench_rivals            # the default run (~50 min on 2 cores)
+    python -m benchmarks.bench_rivals --quick    # medium on S3 at 0 and 10 ms, 3 repeats (~17 min)
+    python -m benchmarks.bench_rivals --quick --https   # the same, each cell over HTTP and over HTTPS
+    python -m benchmarks.bench_rivals --workloads medium --stores s3 --profiles 0,10,40 --repeats 3
+    python -m benchmarks.bench_rivals --url gs://bucket/scratch --workloads medium,large   # real buckets
 
-``benchmarks/run_peers.sh`` does the same after setting up the environment. It starts
+``benchmarks/run_rivals.sh`` does the same after setting up the environment. It starts
 the local S3 server (SeaweedFS) and GCS emulator (fake-gcs-server), and latency
 proxies in front of each (``backends.proxy.FaultProxy``: 10 ms RTT ≈ same region,
 40 ms ≈ another region). Then, per repeat, per store and latency profile, per
@@ -20,7 +20,7 @@ two restores swap places each repeat):
 4. ``dcp``: torch.distributed.checkpoint, FsspecWriter/Reader over s3fs/gcsfs;
 5. ``naive``: one object per array, s3fs/gcsfs, one after the other.
 
-Each phase (save, restore) runs in a fresh process (``benchmarks.peers.worker``),
+Each phase (save, restore) runs in a fresh process (``benchmarks.rivals.worker``),
 which builds the tree deterministically, times only the call, and reports its CPU
 seconds and peak RSS; restores are checked against crc32 fingerprints of the saved
 values. Objects are listed (counted) and deleted after each system's turn.
@@ -34,7 +34,7 @@ environment (``AWS_CA_BUNDLE``, ``SSL_CERT_FILE``, ``REQUESTS_CA_BUNDLE``, ...) 
 store options (``client_kwargs={"verify": ca_file}`` on S3). A peer that cannot reach
 the store over HTTPS reports its HTTPS rows as skipped, with the reason.
 
-With ``--url`` (``benchmarks/peers/endpoints.py``) the same run goes to real buckets
+With ``--url`` (``benchmarks/rivals/endpoints.py``) the same run goes to real buckets
 instead: nothing is started, no latency is added, credentials come from the environment
 (rows carry the transport of the bucket's own endpoint, HTTPS unless told otherwise).
 
@@ -62,10 +62,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import backends  # noqa: E402, F401  (sets the gcsfs environment default)
-from benchmarks.peers import OPTIONAL_SYSTEMS, SYSTEMS, workloads  # noqa: E402
-from benchmarks.peers.common import Context  # noqa: E402
-from benchmarks.peers.endpoints import Buckets, LocalServers  # noqa: E402
-from benchmarks.peers.report import TRANSPORTS, markdown, summarize  # noqa: E402
+from benchmarks.rivals import OPTIONAL_SYSTEMS, SYSTEMS, workloads  # noqa: E402
+from benchmarks.rivals.common import Context  # noqa: E402
+from benchmarks.rivals.endpoints import Buckets, LocalServers  # noqa: E402
+from benchmarks.rivals.report import TRANSPORTS, markdown, summarize  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 GiB = 1 << 30
@@ -101,7 +101,7 @@ def run_phase(ctx: Context, timeout_s: float, log_dir: Path) -> dict[str, Any]:
         err.write(f"\n==== {time.strftime('%H:%M:%S')} {ctx.prefix}\n".encode())
         err.flush()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.peers.worker"],
+            [sys.executable, "-m", "benchmarks.rivals.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         "raw_client": "obstore" if args.buckets else "obstore on S3, gcsfs on GCS",
         "real_buckets": bool(args.buckets),
         "https": bool(args.https),
-        "command": " ".join(["python -m benchmarks.bench_peers", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m benchmarks.bench_rivals", *(argv if argv is not None else sys.argv[1:])]),
         "versions": _versions(),
         "objckpt_source": objckpt_source_hash(),
         "git_commit": _git_commit(),
@@ -416,7 +416,7 @@ def _write(args: argparse.Namespace, rows: list[dict], meta: dict, started: floa
         for transport in sorted({c.get("transport", "http") for c in summary["cells"]}, key=TRANSPORTS.index):
             cells = [c for c in summary["cells"] if c.get("transport", "http") == transport]
             suffix = "" if transport == "http" else f"-{transport}"
-            title = f"objckpt vs peers ({meta['started']})" + (f", {transport.upper()}" if suffix else "")
+            title = f"objckpt vs rivals ({meta['started']})" + (f", {transport.upper()}" if suffix else "")
             plot({**summary, "cells": cells}, args.out / f"{args.name}{suffix}.png", title=title)
     except ImportError as exc:
         log(f"no plot: {exc} (pip install -e '.[bench]')")

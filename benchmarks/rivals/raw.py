@@ -28,8 +28,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from benchmarks.peers import workloads
-from benchmarks.peers.common import BLOB_SIZE, CONCURRENCY, Context
+from benchmarks.rivals import workloads
+from benchmarks.rivals.common import BLOB_SIZE, CONCURRENCY, Context
 
 NAME = "raw"
 
@@ -81,7 +81,7 @@ def _uses_obstore(ctx: Context) -> bool:
 
 def _client(ctx: Context) -> Any:
     if ctx.real:
-        from benchmarks.peers.endpoints import bucket_client
+        from benchmarks.rivals.endpoints import bucket_client
 
         return bucket_client(ctx.store, ctx.bucket)
     if ctx.store == "s3":

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.peers import orbax_ckpt, workloads
-from benchmarks.peers.common import Context
+from benchmarks.rivals import orbax_ckpt, workloads
+from benchmarks.rivals.common import Context
 
 NAME = "objckpt reading orbax"
 

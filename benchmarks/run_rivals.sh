@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # objckpt next to the raw ceiling, Orbax, PyTorch DCP and a naive saver, on local S3 and GCS
 # servers at 0, 10 and 40 ms RTT. One command; results in benchmarks/results/peers.{md,json,png}.
-#   ./benchmarks/run_peers.sh            # the default plan (45–94 min on 2 cores)
-#   ./benchmarks/run_peers.sh --quick    # medium on S3 at 0 and 10 ms, 3 repeats (10–17 min)
-#   ./benchmarks/run_peers.sh --quick --https   # the same, every cell over HTTP and over HTTPS side by side
+#   ./benchmarks/run_rivals.sh            # the default plan (45–94 min on 2 cores)
+#   ./benchmarks/run_rivals.sh --quick    # medium on S3 at 0 and 10 ms, 3 repeats (10–17 min)
+#   ./benchmarks/run_rivals.sh --quick --https   # the same, every cell over HTTP and over HTTPS side by side
 #                                              # (test CA, TLS front / TLS latency proxy; about twice as long)
-#   ./benchmarks/run_peers.sh --url gs://bucket/prefix   # against a real bucket (credentials from the environment)
-# Any other flag goes to `python -m benchmarks.bench_peers` (see --help).
+#   ./benchmarks/run_rivals.sh --url gs://bucket/prefix   # against a real bucket (credentials from the environment)
+# Any other flag goes to `python -m benchmarks.bench_rivals` (see --help).
 set -euo pipefail
 . "$(dirname "$0")/../.ci/setup-env"
 if ! python -c "import orbax.checkpoint, torch.distributed.checkpoint, matplotlib" 2>/dev/null; then
@@ -24,4 +24,4 @@ fi
 # would compile the modules it imports lazily inside the timed call (measured: 13 ms
 # of a restore). The peers are installed packages, already compiled.
 python -m compileall -q objckpt benchmarks >/dev/null
-exec python -m benchmarks.bench_peers "$@"
+exec python -m benchmarks.bench_rivals "$@"

@@ -1,6 +1,6 @@
-"""The report of a peers run: medians and ratios per cell, the targets checked, the markdown tables.
+"""The report of a rivals run: medians and ratios per cell, the targets checked, the markdown tables.
 
-Kept apart from ``benchmarks/bench_peers.py``, which runs the measurements: these
+Kept apart from ``benchmarks/bench_rivals.py``, which runs the measurements: these
 functions read only the samples, so a finished run's JSON can be summarized again
 (``summarize(json.load(f)["samples"])``) after a change to the report alone.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.peers import SYSTEMS, workloads
-from benchmarks.peers.common import BLOB_SIZE, CONCURRENCY
+from benchmarks.rivals import SYSTEMS, workloads
+from benchmarks.rivals.common import BLOB_SIZE, CONCURRENCY
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -93,7 +93,7 @@ def _cell(cells: list[dict], **key: Any) -> dict | None:
 
 def reference_ratios(cells: list[dict]) -> list[dict[str, Any]]:
     """objckpt's restore over the raw GETs that keep every response: not a target, but
-    what a gap to the (dropping) raw GETs is made of (``benchmarks/peers/raw.py`` says)."""
+    what a gap to the (dropping) raw GETs is made of (``benchmarks/rivals/raw.py`` says)."""
     ratios = []
     for converted in cells:
         if (
@@ -202,7 +202,7 @@ def _check_reading_orbax(cells: list[dict], key: dict[str, Any], where: str, add
 def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     cells = summary["cells"]
     lines = [
-        f"# objckpt vs peers — {meta['started']}",
+        f"# objckpt vs rivals — {meta['started']}",
         "",
         f"{meta['machine']}. objckpt at {meta.get('git_commit', '?')} (sources {meta.get('objckpt_source', '?')}"
         + (", CHANGED DURING THE RUN" if meta.get("objckpt_source_changes") else "")
@@ -325,7 +325,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "seen by the latency proxy (so only at 10/40 ms). Objects: listed after the save. "
         "The raw restore drops each response as it lands (the store's limit, the targets' yardstick); "
         '"the same GETs, every response kept" holds them all, as a restore must hold what it read '
-        "(benchmarks/peers/raw.py says why the two differ).",
+        "(benchmarks/rivals/raw.py says why the two differ).",
         "",
     ]
     return "\n".join(lines)

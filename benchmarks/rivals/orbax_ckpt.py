@@ -31,8 +31,8 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.peers import workloads
-from benchmarks.peers.common import Context, proc_cpu_seconds
+from benchmarks.rivals import workloads
+from benchmarks.rivals.common import Context, proc_cpu_seconds
 
 NAME = "orbax"
 _mount: dict[str, Any] = {}

@@ -1,4 +1,4 @@
-"""The systems compared by ``benchmarks/bench_peers.py``, one module each.
+"""The systems compared by ``benchmarks/bench_rivals.py``, one module each.
 
 Every system module defines:
 
@@ -9,10 +9,10 @@ Every system module defines:
 - ``prepare_restore(ctx, workload, resharded)`` / ``restore(ctx, workload, target) -> (arrays, dict)``,
   where ``arrays`` are the restored global values (for the fingerprint check) or ``None``.
 
-``ctx`` is the measurement's context (:class:`benchmarks.peers.common.Context`). Only the
+``ctx`` is the measurement's context (:class:`benchmarks.rivals.common.Context`). Only the
 ``save``/``restore`` calls are timed; ``prepare_*`` (building the tree or the target,
 mounting a filesystem) is not. Each phase runs in a fresh process
-(:mod:`benchmarks.peers.worker`), so peak RSS and CPU time belong to that phase alone.
+(:mod:`benchmarks.rivals.worker`), so peak RSS and CPU time belong to that phase alone.
 """
 
 SYSTEMS = ("raw", "objckpt", "orbax", "dcp", "naive", "from_orbax")
@@ -20,10 +20,10 @@ SYSTEMS = ("raw", "objckpt", "orbax", "dcp", "naive", "from_orbax")
 OPTIONAL_SYSTEMS = ("from_orbax",)
 
 MODULES = {
-    "raw": "benchmarks.peers.raw",
-    "objckpt": "benchmarks.peers.objckpt_engine",
-    "orbax": "benchmarks.peers.orbax_ckpt",
-    "dcp": "benchmarks.peers.torch_dcp",
-    "naive": "benchmarks.peers.naive",
-    "from_orbax": "benchmarks.peers.from_orbax",
+    "raw": "benchmarks.rivals.raw",
+    "objckpt": "benchmarks.rivals.objckpt_engine",
+    "orbax": "benchmarks.rivals.orbax_ckpt",
+    "dcp": "benchmarks.rivals.torch_dcp",
+    "naive": "benchmarks.rivals.naive",
+    "from_orbax": "benchmarks.rivals.from_orbax",
 }
