@@ -4,7 +4,7 @@ and what local saves cost a training loop.
     python -m benchmarks.bench_tiers [--repeats 3] [--interval 20] [--step-s 1.0] [--quick]
 
 4 JAX processes × 2 CPU devices (JAX's CPU collectives on: the benchmark's choice, never
-objckpt's) hold the 1 GiB ``medium`` state of ``benchmarks/peers/workloads.py`` on a (4, 2)
+objckpt's) hold the 1 GiB ``medium`` state of ``benchmarks/rivals/workloads.py`` on a (4, 2)
 ("data", "model") mesh, 2-D leaves ``P("data", "model")``, 1-D ones replicated. The object
 store is the local S3 (SeaweedFS, ``backends.launcher``) at 10 ms RTT through
 ``backends.proxy.FaultProxy``; the local tier is a directory on this machine's disk.
@@ -88,7 +88,7 @@ def _worker(job: dict[str, Any], process: int) -> dict[str, Any]:
     from jax.sharding import PartitionSpec as P
 
     import objckpt
-    from benchmarks.peers.workloads import get
+    from benchmarks.rivals.workloads import get
     from objckpt.multihost import get_coordinator
 
     coordinator = get_coordinator()
@@ -118,11 +118,8 @@ def _worker(job: dict[str, Any], process: int) -> dict[str, Any]:
         return objckpt.CheckpointManager(
             root,
             storage_options=so,
-            local=str(local_dir),
-            local_interval_steps=interval,
-            local_keep_last=2,
-            peers=peers,
-            save_interval_steps=save_interval,
+            local=objckpt.LocalCopies(str(local_dir), interval_steps=interval, keep_last=2, peers=peers),
+            save_rules=objckpt.SavePolicy(save_interval_steps=save_interval),
         )
 
     out: dict[str, Any] = {"process": process, "bytes": sum(int(np.prod(leaf.shape)) * 4 for leaf in leaves)}

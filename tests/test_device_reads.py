@@ -141,7 +141,9 @@ def _manager_save(url: str, state: Any) -> None:
 def _manager_local_save(url: str, state: Any) -> None:
     """A manager step due for the local tier only (its store save rule is not met)."""
     root = url.removeprefix("file://")
-    with objckpt.CheckpointManager(url, local=f"{root}-local", save_interval_steps=1000) as mgr:
+    with objckpt.CheckpointManager(
+        url, local=f"{root}-local", save_rules=objckpt.SavePolicy(save_interval_steps=1000)
+    ) as mgr:
         mgr.save(3, state, wait=True)
 
 
