@@ -163,10 +163,18 @@ def run_mode(
     steps = cfg.steps if interval is None else -(-cfg.steps // interval) * interval
     mgr = None
     if mode == CONTINUOUS:
-        mgr = objckpt.CheckpointManager(url, storage_options=storage_options, keep_last=cfg.keep_last, continuous=True)
+        mgr = objckpt.CheckpointManager(
+            url,
+            storage_options=storage_options,
+            retention=objckpt.Retention(keep_last=cfg.keep_last),
+            save_rules=objckpt.SavePolicy(continuous=True),
+        )
     elif mode != NONE:
         mgr = objckpt.CheckpointManager(
-            url, storage_options=storage_options, keep_last=cfg.keep_last, save_interval_steps=interval
+            url,
+            storage_options=storage_options,
+            retention=objckpt.Retention(keep_last=cfg.keep_last),
+            save_rules=objckpt.SavePolicy(save_interval_steps=interval),
         )
     saves: list[dict[str, float]] = []
     commits: list[dict[str, float]] = []

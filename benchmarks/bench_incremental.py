@@ -101,7 +101,9 @@ def one_of_eight(root: str, so: dict[str, Any]) -> dict[str, Any]:
 
 def retention_then_gc(root: str, so: dict[str, Any]) -> dict[str, Any]:
     state = _state(8, 1024, seed=2)
-    with objckpt.CheckpointManager(root, storage_options=so, keep_last=1, incremental=True) as mgr:
+    with objckpt.CheckpointManager(
+        root, storage_options=so, retention=objckpt.Retention(keep_last=1), incremental=True
+    ) as mgr:
         mgr.save(1, state, force=True, wait=True)
         state = {**state, "l005": state["l005"] - 1.0}
         mgr.save(2, state, force=True, wait=True)

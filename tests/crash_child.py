@@ -38,7 +38,9 @@ def main() -> None:
     root, start = sys.argv[1], int(sys.argv[2])
     storage_options = json.loads(os.environ.get("OBJCKPT_TEST_STORAGE_OPTIONS", "{}"))
     options = objckpt.Options(blob_size=1 << 20, request_timeout=30)
-    mgr = objckpt.CheckpointManager(root, keep_last=2, storage_options=storage_options, options=options)
+    mgr = objckpt.CheckpointManager(
+        root, retention=objckpt.Retention(keep_last=2), storage_options=storage_options, options=options
+    )
     print("ready", flush=True)
     step = start
     while True:

@@ -45,9 +45,11 @@ def training_loop(job: dict[str, Any], process: int) -> dict[str, Any]:
     mgr = objckpt.CheckpointManager(
         job["url"],
         storage_options=job.get("storage_options") or {},
-        save_interval_steps=job.get("save_interval_steps"),
-        final_step=steps - 1,
-        continuous=bool(job.get("continuous", False)),
+        save_rules=objckpt.SavePolicy(
+            save_interval_steps=job.get("save_interval_steps"),
+            final_step=steps - 1,
+            continuous=bool(job.get("continuous", False)),
+        ),
         catch_sigterm=bool(job.get("catch_sigterm", False)),
     )
     start = mgr.latest_step()

@@ -172,8 +172,7 @@ def run(job: dict[str, Any], log: Log) -> None:
     mgr = objckpt.CheckpointManager(
         job["url"],
         storage_options=job.get("storage_options") or {},
-        save_interval_steps=job["save_interval_steps"],
-        final_step=steps - 1,
+        save_rules=objckpt.SavePolicy(save_interval_steps=job["save_interval_steps"], final_step=steps - 1),
     )
     iterator = iter(loader(job))
     start = mgr.latest_step()

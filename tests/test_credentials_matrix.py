@@ -138,7 +138,9 @@ def every_path(root: str, options: dict[str, Any], env: dict[str, str]) -> None:
     assert np.asarray(out["w"]).tobytes() == expected.tobytes()
     assert np.array_equal(out["b"], tree["b"])
 
-    manager = objckpt.CheckpointManager(f"{root}/run", storage_options=options, options=OPTIONS, keep_last=1)
+    manager = objckpt.CheckpointManager(
+        f"{root}/run", storage_options=options, options=OPTIONS, retention=objckpt.Retention(keep_last=1)
+    )
     try:
         manager.save(1, tree, wait=True)
         manager.save(2, tree, wait=True)

@@ -87,7 +87,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 def test_a_manager_continues_an_orbax_root_on_local_disk(tmp_path: Path) -> None:
     root = tmp_path / "run"
     states = _orbax_root(root, (10, 20))
-    manager = objckpt.CheckpointManager(str(root), keep_last=1)
+    manager = objckpt.CheckpointManager(str(root), retention=objckpt.Retention(keep_last=1))
     assert manager.steps() == [10, 20] and manager.latest_step() == 20
     _same(manager.restore(manager.latest_step(), _target()), states[20])
     _same(manager.restore(10), jax.tree.map(np.asarray, states[10]))
@@ -117,7 +117,9 @@ def test_a_manager_continues_an_orbax_root_on_local_disk(tmp_path: Path) -> None
         _same(other.restore(5, _target()), named_states[5])
 
     # Asked explicitly, retention ranks and deletes Orbax steps too.
-    with objckpt.CheckpointManager(str(root), keep_last=1, delete_orbax_steps=True) as pruning:
+    with objckpt.CheckpointManager(
+        str(root), retention=objckpt.Retention(keep_last=1, delete_orbax_steps=True)
+    ) as pruning:
         pruning.save(50, _state(50), wait=True)
         assert pruning.steps() == [50]
     assert not _files(root / "10") and not _files(root / "20") and _files(root / "step_0000000050")
@@ -140,7 +142,7 @@ def test_a_manager_continues_an_orbax_root_in_a_bucket(
         monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", service.endpoint_url)
         monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
 
-    manager = objckpt.CheckpointManager(url, storage_options=options, keep_last=1)
+    manager = objckpt.CheckpointManager(url, storage_options=options, retention=objckpt.Retention(keep_last=1))
     assert manager.steps() == [1, 2] and manager.latest_step() == 2  # step 3 never committed
     listed = _cli("ls", url, "--json", env=service.env())
     assert listed.returncode == 0, listed.stderr

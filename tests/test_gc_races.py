@@ -196,7 +196,7 @@ def test_a_marker_older_than_the_lease_protects_nothing(kind, store_target_facto
 
 
 def test_retention_and_delete_leave_a_step_a_save_is_writing_into(local_store):
-    mgr = objckpt.CheckpointManager(local_store.url, keep_last=1)
+    mgr = objckpt.CheckpointManager(local_store.url, retention=objckpt.Retention(keep_last=1))
     mgr.save(1, {"x": np.arange(10)}, wait=True)
     runtime.run_sync(mgr.store.child(STEP).put("_live/0123abcd-p0", b"{}"))  # another writer's save, in flight
     mgr.save(2, {"x": np.arange(10) + 2}, wait=True)

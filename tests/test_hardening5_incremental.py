@@ -47,7 +47,11 @@ def _guard(on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _manager(target: Any, root: str, **kw: Any) -> objckpt.CheckpointManager:
     return objckpt.CheckpointManager(
-        f"{target.url}/{root}", storage_options=target.storage_options, keep_last=1, incremental=True, **kw
+        f"{target.url}/{root}",
+        storage_options=target.storage_options,
+        retention=objckpt.Retention(keep_last=1),
+        incremental=True,
+        **kw,
     )
 
 

@@ -172,7 +172,7 @@ def test_retention_names_an_old_marker_of_another_save_as_maybe_a_dead_writers(l
     from objckpt.saving.live_markers import marker_key
 
     url = f"file://{local_store.url}"
-    mgr = objckpt.CheckpointManager(url, keep_last=1)
+    mgr = objckpt.CheckpointManager(url, retention=objckpt.Retention(keep_last=1))
     mgr.save(1, {"x": np.arange(10)}, wait=True)
     # What a writer killed meanwhile leaves in the step (an incremental save marks its base too).
     marker = marker_key(uuid.uuid4().hex, 0)
@@ -316,7 +316,9 @@ def test_an_abandoned_copys_write_landing_after_the_settling_time_is_deleted_bef
     try:
         with (
             caplog.at_level("INFO", logger="objckpt"),
-            objckpt.CheckpointManager(str(root), keep_last=2, replicas=[str(b)], options=options) as mgr,
+            objckpt.CheckpointManager(
+                str(root), retention=objckpt.Retention(keep_last=2), replicas=[str(b)], options=options
+            ) as mgr,
         ):
             mgr.save(1, state(1, 96 * 1024), wait=True)  # 24 blobs: the copy to b takes seconds
             deadline = time.monotonic() + 60

@@ -220,7 +220,9 @@ def test_ls_and_rm_say_a_base_keeps_what_later_steps_reference(
     kind: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     target = request.getfixturevalue(f"{kind}_store")
-    _chain(target, 2, keep_last=1)  # retention deleted step 1's manifest; step 2 references its blobs
+    _chain(
+        target, 2, retention=objckpt.Retention(keep_last=1)
+    )  # retention deleted step 1's manifest; step 2 references its blobs
     store = target.open()
     kept = sorted(o.key for o in runtime.run_sync(store.list(f"{ONE}/")))
     assert kept

@@ -44,9 +44,13 @@ def _target() -> dict[str, Any]:
     return {"v": jax.ShapeDtypeStruct((16,), np.float32, sharding=NamedSharding(mesh, P())), "n": 0}
 
 
-def _manager(s3_store: Any, local: Path, url: str | None = None, **kw: Any) -> objckpt.CheckpointManager:
-    kw = {"local_interval_steps": 5, **kw}
-    return objckpt.CheckpointManager(url or s3_store.url, storage_options=s3_store.storage_options, local=local, **kw)
+def _manager(
+    s3_store: Any, local: Path, url: str | None = None, interval: int = 5, **kw: Any
+) -> objckpt.CheckpointManager:
+    local_copies = objckpt.LocalCopies(local, interval_steps=interval)
+    return objckpt.CheckpointManager(
+        url or s3_store.url, storage_options=s3_store.storage_options, local=local_copies, **kw
+    )
 
 
 def _check(out: dict[str, Any], step: int, offset: float = 0.0) -> None:
@@ -67,7 +71,7 @@ def test_store_steps_deleted_and_a_resume_from_20_never_bring_the_deleted_branch
     ``objckpt.restore`` of step 20 (the local save of 25 retires them; retention had deleted 25
     itself, the oldest by number)."""
     local = tmp_path / "local"
-    mgr = _manager(s3_store, local, save_interval_steps=10)
+    mgr = _manager(s3_store, local, save_rules=objckpt.SavePolicy(save_interval_steps=10))
     for step in range(51):
         mgr.save(step, _tree(step))
     mgr.close()
@@ -77,7 +81,7 @@ def test_store_steps_deleted_and_a_resume_from_20_never_bring_the_deleted_branch
         plain.delete(step)
     plain.close()
 
-    mgr = _manager(s3_store, local, save_interval_steps=10)
+    mgr = _manager(s3_store, local, save_rules=objckpt.SavePolicy(save_interval_steps=10))
     assert mgr.latest_step() == 20  # 45 and 50 were saved after the store committed 30: a deleted line
     if resume == "manager":
         _check(mgr.restore(20, _target()), 20)
@@ -89,7 +93,7 @@ def test_store_steps_deleted_and_a_resume_from_20_never_bring_the_deleted_branch
         mgr.save(step, _tree(step, offset=0.5))
     mgr.close()
 
-    mgr = _manager(s3_store, local, save_interval_steps=10)
+    mgr = _manager(s3_store, local, save_rules=objckpt.SavePolicy(save_interval_steps=10))
     assert mgr.latest_step() == 25
     _check(mgr.restore(None, _target()), 25, offset=0.5)
     status = mgr.tier_status()
@@ -121,7 +125,7 @@ def test_deleting_the_newest_store_steps_through_the_manager_retires_their_local
     the newest step left (45, 50) are retired, so a restart restores 20 from the store; deleting
     an old step (housekeeping) leaves the local tier alone."""
     local = tmp_path / "local"
-    mgr = _manager(s3_store, local, save_interval_steps=10)
+    mgr = _manager(s3_store, local, save_rules=objckpt.SavePolicy(save_interval_steps=10))
     for step in range(51):
         mgr.save(step, _tree(step))
     mgr.wait()
@@ -152,7 +156,7 @@ def test_an_unwritable_local_directory_loses_no_store_save(s3_store, tmp_path, c
     """``local=`` under a regular file (NotADirectoryError, a raw OSError; root bypasses chmod):
     every store save commits, each failed local save is a warning, and training goes on."""
     (tmp_path / "file").write_bytes(b"not a directory")
-    mgr = _manager(s3_store, tmp_path / "file" / "local", local_interval_steps=1)
+    mgr = _manager(s3_store, tmp_path / "file" / "local", interval=1)
     with caplog.at_level("WARNING", logger="objckpt"):
         for step in range(6):
             assert mgr.save(step, _tree(step))
@@ -178,7 +182,7 @@ def test_a_full_local_disk_loses_no_store_save(s3_store, tmp_path, caplog, monke
 
     monkeypatch.setattr(local_dirs, "save_part", filling)
     local = tmp_path / "local"
-    mgr = _manager(s3_store, local, local_interval_steps=1)
+    mgr = _manager(s3_store, local, interval=1)
     with caplog.at_level("WARNING", logger="objckpt"):
         for step in range(7):
             assert mgr.save(step, _tree(step))
@@ -203,7 +207,7 @@ def test_the_store_save_starts_before_the_local_one(s3_store, tmp_path, monkeypa
         return real(tree, **kw)
 
     monkeypatch.setattr(manager_tiers, "snapshot", short_of_memory)
-    mgr = _manager(s3_store, tmp_path / "local", local_interval_steps=1)
+    mgr = _manager(s3_store, tmp_path / "local", interval=1)
     for step in range(3):
         mgr.save(step, _tree(step))
     with pytest.raises(MemoryError):

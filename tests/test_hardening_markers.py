@@ -86,7 +86,7 @@ def s3_env(request: pytest.FixtureRequest) -> Any:
 
 def test_a_marker_dated_years_ahead_keeps_neither_retention_nor_rm_nor_gc_off(local_store, tmp_path):
     url = _file_url(local_store)
-    mgr = objckpt.CheckpointManager(url, keep_last=1)
+    mgr = objckpt.CheckpointManager(url, retention=objckpt.Retention(keep_last=1))
     mgr.save(1, {"x": np.arange(10)}, wait=True)
     store = mgr.store.child(STEP)
     runtime.run_sync(store.put(FOREIGN, b"{}"))
@@ -179,7 +179,9 @@ def test_objects_under_live_that_are_not_markers_protect_nothing(kind, store_tar
 @pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_retention_and_gc_ignore_objects_under_live_that_are_not_markers(kind, store_target_factory):
     target = store_target_factory(kind)
-    mgr = objckpt.CheckpointManager(target.url, storage_options=target.storage_options, keep_last=1)
+    mgr = objckpt.CheckpointManager(
+        target.url, storage_options=target.storage_options, retention=objckpt.Retention(keep_last=1)
+    )
     mgr.save(1, {"x": np.arange(10)}, wait=True)
     runtime.run_sync(mgr.store.child(STEP).put("_live/README.txt", b"hello"))
     mgr.save(2, {"x": np.arange(10) + 2}, wait=True)
@@ -241,7 +243,9 @@ def test_a_save_killed_after_its_commit_is_named_as_such_by_retention_delete_and
     s3_store, caplog, capsys, monkeypatch, s3_env
 ):
     _save_killed_after_commit(s3_store.url, s3_store.storage_options)
-    mgr = objckpt.CheckpointManager(s3_store.url, storage_options=s3_store.storage_options, keep_last=1)
+    mgr = objckpt.CheckpointManager(
+        s3_store.url, storage_options=s3_store.storage_options, retention=objckpt.Retention(keep_last=1)
+    )
     assert mgr.steps() == [1]
     step = mgr.store.child(STEP)
     [marker] = [o.key for o in runtime.run_sync(step.list("_live/"))]
@@ -275,7 +279,7 @@ def test_a_marker_left_by_its_committed_save_long_ago_says_it_was_not_rewritten(
             self._stop.set()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    mgr = objckpt.CheckpointManager(url, keep_last=1)
+    mgr = objckpt.CheckpointManager(url, retention=objckpt.Retention(keep_last=1))
     with monkeypatch.context() as patch:
         patch.setattr(LiveMarker, "end", end_without_delete)
         mgr.save(1, {"x": np.arange(10)}, wait=True)

@@ -104,7 +104,9 @@ def test_retention_has_reached_every_replica_when_close_returns(tmp_path, monkey
     root, a, b = tmp_path / "root", tmp_path / "a", tmp_path / "b"
     _slow_disk(monkeypatch, b, removes=0.03)
     options = objckpt.Options(blob_size=16 * 1024)
-    with objckpt.CheckpointManager(str(root), keep_last=2, replicas=[str(a), str(b)], options=options) as mgr:
+    with objckpt.CheckpointManager(
+        str(root), retention=objckpt.Retention(keep_last=2), replicas=[str(a), str(b)], options=options
+    ) as mgr:
         for step in (1, 2):
             mgr.save(step, _state(step), wait=True)
             _until(lambda step=step: all(step in s.steps for s in mgr.replica_status()))
@@ -126,7 +128,9 @@ def test_a_copy_abandoned_with_a_write_in_flight_leaves_nothing_when_close_retur
     try:
         with (
             caplog.at_level("INFO", logger="objckpt"),
-            objckpt.CheckpointManager(str(root), keep_last=2, replicas=[str(a), str(b)], options=options) as mgr,
+            objckpt.CheckpointManager(
+                str(root), retention=objckpt.Retention(keep_last=2), replicas=[str(a), str(b)], options=options
+            ) as mgr,
         ):
             mgr.save(1, _state(1, n=96 * 1024), wait=True)  # 24 blobs: the copy to b takes seconds
             _until(lambda: bool(held) and any(k.startswith("step_0000000001/") for k in _keys(str(b))))
@@ -154,7 +158,7 @@ def test_close_reports_a_replica_whose_retention_fails_and_returns(tmp_path, mon
         remove(at, key)
 
     monkeypatch.setattr(posix, "remove_inside", refused)
-    mgr = objckpt.CheckpointManager(str(root), keep_last=2, replicas=[str(a), str(b)])
+    mgr = objckpt.CheckpointManager(str(root), retention=objckpt.Retention(keep_last=2), replicas=[str(a), str(b)])
     for step in (1, 2, 3):
         mgr.save(step, _state(step), wait=True)
     started = time.monotonic()
@@ -185,7 +189,9 @@ def test_three_saves_then_close_leave_every_replica_as_the_root(run, s3_service,
         b = objckpt.Location(s3_service.url(f"b-{name}"), far)
         options = objckpt.Options(blob_size=32 * 1024, max_concurrency=4)
         root = s3_service.url(f"root-{name}")
-        with objckpt.CheckpointManager(root, storage_options=so, keep_last=2, replicas=[a, b], options=options) as mgr:
+        with objckpt.CheckpointManager(
+            root, storage_options=so, retention=objckpt.Retention(keep_last=2), replicas=[a, b], options=options
+        ) as mgr:
             for step in (1, 2, 3):
                 mgr.save(step, _state(step, n=128 * 1024))
         _assert_holds_only(objckpt.Location(root, so), [2, 3])

@@ -207,7 +207,11 @@ def test_a_replica_copy_abandoned_by_retention_leaves_nothing_behind(two_regions
     proxy.latency_ms = 150  # the copy of step 0 takes seconds; saving step 1 at the root does not
     options = objckpt.Options(blob_size=64 * 1024, max_concurrency=2)
     mgr = objckpt.CheckpointManager(
-        near.url, storage_options=near.storage_options, keep_last=1, replicas=[far], options=options
+        near.url,
+        storage_options=near.storage_options,
+        retention=objckpt.Retention(keep_last=1),
+        replicas=[far],
+        options=options,
     )
     try:
         mgr.save(0, _state(0, n=512 * 1024), wait=True)  # 2 MiB in 32 blobs: seconds at the far replica

@@ -78,7 +78,9 @@ def test_base_must_be_a_sibling(local_store: Any) -> None:
 def test_manager_retention_and_gc_keep_what_kept_steps_reference(s3_store: Any) -> None:
     so = s3_store.storage_options
     tree = _tree()
-    with objckpt.CheckpointManager(s3_store.url, keep_last=1, storage_options=so, incremental=True) as mgr:
+    with objckpt.CheckpointManager(
+        s3_store.url, retention=objckpt.Retention(keep_last=1), storage_options=so, incremental=True
+    ) as mgr:
         for step in (1, 2, 3):
             if step > 1:
                 tree[f"w{step}"] = tree[f"w{step}"] - step

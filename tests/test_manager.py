@@ -57,7 +57,8 @@ def test_no_retention_keeps_everything_and_listing_reads_no_blobs(memory_store, 
 
 def test_retention_policies_combine(memory_store):
     mgr = objckpt.CheckpointManager(
-        memory_store.url, keep_last=2, keep_every=4, keep_best=1, best_metric="acc", best_mode="max"
+        memory_store.url,
+        retention=objckpt.Retention(keep_last=2, keep_every=4, keep_best=1, best_metric="acc", best_mode="max"),
     )
     acc = {1: 0.5, 2: 0.9, 3: 0.1, 4: 0.2, 5: 0.3, 6: 0.4, 7: 0.0, 8: 0.1, 9: 0.2}
     for step in range(1, 10):
@@ -75,7 +76,9 @@ def test_keep_best_reads_metrics_of_earlier_runs(memory_store):
     for step, loss in ((1, 0.1), (2, 0.5), (3, 0.7)):
         first.save(step, _state(step), metrics={"loss": loss})
     first.close()
-    second = objckpt.CheckpointManager(memory_store.url, keep_best=1, best_metric="loss", best_mode="min")
+    second = objckpt.CheckpointManager(
+        memory_store.url, retention=objckpt.Retention(keep_best=1, best_metric="loss", best_mode="min")
+    )
     second.save(4, _state(4), metrics={"loss": 0.9}, wait=True)
     assert second.steps() == [1, 4]  # best (1) and latest (4)
 
@@ -97,7 +100,9 @@ def test_error_of_a_background_save_is_raised_by_the_next_call(memory_store, mon
 
 
 def test_gc_removes_orphans_but_nothing_committed(any_store):
-    mgr = objckpt.CheckpointManager(any_store.url, storage_options=any_store.storage_options, gc_grace_seconds=3600)
+    mgr = objckpt.CheckpointManager(
+        any_store.url, storage_options=any_store.storage_options, retention=objckpt.Retention(gc_grace_seconds=3600)
+    )
     mgr.save(1, _state(1), wait=True)
     mgr.save(2, _state(2), wait=True)
     # a crashed save: blobs of step 3 without a manifest, and a stray blob in step 1

@@ -101,7 +101,9 @@ def test_default_saves_every_step_and_returns_true(memory_store):
 
 
 def test_interval_final_step_and_force(memory_store):
-    mgr = objckpt.CheckpointManager(memory_store.url, save_interval_steps=4, save_on_steps=[6], final_step=9)
+    mgr = objckpt.CheckpointManager(
+        memory_store.url, save_rules=objckpt.SavePolicy(save_interval_steps=4, save_on_steps=[6], final_step=9)
+    )
     saved = [s for s in range(10) if mgr.save(s, _tree(s))]
     assert saved == [0, 4, 6, 8, 9]
     assert [mgr.should_save(s) for s in (1, 2, 3, 12)] == [False, False, False, True]
@@ -112,7 +114,7 @@ def test_interval_final_step_and_force(memory_store):
 
 
 def test_skipped_step_waits_for_nothing(memory_store, held_uploads):
-    mgr = objckpt.CheckpointManager(memory_store.url, save_interval_steps=5)
+    mgr = objckpt.CheckpointManager(memory_store.url, save_rules=objckpt.SavePolicy(save_interval_steps=5))
     assert mgr.save(0, _tree(0))
     assert mgr.is_saving_in_progress()
     for step in range(1, 5):  # would hang on the held upload if a skipped step waited for it
@@ -124,7 +126,7 @@ def test_skipped_step_waits_for_nothing(memory_store, held_uploads):
 
 
 def test_min_interval_seconds_with_an_injected_clock(memory_store, clock):
-    mgr = objckpt.CheckpointManager(memory_store.url, min_interval_seconds=30)
+    mgr = objckpt.CheckpointManager(memory_store.url, save_rules=objckpt.SavePolicy(min_interval_seconds=30))
     saved = []
     for step in range(20):
         clock.now += 10  # each step takes 10 s
@@ -137,7 +139,9 @@ def test_min_interval_seconds_with_an_injected_clock(memory_store, clock):
 
 
 def test_min_interval_combines_with_the_step_interval(memory_store, clock):
-    mgr = objckpt.CheckpointManager(memory_store.url, save_interval_steps=7, min_interval_seconds=25)
+    mgr = objckpt.CheckpointManager(
+        memory_store.url, save_rules=objckpt.SavePolicy(save_interval_steps=7, min_interval_seconds=25)
+    )
     saved = []
     for step in range(15):
         clock.now += 10
@@ -149,7 +153,7 @@ def test_min_interval_combines_with_the_step_interval(memory_store, clock):
 
 
 def test_continuous_saves_as_soon_as_the_previous_one_committed(memory_store, held_uploads):
-    mgr = objckpt.CheckpointManager(memory_store.url, continuous=True)
+    mgr = objckpt.CheckpointManager(memory_store.url, save_rules=objckpt.SavePolicy(continuous=True))
     assert mgr.should_save(0) and mgr.save(0, _tree(0)) is True
     for step in range(1, 6):  # step 0's upload is held: nothing else starts, nothing waits
         assert mgr.should_save(step) is False
@@ -163,7 +167,9 @@ def test_continuous_saves_as_soon_as_the_previous_one_committed(memory_store, he
 
 
 def test_continuous_respects_its_time_floor(memory_store, clock):
-    mgr = objckpt.CheckpointManager(memory_store.url, continuous=True, min_interval_seconds=20)
+    mgr = objckpt.CheckpointManager(
+        memory_store.url, save_rules=objckpt.SavePolicy(continuous=True, min_interval_seconds=20)
+    )
     saved = []
     for step in range(10):
         clock.now += 10
@@ -176,7 +182,7 @@ def test_continuous_respects_its_time_floor(memory_store, clock):
 
 def test_sigterm_is_caught_only_when_asked_and_the_handler_is_restored(memory_store):
     before = signal.getsignal(signal.SIGTERM)
-    plain = objckpt.CheckpointManager(memory_store.url, save_interval_steps=100)
+    plain = objckpt.CheckpointManager(memory_store.url, save_rules=objckpt.SavePolicy(save_interval_steps=100))
     assert signal.getsignal(signal.SIGTERM) is before  # no handler unless asked
     plain.close()
 
@@ -185,7 +191,9 @@ def test_sigterm_is_caught_only_when_asked_and_the_handler_is_restored(memory_st
 
     signal.signal(signal.SIGTERM, mine)
     try:
-        mgr = objckpt.CheckpointManager(memory_store.url, save_interval_steps=100, catch_sigterm=True)
+        mgr = objckpt.CheckpointManager(
+            memory_store.url, save_rules=objckpt.SavePolicy(save_interval_steps=100), catch_sigterm=True
+        )
         assert signal.getsignal(signal.SIGTERM) is not mine
         assert mgr.save(0, _tree(0)) and not mgr.reached_preemption(0)
         assert mgr.save(1, _tree(1)) is False

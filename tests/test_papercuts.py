@@ -59,7 +59,9 @@ def test_save_metadata_takes_numpy_scalars(local_store):
 
 
 def test_keep_best_ranks_jax_scalar_metrics(memory_store):
-    with objckpt.CheckpointManager(memory_store.url, keep_best=1, best_metric="loss", best_mode="min") as mgr:
+    with objckpt.CheckpointManager(
+        memory_store.url, retention=objckpt.Retention(keep_best=1, best_metric="loss", best_mode="min")
+    ) as mgr:
         for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0), (4, 5.0)):
             mgr.save(step, {"w": jnp.ones(2)}, metrics={"loss": jnp.float32(loss)})
     assert mgr.steps() == [2, 4]  # the best, and the latest (always kept)

@@ -243,8 +243,7 @@ def test_manager_replicas_hold_the_roots_steps_after_close(regions):
     mgr = objckpt.CheckpointManager(
         near.url,
         storage_options=near.storage_options,
-        keep_last=3,
-        keep_every=5,
+        retention=objckpt.Retention(keep_last=3, keep_every=5),
         replicas=[far.location(), gcs.location()],
         options=objckpt.Options(blob_size=64 * 1024),
     )

@@ -34,8 +34,9 @@ def buffers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.parametrize("keep", [True, False])
 def test_local_saves_reuse_the_last_ones_buffer_and_restore_exact(tmp_path, buffers, keep: bool) -> None:
     options = objckpt.Options(keep_snapshot_buffer=keep)
-    kwargs = dict(local=str(tmp_path / "local"), local_interval_steps=1, save_interval_steps=1000, options=options)
-    mgr = objckpt.CheckpointManager(str(tmp_path / "root"), local_keep_last=3, **kwargs)
+    local = objckpt.LocalCopies(tmp_path / "local", keep_last=3)
+    kwargs = dict(local=local, save_rules=objckpt.SavePolicy(save_interval_steps=1000), options=options)
+    mgr = objckpt.CheckpointManager(str(tmp_path / "root"), **kwargs)
     for step in (1, 2, 3):
         assert mgr.save(step, _tree(step))
         mgr.wait()
@@ -45,7 +46,7 @@ def test_local_saves_reuse_the_last_ones_buffer_and_restore_exact(tmp_path, buff
         assert len(set(buffers)) == 1
     else:
         assert len(set(buffers)) >= 2
-    restarted = objckpt.CheckpointManager(str(tmp_path / "root"), local_keep_last=3, **kwargs)
+    restarted = objckpt.CheckpointManager(str(tmp_path / "root"), **kwargs)
     try:
         # each step's own bytes, though one buffer held all three in turn (newest first: a restore
         # retires the local steps above the one it restores)

@@ -69,9 +69,8 @@ def _manager(s3_store: Any, local: Path, url: str | None = None) -> objckpt.Chec
     return objckpt.CheckpointManager(
         url or s3_store.url,
         storage_options=s3_store.storage_options,
-        save_interval_steps=10,
-        local=local,
-        local_interval_steps=10,
+        save_rules=objckpt.SavePolicy(save_interval_steps=10),
+        local=objckpt.LocalCopies(local, interval_steps=10),
     )
 
 

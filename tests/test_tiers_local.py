@@ -290,9 +290,8 @@ def test_manager_restores_from_local_then_store_and_gc_leaves_the_local_tier_alo
     mgr = objckpt.CheckpointManager(
         s3_store.url,
         storage_options=s3_store.storage_options,
-        save_interval_steps=10,
-        local=local,
-        local_interval_steps=5,
+        save_rules=objckpt.SavePolicy(save_interval_steps=10),
+        local=objckpt.LocalCopies(local, interval_steps=5),
     )
     for step in range(13):
         assert mgr.save(step, _tree(step)) == (step % 5 == 0)
@@ -335,8 +334,8 @@ def test_manager_restores_from_local_then_store_and_gc_leaves_the_local_tier_alo
     [
         ({"local": "ROOT/local"}, "inside the manager's root"),
         ({"local": "s3://bucket/local"}, "a directory on this host"),
-        ({"local": "LOCAL", "local_interval_steps": 0}, "local_interval_steps must be at least 1, got 0"),
-        ({"local": "LOCAL", "local_keep_last": 0}, "local_keep_last must be at least 1, got 0"),
+        ({"local": "LOCAL", "interval_steps": 0}, "interval_steps and keep_last must be at least 1"),
+        ({"local": "LOCAL", "keep_last": 0}, "interval_steps and keep_last must be at least 1"),
         ({"local": "LOCAL", "peers": 2}, "peers must be 0 or 1"),
     ],
 )
@@ -347,7 +346,7 @@ def test_bad_local_tier_arguments_are_refused(tmp_path, kwargs, message):
         for k, v in kwargs.items()
     }
     with pytest.raises(ValueError, match=message):
-        objckpt.CheckpointManager(str(root), **kwargs)
+        objckpt.CheckpointManager(str(root), local=objckpt.LocalCopies(kwargs.pop("local"), **kwargs))
 
 
 # ---------------------------------------------------------------------------- 4 processes

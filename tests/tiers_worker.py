@@ -247,11 +247,13 @@ def run() -> dict[str, Any]:
             JOB["url"],
             storage_options=JOB.get("storage_options") or {},
             options=objckpt.Options(barrier_timeout=float(JOB.get("barrier_timeout", 60))),
-            save_interval_steps=int(JOB.get("save_interval", 1000)),
-            local=JOB["local"],
-            local_interval_steps=int(JOB.get("local_interval", 5)),
-            local_keep_last=2,
-            peers=int(JOB.get("peers", 0)),
+            save_rules=objckpt.SavePolicy(save_interval_steps=int(JOB.get("save_interval", 1000))),
+            local=objckpt.LocalCopies(
+                JOB["local"],
+                interval_steps=int(JOB.get("local_interval", 5)),
+                keep_last=2,
+                peers=int(JOB.get("peers", 0)),
+            ),
         )
         start = mgr.latest_step()
         record: dict[str, Any] = {"start": start}
