@@ -382,6 +382,16 @@ def store_target_factory(
     return make
 
 
+@pytest.fixture(scope="module")
+def module_store_target_factory(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], StoreTarget]:
+    """``store_target_factory`` for a module-scoped fixture (a checkpoint a module builds once and
+    many of its tests read): the kinds that need no function-scoped fixture (memory, local, s3, gcs,
+    s3-https, gcs-https)."""
+    return store_target_factory.__wrapped__(request, tmp_path_factory)  # type: ignore[attr-defined]
+
+
 def _kind_params(kinds: tuple[str, ...]) -> list[Any]:
     marks = {"s3": pytest.mark.s3, "gcs": pytest.mark.gcs}
     return [pytest.param(k, id=k, marks=[marks[k]] if k in marks else []) for k in kinds]

@@ -316,6 +316,34 @@ def needed_boxes(params: dict[str, Any]) -> dict[str, list[list[list[int]]]]:
     return out
 
 
+def peer_copy_restore(so: dict[str, Any]) -> dict[str, Any]:
+    """Steps 1 and 2 saved to the local tier (``JOB["local"]``) by a manager with ``peers=1``; then
+    process ``JOB["victim"]``'s own local step 2 deleted, and a new manager restores the newest step
+    (tests/test_matrix.py's peer copy): the step, the tier it came from, and the leaves that differ
+    on the saved layout and on another (the job's ``other_remap``)."""
+    import shutil
+    from pathlib import Path
+
+    from objckpt.multihost import get_coordinator
+
+    kwargs = {"storage_options": so, "options": options(JOB), "local": objckpt.LocalCopies(JOB["local"], peers=1)}
+    with objckpt.CheckpointManager(
+        JOB["url"], save_rules=objckpt.SavePolicy(save_interval_steps=1000), **kwargs
+    ) as mgr:
+        for step in (1, 2):
+            mgr.save(step, make_tree(JOB))
+    if PROCESS == JOB["victim"]:
+        shutil.rmtree(Path(JOB["local"]) / f"process_{PROCESS}" / "step_0000000002")
+    get_coordinator().barrier("mp_worker/peer_copy_restore", timeout=60)
+    with objckpt.CheckpointManager(JOB["url"], **kwargs) as mgr:
+        step = mgr.latest_step()
+        target, other = target_tree(JOB), target_tree({**JOB, "remap": JOB["other_remap"]})
+        restored = mgr.restore(step, target)
+        tier = mgr.tier_status().last_restore.tier  # type: ignore[union-attr]
+        again = mgr.restore(step, other)
+    return {"step": step, "tier": tier, "mismatches": check(restored, target), "other_mismatches": check(again, other)}
+
+
 def run() -> dict[str, Any]:
     kind = JOB["kind"]
     so = JOB.get("storage_options") or {}
@@ -332,6 +360,8 @@ def run() -> dict[str, Any]:
             return {"error": f"{type(e).__name__}: {e}"}
     if kind == "restore":
         return restore()
+    if kind == "peer_copy_restore":
+        return peer_copy_restore(so)
     if kind == "orbax_save":  # what Orbax itself writes from several processes (tests/test_orbax_restore.py)
         import orbax.checkpoint as ocp
 

@@ -1,13 +1,16 @@
 """Every operation on every kind of checkpoint: the cells where two features meet.
 
 Each cell builds one kind of checkpoint in a fresh root (a plain save, format 2, an incremental
-step whose base retention deleted, a compressed step, a local-tier step, a safetensors export, an
-Orbax checkpoint) and runs one operation on it (restore onto the saved and onto another mesh,
+step whose base retention deleted, a compressed step, a step saved by two processes, a local-tier
+step, a peer copy a two-process job restored from, a step a manager copied to a replica root, a
+safetensors export, an Orbax checkpoint) and runs one operation on it (restore onto the saved and onto another mesh,
 ``verify``, ``verify --no-read``, ``inspect`` through the API and the CLI, ``ls``, ``cp`` then
 restore, ``export --format safetensors`` then load with the ``safetensors`` package, ``rm``,
 ``gc``, retention). A cell either works (bit-exact where it restores) or is refused with the
-documented error that :data:`REFUSED` names; nothing else passes. ``python tests/test_matrix.py``
-prints the table that docs/MATRIX.md holds.
+documented error that :data:`REFUSED` names; nothing else passes. Every store runs every kind it
+can hold: local disk (the quick tier), S3 and GCS (the full suite). A kind is built once per store
+(a module-scoped fixture) for the operations that leave it as it is, afresh for each of the others.
+``python tests/test_matrix.py`` prints the table that docs/MATRIX.md holds.
 """
 
 from __future__ import annotations
@@ -31,7 +34,18 @@ from jax.sharding import PartitionSpec as P
 import objckpt
 from objckpt.cli import main as cli_main
 
-KINDS = ("plain", "format2", "incremental", "compressed", "two_process", "local", "safetensors", "orbax")
+KINDS = (
+    "plain",
+    "format2",
+    "incremental",
+    "compressed",
+    "two_process",
+    "local",
+    "peer",
+    "replica",
+    "safetensors",
+    "orbax",
+)
 OPS = (
     "restore",
     "restore_other_mesh",
@@ -46,7 +60,8 @@ OPS = (
     "gc",
     "retention",
 )
-STORES = ("local", "s3")
+STORES = ("local", "s3", "gcs")
+KEEP_1 = objckpt.Retention(keep_last=1)
 
 
 class CommandFailed(Exception):
@@ -76,6 +91,11 @@ REFUSED: dict[tuple[str, str, str], tuple[type[BaseException], str, str]] = {
         "convert it first",
         "export reads objckpt checkpoints: `objckpt cp` converts an Orbax checkpoint, then export the copy",
     ),
+    ("*", "orbax", "verify_no_read"): (
+        objckpt.ChecksumsUnavailableError,
+        "records no checksums",
+        "Orbax records no checksum of its chunks to compare with the store's; `verify` reads every byte",
+    ),
     ("*", "safetensors", "verify_no_read"): (
         objckpt.ChecksumsUnavailableError,
         "records no checksums",
@@ -96,9 +116,13 @@ def refusal(store: str, kind: str, op: str) -> tuple[type[BaseException], str, s
 #: The cells that do not apply, and why (no refusal to check: the operation has no such input).
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("local", "ls"): "a local tier is not a manager root: `ls` lists the store's steps",
-    ("local", "gc"): "the local tier keeps its own steps (local_keep_last); gc sweeps a store root",
-    ("local", "retention"): "local retention is local_keep_last, tried in test_tiers_local.py",
+    ("local", "gc"): "the local tier keeps its own steps (LocalCopies.keep_last); gc sweeps a store root",
+    ("local", "retention"): "local retention is LocalCopies.keep_last, tried in test_tiers_local.py",
     ("local", "rm"): "a local step is removed by the tier's retention, not by `rm`",
+    ("peer", "ls"): "a peer copy lives in its keeper's local tier, not in a manager root",
+    ("peer", "gc"): "the keeper's local tier keeps one peer copy, the newest; gc sweeps a store root",
+    ("peer", "retention"): "a keeper replaces its peer copy with the newer one it receives",
+    ("peer", "rm"): "a peer copy is replaced by its keeper, not removed by `rm`",
     ("safetensors", "ls"): "a safetensors directory holds no steps",
     ("safetensors", "gc"): "a safetensors directory holds no steps",
     ("safetensors", "retention"): "a safetensors directory holds no steps",
@@ -107,8 +131,9 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
 
 #: The kinds a store does not have, and why.
 NOT_ON_STORE: dict[tuple[str, str], str] = {
-    ("s3", "local"): "the recovery tier is a directory on each host, whatever the manager's store",
-    ("s3", "orbax"): "Orbax cannot write to s3:// here (DESIGN.md); its buckets are tried in test_orbax_restore.py",
+    (store, kind): "the recovery tier (its peer copies too) is a directory on each host, whatever the manager's store"
+    for store in ("s3", "gcs")
+    for kind in ("local", "peer")
 }
 
 
@@ -176,7 +201,7 @@ def build(kind: str, root: str, so: dict[str, Any], tmp: Path) -> Built:
         return Built(kind, *_with_root(_manager_kind(root, so, options=options), root), so, options)
     if kind == "incremental":
         # keep_last=1: retention deletes step 1, whose blobs step 2 references.
-        url, state = _manager_kind(root, so, incremental=True, keep_last=1)
+        url, state = _manager_kind(root, so, incremental=True, retention=KEEP_1)
         return Built(kind, url, root, state, so)
     if kind == "compressed":
         options = objckpt.Options(compression="zstd")
@@ -201,11 +226,16 @@ def build(kind: str, root: str, so: dict[str, Any], tmp: Path) -> Built:
         return Built(kind, url, root, state, so, shape=lambda t: {"params": t["params"]})
     if kind == "local":
         local = tmp / "local-tier"
-        _manager_kind(root, so, local=str(local), save_interval_steps=1000)
+        _manager_kind(root, so, local=str(local), save_rules=objckpt.SavePolicy(save_interval_steps=1000))
         manifests = sorted(local.glob("**/step_*/manifest.json"))
         step2 = [m for m in manifests if m.parent.name.endswith("2") and "peer" not in m.parts]
         assert step2, f"no local step 2 under {local}: {manifests}"
         return Built(kind, str(step2[-1].parent), str(local), _state(2), {})
+    if kind == "peer":
+        return _peer_kind(root, so, tmp)
+    if kind == "replica":
+        url, state = _manager_kind(f"{root}/primary", so, replicas=[f"{root}/replica"])
+        return Built(kind, url.replace("/primary/", "/replica/"), f"{root}/replica", state, so)
     if kind == "safetensors":
         src = f"{root}/src"
         state = _state(2)
@@ -216,10 +246,46 @@ def build(kind: str, root: str, so: dict[str, Any], tmp: Path) -> Built:
     if kind == "orbax":
         ocp = pytest.importorskip("orbax.checkpoint")
         state = _state(2)
-        path = Path(root) / "7"
-        ocp.PyTreeCheckpointer().save(path, state)
-        return Built(kind, str(path), root, state, {})
+        if "://" not in root:
+            ocp.PyTreeCheckpointer().save(Path(root) / "7", state)
+            return Built(kind, f"{root}/7", root, state, {})
+        # Orbax writes to local disk here (DESIGN.md): its files go to the bucket as a user's sync would
+        from helpers import upload_dir
+
+        ocp.PyTreeCheckpointer().save(tmp / "orbax" / "7", state)
+        upload_dir(tmp / "orbax", root, so)
+        return Built(kind, f"{root}/7", root, state, so)
     raise ValueError(kind)
+
+
+#: The leaves the peer-copy job saves (tests/mp_worker.py): ``w`` is split over the devices of a
+#: process and replicated over the processes, so each process's part (and so its peer copy) holds
+#: every value and restores whole in this one process.
+PEER_LEAVES = {"w": [[64, 32], "float32", [None, "model"]], "b": [[32], "bfloat16", [None]]}
+
+
+def _peer_kind(root: str, so: dict[str, Any], tmp: Path) -> Built:
+    """Steps 1 and 2 saved by a 2-process manager with ``local=`` and ``peers=1``; process 1's own
+    local step 2 deleted; a new manager restores step 2 on every process, process 1's part from the
+    copy process 0 keeps (onto the saved layout and another, bit-exact). That copy is the kind."""
+    import mp_worker
+    from multiprocess import run_processes
+
+    local = tmp / "peer-tier"
+    job = {"kind": "peer_copy_restore", "url": root, "storage_options": so, "local": str(local), "victim": 1}
+    job.update(mesh=[2, 4], axes=["data", "model"], leaves=PEER_LEAVES, extras=False, other_remap={"model": "data"})
+    job["options"] = {"barrier_timeout": 60}
+    errors: list[str] = []
+    results = run_processes(2, job, timeout=150, stderr=errors)
+    assert all(r is not None for r in results), errors
+    for r in results:
+        assert r is not None and (r["step"], r["tier"]) == (2, "peer"), results
+        assert not r["mismatches"] and not r["other_mismatches"], results
+    mp_worker.LEAVES = {name: (tuple(shape), dtype, spec) for name, (shape, dtype, spec) in PEER_LEAVES.items()}
+    state = {"params": {"w": mp_worker.global_value("w"), "b": mp_worker.global_value("b")}}
+    copy = local / "process_0" / "peer" / "process_1" / "step_0000000002"
+    assert (copy / "manifest.json").is_file(), sorted(str(p) for p in local.rglob("manifest.json"))
+    return Built("peer", str(copy), str(local), state, {}, shape=lambda t: {"params": t["params"]})
 
 
 def _with_root(pair: tuple[str, dict[str, Any]], root: str) -> tuple[str, str, dict[str, Any]]:
@@ -354,7 +420,7 @@ def op_gc(b: Built, env: Env) -> None:
 def op_retention(b: Built, env: Env) -> None:
     """A manager continued on the root with keep_last=1 and the kind's options: the newest step
     restores and verifies, whatever retention deleted."""
-    kwargs: dict[str, Any] = {"keep_last": 1}
+    kwargs: dict[str, Any] = {"retention": KEEP_1}
     if b.save_options is not None:
         kwargs["options"] = b.save_options
     if b.kind == "incremental":
@@ -375,11 +441,16 @@ def _shell_env(store: str, request: pytest.FixtureRequest, monkeypatch: pytest.M
     if store == "s3":
         for name, value in request.getfixturevalue("s3_service").env().items():
             monkeypatch.setenv(name, value)
+    if store == "gcs":
+        service = request.getfixturevalue("gcs_service")
+        for name, value in service.env().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", service.endpoint_url)  # how Orbax's reader reaches it
+        monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
 
 
 #: The operations that change nothing of the checkpoint they run on.
 READ_ONLY = frozenset(OPS) - {"rm", "gc", "retention"}
-_BUILT: dict[tuple[str, str], Built] = {}
 
 OPERATIONS: dict[str, Callable[[Built, Env], None]] = {op: globals()[f"op_{op}"] for op in OPS}
 
@@ -398,14 +469,30 @@ class Env:
         return f"{self.base}/{name}-{self.counter}"
 
 
+MARKS = {"local": [pytest.mark.quick], "s3": [pytest.mark.s3], "gcs": [pytest.mark.gcs]}
+
+
+@pytest.fixture(scope="module")
+def built(module_store_target_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Built]:
+    """``built(store, kind)``: the module's one checkpoint of ``kind`` on ``store``, built when a
+    cell first asks; every operation that leaves it as it is runs on it."""
+    cache: dict[tuple[str, str], Built] = {}
+
+    def get(store: str, kind: str) -> Built:
+        if (store, kind) not in cache:
+            target = module_store_target_factory(store)
+            cache[(store, kind)] = build(kind, target.url, target.storage_options, tmp_path_factory.mktemp(kind))
+        return cache[(store, kind)]
+
+    return get
+
+
 def _cell_params() -> list[Any]:
-    marks = {"s3": [pytest.mark.s3]}
     out = []
     for store in STORES:
         for kind in KINDS:
             for op in OPS:
-                quick = [pytest.mark.quick] if store == "local" else []
-                out.append(pytest.param(store, kind, op, id=f"{store}-{kind}-{op}", marks=marks.get(store, []) + quick))
+                out.append(pytest.param(store, kind, op, id=f"{store}-{kind}-{op}", marks=MARKS[store]))
     return out
 
 
@@ -415,6 +502,7 @@ def test_cell(
     kind: str,
     op: str,
     store_target_factory: Any,
+    built: Callable[[str, str], Built],
     tmp_path: Path,
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
@@ -426,19 +514,15 @@ def test_cell(
     _shell_env(store, request, monkeypatch)
     target = store_target_factory(store)
     env = Env(target.url + "-scratch", target.storage_options, tmp_path)
-    if op in READ_ONLY:  # one checkpoint of the kind serves every operation that leaves it as it is
-        if (store, kind) not in _BUILT:
-            _BUILT[(store, kind)] = build(kind, target.url, target.storage_options, tmp_path)
-        built = _BUILT[(store, kind)]
-    else:
-        built = build(kind, target.url, target.storage_options, tmp_path)
+    # one checkpoint of the kind serves every operation that leaves it as it is
+    b = built(store, kind) if op in READ_ONLY else build(kind, target.url, target.storage_options, tmp_path)
     refused = refusal(store, kind, op)
     if refused is None:
-        OPERATIONS[op](built, env)
+        OPERATIONS[op](b, env)
         return
     error, words, _why = refused
     with pytest.raises(error, match=words):
-        OPERATIONS[op](built, env)
+        OPERATIONS[op](b, env)
 
 
 # ------------------------------------------------------------------ pairs of kinds
@@ -468,7 +552,7 @@ def pair_incremental_over_copy(root: str, so: dict[str, Any], tmp: Path) -> None
     objckpt.copy(
         f"{root}/a/step_0000000002", f"{root}/b/step_0000000002", src_storage_options=so, dst_storage_options=so
     )
-    with objckpt.CheckpointManager(f"{root}/b", storage_options=so, incremental=True, keep_last=1) as mgr:
+    with objckpt.CheckpointManager(f"{root}/b", storage_options=so, incremental=True, retention=KEEP_1) as mgr:
         mgr.save(3, _frozen_state(3), force=True, wait=True)
         url = mgr.step_url(3)
     _check_step(url, _frozen_state(3), so)
@@ -479,7 +563,7 @@ def pair_compression_on_over_raw_base(root: str, so: dict[str, Any], tmp: Path) 
     with objckpt.CheckpointManager(root, storage_options=so, incremental=True) as mgr:
         mgr.save(1, _frozen_state(1), force=True, wait=True)
     zstd = objckpt.Options(compression="zstd")
-    with objckpt.CheckpointManager(root, storage_options=so, incremental=True, keep_last=1, options=zstd) as mgr:
+    with objckpt.CheckpointManager(root, storage_options=so, incremental=True, retention=KEEP_1, options=zstd) as mgr:
         mgr.save(2, _frozen_state(2), force=True, wait=True)
         url = mgr.step_url(2)
     _check_step(url, _frozen_state(2), so)
@@ -490,7 +574,7 @@ def pair_compression_off_over_compressed_base(root: str, so: dict[str, Any], tmp
     zstd = objckpt.Options(compression="zstd")
     with objckpt.CheckpointManager(root, storage_options=so, incremental=True, options=zstd) as mgr:
         mgr.save(1, _frozen_state(1), force=True, wait=True)
-    with objckpt.CheckpointManager(root, storage_options=so, incremental=True, keep_last=1) as mgr:
+    with objckpt.CheckpointManager(root, storage_options=so, incremental=True, retention=KEEP_1) as mgr:
         mgr.save(2, _frozen_state(2), force=True, wait=True)
         url = mgr.step_url(2)
     _check_step(url, _frozen_state(2), so)
@@ -518,12 +602,60 @@ def pair_continued_on_copied_root(root: str, so: dict[str, Any], tmp: Path) -> N
     for step in (1, 2):
         name = f"step_{step:010d}"
         objckpt.copy(f"{root}/a/{name}", f"{root}/b/{name}", src_storage_options=so, dst_storage_options=so)
-    with objckpt.CheckpointManager(f"{root}/b", storage_options=so, keep_last=1) as mgr:
+    with objckpt.CheckpointManager(f"{root}/b", storage_options=so, retention=KEEP_1) as mgr:
         assert mgr.latest_step() == 2
         mgr.save(3, _frozen_state(3), force=True, wait=True)
         assert mgr.steps() == [3]
         url = mgr.step_url(3)
     _check_step(url, _frozen_state(3), so)
+
+
+def pair_continued_on_replica_root(root: str, so: dict[str, Any], tmp: Path) -> None:
+    """A manager continued on the replica root a first run's manager kept (a failover to the
+    replica), with retention and replicas of its own pointing back at the first root."""
+    with objckpt.CheckpointManager(f"{root}/a", storage_options=so, replicas=[f"{root}/b"]) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _frozen_state(step), force=True, wait=True)
+    with objckpt.CheckpointManager(f"{root}/b", storage_options=so, retention=KEEP_1, replicas=[f"{root}/a"]) as mgr:
+        assert mgr.steps() == [1, 2] and mgr.latest_step() == 2
+        assert_tree_bit_exact(_frozen_state(2), _host(mgr.restore(2, jax.tree.map(lambda _: None, _frozen_state(2)))))
+        mgr.save(3, _frozen_state(3), force=True, wait=True)
+        assert mgr.steps() == [3]
+    for side in ("a", "b"):  # the new step reached the first root too, and retention ran there
+        with objckpt.CheckpointManager(f"{root}/{side}", storage_options=so) as mgr:
+            assert mgr.steps() == [3], (side, mgr.steps())
+        _check_step(f"{root}/{side}/step_0000000003", _frozen_state(3), so)
+
+
+def pair_export_over_export_of_another_layout(root: str, so: dict[str, Any], tmp: Path) -> None:
+    """An export into a destination on the store holding an export of another layout (one file,
+    then files with an index, then one file again): refused without ``overwrite``; with it only
+    the new export is left, and it loads with the ``safetensors`` package and restores."""
+    from safetensors.numpy import load
+
+    from objckpt.storage import from_url
+    from objckpt.transfer import runtime
+
+    for step in (1, 2):
+        objckpt.save(f"{root}/{step}", _frozen_state(step), storage_options=so)
+    dest, keys = f"{root}/export", _options_pair(so, so)
+    sharded = {"max_shard_bytes": 40_000}  # frozen (64 KiB) and adapter in two files
+    objckpt.export_safetensors(f"{root}/1", dest, **keys)
+    with pytest.raises(objckpt.ObjectExistsError, match="holds an export"):
+        objckpt.export_safetensors(f"{root}/2", dest, **sharded, **keys)
+    store = from_url(dest, **so)
+    for step, layout in ((2, sharded), (1, {})):
+        objckpt.export_safetensors(f"{root}/{step}", dest, overwrite=True, **layout, **keys)
+        names = sorted(runtime.run_sync(store.list_names()))
+        files = [f"model-0000{k}-of-00002.safetensors" for k in (1, 2)] + ["model.safetensors.index.json"]
+        assert names == (files if layout else ["model.safetensors"]), names
+        tensors: dict[str, np.ndarray] = {}
+        for name in names:
+            if name.endswith(".safetensors"):
+                tensors.update(load(runtime.run_sync(store.get(name))))
+        assert_tree_bit_exact(_frozen_state(step), tensors)
+        assert_tree_bit_exact(_frozen_state(step), objckpt.restore(dest, storage_options=so))
+    runtime.run_sync(store.close())
 
 
 def pair_resumed_from_older_step(root: str, so: dict[str, Any], tmp: Path) -> None:
@@ -564,13 +696,7 @@ PAIRS = {name[len("pair_") :]: fn for name, fn in list(globals().items()) if nam
 
 @pytest.mark.parametrize(
     ("store", "pair"),
-    [
-        pytest.param(
-            store, pair, id=f"{store}-{pair}", marks=[pytest.mark.s3] if store == "s3" else [pytest.mark.quick]
-        )
-        for store in STORES
-        for pair in PAIRS
-    ],
+    [pytest.param(store, pair, id=f"{store}-{pair}", marks=MARKS[store]) for store in STORES for pair in PAIRS],
 )
 def test_pair(
     store: str,
@@ -622,7 +748,7 @@ def _shown(error: type[BaseException]) -> str:
     return "`objckpt` exits 2" if error is CommandFailed else f"`{error.__name__}`"
 
 
-STORE_NAMES = {"local": "local disk (`file://`)", "s3": "S3 (SeaweedFS)"}
+STORE_NAMES = {"local": "local disk (`file://`)", "s3": "S3 (SeaweedFS)", "gcs": "GCS (fake-gcs-server)"}
 MATRIX_DOC = Path(__file__).resolve().parents[1] / "docs" / "MATRIX.md"
 BEGIN, END = "<!-- generated by tests/test_matrix.py: begin -->", "<!-- generated by tests/test_matrix.py: end -->"
 
