@@ -29,9 +29,7 @@ import numpy as np
 
 from objckpt.core.device_reads import host_view
 from objckpt.core.plan import Index, OwnedPiece
-from objckpt.core.writer_rule import Grid, Mesh, Spec, grid_fits
-
-Box = tuple[Index, Index]
+from objckpt.core.writer_rule import Box, Grid, Mesh, Spec, grid_fits
 
 
 class MeshTable:

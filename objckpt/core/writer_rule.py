@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 Index = tuple[int, ...]
+#: A box of a leaf: its ``(start, stop)`` corners, ``stop`` exclusive.
 Box = tuple[Index, Index]
 
 #: A small replicated cell is written by one of the first this-many processes holding it.

@@ -62,7 +62,7 @@ from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
 
-Box = tuple[slice, ...]
+Slices = tuple[slice, ...]  # a box of a tensor as numpy indexes it
 
 #: The longest ranged read: a tensor up to this size is one GET whose response becomes its buffer.
 READ_BYTES = 32 * 2**20
@@ -95,7 +95,7 @@ class _Leaf:
     key: str
     entry: TensorEntry
     target: Any
-    boxes: list[tuple[Box, list[Any]]]
+    boxes: list[tuple[Slices, list[Any]]]
     spans: list[tuple[int, int]]  # row intervals to read, merged
     buffers: dict[int, np.ndarray] = field(default_factory=dict)  # by span start row
     pending: int = 0  # chunks not landed yet
@@ -394,7 +394,7 @@ def _finish(leaf: _Leaf, cast: str) -> Any:
     dtype = numpy_dtype(entry.dtype)
     inner = entry.shape[1:] if entry.shape else ()
 
-    def box_value(box: Box) -> np.ndarray:
+    def box_value(box: Slices) -> np.ndarray:
         if not entry.shape:
             buffer = leaf.buffers.get(0, np.zeros(dtype.itemsize, np.uint8))
             return buffer.view(dtype).reshape(())

@@ -28,9 +28,8 @@ from typing import Any, overload
 import numpy as np
 
 from objckpt.core.pieces import Piece
+from objckpt.core.writer_rule import Box
 from objckpt.errors import FormatError
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 _NEW_PIECE = functools.partial(tuple.__new__, Piece)
 #: Odd 64-bit multipliers, one per column: what :func:`distinct_rows` mixes rows with.
