@@ -11,6 +11,6 @@ checkpoint through it when a URL holds one rather than an objckpt one.
 
 from __future__ import annotations
 
-from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf, describe_sharding, orbax_item_at
+from objckpt.orbax.layout import OrbaxItem, OrbaxLeaf
 
-__all__ = ["OrbaxItem", "OrbaxLeaf", "describe_sharding", "orbax_item_at"]
+__all__ = ["OrbaxItem", "OrbaxLeaf"]

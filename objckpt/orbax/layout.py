@@ -34,7 +34,6 @@ import numpy as np
 
 from objckpt.errors import CheckpointNotFoundError, FormatError, ObjectNotFoundError
 from objckpt.orbax.containment import check_array_name, check_item_name, check_local_item, read_small
-from objckpt.transfer import runtime
 
 #: Handlers whose items are a pytree of arrays, scalars and strings (what objckpt reads).
 PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
@@ -276,8 +275,8 @@ def _shardings(url: str, raw: bytes | None) -> dict[str, dict[str, Any]]:
 
 
 def _valid_sharding(value: Any) -> bool:
-    """Whether a sharding description has the fields :func:`describe_sharding` and inspect
-    read, each of its type (a malformed one is dropped: it is a description, not data)."""
+    """Whether a sharding description has the fields inspect and restore read, each of its type
+    (a malformed one is dropped: it is a description, not data)."""
     if not isinstance(value, dict) or not isinstance(value.get("sharding_type", ""), str):
         return False
     if value.get("sharding_type") != "NamedSharding":
@@ -296,34 +295,9 @@ def _valid_sharding(value: Any) -> bool:
     )
 
 
-def describe_sharding(sharding: dict[str, Any] | None) -> str:
-    """A one-line description of a saved Orbax sharding (``NamedSharding(mesh 4x2 ('x','y'), P('x','y'))``)."""
-    if not sharding:
-        return "-"
-    kind = sharding.get("sharding_type", "?")
-    if kind == "NamedSharding":
-        shape = "x".join(str(n) for n in sharding.get("shape", []))
-        axes = ",".join(str(a) for a in sharding.get("axis_names", []))
-        spec = ", ".join("None" if p is None else repr(p) for p in sharding.get("partition_spec", []))
-        return f"NamedSharding(mesh {shape} ({axes}), P({spec}))"
-    if kind == "SingleDeviceSharding":
-        return f"SingleDeviceSharding({sharding.get('device_str', '?')})"
-    return str(kind)
-
-
 def numpy_dtype(dtype: Any) -> np.dtype:
     """A tensorstore dtype as numpy's (bfloat16, float8, int4 through ml_dtypes, as JAX has them)."""
     return np.dtype(dtype.numpy_dtype)
-
-
-def orbax_item_at(store: Any, parent: Any = None) -> OrbaxItem | None:
-    """The Orbax item at ``store`` (any objckpt store: a retrying one gives the metadata
-    reads its timeouts and retries), or None when nothing Orbax wrote is there; ``parent``,
-    the store one level up, lets an item that is no pytree be named as such (see :func:`read_item`)."""
-    try:
-        return runtime.run_sync(read_item(store, store.url, parent))
-    except CheckpointNotFoundError:
-        return None
 
 
 async def read_item(

@@ -3,7 +3,7 @@
 The layouts registry names :func:`open_orbax` by its dotted path
 (``objckpt.orbax.reader:open_orbax``) and calls it on a prefix that holds no
 objckpt manifest; the engine (restore, inspect, verify) never imports this
-package. What it finds there (:func:`~objckpt.orbax.layout.orbax_item_at`): an
+package. What it finds there (:func:`~objckpt.orbax.composite.orbax_checkpoint_at`): an
 Orbax item directory, or a ``CheckpointManager`` step holding one item (besides
 its metrics) or a ``default`` one. An :class:`OrbaxReader` of that item then
 describes, verifies and restores it with this package's tensorstore readers
