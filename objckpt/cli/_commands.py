@@ -36,9 +36,6 @@ def _options(args: argparse.Namespace) -> Options:
     return Options(**kw)
 
 
-# ---------------------------------------------------------------------------- ls
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
     if getattr(args, "replicas", None):
         from objckpt.cli._replicas import cmd_ls_replicas
@@ -89,9 +86,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------- inspect
-
-
 def _step_url(args: argparse.Namespace, url: str, side: str = "") -> str:
     """``url``, or the step it names the short way (``ROOT/300``, ``ROOT/step_300``)."""
     return resolve_step_url(url, options_from_args(args, url, side))
@@ -99,9 +93,6 @@ def _step_url(args: argparse.Namespace, url: str, side: str = "") -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     return show(args, _step_url(args, args.url))
-
-
-# ------------------------------------------------------------------ verify / cp
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -269,9 +260,6 @@ def _print_conversion(args: argparse.Namespace, converted: list[Any]) -> int:
             f" ({gib / max(c.seconds, 1e-9):.3f} GiB/s)"
         )
     return 0
-
-
-# ---------------------------------------------------------------------- gc / rm
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
