@@ -374,6 +374,7 @@ def op_ls(b: Built, env: Env) -> None:
 
 
 def op_cp(b: Built, env: Env) -> None:
+    """``objckpt cp`` to another store (:data:`COPY_TO`), then a restore and a verify there."""
     dest = env.fresh_url("copy")
     _cli_ok("cp", b.url, dest)  # as a user runs it: an Orbax checkpoint is converted
     got = _restore(b, dest, b.target((2, 4), P("model", "data")), env.so)
@@ -470,6 +471,9 @@ class Env:
 
 
 MARKS = {"local": [pytest.mark.quick], "s3": [pytest.mark.s3], "gcs": [pytest.mark.gcs]}
+#: Where ``cp`` copies a checkpoint of each store: another provider's bucket (another directory on
+#: local disk).
+COPY_TO = {"local": "local", "s3": "gcs", "gcs": "s3"}
 
 
 @pytest.fixture(scope="module")
@@ -492,7 +496,8 @@ def _cell_params() -> list[Any]:
     for store in STORES:
         for kind in KINDS:
             for op in OPS:
-                out.append(pytest.param(store, kind, op, id=f"{store}-{kind}-{op}", marks=MARKS[store]))
+                marks = MARKS[store] + (MARKS[COPY_TO[store]] if op == "cp" and COPY_TO[store] != store else [])
+                out.append(pytest.param(store, kind, op, id=f"{store}-{kind}-{op}", marks=marks))
     return out
 
 
@@ -514,6 +519,10 @@ def test_cell(
     _shell_env(store, request, monkeypatch)
     target = store_target_factory(store)
     env = Env(target.url + "-scratch", target.storage_options, tmp_path)
+    if op == "cp":  # the copy goes to another store
+        _shell_env(COPY_TO[store], request, monkeypatch)
+        other = store_target_factory(COPY_TO[store])
+        env = Env(other.url, other.storage_options, tmp_path)
     # one checkpoint of the kind serves every operation that leaves it as it is
     b = built(store, kind) if op in READ_ONLY else build(kind, target.url, target.storage_options, tmp_path)
     refused = refusal(store, kind, op)
