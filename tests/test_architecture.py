@@ -152,12 +152,6 @@ def test_no_upward_imports() -> None:
     assert not bad, "imports that run up the layers:\n" + "\n".join(bad)
 
 
-# Private names another module may still import, each with the reason it is still there.
-PRIVATE_IMPORTS_ALLOWED = {
-    "objckpt.orbax.composite_convert <- objckpt.saving.commit._blob_sizes",  # removed by the writing corridor
-}
-
-
 def private_imports(path: Path, name: str) -> list[str]:
     """``from objckpt.x import _private`` in ``path`` where ``objckpt.x`` is another module
     (function-level imports too; ``__dunder__`` names are public)."""
@@ -181,9 +175,7 @@ def private_imports(path: Path, name: str) -> list[str]:
 
 def test_no_private_names_imported_across_modules() -> None:
     found = [f for p in sorted(PACKAGE.rglob("*.py")) for f in private_imports(p, _module_name(p))]
-    bad = [f for f in found if f not in PRIVATE_IMPORTS_ALLOWED]
-    assert not bad, "private names imported from another module (make them public or move them):\n" + "\n".join(bad)
-    assert PRIVATE_IMPORTS_ALLOWED <= set(found), "an allowed import is gone: drop it from PRIVATE_IMPORTS_ALLOWED"
+    assert not found, "private names imported from another module (make them public or move them):\n" + "\n".join(found)
 
 
 def test_the_checker_sees_a_private_import(tmp_path: Path) -> None:

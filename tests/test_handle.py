@@ -1,4 +1,4 @@
-"""One handle per operation (:mod:`objckpt.transfer.handle`) and saving's seam (:mod:`objckpt.saving.pipeline`).
+"""One handle per operation (:mod:`objckpt.transfer.handle`) and saving's seam (:mod:`objckpt.saving.writer`).
 
 A store registered for a scheme of its own (the public ``register_store`` seam) counts how
 often each capability flag is read and which objects are written; every operation opens one
@@ -24,9 +24,9 @@ from objckpt.core.plan import blob_key, packing_order, plan_blobs
 from objckpt.core.tree import flatten
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
-from objckpt.saving import pipeline
 from objckpt.saving.classify import classify
 from objckpt.saving.live_markers import is_marker
+from objckpt.saving.writer import Source, check_destination, write
 from objckpt.storage import Store, from_url, register_store
 from objckpt.transfer import runtime
 from objckpt.transfer.engine import TransferEngine
@@ -165,7 +165,6 @@ def test_a_save_through_the_seam_writes_everything_with_the_handles_one_engine(c
     handle.engine = engine
     tree = _tree()
     try:
-        pipeline.check_destination(handle)
         coordinator = get_coordinator()
         leaves, skeleton = flatten(tree)
         meshes = MeshTable()
@@ -178,18 +177,10 @@ def test_a_save_through_the_seam_writes_everything_with_the_handles_one_engine(c
         save_id = "0" * 31 + "1"
         blobs = plan_blobs(owned, blob_size=options.blob_size, key=lambda n: blob_key(save_id, 0, n))
         assert len(blobs) > 3
-        save = pipeline.begin(handle, coordinator=coordinator, tag=operation_tag("save", handle.url), save_id=save_id)
-        uploads = pipeline.upload(save, blobs, hold_uploads=False)
-        committing = pipeline.commit(
-            save,
-            uploads,
-            skeleton=skeleton,
-            entries=entries,
-            meshes=tuple(meshes.meshes),
-            metadata={},
-            started=time.perf_counter(),
-        )
-        runtime.run_sync(committing)
+        source = Source(skeleton, entries, [owned], sum(p.nbytes for p in owned), meshes=tuple(meshes.meshes))
+        tag = operation_tag("save", handle.url)
+        writing = write(handle, source, save_id=save_id, tag=tag, coordinator=coordinator, blob_size=options.blob_size)
+        writing.future.result()
     finally:
         handle.close()
     (store,) = _opened
@@ -201,7 +192,7 @@ def test_a_save_through_the_seam_writes_everything_with_the_handles_one_engine(c
     out = objckpt.restore(counted_url)
     assert all(np.array_equal(out[k], v) for k, v in tree.items() if k != "step") and out["step"] == 3
     with opened(counted_url, None, Options()) as again, pytest.raises(objckpt.CheckpointExistsError):
-        pipeline.check_destination(again)
+        check_destination(again)
 
 
 def test_convert_goes_through_the_seam(tmp_path: Any, counted_url: str) -> None:
@@ -219,6 +210,6 @@ def test_convert_goes_through_the_seam(tmp_path: Any, counted_url: str) -> None:
     out = objckpt.restore(counted_url)
     assert np.array_equal(out["w"], state["w"]) and np.array_equal(out["b"], state["b"])
     _opened.clear()
-    with pytest.raises(objckpt.CheckpointExistsError):  # pipeline.check_destination, before anything is written
+    with pytest.raises(objckpt.CheckpointExistsError):  # writer.check_destination, before anything is written
         objckpt.convert_orbax(str(tmp_path / "orbax"), counted_url)
     assert not [k for s in _opened for k in s.written]

@@ -165,7 +165,7 @@ def test_conversion_generates_its_slabs_lazily(tmp_path: Path, monkeypatch: pyte
     """A header of 2^34 one-byte rows under a 64 KiB budget is 2^20 slabs of 16 KiB: they were
     all built before the first read (hundreds of MB; [2^48, 1024] was 2^32 slabs and killed
     the process). Now the first group is read and uploaded with little Python memory held."""
-    from objckpt.orbax import convert as convert_module
+    from objckpt.saving import writer
 
     src = _item(tmp_path / "orbax", [2**34, 1], [2**16, 1], dtype="|u1")
     first: list[Any] = []
@@ -173,11 +173,11 @@ def test_conversion_generates_its_slabs_lazily(tmp_path: Path, monkeypatch: pyte
     class Stop(Exception):
         pass
 
-    def upload_once(blobs: list[Any], *args: Any) -> list[Any]:
+    def upload_once(save: Any, blobs: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
         first.extend(blobs)
         raise Stop
 
-    monkeypatch.setattr(convert_module, "_upload_missing", upload_once)
+    monkeypatch.setattr(writer, "_send", upload_once)
     tracemalloc.start()
     started = time.perf_counter()
     try:

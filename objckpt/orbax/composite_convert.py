@@ -9,7 +9,7 @@ saving process, each inside a blob that process wrote (the root's
 ``num_processes`` of them); so for an item that N processes wrote, the converting
 process writes process 0's value with the arrays and, for each other process, one
 small blob with that process's values and an index object naming it, as that
-process would have. The commit then lists N processes: a restore of the
+process would have (:attr:`objckpt.saving.writer.Source.other_parts`). The commit then lists N processes: a restore of the
 converted checkpoint on N processes gives each its own value, on another count
 the same :class:`~objckpt.errors.TargetMismatchError` as a native save.
 
@@ -20,9 +20,8 @@ One PyTree item per step is converted (several: each converts on its own,
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,13 +29,11 @@ import numpy as np
 
 from objckpt.core.format import LeafEntry
 from objckpt.core.items import json_document
-from objckpt.core.plan import OwnedPiece, blob_key, plan_blobs
+from objckpt.core.plan import OwnedPiece
 from objckpt.errors import CoordinationError, FormatError
 from objckpt.multihost import Coordinator
 from objckpt.orbax.composite import JsonItem, OrbaxComposite, PerProcessItem, read_process_values
 from objckpt.orbax.layout import OrbaxItem
-from objckpt.saving import pipeline
-from objckpt.saving.commit import Commit, Save, _blob_sizes
 from objckpt.transfer import runtime
 from objckpt.transfer.retries import opened_store
 
@@ -78,6 +75,21 @@ class CompositeParts:
                 raw = np.frombuffer(data[process], dtype=np.uint8)
                 out.append(OwnedPiece(i, (0,), (raw.size,), 1, source=(raw, (0,))))
         return out
+
+    def other_parts(
+        self, flat: list[Any], entries: list[LeafEntry]
+    ) -> Iterator[tuple[int, list[LeafEntry], list[OwnedPiece]]]:
+        """For each process but 0 of the per-process items: its leaf table (its own values'
+        lengths) and its values as pieces, for the writing corridor to write as that process's
+        own save would (:attr:`objckpt.saving.writer.Source.other_parts`)."""
+        for process in range(1, self.count):
+            own = [
+                replace(e, value={"encoding": "bytes", "length": len(self.values[e.path[2:-2]][process])})
+                if e.kind == "per_process"
+                else e
+                for e in entries
+            ]
+            yield process, own, self.pieces(flat, process)
 
     def identity(self) -> str:
         """What, beside the PyTree item, makes the save id (a rerun on the same source gets the same)."""
@@ -121,55 +133,16 @@ def composite_parts(
     return empty, parts
 
 
-class ConvertingCoordinator(Coordinator):
-    """The one converting process, committing as ``count`` processes: the other processes'
-    commit reports (their index objects and per-process values) are made beforehand by
-    :func:`write_other_processes` and collected with this process's own."""
+def check_one_process(parts: CompositeParts, current: Coordinator) -> int:
+    """The processes the converted checkpoint lists when they are those that wrote the
+    per-process items (0: the job's), once sure that one process converts.
 
-    def __init__(self, count: int) -> None:
-        super().__init__()
-        self.process_count = count
-        self.reports: dict[int, bytes] = {}
-
-    def collect(self, name: str) -> dict[int, bytes]:
-        return {**self.reports, **super().collect(name)}
-
-
-def coordinator_for(parts: CompositeParts, current: Coordinator) -> Coordinator:
-    """``current``, or a :class:`ConvertingCoordinator` when the per-process items have several processes."""
-    if parts.count == 1:
-        return current
-    if current.process_count != 1:
+    Raises:
+        CoordinationError: the conversion runs in several processes while the items have several.
+    """
+    if parts.count != 1 and current.process_count != 1:
         raise CoordinationError(
             f"converting {parts.url} (per-process items of {parts.count} processes) runs in one process,"
             f" not {current.process_count}"
         )
-    return ConvertingCoordinator(parts.count)
-
-
-def write_other_processes(
-    save: Save, parts: CompositeParts, flat: list[Any], entries: list[LeafEntry], *, blob_size: int
-) -> None:
-    """For each process but 0 of the per-process items: its values in a blob, its index object,
-    and its commit report on the :class:`ConvertingCoordinator` (exactly what that process's
-    own save would report: :class:`~objckpt.saving.commit.Commit` writes it)."""
-    coordinator = save.coordinator
-    if not isinstance(coordinator, ConvertingCoordinator):
-        return
-    for process in range(1, parts.count):
-        pieces = parts.pieces(flat, process)
-        blobs = plan_blobs(pieces, blob_size=blob_size, key=functools.partial(blob_key, save.save_id, process))
-        records = [r for f in pipeline.upload(save, blobs, hold_uploads=False) for r in f.result()]
-        own = [
-            replace(e, value={"encoding": "bytes", "length": len(parts.values[e.path[2:-2]][process])})
-            if e.kind == "per_process"
-            else e
-            for e in entries
-        ]
-        as_process = Coordinator()
-        as_process.process_index, as_process.process_count = process, parts.count
-        commit = Commit(replace(save, coordinator=as_process), skeleton={}, entries=own, meshes=(), metadata={})
-        values, indexed = commit._own_values(records)
-        report = runtime.run_sync(commit._write_index(indexed, _blob_sizes(records)))
-        report["items"] = values
-        coordinator.reports[process] = json.dumps(report).encode()
+    return parts.count if parts.count > 1 else 0

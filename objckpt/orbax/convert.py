@@ -26,7 +26,6 @@ objckpt checkpoint does); Python scalars and strings as such.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import itertools
 import logging
@@ -38,22 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from objckpt.core.boxes import MeshTable, copy_piece_into
-from objckpt.core.checksum import crc32c, sha256_hex
 from objckpt.core.dtypes import dtype_name
-from objckpt.core.format import LeafEntry, Piece
-from objckpt.core.plan import OwnedPiece, blob_key, plan_blobs
+from objckpt.core.format import LeafEntry
+from objckpt.core.plan import OwnedPiece
 from objckpt.core.tree import flatten
-from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ObjectNotFoundError, StoreError
+from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StoreError
 from objckpt.multihost import get_coordinator, operation_tag
 from objckpt.options import Options
 from objckpt.orbax.composite import OrbaxComposite, orbax_checkpoint_at
-from objckpt.orbax.composite_convert import (
-    CompositeParts,
-    composite_parts,
-    coordinator_for,
-    write_other_processes,
-)
+from objckpt.orbax.composite_convert import CompositeParts, check_one_process, composite_parts
 from objckpt.orbax.layout import OrbaxItem, numpy_dtype
 from objckpt.orbax.tensorstore_io import (
     READ_CHUNKS,
@@ -66,12 +58,10 @@ from objckpt.orbax.tensorstore_io import (
     kvstore_for,
     open_leaf,
 )
-from objckpt.progress import ProgressArg, finish_from_caller, start
-from objckpt.saving import pipeline
-from objckpt.saving.commit import Save
+from objckpt.progress import ProgressArg
 from objckpt.saving.upload import PieceRecord
+from objckpt.saving.writer import Source, write
 from objckpt.transfer import runtime
-from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.handle import opened
 from objckpt.transfer.retries import opened_store
 from objckpt.transfer.stats import TransferStats
@@ -210,7 +200,6 @@ def _convert(
         kvstore_for(item.url, src_options) as (kvstore, context_spec),
         opened(dst, dst_options, options, transfer) as handle,
     ):
-        pipeline.check_destination(handle)
         context = ts.Context(context_spec)
         in_flight: list[tuple[_Slab, BoxRead]] = []  # the group being read
         waiter = Waiter(
@@ -244,56 +233,51 @@ def _convert(
         # Slabs and groups are generated as they are read: a header may declare any shape.
         slabs = itertools.chain.from_iterable(_slabs(i, a, group_bytes) for i, a in converted.items())
         groups = _groups(slabs, group_bytes, chunks)
-        save_id = _save_id(item, parts)
-        coordinator = coordinator_for(parts, get_coordinator()) if parts else get_coordinator()
-        save = pipeline.begin(
-            handle, coordinator=coordinator, tag=operation_tag("convert", handle.url), save_id=save_id
-        )
         total = sum(math.prod(int(n) for n in a.shape) * numpy_dtype(a.dtype).itemsize for a in converted.values())
-        reporter = start(progress, "convert", handle.url, total, lambda: transfer.bytes_written, transfer)
-        records: list[PieceRecord] = []
-        present = {info.key: info.size for info in runtime.run_sync(handle.store.list(""))}
-        try:
-            seq = 0
-            host_pieces = [_string_piece(i, text) for i, text in strings.items() if text]
-            host_pieces += parts.pieces(flat, 0) if parts else []
+
+        def batches() -> Iterator[list[OwnedPiece]]:
+            """The strings and process 0's per-process values, then each group of slabs once landed,
+            the next group's reads started before this one is uploaded."""
+            pieces = [_string_piece(i, text) for i, text in strings.items() if text]
+            pieces += parts.pieces(flat, 0) if parts else []
             group = next(groups, None)
             in_flight[:] = _start_reads(ts, arrays, chunks, group or [])
+            if group is None and pieces:  # no arrays at all: the strings alone
+                yield pieces
             while group is not None:
-                pieces = host_pieces + _landed(item, flat, by_path, in_flight, stats, waiter)
-                host_pieces = []
-                group = next(groups, None)  # read the next group while this one uploads
+                pieces += _landed(item, flat, by_path, in_flight, stats, waiter)
+                group = next(groups, None)
                 in_flight[:] = _start_reads(ts, arrays, chunks, group or [])
-                blobs = plan_blobs(pieces, blob_size=options.blob_size, key=_keys(save_id, seq))
-                seq += len(blobs)
-                records.extend(_upload_missing(blobs, present, save, stats))
-            if host_pieces:  # no arrays at all: the strings alone
-                blobs = plan_blobs(host_pieces, blob_size=options.blob_size, key=_keys(save_id, 0))
-                records.extend(_upload_missing(blobs, present, save, stats))
-            if parts:
-                write_other_processes(save, parts, flat, entries, blob_size=options.blob_size)
-        except BaseException:
-            for _, read in in_flight:
-                read.cancel()
-            finish_from_caller(reporter, complete=False)
-            pipeline.abandon(save)
-            raise
-        _check_complete(item, entries, converted, records)
-        done: concurrent.futures.Future[list[PieceRecord]] = concurrent.futures.Future()
-        done.set_result(records)
-        commit = pipeline.commit(
-            save,
-            [done],
-            skeleton=skeleton,
-            entries=entries,
-            meshes=tuple(MeshTable().meshes),
+                yield pieces
+                pieces = []
+
+        source = Source(
+            skeleton,
+            entries,
+            batches(),
+            total,
             metadata={"converted_from": stats.src, "orbax_created": item.created},
-            started=started,
+            streamed=True,
+            other_parts=parts.other_parts(flat, entries) if parts else (),
+            processes=check_one_process(parts, get_coordinator()) if parts else 0,
+            check=lambda records: _check_complete(item, entries, converted, records),
+            cancel=lambda: _cancel(in_flight),
         )
-        try:
-            runtime.run_sync(commit)
-        finally:
-            finish_from_caller(reporter, complete=True)
+        tag = operation_tag("convert", handle.url)
+        writing = write(
+            handle,
+            source,
+            save_id=_save_id(item, parts),
+            tag=tag,
+            coordinator=get_coordinator(),
+            blob_size=options.blob_size,
+            resume=True,
+            progress=progress,
+            verb="convert",
+            entered=started,
+        )
+        writing.future.result()
+        stats.blobs_kept = writing.blobs_kept
     stats.leaves = len(entries)
     stats.bytes_written = transfer.bytes_written
     stats.seconds = time.perf_counter() - started
@@ -327,59 +311,9 @@ def _check_complete(
             )
 
 
-def _upload_missing(blobs: list[Any], present: dict[str, int], save: Save, stats: ConvertStats) -> list[PieceRecord]:
-    """Upload ``blobs``, except those an earlier run left at the destination intact
-    (right size, and the same bytes as the blob staged from the source); their records."""
-    records: list[PieceRecord] = []
-    missing = []
-    engine, digest = save.handle.engine, save.handle.options.digest
-    for blob in blobs:
-        kept = _kept(blob, engine, digest) if present.get(blob.key) == blob.size else None
-        if kept is None:
-            missing.append(blob)
-        else:
-            records.extend(kept)
-            stats.blobs_kept += 1
-    for future in pipeline.upload(save, missing, hold_uploads=False):
-        records.extend(future.result())
-    return records
-
-
-def _kept(blob: Any, engine: TransferEngine, digest: str | None) -> list[PieceRecord] | None:
-    """The records of ``blob`` if the object already at its key holds exactly its bytes, else None
-    (with each piece's SHA-256 when ``digest``: ``Options.digest``)."""
-    staged = np.zeros(blob.size, dtype=np.uint8)
-    for placed in blob.pieces:
-        piece = placed.piece
-        view = staged[placed.offset : placed.offset + piece.nbytes].view(piece.source[0].dtype).reshape(piece.shape)
-        copy_piece_into(piece, view)
-    try:
-        existing = runtime.run_sync(engine.get(blob.key))
-    except (ObjectNotFoundError, StoreError):
-        return None
-    if bytes(existing) != staged.tobytes():
-        return None
-    data = staged.data
-    return [
-        (
-            p.piece.leaf,
-            Piece(
-                p.piece.start,
-                p.piece.stop,
-                blob.key,
-                p.offset,
-                p.piece.nbytes,
-                crc32c(data[p.offset : p.offset + p.piece.nbytes]),
-                sha256_hex(data[p.offset : p.offset + p.piece.nbytes]) if digest else None,
-            ),
-        )
-        for p in blob.pieces
-    ]
-
-
-def _keys(save_id: str, base: int) -> Any:
-    """Blob keys numbered on from ``base`` (the blobs of earlier groups)."""
-    return lambda n: blob_key(save_id, 0, base + n)
+def _cancel(reads: list[tuple[_Slab, BoxRead]]) -> None:
+    for _, read in reads:
+        read.cancel()
 
 
 def _save_id(item: OrbaxItem, parts: CompositeParts | None = None) -> str:

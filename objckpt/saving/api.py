@@ -1,66 +1,49 @@
-"""save and save_async: snapshot → plan → upload → commit.
+"""save and save_async: a tree classified into a source and written by the writing corridor.
 
 The caller's thread does only the blocking phase (:mod:`objckpt.saving.upload`): it
 copies every owned piece off the devices into staging buffers that objckpt
 owns, blob by blob, under a byte budget (when the model is larger than the
 budget it streams: a buffer is reused once its blob is uploaded); a synchronous
 save to a store that takes a body of parts sends contiguous host shards in place
-instead. Uploads and the commit run on the I/O loop.
-
-Commit (format version 2, :mod:`objckpt.saving.commit`): every process checks that its blobs are there at
-their sizes, writes its own index object (its pieces) to the store, and sends
-the coordinator one small message (the index object's key, size and crc32c, or
-its error). After a barrier the primary reads those messages, writes the root
-``manifest.json`` with create-if-absent, and publishes the outcome; each
-process releases the save's coordinator keys once it has read it, the last one
-deleting them. Nothing a process sends or reads grows with the size of the job
-but the primary's O(processes) list. No manifest, no checkpoint: a crash at any
-moment leaves at most orphaned blobs and index objects, which ``gc`` removes.
-
-Deleters keep off a save in flight: each process writes a live-save marker
-before its first blob and deletes it once the outcome is known
-(:mod:`objckpt.saving.live_markers`), and before it writes its index object each
-process checks its blobs (deleted by ``gc``, ``rm`` or retention anyway?) and
-reports a missing or resized one instead, so no manifest is written.
+instead. Uploads and the commit run on the I/O loop (:mod:`objckpt.saving.writer`
+says the steps, :mod:`objckpt.saving.commit` how the processes agree). No manifest, no
+checkpoint: a crash at any moment leaves at most orphaned blobs and index objects, which
+``gc`` removes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
-from objckpt import in_flight
 from objckpt.core.boxes import MeshTable
 from objckpt.core.codecs import CHUNK_BYTES
 from objckpt.core.format import ITEM_KINDS, LeafEntry
 from objckpt.core.metadata import to_json_value
-from objckpt.core.plan import blob_key, packing_order, plan_blobs
+from objckpt.core.plan import packing_order
 from objckpt.core.tree import flatten
 from objckpt.multihost import Coordinator, get_coordinator, operation_tag
 from objckpt.options import Options
-from objckpt.progress import ProgressArg, closing, finish_from_caller, start
-from objckpt.saving import incremental, pipeline
-from objckpt.saving.blob_sizing import save_blob_size, split_pieces
+from objckpt.progress import ProgressArg
+from objckpt.saving.blob_sizing import split_pieces
 from objckpt.saving.classify import classify
 from objckpt.saving.encode import coded_leaves
 from objckpt.saving.incremental import base_name
+from objckpt.saving.local_snapshot import Snapshot
+from objckpt.saving.writer import ABORT_GRACE, Source, discard, write
 from objckpt.transfer import runtime
-from objckpt.transfer.buffers import release_freed_memory, tune_malloc
+from objckpt.transfer.buffers import tune_malloc
 from objckpt.transfer.cpu_slots import save_threads_for
 from objckpt.transfer.handle import Handle
 from objckpt.transfer.stats import TransferStats
 
-T = TypeVar("T")
 log = logging.getLogger("objckpt")
 _SLICE = 0.1  # seconds: how long a wait for a save runs between chances for a Ctrl-C
-_ABORT_GRACE = 0.6  # seconds: how long an interrupted save may take to abort and delete what it wrote
 
 
 class SaveHandle:
@@ -168,7 +151,7 @@ def save(
     except KeyboardInterrupt:  # the commit then fails on its own, writing no manifest
         if handle._transfer is not None and not handle.done():
             with contextlib.suppress(TimeoutError):
-                runtime.submit(_discard(handle._transfer)).result(_ABORT_GRACE)
+                runtime.submit(discard(handle._transfer)).result(ABORT_GRACE)
         raise
     return handle.stats
 
@@ -201,8 +184,11 @@ def _start(
     *,
     hold_uploads: bool,
     base: str | None = None,
+    stage: Snapshot | None = None,
 ) -> SaveHandle:
-    """Snapshot ``tree`` and start its uploads and commit; ``hold_uploads`` as in :func:`objckpt.saving.upload.snapshot_and_upload`."""
+    """Classify ``tree`` into the source the writing corridor writes (:mod:`objckpt.saving.writer`)
+    and start it; ``hold_uploads`` as in :func:`objckpt.saving.upload.snapshot_and_upload`;
+    ``stage``: see :func:`start_save`."""
     entered = time.perf_counter()
     options = options or Options()
     name = None
@@ -217,30 +203,42 @@ def _start(
         tune_malloc()
     handle = Handle.open(url, storage_options, options)
     try:
-        return _begin(handle, tree, metadata, progress, entered, hold_uploads=hold_uploads, base=name)
+        coordinator = get_coordinator()
+        source = tree_source(tree, options, coordinator, to_json_value(dict(metadata or {}), "metadata"), stage)
+        tag = operation_tag("save", handle.url)
+        save_id = _shared_save_id(coordinator, tag, options.barrier_timeout)
+        writing = write(
+            handle,
+            source,
+            save_id=save_id,
+            tag=tag,
+            coordinator=coordinator,
+            hold_uploads=hold_uploads,
+            base=name,
+            progress=progress,
+            entered=entered,
+            close=True,
+        )
     except BaseException:
         handle.close()
         raise
+    return SaveHandle(writing.future, handle.stats, writing.seconds_blocked, handle.url, handle)
 
 
-def _begin(
-    handle: Handle,
-    tree: Any,
-    metadata: dict[str, Any] | None,
-    progress: ProgressArg,
-    entered: float,
-    *,
-    hold_uploads: bool,
-    base: str | None = None,
-) -> SaveHandle:
-    """:func:`_start` on an open store, which the commit closes once it ends (``entered``: when the call began);
-    ``base``: the name of the sibling checkpoint an incremental save references."""
-    options, stats = handle.options, handle.stats
-    coordinator = get_coordinator()
-    tag = operation_tag("save", handle.url)
-    metadata = to_json_value(dict(metadata or {}), "metadata")
-    pipeline.check_destination(handle)
+def start_save(url: str, tree: Any, stage: Snapshot, **kwargs: Any) -> SaveHandle:
+    """:func:`save_async` whose pieces take their bytes from ``stage``, a local snapshot of the same
+    ``tree`` (the host stage a manager step due for both the local tier and the store shares: each
+    box copied off the devices once); a piece the snapshot lacks is read from its device."""
+    return _start(url, tree, hold_uploads=True, stage=stage, **kwargs)
 
+
+def tree_source(
+    tree: Any, options: Options, coordinator: Coordinator, metadata: dict[str, Any], stage: Snapshot | None = None
+) -> Source:
+    """What a save of ``tree`` writes: each leaf classified in the save's scope (the boxes this
+    process owns by the grid rule), its pieces cut to at most ``Options.blob_size`` (a compressed
+    leaf's to the codec's chunk: a read that needs part of a shard fetches only the chunks its
+    box meets, docs/PERFORMANCE.md "Compression"), read from ``stage`` where it holds them."""
     leaves, skeleton = flatten(tree)
     entries: list[LeafEntry] = []
     owned = []
@@ -255,80 +253,17 @@ def _begin(
     if items and options.format_version < 3:
         raise ValueError(f"leaf {items[0]}: Json, PerProcess and stateful items need Options(format_version=3)")
     owned.sort(key=packing_order)
-    save_id = _shared_save_id(coordinator, tag, options.barrier_timeout)
-    # Pieces stay at most options.blob_size, whatever the blob size: restores read pieces.
-    # Compressed pieces stay at most CHUNK_BYTES: a read that needs part of a shard fetches only
-    # the chunks its box meets (docs/PERFORMANCE.md "Compression").
     chunk = options.blob_size if options.compression is None else min(options.blob_size, CHUNK_BYTES)
-    owned = split_pieces(owned, max_bytes=chunk)
-    coded = coded_leaves([e.kind for e in entries], options.compression)
-    blob_size = save_blob_size(
-        options, sum(p.nbytes for p in owned), processes=coordinator.process_count, hold_uploads=hold_uploads
-    )
-
-    bases = () if base is None else (incremental.base_store(handle.store, base),)
-    save = pipeline.begin(handle, coordinator=coordinator, tag=tag, save_id=save_id, bases=bases)
-    started = time.perf_counter()
-    reporter = None
-    try:
-        if base is not None:  # the marker is in the base now: read it, then reference what is equal
-            matched = incremental.against_base(handle, owned, entries, base, coded)
-            owned = matched.upload
-            save = dataclasses.replace(
-                save, refs=tuple(matched.refs), ref_blobs=matched.ref_blobs, bases=tuple(matched.bases)
-            )
-        blobs = plan_blobs(
-            owned,
-            blob_size=blob_size,
-            key=lambda seq: blob_key(save_id, coordinator.process_index, seq),
-        )
-        total = sum(b.size for b in blobs)
-        reporter = start(progress, "save", handle.url, total, lambda: stats.bytes_written, stats)
-        uploads = pipeline.upload(save, blobs, hold_uploads=hold_uploads, coded=coded)
-    except BaseException:
-        finish_from_caller(reporter, complete=False)
-        with contextlib.suppress(Exception):  # uploads already started: stopped, what they wrote deleted
-            runtime.run_sync(_discard(handle))
-        pipeline.abandon(save)
-        raise
-    seconds_blocked = time.perf_counter() - entered
-    commit = pipeline.commit(
-        save,
-        uploads,
-        skeleton=skeleton,
-        entries=entries,
+    owned = split_pieces(owned if stage is None else stage.serve(owned), max_bytes=chunk)
+    return Source(
+        skeleton,
+        entries,
+        [owned],
+        sum(p.nbytes for p in owned),
         meshes=tuple(meshes.meshes),
         metadata=metadata,
-        started=started,
-        coded=coded,
+        coded=coded_leaves([e.kind for e in entries], options.compression),
     )
-    future = runtime.submit(_then_close(closing(commit, reporter), handle))
-    in_flight.track(handle.url, future)
-    return SaveHandle(future, stats, seconds_blocked, handle.url, handle)
-
-
-async def _then_close(run: Awaitable[T], handle: Handle) -> T:
-    """Await ``run``, then close ``handle``'s store and give the freed host memory back, however
-    ``run`` ends."""
-    try:
-        return await run
-    finally:
-        await handle.aclose()
-        await asyncio.to_thread(release_freed_memory)
-
-
-async def _discard(handle: Handle) -> None:
-    """Abort a save's uploads and delete the objects they started writing, within
-    :data:`_ABORT_GRACE` seconds (best effort: nothing of the save is committed, and
-    ``objckpt rm --force`` removes what is left)."""
-    await handle.engine.abort(grace=_ABORT_GRACE / 3)
-
-    async def delete(key: str) -> None:
-        with contextlib.suppress(Exception):
-            await handle.store.delete(key)
-
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.gather(*map(delete, set(handle.engine.written))), _ABORT_GRACE / 2)
 
 
 def _shared_save_id(coordinator: Coordinator, tag: str, timeout: float) -> str:

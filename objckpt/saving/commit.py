@@ -20,6 +20,7 @@ import datetime
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,7 +55,7 @@ _ITEMS_REPORT_MAX = 3072
 
 @dataclass(frozen=True)
 class Save:
-    """One save being written (:func:`objckpt.saving.pipeline.begin`): where, by which process,
+    """One save being written (:func:`objckpt.saving.writer.write`): where, by which process,
     under which id and coordination tag, and the live-save marker that keeps deleters off it."""
 
     handle: Handle
@@ -81,8 +82,14 @@ class Commit:
         meshes: tuple[Mesh, ...],
         metadata: dict[str, Any],
         coded: frozenset[int] = frozenset(),
+        check: Callable[[list[PieceRecord]], None] | None = None,
+        reports: dict[int, bytes] | None = None,
+        processes: int = 0,
     ) -> None:
         self.store = save.handle.store
+        self.check = check  # the source's last word on its records (raising stops the commit)
+        self.reports = reports or {}  # the commit reports of processes this one wrote for
+        self.process_count = processes or save.coordinator.process_count
         self.coded = coded  # the leaves whose pieces are compressed (Options.compression)
         self.engine = save.handle.engine
         self.options = save.handle.options
@@ -112,15 +119,14 @@ class Commit:
                 records.extend(result)
             if self.marker.lapsed():
                 raise StoreError(f"save to {self.store.url} was not committed: {self.marker.lapse_error()}")
+            if self.check is not None:
+                self.check(records)
             blobs = _blob_sizes(records)
             blobs.update(self.ref_blobs)  # HEADed too: a base's blob deleted meanwhile stops the commit
             await self._check_own_blobs(blobs)
-            values, indexed = self._own_values(records)
-            report = await self._write_index([*indexed, *self.refs], blobs)
+            report = await self.index_report(records, process=self.coordinator.process_index, blobs=blobs)
             if self.ref_blobs:
                 report["bases"] = sorted({k.split("/")[1] for k in self.ref_blobs})
-            if values:
-                report["items"] = values
         except BaseException as e:  # report to peers before raising, so nobody waits for us
             local_error = e
             report = {"error": f"{type(e).__name__}: {e}"[:2000]}
@@ -161,7 +167,7 @@ class Commit:
             await asyncio.to_thread(coordinator.barrier, f"{tag}/reported", timeout=timeout)
             outcome: bytes | None = None
             if coordinator.is_primary:
-                reports = await asyncio.to_thread(coordinator.collect, f"{tag}/report")
+                reports = {**self.reports, **await asyncio.to_thread(coordinator.collect, f"{tag}/report")}
                 outcome = await self._commit_or_abort(reports)
             outcome = await asyncio.to_thread(coordinator.broadcast, f"{tag}/outcome", outcome, timeout=timeout)
         except CoordinationError:
@@ -203,6 +209,20 @@ class Commit:
                     f"save to {self.store.url} was not committed: blob {key} is {got} bytes, {want} were"
                     " written; no manifest was written"
                 )
+
+    async def index_report(
+        self, records: list[PieceRecord], *, process: int, blobs: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        """Write ``process``'s index object (its ``records`` and this save's references) and return
+        its commit report, with its ``PerProcess`` values; ``blobs``: the blobs' sizes, by default
+        from the records."""
+        values, indexed = self._own_values(records)
+        report = await self._write_index(
+            [*indexed, *self.refs], _blob_sizes(records) if blobs is None else blobs, process
+        )
+        if values:
+            report["items"] = values
+        return report
 
     def _own_values(self, records: list[PieceRecord]) -> tuple[dict[str, dict[str, Any]], list[PieceRecord]]:
         """This process's ``per_process`` values (by leaf index, as the root lists them), and the
@@ -248,11 +268,10 @@ class Commit:
             for i, e in enumerate(self.entries)
         ]
 
-    async def _write_index(self, records: list[PieceRecord], blobs: dict[str, int]) -> dict[str, Any]:
-        """Write this process's index object; its key, size and crc32c (and SHA-256 with
+    async def _write_index(self, records: list[PieceRecord], blobs: dict[str, int], process: int) -> dict[str, Any]:
+        """Write ``process``'s index object; its key, size and crc32c (and SHA-256 with
         ``Options.digest``), to report."""
         digest = self.options.digest is not None
-        process = self.coordinator.process_index
         head = 0  # version 3: the root pins the head (which pins each frame), not the whole object
         if self.options.format_version >= 3:
             breaks = item_breaks([e.path for e in self.entries])
@@ -263,10 +282,11 @@ class Commit:
             data, head = encoded.data, encoded.head
         else:
             data = index_to_json(self.save_id, process, records, blobs, digest=digest)
-        await self.engine.put(self.index_key, data, crc32c=crc32c(data))  # the store checks and keeps it
+        key = index_key(self.save_id, process)
+        await self.engine.put(key, data, crc32c=crc32c(data))  # the store checks and keeps it
         pinned = data[:head] if head else data
         report: dict[str, Any] = {
-            "key": self.index_key,
+            "key": key,
             "size": len(data),
             "crc32c": crc32c(pinned),
             "blobs": len(blobs),
@@ -279,7 +299,7 @@ class Commit:
         return report
 
     async def _commit_or_abort(self, reports: dict[int, bytes]) -> bytes:
-        count = self.coordinator.process_count
+        count = self.process_count
         silent = [p for p in range(count) if p not in reports]
         if silent:
             why = f"processes {', '.join(map(str, silent))} sent no report"
@@ -329,7 +349,7 @@ class Commit:
             tree=self.skeleton,
             leaves=tuple(entries),
             blobs=(),
-            num_processes=self.coordinator.process_count,
+            num_processes=self.process_count,
             metadata=self.metadata,
             version=version,
             meshes=self.meshes,
