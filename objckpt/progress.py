@@ -244,12 +244,7 @@ def _width(stream: TextIO) -> dict[str, Any]:
 
 
 def start(
-    progress: ProgressArg,
-    operation: str,
-    url: str,
-    total: int,
-    current: Callable[[], int],
-    *watch: TransferStats,
+    progress: ProgressArg, operation: str, url: str, total: int, current: Callable[[], int], *watch: TransferStats
 ) -> Reporter | None:
     """A reporter fed by the counters ``watch`` (None when ``progress`` asks for nothing); end it
     with :func:`finish` (on the I/O thread), :func:`finish_from_caller` or :func:`closing`."""
@@ -277,12 +272,7 @@ async def _finish(reporter: Reporter, complete: bool) -> None:
 
 @contextlib.contextmanager
 def reporting(
-    progress: ProgressArg,
-    operation: str,
-    url: str,
-    total: int,
-    current: Callable[[], int],
-    *watch: TransferStats,
+    progress: ProgressArg, operation: str, url: str, total: int, current: Callable[[], int], *watch: TransferStats
 ) -> Iterator[None]:
     """Report the progress of the block's I/O (see :func:`start`); the final call, on the
     I/O thread like the others, comes before the block's caller goes on."""

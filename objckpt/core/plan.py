@@ -149,12 +149,7 @@ class _OpenBlob:
         self.payload += part.nbytes
 
 
-def plan_blobs(
-    pieces: Iterable[OwnedPiece],
-    *,
-    blob_size: int,
-    key: Callable[[int], str],
-) -> list[BlobPlan]:
+def plan_blobs(pieces: Iterable[OwnedPiece], *, blob_size: int, key: Callable[[int], str]) -> list[BlobPlan]:
     """Pack pieces into blobs of about ``blob_size`` bytes, each into the first of the
     last ``OPEN_BLOBS`` blobs with room for it (a new blob when none has).
 

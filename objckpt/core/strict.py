@@ -70,11 +70,7 @@ def is_int(x: Any) -> bool:
 
 
 def fields(
-    obj: Any,
-    where: str,
-    required: set[str],
-    optional: frozenset[str] | set[str] = frozenset(),
-    doc: str = "manifest",
+    obj: Any, where: str, required: set[str], optional: frozenset[str] | set[str] = frozenset(), doc: str = "manifest"
 ) -> None:
     """``obj`` is an object with every ``required`` key and no key outside ``required | optional``."""
     need(isinstance(obj, dict), where, "must be an object", doc)

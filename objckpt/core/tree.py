@@ -77,16 +77,9 @@ def flatten(tree: Any) -> tuple[list[Leaf], dict[str, Any]]:
                 pass
             for k in keys:
                 _key_json(DictKey(k), path)
-            return {
-                "t": "dict",
-                "k": keys,
-                "c": [walk(node[k], (*keypath, DictKey(k))) for k in keys],
-            }
+            return {"t": "dict", "k": keys, "c": [walk(node[k], (*keypath, DictKey(k))) for k in keys]}
         if type(node) in (list, tuple):
-            return {
-                "t": type(node).__name__,
-                "c": [walk(v, (*keypath, SequenceKey(i))) for i, v in enumerate(node)],
-            }
+            return {"t": type(node).__name__, "c": [walk(v, (*keypath, SequenceKey(i))) for i, v in enumerate(node)]}
         children = _children(node)
         if children is None:
             leaves.append(Leaf(path, node))

@@ -36,10 +36,7 @@ def read_needed_indexes(checkpoint: NativeCheckpoint, plans: dict[int, LeafPlan]
 
 
 def check_coverage(
-    checkpoint: NativeCheckpoint,
-    plans: dict[int, LeafPlan],
-    requests: list[ReadRequest],
-    plan: Planner,
+    checkpoint: NativeCheckpoint, plans: dict[int, LeafPlan], requests: list[ReadRequest], plan: Planner
 ) -> tuple[dict[int, LeafPlan], list[ReadRequest]]:
     """Every box a plan fills is covered exactly by the pieces read for it, or the restore stops.
 

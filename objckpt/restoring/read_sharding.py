@@ -280,10 +280,7 @@ class ReadPlanner:
 
 
 def plan_read_shardings(
-    manifest: Manifest,
-    selection: Mapping[int, Any],
-    *,
-    planner: ReadPlanner | None = None,
+    manifest: Manifest, selection: Mapping[int, Any], *, planner: ReadPlanner | None = None
 ) -> dict[int, Resharded]:
     """The leaves of ``selection`` (saved leaf → target leaf) read onto a read sharding and resharded.
 

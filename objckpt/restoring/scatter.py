@@ -48,13 +48,7 @@ _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 async def stream_read(
-    engine: TransferEngine,
-    request: ReadRequest,
-    landing: Landing,
-    url: str,
-    chunk: int,
-    *,
-    parallel: int,
+    engine: TransferEngine, request: ReadRequest, landing: Landing, url: str, chunk: int, *, parallel: int
 ) -> int:
     """One copied read, streamed into its boxes in ``landing``; how many bytes arrived.
 
@@ -151,13 +145,7 @@ class ScatterSink:
     copies run in parallel on machines with the cores for it.
     """
 
-    def __init__(
-        self,
-        request: ReadRequest,
-        landing: Landing,
-        url: str,
-        span: Span | None = None,
-    ) -> None:
+    def __init__(self, request: ReadRequest, landing: Landing, url: str, span: Span | None = None) -> None:
         self.request = request
         self.landing = landing
         self.plans = landing.plans

@@ -264,11 +264,7 @@ async def _remove_stale(out: Any, files: list[str]) -> None:
 
 
 def _read_shard(
-    url: str,
-    shard: list[ExportTensor],
-    storage_options: dict[str, Any] | None,
-    options: Options,
-    stats: TransferStats,
+    url: str, shard: list[ExportTensor], storage_options: dict[str, Any] | None, options: Options, stats: TransferStats
 ) -> list[np.ndarray]:
     """One file's leaves as C-contiguous host arrays in the written dtype, read with ranged reads."""
     values = restore(

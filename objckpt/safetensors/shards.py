@@ -75,12 +75,7 @@ def dotted_names(skeleton: dict[str, Any], count: int) -> list[str]:
 
 
 def choose_tensors(
-    leaves: list[LeafEntry],
-    default_names: list[str],
-    *,
-    subtree: str | None,
-    names: Names,
-    dtype: str | None,
+    leaves: list[LeafEntry], default_names: list[str], *, subtree: str | None, names: Names, dtype: str | None
 ) -> list[ExportTensor]:
     """The tensors an export writes, in leaf order.
 

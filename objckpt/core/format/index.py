@@ -41,12 +41,7 @@ class IndexDoc:
 
 
 def index_to_json(
-    save_id: str,
-    process: int,
-    records: Iterable[tuple[int, Piece]],
-    blobs: dict[str, int],
-    *,
-    digest: bool = False,
+    save_id: str, process: int, records: Iterable[tuple[int, Piece]], blobs: dict[str, int], *, digest: bool = False
 ) -> bytes:
     """An index object: ``records`` are (leaf, piece); ``blobs`` each blob's key and size.
 
@@ -221,12 +216,7 @@ def _fast_row(
 
 
 def _row(
-    row: Any,
-    where: str,
-    shapes: list[tuple[tuple[int, ...], int] | None],
-    keys: list[str],
-    sizes: list[int],
-    doc: str,
+    row: Any, where: str, shapes: list[tuple[tuple[int, ...], int] | None], keys: list[str], sizes: list[int], doc: str
 ) -> tuple[int, Piece]:
     need(isinstance(row, list) and len(row) >= 4, where, "must be [leaf, blob, offset, crc32c, *start, *stop]", doc)
     leaf, blob, offset, crc = row[:4]
@@ -243,12 +233,7 @@ def _row(
     need(is_int(blob) and 0 <= blob < len(keys), where, f"blob {blob!r} is not in 'blobs'", doc)
     length = math.prod(b - a for a, b in zip(start, stop)) * itemsize
     need(is_int(offset) and offset >= 0, where, "offset must be a non-negative integer", doc)
-    need(
-        offset + length <= sizes[blob],
-        where,
-        f"bytes [{offset}, {offset + length}) exceed blob {keys[blob]!r}",
-        doc,
-    )
+    need(offset + length <= sizes[blob], where, f"bytes [{offset}, {offset + length}) exceed blob {keys[blob]!r}", doc)
     need(is_int(crc) and 0 <= crc < 2**32, where, "crc32c must be a 32-bit integer", doc)
     raise FormatError(f"{doc} field {where}: malformed")  # pragma: no cover (the fast path takes every valid row)
 
