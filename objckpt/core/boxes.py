@@ -77,7 +77,7 @@ def named_spec(sharding: jax.sharding.NamedSharding, rank: int) -> Spec:
 
 def grid_of(leaf: int, array: Any, meshes: MeshTable, *, slab_bytes: int) -> tuple[Grid, dict[str, Any]] | None:
     """The saved grid of ``array`` (a jax.Array, or anything with its shape, dtype and
-    sharding) and its layout for the manifest, or None when its sharding is not one."""
+    sharding) and its writers for the manifest (its ``layout`` key), or None when its sharding is not one."""
     sharding = array.sharding
     rank = len(array.shape)
     if not isinstance(sharding, jax.sharding.NamedSharding) or len(sharding.spec) > rank:

@@ -115,7 +115,7 @@ Spec = tuple[tuple[str, ...], ...]  # per dimension, the mesh axes that split it
 
 @dataclass(frozen=True)
 class Grid:
-    """One leaf's saved layout: the cells of ``shape`` under ``spec`` on ``mesh``, and their writers."""
+    """One leaf's saved grid: the cells of ``shape`` under ``spec`` on ``mesh``, and their writers."""
 
     mesh: Mesh
     spec: Spec
