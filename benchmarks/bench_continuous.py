@@ -5,7 +5,7 @@ A simulated training loop runs a jitted, donated step over a state of several fl
 (1 GiB by default) on a (4, 2) mesh of CPU devices: every step rewrites every array and does a
 fixed amount of matmul work. The loop runs (a) without checkpointing, 20 steps right before
 and 20 right after every other run (that run's baseline: the load the machine's other work
-adds drifts within minutes), (b) under ``CheckpointManager(continuous=True)``, which starts
+adds drifts within minutes), (b) under ``SavePolicy(continuous=True)``, which starts
 the next save as soon as the previous one has committed, and (c) under
 ``save_interval_steps=K`` for several K (by default K = 0.5, 1 and 2 times the interval
 continuous reached in the first round). Saves go to the

@@ -12,7 +12,7 @@ On the local S3 server (SeaweedFS) through ``backends.proxy.FaultProxy`` at 10 m
   ≤ 0.3× ``full``'s time).
 
 Then, once: 8 equal leaves of 16 MiB, one changed (target: ≤ 1.3× that leaf's bytes plus
-metadata), and ``CheckpointManager(incremental=True, keep_last=1)``: after retention deleted the
+metadata), and ``CheckpointManager(incremental=True, retention=Retention(keep_last=1))``: after retention deleted the
 base and gc ran, the step restores bit-exact and verifies.
 
 Bytes are the transfer engine's ``bytes_written``. The machine's 2 cores are shared: times are

@@ -3,7 +3,7 @@
 The job is what a user runs: an MLP's params and its optax AdamW state sharded over
 every device of the job, an RNG key (raw key data, replicated) split inside the jitted
 step for dropout, a grain ``DataLoader`` sharded over the processes, and a JSON
-config. ``CheckpointManager(save_interval_steps=...)`` saves the whole state as one
+config. ``CheckpointManager(save_rules=SavePolicy(save_interval_steps=...))`` saves the whole state as one
 tree: the arrays, ``objckpt.PerProcess(iterator.get_state())`` and ``objckpt.Json(config)``.
 On start it restores ``mgr.latest_step()`` (if any) and runs to the last step.
 

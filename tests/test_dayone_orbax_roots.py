@@ -4,7 +4,7 @@ Each root here is written by orbax-checkpoint's own ``CheckpointManager`` (on lo
 disk, then uploaded byte for byte to the S3 server and the GCS emulator, as
 ``gsutil rsync`` would): objckpt lists its steps, restores them bit-exact onto
 another mesh, reads Orbax's metrics, saves new steps beside them, and retention
-leaves them alone unless ``delete_orbax_steps=True``. ``objckpt verify`` reads
+leaves them alone unless ``Retention(delete_orbax_steps=True)``. ``objckpt verify`` reads
 every chunk of an Orbax step and names the leaf whose chunk is damaged.
 """
 

@@ -1,6 +1,6 @@
 """Replicas and the root's retention, however the copies and the saves interleave (issue 66, item 7).
 
-``CheckpointManager(root, keep_last=2, replicas=[a, b])``, three saves, then the ``with`` block
+``CheckpointManager(root, retention=Retention(keep_last=2), replicas=[a, b])``, three saves, then the ``with`` block
 ends: by the time ``close()`` returns every replica holds the steps the root keeps and nothing
 else, retention applied there too, and a copy abandoned mid-way (its step left the root) has
 left no object behind, even one whose write was still in flight when the copy stopped.

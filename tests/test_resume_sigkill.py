@@ -4,7 +4,7 @@ The job (tests/resume_worker.py, one JAX process each, jax.distributed on CPU, S
 an MLP with optax AdamW, params and optimizer state sharded over every device, an RNG
 key split in the jitted step, a grain ``DataLoader`` sharded over the processes (its
 state saved as ``objckpt.PerProcess``) and an ``objckpt.Json`` config, under
-``CheckpointManager(save_interval_steps=3)``. Each process logs a digest of the batch it
+``SavePolicy(save_interval_steps=3)``. Each process logs a digest of the batch it
 drew and of its part of the state after every step.
 
 Per process count: one uninterrupted run gives the reference digests; then the job is
