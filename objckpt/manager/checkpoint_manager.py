@@ -71,13 +71,10 @@ class CheckpointManager:
             default all of them.
         local: copies on each host, no object-store traffic (docs/TIERS.md): a
             :class:`~objckpt.manager.settings.LocalCopies`, or its directory alone.
-        replicas: other roots that every committed step is copied to in the background
-            (:mod:`objckpt.manager.replication`): a :class:`~objckpt.manager.settings.Replication`,
-            or its list of URLs and :class:`objckpt.Location` alone. Server-side where the
-            provider allows, each copy committed by its own manifest (same ``save_id``), newest
-            step first when a replica falls behind. Retention and ``gc`` apply at every replica;
-            :meth:`replica_status` says where each stands; :meth:`restore` reads from the nearest
-            copy and fails over. In multi-process runs the primary process replicates.
+        replicas: other roots every committed step is copied to in the background, retention and
+            ``gc`` applied there too (:mod:`objckpt.manager.replication`; the primary process
+            copies): a :class:`~objckpt.manager.settings.Replication`, or its list of URLs and
+            :class:`objckpt.Location` alone. :meth:`restore` reads the nearest copy, failing over.
         incremental: each save's base is the newest committed step (``objckpt.save(..., base=...)``,
             with SHA-256 digests): off by default; its cost in docs/INCREMENTAL.md.
         catch_sigterm: in a single process, install a SIGTERM handler (from the main
@@ -86,9 +83,8 @@ class CheckpointManager:
             changes no signal handler unless asked. A multi-process job needs no flag:
             ``jax.distributed.initialize`` starts JAX's preemption service, which
             receives SIGTERM.
-        **deprecated: the keywords taken before the settings were grouped (``keep_last=``,
-            ``save_interval_steps=``...): each still works for one release, with a
-            ``DeprecationWarning`` naming its new place (:func:`~objckpt.manager.settings.grouped`).
+        **deprecated: the keywords taken before (``keep_last=``...) work for one release, each
+            with a ``DeprecationWarning`` naming its new place (:func:`~objckpt.manager.settings.grouped`).
 
     With no save rule, every step saves. Whatever the rules, the step at
     which a preemption notice has reached every process saves (:meth:`reached_preemption`);

@@ -1,10 +1,8 @@
 """A manager's settings grouped by concern, as Orbax v1's options are: retention, local copies, replicas.
 
-With :class:`~objckpt.manager.save_policy.SavePolicy` (which steps save) these are what
-``CheckpointManager(root, save_rules=..., retention=..., local=..., replicas=...)`` takes.
-Each is a frozen dataclass that checks its values when made, so a wrong setting fails where
-it is written. :func:`grouped` folds in the keywords the manager took before they were
-grouped, each with a ``DeprecationWarning`` naming its new place (they go in the next release).
+With :class:`~objckpt.manager.save_policy.SavePolicy` these are what ``CheckpointManager`` takes: frozen
+dataclasses that check their values when made. :func:`grouped` folds in the keywords the manager took
+before, each with a ``DeprecationWarning`` naming its new place (they go in the next release).
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from objckpt.restoring.locations import Location
 
 @dataclass(frozen=True)
 class Retention:
-    """Which committed steps a manager keeps. With none of these, nothing is ever deleted;
-    the latest committed step is always kept.
+    """Which committed steps a manager keeps: with none of these, all; the latest always.
 
     Attributes:
         keep_last: keep the N most recent steps.
@@ -117,10 +114,8 @@ class Replication:
 _MOVED = {
     **{f.name: ("save_rules", f.name) for f in dataclasses.fields(SavePolicy)},
     **{f.name: ("retention", f.name) for f in dataclasses.fields(Retention)},
-    "local_interval_steps": ("local", "interval_steps"),
-    "local_keep_last": ("local", "keep_last"),
-    "peers": ("local", "peers"),
-    "peer_of": ("local", "peer_of"),
+    **{f"local_{k}": ("local", k) for k in ("interval_steps", "keep_last")},
+    **{k: ("local", k) for k in ("peers", "peer_of")},
     "replication_timeout": ("replicas", "timeout"),
 }
 _GROUPS: dict[str, type] = dict(save_rules=SavePolicy, retention=Retention, local=LocalCopies, replicas=Replication)
@@ -128,8 +123,7 @@ _BARE = {"local": "path", "replicas": "locations"}  # the group given as a bare 
 
 
 def grouped(groups: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
-    """``groups`` (save_rules, retention, local, replicas) as settings objects, with the old
-    keywords of ``old`` folded in, each with a ``DeprecationWarning`` naming its new place.
+    """``groups`` (save_rules, retention, local, replicas) as settings objects, ``old`` keywords folded in.
 
     Raises:
         TypeError: a keyword the manager never took.
