@@ -13,6 +13,16 @@ bandwidth. On command it also injects faults, at a chosen rate, per request:
 
 "Midway" is half of the response's first chunk, so even a body-less PUT reply is cut.
 
+Three more stall kinds (``STALL_KINDS``, drawn only when named), each holding the
+connection open for ``stall_seconds``: the stalls a watchdog must cut.
+
+- ``"hang"``: accept the request (its body read and dropped) and never answer;
+- ``"trickle"``: answer the response head, then its body a few bytes at a time
+  (a body-less reply, a PUT's, is trickled head and all);
+- ``"midbody"``: stop mid-body: a request with a body (a PUT, a part) has half of it
+  read, then no more (nothing reaches the server); a response, its head and half of the
+  body in its first chunk, then nothing.
+
 ``set_corruption(rate)`` flips one bit in the body of that fraction of successful
 GET responses (the stored data stays intact, the length and headers are kept):
 a checksum that fails in flight, not at rest (``stats.corrupted`` counts them).
@@ -73,6 +83,8 @@ if TYPE_CHECKING:
     from backends.tls import TestCA
 
 FAULT_KINDS = ("503", "429", "500", "reset", "truncate", "stall")
+STALL_KINDS = ("hang", "trickle", "midbody")
+_TRICKLE = (16, 0.2)  # a trickled answer: this many bytes every this many seconds
 _STATUS_TEXT = {"503": "Slow Down", "429": "Too Many Requests", "500": "Internal Server Error"}
 _ERROR_CODE = {"503": "SlowDown", "429": "TooManyRequests", "500": "InternalError"}
 _REVOKED_BODY = (
@@ -186,19 +198,31 @@ class FaultProxy:
             self.stats.refused += 1
         return "401", _UNAUTHENTICATED_BODY
 
-    def set_faults(self, rate: float, kinds: Sequence[str] = FAULT_KINDS, *, only: str | None = None) -> None:
+    def set_faults(
+        self,
+        rate: float,
+        kinds: Sequence[str] = FAULT_KINDS,
+        *,
+        only: str | None = None,
+        ranged: bool | None = None,
+        times: int | None = None,
+    ) -> None:
         """Fault ``rate`` (0..1) of the requests from now on, drawing kinds uniformly.
 
         ``only``: fault just the requests whose request line (``PUT /b/k?partNumber=2 HTTP/1.1``)
         contains this text, e.g. ``"partNumber="`` for the parts of multipart uploads.
+        ``ranged``: just those with (True) or without (False) a ``Range`` header;
+        ``times``: at most this many faults in all (1: a stall that happens once).
         """
-        unknown = set(kinds) - set(FAULT_KINDS)
+        unknown = set(kinds) - set(FAULT_KINDS) - set(STALL_KINDS)
         if unknown or not 0.0 <= rate <= 1.0 or (rate > 0 and not kinds):
             raise ValueError(f"bad fault settings: rate={rate}, kinds={kinds}")
         with self._lock:
             self.fault_rate = rate
             self.fault_kinds = tuple(kinds)
             self.fault_only = only.encode() if only else None
+            self.fault_ranged = ranged
+            self.faults_left = times
 
     def set_corruption(
         self, rate: float, *, only: str | None = None, limit: int | None = None, position: int | None = None
@@ -275,12 +299,16 @@ class FaultProxy:
             raise ValueError(f"bad capacity: {capacity}")
         self.capacity = capacity
 
-    def _draw(self, request_line: bytes) -> str | None:
+    def _draw(self, head: bytes) -> str | None:
         with self._lock:
             self.stats.requests += 1
-            if self.fault_only is not None and self.fault_only not in request_line:
+            if self.fault_only is not None and self.fault_only not in head.split(b"\r\n", 1)[0]:
                 return None
-            if self.fault_rate and self._rng.random() < self.fault_rate:
+            if self.fault_ranged is not None and self.fault_ranged != (b"\r\nrange:" in head.lower()):
+                return None
+            if self.faults_left != 0 and self.fault_rate and self._rng.random() < self.fault_rate:
+                if self.faults_left is not None:
+                    self.faults_left -= 1
                 kind = self._rng.choice(self.fault_kinds)
                 self.stats.faults[kind] = self.stats.faults.get(kind, 0) + 1
                 return kind
@@ -424,6 +452,7 @@ class _ClientSide(asyncio.Protocol):
         self._pending: list[asyncio.Handle | asyncio.Task[None]] = []  # timers and the connect, cancelled on close
         self._serving = False  # counted in the proxy's ``serving``
         self.flipper: _BodyFlipper | None = None  # set when this response's body gets a bit flipped
+        self._upload_left: int | None = None  # a "midbody" stall: request body bytes still read
 
     # client transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -436,6 +465,10 @@ class _ClientSide(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._head is None:  # the body: forwarded, or dropped under an injected status
+            if self._upload_left is not None:  # a "midbody" stall: half of the body read, then no more
+                self._upload_left -= min(len(data), self._upload_left)
+                if not self._upload_left and self._client is not None:
+                    self._client.pause_reading()
             if self._to_upstream is not None:
                 self._proxy._count(up=len(data))
                 self._to_upstream.feed(data)
@@ -477,7 +510,7 @@ class _ClientSide(asyncio.Protocol):
                 proxy.stats.requests += 1
             self._pending.append(self._loop.call_later(delay, self._answer, *refusal))
             return
-        fault = proxy._failing() or proxy._draw(head.split(b"\r\n", 1)[0])
+        fault = proxy._failing() or proxy._draw(head)
         if fault is None and proxy.capacity is not None and proxy.serving >= proxy.capacity:
             with proxy._lock:
                 proxy.stats.throttled += 1
@@ -485,6 +518,13 @@ class _ClientSide(asyncio.Protocol):
         if fault in _STATUS_TEXT:
             self._pending.append(self._loop.call_later(delay, self._answer_error, fault))
             return
+        if fault is not None and fault in STALL_KINDS:
+            self._pending.append(self._loop.call_later(proxy.stall_seconds, self.close))
+            if fault == "midbody" and _content_length(head) > 0:
+                self._upload_left = _content_length(head) // 2
+                return self.data_received(rest)  # the server is not asked: none of it reaches one
+            if fault == "hang":
+                return  # the body is read and dropped (no upstream), nothing is answered
         proxy.serving += 1
         self._serving = True
         proxy._count(up=len(head) + len(rest))
@@ -548,17 +588,31 @@ class _ClientSide(asyncio.Protocol):
         self.close()
 
     def _apply(self, fault: str, client: asyncio.Transport, chunk: bytes) -> None:
-        """Midway through the response: half of its first chunk, then the fault."""
-        client.write(chunk[: len(chunk) // 2])
+        """Midway through the response: half of its first chunk, then the fault (a stall kind:
+        the head and half of the body in it, or all of it trickled)."""
+        body = chunk.find(b"\r\n\r\n") + 4 if fault in STALL_KINDS else 0
+        body = body if body < len(chunk) else 0  # where its body starts (0: none in it)
+        if fault == "trickle":
+            self._trickle(client, chunk[body:], chunk[:body])
+        else:
+            client.write(chunk[: body + (len(chunk) - body) // 2])
         if self._upstream is not None:
             self._upstream.close()  # nothing more of this response will be forwarded
-        if fault == "stall":
+        if fault in ("stall", *STALL_KINDS):
             self._pending.append(self._loop.call_later(self._proxy.stall_seconds, self.close))
             return
         sock = client.get_extra_info("socket")
         if fault == "reset" and sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.close()
+
+    def _trickle(self, client: asyncio.Transport, rest: bytes, now: bytes = b"") -> None:
+        """Write ``now``, then ``rest`` a few bytes at a time (``_TRICKLE``)."""
+        n, every = _TRICKLE
+        if not client.is_closing():
+            client.write(now + rest[:n])
+            if rest[n:]:
+                self._pending.append(self._loop.call_later(every, self._trickle, client, rest[n:]))
 
     def close(self) -> None:
         """End this connection both ways (what was already written to the client is flushed first)."""

@@ -35,9 +35,9 @@ class RetryConfig:
         initial_backoff: seconds before the first retry; doubles each time (full jitter).
         max_backoff: cap on one backoff sleep.
         deadline: total seconds one request may take across all its attempts: each
-            attempt is cut to what is left of it. When the last attempt timed out, the
-            error says the server never answered; the first one that times out logs a
-            warning naming the endpoint.
+            attempt is cut to what is left of it, so an operation whose store stalls fails
+            within it. When the last attempt timed out, the error names the process and
+            what it waited for; the first one that times out logs a warning naming the endpoint.
         checksum_reads: reads of the same bytes, the first included, before a
             checksum mismatch is called corruption at rest (an ``IntegrityError``
             that says it persisted over that many reads); a mismatch that a
@@ -48,7 +48,7 @@ class RetryConfig:
     max_attempts: int = 10
     initial_backoff: float = 0.1
     max_backoff: float = 10.0
-    deadline: float = 900.0
+    deadline: float = 60.0
     checksum_reads: int = 5
 
     def __post_init__(self) -> None:
@@ -137,8 +137,10 @@ class Options:
             owners share its upload (and a read-once restore, its reads) without
             cutting it into reads too small to be worth a request.
         request_timeout: seconds one attempt of a store call may take, once it holds its
-            concurrency slot, before it counts as stalled; each retry after a timeout gets
-            twice the time of the attempt before (``RetryConfig.deadline`` bounds them all).
+            concurrency slot, before it counts as stalled, at least: a transfer's attempt is
+            given twice its time at the throughput the operation has measured (before that,
+            this plus its size at 2 MiB/s); each retry after a timeout gets twice the time of
+            the attempt before (``RetryConfig.deadline`` bounds them all).
         barrier_timeout: seconds a multi-host barrier waits before naming stragglers.
         manifest_size_limit: the reader refuses larger manifests (hostile input).
         live_marker_lease: seconds a live-save marker protects its checkpoint prefix
@@ -231,7 +233,7 @@ class Options:
     read_chunk: int = 32 * MiB
     coalesce_gap: int = 0
     split_replicas_above: int = 1 * MiB
-    request_timeout: float = 120.0
+    request_timeout: float = 10.0
     barrier_timeout: float = 300.0
     manifest_size_limit: int = 256 * MiB
     live_marker_lease: float = 600.0

@@ -125,7 +125,10 @@ def check(restored: dict[str, Any], target: dict[str, Any]) -> list[str]:
 
 
 def options(job: dict[str, Any]) -> objckpt.Options:
-    return objckpt.Options(**job.get("options", {}))
+    given = dict(job.get("options", {}))
+    if "retry" in given:  # RetryConfig's fields, as JSON
+        given["retry"] = objckpt.RetryConfig(**given["retry"])
+    return objckpt.Options(**given)
 
 
 class CountingClient:
@@ -220,9 +223,8 @@ def save(counting: CountingClient | None) -> dict[str, Any]:
     tree = jax.block_until_ready(make_tree(JOB))
     before = counting.snapshot() if counting else None
     started = time.perf_counter()
-    handle = objckpt.save_async(
-        JOB["url"], tree, storage_options=JOB.get("storage_options") or {}, options=options(JOB)
-    )
+    so = JOB.get("storage_options_of", {}).get(str(PROCESS)) or JOB.get("storage_options") or {}  # per process
+    handle = objckpt.save_async(JOB["url"], tree, storage_options=so, options=options(JOB))
     handle.result()
     seconds = time.perf_counter() - started
     result: dict[str, Any] = {
@@ -348,16 +350,17 @@ def run() -> dict[str, Any]:
     kind = JOB["kind"]
     so = JOB.get("storage_options") or {}
     counting = count_coordination() if JOB.get("count_coordination") and COUNT > 1 else None
-    if kind == "save":
+    if kind == "save" and not JOB.get("report_errors"):
         result = save(counting)
         if JOB.get("restore_after"):  # the same processes read it back (keys: a second operation tag)
             result["restore"] = restore()
         return result
-    if kind == "restore" and JOB.get("report_errors"):  # the error as the result: every process reaches the exit
+    if kind in ("save", "restore") and JOB.get("report_errors"):  # the error as the result: every process exits
+        started = time.monotonic()
         try:
-            return restore()
+            return save(counting) if kind == "save" else restore()
         except Exception as e:
-            return {"error": f"{type(e).__name__}: {e}"}
+            return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - started}
     if kind == "restore":
         return restore()
     if kind == "peer_copy_restore":

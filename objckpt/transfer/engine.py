@@ -30,6 +30,10 @@ from objckpt.transfer.throttle import AdaptiveLimit, Outcome
 T = TypeVar("T")
 Item = TypeVar("Item")
 
+#: Bytes per second a request is granted before the operation has measured its own: a slow
+#: link's, so that the first requests of a slow host are not cut.
+FIRST_RATE = 2 << 20
+
 
 class AsyncByteBudget:
     """An asyncio semaphore counted in bytes.
@@ -79,9 +83,10 @@ class TransferEngine:
         #: the operation's CPU-heavy work, at most ``cpu_threads`` threads at once (:mod:`~objckpt.transfer.cpu_slots`)
         self.cpu = CpuSlots(cpu_threads or default_save_threads())
         self.request_timeout = request_timeout
-        #: the first attempt's timeout for requests that start now: ``request_timeout``, raised to the
+        #: the least first-attempt timeout of requests that start now: ``request_timeout``, raised to the
         #: longest timeout one of this operation's requests needed to end (:meth:`call`)
         self.attempt_timeout = request_timeout
+        self._moved, self._busy = 0.0, 0.0  # bytes and seconds of recent requests: their throughput
         self.retry = retry
         self.stats = stats if stats is not None else TransferStats()
         self.limit = AdaptiveLimit(max_concurrency, name=store.url, adaptive=adaptive)
@@ -105,7 +110,18 @@ class TransferEngine:
             cpu_threads=options.save_threads,
         )
 
-    async def call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+    def timeout_for(self, size: int) -> float:
+        """The first attempt's timeout for a request that moves ``size`` bytes: twice the time it
+        should take at the throughput this operation's requests have measured (recent ones weigh
+        most), at least ``attempt_timeout``; before any has, ``attempt_timeout`` plus ``size`` at
+        :data:`FIRST_RATE`. A stalled transfer is cut at twice its time, not at a fixed timeout."""
+        if not self._busy:
+            return self.attempt_timeout + size / FIRST_RATE
+        return max(self.attempt_timeout, 2 * size * self._busy / self._moved)
+
+    async def call(
+        self, what: str, fn: Callable[[], Awaitable[T]], *, size: int = 0, watch: WatchedSink | None = None
+    ) -> T:
         """Run one request, holding a concurrency slot per attempt, retrying transient failures.
 
         Each attempt's timeout starts once it holds its slot: the time it waits behind the
@@ -120,6 +136,9 @@ class TransferEngine:
         Args:
             what: names the request in errors (e.g. ``GET s3://b/k [0, 10)``).
             fn: makes a fresh awaitable for each attempt.
+            size: the bytes it moves: its first timeout (:meth:`timeout_for`), and the throughput.
+            watch: the streamed read's sink, watched: a timed-out attempt says what it waited for
+                (the response's head, or its body, stalled at how many bytes).
         """
 
         async def attempt(timeout: float) -> T:
@@ -130,14 +149,22 @@ class TransferEngine:
                     raise StoreError(f"{what}: not sent, the operation was aborted")
                 self.stats.add(requests=1)
                 started = time.monotonic()
+                if watch is not None:
+                    watch.begun, watch.received, watch.last = False, 0, started
                 with runtime.threads_joining(self._threads):
                     running = asyncio.ensure_future(fn())
                 self._attempts.add(running)
                 running.add_done_callback(self._attempts.discard)
-                result = await asyncio.wait_for(running, timeout)
+                try:
+                    result = await asyncio.wait_for(running, timeout)
+                except TimeoutError:
+                    raise TimeoutError(self._waited_for(size, watch, time.monotonic() - started)) from None
                 outcome = "ok"
-                if time.monotonic() - started > self.attempt_timeout:  # it needed the longer timeout
+                took = time.monotonic() - started
+                if took > self.attempt_timeout:  # it needed the longer timeout
                     self.attempt_timeout = timeout
+                if size:
+                    self._moved, self._busy = 0.9 * self._moved + size, 0.9 * self._busy + took
                 return result
             except ThrottledError:
                 outcome = "throttled"
@@ -150,10 +177,18 @@ class TransferEngine:
             what,
             attempt,
             retry=self.retry,
-            request_timeout=self.attempt_timeout,
+            request_timeout=self.timeout_for(size),
             stats=self.stats,
             endpoint=endpoint_of(self.store),
         )
+
+    def _waited_for(self, size: int, watch: WatchedSink | None, waited: float) -> str:
+        """What a timed-out attempt waited for ("": no more than an answer), where a streamed read says."""
+        if watch is None or not self.store.streams_reads:
+            return ""
+        if not watch.begun:
+            return f"no response headers in {waited:.3g} s"
+        return f"body stalled at {watch.received} of {size} bytes for {time.monotonic() - watch.last:.3g} s"
 
     async def abort(self, grace: float) -> None:
         """Refuse every request from now on and cancel the attempts in flight, waiting up to
@@ -190,6 +225,7 @@ class TransferEngine:
         """
         attempts = 0
         checked = checks_at_arrival(self.store) if crc32c is not None else None
+        size = sum(len(p) for p in data) if isinstance(data, list) else len(data)
 
         def once() -> Awaitable[None]:
             nonlocal attempts
@@ -204,13 +240,12 @@ class TransferEngine:
         if mode == "create":  # a commit: once every earlier attempt has ended (the deadline bounds each)
             await self.settle(self.retry.deadline)
         try:
-            request = self.call(f"PUT {self.store.url}/{key}", once)
+            request = self.call(f"PUT {self.store.url}/{key}", once, size=size)
             # A write into this host's file system is a memcpy per byte: it waits for a CPU slot
             # before its timeout starts.
             await (self.cpu.hold(request) if self.store.writes_on_host else request)
         except ObjectNotFoundError as e:
             raise missing_bucket(self.store.url, key, e) from e
-        size = sum(len(p) for p in data) if isinstance(data, list) else len(data)
         self.stats.add(bytes_written=size, objects_written=1)
         return attempts
 
@@ -219,6 +254,7 @@ class TransferEngine:
         data = await self.call(
             f"GET {self.store.url}/{key} [{start}, {end})",
             lambda: self._at(key)[0].get_range_buffer(self._at(key)[1], start=start, end=end),
+            size=end - start,
         )
         self.stats.add(bytes_read=len(data))
         return data
@@ -226,9 +262,12 @@ class TransferEngine:
     async def get_range_streamed(self, key: str, start: int, end: int, sink: ReadSink) -> int:
         """Bytes ``[start, end)`` handed to ``sink`` as they arrive (``Store.get_range_streamed``);
         a retry starts the sink over. How many bytes were handed over."""
+        watch = WatchedSink(sink)
         n = await self.call(
             f"GET {self.store.url}/{key} [{start}, {end})",
-            lambda: self._at(key)[0].get_range_streamed(self._at(key)[1], start=start, end=end, sink=sink),
+            lambda: self._at(key)[0].get_range_streamed(self._at(key)[1], start=start, end=end, sink=watch),
+            size=end - start,
+            watch=watch,
         )
         self.stats.add(bytes_read=n)
         return n
@@ -279,6 +318,28 @@ class TransferEngine:
                     group.create_task(run(item, held))
         except BaseExceptionGroup as errors:  # callers expect the error itself, not a group
             raise first_error(errors) from None
+
+
+class WatchedSink:
+    """A streamed read's sink, passed through, noting how far the response has come: whether
+    its head arrived (the store begins the sink then) and the body's bytes, and when last."""
+
+    def __init__(self, sink: ReadSink) -> None:
+        self.sink, self.begun, self.received, self.last = sink, False, 0, 0.0
+
+    def begin(self) -> None:
+        self.begun, self.received, self.last = True, 0, time.monotonic()
+        self.sink.begin()
+
+    def next_size(self, offset: int, limit: int) -> int:
+        return self.sink.next_size(offset, limit)
+
+    def receive(self, offset: int, data: memoryview) -> None:
+        self.sink.receive(offset, data)
+        self.received, self.last = offset + len(data), time.monotonic()
+
+    def __getattr__(self, name: str) -> Any:  # the sink's optional methods (``destination``)
+        return getattr(self.sink, name)
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

@@ -15,6 +15,7 @@ import builtins
 import contextlib
 import logging
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -72,7 +73,10 @@ async def retry_attempts(
     attempts, where the same timeout each time would cut it at the same point every time;
     a stalled server still costs the first attempt only ``request_timeout``. Each attempt
     is cut to what is left of ``retry.deadline``. The first that times out and is retried is logged, naming
-    ``endpoint`` (once a minute per endpoint: a stall times out every request in flight).
+    ``endpoint`` (once a minute per endpoint: a stall times out every request in flight). The
+    error names this process (:func:`process_name`) and what the last attempt waited for: the
+    text of its ``TimeoutError`` (the engine's: a streamed read's head, or its body stalled at
+    how many bytes), else that the server never answered.
     """
     started = time.monotonic()
     deadline = started + retry.deadline
@@ -89,13 +93,15 @@ async def retry_attempts(
             timed_out = isinstance(e, TimeoutError) or isinstance(e.__cause__, TimeoutError)
             waited = round(time.monotonic() - began, 1) if timed_out else 0.0
             server = f"the server at {endpoint}" if endpoint else "the server"
+            stalled = f"{server}: {e}" if isinstance(e, TimeoutError) and str(e) else ""
             backoff = random.uniform(0, min(retry.max_backoff, retry.initial_backoff * 2 ** (attempts - 1)))
             if attempts >= retry.max_attempts or time.monotonic() + backoff >= deadline:
                 if not timed_out:
-                    raise StoreError(f"{what} failed after {attempts} attempts: {e}") from e
+                    raise StoreError(f"{what} from {process_name()} failed after {attempts} attempts: {e}") from e
                 raise StoreError(
-                    f"{what} timed out (the last attempt given {given:.3g} s) after {attempts} attempts in "
-                    f"{time.monotonic() - started:.3g} s: {server} never answered within {max(silent, waited):g} s"
+                    f"{what} from {process_name()} timed out (the last attempt given {given:.3g} s) after "
+                    f"{attempts} attempts in {time.monotonic() - started:.3g} s: "
+                    f"{stalled or f'{server} never answered within {max(silent, waited):g} s'}"
                 ) from e
             if timed_out:
                 if not silent:
@@ -104,6 +110,12 @@ async def retry_attempts(
             if stats is not None:
                 stats.add(retries=1)
             await asyncio.sleep(backoff)
+
+
+def process_name() -> str:
+    """This process, as errors name it: ``process N``, its JAX process index (0 where JAX is not loaded)."""
+    jax = sys.modules.get("jax")
+    return f"process {jax.process_index() if jax is not None else 0}"
 
 
 _warned: dict[str, float] = {}  # when each server was last warned about (time.monotonic())
