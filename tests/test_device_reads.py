@@ -147,10 +147,17 @@ def _manager_local_save(url: str, state: Any) -> None:
         mgr.save(3, state, wait=True)
 
 
+def _manager_both_save(url: str, state: Any) -> None:
+    """A manager step due for both the local tier and the store: one host stage serves both."""
+    root = url.removeprefix("file://")
+    with objckpt.CheckpointManager(url, local=f"{root}-local") as mgr:
+        mgr.save(3, state, wait=True)
+
+
 @pytest.mark.parametrize(
     "save",
-    [_save_sync, _save_async, _manager_save, _manager_local_save],
-    ids=["save", "save_async", "manager", "manager_local"],
+    [_save_sync, _save_async, _manager_save, _manager_local_save, _manager_both_save],
+    ids=["save", "save_async", "manager", "manager_local", "manager_both"],
 )
 def test_every_copy_starts_before_the_first_read_and_none_is_cached(
     save: Any, events: list[Event], tmp_path: Any
@@ -166,10 +173,12 @@ def test_every_copy_starts_before_the_first_read_and_none_is_cached(
     assert all(kind == "start" for kind, *_ in events[:first_read])
     assert first_read == len(shards), "every copy is under way before the first read"
     _check_no_host_copy_left(events, state)
-    if save is _manager_local_save:
+    if save in (_manager_local_save, _manager_both_save):
         with objckpt.CheckpointManager(tmp_path.as_uri(), local=f"{tmp_path}-local") as mgr:
             restored = mgr.restore(3, state)
             assert mgr.tier_status().last_restore.tier == "local"
+        if save is _manager_both_save:  # the store's copy too, bit-exact
+            assert_tree_bit_exact(objckpt.restore(f"{tmp_path.as_uri()}/step_0000000003", state), state)
     elif save is _manager_save:
         restored = objckpt.CheckpointManager(tmp_path.as_uri()).restore(3, state)
     else:

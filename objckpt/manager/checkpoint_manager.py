@@ -251,10 +251,15 @@ class CheckpointManager:
             self._wait_pending()
             self._schedule.started()
             full_metadata = {"objckpt.manager": {"step": step, "metrics": metrics}, **user_metadata}
-            from objckpt.saving.api import save_async
+            from objckpt.saving.api import save_async, start_save
 
+            # One host stage for a step due for both: the local snapshot copies each box off the
+            # devices, the store save stages from it. A local write still running: the store
+            # save does not wait for the disk, and copies its own boxes.
+            tiers = self._tiers if local else None
+            stage = tiers.snapshot(step, tree, local_metadata) if tiers is not None and tiers.idle() else None
             base = self._base_for(step) if self.incremental else None
-            handle = save_async(
+            handle = (save_async if stage is None else functools.partial(start_save, stage=stage))(
                 self.step_url(step),
                 tree,
                 storage_options=self.storage_options,
@@ -264,8 +269,10 @@ class CheckpointManager:
             )
             self._pending = runtime.submit(self._after_save(handle, step, metrics))
             self._pending_step = step
-        if self._tiers is not None and local:  # after the store's save: a local disk never holds it up
-            self._tiers.save(step, tree, local_metadata)
+        if tiers is not None and stage is not None:  # after the store's save: the disk never holds it up
+            tiers.write(stage)
+        elif tiers is not None:
+            tiers.save(step, tree, local_metadata)
         if wait or self.reached_preemption(step):
             self.wait()
         return True

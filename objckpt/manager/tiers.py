@@ -52,7 +52,7 @@ from objckpt.locations.tiers import LOCAL, PEER, STORE, StepLocations, TierResto
 from objckpt.manager.settings import LocalCopies
 from objckpt.multihost import Coordinator, operation_tag
 from objckpt.options import Options
-from objckpt.saving.local_snapshot import snapshot
+from objckpt.saving.local_snapshot import Snapshot, snapshot
 from objckpt.storage.base import Store
 from objckpt.transfer import runtime
 
@@ -144,15 +144,21 @@ class Tiers:
 
     def save(self, step: int, tree: Any, metadata: dict[str, Any]) -> float:
         """Snapshot ``tree`` as local step ``step``, then write it and send it to the keeper in
-        the background; the seconds blocked.
+        the background; the seconds blocked."""
+        started = time.perf_counter()
+        self.write(self.snapshot(step, tree, metadata))
+        return time.perf_counter() - started
+
+    def snapshot(self, step: int, tree: Any, metadata: dict[str, Any]) -> Snapshot:
+        """Local step ``step``'s boxes copied off the devices into one owned buffer: the host stage
+        a step due for the store too shares (:func:`objckpt.saving.api.start_save`).
 
         First waits for the previous local save and its peer copy (re-raising the peer copy's
         CoordinationError; a failed local write was a warning).
         """
         self.wait()
-        started = time.perf_counter()
         spare, self._spare = self._spare, None
-        snap = snapshot(
+        return snapshot(
             tree,
             root=self.url,
             step=step,
@@ -162,8 +168,15 @@ class Tiers:
             metadata=metadata,
             buffer=spare,
         )
+
+    def idle(self) -> bool:
+        """Whether no local save is in flight (a snapshot taken now waits for none)."""
+        return self._pending is None or self._pending.done()
+
+    def write(self, snap: Snapshot) -> None:
+        """Write ``snap`` and send it to the keeper in the background (a store save that stages
+        from ``snap`` has read it before it returned: its buffer is free for the next snapshot)."""
         self._pending = runtime.submit(asyncio.to_thread(self._write_and_send, snap))
-        return time.perf_counter() - started
 
     def _write_and_send(self, snap: Any) -> None:
         """Write the step here, then (with peers) send it to the keeper, whatever the write did:

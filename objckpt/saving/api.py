@@ -229,6 +229,7 @@ def start_save(url: str, tree: Any, stage: Snapshot, **kwargs: Any) -> SaveHandl
     """:func:`save_async` whose pieces take their bytes from ``stage``, a local snapshot of the same
     ``tree`` (the host stage a manager step due for both the local tier and the store shares: each
     box copied off the devices once); a piece the snapshot lacks is read from its device."""
+    kwargs = {"storage_options": None, "options": None, "metadata": None, "progress": False, **kwargs}
     return _start(url, tree, hold_uploads=True, stage=stage, **kwargs)
 
 

@@ -191,8 +191,8 @@ def write(
             sent = _send(save, blobs, present, kept, hold_uploads=hold_uploads, coded=source.coded)
             uploads.extend(sent)
             if source.streamed:  # sent before the source reads on; a failed upload stops it now
-                for future in sent:
-                    future.result()
+                for upload in sent:
+                    upload.result()
         for process, entries, pieces in source.other_parts:
             blobs = plan_blobs(pieces, blob_size=blob_size, key=functools.partial(blob_key, save_id, process))
             records = [r for f in _send(save, blobs, present, kept, hold_uploads=False) for r in f.result()]
