@@ -148,12 +148,7 @@ def _plan_chunk(
     requests.extend(
         ReadRequest(keys[b], start, stop, LazyParts(rows, at[a:j], start), free)
         for a, j, b, start, stop, free in zip(
-            firsts,
-            last.tolist(),
-            blob[first].tolist(),
-            offset[first].tolist(),
-            end[last - 1].tolist(),
-            slack.tolist(),
+            firsts, last.tolist(), blob[first].tolist(), offset[first].tolist(), end[last - 1].tolist(), slack.tolist()
         )
     )
 

@@ -342,10 +342,7 @@ def failover_handle(probes: Sequence[Probe], options: Options, stats: TransferSt
     """
     stores = [bulk_of(p.store) for p in probes]
     failover = FailoverStore(
-        stores,
-        request_timeout=options.request_timeout,
-        failures_to_leave=options.retry.max_attempts,
-        stats=stats,
+        stores, request_timeout=options.request_timeout, failures_to_leave=options.retry.max_attempts, stats=stats
     )
     return Handle.of(failover, failover_options(options, len(stores)), stats)
 

@@ -139,11 +139,5 @@ def parse_part_record(data: bytes) -> PartRecord:
     ok = isinstance(pinned["sha256"], str) and _SHA256.match(pinned["sha256"]) is not None
     need(ok, "manifest.sha256", "not 64 lowercase hex digits", _DOC)
     return PartRecord(
-        doc["root"],
-        doc["step"],
-        save_id,
-        doc["process_index"],
-        doc["process_count"],
-        pinned["size"],
-        pinned["sha256"],
+        doc["root"], doc["step"], save_id, doc["process_index"], doc["process_count"], pinned["size"], pinned["sha256"]
     )
