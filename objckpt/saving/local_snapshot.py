@@ -4,10 +4,11 @@
 phase: each box this process's devices hold is taken once (a replica on several local
 devices too), its device-to-host copy started at once through an alias
 (:mod:`objckpt.core.device_reads`: no host copy is left on the caller's arrays), and copied
-into one buffer objckpt owns, so the caller may donate its arrays as soon as it returns. The result is what the save
-pipeline writes as a one-process checkpoint of this process's part of the step
+into one buffer objckpt owns, so the caller may donate its arrays as soon as it returns. The result is what the writing
+corridor writes as a one-process checkpoint of this process's part of the step
 (:func:`objckpt.locations.local_dirs.write_step`): each leaf's entry, and each box as a piece
-whose bytes lie in the buffer. No file I/O here.
+whose bytes lie in the buffer; and, for a step due for the store too, the host stage its save
+reads (:meth:`Snapshot.serve`). No file I/O here.
 
 A leaf's entry is the one a save of the whole tree would write (one classifier decides both:
 :func:`objckpt.saving.classify.classify`, in its ``held`` scope), with two differences that
