@@ -3,10 +3,10 @@
 Each cell builds one kind of checkpoint in a fresh root (a plain save, format 2, an incremental
 step whose base retention deleted, a compressed step, a step saved by two processes, a local-tier
 step, a peer copy a two-process job restored from, a step a manager copied to a replica root, a
-safetensors export, an Orbax checkpoint) and runs one operation on it (restore onto the saved and onto another mesh,
-``verify``, ``verify --no-read``, ``inspect`` through the API and the CLI, ``ls``, ``cp`` then
-restore, ``export --format safetensors`` then load with the ``safetensors`` package, ``rm``,
-``gc``, retention). A cell either works (bit-exact where it restores) or is refused with the
+safetensors export, an Orbax checkpoint) and runs one operation on it (restore onto the saved and
+onto another mesh, ``verify``, ``verify --no-read``, ``inspect`` through the API and the CLI,
+``ls``, ``cp`` to another store then restore, ``export --format safetensors`` then load with the
+``safetensors`` package, ``rm``, ``gc``, retention). A cell either works (bit-exact where it restores) or is refused with the
 documented error that :data:`REFUSED` names; nothing else passes. Every store runs every kind it
 can hold: local disk (the quick tier), S3 and GCS (the full suite). A kind is built once per store
 (a module-scoped fixture) for the operations that leave it as it is, afresh for each of the others.
