@@ -37,6 +37,7 @@ from objckpt.transfer import runtime
 from objckpt.transfer.retries import opened_store
 from objckpt.transfer.stats import TransferStats
 
+#: The layout's name, as its readers report it (``CheckpointInfo.format``, ``VerifyReport.format``).
 FORMAT = "orbax"
 
 

@@ -20,15 +20,12 @@ from typing import Any
 from objckpt.layouts.base import CheckpointInfo, OpenRequest, VerifyReport
 from objckpt.options import Options
 from objckpt.orbax.composite import OrbaxComposite, orbax_checkpoint_at
-from objckpt.orbax.composite_reader import OrbaxCompositeReader
+from objckpt.orbax.composite_reader import FORMAT, OrbaxCompositeReader
 from objckpt.orbax.layout import OrbaxItem
 from objckpt.progress import ProgressArg
 from objckpt.storage import Store, from_url
 from objckpt.transfer.retries import close_store
 from objckpt.transfer.stats import TransferStats
-
-#: The layout's name, as its readers report it (``CheckpointInfo.format``, ``VerifyReport.format``).
-FORMAT = "orbax"
 
 
 class OrbaxReader:

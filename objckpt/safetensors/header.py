@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from objckpt.core.dtypes import dtype_from_name
+from objckpt.core.strict import is_int
 from objckpt.errors import FormatError
 
 #: safetensors dtype → objckpt's dtype name (:mod:`objckpt.core.dtypes`). Sub-byte dtypes
@@ -226,10 +227,6 @@ def _metadata(value: Any, where: str) -> dict[str, str]:
     return value
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 @functools.cache
 def _itemsizes() -> dict[str, int]:
     """Each safetensors dtype's element size in bytes."""
@@ -277,9 +274,9 @@ def _refuse_entry(name: str, value: Any, where: str) -> TensorEntry:
     st_dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
     if not isinstance(st_dtype, str) or st_dtype not in ST_TO_DTYPE:
         raise FormatError(f"{what}: dtype {st_dtype!r} is not one objckpt reads ({', '.join(ST_TO_DTYPE)})")
-    if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(n) and n >= 0 for n in shape):
+    if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(is_int(n) and n >= 0 for n in shape):
         raise FormatError(f"{what}: shape {_short(ValueError(repr(shape)))} is not a list of non-negative ints")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(n) and n >= 0 for n in offsets):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(n) and n >= 0 for n in offsets):
         raise FormatError(f"{what}: data_offsets {_short(ValueError(repr(offsets)))} is not [begin, end]")
     raise FormatError(f"{what}: data_offsets {offsets} end before they begin")
 
