@@ -124,7 +124,7 @@ def _install_kill(kill: dict[str, Any]) -> None:
     written (``point="data"``) or once its checkpoint is written and the record half written
     (``"manifest"``)."""
     from objckpt.locations import local_dirs
-    from objckpt.saving.part_save import save_part
+    from objckpt.saving.local_snapshot import save_part
 
     if PROCESS not in kill["victims"]:
         return

@@ -16,7 +16,7 @@ A save has two phases, like :func:`objckpt.save_async`:
 :func:`~objckpt.saving.local_snapshot.snapshot` (the caller's thread) copies every box this
 process's devices hold, each once, off the devices into one buffer objckpt owns, so the caller
 may donate its arrays at once; :meth:`LocalTier.write` (a background thread) writes it by the
-one save pipeline as a one-process checkpoint (:func:`objckpt.saving.part_save.save_part`) into
+writing corridor as a one-process checkpoint (:func:`objckpt.saving.local_snapshot.save_part`) into
 a new directory beside the step's, then the record (:mod:`objckpt.core.format.local`: the root,
 the step, the run's save id, the process, the manifest's SHA-256; sealed under the run's key),
 synced and renamed into place, and moves the directory to ``step_<N>``. A step saved again
@@ -59,8 +59,7 @@ from objckpt.layouts.native import NativeCheckpoint
 from objckpt.layouts.process_copy import open_part
 from objckpt.options import Options
 from objckpt.roots.step_names import STEP_DIR, step_dir
-from objckpt.saving.local_snapshot import Snapshot
-from objckpt.saving.part_save import save_part
+from objckpt.saving.local_snapshot import Snapshot, save_part
 from objckpt.storage.in_memory import BufferStore
 from objckpt.transfer import runtime
 

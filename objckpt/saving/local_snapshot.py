@@ -8,7 +8,15 @@ into one buffer objckpt owns, so the caller may donate its arrays as soon as it 
 corridor writes as a one-process checkpoint of this process's part of the step
 (:func:`objckpt.locations.local_dirs.write_step`): each leaf's entry, and each box as a piece
 whose bytes lie in the buffer; and, for a step due for the store too, the host stage its save
-reads (:meth:`Snapshot.serve`). No file I/O here.
+reads (:meth:`Snapshot.serve`).
+
+:func:`save_part` is a local save's background phase: the snapshot written by the writing
+corridor into a local directory, as a one-process checkpoint (blobs, one index object with each
+piece's crc32c, ``manifest.json`` last). Only this process takes part (no barrier, nothing
+through the coordination service, no object store): the local tier agrees across processes when
+it restores, not when it saves. Its checksums and file writes run within
+``Options.save_threads`` (one thread by default, as an async save's do), so the training step
+keeps the host.
 
 A leaf's entry is the one a save of the whole tree would write (one classifier decides both:
 :func:`objckpt.saving.classify.classify`, in its ``held`` scope), with two differences that
@@ -33,10 +41,16 @@ from objckpt.core.boxes import MeshTable
 from objckpt.core.device_reads import host_alias, host_view, start_host_copy
 from objckpt.core.format import LeafEntry
 from objckpt.core.metadata import to_json_value
-from objckpt.core.plan import OwnedPiece
+from objckpt.core.plan import OwnedPiece, packing_order
 from objckpt.core.tree import flatten
+from objckpt.multihost import Coordinator
+from objckpt.options import Options
+from objckpt.saving.blob_sizing import split_pieces
 from objckpt.saving.classify import classify
+from objckpt.saving.writer import Source, write
 from objckpt.transfer.buffers import host_buffer
+from objckpt.transfer.cpu_slots import save_threads_for
+from objckpt.transfer.handle import Handle
 
 #: The byte alignment of each box in the snapshot's buffer.
 ALIGN = 64
@@ -142,3 +156,23 @@ def snapshot(
         metadata=to_json_value(dict(metadata), "metadata"),
         buffer=buffer,
     )
+
+
+def save_part(url: str, snap: Snapshot, options: Options) -> None:
+    """Write ``snap`` as a one-process checkpoint at ``url`` (an empty local directory), manifest last.
+
+    Raises:
+        CheckpointExistsError: a checkpoint is committed there already.
+        StoreError: a write failed.
+    """
+    if options.save_threads is None:
+        options = dataclasses.replace(options, save_threads=save_threads_for(hold_uploads=True))
+    options = dataclasses.replace(options, digest=None, compression=None, format_version=3)
+    pieces = split_pieces(sorted(snap.pieces, key=packing_order), max_bytes=options.blob_size)
+    source = Source(snap.skeleton, snap.entries, [pieces], snap.nbytes, metadata=snap.metadata)
+    handle = Handle.open(url, None, options)
+    try:
+        tag = f"local/{snap.step}"
+        write(handle, source, save_id=snap.save_id, tag=tag, coordinator=Coordinator()).future.result()
+    finally:
+        handle.close()

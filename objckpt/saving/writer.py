@@ -24,7 +24,7 @@ batches); :func:`write` owns every step from there, in one order:
    they wrote (best effort) and takes the marker down.
 
 The sources: a tree (:func:`objckpt.saving.api.save`: the shards classified in the save's
-scope), a held local part (:func:`objckpt.saving.part_save.save_part`), Orbax slabs and a
+scope), a held local part (:func:`objckpt.saving.local_snapshot.save_part`), Orbax slabs and a
 Composite's other processes' parts (:mod:`objckpt.orbax.convert`). A copy (``cp``, replicas)
 moves objects a save wrote already and enters at step 4's manifest write.
 """
