@@ -284,9 +284,8 @@ def _blob_order(rows: Rows) -> np.ndarray:
 
     Not by key: a blob's key starts with a hash (:func:`objckpt.core.plan.blob_key`), and an
     index lists its blobs by key. Read in that order, a leaf whose pieces span several blobs
-    had its first piece read long before its last, and restore holds a leaf's host buffer
-    from the first to the last: an 8 GiB restore onto a TPU held 83-88 such buffers at once
-    (4.7 GiB), where read leaf after leaf a few are open at any time.
+    has its first piece read long before its last, and restore holds a leaf's host buffer
+    from the first to the last (docs/PERFORMANCE.md counts them); leaf after leaf, a few are open.
     """
     first = np.full(len(rows.keys), len(rows), dtype=np.int64)  # a blob with no row: after every other
     np.minimum.at(first, rows.blob, np.arange(len(rows), dtype=np.int64))

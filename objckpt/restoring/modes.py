@@ -1,11 +1,5 @@
-"""How one planned read lands, decided once per read before it is issued.
-
-Streamed: scattered into its boxes as it arrives (:mod:`objckpt.restoring.scatter`),
-holding a few MiB rather than its length. Copied: read whole into a buffer of its
-length, then copied into its boxes. Adopted: read whole into the store client's own
-buffer, whose aligned pieces become their boxes' arrays with no copy. The choice
-is a function of the store's traits and the read's plan alone.
-"""
+"""How one planned read lands (:class:`Mode`; streamed ones through :mod:`objckpt.restoring.scatter`),
+decided once per read before it is issued, from the store's traits and the read's plan alone."""
 
 from __future__ import annotations
 
