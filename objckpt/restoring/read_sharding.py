@@ -34,6 +34,7 @@ built, goes when the call ends). Pure: no I/O and no device memory.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -227,10 +228,9 @@ class ReadPlanner:
         prefer_saved: bool = False,
     ) -> None:
         self._process_of = process_of or (lambda device: int(device.process_index))
-        self._prefer_saved = prefer_saved
-        self._threshold = threshold
-        self._min_saved = min_saved
-        self._always_above = always_above
+        self._choose = functools.partial(
+            choose, threshold=threshold, min_saved=min_saved, always_above=always_above, prefer_saved=prefer_saved
+        )
         self._meshes: dict[Any, Mesh] = {}
         self._choices: dict[tuple[Any, ...], ReadChoice] = {}
         self._shardings: dict[tuple[Any, ...], NamedSharding] = {}
@@ -243,15 +243,7 @@ class ReadPlanner:
             spec = named_spec(sharding, len(grid.shape))
             mesh = sharding.mesh
             assert isinstance(mesh, jax.sharding.Mesh)  # plan_read_shardings passes concrete meshes only
-            found = self._choices[key] = choose(
-                grid,
-                self.mesh(mesh),
-                spec,
-                threshold=self._threshold,
-                min_saved=self._min_saved,
-                always_above=self._always_above,
-                prefer_saved=self._prefer_saved,
-            )
+            found = self._choices[key] = self._choose(grid, self.mesh(mesh), spec)
         return found
 
     def mesh(self, mesh: jax.sharding.Mesh) -> Mesh:
