@@ -57,7 +57,7 @@ def test_old_retention_keywords_warn_and_still_delete(s3_store):
         for step in range(4):
             mgr.save(step, _state(step), wait=True)
         assert mgr.steps() == [2, 3]
-        assert mgr.gc_grace_seconds == 5 and mgr.policies == [objckpt.KeepLast(2)]
+        assert mgr.retention.gc_grace_seconds == 5 and mgr.policies == [objckpt.KeepLast(2)]
 
 
 def test_old_local_keywords_warn_and_still_set_the_local_copies(s3_store, tmp_path):
@@ -83,7 +83,7 @@ def test_old_replication_timeout_warns_and_still_applies(s3_store, store_target_
     )
     assert warned == ["replication_timeout= is deprecated: use replicas=objckpt.Replication(timeout=...)"]
     with mgr:
-        assert mgr.replication_timeout == 42.0 and [r.url for r in mgr.replicas] == [replica.url]
+        assert mgr._replication_timeout == 42.0 and [r.url for r in mgr.replicas] == [replica.url]
         mgr.save(1, _state(1), wait=True)
     with objckpt.CheckpointManager(replica.url, storage_options=replica.storage_options) as copy:
         assert copy.steps() == [1]

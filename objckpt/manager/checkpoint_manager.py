@@ -133,8 +133,6 @@ class CheckpointManager:
         self.root_url = str(root_url).rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.options = options or Options()
-        self.gc_grace_seconds = self.retention.gc_grace_seconds
-        self.delete_orbax_steps = self.retention.delete_orbax_steps
         self.incremental = incremental
         self.store: Store = open_store(self.root_url, self.storage_options, self.options)
         self.policies: list[RetentionPolicy] = self.retention.all_policies()
@@ -162,7 +160,7 @@ class CheckpointManager:
             replicas=self.replicas,
             metrics_seen=self._metrics,
         )
-        self.replication_timeout = groups["replicas"].timeout
+        self._replication_timeout = groups["replicas"].timeout
         self._replicator: Replicator | None = None
         self._tiers: Tiers | None = None
         if groups["local"] is not None:
@@ -307,7 +305,7 @@ class CheckpointManager:
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for the save in flight, then for the replicas (up to ``timeout`` seconds,
-        ``replication_timeout`` by default), and close the stores; the manager cannot save afterwards.
+        ``Replication.timeout`` by default), and close the stores; the manager cannot save afterwards.
 
         The replicas are caught up when each holds every step the root keeps, with the
         retention policies applied there and every copy abandoned mid-way deleted.
@@ -322,7 +320,7 @@ class CheckpointManager:
                 if self._tiers is not None:
                     self._tiers.close()
             if self._replicator is not None:  # every step, retention and abandoned copy settled at each replica
-                self._replicator.catch_up(self.replication_timeout if timeout is None else timeout)
+                self._replicator.catch_up(self._replication_timeout if timeout is None else timeout)
         finally:
             self._closed = True
             self._preemption.close()
@@ -414,7 +412,7 @@ class CheckpointManager:
         return await apply_retention(
             self.store,
             self.policies,
-            orbax=self.delete_orbax_steps,
+            orbax=self.retention.delete_orbax_steps,
             known_metrics=self._metrics,
             metrics_of=self.metrics,
             delete=self._delete_step,
@@ -446,7 +444,7 @@ class CheckpointManager:
         marker younger than ``options.live_marker_lease`` are left alone whatever
         the grace period, so a save in flight is safe even with a grace of 0.
         """
-        grace = self.gc_grace_seconds if grace_seconds is None else grace_seconds
+        grace = self.retention.gc_grace_seconds if grace_seconds is None else grace_seconds
         limit, lease = self.options.manifest_size_limit, self.options.live_marker_lease
         collect = functools.partial(gc_root, grace=grace, manifest_size_limit=limit, lease=lease)
         return runtime.run_sync(gc_roots(self.store, self._replicator, collect))

@@ -26,7 +26,9 @@ class Retention:
     Attributes:
         keep_last: keep the N most recent steps.
         keep_every: keep every step that is a multiple of K, forever.
-        keep_best: keep the N best steps by ``best_metric``; ``best_mode`` "max" or "min".
+        keep_best: keep the N best steps by ``best_metric``.
+        best_metric: the name of a metric passed to ``save(..., metrics=...)``.
+        best_mode: "max" (the highest values are best) or "min".
         policies: more :class:`~objckpt.manager.retention.RetentionPolicy` objects; a step
             any policy keeps is kept.
         delete_orbax_steps: rank and delete Orbax's steps under the root with objckpt's own;
