@@ -175,9 +175,7 @@ def callback_for(progress: ProgressArg, stream: TextIO | None = None) -> Progres
         return None
     if progress is True:
         stream = stream if stream is not None else sys.stderr
-        if not is_terminal(stream):
-            return None
-        return TerminalBar(stream)
+        return TerminalBar(stream) if is_terminal(stream) else None
     if callable(progress):
         return progress
     raise TypeError(f"progress must be a bool, None or a callable taking a Progress, got {type(progress).__name__}")
@@ -249,9 +247,7 @@ def start(
     """A reporter fed by the counters ``watch`` (None when ``progress`` asks for nothing); end it
     with :func:`finish` (on the I/O thread), :func:`finish_from_caller` or :func:`closing`."""
     callback = callback_for(progress)
-    if callback is None:
-        return None
-    return Reporter(operation, url, total, current, callback, watch=watch)
+    return None if callback is None else Reporter(operation, url, total, current, callback, watch=watch)
 
 
 def finish(reporter: Reporter | None, *, complete: bool) -> None:

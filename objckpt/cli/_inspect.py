@@ -203,9 +203,7 @@ def _value(v: Any, top: bool = True) -> Any:
         return str(v) if top else NON_FINITE[repr(v)]
     if isinstance(v, dict):
         return {k: _value(x, False) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_value(x, False) for x in v]
-    return v
+    return [_value(x, False) for x in v] if isinstance(v, list) else v
 
 
 def _leaf_doc(leaf: LeafInfo) -> dict[str, Any]:

@@ -37,9 +37,7 @@ def host_alias(source: Any) -> Any:
     if not isinstance(source, jax.Array) or len(source.sharding.device_set) != 1:
         return source
     rewrap = getattr(source, "_rewrap_with_aval_and_sharding", None)
-    if rewrap is None:
-        return source
-    return rewrap(source.aval, source.sharding)
+    return source if rewrap is None else rewrap(source.aval, source.sharding)
 
 
 def start_host_copy(array: Any) -> None:

@@ -187,9 +187,7 @@ def stored_document(document: Any) -> tuple[Any, list[list[str | int]]]:
             return NON_FINITE[repr(value)]
         if isinstance(value, dict):
             return {k: walk(v, [*at, str(k)]) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v, [*at, i]) for i, v in enumerate(value)]
-        return value
+        return [walk(v, [*at, i]) for i, v in enumerate(value)] if isinstance(value, list) else value
 
     stored = walk(document, [])
     return (stored if floats else document), floats
@@ -258,9 +256,7 @@ def decode_value(data: bytes, encoding: str) -> Any:
     """
     if encoding == "bytes":
         return data
-    if encoding == "str":
-        return data.decode()
-    return strict_json(data, "the JSON value", non_finite=True)
+    return data.decode() if encoding == "str" else strict_json(data, "the JSON value", non_finite=True)
 
 
 def load_into(target: Any, state: Any) -> Any:

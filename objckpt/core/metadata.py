@@ -80,9 +80,7 @@ def _plain(value: str | bool | int) -> str | bool | int:
     """A subclass of str/bool/int (``np.str_``, an ``IntEnum``) as the plain built-in."""
     if isinstance(value, str):
         return str(value)
-    if isinstance(value, bool):
-        return bool(value)
-    return int(value)
+    return bool(value) if isinstance(value, bool) else int(value)
 
 
 def _float(value: float) -> float | str:

@@ -247,20 +247,14 @@ def _place(leaf: OrbaxLeaf, host: np.ndarray, target: Any, devices: list[Any], c
             return [_cast(leaf, host, target.dtype, cast)]
         return [host]
     host = _cast(leaf, host, np.dtype(target.dtype), cast)
-    if sharding_of(target) is None:
-        return [on_default_device(host)]
-    return box_on_devices(host, devices)
+    return [on_default_device(host)] if sharding_of(target) is None else box_on_devices(host, devices)
 
 
 def _assemble(leaf: OrbaxLeaf, array: Any, target: Any, shards: list[Any]) -> Any:
     """A leaf from its placed boxes: the global array on the target's sharding, or the one host value."""
     sharding = sharding_of(target)
-    if sharding is not None:
-        return joined(tuple(array.shape), sharding, shards)
-    return shards[0]
+    return joined(tuple(array.shape), sharding, shards) if sharding is not None else shards[0]
 
 
 def _cast(leaf: OrbaxLeaf, host: np.ndarray, dtype: np.dtype, cast: str) -> np.ndarray:
-    if host.dtype == dtype:
-        return host
-    return cast_values(leaf.path, host, dtype, unsafe=cast == "unsafe")
+    return host if host.dtype == dtype else cast_values(leaf.path, host, dtype, unsafe=cast == "unsafe")

@@ -423,9 +423,7 @@ def _compressed_union(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 def _worst(fetched: np.ndarray, needed: np.ndarray) -> float:
     """The largest fetched ÷ needed over hosts that need bytes."""
     mask = needed > 0
-    if not mask.any():
-        return 1.0
-    return float((fetched[mask] / needed[mask]).max())
+    return float((fetched[mask] / needed[mask]).max()) if mask.any() else 1.0
 
 
 def _positions_of(order: tuple[int, ...], devices: tuple[int, ...]) -> np.ndarray:
