@@ -16,7 +16,7 @@ index object, the report it sends the primary, and the primary's commit (decode 
 report, build and encode the root manifest). Restore side, per target, for a sample of
 its hosts (``scale.hosts.sample_hosts``: hosts 0, 1, 8, three spread through the rest and
 the last two), through restore's own steps as they are now (leaves whose target boxes cut
-the saved pieces read on the saved layout and resharded on the devices:
+the saved pieces read on the saved grid and resharded on the devices:
 ``restoring.read_sharding``): index objects read, metadata bytes, parse + plan CPU-s,
 extra peak memory, GETs per 16 MiB, bytes fetched ÷ bytes the host's target boxes need,
 and beside them the bytes the reshard moves into the host's devices from others; the

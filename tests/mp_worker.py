@@ -322,7 +322,7 @@ def peer_copy_restore(so: dict[str, Any]) -> dict[str, Any]:
     """Steps 1 and 2 saved to the local tier (``JOB["local"]``) by a manager with ``peers=1``; then
     process ``JOB["victim"]``'s own local step 2 deleted, and a new manager restores the newest step
     (tests/test_matrix.py's peer copy): the step, the tier it came from, and the leaves that differ
-    on the saved layout and on another (the job's ``other_remap``)."""
+    on the saved grid and on another (the job's ``other_remap``)."""
     import shutil
     from pathlib import Path
 

@@ -88,7 +88,7 @@ def test_aligned_targets_read_whole_pieces_and_cut_ones_reshard(records: dict, l
     """Same mesh, tensor=16 with tensor minor and half the devices line up with the saved pieces
     (read directly, nothing moved); at 128 devices (fsdp=16 × tensor=8) swapping the layer
     matrices' axes, or fsdp as the minor device axis, cuts them: restore reads those leaves on the
-    saved layout (bytes fetched ÷ bytes the target boxes need within issue #54's 1.5) and moves
+    saved grid (bytes fetched ÷ bytes the target boxes need within issue #54's 1.5) and moves
     the bytes between devices."""
     for n in COUNTS:
         for target in ALIGNED:

@@ -213,7 +213,7 @@ def test_forged_piece_keeping_crc32c_is_refused_by_restore_and_verify(kind, stor
     with pytest.raises(objckpt.IntegrityError, match=r"sha256 mismatch in leaf \['w'\]") as caught:
         objckpt.restore(hashed_url, _target(), storage_options=hashed.storage_options)
     assert piece.blob in str(caught.value) and where in str(caught.value)
-    with pytest.raises(objckpt.IntegrityError, match="sha256 mismatch"):  # the saved layout: whole-piece reads
+    with pytest.raises(objckpt.IntegrityError, match="sha256 mismatch"):  # the saved grid: whole-piece reads
         objckpt.restore(hashed_url, None, storage_options=hashed.storage_options)
 
     report = objckpt.verify(hashed_url, storage_options=hashed.storage_options)

@@ -267,7 +267,7 @@ PEER_LEAVES = {"w": [[64, 32], "float32", [None, "model"]], "b": [[32], "bfloat1
 def _peer_kind(root: str, so: dict[str, Any], tmp: Path) -> Built:
     """Steps 1 and 2 saved by a 2-process manager with ``local=`` and ``peers=1``; process 1's own
     local step 2 deleted; a new manager restores step 2 on every process, process 1's part from the
-    copy process 0 keeps (onto the saved layout and another, bit-exact). That copy is the kind."""
+    copy process 0 keeps (onto the saved grid and another, bit-exact). That copy is the kind."""
     import mp_worker
     from multiprocess import run_processes
 

@@ -209,7 +209,7 @@ def test_a_same_mesh_restore_reads_only_the_index_objects_it_needs(s3_store):
     leaves = {"leaves": PROCESS_SHARDED, "extras": False}
     _ok(run_processes(4, _job("save", s3_store, [4, 4], ["data", "model"], **leaves)), 4)
     same = _ok(run_processes(4, _job("restore", s3_store, [4, 4], ["data", "model"], count_indexes=True, **leaves)), 4)
-    # Swapped axes, read directly (JAX's CPU collectives off: no reshard on the saved layout): every
+    # Swapped axes, read directly (JAX's CPU collectives off: no reshard on the saved grid): every
     # process's rows now come from every writer (the count is not vacuous).
     swapped = _ok(
         run_processes(

@@ -1,4 +1,4 @@
-"""The choice between reading a leaf directly and reading it on the saved layout, then resharding
+"""The choice between reading a leaf directly and reading it on the saved grid, then resharding
 (objckpt.restoring.read_sharding): pure, at 64-128 stand-in devices, checked against a brute-force
 count of the saved pieces each host fetches."""
 

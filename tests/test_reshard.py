@@ -1,4 +1,4 @@
-"""Restores that read a leaf on the saved layout and reshard it on the devices (objckpt.restoring.reshard),
+"""Restores that read a leaf on the saved grid and reshard it on the devices (objckpt.restoring.reshard),
 in one process on 8 CPU devices through the local S3 server. Stand-in hosts (2 devices each, by device id)
 make the cost model see the cuts a pod would; the reads and the reshard are real."""
 

@@ -1,6 +1,6 @@
 """Four real processes x 2 CPU devices on the local S3: a (4, 2) mesh's checkpoint restored onto targets
 that cut its pieces. Each process downloads at most 1.5x the bytes its target boxes need (leaves read on
-the saved layout are resharded on the devices through JAX's CPU collectives, on by default in JAX 0.10), and
+the saved grid are resharded on the devices through JAX's CPU collectives, on by default in JAX 0.10), and
 every restored shard is bit-exact. With the collectives off, restore reads directly (and reads twice what
 it needs where the target cuts the pieces)."""
 

@@ -40,7 +40,7 @@ def restore_plan(
     root: bytes, targets: dict[int, Any], devices: frozenset[Any], store: IndexStore, *, per_host: int
 ) -> dict[str, Any]:
     """One host's restore up to its reads, with ``objckpt.restoring.api._restore``'s own steps:
-    parse the root, choose the leaves read on the saved layout and resharded on the devices
+    parse the root, choose the leaves read on the saved grid and resharded on the devices
     (``plan_read_shardings``, hosts of ``per_host`` devices by id), plan each leaf on its read
     sharding (those) or its target, read the index objects the layouts name
     (``read_needed_indexes``: only the leaves it needs from each), plan the reads

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_store_flags(p, "src")
     add_store_flags(p, "dst")
 
-    p = command("gc", "cmd_gc", "delete blobs no committed step references (manager layout)")
+    p = command("gc", "cmd_gc", "delete blobs no committed step references (a manager root)")
     p.add_argument("root", metavar="ROOT")
     p.add_argument(
         "--grace-seconds",

@@ -107,7 +107,7 @@ def check_tiling(
 ) -> None:
     """Pieces must cover ``[0, shape)`` exactly: volumes add up and no two overlap.
 
-    Near-linear for the layouts saves make: a grid (every combination of disjoint
+    Near-linear for the tilings saves make: a grid (every combination of disjoint
     intervals along each axis) is recognised in O(n log n); anything else is swept
     along the axis with the most distinct starts, comparing each piece only with
     the pieces still open there (a grid's cross-section, not all of them).

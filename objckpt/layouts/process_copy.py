@@ -14,7 +14,7 @@ the copy does not cover is a :class:`~objckpt.errors.PartialCopyError`, and the 
 next location); its process count is the job's, with only this process's ``PerProcess`` values
 (another's entry is None); and an array saved with a ``NamedSharding`` gets that sharding back
 as a grid on its saved mesh when this job has those devices, so a target sharded otherwise is
-read onto the saved layout, where this process's own boxes cover it, and resharded on the
+read onto the saved grid, where this process's own boxes cover it, and resharded on the
 devices.
 """
 

@@ -1,6 +1,6 @@
 """The local tier: each process's own part of a step on its own host's disk or RAM disk.
 
-Layout, under the manager's ``local=`` directory (a path or ``file://`` URL; ``/dev/shm`` works)::
+What the manager's ``local=`` directory holds (a path or ``file://`` URL; ``/dev/shm`` works)::
 
     process_<p>/step_<N>/manifest.json, <hh>/*.index, <hh>/*.blob
                                              this process's part of step N: an objckpt checkpoint
@@ -392,7 +392,7 @@ class LocalTier:
         """``root``: the ``local=`` directory; ``url``: the manager root whose steps it holds; ``key_of``:
         the key of a run of that root by its save id (:class:`objckpt.locations.run_keys.RunKeys`)."""
         if keep_last < 1:
-            raise ValueError(f"local_keep_last must be at least 1, got {keep_last}")
+            raise ValueError(f"LocalCopies.keep_last must be at least 1, got {keep_last}")
         self.root = root
         self.url = url
         self.key_of = key_of

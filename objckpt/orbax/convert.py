@@ -144,7 +144,7 @@ def convert_orbax_steps(
     progress: ProgressArg = False,
 ) -> dict[int, ConvertStats | None]:
     """Convert the steps of an Orbax ``CheckpointManager`` root (all, or ``steps``) into
-    objckpt's manager layout under ``dst_root``. Steps already committed there are left
+    an objckpt manager root at ``dst_root``. Steps already committed there are left
     as they are (None in the result): rerunning after a failure resumes."""
     from objckpt.roots.step_names import step_dir
 

@@ -256,8 +256,8 @@ def _restore_leaves(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked)
     selection = on_saved_shardings(manifest, selection)
     read_once = asked.read_once and jax.process_count() > 1
     designator = Designator(options.split_replicas_above)
-    # Leaves whose target boxes cut the saved pieces are read on the saved layout, then resharded.
-    # A copy of one process's part is read on the saved layout whenever the target differs:
+    # Leaves whose target boxes cut the saved pieces are read on the saved grid, then resharded.
+    # A copy of one process's part is read on the saved grid whenever the target differs:
     # there, this process's own boxes cover what its devices need.
     copy = checkpoint.holds_process is not None
     resharding = options.reshard and not read_once and devices_can_reshard()

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from objckpt.core.boxes import Box
-from objckpt.transfer.buffers import aligned_layout, mapped_buffer, touch_pages
+from objckpt.transfer.buffers import aligned_offsets, mapped_buffer, touch_pages
 
 log = logging.getLogger("objckpt")
 
@@ -78,7 +78,7 @@ class AssemblyArena:
             size = 0
             for key, boxes, dtype in self._leaves:
                 shapes = [tuple(b - a for a, b in zip(*box)) for box in boxes]
-                offsets, total = aligned_layout(shapes, dtype)
+                offsets, total = aligned_offsets(shapes, dtype)
                 if groups[-1] and size + total > self._group_bytes:
                     groups.append([])
                     size = 0

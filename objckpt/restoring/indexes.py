@@ -2,7 +2,7 @@
 the index objects a host needs, and the check that they cover it.
 
 The reader (:class:`~objckpt.layouts.native.NativeCheckpoint`) names from each
-leaf's saved layout the processes that wrote the boxes a host reads and reads
+leaf's writers the processes that wrote the boxes a host reads and reads
 only their index objects, keeping only the rows of those leaves. After planning,
 every box must be covered exactly by the pieces found; when not, every index
 object is read and the reads planned again before the checkpoint is called malformed.
@@ -43,8 +43,8 @@ def check_coverage(
     Returns the plans and reads to use: those given, or after reading every index
     object, new ones.
 
-    The index objects read were chosen by the layout's arithmetic; a box they do
-    not cover (a layout the writer described differently, or a reader bug) reads
+    The index objects read were chosen by the writer rule's arithmetic; a box they do
+    not cover (writers the saver described differently, or a reader bug) reads
     every other index object and plans again before calling the checkpoint
     malformed, so the choice costs speed, never data.
     """

@@ -100,5 +100,5 @@ def reshard(
     if stats is not None and moved:
         stats.add(device_bytes_moved=moved)
     if reads:
-        log.debug("objckpt: %d leaves read on the saved layout and resharded on the devices", len(reads))
+        log.debug("objckpt: %d leaves read on the saved grid and resharded on the devices", len(reads))
     return out

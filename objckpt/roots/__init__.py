@@ -1,4 +1,4 @@
-"""Manager roots: a root's step layout, its listing, deleting checkpoints under it, and gc's sweep.
+"""Manager roots: a root's step names, its listing, deleting checkpoints under it, and gc's sweep.
 
 A manager root holds one checkpoint per step, ``<root>/step_0000000042/``
 (:mod:`objckpt.roots.step_names`), and maybe steps Orbax's ``CheckpointManager`` wrote

@@ -5,7 +5,7 @@ with the step's ``_CHECKPOINT_METADATA`` (the layout :mod:`objckpt.orbax.layout`
 reads). The manager lists those steps with its own, restores, inspects and reads
 the metrics of them through :mod:`objckpt.orbax`, and saves new steps beside them
 as ``step_<number>/``. Retention never deletes them unless the manager is opened
-with ``delete_orbax_steps=True``.
+with ``Retention(delete_orbax_steps=True)``.
 
 When an Orbax step is committed: Orbax writes ``_CHECKPOINT_METADATA`` when a step
 starts and ``commit_success.txt`` when it ends. On local disk the step directory

@@ -41,7 +41,7 @@ from objckpt.errors import DeletedArrayError
 def classify(
     index: int, leaf: Leaf, *, is_primary: bool, split_above: int, meshes: MeshTable, held: bool = False
 ) -> tuple[LeafEntry, list[OwnedPiece]]:
-    """The manifest entry (without pieces, with its layout) for one leaf, and the pieces this process writes.
+    """The manifest entry (without pieces, with its writers) for one leaf, and the pieces this process writes.
 
     ``meshes`` numbers the meshes of the leaves met so far (every process alike);
     ``split_above`` is the smallest slab a replicated box is cut into. ``held``: the scope of a
@@ -128,7 +128,7 @@ def _item(index: int, path: str, item: object, is_primary: bool) -> tuple[LeafEn
 def _array_pieces(
     index: int, array: jax.Array, entry: LeafEntry, meshes: MeshTable, split_above: int, held: bool
 ) -> tuple[LeafEntry, list[OwnedPiece]]:
-    """``entry`` with its layout, and this process's pieces of ``array``: every box its devices
+    """``entry`` with its writers, and this process's pieces of ``array``: every box its devices
     hold, each once (``held``); by the grid rule when its sharding is a grid; else by scanning
     every device (and naming the writers)."""
     if held:

@@ -104,7 +104,7 @@ def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return host_buffer(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
 
 
-def aligned_layout(shapes: list[tuple[int, ...]], dtype: np.dtype) -> tuple[list[int], int]:
+def aligned_offsets(shapes: list[tuple[int, ...]], dtype: np.dtype) -> tuple[list[int], int]:
     """Where each array of :func:`aligned_arrays` starts in its buffer, and the buffer's size."""
     itemsize = np.dtype(dtype).itemsize
     offsets = [0]
@@ -122,7 +122,7 @@ def aligned_arrays(shapes: list[tuple[int, ...]], dtype: np.dtype, *, zeroed: bo
     any of the arrays (or the device arrays that alias them) does.
     """
     dtype = np.dtype(dtype)
-    offsets, total = aligned_layout(shapes, dtype)
+    offsets, total = aligned_offsets(shapes, dtype)
     buffer = host_buffer(total, zeroed=zeroed)
     return [
         buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)

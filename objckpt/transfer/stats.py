@@ -26,7 +26,7 @@ class TransferStats:
         bytes_read: bytes read from the store.
         objects_written: objects written to the store.
         device_bytes_moved: bytes a restore moved between devices, received by this process's
-            devices: leaves read on the saved layout and resharded to their targets there.
+            devices: leaves read on the saved grid and resharded to their targets there.
         seconds: wall time of the whole operation, set when it ends.
         bytes_by_location: bytes read from each location, by URL, when a restore reads from
             several (replicas).
@@ -40,7 +40,7 @@ class TransferStats:
     bytes_read: int = 0
     objects_written: int = 0
     #: bytes a restore moved between devices, received by this process's devices: leaves read on the
-    #: saved layout and resharded to their targets there (objckpt.restoring.reshard)
+    #: saved grid and resharded to their targets there (objckpt.restoring.reshard)
     device_bytes_moved: int = 0
     seconds: float = 0.0  # wall time of the whole operation, set when it ends
     #: bytes read from each location, by URL, when a restore reads from several (replicas)

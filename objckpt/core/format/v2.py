@@ -5,13 +5,13 @@ Version 3's root is version 2's with each index object's head length (its index 
 
 The root (``manifest.json``, still the commit marker, written last with
 create-if-absent) holds the tree, the leaf table, the meshes the leaves were
-saved on (device ids and their processes, once per mesh), each leaf's layout
-(its mesh and partition spec when it is a regular grid, else the processes
+saved on (device ids and their processes, once per mesh), each leaf's writers
+(its ``layout``: its mesh and partition spec when it is a regular grid, else the processes
 that wrote it) and the key, size and crc32c of every process's index object.
 An index object holds the pieces its process wrote and the blobs it put them
 in; it is written by that process before the commit.
 
-A reader computes from a leaf's layout which processes wrote the boxes it needs
+A reader computes from a leaf's writers which processes wrote the boxes it needs
 (:mod:`objckpt.core.writer_rule`), reads those index objects only, and checks each
 one's size and crc32c against the root before parsing it as strictly as the
 root (:mod:`objckpt.core.format.index`). See
@@ -161,7 +161,7 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
         indexes.append(IndexRef(key, raw["size"], raw["crc32c"], raw["blobs"], raw["blob_bytes"], sha, head))
     leaves = parse_leaves(doc["leaves"], None, processes=processes if version >= 3 else None, codecs=version >= 4)
     _check_items(leaves, indexes)
-    checked: set[str] = set()  # layouts (with their shape) already found good: most leaves share a few
+    checked: set[str] = set()  # writers (with their shape) already found good: most leaves share a few
     for i, leaf in enumerate(leaves):
         if leaf.layout is not None:
             key = json.dumps([leaf.layout, leaf.shape])
@@ -313,7 +313,7 @@ def _spec(raw: list[list[str]]) -> tuple[tuple[str, ...], ...]:
 
 
 def leaf_grid(manifest: Manifest, leaf: int) -> Grid | None:
-    """The grid a version 2 leaf was saved as, or None when its layout is not one."""
+    """The grid a version 2 leaf was saved as, or None when its writers are not one."""
     entry = manifest.leaves[leaf]
     layout = entry.layout
     if layout is None or "mesh" not in layout or entry.dtype is None:
@@ -333,7 +333,7 @@ def leaf_grid(manifest: Manifest, leaf: int) -> Grid | None:
 def writers_of(manifest: Manifest, leaf: int, boxes: Iterable[Box]) -> set[int]:
     """The processes whose index objects hold the pieces of ``leaf`` that meet ``boxes``.
 
-    All processes when the layout does not say (a reader then reads every index).
+    All processes when the writers do not say (a reader then reads every index).
     """
     entry = manifest.leaves[leaf]
     if entry.kind not in ARRAY_KINDS or not math.prod(entry.shape or ()):
