@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import objckpt
+from objckpt.saving.live_markers import is_marker
 from objckpt.storage import from_url
 from objckpt.transfer import runtime
 
@@ -290,7 +291,7 @@ def test_cp_killed_midway_then_rerun_copies_only_what_was_missing(env, s3_servic
     )
     try:
         deadline = time.monotonic() + 60
-        while len(runtime.run_sync(store.list())) < 4:
+        while len([o for o in runtime.run_sync(store.list()) if not is_marker(o.key)]) < 4:
             assert child.poll() is None, "the copy finished before it could be killed"
             assert time.monotonic() < deadline
             time.sleep(0.02)
@@ -299,7 +300,9 @@ def test_cp_killed_midway_then_rerun_copies_only_what_was_missing(env, s3_servic
         child.kill()
         child.wait(30)
     time.sleep(0.3)  # let a PUT whose body was already sent land
-    present = {o.key: o.size for o in runtime.run_sync(store.list())}
+    listed = runtime.run_sync(store.list())
+    assert any(is_marker(o.key) for o in listed), "the copy's live-save marker, as a save's, until it commits"
+    present = {o.key: o.size for o in listed if not is_marker(o.key)}
     assert "manifest.json" not in present
     assert 4 <= len(present) < len(blobs)
     assert "no committed checkpoint" in _one_line_error(cli(env, "inspect", dst))

@@ -6,6 +6,7 @@ and copy, and the figures each returns and logs.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 
@@ -215,3 +216,47 @@ def test_save_and_restore_return_their_figures(memory_store, caplog):
     assert any(m.startswith(f"objckpt saved {memory_store.url}") and "GiB/s" in m for m in messages)
     assert any(m.startswith(f"objckpt restored {memory_store.url}") and f"{counters.bytes_read} bytes read" in m
                for m in messages)  # fmt: skip
+
+
+def test_gc_at_the_destination_keeps_off_a_copy_in_flight(memory_store, s3_store, monkeypatch):
+    """A copy writes its live-save marker at the destination before its first object, as a save
+    does: a ``gc`` of the destination's root with no grace, run while the copy's blobs are there
+    and its manifest is not, leaves them alone, and the copy commits whole. (Without the marker
+    gc deleted the blobs and the copy committed a root whose blobs were gone.)"""
+    import threading
+
+    from objckpt.tools import copy as copy_module
+
+    tree = _tree()
+    objckpt.save(memory_store.url, tree, options=SMALL_BLOBS)
+    reached, release = threading.Event(), threading.Event()
+    original = copy_module._copy_indexes
+
+    async def paused(*args, **kwargs):
+        reached.set()
+        await asyncio.to_thread(release.wait, 60)
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(copy_module, "_copy_indexes", paused)
+    step, so = f"{s3_store.url}/step_0000000001", s3_store.storage_options
+    errors = []
+    copying = threading.Thread(
+        target=lambda: _run_catching(errors, objckpt.copy, memory_store.url, step, dst_storage_options=so)
+    )
+    copying.start()
+    try:
+        assert reached.wait(60)
+        with objckpt.CheckpointManager(s3_store.url, storage_options=so) as mgr:
+            deleted = mgr.gc(grace_seconds=0)
+    finally:
+        release.set()
+        copying.join(60)
+    assert errors == [] and not [k for k in deleted if k.startswith("step_0000000001/")], deleted
+    assert_tree_bit_exact(tree, objckpt.restore(step, tree, storage_options=so))
+
+
+def _run_catching(errors, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the test reports it
+        errors.append(e)

@@ -52,6 +52,7 @@ from objckpt.layouts.manifest_io import commit_manifest, read_checkpoint
 from objckpt.options import Options
 from objckpt.progress import ProgressArg, closing, human_bytes
 from objckpt.progress import start as start_progress
+from objckpt.saving.live_markers import LiveMarker, marker_key
 from objckpt.storage.base import Store
 from objckpt.storage.copy import server as server_copy
 from objckpt.tools.server_side import ServerSide
@@ -227,8 +228,8 @@ async def copy_stores_async(
         options, verify_existing, server_side: as for :func:`copy`.
         writes: filled, once the source's checkpoint is read and before anything is
             written, with the keys of the objects the copy writes at the destination
-            before its manifest (blobs and index objects): what a caller that abandons
-            the copy mid-way deletes there.
+            before its manifest (blobs, index objects, its live-save marker): what a caller
+            that abandons the copy mid-way deletes there.
 
     Raises:
         As :func:`copy`; a destination that holds a committed checkpoint raises
@@ -266,6 +267,7 @@ async def _copy_stores(
     if writes is not None:
         writes.update(b.key for b in manifest.blobs)
         writes.update(r.key for r in manifest.indexes)
+        writes.add(marker_key(manifest.save_id, 0))  # its live-save marker, gone with the rest if abandoned
     stats = CopyStats(src.url, dst.url, blobs=len(manifest.blobs), bytes_total=sum(b.size for b in manifest.blobs))
 
     def done() -> int:  # streamed: half for the read, half for the write; checked and server-copied blobs count whole
@@ -297,8 +299,21 @@ async def _copy(
 ) -> None:
     if not dst.traits.supports_create:
         raise StoreError(f"{dst.url} cannot create-if-absent atomically, so a copy there could not commit safely")
+    await _refuse_committed(dst.store, manifest, src.options)
+    # The copy's marker, as a save's (the writing corridor's first step): gc, rm and retention at
+    # the destination keep off the objects it writes until its manifest is committed.
+    marker = LiveMarker(dst.store, marker_key(manifest.save_id, 0), lease=src.options.live_marker_lease)
+    await marker.begin()
+    try:
+        await _copy_objects(src, dst, manifest, stats, verify_existing, server_side)
+    finally:
+        await marker.end()
+
+
+async def _copy_objects(
+    src: Handle, dst: Handle, manifest: Manifest, stats: CopyStats, verify_existing: bool, server_side: bool
+) -> None:
     options, src_stats, dst_stats = src.options, src.stats, dst.stats
-    await _refuse_committed(dst.store, manifest, options)
     source, target = src.engine, dst.engine
     present = {o.key: o.size for o in await dst.store.list()}
     by_blob = pieces_by_blob(manifest)
