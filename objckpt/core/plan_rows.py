@@ -83,35 +83,35 @@ def plan_row_reads(
 ) -> list[ReadRequest]:
     """Coalesce the pieces of the rows ``wanted`` (a mask over ``rows``) into ranged reads.
 
-    Every row of ``rows`` is the layout (which bytes belong to a piece); ``kept`` (a mask over
+    Every row of ``rows`` says which bytes of a blob belong to a piece; ``kept`` (a mask over
     ``rows``): the wanted rows whose bytes the reader keeps as the array itself (the module
     says each rule). The wanted rows are put in read order once (blob by blob, each by offset,
-    the blobs leaf after leaf: :func:`_layout_order`), then planned a chunk of whole blobs at a time.
+    the blobs leaf after leaf: :func:`_read_order`), then planned a chunk of whole blobs at a time.
     """
     if not wanted.any():
         return []
     kept_limit = max(max_read_size, max_kept_read_size + PACKING_SLACK)
     keep = kept if kept is not None and kept_limit > max_read_size else np.zeros(len(rows), dtype=bool)
-    layout = _layout_order(rows)
-    place = np.flatnonzero(wanted[layout])  # where each wanted row sits in the layout
+    order = _read_order(rows)
+    place = np.flatnonzero(wanted[order])  # where each wanted row sits in the read order
     if len(place) < 1 << 31:
         place = place.astype(np.int32)
-    blobs = rows.blob[layout[place]]
+    blobs = rows.blob[order[place]]
     requests: list[ReadRequest] = []
     lo = 0
     while lo < len(place):
         hi = min(lo + CHUNK_ROWS, len(place))
-        if hi < len(place):  # end the chunk at a blob's end (a blob's rows are together in the layout)
+        if hi < len(place):  # end the chunk at a blob's end (a blob's rows are together in the read order)
             past = np.flatnonzero(blobs[hi:] != blobs[hi - 1])
             hi += int(past[0]) if len(past) else len(place) - hi
-        _plan_chunk(rows, layout, place[lo:hi], keep, coalesce_gap, max_read_size, kept_limit, requests)
+        _plan_chunk(rows, order, place[lo:hi], keep, coalesce_gap, max_read_size, kept_limit, requests)
         lo = hi
     return requests
 
 
 def _plan_chunk(
     rows: Rows,
-    layout: np.ndarray,
+    order: np.ndarray,
     place: np.ndarray,
     keep: np.ndarray,
     coalesce_gap: int,
@@ -119,13 +119,13 @@ def _plan_chunk(
     kept_limit: int,
     requests: list[ReadRequest],
 ) -> None:
-    """The reads of wanted rows at layout positions ``place`` (whole blobs), appended to ``requests``."""
-    at = layout[place]
+    """The reads of wanted rows at read-order positions ``place`` (whole blobs), appended to ``requests``."""
+    at = order[place]
     blob = rows.blob[at]
     offset = rows.offset[at]
     end = offset + rows.length(at)
     gap = offset[1:] - end[:-1]
-    adjacent = place[1:] == place[:-1] + 1  # nothing of the layout between them: the gap is free bytes
+    adjacent = place[1:] == place[:-1] + 1  # no row between them: the gap is free bytes
     joins = (blob[1:] == blob[:-1]) & ((gap <= coalesce_gap) | ((gap <= SPACER + ALIGN) & adjacent))
     kept = keep[at]
     n = len(at)
@@ -133,7 +133,7 @@ def _plan_chunk(
     run_end = np.append(runs, n)[np.searchsorted(runs, np.arange(n), "right")]
     jump = _jumps(blob, offset, end, kept, run_end, max_read_size, kept_limit)
     if jump is None:
-        _plan_runs(rows, layout, place, at, blob, offset, end, kept, runs, max_read_size, kept_limit, requests)
+        _plan_runs(rows, order, place, at, blob, offset, end, kept, runs, max_read_size, kept_limit, requests)
         return
     firsts = []  # the rows that start a read: one step per read, from Python (not a list of every row's jump)
     step = jump.item
@@ -143,7 +143,7 @@ def _plan_chunk(
         s = step(s)
     first = np.array(firsts, dtype=np.int64)
     last = jump[first]
-    slack = _slacks(rows, layout, place[first], blob[first], offset[first])
+    slack = _slacks(rows, order, place[first], blob[first], offset[first])
     keys = rows.keys
     requests.extend(
         ReadRequest(keys[b], start, stop, LazyParts(rows, at[a:j], start), free)
@@ -204,7 +204,7 @@ def _jumps(
 
 def _plan_runs(
     rows: Rows,
-    layout: np.ndarray,
+    order: np.ndarray,
     place: np.ndarray,
     at: np.ndarray,
     blob: np.ndarray,
@@ -216,7 +216,7 @@ def _plan_runs(
     kept_limit: int,
     requests: list[ReadRequest],
 ) -> None:
-    """:func:`_plan_chunk` read by read, each limit a bisection of its run's ends so far (any layout)."""
+    """:func:`_plan_chunk` read by read, each limit a bisection of its run's ends so far (any order)."""
     unkept = np.flatnonzero(~kept).tolist()  # wanted rows not kept, ascending
     offsets, ends = offset.tolist(), end.tolist()
     keys, blob_of = rows.keys, blob.tolist()
@@ -242,26 +242,26 @@ def _plan_runs(
                     start,
                     reach[j - 1 - a],
                     LazyParts(rows, at[s:j], start),
-                    _slack(rows, layout, int(place[s]), blob_of[s], start),
+                    _slack(rows, order, int(place[s]), blob_of[s], start),
                 )
             )
             s = j
 
 
-def _slack(rows: Rows, layout: np.ndarray, place: int, blob: int, offset: int) -> int:
-    """Free bytes just before the piece at layout position ``place``: back to the end of the
+def _slack(rows: Rows, order: np.ndarray, place: int, blob: int, offset: int) -> int:
+    """Free bytes just before the piece at read-order position ``place``: back to the end of the
     piece before it in its blob (or the blob's start)."""
-    return int(_slacks(rows, layout, np.array([place]), np.array([blob]), np.array([offset]))[0])
+    return int(_slacks(rows, order, np.array([place]), np.array([blob]), np.array([offset]))[0])
 
 
-def _slacks(rows: Rows, layout: np.ndarray, place: np.ndarray, blob: np.ndarray, offset: np.ndarray) -> np.ndarray:
+def _slacks(rows: Rows, order: np.ndarray, place: np.ndarray, blob: np.ndarray, offset: np.ndarray) -> np.ndarray:
     """:func:`_slack` of many pieces at once."""
-    before = layout[np.maximum(place - 1, 0)]
+    before = order[np.maximum(place - 1, 0)]
     after_one = (place > 0) & (rows.blob[before] == blob)
     return offset - np.where(after_one, rows.offset[before] + rows.length(before), 0)
 
 
-def _layout_order(rows: Rows) -> np.ndarray:
+def _read_order(rows: Rows) -> np.ndarray:
     """The rows blob by blob, each blob's by offset, the blobs in the order of the first leaf
     each holds (:func:`_blob_order`): one sort of a combined key where both fit it."""
     if not len(rows):

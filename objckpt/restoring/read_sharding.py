@@ -1,4 +1,4 @@
-"""Whether a leaf is read onto its target sharding directly, or onto the saved layout and resharded.
+"""Whether a leaf is read onto its target sharding directly, or onto the saved grid and resharded.
 
 A restore reads whole saved pieces that meet its boxes. Where the target's
 boxes cut the saved pieces (a layer matrix with its two mesh axes swapped, or a
@@ -173,7 +173,7 @@ def choose(
     needed = _union_volume(lo, hi, members, shape) * grid.itemsize
     fetched = _union_volume(*_expand(lo, hi, cuts), members, shape) * grid.itemsize
     direct = _worst(fetched, needed)
-    read = _read_layout(grid, target)
+    read = _read_grid(grid, target)
     if prefer_saved and read is not None:
         threshold, min_saved, always_above = -math.inf, 0, -math.inf
     if read is None or direct <= threshold:
@@ -303,7 +303,7 @@ def plan_read_shardings(
     return out
 
 
-def _read_layout(grid: Grid, target: Mesh) -> tuple[Mesh, Spec] | None:
+def _read_grid(grid: Grid, target: Mesh) -> tuple[Mesh, Spec] | None:
     """The read sharding's mesh and spec on ``target``'s devices, or None when none lines up."""
     if sorted(target.devices) == sorted(grid.mesh.devices):
         process = dict(zip(target.devices, target.processes))

@@ -64,16 +64,16 @@ def on_saved_shardings(manifest: Manifest, selection: dict[int, Any]) -> dict[in
     saved: dict[int, SavedSharding] = {}
     for i in selection:
         entry = manifest.leaves[i]
-        layout = entry.layout or {}
-        if entry.kind != "array" or entry.prng_impl is not None or "mesh" not in layout:
+        writers = entry.layout or {}
+        if entry.kind != "array" or entry.prng_impl is not None or "mesh" not in writers:
             continue
-        mesh = manifest.meshes[layout["mesh"]]
+        mesh = manifest.meshes[writers["mesh"]]
         described = entry.sharding or {}
         named = described.get("mesh")
         fits = isinstance(named, dict) and list(named) == [name for name, _ in mesh.axes]
         types = axis_type_names(described.get("axis_types"), len(mesh.axes)) if fits else None
-        spec = tuple(map(tuple, layout["spec"]))
-        saved[i] = SavedSharding(mesh.axes, mesh.devices, spec, types, mesh_key=layout["mesh"])
+        spec = tuple(map(tuple, writers["spec"]))
+        saved[i] = SavedSharding(mesh.axes, mesh.devices, spec, types, mesh_key=writers["mesh"])
     ids = {(i, p) for mesh in manifest.meshes for i, p in zip(mesh.devices, mesh.processes)}
     here = {(int(d.id), int(d.process_index)) for d in jax.devices()}
     shapes = {i: manifest.leaves[i].shape for i in saved}
