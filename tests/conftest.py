@@ -79,6 +79,7 @@ LONG_MODULES = frozenset(
         "test_crash_safety.py",
         "test_docs.py",
         "test_faults.py",
+        "test_matrix.py",
         "test_multihost.py",
         "test_resume_sigkill.py",
         "test_tiers_local.py",

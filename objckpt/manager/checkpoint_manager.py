@@ -281,7 +281,7 @@ class CheckpointManager:
         return self.step_url(earlier[-1]) if earlier else None
 
     async def _after_save(self, handle: SaveHandle, step: int, metrics: dict[str, Any]) -> None:
-        await asyncio.wrap_future(handle._future)
+        await asyncio.wrap_future(handle.future)
         self._metrics[step] = metrics
         if self._replicator is not None:
             await self._replicator.committed(step)

@@ -56,6 +56,7 @@ class SaveHandle:
         url: the checkpoint being saved.
         stats: the save's :class:`~objckpt.transfer.stats.TransferStats`, counting while it runs.
         seconds_blocked: how long ``save_async`` held the caller (the device→host copy).
+        future: the commit's ``concurrent.futures.Future`` (what ``result`` waits for).
     """
 
     def __init__(
@@ -66,7 +67,7 @@ class SaveHandle:
         url: str,
         transfer: Handle | None = None,
     ):
-        self._future = future
+        self.future = future
         self._transfer = transfer
         self.stats = stats
         self.seconds_blocked = seconds_blocked
@@ -79,13 +80,13 @@ class SaveHandle:
             TimeoutError: the save is still running after ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._future.done() and (deadline is None or time.monotonic() < deadline):
-            concurrent.futures.wait([self._future], _SLICE)  # a Ctrl-C gets through between short waits
-        self._future.result(0)
+        while not self.future.done() and (deadline is None or time.monotonic() < deadline):
+            concurrent.futures.wait([self.future], _SLICE)  # a Ctrl-C gets through between short waits
+        self.future.result(0)
 
     def done(self) -> bool:
         """Whether the save has ended, committed or failed (``result()`` says which)."""
-        return self._future.done()
+        return self.future.done()
 
     @property
     def bytes_written(self) -> int:

@@ -89,7 +89,7 @@ class Snapshot:
         return out
 
 
-class _Layout:
+class _Placement:
     """Places boxes in the buffer and remembers what to copy into each."""
 
     def __init__(self) -> None:
@@ -125,22 +125,22 @@ def snapshot(
     its pages are in, so the copy faults none, 5-9x faster here); else a fresh one.
     """
     leaves, skeleton = flatten(tree)
-    layout, meshes, entries = _Layout(), MeshTable(), list[LeafEntry]()
+    placement, meshes, entries = _Placement(), MeshTable(), list[LeafEntry]()
     for i, leaf in enumerate(leaves):  # what a save writes, in the scope of this process's part
         entry, held = classify(i, leaf, is_primary=True, split_above=0, meshes=meshes, held=True)
         entries.append(entry)
         for piece in held:
             data = host_alias(piece.source[0])  # the host copy lives on the alias, never on the user's array
             start_host_copy(data)
-            layout.box(i, piece.start, data, np.dtype(data.dtype))
-    if buffer is None or buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < layout.size:
-        buffer = host_buffer(layout.size)
-    for offset, length, source in layout.copies:
+            placement.box(i, piece.start, data, np.dtype(data.dtype))
+    if buffer is None or buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < placement.size:
+        buffer = host_buffer(placement.size)
+    for offset, length, source in placement.copies:
         if length:
             host = host_view(source)
             np.copyto(buffer[offset : offset + length].view(host.dtype).reshape(host.shape), host)
     pieces = []
-    for index, start, shape, dtype, offset in layout.pieces:
+    for index, start, shape, dtype, offset in placement.pieces:
         data = buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
         stop = tuple(a + n for a, n in zip(start, shape))
         pieces.append(OwnedPiece(index, start, stop, dtype.itemsize, source=(data, start)))
