@@ -1,14 +1,8 @@
-"""save and save_async: a tree classified into a source and written by the writing corridor.
-
-The caller's thread does only the blocking phase (:mod:`objckpt.saving.upload`): it
-copies every owned piece off the devices into staging buffers that objckpt
-owns, blob by blob, under a byte budget (when the model is larger than the
-budget it streams: a buffer is reused once its blob is uploaded); a synchronous
-save to a store that takes a body of parts sends contiguous host shards in place
-instead. Uploads and the commit run on the I/O loop (:mod:`objckpt.saving.writer`
-says the steps, :mod:`objckpt.saving.commit` how the processes agree). No manifest, no
-checkpoint: a crash at any moment leaves at most orphaned blobs and index objects, which
-``gc`` removes.
+"""save and save_async: a tree classified into a source and written by the writing corridor
+(:mod:`objckpt.saving.writer`). The caller's thread does only the blocking phase (the device→host
+copies, staged under a byte budget: :mod:`objckpt.saving.upload`); uploads and the commit
+(:mod:`objckpt.saving.commit`) run on the I/O loop. No manifest, no checkpoint: a crash at any
+moment leaves at most orphaned blobs and index objects, which ``gc`` removes.
 """
 
 from __future__ import annotations

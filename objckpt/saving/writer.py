@@ -1,32 +1,17 @@
 """The writing corridor: every checkpoint objckpt writes goes through :func:`write`.
 
-A *source* says what to write (:class:`Source`: the leaf table and this process's pieces, in
-batches); :func:`write` owns every step from there, in one order:
-
-1. **begin**: the store takes create-if-absent writes and holds no committed checkpoint yet
-   (:func:`check_destination`; the manifest's create-if-absent write settles a race that gets
-   past it), and the live-save marker goes up before the first blob, in the base's prefix too
-   for an incremental save (:mod:`objckpt.saving.live_markers`: ``gc``, ``rm`` and retention
-   keep off the save);
-2. **plan**: an incremental save's pieces equal to the base's become references
-   (:mod:`objckpt.saving.incremental`); the rest are packed into blobs named by the save id,
-   the process and a sequence number (:func:`objckpt.core.plan.plan_blobs`);
-3. **stage and upload**: each blob sent in place or staged, device→host copies through the
-   aliases of :mod:`objckpt.core.device_reads` only (:mod:`objckpt.saving.upload`); with
-   ``resume``, a blob an earlier run left intact is kept;
-4. **index and commit**: on the I/O loop, wait for the uploads, write the index object, agree
-   with the other processes and write the root manifest (:mod:`objckpt.saving.commit`, through
-   the one manifest write, :func:`objckpt.layouts.manifest_io.commit_manifest`); the marker
-   comes down however it ends. A source that writes other processes' parts too (an Orbax
-   Composite's per-process items) hands them over as :attr:`Source.other_parts`: their index
-   objects and commit reports are written here, as those processes' saves would.
-5. **abandon on error**: a write that fails before its commit stops its uploads, deletes what
-   they wrote (best effort) and takes the marker down.
-
-The sources: a tree (:func:`objckpt.saving.api.save`: the shards classified in the save's
-scope), a held local part (:func:`objckpt.saving.local_snapshot.save_part`), Orbax slabs and a
-Composite's other processes' parts (:mod:`objckpt.orbax.convert`). A copy (``cp``, replicas)
-moves objects a save wrote already and enters at step 4's manifest write.
+A *source* (:class:`Source`) says what to write: the leaf table and this process's pieces, in
+batches (a tree's shards, a local part, Orbax slabs; a Composite's other processes' parts beside).
+:func:`write` owns every step from there, once, in this order (docs/ARCHITECTURE.md, "The two
+corridors"): **begin** (:func:`check_destination`; the live-save markers, in the base's prefix too,
+before the first blob: :mod:`objckpt.saving.live_markers`) → **plan** (an incremental save's
+references, :mod:`objckpt.saving.incremental`; blobs named by save id, process and sequence) →
+**stage and upload** (:mod:`objckpt.saving.upload`: device→host copies through
+:mod:`objckpt.core.device_reads`' aliases only; with ``resume``, a blob an earlier run left intact
+is kept) → **index and commit** (on the I/O loop, :mod:`objckpt.saving.commit`, the manifest through
+the one manifest write, :func:`objckpt.layouts.manifest_io.commit_manifest`) → **abandon on error**
+(uploads stopped, what they wrote deleted, markers down). A copy (``cp``, replicas) moves objects a
+save wrote and enters at the manifest write.
 """
 
 from __future__ import annotations
