@@ -1,4 +1,4 @@
-"""One measurement of ``bench_accelerator`` in a fresh process: the floors, objckpt or Orbax.
+"""One measurement of ``bench_accelerator`` in a fresh process: the floors, objckpt (three ways) or Orbax.
 
     python -m benchmarks.accelerator_worker < job.json      # prints ``RESULT <json>``
 
@@ -275,7 +275,8 @@ def measure_floors(job: dict[str, Any]) -> dict[str, Any]:
 
 def measure_system(job: dict[str, Any]) -> dict[str, Any]:
     """A ``CheckpointManager`` save (async) with a training step running until it commits, then
-    a restore onto the device; ``job["system"]`` is ``objckpt``, ``objckpt_snapshot`` or ``orbax``.
+    a restore onto the device; ``job["system"]`` is ``objckpt``, ``objckpt_snapshot``,
+    ``objckpt_local`` or ``orbax``.
 
     With ``job["saves"]`` above 1, that many saves follow one another in this process, as in a
     job's run: before each later one the previous checkpoint is deleted (untimed, so that the
@@ -291,7 +292,7 @@ def measure_system(job: dict[str, Any]) -> dict[str, Any]:
     state = build_state(gib)
     want = fingerprints(state)
     target = abstract(state)
-    mgr, save, wait, restore, delete = _system(system, job["path"])
+    mgr, save, wait, restore, delete = _system(system, job["path"], job.get("local_path"))
     alone = steps_alone(step, job["steps_alone"])
     med_alone = statistics.median(alone)
     gc.collect()
@@ -427,14 +428,18 @@ class Profile:
         return run()
 
 
-def _system(system: str, path: str) -> tuple[Any, Any, Any, Any, Any]:
+def _system(system: str, path: str, local_path: str | None = None) -> tuple[Any, Any, Any, Any, Any]:
     """(manager, save(step, state), wait(), restore(step, target), delete(step)) under ``path``;
-    ``objckpt_snapshot`` is objckpt with ``Options(device_snapshot="on")``."""
-    if system in ("objckpt", "objckpt_snapshot"):
+    ``objckpt_snapshot`` is objckpt with ``Options(device_snapshot="on")``, ``objckpt_local`` a
+    manager with ``local=LocalCopies(local_path)`` (tmpfs), every step due for both the local tier
+    and the store (one device→host copy serves both), restoring from the local tier."""
+    if system in ("objckpt", "objckpt_snapshot", "objckpt_local"):
         import objckpt
 
         options = objckpt.Options(device_snapshot="on" if system == "objckpt_snapshot" else "off")
-        mgr = objckpt.CheckpointManager(Path(path).as_uri() if "://" not in path else path, options=options)
+        local = objckpt.LocalCopies(local_path) if system == "objckpt_local" and local_path else None
+        url = Path(path).as_uri() if "://" not in path else path
+        mgr = objckpt.CheckpointManager(url, options=options, local=local)
         return (
             mgr,
             lambda step, state: mgr.save(step, state, force=True),

@@ -1,13 +1,13 @@
 """Issue 65's accelerator path: what a save costs training on a TPU or GPU, against the floors and Orbax.
 
     PYTHONPATH=. python benchmarks/bench_accelerator.py [--state-gib 4 8] [--stores disk tmpfs]
-        [--repeats 3] [--systems floors objckpt objckpt_snapshot orbax] [--saves 1] [--out FILE] [--profile DIR]
-        [--quick]
+        [--repeats 3] [--systems floors objckpt objckpt_snapshot objckpt_local orbax] [--saves 1] [--out FILE]
+        [--local-dir /dev/shm] [--profile DIR] [--quick]
 
 Runs on the machine that holds the accelerator, with no network: every store is a local path
 (``file://`` on disk, ``--disk-dir``, default the temp dir; and on tmpfs, ``/dev/shm``). The
 state (``benchmarks/accelerator_worker.py``) is bf16 params plus f32 master weights and Adam
-moments, 456 leaves, on ``jax.devices()[0]``. For each repeat, state and store, four
+moments, 456 leaves, on ``jax.devices()[0]``. For each repeat, state and store, five
 measurements run in turn, each in a fresh process (one process holds the chip at a time), the
 order rotating each repeat:
 
@@ -15,8 +15,10 @@ order rotating each repeat:
   ``copy_to_host_async`` on every leaf then ``np.asarray`` (each on a freshly built state),
   ``jax.device_put`` back, and a raw write and read of the same bytes (one file per leaf) at the
   store path; the save floor is ``device_get`` + write, the restore floor read + ``device_put``.
-- ``objckpt``, ``objckpt_snapshot`` (``Options(device_snapshot="on")``) and ``orbax``:
-  ``CheckpointManager.save`` with its defaults (async) — seconds blocked, seconds until
+- ``objckpt``, ``objckpt_snapshot`` (``Options(device_snapshot="on")``), ``objckpt_local``
+  (``CheckpointManager(root, local=LocalCopies(<a directory under --local-dir>))``: each step is
+  due for both the local tier and the store, and one device→host copy serves both; its restore
+  reads the local tier) and ``orbax``: ``CheckpointManager.save`` with its defaults (async) — seconds blocked, seconds until
   committed, device memory's peak before and after — while a jitted training step (chained
   matmuls, ~50 ms on a chip) runs until the commit; host RSS sampled every 5 ms (peak above the start during the
   save, what is still held after the commit); whether a host copy is left cached on the saved
@@ -28,7 +30,7 @@ later save the previous checkpoint is deleted (untimed) and the state moves on b
 update. A process's first save is what the targets judge (a job's first checkpoint, on host
 memory the process has not used yet); the later saves' medians are reported beside them as
 ``later_blocked_s``, ``later_save_total_s``, ``later_lost_s`` and ``later_step_during_s`` (with
-``orbax_`` and ``snapshot_`` twins), and the restore reads the last save back.
+``orbax_``, ``snapshot_`` and ``local_`` twins), and the restore reads the last save back.
 
 Each cell (one state and store) carries the medians of the repeats, the raw samples, and the
 issue's targets checked (``targets``: per target ``ok``, the measured ``value`` and its
@@ -63,7 +65,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SYSTEMS = ("floors", "objckpt", "objckpt_snapshot", "orbax")
+SYSTEMS = ("floors", "objckpt", "objckpt_snapshot", "objckpt_local", "orbax")
 # Issue 65's targets: name -> (limit, what the value is).
 TARGETS = {
     "blocked_vs_device_get": (1.2, "blocked_s / device_get_s"),
@@ -80,8 +82,20 @@ TARGETS = {
     "restore_host_ram_gib": (1.0, "restore_peak_host_ram_gib"),
     "device_peak_unchanged_gib": (0.01, "device_peak_delta_gib (device_snapshot off)"),
     "snapshot_blocked_s": (0.25, "snapshot_blocked_s (device_snapshot on)"),
+    # The same save targets for a manager step due for both the local tier and the store.
+    "local_blocked_vs_device_get": (1.2, "local_blocked_s / device_get_s"),
+    "local_blocked_vs_orbax": (1.0, "local_blocked_s / orbax_blocked_s"),
+    "local_peak_host_ram": (1.1, "(local_peak_host_ram_gib - 0.25) / state (GiB)"),
+    "local_no_host_copy_attached": (0.0, "1 if a host copy is cached on an array saved to both"),
+    "local_step_slowdown": (1.25, "local_step_during_s / local_step_alone_s"),
 }
-ORBAX_TARGETS = {"blocked_vs_orbax", "lost_vs_orbax", "save_total_vs_orbax", "restore_vs_orbax"}
+ORBAX_TARGETS = {
+    "blocked_vs_orbax",
+    "lost_vs_orbax",
+    "save_total_vs_orbax",
+    "restore_vs_orbax",
+    "local_blocked_vs_orbax",
+}
 
 
 def store_path(store: str, disk_dir: str) -> str:
@@ -106,10 +120,11 @@ def fs_type(path: str) -> str:
 def run_one(job: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one measurement in a fresh process; its result, or SystemExit with its stderr tail."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-accel-", dir=job["base"]))
+    local = Path(tempfile.mkdtemp(prefix="bench-accel-local-", dir=job["local_base"]))
     try:
         done = subprocess.run(
             [sys.executable, "-m", "benchmarks.accelerator_worker"],
-            input=json.dumps({**job, "path": str(scratch)}),
+            input=json.dumps({**job, "path": str(scratch), "local_path": str(local)}),
             cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
             capture_output=True,
@@ -118,6 +133,7 @@ def run_one(job: dict[str, Any], timeout: float) -> dict[str, Any]:
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(local, ignore_errors=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"{job['system']} ({job['state_gib']} GiB, {job['store']}) failed:\n{done.stderr[-4000:]}")
@@ -132,7 +148,7 @@ def summarise(cell: dict[str, Any]) -> None:
     """Fill a cell's medians, ratios and targets from its raw ``runs`` (in place)."""
     runs = cell["runs"]
     floors, ours, orbax = runs.get("floors", []), runs.get("objckpt", []), runs.get("orbax", [])
-    snap = runs.get("objckpt_snapshot", [])
+    snap, local = runs.get("objckpt_snapshot", []), runs.get("objckpt_local", [])
     if not floors or not ours:
         return
     for key in ("device_get_s", "per_leaf_s", "async_batched_s", "device_put_s", "raw_write_s", "raw_read_s"):
@@ -155,16 +171,19 @@ def summarise(cell: dict[str, Any]) -> None:
         cell[key] = median(ours, key)
         cell[f"orbax_{key}"] = median(orbax, key) if orbax else None
         cell[f"snapshot_{key}"] = median(snap, key) if snap else None
+        cell[f"local_{key}"] = median(local, key) if local else None
     for key in ("later_blocked_s", "later_save_total_s", "later_lost_s", "later_step_during_s"):
         # Saves after the first in the same process (``--saves``): reported, not targets.
         if all(key in r for r in ours):
             cell[key] = median(ours, key)
             cell[f"orbax_{key}"] = median(orbax, key) if orbax and all(key in r for r in orbax) else None
             cell[f"snapshot_{key}"] = median(snap, key) if snap and all(key in r for r in snap) else None
+            cell[f"local_{key}"] = median(local, key) if local and all(key in r for r in local) else None
     cell["device_peak_delta_gib"] = median(ours, "device_peak_delta_gib")
     cell["leaves"] = ours[0]["leaves"]
     cell["state_bytes"] = ours[0]["state_bytes"]
     cell["host_copy_attached"] = any(r["host_copy_attached"] for r in ours)
+    cell["local_host_copy_attached"] = any(r["host_copy_attached"] for r in local) if local else None
     cell["orbax_host_copy_attached"] = any(r["host_copy_attached"] for r in orbax) if orbax else None
     cell["exact"] = all(r["exact"] for r in ours + orbax)
     cell["step_slowdown"] = cell["step_during_s"] / cell["step_alone_s"]
@@ -184,7 +203,16 @@ def summarise(cell: dict[str, Any]) -> None:
     }
     if snap:
         values["snapshot_blocked_s"] = cell["snapshot_blocked_s"]
-    cell["exact"] = cell["exact"] and all(r["exact"] for r in snap)
+    cell["exact"] = cell["exact"] and all(r["exact"] for r in snap + local)
+    if local:
+        values.update(
+            local_blocked_vs_device_get=cell["local_blocked_s"] / cell["device_get_s"],
+            local_peak_host_ram=(cell["local_peak_host_ram_gib"] - 0.25) / state_gib,
+            local_no_host_copy_attached=float(cell["local_host_copy_attached"]),
+            local_step_slowdown=cell["local_step_during_s"] / cell["local_step_alone_s"],
+        )
+    if local and orbax:
+        values["local_blocked_vs_orbax"] = cell["local_blocked_s"] / cell["orbax_blocked_s"]
     if orbax:
         values.update(
             blocked_vs_orbax=cell["blocked_s"] / cell["orbax_blocked_s"],
@@ -202,9 +230,9 @@ def summarise(cell: dict[str, Any]) -> None:
 
 def table(report: dict[str, Any]) -> str:
     rows = [
-        "| cell | leaves | blocked s | snapshot blocked s | device_get s | Orbax blocked s | peak RAM GiB | step × | "
-        "save total s | Orbax total s | restore s | floor s | Orbax restore s | targets met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cell | leaves | blocked s | snapshot blocked s | local+store blocked s | device_get s | Orbax blocked s | "
+        "peak RAM GiB | step × | save total s | Orbax total s | restore s | floor s | Orbax restore s | targets met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     f = lambda v: "—" if v is None else f"{v:.3g}"  # noqa: E731
     for cell in report["cells"]:
@@ -213,6 +241,7 @@ def table(report: dict[str, Any]) -> str:
         met = sum(t["ok"] for t in cell["targets"].values())
         rows.append(
             f"| {cell['name']} | {cell['leaves']} | {f(cell['blocked_s'])} | {f(cell['snapshot_blocked_s'])} | "
+            f"{f(cell.get('local_blocked_s'))} | "
             f"{f(cell['device_get_s'])} | "
             f"{f(cell['orbax_blocked_s'])} | {f(cell['peak_host_ram_gib'])} | {f(cell['step_slowdown'])} | "
             f"{f(cell['save_total_s'])} | {f(cell['orbax_save_total_s'])} | {f(cell['restore_s'])} | "
@@ -261,6 +290,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--state-gib", type=float, nargs="+", default=None, help="states in GiB (default 4 8)")
     ap.add_argument("--stores", nargs="+", default=None, choices=("disk", "tmpfs"), help="default disk tmpfs")
     ap.add_argument("--disk-dir", default=tempfile.gettempdir(), help="the disk store's directory")
+    ap.add_argument(
+        "--local-dir",
+        default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
+        help="where objckpt_local's local tier goes (default /dev/shm)",
+    )
     ap.add_argument("--repeats", type=int, default=None, help="default 3")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--step-s", type=float, default=None, help="training step alone, s (0.05; quick 0.02)")
@@ -337,6 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps_alone": 5 if quick else 20,
         "profile_dir": args.profile,
         "saves": args.saves,
+        "local_base": args.local_dir,
     }
     started = time.perf_counter()
     for rep in range(repeats):

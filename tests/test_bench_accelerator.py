@@ -75,7 +75,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_one_cell_with_every_field_and_positive_times(report: dict[str, Any]) -> None:
     assert report["quick"] is True and report["repeats"] == 1
     assert report["platform"] == "cpu" and report["device_kind"]
-    ours = ["floors", "objckpt", "objckpt_snapshot"]
+    ours = ["floors", "objckpt", "objckpt_snapshot", "objckpt_local"]
     assert report["systems"] == (ours + ["orbax"] if ORBAX else ours)
     (cell,) = report["cells"]
     assert cell["name"] == "0.0625GiB-disk" and cell["state_gib"] == 0.0625 and cell["store"] == "disk"
@@ -96,6 +96,10 @@ def test_one_cell_with_every_field_and_positive_times(report: dict[str, Any]) ->
     assert cell["runs"]["objckpt"][0]["steps_during"] >= 1
     assert cell["step_max_s"] >= cell["step_during_s"]
     assert cell["lost_s"] >= cell["blocked_s"]
+    # A manager step due for both the local tier and the store: the same figures, restored exactly.
+    local = cell["runs"]["objckpt_local"][0]
+    assert 0 < local["blocked_s"] <= local["save_total_s"] and local["exact"] is True
+    assert cell["local_blocked_s"] == local["blocked_s"] and cell["local_host_copy_attached"] is False
 
 
 def test_ratios_and_targets_follow_from_the_medians(report: dict[str, Any]) -> None:
@@ -122,6 +126,10 @@ def test_ratios_and_targets_follow_from_the_medians(report: dict[str, Any]) -> N
     snapshot = statistics.median(r["blocked_s"] for r in cell["runs"]["objckpt_snapshot"])
     assert targets["snapshot_blocked_s"]["value"] == cell["snapshot_blocked_s"] == snapshot
     assert targets["device_peak_unchanged_gib"]["value"] == cell["device_peak_delta_gib"] == 0  # CPU: no stats
+    assert targets["local_blocked_vs_device_get"]["value"] == pytest.approx(
+        cell["local_blocked_s"] / cell["device_get_s"]
+    )
+    assert targets["local_step_slowdown"]["ok"] == (cell["local_step_during_s"] / cell["local_step_alone_s"] <= 1.25)
     if ORBAX:
         assert targets["blocked_vs_orbax"]["value"] == pytest.approx(cell["blocked_s"] / cell["orbax_blocked_s"])
         assert targets["restore_vs_orbax"]["ok"] == (cell["restore_s"] < cell["orbax_restore_s"])
