@@ -18,7 +18,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -38,7 +38,7 @@ from objckpt.restoring.aligned_reads import read_parts
 from objckpt.roots.hints import explained
 from objckpt.tools.blob_pieces import PieceRef, pieces_by_blob, pieces_up_to
 from objckpt.tools.verify_stored import stored_checksums, verify_stored
-from objckpt.transfer import runtime
+from objckpt.transfer import dask_jobs, runtime
 from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.handle import Handle, opened
 from objckpt.transfer.stats import TransferStats
@@ -73,6 +73,8 @@ def verify(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     progress: ProgressArg = False,
+    client: Any = None,
+    blobs: Collection[str] | None = None,
 ) -> VerifyReport:
     """Read every blob of the checkpoint at ``url`` and check every piece's crc32c.
 
@@ -92,6 +94,9 @@ def verify(
             every 0.1 s and once more at the end, on objckpt's I/O thread: it must
             be quick, and an exception it raises is logged once, never failing
             the verification. ``False``/``None``: nothing.
+        client: a ``distributed.Client``: the blobs are read by tasks on its Dask cluster, a few
+            per worker, split by bytes (:mod:`objckpt.transfer.dask_jobs`); the report is the same.
+        blobs: read only these blobs (a task of a verify on Dask); the others are not reported on.
 
     Another layout's checkpoint (an Orbax item, or a step of Orbax's ``CheckpointManager``)
     is verified by its reader as far as it can be (Orbax's: every chunk of every array
@@ -135,7 +140,10 @@ def verify(
         else:
             total, base = sum(b.size for b in manifest.blobs), stats.bytes_read
             with reporting(progress, "verify", store.url, total, lambda: stats.bytes_read - base, stats):
-                problems = runtime.run_sync(_verify(handle, manifest))
+                if client is None:
+                    problems = runtime.run_sync(_verify(handle, manifest, blobs))
+                else:
+                    problems = _on_dask(client, store.url, storage_options, options, manifest, stats)
     report = VerifyReport(
         url=store.url,
         problems=problems,
@@ -152,7 +160,24 @@ def verify(
     return report
 
 
-async def _verify(handle: Handle, manifest: Manifest) -> list[VerifyProblem]:
+def _on_dask(
+    client: Any, url: str, storage_options: Any, options: Options, manifest: Manifest, stats: TransferStats
+) -> list[VerifyProblem]:
+    """The blobs verified by tasks on ``client``'s cluster: the problems merged, their figures added to ``stats``."""
+    groups = dask_jobs.split(manifest.blobs, lambda b: b.size, dask_jobs.tasks_for(client))
+    keys = [[b.key for b in group] for group in groups]
+    kw = {"url": url, "storage_options": storage_options, "options": options}
+    reports = dask_jobs.fan_out(client, f"verify {url} {manifest.save_id}", _verify_task, keys, **kw)
+    for r in reports:
+        stats.add(bytes_read=r.bytes_read, requests=r.requests, retries=r.retries, checksum_retries=r.checksum_retries)
+    return sorted((p for r in reports for p in r.problems), key=lambda p: (p.blob, p.start or 0, p.kind))
+
+
+def _verify_task(blobs: list[str], url: str, storage_options: Any, options: Options) -> VerifyReport:
+    return verify(url, storage_options=storage_options, options=options, blobs=set(blobs))
+
+
+async def _verify(handle: Handle, manifest: Manifest, only: Collection[str] | None = None) -> list[VerifyProblem]:
     engine, options = handle.engine, handle.options
     present = {o.key: o.size for o in await handle.store.list()}
     by_blob = pieces_by_blob(manifest)
@@ -168,7 +193,8 @@ async def _verify(handle: Handle, manifest: Manifest) -> list[VerifyProblem]:
         problems.extend(await check_blob(engine, blob, pieces, listed, chunk=chunk, reads=reads, coded=coded, cut=cut))
 
     window = min(options.read_window, options.memory_budget)
-    await engine.for_each(manifest.blobs, one, window_bytes=window, size=lambda b: max(b.size, 1))
+    todo = [b for b in manifest.blobs if only is None or b.key in only]
+    await engine.for_each(todo, one, window_bytes=window, size=lambda b: max(b.size, 1))
     problems.sort(key=lambda p: (p.blob, p.start or 0, p.kind))
     return problems
 

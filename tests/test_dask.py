@@ -1,0 +1,67 @@
+"""Offline jobs on Dask (objckpt.transfer.dask_jobs): verify, cp and export fanned out on 2 local
+workers against the local S3, the result identical to the one-process run, a killed worker's
+task run again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import full_manifest
+
+import objckpt
+from objckpt.transfer import runtime
+
+distributed = pytest.importorskip("distributed")
+
+SMALL_BLOBS = objckpt.Options(blob_size=64 * 1024)
+
+
+def _tree(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {f"w{i}": rng.standard_normal((64, 96 + i), dtype=np.float32) for i in range(6)},
+        "opt": {"mu": np.arange(40000, dtype=np.int32) * (seed + 1)},
+        "step": 7,
+    }
+
+
+@pytest.fixture(scope="module")
+def client():
+    """2 workers in this process (threads): fast, and enough to split every job."""
+    with (
+        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as lc,
+        distributed.Client(lc) as c,
+    ):
+        yield c
+
+
+def _saved(target, seed=0):
+    objckpt.save(target.url, _tree(seed), storage_options=target.storage_options, options=SMALL_BLOBS)
+    return target
+
+
+def _damage(target):
+    """Flip a byte in the middle of the largest blob; its key."""
+    store = target.open()
+    sizes = {b.key: b.size for b in full_manifest(store).blobs}
+    key = max(sizes, key=lambda k: (sizes[k], k))
+    data = bytearray(runtime.run_sync(store.get(key)))
+    data[len(data) // 2] ^= 0xFF
+    runtime.run_sync(store.put(key, bytes(data)))
+    return key
+
+
+def _objects(target):
+    store = target.open()
+    return {o.key: bytes(runtime.run_sync(store.get(o.key))) for o in runtime.run_sync(store.list())}
+
+
+def test_verify_on_dask_reports_what_one_process_does(s3_store, client):
+    _saved(s3_store)
+    so = s3_store.storage_options
+    assert objckpt.verify(s3_store.url, storage_options=so, client=client).ok
+    key = _damage(s3_store)
+    alone = objckpt.verify(s3_store.url, storage_options=so)
+    fanned = objckpt.verify(s3_store.url, storage_options=so, client=client)
+    assert not fanned.ok and fanned.problems == alone.problems and key in str(fanned.problems[0])
+    assert (fanned.blobs, fanned.pieces, fanned.bytes_read) == (alone.blobs, alone.pieces, alone.bytes_read)
