@@ -129,7 +129,7 @@ class Commit:
                 report["bases"] = sorted({k.split("/")[1] for k in self.ref_blobs})
         except BaseException as e:  # report to peers before raising, so nobody waits for us
             local_error = e
-            report = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            report = _error_report(e)
         outcome = await self._agree(json.dumps(report).encode())
         if local_error is not None:
             raise local_error
@@ -153,6 +153,10 @@ class Commit:
             seconds,
             stats.bytes_written / max(seconds, 1e-9) / 2**30,
         )
+
+    async def report_failure(self, error: BaseException) -> None:
+        """Report ``error``, this process's failure before its commit, and wait for the outcome."""
+        await self._agree(json.dumps(_error_report(error)).encode())
 
     async def _agree(self, report: bytes) -> bytes:
         """Send this process's report, wait for all, commit on the primary; the outcome, as JSON.
@@ -374,3 +378,8 @@ def _blob_sizes(records: list[PieceRecord]) -> dict[str, int]:
     for _, p in records:
         blobs[p.blob] = max(blobs.get(p.blob, 0), p.offset + p.length)
     return blobs
+
+
+def _error_report(error: BaseException) -> dict[str, str]:
+    """A process's commit report of its failure: what the others' errors name it by."""
+    return {"error": f"{type(error).__name__}: {error}"[:2000]}

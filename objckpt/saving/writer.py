@@ -139,17 +139,21 @@ def write(
     """
     entered = time.perf_counter() if entered is None else entered
     options = handle.options
-    check_destination(handle)
     bases = () if base is None else (incremental.base_store(handle.store, base),)
     key, lease = marker_key(save_id, coordinator.process_index), options.live_marker_lease
     own = LiveMarker(handle.store, key, lease=lease)
     marker = MarkerGroup([own, *(LiveMarker(b, key, lease=lease) for b in bases)]) if bases else own
-    try:
-        runtime.run_sync(marker.begin())
-    except BaseException:
-        runtime.run_sync(marker.end())
-        raise
     save = Save(handle=handle, coordinator=coordinator, tag=tag, save_id=save_id, marker=marker)
+    begun = False
+    try:
+        check_destination(handle)
+        begun = True
+        runtime.run_sync(marker.begin())
+    except BaseException as e:
+        _tell_peers(save, e)
+        if begun:
+            runtime.run_sync(marker.end())
+        raise
     if blob_size is None:
         blob_size = save_blob_size(
             options, source.nbytes, processes=coordinator.process_count, hold_uploads=hold_uploads
@@ -183,10 +187,11 @@ def write(
             records = [r for f in _send(save, blobs, present, kept, hold_uploads=False) for r in f.result()]
             as_process = Commit(save, skeleton={}, entries=entries, meshes=(), metadata={})
             reports[process] = json.dumps(runtime.run_sync(as_process.index_report(records, process=process))).encode()
-    except BaseException:
+    except BaseException as e:
         finish_from_caller(reporter, complete=False)
         if source.cancel is not None:
             source.cancel()
+        _tell_peers(save, e)
         if not resume:  # uploads already started: stopped, what they wrote deleted (a resumable one keeps it)
             with contextlib.suppress(Exception):
                 runtime.run_sync(discard(handle))
@@ -207,6 +212,14 @@ def write(
     future = runtime.submit(_then_close(closing(commit.run(uploads, started), reporter), handle if close else None))
     in_flight.track(handle.url, future)
     return Writing(future, seconds_blocked, kept[0])
+
+
+def _tell_peers(save: Save, error: BaseException) -> None:
+    """A failure before the commit (a stalled store's, say) reported as a commit reports one, so
+    the other processes fail at once naming this one, not at the barrier timeout."""
+    if isinstance(error, Exception) and save.coordinator.process_count > 1:
+        with contextlib.suppress(Exception):
+            runtime.run_sync(Commit(save, skeleton={}, entries=[], meshes=(), metadata={}).report_failure(error))
 
 
 def _numbered(save_id: str, process: int, first: int, n: int) -> str:
