@@ -65,3 +65,26 @@ def test_verify_on_dask_reports_what_one_process_does(s3_store, client):
     fanned = objckpt.verify(s3_store.url, storage_options=so, client=client)
     assert not fanned.ok and fanned.problems == alone.problems and key in str(fanned.problems[0])
     assert (fanned.blobs, fanned.pieces, fanned.bytes_read) == (alone.blobs, alone.pieces, alone.bytes_read)
+
+
+def test_cp_on_dask_writes_what_one_process_does(s3_store, store_target_factory, client):
+    src = _saved(s3_store)
+    alone, fanned = store_target_factory("s3"), store_target_factory("s3")
+    kw = {"src_storage_options": src.storage_options, "server_side": False}
+    objckpt.copy(src.url, alone.url, dst_storage_options=alone.storage_options, **kw)
+    stats = objckpt.copy(src.url, fanned.url, dst_storage_options=fanned.storage_options, client=client, **kw)
+    assert stats.blobs_copied == stats.blobs > 2 and stats.bytes_read >= stats.bytes_total
+    assert _objects(fanned) == _objects(alone)
+    assert objckpt.verify(fanned.url, storage_options=fanned.storage_options).ok
+
+
+def test_export_on_dask_writes_what_one_process_does(s3_store, store_target_factory, client):
+    src = _saved(s3_store)
+    alone, fanned = store_target_factory("s3"), store_target_factory("s3")
+    kw = {"src_storage_options": src.storage_options, "max_shard_bytes": 40_000, "subtree": "params"}
+    objckpt.export_safetensors(src.url, alone.url, dst_storage_options=alone.storage_options, **kw)
+    stats = objckpt.export_safetensors(
+        src.url, fanned.url, dst_storage_options=fanned.storage_options, client=client, **kw
+    )
+    assert len(stats.files) > 3 and stats.files[-1] == "model.safetensors.index.json" and stats.bytes_read > 0
+    assert _objects(fanned) == _objects(alone)

@@ -57,8 +57,8 @@ from objckpt.safetensors.shards import (
     index_document,
     plan_shards,
 )
-from objckpt.transfer import runtime
-from objckpt.transfer.handle import opened
+from objckpt.transfer import dask_jobs, runtime
+from objckpt.transfer.handle import Handle, opened
 from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
@@ -117,6 +117,7 @@ def export_safetensors(
     progress: ProgressArg = False,
     storage_options: dict[str, Any] | None = None,
     dest_storage_options: dict[str, Any] | None = None,
+    client: Any = None,
 ) -> ExportStats:
     """Write the checkpoint at ``url`` as safetensors files under ``dest``.
 
@@ -144,6 +145,8 @@ def export_safetensors(
         progress: as for :func:`objckpt.restore` (operation ``"export"``).
         storage_options: deprecated spelling of ``src_storage_options`` (a DeprecationWarning).
         dest_storage_options: deprecated spelling of ``dst_storage_options`` (a DeprecationWarning).
+        client: a ``distributed.Client``: the files are written by tasks on its Dask cluster, a few
+            per worker, split by bytes (:mod:`objckpt.transfer.dask_jobs`); this process writes the index.
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``url``.
@@ -163,18 +166,8 @@ def export_safetensors(
         dest_options = as_locations([dest], storage_options, primary=url)[0].storage_options
     started = time.perf_counter()
     read_stats, write_stats = TransferStats(), TransferStats()
-    with opened(url, storage_options, options) as source:
-        checkpoint = open_checkpoint(source.store, options=options, storage_options=storage_options)
-        if not isinstance(checkpoint, NativeCheckpoint):
-            what = _NOT_NATIVE.get(checkpoint.format, f"a {checkpoint.format} checkpoint: export reads objckpt's")
-            raise FormatError(f"{url} is {what}")
-        manifest = checkpoint.manifest
-    leaves = list(manifest.leaves)
-    tensors = choose_tensors(
-        leaves, dotted_names(manifest.tree, len(leaves)), subtree=subtree, names=names, dtype=dtype
-    )
-    shards = plan_shards(tensors, max_shard_bytes)
-    files = file_names(len(shards))
+    plan = {"max_shard_bytes": max_shard_bytes, "names": names, "dtype": dtype, "subtree": subtree}
+    shards, files = _plan(url, storage_options, options, **plan)
     mine = [i for i in range(len(shards)) if i % n == k]
     total = sum(t.nbytes for i in mine for t in shards[i])
     stats = ExportStats()
@@ -191,16 +184,16 @@ def export_safetensors(
         )
         complete = False
         try:
-            for i in mine:
-                shard = shards[i]
-                arrays = _read_shard(url, shard, storage_options, options, read_stats)
-                header = encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in shard], FILE_METADATA)
-                parts = [memoryview(header), *(_bytes_of(a) for a in arrays)]
-                runtime.run_sync(out.engine.put(files[i], [p for p in parts if len(p)] or [memoryview(header)]))
-                del arrays, parts
-                stats.files.append(files[i])
-                stats.tensors += len(shard)
-                stats.tensor_bytes += sum(t.nbytes for t in shard)
+            if client is not None:
+                groups = dask_jobs.split(mine, lambda i: sum(t.nbytes for t in shards[i]), dask_jobs.tasks_for(client))
+                kw = {"url": url, "dest": dest, "src": storage_options, "dst": dest_options, "options": options}
+                for done in dask_jobs.fan_out(client, f"export {url} {dest}", _export_task, groups, plan=plan, **kw):
+                    for name in ("tensors", "tensor_bytes", "bytes_read"):
+                        setattr(stats, name, getattr(stats, name) + getattr(done, name))
+                    stats.files += done.files
+                    write_stats.add(bytes_written=done.bytes_written)
+            for i in [] if client is not None else mine:
+                _write_file(out, url, shards[i], files[i], storage_options, options, read_stats, stats)
                 if reporter is not None:
                     reporter.update()
             if k == 0 and len(shards) > 1:
@@ -211,7 +204,7 @@ def export_safetensors(
             complete = True
         finally:
             finish_from_caller(reporter, complete=complete)
-    stats.bytes_read = read_stats.bytes_read
+    stats.bytes_read += read_stats.bytes_read
     stats.bytes_written = write_stats.bytes_written
     stats.seconds = time.perf_counter() - started
     log.info(
@@ -223,6 +216,55 @@ def export_safetensors(
         stats.tensor_bytes,
         stats.seconds,
     )
+    return stats
+
+
+def _plan(
+    url: str, storage_options: Any, options: Options, *, max_shard_bytes: int, names: Names, **kw: Any
+) -> tuple[list[list[ExportTensor]], list[str]]:
+    """The export's files (:func:`~objckpt.safetensors.shards.plan_shards`) and their names, from the manifest."""
+    with opened(url, storage_options, options) as source:
+        checkpoint = open_checkpoint(source.store, options=options, storage_options=storage_options)
+        if not isinstance(checkpoint, NativeCheckpoint):
+            what = _NOT_NATIVE.get(checkpoint.format, f"a {checkpoint.format} checkpoint: export reads objckpt's")
+            raise FormatError(f"{url} is {what}")
+        manifest = checkpoint.manifest
+    leaves = list(manifest.leaves)
+    shards = plan_shards(
+        choose_tensors(leaves, dotted_names(manifest.tree, len(leaves)), names=names, **kw), max_shard_bytes
+    )
+    return shards, file_names(len(shards))
+
+
+def _write_file(
+    out: Handle,
+    url: str,
+    shard: list[ExportTensor],
+    file: str,
+    src: Any,
+    options: Options,
+    read: TransferStats,
+    stats: ExportStats,
+) -> None:
+    """Read one file's leaves and write the file (an earlier run's file at its name is replaced)."""
+    arrays = _read_shard(url, shard, src, options, read)
+    header = encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in shard], FILE_METADATA)
+    parts = [memoryview(header), *(_bytes_of(a) for a in arrays)]
+    runtime.run_sync(out.engine.put(file, [p for p in parts if len(p)] or [memoryview(header)]))
+    del arrays, parts
+    stats.files.append(file)
+    stats.tensors += len(shard)
+    stats.tensor_bytes += sum(t.nbytes for t in shard)
+
+
+def _export_task(mine: list[int], url: str, dest: str, src: Any, dst: Any, options: Options, plan: Any) -> ExportStats:
+    """A task of an export on Dask: the files numbered ``mine`` of the export's plan."""
+    shards, files = _plan(url, src, options, **plan)
+    stats, read = ExportStats(), TransferStats()
+    with opened(dest, dst, options) as out:
+        for i in mine:
+            _write_file(out, url, shards[i], files[i], src, options, read, stats)
+        stats.bytes_read, stats.bytes_written = read.bytes_read, out.stats.bytes_written
     return stats
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
 from objckpt.core.checksum import crc32c, sha256_hex
@@ -50,15 +50,16 @@ from objckpt.core.format.standalone import local_key, standalone_index, standalo
 from objckpt.errors import CheckpointExistsError, FormatError, IntegrityError, StoreError
 from objckpt.layouts.manifest_io import commit_manifest, read_checkpoint
 from objckpt.options import Options
-from objckpt.progress import ProgressArg, closing, human_bytes
+from objckpt.progress import ProgressArg, closing
 from objckpt.progress import start as start_progress
 from objckpt.saving.live_markers import LiveMarker, marker_key
 from objckpt.storage.base import Store
 from objckpt.storage.copy import server as server_copy
+from objckpt.tools.copy_stats import MIXED, SERVER_SIDE, STREAMED, CopyStats
 from objckpt.tools.server_side import ServerSide
 from objckpt.tools.verify import READ_CHUNK, check_blob, check_pieces, pieces_by_blob, read_blob
 from objckpt.tools.verify_stored import expected_crc32c
-from objckpt.transfer import runtime
+from objckpt.transfer import dask_jobs, runtime
 from objckpt.transfer.engine import TransferEngine
 from objckpt.transfer.handle import Handle, opened
 from objckpt.transfer.stats import TransferStats
@@ -68,79 +69,8 @@ log = logging.getLogger("objckpt")
 #: What :func:`committed_save_id` says of a manifest that is there but cannot be parsed.
 UNREADABLE_MANIFEST = "(unreadable manifest)"
 
-SERVER_SIDE, STREAMED, MIXED = "server-side", "streamed", "mixed"
-
-
-@dataclass
-class CopyStats:
-    """The figures of one copy.
-
-    Attributes:
-        src: the source checkpoint (credentials stripped).
-        dst: the destination checkpoint (credentials stripped).
-        blobs: blobs in the checkpoint.
-        bytes_total: their total size.
-        blobs_copied: blobs copied to the destination, either way.
-        bytes_copied: their bytes.
-        blobs_skipped: blobs already at the destination, checked and kept.
-        bytes_skipped: their bytes.
-        bytes_read: bytes the client read from the source store (what crosses its link,
-            and what egress is billed on when the copy is streamed).
-        bytes_written: bytes the client wrote to the destination, the manifest included.
-        bytes_read_dst: bytes read back from the destination to check blobs already there.
-        requests: store requests on both sides.
-        retries: how many of them were retries.
-        seconds: wall time.
-        method: how blobs were copied: ``"server-side"``, ``"streamed"``, or ``"mixed"``.
-        blobs_server_side: blobs the destination's server copied (their bytes never crossed
-            the client's link).
-        bytes_server_side: their bytes.
-        streamed_because: why the copy was not server-side (``""`` when it was).
-    """
-
-    src: str
-    dst: str
-    blobs: int = 0
-    bytes_total: int = 0
-    blobs_copied: int = 0
-    bytes_copied: int = 0
-    blobs_skipped: int = 0
-    bytes_skipped: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    bytes_read_dst: int = 0
-    requests: int = 0
-    retries: int = 0
-    seconds: float = 0.0
-    method: str = STREAMED
-    blobs_server_side: int = 0
-    bytes_server_side: int = 0
-    streamed_because: str = ""
-
-    @property
-    def gib_per_s(self) -> float:
-        """Bytes copied per second, in GiB/s."""
-        return self.bytes_copied / max(self.seconds, 1e-9) / 2**30
-
-    @property
-    def client_bytes(self) -> int:
-        """Bytes that crossed the client's link, both ways (request heads aside)."""
-        return self.bytes_read + self.bytes_written + self.bytes_read_dst
-
-    def to_dict(self) -> dict[str, Any]:
-        """The figures as JSON-ready values, ``gib_per_s`` and ``client_bytes`` included."""
-        return {**asdict(self), "gib_per_s": self.gib_per_s, "client_bytes": self.client_bytes}
-
-    def summary(self) -> str:
-        """One line: what was copied how, blobs and bytes, requests, time and throughput."""
-        how = f"{self.method} ({self.streamed_because})" if self.streamed_because else self.method
-        return (
-            f"copied {self.src} -> {self.dst} {how}: {human_bytes(self.bytes_copied)} in {self.blobs_copied} blobs"
-            f" ({self.blobs_skipped} already there and checked, {human_bytes(self.bytes_skipped)}),"
-            f" {self.requests} requests, {self.retries} retries, {self.seconds:.2f} s, {self.gib_per_s:.3f} GiB/s,"
-            f" client bytes moved {human_bytes(self.client_bytes)}: {self.bytes_read} bytes read from the source,"
-            f" {self.bytes_written} written to the destination, {self.bytes_read_dst} read back"
-        )
+#: A copy on Dask: a task's blobs (it copies them only), or the caller's fan-out of every blob.
+Job = set[str] | Callable[["Manifest", "CopyStats"], None] | None
 
 
 class DestinationCommittedError(CheckpointExistsError):
@@ -169,6 +99,8 @@ def copy(
     verify_existing: bool = True,
     server_side: bool = True,
     progress: ProgressArg = False,
+    client: Any = None,
+    blobs: set[str] | None = None,
 ) -> CopyStats:
     """Copy the committed checkpoint at ``src_url`` to ``dst_url``.
 
@@ -189,6 +121,10 @@ def copy(
             every 0.1 s and once more at the end, on objckpt's I/O thread: it must
             be quick, and an exception it raises is logged once, never failing
             the copy. ``False``/``None``: nothing.
+        client: a ``distributed.Client``: the blobs are copied by tasks on its Dask cluster, a
+            few per worker, split by bytes (:mod:`objckpt.transfer.dask_jobs`); this process
+            holds the live-save marker, copies the index objects and commits.
+        blobs: copy only these blobs, and neither mark, index nor commit (a task of a copy on Dask).
 
     Returns:
         The figures of the copy (:class:`CopyStats`), saying which way it copied.
@@ -206,8 +142,26 @@ def copy(
         opened(src_url, src_storage_options, options, src_stats) as src,
         opened(dst_url, dst_storage_options, options, dst_stats) as dst,
     ):
-        copying = _copy_stores(src, dst, verify_existing, server_side, progress)
-        return runtime.run_sync(copying)
+        kw = {"src_url": src_url, "dst_url": dst_url, "options": options, "verify_existing": verify_existing}
+        kw |= {"src_storage_options": src_storage_options, "dst_storage_options": dst_storage_options}
+        fan = None if client is None else lambda m, s: _on_dask(client, m, s, src, dst, server_side=server_side, **kw)
+        return runtime.run_sync(_copy_stores(src, dst, verify_existing, server_side, progress, None, fan or blobs))
+
+
+def _on_dask(client: Any, manifest: Manifest, stats: CopyStats, src: Handle, dst: Handle, **kw: Any) -> None:
+    """The blobs copied by tasks on ``client``'s cluster, their figures added to ``stats`` and the handles'."""
+    groups = dask_jobs.split(manifest.blobs, lambda b: b.size, dask_jobs.tasks_for(client))
+    job = f"cp {src.url} {dst.url} {manifest.save_id}"
+    for r in dask_jobs.fan_out(client, job, _copy_task, [{b.key for b in g} for g in groups], **kw):
+        for name in ("blobs_copied", "bytes_copied", "blobs_skipped", "bytes_skipped", "bytes_server_side"):
+            setattr(stats, name, getattr(stats, name) + getattr(r, name))
+        stats.blobs_server_side += r.blobs_server_side
+        src.stats.add(bytes_read=r.bytes_read, requests=r.requests, retries=r.retries)
+        dst.stats.add(bytes_written=r.bytes_written, bytes_read=r.bytes_read_dst)
+
+
+def _copy_task(blobs: set[str], src_url: str, dst_url: str, **kw: Any) -> CopyStats:
+    return copy(src_url, dst_url, blobs=blobs, **kw)
 
 
 async def copy_stores_async(
@@ -259,6 +213,7 @@ async def _copy_stores(
     server_side: bool,
     progress: ProgressArg,
     writes: set[str] | None = None,
+    job: Job = None,
 ) -> CopyStats:
     """The copy between open stores, with its figures, on the I/O loop (the options: the source's)."""
     started = time.perf_counter()
@@ -275,7 +230,7 @@ async def _copy_stores(
         return min(moved, stats.bytes_total)
 
     reporter = start_progress(progress, "cp", dst.url, stats.bytes_total, done, src_stats, dst_stats)
-    copying = _copy(src, dst, manifest, stats, verify_existing, server_side)
+    copying = _copy(src, dst, manifest, stats, verify_existing, server_side, job)
     try:
         await closing(copying, reporter)
     finally:
@@ -296,7 +251,10 @@ async def _copy(
     stats: CopyStats,
     verify_existing: bool,
     server_side: bool,
+    job: Job = None,
 ) -> None:
+    if isinstance(job, set):  # a task of a copy on Dask: the caller's process marks, indexes and commits
+        return await _copy_objects(src, dst, manifest, stats, verify_existing, server_side, job)
     if not dst.traits.supports_create:
         raise StoreError(f"{dst.url} cannot create-if-absent atomically, so a copy there could not commit safely")
     await _refuse_committed(dst.store, manifest, src.options)
@@ -305,13 +263,13 @@ async def _copy(
     marker = LiveMarker(dst.store, marker_key(manifest.save_id, 0), lease=src.options.live_marker_lease)
     await marker.begin()
     try:
-        await _copy_objects(src, dst, manifest, stats, verify_existing, server_side)
+        await _copy_objects(src, dst, manifest, stats, verify_existing, server_side, job)
     finally:
         await marker.end()
 
 
 async def _copy_objects(
-    src: Handle, dst: Handle, manifest: Manifest, stats: CopyStats, verify_existing: bool, server_side: bool
+    src: Handle, dst: Handle, manifest: Manifest, stats: CopyStats, verify_existing: bool, server_side: bool, job: Job
 ) -> None:
     options, src_stats, dst_stats = src.options, src.stats, dst.stats
     source, target = src.engine, dst.engine
@@ -409,11 +367,17 @@ async def _copy_objects(
         await target.put(key, data if isinstance(data, bytes) else memoryview(data))
         copied(blob, on_server=False)
 
+    todo = [b for b in manifest.blobs if not isinstance(job, set) or b.key in job]
     try:
-        await source.for_each(manifest.blobs, one, window_bytes=options.memory_budget, size=lambda b: max(b.size, 1))
+        if callable(job):
+            await asyncio.to_thread(job, manifest, stats)
+        else:
+            await source.for_each(todo, one, window_bytes=options.memory_budget, size=lambda b: max(b.size, 1))
     finally:
         server.close()
         stats.method, stats.streamed_because = _method(stats, server)
+    if isinstance(job, set):
+        return
     manifest = await _copy_indexes(source, target, src, manifest)
     await _commit(target, dst.store, manifest, options)
 
