@@ -313,7 +313,12 @@ class Landing:
                     f" bytes [{piece.offset}, {piece.offset + piece.length})"
                 )
             if plan.entry.codec is not None:  # checked as stored, then decoded (objckpt.core.codecs)
-                source = self._decoded(plan, piece, raw, url)
+                (box, (start, stop)), *more = plan.meets_of(piece)
+                inside = not more and (start, stop) == (piece.start, piece.stop)
+                into = self.place_of(part.leaf, box, start, stop) if inside else None  # decoded in place
+                source = self._decoded(plan, piece, raw, url, into)
+                if into is not None:
+                    continue
             else:
                 source = np.frombuffer(raw, dtype=plan.dtype).reshape(piece.shape)
             if k in adopted:
@@ -322,11 +327,12 @@ class Landing:
             self.copy(part.leaf, plan.meets_of(piece), source, piece.start)
 
     @staticmethod
-    def _decoded(plan: LeafPlan, piece: Any, stored: memoryview, url: str) -> np.ndarray:
-        """A compressed piece's values from its checked stored bytes (FormatError naming it)."""
+    def _decoded(plan: LeafPlan, piece: Any, stored: memoryview, url: str, into: np.ndarray | None) -> np.ndarray:
+        """A compressed piece's values from its checked stored bytes (FormatError naming it),
+        decoded into ``into`` (its place in a box) when given."""
         where = f"leaf {plan.entry.path}: blob {url}/{piece.blob} bytes [{piece.offset}, {piece.offset + piece.length})"
-        itemsize = plan.dtype.itemsize
-        return decode(stored, itemsize, math.prod(piece.shape) * itemsize, where).view(plan.dtype).reshape(piece.shape)
+        nbytes = math.prod(piece.shape) * plan.dtype.itemsize
+        return decode(stored, plan.dtype.itemsize, nbytes, where, into).view(plan.dtype).reshape(piece.shape)
 
     # ------------------------------------------------------------------ counting and finishing
 
