@@ -230,7 +230,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="medium on S3 at 0 and 10 ms, 3 repeats (~17 min)")
     p.add_argument("--full", action="store_true", help="every workload on every store at every RTT (hours)")
-    p.add_argument("--workloads", help="comma list of small,medium,large")
+    p.add_argument("--workloads", help="comma list of small,medium,large,few")
     p.add_argument("--stores", help="comma list of s3,gcs")
     p.add_argument("--profiles", help="comma list of RTTs in ms, e.g. 0,10,40")
     p.add_argument(

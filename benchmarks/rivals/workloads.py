@@ -9,6 +9,8 @@ process can check what it read against a fingerprint the saving process wrote.
   state (mu, nu) and a step counter, like a small model's training state.
 - ``medium``: ~1 GiB: 4 layers at d=1024 plus a large embedding, Adam state and a step.
 - ``large``: ~4 GiB: 6 layers at d=2048 plus embedding, Adam state and a step.
+- ``few``: 1 GiB in 16 large leaves of (4096, 4096) float32 and a step: a workload the
+  project did not shape (few, large arrays; no small leaves, no packing).
 
 2-D weights are sharded ``P("data", "model")`` over a (4, 2) mesh of 8 CPU
 devices; 1-D scales and biases are replicated. The *resharded* target is a
@@ -100,10 +102,12 @@ def get(name: str) -> Workload:
         return _transformer("medium", layers=4, d=1024, target_bytes=1 * GiB)
     if name == "large":
         return _transformer("large", layers=6, d=2048, target_bytes=4 * GiB)
-    raise ValueError(f"unknown workload {name!r} (small, medium, large)")
+    if name == "few":
+        return Workload("few", tuple(LeafSpec(("params", f"w{i:02d}"), (4096, 4096)) for i in range(16)))
+    raise ValueError(f"unknown workload {name!r} (small, medium, large, few)")
 
 
-NAMES = ("small", "medium", "large")
+NAMES = ("small", "medium", "large", "few")
 
 
 # ----------------------------------------------------------------------------- values
