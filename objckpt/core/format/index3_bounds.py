@@ -40,8 +40,11 @@ RAW_PER_LEAF = 4 << 10
 #: 32 KiB in the first writers): each frame costs a reader a fixed amount of work, however small.
 FRAME_FLOOR = 16 << 10
 #: The rows all index objects of a read hold at most: this, one per leaf of stored data and device, one per
-#: blob of the root (a save writes at most one piece of a leaf per device, and cuts one more at each blob).
+#: blob of the root and one per :data:`CUT_BYTES` of its blobs (a save writes at most one piece of a leaf per
+#: device, and cuts one more at each blob and at each ``Options.blob_size`` inside a larger blob).
 ROW_FLOOR = 1 << 15
+#: See :data:`ROW_FLOOR`: a save's cuts inside a piece are at least half ``Options.blob_size`` (32 MiB).
+CUT_BYTES = 1 << 20
 
 
 class LeafTable:
@@ -87,7 +90,8 @@ class LeafTable:
         self.cover_limit = cover_limit(self.kind_elements * self.kind_itemsize)[self.kind]
         devices = max([manifest.num_processes, *(len(mesh.devices) for mesh in manifest.meshes)])
         stored = int((self.rank >= 0).sum())  # the leaves rows may name
-        self.row_limit = ROW_FLOOR + devices * stored + sum(ref.blobs for ref in manifest.indexes)
+        blobs = sum(ref.blobs for ref in manifest.indexes)
+        self.row_limit = ROW_FLOOR + devices * stored + blobs
         self.drawn: dict[int, int] = {}  # per process, the rows its head lists (a re-read draws them anew)
         self.rows = 0
 
@@ -108,7 +112,7 @@ class LeafTable:
             raise FormatError(
                 f"{doc_name}: its rows and those of the index objects read before it number {self.rows}"
                 f", over the {self.row_limit} a checkpoint of its leaves, devices and blobs holds (one per leaf and "
-                f"device, one per blob, and {ROW_FLOOR})"
+                f"device, one per blob and MiB of blobs, and {ROW_FLOOR})"
             )
 
     def merge(self, tally: Tally, doc_name: str) -> None:
