@@ -90,7 +90,7 @@ class LeafTable:
         self.cover_limit = cover_limit(self.kind_elements * self.kind_itemsize)[self.kind]
         devices = max([manifest.num_processes, *(len(mesh.devices) for mesh in manifest.meshes)])
         stored = int((self.rank >= 0).sum())  # the leaves rows may name
-        blobs = sum(ref.blobs for ref in manifest.indexes)
+        blobs = sum(ref.blobs + ref.blob_bytes // CUT_BYTES for ref in manifest.indexes)
         self.row_limit = ROW_FLOOR + devices * stored + blobs
         self.drawn: dict[int, int] = {}  # per process, the rows its head lists (a re-read draws them anew)
         self.rows = 0
