@@ -277,7 +277,7 @@ def _split_across_two_index_objects(url: str) -> None:
         pinned = data[:head] if head else data
         refs.append(IndexRef(key, len(data), crc32c(pinned), len(blobs), sum(blobs.values()), None, head))
     leaves = tuple(
-        dataclasses.replace(leaf, pieces=(), layout={"processes": [0]} if leaf.kind in ARRAY_KINDS else None)
+        dataclasses.replace(leaf, pieces=(), writers={"processes": [0]} if leaf.kind in ARRAY_KINDS else None)
         for leaf in whole.leaves
     )
     root = dataclasses.replace(whole, leaves=leaves, blobs=(), num_processes=2, indexes=tuple(refs), loaded=frozenset())

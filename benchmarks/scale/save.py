@@ -84,7 +84,7 @@ class Saver:
                 )
                 grid = grid_of(i, sds, meshes, slab_bytes=slab_bytes)
                 assert grid is not None, f"{leaf.path}: not a grid"
-                entries.append(replace(entry, layout=grid[1]))
+                entries.append(replace(entry, writers=grid[1]))
                 owned.extend(grid_pieces(i, grid[0], shards[i]))
             owned.sort(key=packing_order)  # as saving.api does (a synchronous save's blob size)
             owned = split_pieces(owned, max_bytes=self.options.blob_size)

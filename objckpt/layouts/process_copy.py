@@ -79,7 +79,7 @@ def _entry(
         return leaf
     dtype = dtype_from_name(leaf.dtype or "")
     found = grid_of(index, jax.ShapeDtypeStruct(tuple(leaf.shape or ()), dtype, sharding=saved), meshes, slab_bytes=0)
-    return leaf if found is None else dataclasses.replace(leaf, layout=found[1])
+    return leaf if found is None else dataclasses.replace(leaf, writers=found[1])
 
 
 def saved_sharding(record: Any, devices: dict[int, Any]) -> jax.sharding.NamedSharding | None:

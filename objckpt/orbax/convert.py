@@ -326,7 +326,7 @@ def _save_id(item: OrbaxItem, parts: CompositeParts | None = None) -> str:
 def _entry(item: OrbaxItem, leaf: Any, array: Any, path: str, waiter: Waiter) -> LeafEntry:
     if leaf.kind == "string":
         text = item.strings[leaf.name].encode()
-        return LeafEntry(path, "str", "uint8", (len(text),), layout=_PRIMARY)
+        return LeafEntry(path, "str", "uint8", (len(text),), writers=_PRIMARY)
     dtype = numpy_dtype(array.dtype)
     shape = tuple(int(n) for n in array.shape)
     if leaf.kind == "scalar":
@@ -334,7 +334,7 @@ def _entry(item: OrbaxItem, leaf: Any, array: Any, path: str, waiter: Waiter) ->
         value = np.asarray(waiter.wait(array.read(), what)).item()  # stored inline, as Orbax restores it
         kind = "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "float"
         return LeafEntry(path, kind, value=value)
-    return LeafEntry(path, "ndarray", dtype_name(dtype), shape, layout=_PRIMARY)
+    return LeafEntry(path, "ndarray", dtype_name(dtype), shape, writers=_PRIMARY)
 
 
 def _slabs(leaf: int, array: Any, limit: int) -> Iterator[_Slab]:

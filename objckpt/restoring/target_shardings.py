@@ -64,7 +64,7 @@ def on_saved_shardings(manifest: Manifest, selection: dict[int, Any]) -> dict[in
     saved: dict[int, SavedSharding] = {}
     for i in selection:
         entry = manifest.leaves[i]
-        writers = entry.layout or {}
+        writers = entry.writers or {}
         if entry.kind != "array" or entry.prng_impl is not None or "mesh" not in writers:
             continue
         mesh = manifest.meshes[writers["mesh"]]

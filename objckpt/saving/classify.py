@@ -87,14 +87,14 @@ def classify(
     if isinstance(value, (str, bytes)):
         kind = "str" if isinstance(value, str) else "bytes"
         data = np.frombuffer(value.encode() if isinstance(value, str) else value, dtype=np.uint8)
-        return LeafEntry(leaf.path, kind, "uint8", data.shape, layout=_PRIMARY), _host_pieces(index, data, is_primary)
+        return LeafEntry(leaf.path, kind, "uint8", data.shape, writers=_P0), _host_pieces(index, data, is_primary)
     if isinstance(value, (np.ndarray, np.generic)):
         data = np.asarray(value)
         try:
             name = dtype_name(data.dtype)
         except TypeError as e:
             raise TypeError(f"leaf {leaf.path}: {e}") from None
-        return LeafEntry(leaf.path, "ndarray", name, data.shape, layout=_PRIMARY), _host_pieces(index, data, is_primary)
+        return LeafEntry(leaf.path, "ndarray", name, data.shape, writers=_P0), _host_pieces(index, data, is_primary)
     raise TypeError(
         f"leaf {leaf.path}: cannot checkpoint a {type(value).__module__}.{type(value).__qualname__}"
         " (leaves may be jax.Array, numpy arrays, int, float, bool, str, bytes or None;"
@@ -102,7 +102,7 @@ def classify(
     )
 
 
-_PRIMARY = {"processes": [0]}  # host data is written by the primary
+_P0 = {"processes": [0]}  # host data is written by the primary, process 0
 
 
 def _item(index: int, path: str, item: object, is_primary: bool) -> tuple[LeafEntry, list[OwnedPiece]]:
@@ -121,7 +121,7 @@ def _item(index: int, path: str, item: object, is_primary: bool) -> tuple[LeafEn
         state = state_of(item, path)
         if isinstance(state, (bytes, bytearray, memoryview)):
             raw = np.frombuffer(bytes(state), dtype=np.uint8)
-            return LeafEntry(path, "bytes", "uint8", raw.shape, layout=_PRIMARY), _host_pieces(index, raw, is_primary)
+            return LeafEntry(path, "bytes", "uint8", raw.shape, writers=_P0), _host_pieces(index, raw, is_primary)
     return LeafEntry(path, "json", value=json_document(state, path)[0]), []
 
 
@@ -138,13 +138,13 @@ def _array_pieces(
             if start not in seen:
                 seen.add(start)
                 pieces.append(OwnedPiece(index, start, stop, itemsize, source=(data, start), device=device))
-        return replace(entry, layout=_PRIMARY), pieces
+        return replace(entry, writers=_P0), pieces
     found = grid_of(index, array, meshes, slab_bytes=split_above)
     if found is not None:
-        grid, layout = found
-        return replace(entry, layout=layout), grid_pieces(index, grid, local_shards(array))
+        grid, described = found
+        return replace(entry, writers=described), grid_pieces(index, grid, local_shards(array))
     pieces, writers = owned_pieces(index, array, split_above=split_above)
-    return replace(entry, layout={"processes": writers}), pieces
+    return replace(entry, writers={"processes": writers}), pieces
 
 
 def _host_pieces(index: int, data: np.ndarray, is_primary: bool) -> list[OwnedPiece]:

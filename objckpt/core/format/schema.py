@@ -75,9 +75,8 @@ class LeafEntry:
     pieces: Sequence[Piece] = ()
     value: Any = None
     sharding: dict[str, Any] | None = None
-    layout: dict[str, Any] | None = (
-        None  # version 2: who wrote it ({"mesh", "spec"} or {"processes"}); None: any process
-    )
+    # version 2's "layout" key: who wrote it ({"mesh", "spec"} or {"processes"}); None: any process
+    writers: dict[str, Any] | None = None
     codec: str | None = None  # version 4: how its pieces are encoded (objckpt.core.codecs.CODEC); None: raw
 
     @property
@@ -342,7 +341,7 @@ def _leaf_from_json(
             f"{where}.codec",
             f"unknown codec {str(codec)[:100]!r} (this objckpt reads {CODEC!r})",
         )
-        return LeafEntry(path, kind, raw["dtype"], tuple(shape), sharding=sharding, layout=layout, codec=codec)
+        return LeafEntry(path, kind, raw["dtype"], tuple(shape), sharding=sharding, writers=layout, codec=codec)
     need(isinstance(raw["pieces"], list), f"{where}.pieces", "must be a list")
     pieces = tuple(
         fast_piece(p, shape, dtype.itemsize, blobs)

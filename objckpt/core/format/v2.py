@@ -58,8 +58,8 @@ def root_to_json(manifest: Manifest) -> bytes:
     for leaf in manifest.leaves:
         doc = leaf_to_json(leaf)
         doc.pop("pieces", None)
-        if leaf.layout is not None:
-            doc["layout"] = leaf.layout
+        if leaf.writers is not None:
+            doc["layout"] = leaf.writers
         leaves.append(doc)
     doc = {
         "format": FORMAT_NAME,
@@ -163,10 +163,10 @@ def root_from_doc(doc: dict[str, Any]) -> Manifest:
     _check_items(leaves, indexes)
     checked: set[str] = set()  # writers (with their shape) already found good: most leaves share a few
     for i, leaf in enumerate(leaves):
-        if leaf.layout is not None:
-            key = json.dumps([leaf.layout, leaf.shape])
+        if leaf.writers is not None:
+            key = json.dumps([leaf.writers, leaf.shape])
             if key not in checked:
-                _check_layout(leaf.layout, f"'leaves[{i}]'.layout", leaf.shape or (), meshes, processes)
+                _check_writers(leaf.writers, f"'leaves[{i}]'.layout", leaf.shape or (), meshes, processes)
                 checked.add(key)
     check_tree_leaves(doc["tree"], len(leaves))
     return Manifest(
@@ -283,18 +283,18 @@ def _mesh_from_json(raw: Any, where: str, processes: int) -> Mesh:
     return Mesh(tuple((a[0], a[1]) for a in axes), tuple(devices), tuple(owners))
 
 
-def _check_layout(layout: dict[str, Any], where: str, shape: tuple[int, ...], meshes: tuple[Mesh, ...], n: int) -> None:
-    if "processes" in layout:
-        fields(layout, where, {"processes"})
-        owners = layout["processes"]
+def _check_writers(doc: dict[str, Any], where: str, shape: tuple[int, ...], meshes: tuple[Mesh, ...], n: int) -> None:
+    if "processes" in doc:
+        fields(doc, where, {"processes"})
+        owners = doc["processes"]
         need(
             isinstance(owners, list) and all(is_int(p) and 0 <= p < n for p in owners),
             f"{where}.processes",
             f"must be process indexes below {n}",
         )
         return
-    fields(layout, where, {"mesh", "spec"})
-    m, spec = layout["mesh"], layout["spec"]
+    fields(doc, where, {"mesh", "spec"})
+    m, spec = doc["mesh"], doc["spec"]
     need(is_int(m) and 0 <= m < len(meshes), f"{where}.mesh", "names no mesh in 'meshes'")
     need(
         isinstance(spec, list) and all(isinstance(e, list) and all(isinstance(a, str) for a in e) for e in spec),
@@ -315,14 +315,14 @@ def _spec(raw: list[list[str]]) -> tuple[tuple[str, ...], ...]:
 def leaf_grid(manifest: Manifest, leaf: int) -> Grid | None:
     """The grid a version 2 leaf was saved as, or None when its writers are not one."""
     entry = manifest.leaves[leaf]
-    layout = entry.layout
-    if layout is None or "mesh" not in layout or entry.dtype is None:
+    writers = entry.writers
+    if writers is None or "mesh" not in writers or entry.dtype is None:
         return None
     dtype = dtype_from_name(entry.dtype)
     assert dtype is not None
     return Grid(
-        manifest.meshes[layout["mesh"]],
-        _spec(layout["spec"]),
+        manifest.meshes[writers["mesh"]],
+        _spec(writers["spec"]),
         entry.shape or (),
         dtype.itemsize,
         leaf,
@@ -338,11 +338,11 @@ def writers_of(manifest: Manifest, leaf: int, boxes: Iterable[Box]) -> set[int]:
     entry = manifest.leaves[leaf]
     if entry.kind not in ARRAY_KINDS or not math.prod(entry.shape or ()):
         return set()
-    layout = entry.layout
-    if layout is None:
+    writers = entry.writers
+    if writers is None:
         return set(range(manifest.num_processes))
-    if "processes" in layout:
-        return set(layout["processes"])
+    if "processes" in writers:
+        return set(writers["processes"])
     grid = leaf_grid(manifest, leaf)
     assert grid is not None
     out: set[int] = set()
