@@ -30,9 +30,7 @@ from objckpt.transfer.throttle import AdaptiveLimit, Outcome
 T = TypeVar("T")
 Item = TypeVar("Item")
 
-#: Bytes per second a request is granted before the operation has measured its own: a slow
-#: link's, so that the first requests of a slow host are not cut.
-FIRST_RATE = 2 << 20
+FIRST_RATE = 2 << 20  #: bytes/s a request is granted before the operation has measured any (a slow link's)
 
 
 class AsyncByteBudget:
@@ -82,7 +80,6 @@ class TransferEngine:
         self.store = store
         #: the operation's CPU-heavy work, at most ``cpu_threads`` threads at once (:mod:`~objckpt.transfer.cpu_slots`)
         self.cpu = CpuSlots(cpu_threads or default_save_threads())
-        self.request_timeout = request_timeout
         #: the least first-attempt timeout of requests that start now: ``request_timeout``, raised to the
         #: longest timeout one of this operation's requests needed to end (:meth:`call`)
         self.attempt_timeout = request_timeout
@@ -137,8 +134,7 @@ class TransferEngine:
             what: names the request in errors (e.g. ``GET s3://b/k [0, 10)``).
             fn: makes a fresh awaitable for each attempt.
             size: the bytes it moves: its first timeout (:meth:`timeout_for`), and the throughput.
-            watch: the streamed read's sink, watched: a timed-out attempt says what it waited for
-                (the response's head, or its body, stalled at how many bytes).
+            watch: a streamed read's sink: a timed-out attempt says how far its response came.
         """
 
         async def attempt(timeout: float) -> T:

@@ -73,10 +73,8 @@ async def retry_attempts(
     attempts, where the same timeout each time would cut it at the same point every time;
     a stalled server still costs the first attempt only ``request_timeout``. Each attempt
     is cut to what is left of ``retry.deadline``. The first that times out and is retried is logged, naming
-    ``endpoint`` (once a minute per endpoint: a stall times out every request in flight). The
-    error names this process (:func:`process_name`) and what the last attempt waited for: the
-    text of its ``TimeoutError`` (the engine's: a streamed read's head, or its body stalled at
-    how many bytes), else that the server never answered.
+    ``endpoint`` (once a minute per endpoint: a stall times out every request in flight). The error
+    names this process and what the last attempt waited for (its ``TimeoutError``'s text, if any).
     """
     started = time.monotonic()
     deadline = started + retry.deadline
