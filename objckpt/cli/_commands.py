@@ -29,8 +29,8 @@ def _options(args: argparse.Namespace) -> Options:
     kw: dict[str, Any] = {}
     if getattr(args, "concurrency", None):
         kw["max_concurrency"] = args.concurrency
-    if getattr(args, "memory_budget", None):
-        kw["memory_budget"] = args.memory_budget
+    if getattr(args, "memory_budget", None) or getattr(args, "memory_per_worker", None):
+        kw["memory_budget"] = args.memory_per_worker or args.memory_budget
     if getattr(args, "digest", None):
         kw["digest"] = args.digest
     return Options(**kw)
@@ -103,6 +103,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         storage_options=options_from_args(args, url),
         options=_options(args),
         progress=args.progress,
+        client=args.client,
     )
     if args.json:
         dump(report.to_dict())
@@ -137,6 +138,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
             verify_existing=not args.trust_existing,
             server_side=not getattr(args, "no_server_side", False),
             progress=args.progress,
+            client=args.client,
         )
     except CheckpointNotFoundError:
         if layout is None and root_steps(args.src, src_options):  # a manager root: its steps
@@ -187,6 +189,7 @@ def _convert(args: argparse.Namespace, src_options: dict[str, Any], dst_options:
         dst_storage_options=dst_options,
         options=_options(args),
         progress=args.progress,
+        client=args.client,
     )
     return _print_conversion(args, [converted])
 

@@ -31,6 +31,7 @@ def export(args: argparse.Namespace, options: Options) -> int:
         options=options,
         overwrite=args.overwrite,
         progress=args.progress,
+        client=args.client,
     )
     if args.json:
         dump(dataclasses.asdict(stats))

@@ -50,6 +50,10 @@ def _tuning(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--memory-budget", type=parse_size, metavar="SIZE", help="bytes of blobs held at once, e.g. 2GiB"
     )
+    group = parser.add_argument_group("on Dask (pip install 'objckpt[dask]')")
+    group.add_argument("--workers", type=int, metavar="N", help="run as tasks on N local worker processes")
+    group.add_argument("--scheduler", metavar="ADDRESS", help="run as tasks on the Dask cluster at ADDRESS")
+    group.add_argument("--memory-per-worker", type=parse_size, metavar="SIZE", help="bytes of data a task holds")
 
 
 def _lease(parser: argparse.ArgumentParser) -> None:
@@ -249,8 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     undo_logging = _setup_logging(args)
     try:
         import objckpt.cli._commands as commands  # after parsing: `--help` and bad command lines need none of it
+        from objckpt.transfer.dask_jobs import cluster
 
-        return int(getattr(commands, args.func)(args))
+        dask = (getattr(args, name, None) for name in ("workers", "scheduler", "memory_per_worker"))
+        with cluster(*dask) as args.client:
+            return int(getattr(commands, args.func)(args))
     except KeyboardInterrupt:
         print("objckpt: interrupted", file=sys.stderr)
         return 130

@@ -39,7 +39,7 @@ import numpy as np
 
 from objckpt.core.dtypes import dtype_name
 from objckpt.core.format import LeafEntry
-from objckpt.core.plan import OwnedPiece
+from objckpt.core.plan import OwnedPiece, plan_blobs
 from objckpt.core.tree import flatten
 from objckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StoreError
 from objckpt.multihost import get_coordinator, operation_tag
@@ -60,8 +60,8 @@ from objckpt.orbax.tensorstore_io import (
 )
 from objckpt.progress import ProgressArg
 from objckpt.saving.upload import PieceRecord
-from objckpt.saving.writer import Source, write
-from objckpt.transfer import runtime
+from objckpt.saving.writer import Source, upload_batch, write
+from objckpt.transfer import dask_jobs, runtime
 from objckpt.transfer.handle import opened
 from objckpt.transfer.retries import opened_store
 from objckpt.transfer.stats import TransferStats
@@ -114,8 +114,13 @@ def convert_orbax(
     dst_storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     progress: ProgressArg = False,
+    client: Any = None,
 ) -> ConvertStats:
     """Write the Orbax checkpoint at ``src`` as an objckpt checkpoint at ``dst``.
+
+    With ``client`` (a ``distributed.Client``), the groups of slabs are read and uploaded by tasks on its
+    Dask cluster, split by bytes (:mod:`objckpt.transfer.dask_jobs`), every blob numbered as one process
+    numbers it; this process commits them, writing the same checkpoint.
 
     Raises:
         CheckpointNotFoundError: no Orbax checkpoint at ``src``.
@@ -123,14 +128,25 @@ def convert_orbax(
         FormatError: ``src`` holds what objckpt cannot read (named).
     """
     options = options or Options()
-    with opened_store(src, src_storage_options, options) as source:
+    item, parts = _found(src, src_storage_options, options)
+    job = None if client is None else (client, src)
+    return _convert(item, dst, src_storage_options, dst_storage_options, options, progress, parts, job)
+
+
+def _found(src: str, storage_options: dict[str, Any] | None, options: Options) -> tuple[OrbaxItem, Any]:
+    with opened_store(src, storage_options, options) as source:
         found = orbax_checkpoint_at(source)
     if found is None:
         raise CheckpointNotFoundError(f"no Orbax checkpoint at {src}")
-    if isinstance(found, OrbaxComposite):
-        item, parts = composite_parts(found, src_storage_options, options)
-        return _convert(item, dst, src_storage_options, dst_storage_options, options, progress, parts)
-    return _convert(found, dst, src_storage_options, dst_storage_options, options, progress)
+    return composite_parts(found, storage_options, options) if isinstance(found, OrbaxComposite) else (found, None)
+
+
+def _convert_task(ids: list[int], src: str, dst: str, so: Any, dso: Any, options: Options, firsts: list[int]) -> Any:
+    """A task of a conversion on Dask: groups ``ids`` read and uploaded; their records and bytes read."""
+    item, parts = _found(src, so, options)
+    records: list[PieceRecord] = []
+    stats = _convert(item, dst, so, dso, options, False, parts, task=(ids, firsts, records))
+    return records, stats.bytes_read
 
 
 def convert_orbax_steps(
@@ -190,8 +206,12 @@ def _convert(
     options: Options,
     progress: ProgressArg,
     parts: CompositeParts | None = None,
+    job: tuple[Any, str] | None = None,
+    task: tuple[list[int], list[int], list[PieceRecord]] | None = None,
 ) -> ConvertStats:
-    """Convert ``item``; with ``parts``, the Composite step it is the PyTree item of (:mod:`objckpt.orbax.composite_convert`)."""
+    """Convert ``item``; with ``parts``, the Composite step it is the PyTree item of (:mod:`objckpt.orbax.composite_convert`).
+    ``job``: the Dask client and the source URL its tasks open; ``task``: a task's group ids, every group's first
+    blob number and the list its records go to (nothing committed)."""
     ts = import_tensorstore()
     started = time.perf_counter()
     stats = ConvertStats(src=parts.url if parts else item.url, dst=dst)
@@ -234,12 +254,38 @@ def _convert(
         slabs = itertools.chain.from_iterable(_slabs(i, a, group_bytes) for i, a in converted.items())
         groups = _groups(slabs, group_bytes, chunks)
         total = sum(math.prod(int(n) for n in a.shape) * numpy_dtype(a.dtype).itemsize for a in converted.values())
+        head = [_string_piece(i, text) for i, text in strings.items() if text]
+        head += parts.pieces(flat, 0) if parts else []
+        save_id = _save_id(item, parts)
+        listed = list(groups) if job or task else []  # on Dask: each group's blobs numbered before any read
+        if task is not None:
+            for g in task[0]:
+                in_flight[:] = _start_reads(ts, arrays, chunks, listed[g])
+                pieces = (head if g == 0 else []) + _landed(item, flat, by_path, in_flight, stats, waiter)
+                task[2].extend(
+                    upload_batch(handle, pieces, save_id=save_id, first=task[1][g], blob_size=options.blob_size)
+                )
+            return stats
+
+        def on_dask(client: Any, src: str) -> Iterator[list[PieceRecord]]:
+            """The groups read and uploaded by tasks, started once :func:`write` has its marker up."""
+            firsts, n = [], 0
+            for g, group in enumerate(listed):
+                sized = [OwnedPiece(s.leaf, s.start, s.stop, numpy_dtype(arrays[s.leaf].dtype).itemsize) for s in group]
+                firsts.append(n)
+                n += len(plan_blobs((head if g == 0 else []) + sized, blob_size=options.blob_size, key=str))
+            ids = dask_jobs.split(
+                range(len(listed)), lambda g: sum(s.nbytes for s in listed[g]), dask_jobs.tasks_for(client)
+            )
+            kw = {"src": src, "dst": dst, "so": src_options, "dso": dst_options, "options": options, "firsts": firsts}
+            for records, read in dask_jobs.fan_out(client, f"convert {src} {dst}", _convert_task, ids, **kw):
+                stats.bytes_read += read
+                yield records
 
         def batches() -> Iterator[list[OwnedPiece]]:
             """The strings and process 0's per-process values, then each group of slabs once landed,
             the next group's reads started before this one is uploaded."""
-            pieces = [_string_piece(i, text) for i, text in strings.items() if text]
-            pieces += parts.pieces(flat, 0) if parts else []
+            pieces = list(head)
             group = next(groups, None)
             in_flight[:] = _start_reads(ts, arrays, chunks, group or [])
             if group is None and pieces:  # no arrays at all: the strings alone
@@ -254,7 +300,7 @@ def _convert(
         source = Source(
             skeleton,
             entries,
-            batches(),
+            [] if listed else batches(),
             total,
             metadata={"converted_from": stats.src, "orbax_created": item.created},
             streamed=True,
@@ -262,12 +308,13 @@ def _convert(
             processes=check_one_process(parts, get_coordinator()) if parts else 0,
             check=lambda records: _check_complete(item, entries, converted, records),
             cancel=lambda: _cancel(in_flight),
+            uploaded=on_dask(*job) if job and listed else (),
         )
         tag = operation_tag("convert", handle.url)
         writing = write(
             handle,
             source,
-            save_id=_save_id(item, parts),
+            save_id=save_id,
             tag=tag,
             coordinator=get_coordinator(),
             blob_size=options.blob_size,

@@ -61,7 +61,8 @@ class Source:
     the next batch is asked for (a source that reads its pieces as it goes, within its memory).
     ``other_parts``: ``(process, entries, pieces)`` of processes this one writes for, the commit
     then listing ``processes`` of them. ``check`` sees every record before the commit (raising
-    stops it); ``cancel`` stops the source's own work when the write fails.
+    stops it); ``cancel`` stops the source's own work when the write fails. ``uploaded``: records of
+    blobs written already, by tasks of a job on Dask (:func:`upload_batch`), iterated once the marker is up.
     """
 
     skeleton: dict[str, Any]
@@ -76,6 +77,7 @@ class Source:
     processes: int = 0  # 0: the job's
     check: Callable[[list[PieceRecord]], None] | None = None
     cancel: Callable[[], None] | None = None
+    uploaded: Iterable[list[PieceRecord]] = ()
 
 
 @dataclass
@@ -177,14 +179,15 @@ def write(
             if reporter is None:  # a streamed source's bytes, or what one batch's blobs hold
                 total = source.nbytes if source.streamed else sum(b.size for b in blobs)
                 reporter = start(progress, verb, handle.url, total, lambda: handle.stats.bytes_written, handle.stats)
-            sent = _send(save, blobs, present, kept, hold_uploads=hold_uploads, coded=source.coded)
+            sent = _send(handle, blobs, present, kept, hold_uploads=hold_uploads, coded=source.coded)
             uploads.extend(sent)
             if source.streamed:  # sent before the source reads on; a failed upload stops it now
                 for upload in sent:
                     upload.result()
+        uploads.extend(map(_done, source.uploaded))
         for process, entries, pieces in source.other_parts:
             blobs = plan_blobs(pieces, blob_size=blob_size, key=functools.partial(blob_key, save_id, process))
-            records = [r for f in _send(save, blobs, present, kept, hold_uploads=False) for r in f.result()]
+            records = [r for f in _send(handle, blobs, present, kept, hold_uploads=False) for r in f.result()]
             as_process = Commit(save, skeleton={}, entries=entries, meshes=(), metadata={})
             reports[process] = json.dumps(runtime.run_sync(as_process.index_report(records, process=process))).encode()
     except BaseException as e:
@@ -227,8 +230,25 @@ def _numbered(save_id: str, process: int, first: int, n: int) -> str:
     return blob_key(save_id, process, first + n)
 
 
+def upload_batch(
+    handle: Handle, pieces: list[OwnedPiece], *, save_id: str, first: int, blob_size: int
+) -> list[PieceRecord]:
+    """A batch uploaded by a task of a job on Dask: its blobs planned and numbered on from ``first`` as
+    :func:`write` numbers a batch, those an earlier run left intact kept; their records, which the job's
+    process commits (:attr:`Source.uploaded`)."""
+    blobs = plan_blobs(pieces, blob_size=blob_size, key=functools.partial(_numbered, save_id, 0, first))
+    present = {o.key: o.size for o in runtime.run_sync(handle.store.list(""))}
+    return [r for f in _send(handle, blobs, present, [0], hold_uploads=False) for r in f.result()]
+
+
+def _done(records: list[PieceRecord]) -> concurrent.futures.Future[list[PieceRecord]]:
+    future: concurrent.futures.Future[list[PieceRecord]] = concurrent.futures.Future()
+    future.set_result(records)
+    return future
+
+
 def _send(
-    save: Save,
+    handle: Handle,
     blobs: list[BlobPlan],
     present: dict[str, int],
     kept: list[int],
@@ -240,17 +260,14 @@ def _send(
     done: list[PieceRecord] = []
     missing = []
     for blob in blobs:
-        records = _kept(blob, save.handle) if present.get(blob.key) == blob.size else None
+        records = _kept(blob, handle) if present.get(blob.key) == blob.size else None
         if records is None:
             missing.append(blob)
         else:
             done.extend(records)
             kept[0] += 1
-    futures = snapshot_and_upload(missing, save.handle, hold_uploads=hold_uploads, coded=coded) if missing else []
-    if done:
-        futures.append(concurrent.futures.Future())
-        futures[-1].set_result(done)
-    return futures
+    futures = snapshot_and_upload(missing, handle, hold_uploads=hold_uploads, coded=coded) if missing else []
+    return futures + [_done(done)] if done else futures
 
 
 def _kept(blob: BlobPlan, handle: Handle) -> list[PieceRecord] | None:

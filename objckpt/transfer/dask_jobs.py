@@ -9,6 +9,7 @@ Dask (``distributed``) is the optional extra ``objckpt[dask]``, imported only he
 from __future__ import annotations
 
 import contextlib
+import logging
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -43,11 +44,16 @@ def cluster(workers: int | None, scheduler: str | None, memory_per_worker: int |
             yield client
         return
     limit = memory_per_worker + WORKER_OVERHEAD if memory_per_worker else "auto"
-    with (
-        dask.LocalCluster(n_workers=workers, threads_per_worker=1, memory_limit=limit, dashboard_address=None) as lc,
-        dask.Client(lc) as client,
-    ):
-        yield client
+    chatty = logging.getLogger("distributed")  # its scheduler, here, logs every step at INFO
+    level, _ = chatty.level, chatty.setLevel(logging.ERROR)
+    try:
+        with (
+            dask.LocalCluster(n_workers=workers, threads_per_worker=1, memory_limit=limit, dashboard_address=None) as lc,
+            dask.Client(lc) as client,
+        ):
+            yield client
+    finally:
+        chatty.setLevel(level)
 
 
 def split(items: Sequence[T], size: Callable[[T], int], parts: int) -> list[list[T]]:
@@ -75,5 +81,6 @@ def fan_out(client: Any, job: str, fn: Callable[..., T], groups: Sequence[Any], 
     futures = client.map(fn, list(groups), key=keys, retries=3, **kwargs)
     try:
         return list(client.gather(futures))
-    finally:
+    except BaseException:
         client.cancel(futures)
+        raise
