@@ -206,7 +206,7 @@ def test_index_objects_of_more_rows_than_the_root_allows_end_in_an_error_within_
     """Issue 77 item 17: each object ~100 KB of distinct one-element rows (466,033 a frame) of leaf 0,
     together tiling it, in blobs declared to hold them; with 64,000 declared leaves one object may
     inflate to 256 MiB more (7.46 million rows in ~450 KB). A read draws every head's row count from
-    one budget (one row per leaf and device, one per blob, and 32,768) before it inflates a frame:
+    one budget (one row per leaf and device, one per blob and MiB of blobs, and 32,768) before it inflates a frame:
     restore, verify and cp end at the first head past it, whatever the number of objects."""
     src, dst = store_target_factory("s3"), store_target_factory("s3")
     _save(src, {"w": np.arange(SIZE, dtype=np.float32)})
@@ -240,7 +240,7 @@ def test_index_objects_of_more_rows_than_the_root_allows_end_in_an_error_within_
     root.update(indexes=refs, num_processes=objects)
     runtime.run_sync(store.delete(MANIFEST_KEY))
     runtime.run_sync(store.put(MANIFEST_KEY, json.dumps(root).encode(), mode="create"))
-    limit = leaves * objects + objects + ROWS
+    limit = leaves * objects + objects * (1 + 4 * per // bounds.CUT_BYTES) + ROWS
     pattern = rf"-p\d+\.index: its rows and those of the index objects read before it number \d+, over the {limit}"
     _assert_bounded(_in_capped_child(src, dst), ".index", pattern)
     assert not runtime.run_sync(dst.open().list())
