@@ -26,7 +26,7 @@ import objckpt
 from objckpt.core.checksum import crc32c
 from objckpt.core.format.local import RECORD
 from objckpt.errors import FormatError, PartialCopyError, StoreError
-from objckpt.locations.local_dirs import ForeignStepError, LocalTier, write_step
+from objckpt.locations.local_dirs import ForeignStepError, LocalDir, write_step
 from objckpt.peers.copies import check_whose, payload_of
 from objckpt.restoring.api import restore_copy
 from objckpt.roots.step_names import step_dir
@@ -150,7 +150,7 @@ def test_overlapping_boxes_are_refused_even_in_a_step_sealed_under_its_key(tmp_p
     two boxes that overlap), written with every checksum consistent and the record sealed under
     the run's key: the index reader refuses a box named twice, the one restore the overlap (a
     restore onto a replicated target would count a slice twice and leave another unwritten)."""
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=URL, key_of={"run1": KEY}.get)
+    tier = LocalDir(tmp_path, 0, 1, keep_last=2, url=URL, key_of={"run1": KEY}.get)
     snap = snapshot(_tree(1), root=URL, step=1, save_id="run1", process_index=0, process_count=1, metadata={})
     v = next(i for i, e in enumerate(snap.entries) if e.path == "['v']")
     moved = next(k for k, p in enumerate(snap.pieces) if p.leaf == v and p.start == (2,))
@@ -281,7 +281,7 @@ def test_a_data_file_linked_out_of_the_tier_is_never_read(s3_store, tmp_path, ca
 def test_a_peer_copy_naming_another_process_or_root_is_not_held(tmp_path):
     """Process 0 keeps process 1's copies under ``peer/process_1/``: a step there whose record
     names process 0 (or another root) is not process 1's copy, is not offered, and is not sent."""
-    tier = LocalTier(tmp_path, 0, 2, keep_last=2, url=URL, key_of={"run1": KEY}.get)
+    tier = LocalDir(tmp_path, 0, 2, keep_last=2, url=URL, key_of={"run1": KEY}.get)
     mine = dict(save_id="run1", process_count=2, metadata={})
     good = snapshot(_tree(3), root=URL, step=3, process_index=1, **mine)  # type: ignore[arg-type]
     write_step(tier.held_dir(1) / step_dir(3), good, key=KEY, options=objckpt.Options())

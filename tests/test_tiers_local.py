@@ -28,7 +28,7 @@ from objckpt.core.format.local import RECORD, parse_part_record, seal, unseal
 from objckpt.errors import ChecksumMismatchError, FormatError, PartialCopyError, TargetMismatchError
 from objckpt.layouts.native import NativeCheckpoint
 from objckpt.locations.agreement import LOCAL, PEER, STORE, Inventory, decide
-from objckpt.locations.local_dirs import ForeignStepError, LocalTier, complete_steps, read_record
+from objckpt.locations.local_dirs import ForeignStepError, LocalDir, complete_steps, read_record
 from objckpt.peers.copies import _Incoming, payload_of, unpack
 from objckpt.restoring.api import restore_copy
 from objckpt.roots.step_names import step_dir
@@ -107,7 +107,7 @@ def _snap(step: int, **how: Any) -> Any:
 def test_a_local_step_is_an_objckpt_checkpoint_its_record_pins(tmp_path):
     """What a local save writes is a checkpoint like any other (objckpt.inspect and verify read it),
     and its record names the root, the step, the run, the process and the manifest's SHA-256."""
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
+    tier = LocalDir(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
     record = tier.write(_snap(1))
     directory = tier.step_dir(1)
     assert record == tier.read(directory) and record.step == 1 and record.save_id == "run1"
@@ -122,7 +122,7 @@ def test_a_local_step_is_an_objckpt_checkpoint_its_record_pins(tmp_path):
 
 
 def test_a_torn_local_save_is_never_read_and_retention_removes_it(tmp_path):
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
+    tier = LocalDir(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
     for step in (1, 2, 3):
         tier.write(_snap(step))
     assert sorted(tier.steps()) == [2, 3]  # keep_last=2
@@ -139,7 +139,7 @@ def test_a_torn_local_save_is_never_read_and_retention_removes_it(tmp_path):
 
 
 def test_a_step_saved_again_replaces_the_old_one_whole(tmp_path):
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
+    tier = LocalDir(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
     first = tier.write(_snap(1))
     again = tier.write(
         snapshot(_tree(9), step=1, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={})
@@ -150,7 +150,7 @@ def test_a_step_saved_again_replaces_the_old_one_whole(tmp_path):
 
 
 def test_a_peer_payload_unpacks_to_its_step_and_a_short_or_foreign_one_is_refused(tmp_path):
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
+    tier = LocalDir(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
     tier.write(_snap(1))
     payload = np.concatenate(payload_of(tier, tier.step_dir(1)))
     got = unpack(payload, "process 1", tier, 0)
@@ -163,7 +163,7 @@ def test_a_peer_payload_unpacks_to_its_step_and_a_short_or_foreign_one_is_refuse
         unpack(np.concatenate([np.frombuffer(b"OBJCKPT9", np.uint8), payload[8:]]), "process 1", tier, 0)
     with pytest.raises(FormatError, match="peer copy from process 1: 3 bytes is not a local-tier step"):
         unpack(payload[:3], "process 1", tier, 0)
-    other = LocalTier(tmp_path / "other", 0, 1, keep_last=2, url="s3://bucket/another", key_of=KEYS.get)
+    other = LocalDir(tmp_path / "other", 0, 1, keep_last=2, url="s3://bucket/another", key_of=KEYS.get)
     other.write(
         snapshot(
             _tree(1), step=1, root="s3://bucket/another", save_id="run1", process_index=0, process_count=1, metadata={}
@@ -182,10 +182,10 @@ def test_a_peer_payload_unpacks_to_its_step_and_a_short_or_foreign_one_is_refuse
 def test_a_keeper_writes_each_file_of_a_peer_copy_as_it_arrives_in_chunks_of_any_size(tmp_path):
     """The keeper's sink gets a payload in offset order, in chunks the transfer picks: a head cut
     anywhere, files split across chunks. What it places is the owner's step, file for file."""
-    owner = LocalTier(tmp_path / "owner", 1, 2, keep_last=2, url=ROOT, key_of=KEYS.get)
+    owner = LocalDir(tmp_path / "owner", 1, 2, keep_last=2, url=ROOT, key_of=KEYS.get)
     owner.write(snapshot(_tree(3), step=3, root=ROOT, save_id="run1", process_index=1, process_count=2, metadata={}))
     payload = np.concatenate(payload_of(owner, owner.step_dir(3)))
-    keeper = LocalTier(tmp_path / "keeper", 0, 2, keep_last=2, url=ROOT, key_of=KEYS.get)
+    keeper = LocalDir(tmp_path / "keeper", 0, 2, keep_last=2, url=ROOT, key_of=KEYS.get)
     incoming = _Incoming(keeper, 1)
     for at in range(0, payload.size, 7):
         incoming(at, memoryview(payload[at : at + 7]))
@@ -204,7 +204,7 @@ def test_a_keeper_writes_each_file_of_a_peer_copy_as_it_arrives_in_chunks_of_any
 def test_a_damaged_local_record_is_a_format_error_never_another_exception(tmp_path):
     """Every field of a real local record replaced by each of a set of wrong values: the strict
     parse answers FormatError or a valid record, never TypeError or KeyError."""
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
+    tier = LocalDir(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
     raw = tier.write(_snap(1))
     doc = json.loads(unseal(raw.to_json(KEYS["run1"])))
     wrong = [None, 1, -1, "x", [], {}, [1], 1.5, True, [[0]], {"size": 1}, "f" * 64, 2**70, ""]
@@ -231,14 +231,14 @@ def test_a_damaged_local_record_is_a_format_error_never_another_exception(tmp_pa
     assert checked > 100
 
 
-def _restore_step(tier: LocalTier, step: int, target: Any, *, partial: bool = False, checkpoint: Any = None) -> Any:
+def _restore_step(tier: LocalDir, step: int, target: Any, *, partial: bool = False, checkpoint: Any = None) -> Any:
     """A local step restored by the one restore, as the manager's tiers do."""
     checkpoint = checkpoint or tier.open(tier.step_dir(step), tier.steps()[step])
     return restore_copy(checkpoint, target, partial=partial)
 
 
 def test_local_restore_reads_its_boxes_bit_exact_through_the_one_restore_and_refuses_what_it_does_not_hold(tmp_path):
-    tier = LocalTier(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
+    tier = LocalDir(tmp_path, 0, 1, keep_last=2, url=ROOT, key_of=KEYS.get)
     tree = _tree(7)
     tier.write(snapshot(tree, step=7, root=ROOT, save_id="run1", process_index=0, process_count=1, metadata={}))
     mesh = jax.make_mesh((2, 4), ("x", "y"))

@@ -21,7 +21,7 @@ A step is
 The step restored is the newest one in any tier (or the one asked for); the tiers to try
 for it are listed fastest first. The local and peer tiers hold one line of steps: every process
 retires its steps above a step the job restored or saved, or above the store's newest once its
-newest steps are deleted (:meth:`objckpt.locations.local_dirs.LocalTier.retire`), so the newest
+newest steps are deleted (:meth:`objckpt.locations.local_dirs.LocalDir.retire`), so the newest
 step here is never one of a line the job left. A local or peer step saved after the store had
 committed a step that is gone now, with no newer store step left (a roll-back the local tier
 never saw: ``objckpt rm``), is of a deleted line and not counted (retention never deletes the

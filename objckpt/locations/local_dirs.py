@@ -15,7 +15,7 @@ processes share the path).
 A save has two phases, like :func:`objckpt.save_async`:
 :func:`~objckpt.saving.local_snapshot.snapshot` (the caller's thread) copies every box this
 process's devices hold, each once, off the devices into one buffer objckpt owns, so the caller
-may donate its arrays at once; :meth:`LocalTier.write` (a background thread) writes it by the
+may donate its arrays at once; :meth:`LocalDir.write` (a background thread) writes it by the
 writing corridor as a one-process checkpoint (:func:`objckpt.saving.local_snapshot.save_part`) into
 a new directory beside the step's, then the record (:mod:`objckpt.core.format.local`: the root,
 the step, the run's save id, the process, the manifest's SHA-256; sealed under the run's key),
@@ -23,10 +23,10 @@ synced and renamed into place, and moves the directory to ``step_<N>``. A step s
 (a restarted run reaching it) replaces the old one: the old record goes first; a step another
 job (root) or process left there is never replaced (:class:`ForeignStepError`: the save is skipped).
 The steps form one line: a job at step N (it saved or restored N) did not come from a step above
-N, so this manager's steps above N are retired (:meth:`LocalTier.retire`, :func:`retain`).
+N, so this manager's steps above N are retired (:meth:`LocalDir.retire`, :func:`retain`).
 
 A step is this manager's only if its record names the manager's root and this process, is
-sealed under the key its run left in that root (:meth:`LocalTier.steps`, :meth:`LocalTier.held`,
+sealed under the key its run left in that root (:meth:`LocalDir.steps`, :meth:`LocalDir.held`,
 :mod:`objckpt.locations.run_keys`), and pins the manifest beside it: a ``local=`` directory
 another job left behind, a peer copy that names another process, or an edited step is not a
 step here (logged, never read).
@@ -383,7 +383,7 @@ def _foreign(directory: Path, within: Path | None, whose: dict[str, Any]) -> boo
     return False
 
 
-class LocalTier:
+class LocalDir:
     """This process's directory in the local tier: its own steps and the peer copies it holds."""
 
     def __init__(

@@ -37,7 +37,7 @@ from objckpt.errors import (
     PeerCopyUnavailableError,
 )
 from objckpt.locations.agreement import LOCAL, PEER, STORE, Inventory, agree, all_succeeded, decide
-from objckpt.locations.local_dirs import MANIFEST_LIMIT, LocalTier, read_regular, step_dirs
+from objckpt.locations.local_dirs import MANIFEST_LIMIT, LocalDir, read_regular, step_dirs
 from objckpt.multihost import Coordinator
 from objckpt.options import Options
 from objckpt.roots.step_names import step_dir
@@ -122,7 +122,7 @@ class StepLocations:
 
     def __init__(
         self,
-        tier: LocalTier,
+        tier: LocalDir,
         *,
         url: str,
         coordinator: Coordinator,

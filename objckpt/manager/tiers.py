@@ -46,7 +46,7 @@ from objckpt.errors import (
     FormatError,
     PeerCopyUnavailableError,
 )
-from objckpt.locations.local_dirs import LocalTier, local_path
+from objckpt.locations.local_dirs import LocalDir, local_path
 from objckpt.locations.run_keys import RunKeys
 from objckpt.locations.tiers import LOCAL, PEER, STORE, StepLocations, TierRestore, TierStatus
 from objckpt.manager.settings import LocalCopies
@@ -87,7 +87,7 @@ class Tiers:
         self.coordinator = coordinator
         self.keys = RunKeys(store)
         index, count = coordinator.process_index, coordinator.process_count
-        self.tier = LocalTier(root, index, count, local.keep_last, url=root_url, key_of=self.keys)
+        self.tier = LocalDir(root, index, count, local.keep_last, url=root_url, key_of=self.keys)
         self.interval = local.interval_steps
         self.keeper_of = keeper_of
         self.timeout = timeout

@@ -37,7 +37,7 @@ from objckpt.errors import FormatError
 from objckpt.locations.local_dirs import (
     MANIFEST_LIMIT,
     ForeignStepError,
-    LocalTier,
+    LocalDir,
     commit_record,
     place,
     read_regular,
@@ -58,7 +58,7 @@ _FILE_ALIGN = 4096
 Keeper = Callable[[int, int], int]
 
 
-def payload_of(tier: LocalTier, directory: Path, owner: int | None = None) -> list[np.ndarray]:
+def payload_of(tier: LocalDir, directory: Path, owner: int | None = None) -> list[np.ndarray]:
     """The step in ``directory`` (``owner``'s, default this process's) as one payload: a head (the
     ``OBJCKPT2`` magic, the table's length and the table of its files' names and sizes), then
     each file (mapped, read as it is sent) from the next multiple of 4 KiB, so a keeper writes
@@ -125,7 +125,7 @@ def _table(head: bytes, nbytes: int | None, where: str) -> tuple[int, list[tuple
 
 
 def _record_of(
-    read: Callable[[int, int], bytes], files: list[tuple[str, int, int]], where: str, tier: LocalTier, owner: int
+    read: Callable[[int, int], bytes], files: list[tuple[str, int, int]], where: str, tier: LocalDir, owner: int
 ) -> PartRecord:
     """The record of a payload's step, checked to be ``owner``'s step of ``tier``'s root, sealed
     under its run's key in that root, and to pin the payload's manifest.
@@ -158,7 +158,7 @@ def check_whose(record: PartRecord, url: str, owner: int, where: str) -> None:
         raise ForeignStepError(f"peer copy {where}: process {record.process_index}'s step, not process {owner}'s")
 
 
-def unpack(payload: np.ndarray, where: str, tier: LocalTier, owner: int) -> Received:
+def unpack(payload: np.ndarray, where: str, tier: LocalDir, owner: int) -> Received:
     """A payload as its record and files, checked as ``owner``'s step of ``tier``'s root (:func:`_record_of`)."""
     read = lambda at, n: payload[at : at + n].tobytes()  # noqa: E731
     if payload.size < _HEAD.size:
@@ -182,7 +182,7 @@ def _write_files(directory: Path, files: Mapping[str, np.ndarray]) -> None:
             os.fsync(f.fileno())
 
 
-def keep_received(tier: LocalTier, received: Received) -> None:
+def keep_received(tier: LocalDir, received: Received) -> None:
     """Write a step brought back from the keeper into this process's own directory, record last."""
     check_whose(received.record, tier.url, tier.process_index, "kept")
     directory = tier.inside(tier.step_dir(received.record.step))
@@ -203,7 +203,7 @@ class _Incoming:
     """A sink writing a received step's files as they arrive into a new directory under ``base``,
     then, once checked, moved into place as a step."""
 
-    def __init__(self, tier: LocalTier, owner: int) -> None:
+    def __init__(self, tier: LocalDir, owner: int) -> None:
         base = tier.inside(tier.held_dir(owner))
         base.mkdir(parents=True, exist_ok=True)
         tier.inside(base)
@@ -292,7 +292,7 @@ class _Incoming:
         raise FormatError(f"peer copy into {self.base}: no file at byte {at}")
 
 
-def send_to_keepers(tier: LocalTier, step: int | None, *, timeout: float, keeper_of: Keeper | None) -> int | None:
+def send_to_keepers(tier: LocalDir, step: int | None, *, timeout: float, keeper_of: Keeper | None) -> int | None:
     """Send this process's ``step`` (None or absent: nothing) to its keeper; keep what this process receives.
 
     Returns the step received from the process this one keeps (None: it sent nothing).
@@ -314,7 +314,7 @@ def send_to_keepers(tier: LocalTier, step: int | None, *, timeout: float, keeper
 
 
 def fetch_from_keepers(
-    tier: LocalTier, step: int, fetch: dict[int, int], *, timeout: float, keeper_of: Keeper | None
+    tier: LocalDir, step: int, fetch: dict[int, int], *, timeout: float, keeper_of: Keeper | None
 ) -> Received | None:
     """Bring back, from their keepers, the copies of ``step`` that the processes in ``fetch`` lost.
 
@@ -345,7 +345,7 @@ def fetch_from_keepers(
 class Keepers:
     """The peer copies of ``tier``'s steps, as :class:`objckpt.locations.tiers.StepLocations` uses them."""
 
-    def __init__(self, tier: LocalTier, *, timeout: float, keeper_of: Keeper | None) -> None:
+    def __init__(self, tier: LocalDir, *, timeout: float, keeper_of: Keeper | None) -> None:
         self.tier = tier
         self.timeout = timeout
         self.keeper_of = keeper_of
