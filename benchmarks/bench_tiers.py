@@ -38,11 +38,13 @@ Writes benchmarks/results/tiers.json (``--out``) and prints a table. ``--quick``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -253,7 +255,289 @@ def _worker(job: dict[str, Any], process: int) -> dict[str, Any]:
 def _worker_main() -> None:
     from benchmarks.workers import worker_main
 
-    worker_main("BENCH_TIERS", PROCESSES, _worker)
+    job = json.loads(os.environ["BENCH_TIERS_JOB"])
+    if job.get("grid"):
+        worker_main("BENCH_TIERS", job["count"], _grid_worker)
+    else:
+        worker_main("BENCH_TIERS", PROCESSES, _worker)
+
+
+# ----------------------------------------------------------------------------- grid (issue 79)
+
+GRID_PROCESSES = (1, 2, 4, 8)
+GRID_MIB = (64, 256, 1024)
+GRID_TARGETS = {"local": 3.0, "peer": 2.0}  # the store's time ÷ the tier's, in every cell
+COORDINATION = ("barrier", "publish", "collect", "broadcast", "await_value", "release", "forget")
+
+
+def grid_leaves(mib: int) -> list[Any]:
+    """The grid's state of ``mib`` MiB: the ``small`` transformer (64 MiB, 12 layers at d=160, ~300
+    leaves, like the ≈60 MiB Flax NNX state of issue 79), 8 layers at d=512 for 256 MiB, and the
+    ``medium`` one (1 GiB) for 1024; others: 4 layers at d=256 filling ``mib``."""
+    from benchmarks.rivals import workloads
+
+    shapes = {64: (12, 160), 256: (8, 512), 1024: (4, 1024)}
+    layers, d = shapes.get(mib, (4, 256))
+    return list(workloads._transformer(f"grid{mib}", layers=layers, d=d, target_bytes=mib << 20).leaves)
+
+
+def _count_coordination(coordinator: Any, counts: dict[str, int]) -> None:
+    """Count each call of the job's coordinator (one or more round trips to JAX's coordination
+    service each) into ``counts``, on its class: every instance a restart makes is counted."""
+    cls = type(coordinator)
+    for name in COORDINATION:
+        original = getattr(cls, name)
+
+        def counted(self: Any, *args: Any, __original: Any = original, __name: str = name, **kwargs: Any) -> Any:
+            counts[__name] = counts.get(__name, 0) + 1
+            return __original(self, *args, **kwargs)
+
+        setattr(cls, name, counted)
+
+
+def _first_read_marks(marks: dict[str, float]) -> None:
+    """Record when a restart first reads data: a peer copy's fetch from its keeper, or the
+    restore's fetch of pieces once its reads are planned (``objckpt.restoring.api.fetch``)."""
+    import objckpt.restoring.api as api
+    from objckpt.peers.copies import Keepers
+
+    fetch, bring = api.fetch, Keepers.fetch
+
+    def planned_fetch(*args: Any, **kwargs: Any) -> Any:
+        marks.setdefault("first_read", time.perf_counter())
+        return fetch(*args, **kwargs)
+
+    def keeper_fetch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        marks.setdefault("first_read", time.perf_counter())
+        return bring(self, *args, **kwargs)
+
+    api.fetch = planned_fetch  # type: ignore[assignment]
+    Keepers.fetch = keeper_fetch  # type: ignore[method-assign]
+
+
+def _grid_worker(job: dict[str, Any], process: int) -> dict[str, Any]:
+    """One job of the grid: ``setup`` saves step 0 to the store and every local tier (peer
+    copies on); ``restart`` opens a manager, ``latest_step()``, ``restore()``, state on devices."""
+    import functools
+
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import objckpt
+    from objckpt.multihost import get_coordinator
+
+    count = jax.process_count()
+    coordinator = get_coordinator()
+    leaves = grid_leaves(job["mib"])
+    devices = np.array(sorted(jax.devices(), key=lambda d: d.id))
+    mesh = jax.sharding.Mesh(devices.reshape(count, -1), ("data", "model"))
+    split = P("data", "model")
+    shardings = [
+        NamedSharding(mesh, split if len(leaf.shape) == 2 and leaf.shape[0] % count == 0 else P()) for leaf in leaves
+    ]
+    # --nnx: 1-D leaves saved split over "data" (as nnx.jit leaves a bias whose annotation says P()),
+    # restored onto P(): the local tier reads them on the saved layout and JAX reshards them
+    saved = [
+        NamedSharding(mesh, P("data")) if job["nnx"] and len(leaf.shape) == 1 and leaf.shape[0] % count == 0 else s
+        for leaf, s in zip(leaves, shardings)
+    ]
+    values = {leaf.name: functools.partial(_values, leaf.shape, seed=leaf.seed & 0xFFFF) for leaf in leaves}
+
+    def manager() -> Any:
+        return objckpt.CheckpointManager(
+            job["url"],
+            storage_options=job["so"],
+            local=objckpt.LocalCopies(job["local"], interval_steps=1),
+            save_rules=objckpt.SavePolicy(save_interval_steps=1),
+        )
+
+    if job["action"] == "setup":
+        state = {
+            leaf.name: jax.make_array_from_callback(leaf.shape, s, values[leaf.name]) for leaf, s in zip(leaves, saved)
+        }
+        mgr = manager()
+        mgr.save(0, state, wait=True)
+        mgr.close()
+        return {"process": process}
+    abstract = {
+        leaf.name: jax.ShapeDtypeStruct(leaf.shape, np.float32, sharding=s) for leaf, s in zip(leaves, shardings)
+    }
+    counts: dict[str, int] = {}
+    marks: dict[str, float] = {}
+    _count_coordination(coordinator, counts)
+    _first_read_marks(marks)
+    # Imported before the clock starts (an installed package's modules load in milliseconds; a
+    # checkout run with PYTHONDONTWRITEBYTECODE compiles them), and the heap collected, so no path
+    # pays a full collection of the start-up's garbage.
+    import objckpt.locations.tiers  # noqa: F401
+    import objckpt.manager.checkpoint_manager  # noqa: F401
+    import objckpt.peers.transfer  # noqa: F401
+    import objckpt.restoring.api  # noqa: F401
+
+    gc.collect()
+    coordinator.barrier("bench_tiers/grid", timeout=300)
+    counts.clear()
+    cpu, t0 = time.process_time(), time.perf_counter()
+    mgr = manager()
+    t1 = time.perf_counter()
+    step = mgr.latest_step()
+    t2 = time.perf_counter()
+    restored = mgr.restore(step, abstract)
+    t3 = time.perf_counter()
+    jax.block_until_ready(restored)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu
+    last = mgr.tier_status().last_restore
+    rounds = dict(counts)
+    mgr.close()
+    exact = step == 0 and all(
+        np.array_equal(np.asarray(shard.data), values[name](shard.index))
+        for name, array in restored.items()
+        for shard in array.addressable_shards
+    )
+    return {
+        "process": process,
+        "bytes": sum(leaf.nbytes for leaf in leaves),
+        "leaves": len(leaves),
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "before_first_read_s": marks.get("first_read", time.perf_counter()) - t0,
+        "tier": last.tier if last else None,
+        "exact": exact,
+        "coordination": rounds,
+        "phases": {
+            "manager": t1 - t0,
+            "latest_step": t2 - t1,
+            **({f"restore.{k}": v for k, v in last.phases.items()} if last else {}),
+            "restore": t3 - t2,
+            "ready": seconds - (t3 - t0),
+        },
+    }
+
+
+def _grid_cell(per_path: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
+    """One cell's report: per path, each restart's slowest process (seconds, time before the first
+    read, CPU-s, coordinator calls of process 0, the phases of the slowest), medians."""
+    cell: dict[str, Any] = {}
+    for path, runs in per_path.items():
+        rows = []
+        for results in runs:
+            slowest = max(results, key=lambda r: r["seconds"])
+            rows.append(
+                {
+                    "seconds": slowest["seconds"],
+                    "before_first_read_s": max(r["before_first_read_s"] for r in results),
+                    "cpu_s": max(r["cpu_s"] for r in results),
+                    "tiers": sorted({str(r["tier"]) for r in results}),
+                    "exact": all(r["exact"] for r in results),
+                    "coordination": results[0]["coordination"],
+                    "phases": slowest["phases"],
+                    "per_process": [
+                        {k: r[k] for k in ("seconds", "before_first_read_s", "cpu_s", "phases")} for r in results
+                    ],
+                }
+            )
+        cell[path] = {
+            "median_s": statistics.median(r["seconds"] for r in rows),
+            "before_first_read_s": statistics.median(r["before_first_read_s"] for r in rows),
+            "cpu_s": statistics.median(r["cpu_s"] for r in rows),
+            "runs": rows,
+        }
+    store = cell["store"]["median_s"]
+    for path in ("local", "peer"):
+        if path in cell:
+            cell[path]["vs_store"] = store / cell[path]["median_s"]
+            cell[path]["target_met"] = cell[path]["vs_store"] >= GRID_TARGETS[path]
+    return cell
+
+
+def run_grid(args: argparse.Namespace) -> dict[str, Any]:
+    """Every cell: a setup job, then ``args.repeats`` rounds of one fresh job per restart path
+    (the order rotating each round); local directories moved aside as each path needs."""
+    from backends.launcher import start_s3
+    from benchmarks.workers import run_workers
+    from tests.multiprocess import free_port
+
+    processes = [int(p) for p in args.processes.split(",")]
+    sizes = [int(m) for m in args.mib.split(",")]
+    cells: list[dict[str, Any]] = []
+    work = Path(tempfile.mkdtemp(prefix="bench_tiers_grid_"))
+    try:
+        with start_s3() as s3:
+            for count in processes:
+                for mib in sizes:
+                    run = uuid.uuid4().hex[:8]
+                    local = work / f"{count}x{mib}"
+                    job = {"grid": True, "url": s3.url(f"grid/{run}"), "so": s3.storage_options()}
+                    job.update(local=str(local), mib=mib, nnx=args.nnx)
+
+                    def launch(
+                        action: str, path: str = "", count: int = count, job: dict[str, Any] = job
+                    ) -> list[dict[str, Any]]:
+                        return run_workers(
+                            "benchmarks.bench_tiers",
+                            {**job, "action": action, "path": path, "count": count, "port": free_port()},
+                            processes=count,
+                            devices=DEVICES,
+                            env_prefix="BENCH_TIERS",
+                            timeout=args.timeout,
+                        )
+
+                    launch("setup")
+                    paths = PATHS if count > 1 else ("local", "store")
+                    per_path: dict[str, list[list[dict[str, Any]]]] = {p: [] for p in paths}
+                    for rep in range(args.repeats):
+                        for path in paths[rep % len(paths) :] + paths[: rep % len(paths)]:
+                            moved = [p for p in range(count) if path == "store" or (path == "peer" and p == 0)]
+                            for p in moved:
+                                (local / f"process_{p}").rename(local / f"aside_{p}")
+                            try:
+                                per_path[path].append(launch("restart", path))
+                            finally:
+                                for p in moved:
+                                    shutil.rmtree(local / f"process_{p}", ignore_errors=True)
+                                    (local / f"aside_{p}").rename(local / f"process_{p}")
+                    cell = {"processes": count, "devices_per_process": DEVICES, "mib": mib, **_grid_cell(per_path)}
+                    cell["bytes"] = per_path["local"][0][0]["bytes"]
+                    cell["leaves"] = per_path["local"][0][0]["leaves"]
+                    cells.append(cell)
+                    print(grid_row(cell), flush=True)
+                    shutil.rmtree(local, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "workload": "grid: the small (64 MiB, 12 layers at d=160), 8 layers at d=512 (256 MiB) and medium (1 GiB)"
+        " transformer states with Adam moments, float32; 2-D leaves P('data', 'model') over (processes, 2)"
+        " CPU devices, 1-D replicated; S3 (SeaweedFS) on loopback, 0 ms; each restart a fresh job",
+        "repeats": args.repeats,
+        "targets": GRID_TARGETS,
+        "cells": cells,
+    }
+
+
+def grid_row(cell: dict[str, Any]) -> str:
+    """One row of docs/TIERS.md's grid table."""
+
+    def time(path: str) -> str:
+        if path not in cell:
+            return "–"
+        c = cell[path]
+        ratio = f", {c['vs_store']:.1f}×" if "vs_store" in c else ""
+        return f"{c['median_s']:.2f} s ({c['before_first_read_s']:.2f} s{ratio})"
+
+    return f"| {cell['processes']} | {cell['bytes'] / 2**20:.0f} MiB | {time('local')} | {time('peer')} | {time('store')} |"
+
+
+def grid_table(report: dict[str, Any]) -> str:
+    """docs/TIERS.md's grid table: per cell the restart's median (before its first read; × faster than the store)."""
+    head = [
+        f"Medians of {report['repeats']}: restart to the state on the devices (in brackets: before the first"
+        " byte is read; how many times faster than the store).",
+        "",
+        "| processes | state | local | local + peer | store |",
+        "|---|---|---|---|---|",
+    ]
+    return "\n".join(head + [grid_row(c) for c in report["cells"]])
 
 
 # ----------------------------------------------------------------------------- driver
@@ -365,6 +649,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks, backends, tests
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3)
@@ -375,9 +660,26 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small state, short steps, one repeat")
     parser.add_argument("--out", default=str(RESULTS / "tiers.json"))
     parser.add_argument("--timeout", type=float, default=1500)
+    parser.add_argument("--grid", action="store_true", help="issue 79's grid of restarts (processes × sizes × paths)")
+    parser.add_argument("--processes", default=",".join(map(str, GRID_PROCESSES)), help="grid: process counts")
+    parser.add_argument("--mib", default=",".join(map(str, GRID_MIB)), help="grid: state sizes in MiB")
+    parser.add_argument("--nnx", action="store_true", help="grid: 1-D leaves saved split, restored replicated")
     args = parser.parse_args()
     if args.worker:
         _worker_main()
+        return
+    if args.grid:
+        if args.quick:
+            args.processes, args.mib, args.repeats = "1,2", "64", 1
+        elif args.repeats == 3:
+            args.repeats = 5
+        out = Path(args.out)
+        report = json.loads(out.read_text()) if out.exists() else {}
+        load = os.getloadavg()
+        report["grid"] = {**run_grid(args), "load_before": load, "load_after": os.getloadavg(), "quick": args.quick}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        print(grid_table(report["grid"]))
         return
     if args.quick:
         args.workload, args.repeats, args.interval, args.step_s = "small", 1, 3, 0.05
