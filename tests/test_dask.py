@@ -4,13 +4,19 @@ task run again."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import re
+import signal
+import time
+import urllib.parse
 
 import numpy as np
 import pytest
 from helpers import full_manifest, upload_dir
 
 import objckpt
+from backends.proxy import FaultProxy
 from objckpt.transfer import runtime
 
 distributed = pytest.importorskip("distributed")
@@ -113,3 +119,40 @@ def test_convert_on_dask_writes_what_one_process_does(tmp_path, s3_store, store_
     assert got.bytes_read == want.bytes_read > 0 and got.leaves == want.leaves
     objects = _objects(fanned)
     assert len(objects) > 10 and objects == _objects(alone)
+
+
+def test_a_worker_killed_mid_copy_has_its_task_run_again(s3_store, store_target_factory):
+    """Worker processes behind a 60 ms store: one is SIGKILLed while it copies; Dask runs its task
+    again elsewhere (same key, same blobs) and the copy equals the one-process run's."""
+    src = _saved(s3_store)
+    host, port = urllib.parse.urlsplit(s3_store.storage_options["client_kwargs"]["endpoint_url"]).netloc.split(":")
+    alone, fanned = store_target_factory("s3"), store_target_factory("s3")
+    objckpt.copy(src.url, alone.url, src_storage_options=src.storage_options, dst_storage_options=alone.storage_options)
+    with (
+        FaultProxy(host, int(port), latency_ms=60) as proxy,
+        distributed.LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as lc,
+        distributed.Client(lc) as client,
+    ):
+        slow = {
+            **src.storage_options,
+            "client_kwargs": {**src.storage_options["client_kwargs"], "endpoint_url": proxy.endpoint_url},
+        }
+        pids = client.run(os.getpid)
+        kw = {
+            "src_storage_options": slow,
+            "dst_storage_options": fanned.storage_options,
+            "options": objckpt.Options(max_concurrency=1),
+        }
+        copying = concurrent.futures.ThreadPoolExecutor(1).submit(
+            objckpt.copy, src.url, fanned.url, client=client, **kw
+        )
+        deadline = time.monotonic() + 60
+        while not any(client.processing().values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # into the task's reads
+        busy = next(addr for addr, keys in client.processing().items() if keys)
+        os.kill(pids[busy], signal.SIGKILL)
+        stats = copying.result(timeout=120)
+        assert busy not in client.run(os.getpid) or client.run(os.getpid)[busy] != pids[busy]  # it died
+    assert stats.blobs_copied + stats.blobs_skipped == stats.blobs
+    assert _objects(fanned) == _objects(alone)

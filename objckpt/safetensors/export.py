@@ -166,7 +166,7 @@ def export_safetensors(
         dest_options = as_locations([dest], storage_options, primary=url)[0].storage_options
     started = time.perf_counter()
     read_stats, write_stats = TransferStats(), TransferStats()
-    plan = {"max_shard_bytes": max_shard_bytes, "names": names, "dtype": dtype, "subtree": subtree}
+    plan: dict[str, Any] = {"max_shard_bytes": max_shard_bytes, "names": names, "dtype": dtype, "subtree": subtree}
     shards, files = _plan(url, storage_options, options, **plan)
     mine = [i for i in range(len(shards)) if i % n == k]
     total = sum(t.nbytes for i in mine for t in shards[i])

@@ -45,10 +45,13 @@ def cluster(workers: int | None, scheduler: str | None, memory_per_worker: int |
         return
     limit = memory_per_worker + WORKER_OVERHEAD if memory_per_worker else "auto"
     chatty = logging.getLogger("distributed")  # its scheduler, here, logs every step at INFO
-    level, _ = chatty.level, chatty.setLevel(logging.ERROR)
+    level = chatty.level
+    chatty.setLevel(logging.ERROR)
     try:
         with (
-            dask.LocalCluster(n_workers=workers, threads_per_worker=1, memory_limit=limit, dashboard_address=None) as lc,
+            dask.LocalCluster(
+                n_workers=workers, threads_per_worker=1, memory_limit=limit, dashboard_address=None
+            ) as lc,
             dask.Client(lc) as client,
         ):
             yield client
@@ -58,7 +61,7 @@ def cluster(workers: int | None, scheduler: str | None, memory_per_worker: int |
 
 def split(items: Sequence[T], size: Callable[[T], int], parts: int) -> list[list[T]]:
     """``items`` in order, cut into at most ``parts`` runs of about equal bytes (none empty)."""
-    total, groups, run, held = sum(map(size, items)), [], [], 0
+    total, held, groups, run = sum(map(size, items)), 0, list[list[T]](), list[T]()
     for item in items:
         run.append(item)
         held += size(item)
