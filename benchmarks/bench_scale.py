@@ -26,9 +26,12 @@ Only the index objects of the processes some sampled host reads are built (by pl
 that process's save); the root lists every other process with host 1's figures (the same
 size by symmetry).
 
-    python -m benchmarks.bench_scale [--devices 64,512,4096] [--layouts unstacked,stacked]
+    python -m benchmarks.bench_scale [--model 405b|1t] [--devices 64,512,4096,16384] [--layouts unstacked,stacked]
         [--out benchmarks/results/scale.json] [--layers 126] [--fit unstacked=2,8] [--repeats 2] [--jobs 2]
         [--targets same,swapped,...]
+
+``--model 1t``: a ~1.08T-parameter state (d_model 24,576, gated ffn 81,920, 128 layers,
+full multi-head attention; ~15 TB with its optimizer state) in place of the 405B one.
 
 ``--fit LAYOUT=A,B`` runs LAYOUT at A and at B layers and fits each additive figure (bytes,
 CPU-s, requests, memory) to a straight line in the number of layers, reported at
@@ -58,13 +61,14 @@ from benchmarks.scale.report import docs_table, markdown
 from benchmarks.scale.save import SAVE_ID, Saver
 from benchmarks.scale.state import (
     DEVICES_PER_HOST,
-    LAYERS,
     LAYOUTS,
+    MODELS,
     TARGETS,
     make_mesh,
     state_tree,
     target_leaves,
     targets_at,
+    use_model,
 )
 
 __all__ = ["LAYOUTS", "TARGETS", "main", "run_child", "spawn_child"]
@@ -74,7 +78,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_child(
-    n: int, layouts: list[str], layers: int, repeats: int = 2, targets: tuple[str, ...] = TARGETS
+    n: int,
+    layouts: list[str],
+    layers: int,
+    repeats: int = 2,
+    targets: tuple[str, ...] = TARGETS,
+    model: str = "405b",
 ) -> dict[str, Any]:
     """Every figure at ``n`` forced CPU devices: one record per (layout, target of ``targets``),
     save side first.
@@ -88,6 +97,7 @@ def run_child(
     from objckpt.core.format.index import index_key
     from objckpt.core.tree import flatten
 
+    use_model(model)
     have = len(jax.devices())
     if have < n:
         raise SystemExit(f"--child --devices {n}: JAX has {have} devices (set XLA_FLAGS and JAX_PLATFORMS=cpu)")
@@ -131,6 +141,7 @@ def run_child(
         outcome = len(json.dumps({"status": "committed"}).encode())
         save_record = {
             "devices": n,
+            "model": model,
             "layout": layout,
             "target_mesh": None,
             "layers": layers,
@@ -180,6 +191,7 @@ def run_child(
                 hosts.append({"host": h, **got})
             record = {
                 "devices": n,
+                "model": model,
                 "layout": layout,
                 "target_mesh": name,
                 "target_shape": list(target.shape),
@@ -205,7 +217,14 @@ def run_child(
 
 
 def spawn_child(
-    n: int, layouts: list[str], layers: int, *, timeout: float, repeats: int = 2, targets: tuple[str, ...] = TARGETS
+    n: int,
+    layouts: list[str],
+    layers: int,
+    *,
+    timeout: float,
+    repeats: int = 2,
+    targets: tuple[str, ...] = TARGETS,
+    model: str = "405b",
 ) -> dict[str, Any]:
     """``run_child`` in a fresh Python with ``n`` forced CPU devices; killed (its whole group) on timeout."""
     env = dict(
@@ -216,7 +235,7 @@ def spawn_child(
     )
     argv = [sys.executable, "-m", "benchmarks.bench_scale", "--child", "--devices", str(n)]
     argv += ["--layouts", ",".join(layouts), "--layers", str(layers), "--repeats", str(repeats)]
-    argv += ["--targets", ",".join(targets)]
+    argv += ["--targets", ",".join(targets), "--model", model]
     proc = subprocess.Popen(
         argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -239,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="64,512,4096", help="comma-separated device counts")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="unstacked, stacked or both")
-    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--model", choices=sorted(MODELS), default="405b")
+    parser.add_argument("--layers", type=int, help="layers of the model (default: all of them)")
     parser.add_argument(
         "--fit",
         action="append",
@@ -258,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.table:
         print(docs_table(json.loads(args.table.read_text()), max(int(x) for x in args.devices.split(",") if x)))
         return
+    use_model(args.model)
+    args.layers = args.layers or MODELS[args.model][3]
     counts = [int(x) for x in args.devices.split(",") if x]
     layouts = [x for x in args.layouts.split(",") if x]
     if unknown := set(layouts) - set(LAYOUTS):
@@ -276,11 +298,13 @@ def main(argv: list[str] | None = None) -> None:
         fits[name] = (a, b)
     if args.child:
         (n,) = counts
-        print("RESULT " + json.dumps(run_child(n, layouts, args.layers, args.repeats, targets)), flush=True)
+        print("RESULT " + json.dumps(run_child(n, layouts, args.layers, args.repeats, targets, args.model)), flush=True)
         return
 
     def child(n: int, runs: list[str], layers: int) -> list[dict[str, Any]]:
-        result = spawn_child(n, runs, layers, timeout=args.timeout, repeats=args.repeats, targets=targets)
+        result = spawn_child(
+            n, runs, layers, timeout=args.timeout, repeats=args.repeats, targets=targets, model=args.model
+        )
         print(f"{n} devices, {','.join(runs)}, {layers} layers: {result['wall_s']:.1f} s", file=sys.stderr, flush=True)
         for r in result["records"]:
             r.setdefault("child_wall_s", result["wall_s"])

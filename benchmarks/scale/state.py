@@ -1,4 +1,4 @@
-"""The 405B-shaped state as ShapeDtypeStructs (no data), and the meshes it is saved from and restored onto.
+"""The 405B- or 1T-shaped state as ShapeDtypeStructs (no data), and the meshes it is saved from and restored onto.
 
 The state is saved from ``fsdp × tensor=8`` over N forced CPU devices, host h owning devices
 4h..4h+3. Each restore target names its mesh (shape, axes, which axis is the minor device axis),
@@ -13,9 +13,12 @@ from typing import Any
 
 DEVICES_PER_HOST = 4
 
-# Llama-3-405B.
-D_MODEL, FFN, VOCAB, LAYERS = 16384, 53248, 128256, 126
-N_HEADS, N_KV_HEADS, HEAD_DIM = 128, 8, 128
+# (d_model, gated ffn, vocab, layers, heads, kv heads, head dim) of each model bench_scale can save.
+MODELS = {
+    "405b": (16384, 53248, 128256, 126, 128, 8, 128),  # Llama-3-405B
+    "1t": (24576, 81920, 128256, 128, 192, 192, 128),  # ~1.08T parameters, full multi-head attention
+}
+D_MODEL, FFN, VOCAB, LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM = MODELS["405b"]
 COPIES = (("params", "bfloat16"), ("master", "float32"), ("mu", "float32"), ("nu", "float32"))
 LAYOUTS = ("unstacked", "stacked")
 
@@ -68,9 +71,15 @@ def targets_at(n: int) -> dict[str, Target | None]:
         "swapped": Target("swapped", (max(1, n // 8), 8), swapped=True),
         "data3": Target("data3", (3, n // 32, 8), axes=("data", "fsdp", "tensor")) if n >= 32 else None,
         "half": Target("half", (n // 16, 8) if n >= 16 else (1, 4)),
-        "params_1x8": Target("params_1x8", (1, 8), devices_per_host=8, params_only=True, cpu_limit_s=5.0),
+        "params_1x8": Target("params_1x8", (1, 8), devices_per_host=8, params_only=True),
         "params_8x8": Target("params_8x8", (8, 8), devices_per_host=8, params_only=True) if n >= 64 else None,
     }
+
+
+def use_model(name: str) -> None:
+    """Make ``name`` (a key of :data:`MODELS`) the state every function here builds (one model a process)."""
+    global D_MODEL, FFN, VOCAB, LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM
+    D_MODEL, FFN, VOCAB, LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM = MODELS[name]
 
 
 def layer_matrices(swapped: bool = False) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
