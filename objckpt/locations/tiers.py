@@ -141,6 +141,7 @@ class StepLocations:
         self.wait = before
         self._pending: Any = None
         self.last_restore: TierRestore | None = None
+        self.agreed: Any = None  # latest_step()'s decision, for the restore right after it (see restore)
 
     def wait_kept(self) -> None:
         """Wait for the copy a restore brought back to be written into this process's directory
@@ -166,7 +167,8 @@ class StepLocations:
 
     def latest_step(self, store_steps: Callable[[], list[int]]) -> int | None:
         """The newest step complete in some tier, the same on every process."""
-        return self._decide(None, store_steps).step  # type: ignore[no-any-return]
+        self.agreed = self._decide(None, store_steps)
+        return self.agreed.step  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ restoring
 
@@ -183,7 +185,10 @@ class StepLocations:
         started = time.perf_counter()
         phases = _Phases()
         with phases("decide"):
-            decision = self._decide(step, store_steps)
+            # a restart calls latest_step() then restore() on every process, with no save or delete
+            # between (either clears ``agreed``): that decision stands, one agreement instead of two
+            agreed, self.agreed = self.agreed, None
+            decision = agreed if agreed is not None and step in (None, agreed.step) else self._decide(step, store_steps)
         if decision.step is None or not decision.tiers:
             where = f"step {step}" if step is not None else "a step"
             raise CheckpointNotFoundError(

@@ -140,6 +140,9 @@ class Tiers:
     # ------------------------------------------------------------------ saving
 
     def due(self, step: int) -> bool:
+        """Whether ``step`` saves locally; called by every manager save, which ends the decision
+        ``latest_step()`` agreed on (the next restore agrees anew)."""
+        self.locations.agreed = None
         return step % self.interval == 0
 
     def save(self, step: int, tree: Any, metadata: dict[str, Any]) -> float:
@@ -238,6 +241,7 @@ class Tiers:
     def deleted(self, step: int, store_steps: list[int]) -> None:
         """After ``delete(step)``: when no committed step at or above ``step`` is left (a roll-back),
         this process's local steps above the newest one left are retired."""
+        self.locations.agreed = None
         head = max(store_steps, default=-1)
         if step > head:
             self.wait()
