@@ -8,9 +8,11 @@ used to run twice per restart: once for ``latest_step()`` and again inside ``res
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import objckpt
 import objckpt.locations.tiers as step_locations
+from objckpt.locations import run_keys
 from tests.multiprocess import run_processes
 
 
@@ -96,6 +99,47 @@ def test_a_save_or_another_step_between_latest_step_and_restore_agrees_again(s3_
     assert mgr.latest_step() == 3
     out = mgr.restore(2, _target())
     assert out["n"] == 2 and len(agreements) == 4
+    mgr.close()
+
+
+def test_a_manager_opens_without_waiting_for_its_run_keys_write(s3_store, tmp_path, monkeypatch):
+    """The run key's write to the root (create-if-absent) runs in the background: a manager opens
+    (a restart goes on) while it is held back; the first local save waits for it, then the step
+    restores from the local tier bit for bit."""
+    gate = threading.Event()
+
+    class Held:
+        def __init__(self, store: Any) -> None:
+            self.store = store
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.store, name)
+
+        async def put(self, *args: Any, **kwargs: Any) -> Any:
+            while not gate.is_set():
+                await asyncio.sleep(0.01)
+            return await self.store.put(*args, **kwargs)
+
+    init = run_keys.RunKeys.__init__
+    monkeypatch.setattr(run_keys.RunKeys, "__init__", lambda self, store: init(self, Held(store)))
+    opened: list[objckpt.CheckpointManager] = []
+    try:
+        opening = threading.Thread(target=lambda: opened.append(_manager(s3_store, tmp_path / "local")), daemon=True)
+        opening.start()
+        opening.join(60)
+        assert opened, "the manager waited for its run key's write to open"
+        mgr = opened[0]
+        mgr.save(1, _tree(1))  # local only: the store saves every 2 steps
+        assert mgr.tier_status().local_steps == []  # its write waits for the key
+    finally:
+        gate.set()
+    mgr.wait()
+    assert mgr.tier_status().local_steps == [1]
+    mgr.close()
+    mgr = _manager(s3_store, tmp_path / "local")
+    out = mgr.restore(mgr.latest_step(), _target())
+    assert mgr.tier_status().last_restore.tier == "local" and out["n"] == 1
+    assert np.asarray(out["w"]).tobytes() == np.asarray(_tree(1)["w"]).tobytes()
     mgr.close()
 
 

@@ -2,7 +2,8 @@
 
 A manager with ``local=`` draws a random key for each run (named by the run's save id, the id
 every local manifest of the run carries). Its primary writes the key to the root, at
-``local_tier/<save_id>.key`` (create-if-absent), before any local save; every process gets
+``local_tier/<save_id>.key`` (create-if-absent), in the background, done before its first local
+save (a restart does not wait for it); every process gets
 it through the coordination service. Each local manifest is sealed under its run's key
 (:func:`objckpt.core.format.local.seal`), and a reader fetches the key from the root by
 the save id the manifest names (:class:`RunKeys`). So a local step or peer copy is read only
@@ -17,6 +18,7 @@ is never logged.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import secrets
 
@@ -44,13 +46,20 @@ class RunKeys:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._keys: dict[str, bytes | None] = {}
+        self._writing: concurrent.futures.Future[None] | None = None
 
     def create(self, save_id: str) -> bytes:
-        """A new key for the run ``save_id``, written to the root (create-if-absent)."""
+        """A new key for the run ``save_id``; its write to the root (create-if-absent) runs in the
+        background, so a restart never waits for it: :meth:`written` does, before a local save."""
         key = secrets.token_bytes(KEY_BYTES)
-        runtime.run_sync(self.store.put(key_name(save_id), key, mode="create"))
+        self._writing = runtime.submit(self.store.put(key_name(save_id), key, mode="create"))
         self._keys[save_id] = key
         return key
+
+    def written(self) -> None:
+        """Wait for the write :meth:`create` started here, if any; raise its error (StoreError)."""
+        if self._writing is not None:
+            self._writing.result()
 
     def known(self, save_id: str, key: bytes) -> None:
         """The run ``save_id``'s key, as the primary sent it."""

@@ -186,6 +186,7 @@ class Tiers:
         every process takes part in every peer copy, an empty one when its write failed."""
         started = time.perf_counter()
         try:
+            self.keys.written()  # the primary's: the run's key is in the root before its first local step
             record = self.tier.write(snap, self.options)
         except (OSError, FormatError) as e:  # the disk, not the job: training and the store's saves go on
             log.warning(
