@@ -9,11 +9,8 @@ Two adapters serve the cloud schemes: the native :class:`ObstoreStore`
 (obstore, Rust) and :class:`FsspecStore` (s3fs, gcsfs). Which one:
 
 * ``s3://``: obstore when it is installed and the options translate (see
-  :mod:`objckpt.storage.obstore.config`; every credential source does), else s3fs. Against SeaweedFS
-  (``benchmarks/bench_stores.py``) its PUTs are ~1.3-1.7x faster at a
-  quarter of the client CPU; its reads are faster through
-  ``get_range_buffer`` (no copy) but ~15% slower through ``get_range``,
-  whose ``bytes`` result costs obstore one extra copy.
+  :mod:`objckpt.storage.obstore.config`; every credential source does), else s3fs
+  (docs/PERFORMANCE.md, "Kept", compares them).
 * ``gs://``: gcsfs. obstore's GCS client writes through the XML API, which
   the local emulator (fake-gcs-server) routes to its JSON upload handler
   and refuses, so the native path is untested here and only used when
@@ -27,23 +24,10 @@ option wins. Asking for ``"obstore"`` where it cannot serve the URL (not
 installed, untranslatable options) is an error rather than a silent
 fallback; the environment variable only steers schemes with a native path.
 
-Credentials: with none in the options, an ``s3://`` store resolves them once
-with botocore's precedence (environment, profiles and shared files,
-assume-role, web identity, container, instance metadata: see
-:mod:`objckpt.storage.auth.credentials`) and hands the source to obstore, which
-refreshes expiring credentials mid-operation; the s3fs fallback reads the same
-chain through botocore. ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` are
-passed on explicitly (and switch on path-style addressing, which every
-S3-compatible server supports). ``gs://`` takes Google's default credentials
-through google-auth (:mod:`objckpt.storage.auth.gcs`) and honours
-``STORAGE_EMULATOR_HOST`` the way Google's clients do: it becomes the
-endpoint, with anonymous access unless a token is given. With no credentials
-configured at all (and no explicit ``anon``), opening an ``s3://`` or ``gs://``
+Credentials, endpoints, TLS trust and proxies come from where the AWS and Google
+SDKs find them (docs/CREDENTIALS.md; :mod:`objckpt.storage.auth.credentials`); with
+none configured at all (and no explicit ``anon``), opening an ``s3://`` or ``gs://``
 store raises :class:`StorePermissionError` at once, listing the sources tried.
-TLS trust and proxies come from the standard variables (``AWS_CA_BUNDLE``,
-``REQUESTS_CA_BUNDLE``, ``SSL_CERT_FILE``, ``HTTPS_PROXY``, ``NO_PROXY``) or
-the options (``client_kwargs={"verify": ca_file}`` for S3; see
-docs/CREDENTIALS.md).
 """
 
 from __future__ import annotations

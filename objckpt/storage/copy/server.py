@@ -57,14 +57,6 @@ if TYPE_CHECKING:
 _UNSUPPORTED_STATUS = frozenset({400, 405, 501})
 
 
-class BucketObjects(Protocol):
-    """A store whose keys are objects of one bucket (s3fs, gcsfs, obstore over S3)."""
-
-    def bucket_object(self, key: str) -> BucketKey | None:
-        """``(bucket, object name)`` of ``key``; None when the store has no buckets."""
-        ...
-
-
 @dataclass(frozen=True)
 class CopyAccount:
     """Where a store lives and who it acts as; two stores with equal accounts can copy

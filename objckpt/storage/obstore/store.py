@@ -170,7 +170,7 @@ class ObstoreStore(StreamingStore):
 
     def bucket_object(self, key: str) -> tuple[str, str] | None:
         """``(bucket, object name)`` of ``key``, for server-side copies
-        (:class:`objckpt.storage.copy.server.BucketObjects`); None for a local store."""
+        (:func:`objckpt.storage.copy.server.source_location`); None for a local store."""
         spec = self.native_spec
         return None if spec is None else (spec.bucket, self._path(key))
 
