@@ -262,21 +262,17 @@ def _convert(
             for g in task[0]:
                 in_flight[:] = _start_reads(ts, arrays, chunks, listed[g])
                 pieces = (head if g == 0 else []) + _landed(item, flat, by_path, in_flight, stats, waiter)
-                task[2].extend(
-                    upload_batch(handle, pieces, save_id=save_id, first=task[1][g], blob_size=options.blob_size)
-                )
+                task[2].extend(upload_batch(handle, pieces, save_id=save_id, first=task[1][g]))
             return stats
 
         def on_dask(client: Any, src: str) -> Iterator[list[PieceRecord]]:
             """The groups read and uploaded by tasks, started once :func:`write` has its marker up."""
             firsts, n = [], 0
             for g, group in enumerate(listed):
-                sized = [OwnedPiece(s.leaf, s.start, s.stop, numpy_dtype(arrays[s.leaf].dtype).itemsize) for s in group]
+                boxes = [OwnedPiece(s.leaf, s.start, s.stop, numpy_dtype(arrays[s.leaf].dtype).itemsize) for s in group]
                 firsts.append(n)
-                n += len(plan_blobs((head if g == 0 else []) + sized, blob_size=options.blob_size, key=str))
-            ids = dask_jobs.split(
-                range(len(listed)), lambda g: sum(s.nbytes for s in listed[g]), dask_jobs.tasks_for(client)
-            )
+                n += len(plan_blobs((head if g == 0 else []) + boxes, blob_size=options.blob_size, key=str))
+            ids = [(g, sum(s.nbytes for s in group)) for g, group in enumerate(listed)]
             kw = {"src": src, "dst": dst, "so": src_options, "dso": dst_options, "options": options, "firsts": firsts}
             for records, read in dask_jobs.fan_out(client, f"convert {src} {dst}", _convert_task, ids, **kw):
                 stats.bytes_read += read

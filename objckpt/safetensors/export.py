@@ -185,9 +185,9 @@ def export_safetensors(
         complete = False
         try:
             if client is not None:
-                groups = dask_jobs.split(mine, lambda i: sum(t.nbytes for t in shards[i]), dask_jobs.tasks_for(client))
+                sized = [(i, sum(t.nbytes for t in shards[i])) for i in mine]
                 kw = {"url": url, "dest": dest, "src": storage_options, "dst": dest_options, "options": options}
-                for done in dask_jobs.fan_out(client, f"export {url} {dest}", _export_task, groups, plan=plan, **kw):
+                for done in dask_jobs.fan_out(client, f"export {url} {dest}", _export_task, sized, plan=plan, **kw):
                     for name in ("tensors", "tensor_bytes", "bytes_read"):
                         setattr(stats, name, getattr(stats, name) + getattr(done, name))
                     stats.files += done.files

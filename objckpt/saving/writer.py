@@ -230,13 +230,11 @@ def _numbered(save_id: str, process: int, first: int, n: int) -> str:
     return blob_key(save_id, process, first + n)
 
 
-def upload_batch(
-    handle: Handle, pieces: list[OwnedPiece], *, save_id: str, first: int, blob_size: int
-) -> list[PieceRecord]:
-    """A batch uploaded by a task of a job on Dask: its blobs planned and numbered on from ``first`` as
-    :func:`write` numbers a batch, those an earlier run left intact kept; their records, which the job's
-    process commits (:attr:`Source.uploaded`)."""
-    blobs = plan_blobs(pieces, blob_size=blob_size, key=functools.partial(_numbered, save_id, 0, first))
+def upload_batch(handle: Handle, pieces: list[OwnedPiece], *, save_id: str, first: int) -> list[PieceRecord]:
+    """A batch uploaded by a task of a job on Dask: its blobs planned (``Options.blob_size``) and numbered on
+    from ``first`` as :func:`write` numbers a batch, those an earlier run left intact kept; their records,
+    which the job's process commits (:attr:`Source.uploaded`)."""
+    blobs = plan_blobs(pieces, blob_size=handle.options.blob_size, key=functools.partial(_numbered, save_id, 0, first))
     present = {o.key: o.size for o in runtime.run_sync(handle.store.list(""))}
     return [r for f in _send(handle, blobs, present, [0], hold_uploads=False) for r in f.result()]
 

@@ -121,9 +121,8 @@ def copy(
             every 0.1 s and once more at the end, on objckpt's I/O thread: it must
             be quick, and an exception it raises is logged once, never failing
             the copy. ``False``/``None``: nothing.
-        client: a ``distributed.Client``: the blobs are copied by tasks on its Dask cluster, a
-            few per worker, split by bytes (:mod:`objckpt.transfer.dask_jobs`); this process
-            holds the live-save marker, copies the index objects and commits.
+        client: a ``distributed.Client``: the blobs are copied by tasks on its Dask cluster, split by
+            bytes (:mod:`objckpt.transfer.dask_jobs`); this process marks, copies the indexes, commits.
         blobs: copy only these blobs, and neither mark, index nor commit (a task of a copy on Dask).
 
     Returns:
@@ -150,9 +149,8 @@ def copy(
 
 def _on_dask(client: Any, manifest: Manifest, stats: CopyStats, src: Handle, dst: Handle, **kw: Any) -> None:
     """The blobs copied by tasks on ``client``'s cluster, their figures added to ``stats`` and the handles'."""
-    groups = dask_jobs.split(manifest.blobs, lambda b: b.size, dask_jobs.tasks_for(client))
-    job = f"cp {src.url} {dst.url} {manifest.save_id}"
-    for r in dask_jobs.fan_out(client, job, _copy_task, [{b.key for b in g} for g in groups], **kw):
+    job, blobs = f"cp {src.url} {dst.url} {manifest.save_id}", [(b.key, b.size) for b in manifest.blobs]
+    for r in dask_jobs.fan_out(client, job, _copy_task, blobs, **kw):
         for name in ("blobs_copied", "bytes_copied", "blobs_skipped", "bytes_skipped", "bytes_server_side"):
             setattr(stats, name, getattr(stats, name) + getattr(r, name))
         stats.blobs_server_side += r.blobs_server_side
@@ -160,8 +158,8 @@ def _on_dask(client: Any, manifest: Manifest, stats: CopyStats, src: Handle, dst
         dst.stats.add(bytes_written=r.bytes_written, bytes_read=r.bytes_read_dst)
 
 
-def _copy_task(blobs: set[str], src_url: str, dst_url: str, **kw: Any) -> CopyStats:
-    return copy(src_url, dst_url, blobs=blobs, **kw)
+def _copy_task(blobs: list[str], src_url: str, dst_url: str, **kw: Any) -> CopyStats:
+    return copy(src_url, dst_url, blobs=set(blobs), **kw)
 
 
 async def copy_stores_async(

@@ -164,10 +164,9 @@ def _on_dask(
     client: Any, url: str, storage_options: Any, options: Options, manifest: Manifest, stats: TransferStats
 ) -> list[VerifyProblem]:
     """The blobs verified by tasks on ``client``'s cluster: the problems merged, their figures added to ``stats``."""
-    groups = dask_jobs.split(manifest.blobs, lambda b: b.size, dask_jobs.tasks_for(client))
-    keys = [[b.key for b in group] for group in groups]
     kw = {"url": url, "storage_options": storage_options, "options": options}
-    reports = dask_jobs.fan_out(client, f"verify {url} {manifest.save_id}", _verify_task, keys, **kw)
+    blobs = [(b.key, b.size) for b in manifest.blobs]
+    reports = dask_jobs.fan_out(client, f"verify {url} {manifest.save_id}", _verify_task, blobs, **kw)
     for r in reports:
         stats.add(bytes_read=r.bytes_read, requests=r.requests, retries=r.retries, checksum_retries=r.checksum_retries)
     return sorted((p for r in reports for p in r.problems), key=lambda p: (p.blob, p.start or 0, p.kind))
