@@ -179,9 +179,6 @@ def plan_blobs(pieces: Iterable[OwnedPiece], *, blob_size: int, key: Callable[[i
     return [BlobPlan(key(seq), tuple(blob.pieces), blob.size) for seq, blob in enumerate(blobs)]
 
 
-# ----------------------------------------------------------------------------- restore
-
-
 def intersect(a_start: Index, a_stop: Index, b_start: Index, b_stop: Index) -> tuple[Index, Index] | None:
     """The intersection of two boxes, or None when they do not meet.
 

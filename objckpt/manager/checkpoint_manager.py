@@ -177,8 +177,6 @@ class CheckpointManager:
                 known_metrics=self._metrics,
             )
 
-    # ------------------------------------------------------------------ saving
-
     def step_url(self, step: int) -> str:
         """The URL of ``step``'s checkpoint: ``<root_url>/step_0000000042``, a checkpoint like any other."""
         return self._reads.step_url(step)
@@ -342,8 +340,6 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ listing
-
     def steps(self) -> list[int]:
         """Committed steps, ascending, Orbax's included. Reads only the listing, never a blob.
 
@@ -365,8 +361,6 @@ class CheckpointManager:
         if self._tiers is None:
             raise ValueError("this manager has no local tier (CheckpointManager(..., local=...))")
         return self._tiers.status(self.steps())
-
-    # ------------------------------------------------------------------ reading
 
     def restore(
         self, step: int | None = None, target: Any = None, *, partial: bool = False, cast: str = "checked"
@@ -405,8 +399,6 @@ class CheckpointManager:
         if latest is None:
             raise CheckpointNotFoundError(f"no committed step under {self.store.url}")
         return latest
-
-    # ------------------------------------------------------------------ deleting
 
     async def _apply_retention(self) -> list[int]:
         return await apply_retention(

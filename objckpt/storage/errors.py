@@ -51,9 +51,6 @@ def transient_error(status: int | None, message: str) -> TransientStoreError:
     return ThrottledError(message) if status in THROTTLE_STATUS else TransientStoreError(message)
 
 
-# ------------------------------------------------------------------- fsspec
-
-
 def http_status(exc: BaseException) -> int | None:
     """The HTTP status behind ``exc``, looking through its ``__cause__`` chain.
 
@@ -187,9 +184,6 @@ def map_error(exc: BaseException, what: str, *, create: bool = False) -> StoreEr
 
 #: What botocore says when credentials it has just refreshed have already expired.
 _EXPIRED_ON_ARRIVAL = "refreshed credentials are still expired"
-
-
-# ------------------------------------------------------------------ obstore
 
 
 #: Where a service's error body starts inside a library's message.

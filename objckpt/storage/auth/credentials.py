@@ -283,9 +283,6 @@ def _s3_sources(session: Any, environ: Mapping[str, str], refusal: str) -> str:
     )
 
 
-# ------------------------------------------------------------------------ GCS
-
-
 def _gcs_files(environ: Mapping[str, str]) -> list[tuple[str, str]]:
     """(description, path) of every file Google's default credentials or gcsfs may read."""
     home = os.path.expanduser("~")

@@ -91,9 +91,6 @@ class Copier(Protocol):
         ...
 
 
-# ------------------------------------------------------------------- the decision
-
-
 def account_of(store: Store) -> CopyAccount | None:
     """The account a server-side copy would act as for ``store`` (a store itself, not a retrying
     layer around one: an operation's handle gives its ``bulk`` store); None when it cannot copy server-side."""
@@ -227,9 +224,6 @@ def _gcsfs_account(store: Any) -> CopyAccount | None:
     names = ("service_account_email", "signer_email", "client_id", "audience")
     who = next((str(v) for v in (getattr(credentials, n, None) for n in names) if v), "")
     return CopyAccount("gcs", endpoint, f"{type(credentials).__name__} {who}")
-
-
-# ------------------------------------------------------------------------ copiers
 
 
 class FsspecCopier:

@@ -69,9 +69,6 @@ class _InnerTimeout(Exception):
         self.original = original
 
 
-# ----------------------------------------------------------------- create support
-
-
 #: Filesystems whose ``pipe_file`` takes ``mode`` but ignores "create".
 _MODE_IGNORED = frozenset(
     {
@@ -138,9 +135,6 @@ def _epoch(info: dict[str, Any]) -> float | None:
     return None
 
 
-# -------------------------------------------------------------------- the store
-
-
 class FsspecStore(StreamingStore):
     """A :class:`Store` rooted at ``path`` on the fsspec filesystem ``fs``.
 
@@ -189,8 +183,6 @@ class FsspecStore(StreamingStore):
         self._async = _uses_async(fs)
         self.supports_create = self._atomic_create(atomic_create)
         self._use_range_reader(range_reader)
-
-    # ------------------------------------------------------------------ helpers
 
     def _path(self, key: str) -> str:
         return f"{self._root}/{key}"
@@ -303,8 +295,6 @@ class FsspecStore(StreamingStore):
     async def _remove(self, what: str, key: str) -> None:
         await self._fs(what, "rm_file", self._path(key))
 
-    # -------------------------------------------------------------------- reads
-
     async def head(self, key: str) -> ObjectInfo:
         _check_relative(key, "key", allow_empty=False, allow_partial=False)
         what = f"head {self._url(key)}"
@@ -397,8 +387,6 @@ class FsspecStore(StreamingStore):
         out.sort(key=lambda o: o[0])
         return out
 
-    # ------------------------------------------------------------------- writes
-
     async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
         await self._put(key, data, mode)
 
@@ -430,8 +418,6 @@ class FsspecStore(StreamingStore):
             if isinstance(mapped, ObjectNotFoundError):
                 return
             raise mapped from exc
-
-    # ---------------------------------------------------------------- structure
 
     def child(self, subpath: str) -> FsspecStore:
         _check_relative(subpath.rstrip("/"), "subpath", allow_empty=False, allow_partial=False)

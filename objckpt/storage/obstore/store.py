@@ -163,8 +163,6 @@ class ObstoreStore(StreamingStore):
         self.checks_at_arrival = self.keeps_checksums = checksums is not None
         self.lists_checksums = False  # S3 lists no checksums: one HEAD per object
 
-    # ------------------------------------------------------------------ helpers
-
     def _path(self, key: str) -> str:
         return f"{self._prefix}{key}"
 
@@ -194,8 +192,6 @@ class ObstoreStore(StreamingStore):
                 raise
             cause = redacted_cause(exc)  # obstore's text holds the service's whole answer
         raise error from cause
-
-    # -------------------------------------------------------------------- reads
 
     async def head(self, key: str) -> ObjectInfo:
         check_relative(key, "key", allow_empty=False, allow_partial=False)
@@ -286,8 +282,6 @@ class ObstoreStore(StreamingStore):
         paths = [*found["common_prefixes"], *(meta["path"] for meta in found["objects"])]
         return sorted({p.rstrip("/").rpartition("/")[2] for p in paths})
 
-    # ------------------------------------------------------------------- writes
-
     async def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
         await self._put(key, _as_buffer(data), mode)
 
@@ -360,8 +354,6 @@ class ObstoreStore(StreamingStore):
         except ObjectNotFoundError:
             return  # S3 says nothing; GCS and local disk say 404
 
-    # ---------------------------------------------------------------- structure
-
     def child(self, subpath: str) -> ObstoreStore:
         sub = subpath.rstrip("/")
         check_relative(sub, "subpath", allow_empty=False, allow_partial=False)
@@ -380,9 +372,6 @@ class ObstoreStore(StreamingStore):
         clone._prefix = f"{head}/" if head else ""
         clone.url = self.url.rstrip("/").rpartition("/")[0]
         return clone
-
-
-# ------------------------------------------------------------------ factories
 
 
 def client_options(*, request_timeout: float, allow_http: bool, extra: dict[str, Any] | None = None) -> ClientConfig:
