@@ -7,11 +7,13 @@
    and decoding; next to zstd level 3 over the bytes as they lie (Orbax's zarr3 chain has no
    shuffle).
 2. A 1 GiB bf16 state (16 leaves of 64 MiB on a (4, 2) mesh of CPU devices, the weights of
-   step 1) saved to and restored from the local S3 server (SeaweedFS) through
-   ``backends.proxy.FaultProxy`` at 10 ms RTT, plain and compressed interleaved: wall and
-   CPU seconds, and the bytes the transfer engine moved.
+   step 1) saved to the local S3 server (SeaweedFS), plain and compressed, then restored onto
+   the saved sharding in fresh processes (as a restarted job does) at each RTT of ``--rtts``
+   (0 ms: straight to the server; else through ``backends.proxy.FaultProxy``), plain and
+   compressed interleaved, each restore checked bit-exact against crc32s of the saved leaves:
+   wall and CPU seconds, and the bytes the transfer engine moved. A fresh server each round.
 
-    python -m benchmarks.bench_compression [--repeats 3] [--mib 1024] [--rtt-ms 10]
+    python -m benchmarks.bench_compression [--repeats 3] [--mib 1024] [--rtts 0,10]
 
 Writes ``benchmarks/results/compression.json`` and ``compression.md``.
 """
@@ -27,6 +29,7 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
+import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -41,6 +44,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import objckpt  # noqa: E402
 from backends import start_s3  # noqa: E402
 from backends.proxy import FaultProxy  # noqa: E402
+from benchmarks.workers import run_workers  # noqa: E402
 from objckpt.core import codecs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,31 +112,62 @@ def state(mib: int) -> dict[str, jax.Array]:
     return {f"w{i:02d}": jax.device_put(jnp.asarray(weights((rows, 8192), seed=i)), sharding) for i in range(16)}
 
 
-def one_run(url: str, storage_options: dict[str, Any], tree: dict[str, jax.Array], mode: str | None) -> dict[str, Any]:
-    """Save, then restore onto the saved sharding: wall and CPU seconds, bytes moved."""
-    options = objckpt.Options(compression=mode)
+def save_run(url: str, storage_options: dict[str, Any], tree: dict[str, jax.Array], mode: str | None) -> dict[str, Any]:
+    """Save: wall and CPU seconds, bytes written."""
     wall, cpu = time.perf_counter(), time.process_time()
-    saved = objckpt.save(url, tree, storage_options=storage_options, options=options)
-    out: dict[str, Any] = {"save_s": time.perf_counter() - wall, "save_cpu_s": time.process_time() - cpu}
-    out["bytes_written"] = saved.bytes_written
-    stats = objckpt.TransferStats()
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+    saved = objckpt.save(url, tree, storage_options=storage_options, options=objckpt.Options(compression=mode))
+    return {
+        "save_s": time.perf_counter() - wall,
+        "save_cpu_s": time.process_time() - cpu,
+        "bytes_written": saved.bytes_written,
+    }
+
+
+def _restore_worker() -> None:
+    """A fresh process's restore onto the saved sharding (the job in ``COMPRESSION_JOB``): prints RESULT."""
+    job = json.loads(os.environ["COMPRESSION_JOB"])
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    target = {
+        k: jax.ShapeDtypeStruct(tuple(shape), ml_dtypes.bfloat16, sharding=NamedSharding(mesh, P("x", "y")))
+        for k, shape in job["shapes"].items()
+    }
+    restore, stats = objckpt.restore, objckpt.TransferStats()
     wall, cpu = time.perf_counter(), time.process_time()
-    restored = objckpt.restore(url, target, storage_options=storage_options, stats=stats)
-    out.update(restore_s=time.perf_counter() - wall, restore_cpu_s=time.process_time() - cpu)
+    restored = restore(job["url"], target, storage_options=job["storage_options"], stats=stats)
+    jax.block_until_ready(restored)
+    out = {"restore_s": time.perf_counter() - wall, "restore_cpu_s": time.process_time() - cpu}
     out["bytes_read"] = stats.bytes_read
-    out["bit_exact"] = all(np.array_equal(np.asarray(restored[k]), np.asarray(v)) for k, v in tree.items())
-    del restored
+    out["bit_exact"] = {k: zlib.crc32(np.asarray(v).tobytes()) for k, v in restored.items()} == job["crc32"]
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def restore_run(
+    url: str, storage_options: dict[str, Any], tree: dict[str, jax.Array], crcs: dict[str, int]
+) -> dict[str, Any]:
+    job = {
+        "url": url,
+        "storage_options": storage_options,
+        "crc32": crcs,
+        "shapes": {k: v.shape for k, v in tree.items()},
+    }
+    (out,) = run_workers(
+        "benchmarks.bench_compression", job, processes=1, devices=8, env_prefix="COMPRESSION", timeout=600
+    )
     return out
 
 
 def _load(results: dict[str, Any]) -> str:
-    loads = [r["load_avg"][0] for runs in results["s3"].values() for r in runs if (r.get("load_avg") or [None])[0]]
+    runs = [r for by_mode in results["restores"].values() for rs in by_mode.values() for r in rs]
+    loads = [r["load_avg"][0] for r in runs if (r.get("load_avg") or [None])[0]]
     return f"{min(loads):.1f}–{max(loads):.1f}" if loads else "unknown"
 
 
 def _cell(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -147,77 +182,100 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {name} | {r['ratio']:.3f}× | {r['encode_gb_per_cpu_s']:.2f} | {r['decode_gb_per_cpu_s']:.2f}"
             f" | {r['zstd3_unshuffled_ratio']:.3f}× |"
         )
+    saves = results["saves"]
     lines += [
         "",
-        f"{results['mib']} MiB bf16 state (16 leaves, (4, 2) CPU mesh) on S3 (SeaweedFS) at {results['rtt_ms']:g} ms"
-        f" RTT; medians (min–max) of the runs (plain {len(results['s3']['plain'])}, zstd {len(results['s3']['zstd'])}),"
-        " interleaved; CPU = this process's CPU seconds;"
-        f" 1-minute load average after each run {_load(results)} on {results['cpus']} CPUs.",
+        f"{results['mib']} MiB bf16 state (16 leaves, (4, 2) CPU mesh) on S3 (SeaweedFS): saved at 0 ms from the"
+        f" driver, restored onto the saved sharding in fresh processes; {results['repeats']} rounds (a fresh server"
+        " each), plain and compressed interleaved; medians (min–max); CPU = the process's CPU seconds;"
+        f" 1-minute load average after each restore {_load(results)} on {results['cpus']} CPUs (shared: the"
+        " server runs on the same cores).",
         "",
-        "| mode | save s | save CPU-s | MiB written | restore s | restore CPU-s | MiB read | bit-exact |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | save s | save CPU-s | MiB written |",
+        "|---|---|---|---|",
     ]
-    for mode, runs in results["s3"].items():
+    for mode, runs in saves.items():
         cells = [_cell([r[k] for r in runs]) for k in ("save_s", "save_cpu_s")]
-        cells.append(f"{statistics.median(r['bytes_written'] for r in runs) / 2**20:.0f}")
-        cells += [_cell([r[k] for r in runs]) for k in ("restore_s", "restore_cpu_s")]
-        cells.append(f"{statistics.median(r['bytes_read'] for r in runs) / 2**20:.0f}")
-        cells.append(str(all(r["bit_exact"] for r in runs)))
-        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
-    s3 = results["s3"]
-    ratio = statistics.median(r["bytes_written"] for r in s3["plain"]) / statistics.median(
-        r["bytes_written"] for r in s3["zstd"]
-    )
-    speed = {
-        k: statistics.median(r[k] for r in s3["plain"]) / statistics.median(r[k] for r in s3["zstd"])
-        for k in ("save_s", "restore_s")
-    }
+        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {_median(runs, 'bytes_written') / 2**20:.0f} |")
+    lines += [
+        "",
+        "| RTT | mode | restore s | restore CPU-s | MiB read | bit-exact | plain ÷ zstd restore time |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    summary = []
+    for rtt, by_mode in results["restores"].items():
+        speed = _median(by_mode["plain"], "restore_s") / _median(by_mode["zstd"], "restore_s")
+        summary.append(f"{speed:.2f}× at {rtt} ms")
+        for mode, runs in by_mode.items():
+            cells = [_cell([r[k] for r in runs]) for k in ("restore_s", "restore_cpu_s")]
+            cells += [f"{_median(runs, 'bytes_read') / 2**20:.0f}", str(all(r["bit_exact"] for r in runs))]
+            cells.append(f"{speed:.2f}×" if mode == "zstd" else "")
+            lines.append(f"| {rtt} ms | {mode} | " + " | ".join(cells) + " |")
+    ratio = _median(saves["plain"], "bytes_written") / _median(saves["zstd"], "bytes_written")
+    save_speed = _median(saves["plain"], "save_s") / _median(saves["zstd"], "save_s")
     if results.get("note"):
         lines += ["", results["note"]]
     lines += [
         "",
-        f"Stored {ratio:.2f}× smaller; compressed save {speed['save_s']:.2f}× and restore {speed['restore_s']:.2f}×"
-        " the speed of plain ones (above 1: faster).",
+        f"Stored {ratio:.2f}× smaller; compressed save {save_speed:.2f}× the speed of a plain one; compressed"
+        f" restore {', '.join(summary)} (above 1: faster).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _storage_options(s3: Any, rtt_ms: int) -> tuple[dict[str, Any], Any]:
+    """The server's storage options, through a latency proxy when ``rtt_ms`` (the proxy, to stop)."""
+    so = s3.storage_options()
+    if not rtt_ms:
+        return so, None
+    proxy = FaultProxy("127.0.0.1", int(s3.endpoint_url.rsplit(":", 1)[1]), latency_ms=rtt_ms).start()
+    return {**so, "client_kwargs": {**so["client_kwargs"], "endpoint_url": proxy.endpoint_url}}, proxy
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mib", type=int, default=1024)
-    parser.add_argument("--rtt-ms", type=float, default=10.0)
+    parser.add_argument("--rtts", default="0,10", help="comma list of RTTs in ms for the restores")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "compression"))
     parser.add_argument("--report", help="write the tables of a finished (or cut-short) run's JSON again")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        _restore_worker()
+        return 0
     if args.report:
         table = markdown(json.loads(Path(args.report).read_text()))
         Path(args.report).with_suffix(".md").write_text(table)
         print(table)
         return 0
-    results: dict[str, Any] = {"repeats": args.repeats, "mib": args.mib, "rtt_ms": args.rtt_ms, "codec": codec()}
-    results["cpus"] = os.cpu_count()
+    rtts = [int(x) for x in args.rtts.split(",")]
+    results: dict[str, Any] = {"repeats": args.repeats, "mib": args.mib, "codec": codec(), "cpus": os.cpu_count()}
     tree = state(args.mib)
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    results["s3"] = runs
-    for i in range(args.repeats):
-        for mode in list(MODES) if i % 2 == 0 else list(reversed(MODES)):
-            # A fresh server per run: SeaweedFS holds what it stores in memory, and this VM's is shared.
-            with start_s3() as s3:
-                so = s3.storage_options()
-                port = int(s3.endpoint_url.rsplit(":", 1)[1])
-                proxy = FaultProxy("127.0.0.1", port, latency_ms=args.rtt_ms).start()
-                so = {**so, "client_kwargs": {**so["client_kwargs"], "endpoint_url": proxy.endpoint_url}}
-                try:
-                    out = one_run(s3.url(f"bench-compression/{uuid.uuid4().hex[:8]}"), so, tree, MODES[mode])
-                finally:
-                    proxy.stop()
-            out["load_avg"] = os.getloadavg()
-            runs[mode].append(out)
-            print(f"{mode}: {out}", flush=True)
-            Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    crcs = {k: zlib.crc32(np.asarray(v).tobytes()) for k, v in tree.items()}
+    results["saves"] = saves = {m: [] for m in MODES}
+    results["restores"] = restores = {str(rtt): {m: [] for m in MODES} for rtt in rtts}
     out_path = Path(args.out)
-    out_path.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    for i in range(args.repeats):
+        order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+        # A fresh server per round: SeaweedFS holds what it stores in memory, and this VM's is shared.
+        with start_s3() as s3:
+            urls = {m: s3.url(f"bench-compression/{m}-{uuid.uuid4().hex[:8]}") for m in MODES}
+            for mode in order:
+                saves[mode].append(save_run(urls[mode], s3.storage_options(), tree, MODES[mode]))
+                print(f"save {mode}: {saves[mode][-1]}", flush=True)
+            for rtt in rtts:
+                so, proxy = _storage_options(s3, rtt)
+                try:
+                    for mode in order:
+                        out = restore_run(urls[mode], so, tree, crcs)
+                        out["load_avg"] = os.getloadavg()
+                        restores[str(rtt)][mode].append(out)
+                        print(f"restore {mode} at {rtt} ms: {out}", flush=True)
+                finally:
+                    if proxy is not None:
+                        proxy.stop()
+        out_path.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     table = markdown(results)
     out_path.with_suffix(".md").write_text(table)
     print(table)
