@@ -8,6 +8,7 @@ import concurrent.futures
 import os
 import re
 import signal
+import sys
 import time
 import urllib.parse
 
@@ -156,3 +157,20 @@ def test_a_worker_killed_mid_copy_has_its_task_run_again(s3_store, store_target_
         assert busy not in client.run(os.getpid) or client.run(os.getpid)[busy] != pids[busy]  # it died
     assert stats.blobs_copied + stats.blobs_skipped == stats.blobs
     assert _objects(fanned) == _objects(alone)
+
+
+def test_the_command_line_runs_on_a_cluster_and_names_the_extra_when_missing(
+    s3_service, s3_store, client, monkeypatch, capsys
+):
+    from objckpt.cli import main
+    from objckpt.transfer.dask_jobs import cluster
+
+    _saved(s3_store)
+    for name, value in s3_service.env().items():
+        monkeypatch.setenv(name, value)
+    scheduler = client.scheduler.address
+    assert main(["verify", s3_store.url, "--scheduler", scheduler, "--memory-per-worker", "8MiB", "--json"]) == 0
+    assert '"problems": []' in capsys.readouterr().out.replace("\n", "").replace("  ", "")
+    monkeypatch.setitem(sys.modules, "distributed", None)  # not installed
+    with pytest.raises(objckpt.ObjckptError, match=r"objckpt\[dask\]"), cluster(2, None):
+        pass

@@ -160,12 +160,9 @@ def verify(
     return report
 
 
-def _on_dask(
-    client: Any, url: str, storage_options: Any, options: Options, manifest: Manifest, stats: TransferStats
-) -> list[VerifyProblem]:
+def _on_dask(client: Any, url: str, so: Any, options: Options, manifest: Manifest, stats: TransferStats) -> Any:
     """The blobs verified by tasks on ``client``'s cluster: the problems merged, their figures added to ``stats``."""
-    kw = {"url": url, "storage_options": storage_options, "options": options}
-    blobs = [(b.key, b.size) for b in manifest.blobs]
+    blobs, kw = [(b.key, b.size) for b in manifest.blobs], {"url": url, "storage_options": so, "options": options}
     reports = dask_jobs.fan_out(client, f"verify {url} {manifest.save_id}", _verify_task, blobs, **kw)
     for r in reports:
         stats.add(bytes_read=r.bytes_read, requests=r.requests, retries=r.retries, checksum_retries=r.checksum_retries)
