@@ -9,15 +9,9 @@ checkpoint's blob (references never chain: a reader makes the same ranged reads 
 a blob of its own). The root then lists those checkpoints in ``bases``
 (:mod:`objckpt.core.format.bases`).
 
-Base and save are siblings: checkpoints under one parent prefix (a manager root's steps),
-so that a reference leads one level up and no further.
-
-What a save references is what the new root can name and a reader decodes as saved: a piece
-of a raw leaf (a compressed piece's SHA-256 is of its stored bytes, so compressed leaves are
-neither hashed nor referenced, whatever the base), in a blob whose file name carries the save
-id the root gives its checkpoint (a standalone copy, ``cp``, keeps its base's blobs under that
-base's id: they are uploaded again). A base that cannot serve (it does not read, a blob of it
-is gone) is logged and costs uploads, never the save.
+Which bases serve and which pieces are referenced (siblings under one parent prefix; raw
+leaves only; a standalone copy's blobs of its own base uploaded again; a base that cannot
+serve logged, costing uploads, never the save): docs/INCREMENTAL.md.
 
 Why it is safe against deleters: the save writes its live-save marker into the base's prefix
 too, before it reads the base's manifest, so ``rm``, retention and ``gc`` leave the base

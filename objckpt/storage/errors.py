@@ -231,11 +231,6 @@ def service_detail(text: str) -> str:
     return detail[:_DETAIL_LIMIT]
 
 
-def _first_line(exc: BaseException) -> str:
-    # obstore appends the body and a multi-line Rust debug dump; the first line says what happened.
-    return service_detail(str(exc))
-
-
 def _client_error(exc: BaseException) -> dict[str, Any] | None:
     """The ``Error`` part of a botocore ``ClientError``'s response in ``exc``'s cause chain, or None."""
     cur: BaseException | None = exc
@@ -380,7 +375,7 @@ def map_obstore_error(exc: BaseException, what: str, *, create: bool = False) ->
     untrusted = untrusted_certificate(exc, what)
     if untrusted is not None:
         return untrusted
-    message = f"{what} failed: {scrub(f'{type(exc).__name__}: {_first_line(exc)}')}"
+    message = f"{what} failed: {scrub(f'{type(exc).__name__}: {service_detail(str(exc))}')}"
     status = _obstore_status(exc)
     code = _service_code(str(exc))
     if code in BUCKET_MISSING_CODES:  # on a listing (GenericError) or a read (FileNotFoundError)

@@ -7,20 +7,9 @@ a value (an opaque token, one with a quote in it, a secret inside an
 exception's text); the value itself cannot be missed. So when a store opens,
 :func:`credential_secrets` reads what the sources of its URL's scheme hold,
 the way the clients will read them, and the opener hands the values to
-:func:`objckpt.logs.remember_secrets`:
-
-* ``s3://``: ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``/``AWS_SECURITY_TOKEN``,
-  the container authorization token (``AWS_CONTAINER_AUTHORIZATION_TOKEN``, or
-  the contents of ``..._FILE``), the contents of ``AWS_WEB_IDENTITY_TOKEN_FILE``,
-  the secret keys, session tokens and web identity token files of every
-  profile of the shared credentials and config files, and the access and
-  refresh tokens of the SSO token cache (``~/.aws/sso/cache``);
-* ``gs://``: the private key, client secret and refresh token of the
-  ``GOOGLE_APPLICATION_CREDENTIALS`` file, gcloud's application-default file or
-  a ``token`` option (a path or a dict), and the subject token file of an
-  ``external_account`` (workload identity federation) configuration;
-* either: storage options named like a credential (``secret``, ``token``,
-  ``password``, ``aws_secret_access_key``, ...).
+:func:`objckpt.logs.remember_secrets` (docs/CREDENTIALS.md, "Debug logs", lists them:
+the secret keys and tokens of the environment, of every profile of the shared files and of
+the SSO cache, Google key files' private keys and tokens, credential-named storage options).
 
 Credentials fetched later (STS, IMDS, ECS answers, Google access tokens) are
 remembered where objckpt sees them (:class:`~objckpt.storage.auth.credentials.BotocoreCredentials`),
