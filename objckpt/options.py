@@ -137,10 +137,10 @@ class Options:
             owners share its upload (and a read-once restore, its reads) without
             cutting it into reads too small to be worth a request.
         request_timeout: seconds one attempt of a store call may take, once it holds its
-            concurrency slot, before it counts as stalled, at least: a transfer's attempt is
-            given twice its time at the throughput the operation has measured (before that,
-            this plus its size at 2 MiB/s); each retry after a timeout gets twice the time of
-            the attempt before (``RetryConfig.deadline`` bounds them all).
+            concurrency slot, before it counts as stalled; a transfer's first attempt is given
+            this plus its size at 2 MiB/s until the operation has measured its throughput, then
+            twice its time at that throughput (at least 2 s); each retry after a timeout gets
+            twice the time of the attempt before (``RetryConfig.deadline`` bounds them all).
         barrier_timeout: seconds a multi-host barrier waits before naming stragglers.
         manifest_size_limit: the reader refuses larger manifests (hostile input).
         live_marker_lease: seconds a live-save marker protects its checkpoint prefix

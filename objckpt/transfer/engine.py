@@ -31,6 +31,7 @@ T = TypeVar("T")
 Item = TypeVar("Item")
 
 FIRST_RATE = 2 << 20  #: bytes/s a request is granted before the operation has measured any (a slow link's)
+ROUND_TRIPS = 2.0  #: seconds granted on top, once it has, to a request whose time is round trips
 
 
 class AsyncByteBudget:
@@ -110,8 +111,9 @@ class TransferEngine:
     def timeout_for(self, size: int) -> float:
         """The first attempt's timeout for a request that moves ``size`` bytes: twice the time it
         should take at the throughput this operation's requests have measured (recent ones weigh
-        most), at least ``attempt_timeout``; before any has, ``attempt_timeout`` plus ``size`` at
-        :data:`FIRST_RATE`. A stalled transfer is cut at twice its time, not at a fixed timeout."""
+        most), at least ``attempt_timeout`` (from the first measurement on, at most
+        :data:`ROUND_TRIPS` unless a request needed more); before any, ``attempt_timeout`` plus
+        ``size`` at :data:`FIRST_RATE`. A stalled transfer is cut at twice its time."""
         if not self._busy:
             return self.attempt_timeout + size / FIRST_RATE
         return max(self.attempt_timeout, 2 * size * self._busy / self._moved)
@@ -123,8 +125,8 @@ class TransferEngine:
 
         Each attempt's timeout starts once it holds its slot: the time it waits behind the
         operation's other requests is the client's, not a stalled server's. An attempt that
-        took longer than ``attempt_timeout`` and ended on a longer timeout (a retry's, see
-        :func:`retry_attempts`) raises ``attempt_timeout``, the first attempt's timeout of the
+        took longer than its request's first timeout and ended on a longer one (a retry's, see
+        :func:`retry_attempts`) raises ``attempt_timeout``, the least first timeout of the
         requests that start after it, to that: on a host where the operation's requests take
         that long, the next ones need not each time out first. A retry that ends quickly
         after a stall teaches nothing.
@@ -157,8 +159,10 @@ class TransferEngine:
                     raise TimeoutError(self._waited_for(size, watch, time.monotonic() - started)) from None
                 outcome = "ok"
                 took = time.monotonic() - started
-                if took > self.attempt_timeout:  # it needed the longer timeout
-                    self.attempt_timeout = timeout
+                if size and not self._busy:  # the throughput carries transfers now: the floor is round trips
+                    self.attempt_timeout = min(self.attempt_timeout, ROUND_TRIPS)
+                if took > first:  # it needed the longer timeout
+                    self.attempt_timeout = max(self.attempt_timeout, timeout)
                 if size:
                     self._moved, self._busy = 0.9 * self._moved + size, 0.9 * self._busy + took
                 return result
@@ -169,11 +173,12 @@ class TransferEngine:
             finally:
                 self.limit.release(ticket, outcome)
 
+        first = self.timeout_for(size)
         return await retry_attempts(
             what,
             attempt,
             retry=self.retry,
-            request_timeout=self.timeout_for(size),
+            request_timeout=first,
             stats=self.stats,
             endpoint=endpoint_of(self.store),
         )
