@@ -111,7 +111,7 @@ def markdown(records: list[dict[str, Any]], layout: str) -> str:
             lines.append(f"| {target}: {label} | " + " | ".join(cells) + f" | {goal or ''} |")
     measured = sorted({str(r.get("layers_measured")) for r in mine if r["target_mesh"] is None})
     fitted = any(r.get("extrapolated") for r in mine)
-    layers = max(r["layers"] for r in mine)
+    layers = max((r["layers"] for r in mine if "layers" in r), default=0)
     note = f" (of {layers}; extrapolated to {layers} on a straight line)" if fitted else f" (of {layers})"
     lines += ["", f"Layers measured: {', '.join(measured)}{note}."]
     return "\n".join(lines)
