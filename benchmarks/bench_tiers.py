@@ -664,9 +664,15 @@ def main() -> None:
     parser.add_argument("--processes", default=",".join(map(str, GRID_PROCESSES)), help="grid: process counts")
     parser.add_argument("--mib", default=",".join(map(str, GRID_MIB)), help="grid: state sizes in MiB")
     parser.add_argument("--nnx", action="store_true", help="grid: 1-D leaves saved split, restored replicated")
+    parser.add_argument(
+        "--table", action="store_true", help="grid: print docs/TIERS.md's table from --out, run nothing"
+    )
     args = parser.parse_args()
     if args.worker:
         _worker_main()
+        return
+    if args.table:
+        print(grid_table(json.loads(Path(args.out).read_text())["grid"]))
         return
     if args.grid:
         if args.quick:

@@ -68,3 +68,30 @@ def test_save_overheads_and_targets_are_reported(report: dict[str, Any]) -> None
     assert all(isinstance(v, bool) for v in report["targets"].values())
     assert report["targets"]["local_vs_store"] == (report["local_vs_store"] >= 5)
     assert len(report["per_process"]) == 4
+
+
+@pytest.mark.slow
+def test_the_grid_restarts_from_each_tier_bit_exact(tmp_path: Path) -> None:
+    """``--grid --quick`` (issue 79's grid, 1 and 2 processes at 64 MiB, one round): every restart a
+    fresh job, bit-exact and served by its path's tier; the time before the first read and the
+    coordinator calls recorded; ``--table`` prints docs/TIERS.md's table from the result file."""
+    out = tmp_path / "tiers.json"
+    out.write_text(json.dumps({"kept": 1}))
+    run = [sys.executable, "benchmarks/bench_tiers.py", "--grid", "--quick", "--out", str(out), "--timeout", "240"]
+    done = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["kept"] == 1  # the grid is one key of the result file
+    cells = report["grid"]["cells"]
+    assert [(c["processes"], c["mib"]) for c in cells] == [(1, 64), (2, 64)]
+    for cell in cells:
+        assert set(cell) >= {"local", "store"} and ("peer" in cell) == (cell["processes"] > 1)
+        for path in ("local", "peer", "store"):
+            for run_ in cell.get(path, {}).get("runs", []):
+                assert run_["exact"] and run_["tiers"] == [path], (cell["processes"], path, run_)
+                assert 0 < run_["before_first_read_s"] <= run_["seconds"]
+                assert len(run_["per_process"]) == cell["processes"]
+    local_2 = cells[1]["local"]["runs"][0]["coordination"]
+    assert local_2["barrier"] == 3, local_2  # agree on the step and tier, then on opening and restoring
+    table = subprocess.run([*run[:2], "--table", "--out", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert table.stdout.count("| 2 | 64 MiB |") == 1
