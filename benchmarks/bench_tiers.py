@@ -272,11 +272,11 @@ COORDINATION = ("barrier", "publish", "collect", "broadcast", "await_value", "re
 
 def grid_leaves(mib: int) -> list[Any]:
     """The grid's state of ``mib`` MiB: the ``small`` transformer (64 MiB, 12 layers at d=160, ~300
-    leaves, like the ≈60 MiB Flax NNX state of issue 79), 8 layers at d=512 for 256 MiB, and the
+    leaves, like the ≈60 MiB Flax NNX state of issue 79), 4 layers at d=512 for 256 MiB, and the
     ``medium`` one (1 GiB) for 1024; others: 4 layers at d=256 filling ``mib``."""
     from benchmarks.rivals import workloads
 
-    shapes = {64: (12, 160), 256: (8, 512), 1024: (4, 1024)}
+    shapes = {64: (12, 160), 256: (4, 512), 1024: (4, 1024)}
     layers, d = shapes.get(mib, (4, 256))
     return list(workloads._transformer(f"grid{mib}", layers=layers, d=d, target_bytes=mib << 20).leaves)
 
@@ -506,7 +506,7 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {
-        "workload": "grid: the small (64 MiB, 12 layers at d=160), 8 layers at d=512 (256 MiB) and medium (1 GiB)"
+        "workload": "grid: the small (64 MiB, 12 layers at d=160), 4 layers at d=512 (256 MiB) and medium (1 GiB)"
         " transformer states with Adam moments, float32; 2-D leaves P('data', 'model') over (processes, 2)"
         " CPU devices, 1-D replicated; S3 (SeaweedFS) on loopback, 0 ms; each restart a fresh job",
         "repeats": args.repeats,
