@@ -113,9 +113,11 @@ def state(mib: int) -> dict[str, jax.Array]:
 
 
 def save_run(url: str, storage_options: dict[str, Any], tree: dict[str, jax.Array], mode: str | None) -> dict[str, Any]:
-    """Save: wall and CPU seconds, bytes written."""
+    """Save: wall and CPU seconds, bytes written (each PUT given 10 minutes: a fresh SeaweedFS on a
+    busy VM can take a minute to grow its volumes on the first burst of writes)."""
+    options = objckpt.Options(compression=mode, retry=objckpt.RetryConfig(deadline=600.0))
     wall, cpu = time.perf_counter(), time.process_time()
-    saved = objckpt.save(url, tree, storage_options=storage_options, options=objckpt.Options(compression=mode))
+    saved = objckpt.save(url, tree, storage_options=storage_options, options=options)
     return {
         "save_s": time.perf_counter() - wall,
         "save_cpu_s": time.process_time() - cpu,
