@@ -274,7 +274,7 @@ def restore() -> dict[str, Any]:
     restored = objckpt.restore(
         JOB["url"],
         target,
-        storage_options=JOB.get("storage_options") or {},
+        storage_options=JOB.get("storage_options_of", {}).get(str(PROCESS)) or JOB.get("storage_options") or {},
         read_once=JOB.get("read_once", False),
         replicas=[objckpt.Location(url, opts) for url, opts in JOB.get("replicas", [])],
         options=options(JOB),

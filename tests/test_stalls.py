@@ -240,3 +240,25 @@ def test_a_stalled_process_is_named_by_the_other_not_a_barrier_timeout(s3_servic
     mine, other = results[1]["error"], results[0]["error"]  # type: ignore[index]
     assert "from process 1 timed out" in mine, mine
     assert "process 1" in other and "barrier" not in other.lower(), other
+
+
+def test_a_restore_whose_one_process_stalls_ends_within_the_deadline_on_both(s3_service) -> None:
+    """Two processes restore; process 1's blob reads stall: it fails within the deadline naming
+    itself and the blob, and process 0 is not held (it ends, or fails naming process 1)."""
+    url = s3_service.url(f"stalls/mp-restore-{uuid.uuid4().hex[:8]}")
+    job = {"kind": "save", "url": url, "mesh": [2, 4], "axes": ["data", "model"]}
+    job["storage_options"] = s3_service.storage_options()
+    assert all(r is not None for r in run_processes(2, job, timeout=150))
+    with _proxied(s3_service.endpoint_url) as proxy:
+        through = copy.deepcopy(s3_service.storage_options())
+        through["client_kwargs"]["endpoint_url"] = proxy.endpoint_url
+        proxy.set_faults(1.0, ("hang",), only=".blob")
+        options = {"request_timeout": 1, "barrier_timeout": 120, "retry": {"deadline": DEADLINE}}
+        restore = {**job, "kind": "restore", "report_errors": True, "storage_options_of": {"1": through}}
+        results = run_processes(2, {**restore, "options": options}, timeout=150)
+    assert all(r is not None for r in results), results
+    print(results)
+    mine, other = results[1], results[0]  # type: ignore[index]
+    assert "from process 1 timed out" in mine.get("error", "") and ".blob [" in mine["error"], mine
+    assert mine["seconds"] < 30, mine
+    assert not other.get("error") or ("process 1" in other["error"] and other["seconds"] < 30), other
