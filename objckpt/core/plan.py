@@ -216,6 +216,12 @@ class BoxIndex:
         self._axes = _grid_axes(self.boxes)
         self._met: dict[tuple[Index, Index], list[tuple[tuple[Index, Index], tuple[Index, Index]]]] = {}
 
+    @functools.cached_property
+    def grid(self) -> tuple[list[tuple[list[int], list[int]]], list[tuple[Index, Index]]] | None:
+        """Per axis the sorted starts and stops of its intervals, and the boxes in grid order (the
+        last axis fastest: sorted by start), when the boxes form a grid; else None."""
+        return None if self._axes is None else (self._axes, sorted(self.boxes))
+
     def meeting(self, start: Index, stop: Index) -> list[tuple[tuple[Index, Index], tuple[Index, Index]]]:
         """(box, box ∩ [start, stop)) for each box that meets ``[start, stop)``, in grid order.
 
