@@ -12,12 +12,9 @@ What a worker copies is the difference between the steps the root keeps and
 those its replica holds, newest first: a replica that falls behind (slow, or
 unreachable for a while) skips to the newest step, says so, and fills in the
 older steps still kept afterwards; a step the root's retention deleted
-meanwhile is never copied, and a copy it cut off mid-way (or one ``close`` cut
-off, of a step the root no longer keeps) has what it wrote at the replica
-deleted: its blobs and index objects, never a committed step, including writes
-that land after the copy stopped (:mod:`objckpt.manager.abandoned_copies`). The
-same retention policies then run on each replica's own steps, after every copy
-that lands there. A replica is caught up (:meth:`Replicator.wait`, which
+meanwhile is never copied, and what a copy cut off mid-way wrote at the replica is
+deleted (:mod:`objckpt.manager.abandoned_copies`). The same retention policies then run
+on each replica's own steps, after every copy that lands there. A replica is caught up (:meth:`Replicator.wait`, which
 ``close`` calls) once it holds every step the root keeps, its retention has run
 since its last copy, and its abandoned copies are swept clean; ``close`` then
 stops the workers, every wait bounded by a timeout. Nothing here blocks a save: the root's commit never waits

@@ -1,10 +1,8 @@
 """The host bytes of a save's shards: copied off the devices ahead, within a budget, held until sent.
 
-A save reads every shard it writes through an alias of its device buffer
-(:func:`~objckpt.core.device_reads.host_alias`), so no host copy is left on the user's
-arrays. :class:`HostCopies` starts those device→host copies (``copy_to_host_async``) ahead
-of their blobs, all of them before the first is read when the budget holds the shards, so
-the transfers overlap instead of running one after another.
+:class:`HostCopies` starts the device→host copies of a save's shards (through aliases:
+:mod:`objckpt.core.device_reads`) ahead of their blobs, all of them before the first is read
+when the budget holds the shards, so the transfers overlap.
 
 On an accelerator a shard's host copy is memory of its own, which no device op writes
 (:func:`~objckpt.core.device_reads.host_copy` says so), and the save uploads its bytes from

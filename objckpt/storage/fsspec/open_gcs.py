@@ -1,14 +1,8 @@
 """Opening ``gs://`` stores through gcsfs: one credential, TLS trust, the fast paths, single attempts.
 
-gcsfs serves every GCS store objckpt opens by default (the registry says
-why). Around it, this module sets up what a real deployment needs: the one
-refreshable Google credential that gcsfs and objckpt's fast paths share
-(:mod:`objckpt.storage.auth.gcs`), a CA bundle that every request trusts, the
-streamed range reader and media uploader, and gcsfs making one attempt per
-request so that the engine's retries and throttle see each refusal. That
-last switch uses a gcsfs internal, so it is pinned to the releases it was
-read and tested on (:data:`GCSFS_SINGLE_ATTEMPT_VERSIONS`); elsewhere gcsfs
-keeps its own retries.
+gcsfs serves every GCS store objckpt opens by default (:mod:`objckpt.storage.factories`
+says why); :func:`open_gcsfs` sets up around it what a real deployment needs, and gcsfs
+makes one attempt per request where its release allows (:func:`_one_attempt_per_request`).
 """
 
 from __future__ import annotations

@@ -28,10 +28,8 @@ Choices, and why:
   restore can scatter each few MiB of a read it copies out of while they
   are in cache (:mod:`objckpt.storage.streaming` says why).
 * **Multipart only past S3's single-PUT limit** (> 5 GiB by default, 16 MiB
-  parts): a multipart upload of N parts is N + 2 requests, and stores limit
-  requests per second, which is why large saves write larger blobs
-  (``Options.max_blob_size``, at most 5 GiB): each stays one PUT. Create-if-absent is
-  always a single-request PUT: GCS ignores preconditions on XML multipart.
+  parts): each blob stays one PUT (:mod:`objckpt.saving.blob_sizing` says why).
+  Create-if-absent is always a single-request PUT: GCS ignores preconditions on XML multipart.
 * **Checked uploads on S3** (``put_checked``): obstore cannot send an
   ``x-amz-checksum-crc32c``, so an upload that carries its CRC-32C goes through
   botocore (:mod:`objckpt.storage.obstore.s3_checksums`), as does the
