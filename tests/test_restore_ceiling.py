@@ -50,7 +50,7 @@ def test_decode_joins_the_planes_into_the_buffer_it_is_given(dtype):
 
 
 def test_a_compressed_restore_onto_the_saved_sharding_decodes_in_place_on_s3(s3_store, monkeypatch):
-    tree = _tree()
+    tree = {**_tree(), "scale": jnp.asarray(1.5, jnp.float32)}  # a 0-d leaf: decoded into a view of its buffer
     url = f"{s3_store.url}/zstd"
     objckpt.save(url, tree, storage_options=s3_store.storage_options, options=ZSTD)
     copies = []

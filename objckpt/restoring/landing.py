@@ -243,7 +243,8 @@ class Landing:
         buffer = self._leaves[i].buffers.get(box)
         if buffer is None or not buffer.flags.writeable:
             return None
-        region = buffer[(*box_to_slices(start, stop, origin=box[0]), ...)]  # a view, a 0-d one too
+        slices = box_to_slices(start, stop, origin=box[0])
+        region = buffer[slices] if slices else buffer.view()  # a view, a 0-d one too (buffer[()] copies)
         return region if region.flags.c_contiguous else None
 
     def buffers(self, i: int) -> dict[Box, np.ndarray]:
