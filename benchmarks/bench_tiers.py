@@ -652,7 +652,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks, backends, tests
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None, help="3; --grid: 5")
     parser.add_argument("--interval", type=int, default=20, help="local_interval_steps of the step-time segments")
     parser.add_argument("--step-s", type=float, default=1.0, help="seconds of emulated accelerator compute per step")
     parser.add_argument("--rtt-ms", type=int, default=10)
@@ -677,8 +677,7 @@ def main() -> None:
     if args.grid:
         if args.quick:
             args.processes, args.mib, args.repeats = "1,2", "64", 1
-        elif args.repeats == 3:
-            args.repeats = 5
+        args.repeats = args.repeats or 5
         out = Path(args.out)
         report = json.loads(out.read_text()) if out.exists() else {}
         load = os.getloadavg()
@@ -687,6 +686,7 @@ def main() -> None:
         out.write_text(json.dumps(report, indent=1))
         print(grid_table(report["grid"]))
         return
+    args.repeats = args.repeats or 3
     if args.quick:
         args.workload, args.repeats, args.interval, args.step_s = "small", 1, 3, 0.05
     from backends.launcher import start_s3
