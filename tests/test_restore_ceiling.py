@@ -74,3 +74,11 @@ def test_a_compressed_restore_onto_boxes_that_cut_the_pieces_copies_them_and_is_
         )
         assert_tree_bit_exact(tree, restored)
         assert all(r.sharding == sharding for r in restored.values())
+
+
+def test_the_peers_bench_measures_a_workload_of_few_large_leaves():
+    from benchmarks.rivals import workloads  # noqa: PLC0415 - the benchmark's, not the package's
+
+    few = workloads.get("few")
+    assert "few" in workloads.NAMES and few.nbytes == 1 << 30
+    assert len(few.leaves) == 16 and all(leaf.shape == (4096, 4096) for leaf in few.leaves)
