@@ -250,10 +250,14 @@ class CheckpointManager:
             from objckpt.saving.api import save_async, start_save
 
             # One host stage for a step due for both: the local snapshot copies each box off the
-            # devices, the store save stages from it. A local write still running: the store
-            # save does not wait for the disk, and copies its own boxes.
-            tiers = self._tiers if local else None
-            stage = tiers.snapshot(step, tree, local_metadata) if tiers is not None and tiers.idle() else None
+            # devices, the store save stages from it. A local write still running, or a snapshot
+            # that fails (host memory): the store save copies its own boxes, and goes first.
+            tiers, stage, failed = self._tiers if local else None, None, None
+            if tiers is not None and tiers.idle():
+                try:
+                    stage = tiers.snapshot(step, tree, local_metadata)
+                except Exception as e:  # raised once the store's save has started, as a local save's error
+                    failed = e
             base = self._base_for(step) if self.incremental else None
             handle = (save_async if stage is None else functools.partial(start_save, stage=stage))(
                 self.step_url(step),
@@ -265,6 +269,8 @@ class CheckpointManager:
             )
             self._pending = runtime.submit(self._after_save(handle, step, metrics))
             self._pending_step = step
+        if failed is not None:
+            raise failed
         if tiers is not None and stage is not None:  # after the store's save: the disk never holds it up
             tiers.write(stage)
         elif tiers is not None:
