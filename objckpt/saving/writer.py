@@ -102,16 +102,11 @@ def check_destination(handle: Handle) -> None:
             f"{handle.url}: this store cannot create objects only-if-absent, so a commit could overwrite"
             " another writer's checkpoint; use a store that supports it (S3, GCS, local disk, memory)"
         )
-    if runtime.run_sync(_exists(handle)):  # the retrying store bounds it
-        raise CheckpointExistsError(f"a committed checkpoint already exists at {handle.url}")
-
-
-async def _exists(handle: Handle) -> bool:
     try:
-        await handle.store.head(MANIFEST_KEY)
+        runtime.run_sync(handle.store.head(MANIFEST_KEY))  # the retrying store bounds it
     except FileNotFoundError:
-        return False
-    return True
+        return
+    raise CheckpointExistsError(f"a committed checkpoint already exists at {handle.url}")
 
 
 def write(
