@@ -26,8 +26,8 @@ import objckpt
 from objckpt.core.checksum import crc32c
 from objckpt.core.format.local import RECORD
 from objckpt.errors import FormatError, PartialCopyError, StoreError
-from objckpt.locations.local_dirs import ForeignStepError, LocalDir, write_step
-from objckpt.peers.copies import check_whose, payload_of
+from objckpt.locations.local_dirs import ForeignStepError, LocalDir, check_record, write_step
+from objckpt.peers.copies import payload_of
 from objckpt.restoring.api import restore_copy
 from objckpt.roots.step_names import step_dir
 from objckpt.roots.sweep import delete_objects
@@ -286,7 +286,7 @@ def test_a_peer_copy_naming_another_process_or_root_is_not_held(tmp_path):
     good = snapshot(_tree(3), root=URL, step=3, process_index=1, **mine)  # type: ignore[arg-type]
     write_step(tier.held_dir(1) / step_dir(3), good, key=KEY, options=objckpt.Options())
     forged = snapshot(_tree(4), root=URL, step=4, process_index=0, **mine)  # type: ignore[arg-type]
-    forged_record = write_step(tier.held_dir(1) / step_dir(4), forged, key=KEY, options=objckpt.Options())
+    write_step(tier.held_dir(1) / step_dir(4), forged, key=KEY, options=objckpt.Options())
     other = snapshot(_tree(5), root="s3://bucket/other", step=5, process_index=1, **mine)  # type: ignore[arg-type]
     write_step(tier.held_dir(1) / step_dir(5), other, key=KEY, options=objckpt.Options())
     unkeyed = snapshot(_tree(6), root=URL, step=6, process_index=1, **mine)  # type: ignore[arg-type]
@@ -299,7 +299,9 @@ def test_a_peer_copy_naming_another_process_or_root_is_not_held(tmp_path):
         with pytest.raises(ForeignStepError):
             payload_of(tier, tier.held_dir(1) / step_dir(step), 1)
     with pytest.raises(FormatError, match="process 0's step, not process 1's"):
-        check_whose(forged_record, URL, 1, "from process 0")
+        check_record(
+            (tier.held_dir(1) / step_dir(4) / RECORD).read_bytes(), "from process 0", root=URL, process_index=1
+        )
     tier.retain()  # not this manager's to delete
     assert (tier.held_dir(1) / step_dir(4) / RECORD).exists()
 

@@ -110,8 +110,8 @@ class ForeignStepError(FormatError):
     """A whole local step that is not this manager's: another root's, or another process's."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync(path: Path | str, flags: int = 0) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
@@ -165,12 +165,8 @@ def sync_files(directory: Path) -> None:
     are atomic renames, not synced)."""
     for dirpath, _dirs, files in os.walk(directory):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+            _fsync(os.path.join(dirpath, name), os.O_NOFOLLOW)
+        _fsync(dirpath)
 
 
 def commit_record(directory: Path, record: PartRecord, key: bytes) -> None:
@@ -181,7 +177,7 @@ def commit_record(directory: Path, record: PartRecord, key: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / RECORD)
-    _fsync_dir(directory)
+    _fsync(directory)
 
 
 def place(tmp: Path, directory: Path) -> None:
@@ -190,7 +186,7 @@ def place(tmp: Path, directory: Path) -> None:
         _remove(directory / RECORD)
         _remove(directory)
     os.replace(tmp, directory)
-    _fsync_dir(directory.parent)
+    _fsync(directory.parent)
 
 
 def _remove(path: Path) -> None:
@@ -234,17 +230,7 @@ def read_record(
     raw = read_regular(path, MANIFEST_LIMIT)
     if len(raw) > MANIFEST_LIMIT:
         raise FormatError(f"{path}: over {MANIFEST_LIMIT} bytes")
-    record = parse_part_record(raw)
-    if root is not None and record.root != root:
-        raise ForeignStepError(f"{path}: a step of the root {record.root}, not of {root}")
-    if process_index is not None and record.process_index != process_index:
-        raise ForeignStepError(f"{path}: process {record.process_index}'s step, not process {process_index}'s")
-    if key_of is not None:
-        key = key_of(record.save_id)
-        if key is None:
-            raise ForeignStepError(f"{path}: {root or record.root} holds no key of its run {record.save_id}")
-        if not authentic(raw, key):
-            raise FormatError(f"{path}: not sealed under its run's key (an edited or forged record)")
+    record = check_record(raw, str(path), root=root, process_index=process_index, key_of=key_of)
     try:
         manifest = read_regular(directory / MANIFEST_KEY, MANIFEST_LIMIT)
     except FileNotFoundError:
@@ -253,6 +239,35 @@ def read_record(
         raise FormatError(f"{path}: {MANIFEST_KEY} is not the one it pins (an edited or replaced step)")
     if STEP_DIR.match(directory.name) and int(STEP_DIR.match(directory.name).group(1)) != record.step:  # type: ignore[union-attr]
         raise FormatError(f"{path}: names step {record.step}, not the directory's")
+    return record
+
+
+def check_record(
+    raw: bytes,
+    where: str,
+    *,
+    root: str | None = None,
+    process_index: int | None = None,
+    key_of: KeyOf | None = None,
+) -> PartRecord:
+    """The record ``raw`` (``where`` it is, for messages), checked as :func:`read_record` says.
+
+    Raises:
+        FormatError: a damaged record, or one not sealed under its run's key.
+        ForeignStepError: another root's or another process's step, or a run whose key the root
+            does not hold.
+    """
+    record = parse_part_record(raw)
+    if root is not None and record.root != root:
+        raise ForeignStepError(f"{where}: a step of the root {record.root}, not of {root}")
+    if process_index is not None and record.process_index != process_index:
+        raise ForeignStepError(f"{where}: process {record.process_index}'s step, not process {process_index}'s")
+    if key_of is not None:
+        key = key_of(record.save_id)
+        if key is None:
+            raise ForeignStepError(f"{where}: {record.root} holds no key of its run {record.save_id}")
+        if not authentic(raw, key):
+            raise FormatError(f"{where}: not sealed under its run's key (an edited or forged record)")
     return record
 
 
@@ -289,12 +304,8 @@ def step_objects(directory: Path) -> dict[str, np.ndarray]:
 
 def step_dirs(base: Path) -> dict[int, Path]:
     """The step directories under ``base``, complete or not, by step."""
-    try:
-        entries = list(base.iterdir())
-    except (FileNotFoundError, NotADirectoryError):  # none, or a local= that cannot hold one
-        return {}
     out = {}
-    for entry in entries:
+    for entry in _entries(base):
         match = STEP_DIR.match(entry.name)
         if match and entry.is_dir() and not entry.is_symlink():  # a linked step is never a step here
             out[int(match.group(1))] = entry
@@ -369,17 +380,15 @@ def remove_steps(base: Path, steps: Iterable[int], within: Path | None) -> None:
 def _entries(base: Path) -> list[Path]:
     try:
         return list(base.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError):  # none, or a local= that cannot hold one
         return []
 
 
 def _foreign(directory: Path, within: Path | None, whose: dict[str, Any]) -> bool:
     try:
         read_record(directory, within=within, **whose)
-    except ForeignStepError:
-        return True
-    except (FormatError, OSError):
-        return False
+    except (FormatError, OSError) as e:
+        return isinstance(e, ForeignStepError)
     return False
 
 
@@ -448,11 +457,7 @@ class LocalDir:
     def held(self) -> dict[int, dict[int, PartRecord]]:
         """The peer copies this process holds: ``{owner: {step: record}}``."""
         out = {}
-        try:
-            entries = list((self.own / "peer").iterdir())
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
-        for entry in entries:
+        for entry in _entries(self.own / "peer"):
             if entry.name.startswith("process_") and entry.name[8:].isdigit():
                 owner = int(entry.name[8:])
                 steps = complete_steps(entry, **self._whose(owner))

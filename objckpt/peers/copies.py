@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 
 from objckpt.core.format import MANIFEST_KEY
-from objckpt.core.format.local import RECORD, PartRecord, authentic, parse_part_record
+from objckpt.core.format.local import RECORD, PartRecord
 from objckpt.core.strict import strict_json
 from objckpt.errors import FormatError
 from objckpt.locations.local_dirs import (
     MANIFEST_LIMIT,
-    ForeignStepError,
     LocalDir,
+    check_record,
     commit_record,
     place,
     read_regular,
@@ -134,28 +134,13 @@ def _record_of(
         FormatError: no record or manifest, not sealed under its run's key, another manifest.
         ForeignStepError: another root's or process's step, or a run the root holds no key of.
     """
-    found = {key: (at, n) for key, at, n in files}
+    found, where = {key: (at, n) for key, at, n in files}, f"peer copy {where}"
     if RECORD not in found or MANIFEST_KEY not in found:
-        raise FormatError(f"peer copy {where}: no {RECORD} or {MANIFEST_KEY}")
-    raw = read(*found[RECORD])
-    record = parse_part_record(raw)
-    check_whose(record, tier.url, owner, where)
-    key = tier.key_of(record.save_id)
-    if key is None:
-        raise ForeignStepError(f"peer copy {where}: {tier.url} holds no key of its run {record.save_id}")
-    if not authentic(raw, key):
-        raise FormatError(f"peer copy {where}: not sealed under its run's key (an edited or forged record)")
+        raise FormatError(f"{where}: no {RECORD} or {MANIFEST_KEY}")
+    record = check_record(read(*found[RECORD]), where, root=tier.url, process_index=owner, key_of=tier.key_of)
     if not record.pins(read(*found[MANIFEST_KEY])):
-        raise FormatError(f"peer copy {where}: its {MANIFEST_KEY} is not the one its record pins")
+        raise FormatError(f"{where}: its {MANIFEST_KEY} is not the one its record pins")
     return record
-
-
-def check_whose(record: PartRecord, url: str, owner: int, where: str) -> None:
-    """Refuse a copy that is not ``owner``'s step of the root ``url`` (ForeignStepError)."""
-    if record.root != url:
-        raise ForeignStepError(f"peer copy {where}: a step of the root {record.root}, not of {url}")
-    if record.process_index != owner:
-        raise ForeignStepError(f"peer copy {where}: process {record.process_index}'s step, not process {owner}'s")
 
 
 def unpack(payload: np.ndarray, where: str, tier: LocalDir, owner: int) -> Received:
@@ -184,7 +169,7 @@ def _write_files(directory: Path, files: Mapping[str, np.ndarray]) -> None:
 
 def keep_received(tier: LocalDir, received: Received) -> None:
     """Write a step brought back from the keeper into this process's own directory, record last."""
-    check_whose(received.record, tier.url, tier.process_index, "kept")
+    check_record(received.objects[RECORD].tobytes(), "peer copy kept", root=tier.url, process_index=tier.process_index)
     directory = tier.inside(tier.step_dir(received.record.step))
     tier.inside(directory.parent)
     tmp = tmp_dir(directory)
