@@ -144,13 +144,11 @@ def restore(
         TargetMismatchError: the target does not match the checkpoint (leaves, shapes), or
             a cast is refused under ``cast="checked"`` (the leaf, both dtypes named).
     """
-    if cast not in CASTS:
-        raise ValueError(f"cast must be one of {', '.join(map(repr, CASTS))}, got {cast!r}")
+    asked = _Asked(target, partial, read_once, progress, cast)
     options = options or Options()
     stats = stats if stats is not None else TransferStats()
     if options.tune_malloc:
         tune_malloc()
-    asked = _Asked(target, partial, read_once, progress, cast)
     if replicas:
         locations = [Location(str(url), storage_options), *as_locations(replicas, storage_options, primary=str(url))]
         try:
@@ -194,13 +192,12 @@ def restore_copy(
         PartialCopyError: the copy holds one process's part and not what this target needs here.
         As :func:`restore` otherwise.
     """
-    if cast not in CASTS:
-        raise ValueError(f"cast must be one of {', '.join(map(repr, CASTS))}, got {cast!r}")
+    asked = _Asked(target, partial, False, False, cast)
     options = options or Options()
     handle = Handle.of(checkpoint.store, options, stats)
     try:
         with runtime.collection_paused(options.pause_gc):
-            return _restore(handle, checkpoint, _Asked(target, partial, False, False, cast))
+            return _restore(handle, checkpoint, asked)
     finally:
         handle.close()
 
@@ -214,6 +211,10 @@ class _Asked:
     read_once: bool
     progress: ProgressArg
     cast: str
+
+    def __post_init__(self) -> None:
+        if self.cast not in CASTS:
+            raise ValueError(f"cast must be one of {', '.join(map(repr, CASTS))}, got {self.cast!r}")
 
 
 def _restore_nearest(locations: list[Location], asked: _Asked, options: Options, stats: TransferStats) -> Any:
@@ -264,26 +265,22 @@ def _restore_leaves(handle: Handle, checkpoint: NativeCheckpoint, asked: _Asked)
     shaping = {"planner": ReadPlanner(prefer_saved=True)} if copy else {}
     reads = plan_read_shardings(manifest, selection, **shaping) if resharding else {}
     planned = {i: reads[i].read_target(t) if i in reads else t for i, t in selection.items()}
+    collective = "restore" if read_once else "reshard"  # what follows the reads, on every process
     try:
         manifest, landing, requests = _plan_reads(handle, checkpoint, planned, read_once, cast, designator)
     except BaseException as e:
         if reads or read_once:  # the other processes wait for this one before their collective: tell them
-            fetch_agreed(
-                _raise(e), handle.url, options.barrier_timeout, operation="restore" if read_once else "reshard"
-            )
+            fetch_agreed(_raise(e), handle.url, options.barrier_timeout, operation=collective)
         raise
     base = stats.bytes_read
     total = sum(r.length for r in requests)
     with reporting(asked.progress, "restore", store.url, total, lambda: stats.bytes_read - base, stats):
-        if read_once:
-            results = _fetch_then_share(handle, requests, landing)
+        fetched = lambda: runtime.run_sync(fetch(handle, requests, landing))  # noqa: E731
+        if reads or read_once:  # a collective follows (a reshard, read-once's sharing): all must have read first
+            fetch_agreed(fetched, handle.url, options.barrier_timeout, operation=collective)
         else:
-            fetched = lambda: runtime.run_sync(fetch(handle, requests, landing))  # noqa: E731
-            if reads:  # every process reshards the same leaves: all must have read theirs first
-                fetch_agreed(fetched, handle.url, options.barrier_timeout)
-            else:
-                fetched()
-            results = dict(landing.results())
+            fetched()
+        results = _share(dict(landing.results()), landing) if read_once else dict(landing.results())
     if reads:
         results = reshard(results, reads, stats)
     values = {i: (results[i] if i in results else inline_value(manifest.leaves[i], t)) for i, t in selection.items()}
@@ -365,20 +362,10 @@ def _raise(error: BaseException) -> Callable[[], None]:
     return run
 
 
-def _fetch_then_share(handle: Handle, requests: list[ReadRequest], landing: Landing) -> dict[int, Any]:
-    """Read-once: fetch this process's share, agree that every process succeeded, then share;
-    returns each leaf's value.
-
-    The status exchange (with a timeout) comes before the collective, which has
-    none: a process that failed to read must not leave the others in a collective.
-    """
-    fetch_agreed(
-        lambda: runtime.run_sync(fetch(handle, requests, landing)),
-        handle.url,
-        handle.options.barrier_timeout,
-        operation="restore",
-    )
-    results = dict(landing.results())
+def _share(results: dict[int, Any], landing: Landing) -> dict[int, Any]:
+    """Read-once: each designated leaf's value handed to its other replicas by a collective over
+    the devices, once every process has read its share (:func:`fetch_agreed`: a collective has no
+    timeout, so a process that failed to read must not leave the others in one)."""
     for i in sorted(landing.plans):  # same order on every process: the collectives must line up
         leaf = landing.plans[i]
         if leaf.designated is not None:
