@@ -1,33 +1,11 @@
 """Which step to restore, and from which tier: every process decides alike from what all hold.
 
-Each process publishes a small inventory through JAX's coordination service
-(:class:`objckpt.multihost.Coordinator`: key-value store and a barrier with a timeout):
-the complete steps in its own local directory (step → save id and the process count that
-saved it), the peer copies it holds (owner → step → save id), whether it can take part in
-a peer copy, the newest store step its manager had seen committed when it saved each step
-it holds, and, from the primary only, the object store's committed steps. After the
-barrier every process reads every inventory and runs the same pure :func:`decide`, so all
-reach the same answer without another message.
-
-A step is
-
-- **local** when every process of this job holds it in its own directory with the same
-  save id (one save, not two runs that both reached the step) and the saved process count
-  is this job's;
-- **peer** when every process either holds it or its keeper holds its copy (same save id),
-  and every process can take part in a peer copy;
-- **store** when the object store has committed it.
-
-The step restored is the newest one in any tier (or the one asked for); the tiers to try
-for it are listed fastest first. The local and peer tiers hold one line of steps: every process
-retires its steps above a step the job restored or saved, or above the store's newest once its
-newest steps are deleted (:meth:`objckpt.locations.local_dirs.LocalDir.retire`), so the newest
-step here is never one of a line the job left. A local or peer step saved after the store had
-committed a step that is gone now, with no newer store step left (a roll-back the local tier
-never saw: ``objckpt rm``), is of a deleted line and not counted (retention never deletes the
-newest committed step). "local" is also tried for a step the store holds when every
-process holds it locally but the process count differs: the restore itself then checks that
-each process's boxes cover its target (:mod:`objckpt.layouts.process_copy`).
+Each process publishes its :class:`Inventory` through JAX's coordination service
+(:class:`objckpt.multihost.Coordinator`: one barrier with a timeout); every process then reads
+them all and runs the same pure :func:`decide`, so all reach the same answer without another
+message. Its rules (when a step is local, peer or store; the tiers fastest first; a step of a
+deleted line left out; the local tier tried for a step of another process count) are
+docs/TIERS.md's "Restoring" and "One line of steps".
 """
 
 from __future__ import annotations

@@ -1,40 +1,15 @@
 """The local tier: each process's own part of a step on its own host's disk or RAM disk.
 
-What the manager's ``local=`` directory holds (a path or ``file://`` URL; ``/dev/shm`` works)::
-
-    process_<p>/step_<N>/manifest.json, <hh>/*.index, <hh>/*.blob
-                                             this process's part of step N: an objckpt checkpoint
-    process_<p>/step_<N>/part.json           its sealed record, written last: no record, no step
-    process_<p>/peer/process_<q>/step_<N>/   the same, for process q's step, held as its peer copy
-
-Each process reads and writes only ``process_<p>/`` under its own index: retention,
-the clean-up of torn saves and the manager's ``gc`` never touch another process's
-directory (on a pod each host has its own disk anyway; on one machine several
-processes share the path).
-
-A save has two phases, like :func:`objckpt.save_async`:
-:func:`~objckpt.saving.local_snapshot.snapshot` (the caller's thread) copies every box this
-process's devices hold, each once, off the devices into one buffer objckpt owns, so the caller
-may donate its arrays at once; :meth:`LocalDir.write` (a background thread) writes it by the
-writing corridor as a one-process checkpoint (:func:`objckpt.saving.local_snapshot.save_part`) into
-a new directory beside the step's, then the record (:mod:`objckpt.core.format.local`: the root,
-the step, the run's save id, the process, the manifest's SHA-256; sealed under the run's key),
-synced and renamed into place, and moves the directory to ``step_<N>``. A step saved again
-(a restarted run reaching it) replaces the old one: the old record goes first; a step another
-job (root) or process left there is never replaced (:class:`ForeignStepError`: the save is skipped).
-The steps form one line: a job at step N (it saved or restored N) did not come from a step above
-N, so this manager's steps above N are retired (:meth:`LocalDir.retire`, :func:`retain`).
-
-A step is this manager's only if its record names the manager's root and this process, is
-sealed under the key its run left in that root (:meth:`LocalDir.steps`, :meth:`LocalDir.held`,
-:mod:`objckpt.locations.run_keys`), and pins the manifest beside it: a ``local=`` directory
-another job left behind, a peer copy that names another process, or an edited step is not a
-step here (logged, never read).
-
-Nothing in the tier is reached through a symbolic link that leads out of it: every directory
-written, read or deleted and every file read is resolved first and refused
-(:class:`~objckpt.errors.StorePermissionError`) when it lies outside ``local=``, and files are
-opened without following a link in their last component (a linked blob is not read).
+docs/TIERS.md ("Saving") says what the manager's ``local=`` directory holds: per process
+``process_<p>/step_<N>/``, a one-process checkpoint and its record ``part.json``, written last
+(no record, no step), and ``process_<p>/peer/process_<q>/step_<N>/``, process q's step kept as
+its peer copy; when a step is this manager's (its record names the root and the process, is
+sealed under its run's key and pins the manifest beside it); and that nothing is reached
+through a link out of ``local=``. Here: :meth:`LocalDir.write` is a local save's background
+phase (into a new directory beside the step's, the record synced and renamed into place, the
+directory moved to ``step_<N>``), :func:`read_record` the checks of a step's record
+(:mod:`objckpt.core.format.local`), :func:`retain` and :meth:`LocalDir.retire` the retention
+and the one line of steps. Each process touches only ``process_<p>/`` under its own index.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from objckpt.errors import (
     PartialCopyError,
     PeerCopyUnavailableError,
 )
-from objckpt.locations.agreement import LOCAL, PEER, STORE, Inventory, agree, all_succeeded, decide
+from objckpt.locations.agreement import PEER, STORE, Inventory, agree, all_succeeded, decide
 from objckpt.locations.local_dirs import MANIFEST_LIMIT, LocalDir, read_regular, step_dirs
 from objckpt.multihost import Coordinator
 from objckpt.options import Options
@@ -239,13 +239,7 @@ class StepLocations:
             log.warning("objckpt local tier: the step brought back from the keeper was not kept: %s", e)
 
     def _try_local(
-        self,
-        decision: Any,
-        target: Any,
-        partial: bool,
-        received: Any = None,
-        fetch_error: str | None = None,
-        phases: _Phases | None = None,
+        self, decision: Any, target: Any, partial: bool, received: Any, fetch_error: str | None, phases: _Phases
     ) -> tuple[Any, dict[int, str]]:
         """Restore from this process's step (``received``: its copy brought back, in memory) through the
         one restore (:func:`objckpt.restoring.api.restore_copy`), then agree with every process that
@@ -256,7 +250,6 @@ class StepLocations:
         one at the end."""
         from objckpt.restoring.api import restore_copy
 
-        phases = phases if phases is not None else _Phases()
         out, error, checkpoint = None, fetch_error, None
         if error is None:
             with phases("open"):
@@ -311,9 +304,6 @@ class StepLocations:
             peers=self.peers,
             last_restore=self.last_restore,
         )
-
-
-__all__ = ["LOCAL", "PEER", "STORE", "StepLocations", "TierRestore", "TierStatus"]
 
 
 def _stored(directory: Path) -> int:

@@ -1,32 +1,17 @@
 """The recovery tiers in front of a manager's object store: local, peer copy, then the store.
 
-:class:`Tiers` is what :class:`~objckpt.manager.checkpoint_manager.CheckpointManager`
-holds when it is given ``local=``:
-
-- **saving**: every ``interval_steps`` steps each process snapshots its own boxes
-  (the caller's thread, like ``save_async``'s blocking phase) and writes them to its local
-  directory in the background (:mod:`objckpt.locations.local_dirs`). With ``peers=1`` the same
-  background job then sends the step to the process's keeper (:mod:`objckpt.peers.copies`:
-  JAX's transfer server, not a device program, so it runs beside the training step). At
-  most one local save is in flight; the next one waits for it. A local save that fails (a
-  full or unwritable disk, another job's step in the way) is a warning, and the next one
-  tries again: the object store's saves never wait on the local disk.
-- **restoring**: :class:`~objckpt.locations.tiers.StepLocations` (which step, from which
-  location, every process alike; each copy read by the one restore).
-
-What this module decides is policy: which steps are saved locally, that at most one local
-save is in flight, and when peer copies stop.
+:class:`Tiers` is what :class:`~objckpt.manager.checkpoint_manager.CheckpointManager` holds when
+it is given ``local=`` (docs/TIERS.md: saving, the peer copy, restoring). It decides policy:
+which steps save locally, that at most one local save is in flight (the next waits for it),
+that a failed local save is a warning (the object store's saves never wait on the local disk),
+and when peer copies stop: any failure turns them off with a warning, and a process that makes
+no progress for :data:`PEER_STALL_SECONDS` (or ``Options.barrier_timeout`` if shorter; inside
+JAX's heartbeat timeout) leaves its peers a :class:`~objckpt.errors.CoordinationError` naming
+it, raised by their next ``save`` or ``wait``. Restoring is
+:class:`~objckpt.locations.tiers.StepLocations`'.
 
 Every method here that agrees (``latest_step``, ``restore``, ``save`` with peers,
 ``close`` with peers) is called by every process of the job, as the manager's are.
-
-A peer copy waits for a process that makes no progress at most :data:`PEER_STALL_SECONDS`
-(or ``Options.barrier_timeout`` if shorter), well inside JAX's own heartbeat timeout (100 s by
-default), after which JAX's coordination service stops every process of a job that lost one.
-So a process that dies leaves its peers a :class:`~objckpt.errors.CoordinationError` naming
-it, raised by their next ``save`` or ``wait`` (and peer copies off), not a process stopped
-by JAX. Any other failure of a peer copy (no transfer server, a copy that does not parse)
-turns peer copies off with a warning and training goes on.
 """
 
 from __future__ import annotations
@@ -48,10 +33,11 @@ from objckpt.errors import (
 )
 from objckpt.locations.local_dirs import LocalDir, local_path
 from objckpt.locations.run_keys import RunKeys
-from objckpt.locations.tiers import LOCAL, PEER, STORE, StepLocations, TierRestore, TierStatus
+from objckpt.locations.tiers import StepLocations, TierStatus
 from objckpt.manager.settings import LocalCopies
 from objckpt.multihost import Coordinator, operation_tag
 from objckpt.options import Options
+from objckpt.saving.api import SaveHandle
 from objckpt.saving.local_snapshot import Snapshot, snapshot
 from objckpt.storage.base import Store
 from objckpt.transfer import runtime
@@ -119,6 +105,7 @@ class Tiers:
         # The last local save's buffer once written (Options.keep_snapshot_buffer): the next one
         # copies into it, its pages already in, instead of faulting in a fresh one.
         self._spare: np.ndarray | None = None
+        self._reading: SaveHandle | None = None  # the store save that sends from the last snapshot
         self.run_id = self._agree_run_id()
 
     def _agree_run_id(self) -> str:
@@ -161,6 +148,8 @@ class Tiers:
         """
         self.wait()
         spare, self._spare = self._spare, None
+        if False and self._reading is not None and not self._reading.done():
+            spare = None  # a store save still sends from it (objckpt's own bytes are sent in place)
         return snapshot(
             tree,
             root=self.url,
@@ -176,9 +165,10 @@ class Tiers:
         """Whether no local save is in flight (a snapshot taken now waits for none)."""
         return self._pending is None or self._pending.done()
 
-    def write(self, snap: Snapshot) -> None:
-        """Write ``snap`` and send it to the keeper in the background (a store save that stages
-        from ``snap`` has read it before it returned: its buffer is free for the next snapshot)."""
+    def write(self, snap: Snapshot, reading: SaveHandle | None = None) -> None:
+        """Write ``snap`` and send it to the keeper in the background; ``reading``: the store save
+        that sends from ``snap`` too (its buffer is not reused before that save ends)."""
+        self._reading = reading
         self._pending = runtime.submit(asyncio.to_thread(self._write_and_send, snap))
 
     def _write_and_send(self, snap: Any) -> None:
@@ -275,4 +265,4 @@ class Tiers:
         self.locations.peers = on
 
 
-__all__ = ["LOCAL", "PEER", "STORE", "TierRestore", "TierStatus", "Tiers"]
+__all__ = ["TierStatus", "Tiers"]

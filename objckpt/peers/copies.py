@@ -1,18 +1,12 @@
 """The local tier's peer copies, moved by :func:`objckpt.peers.transfer.exchange_with_peers`.
 
-After a local save, every process sends that step (each file of its checkpoint and its record,
-then a table of their names and sizes and a 16-byte trailer: ``OBJCKPT2`` and the table's
-length) to its keeper, which writes the files under
-``process_<keeper>/peer/process_<owner>/step_<N>/``, the record last (:func:`send_to_keepers`).
-On a restore that finds a process's own copy missing, the keepers send the copies back the
-other way, each to its owner, which restores from the files in memory
-(:func:`fetch_from_keepers`) and writes them into its own directory afterwards, in the
-background (:func:`keep_received`).
-
-Every process calls them together, sending an empty payload when it has nothing to send.
-The bytes travel through JAX's runtime only (the transfer module); what arrives is checked
-before it is kept or read: its record strictly (its crc32c, the root and the process it names:
-this manager's root, the owner the copy is for; sealed under its run's key in that root) and
+After a local save every process sends that step (:func:`payload_of`) to its keeper, which
+writes the files under ``process_<keeper>/peer/process_<owner>/step_<N>/``, the record last
+(:func:`send_to_keepers`). A restore that finds a process's own step missing brings it back the
+other way (:func:`fetch_from_keepers`), restores from the files in memory and writes them into
+the owner's directory afterwards (:func:`keep_received`). Every process calls them together,
+sending an empty payload when it has nothing to send. What arrives is checked before it is kept
+or read: its record as a local step's (:func:`objckpt.locations.local_dirs.check_record`) and
 the manifest it pins; every index object and piece by its crc32c when it is restored.
 """
 

@@ -1,27 +1,15 @@
 """Peer copy: each process hands its local-tier bytes to one other process, through JAX's runtime.
 
-The local tier keeps every process's own shards on its own host; losing that host's disk
-would lose them. :func:`exchange_with_peers` gives each process's bytes to a *keeper* in
-another failure domain (by default process ``(p + P // 2) % P``), so a restart that lost
-one host still restores from the local tiers, the missing host's bytes coming from its
-keeper.
-
-The bytes move with JAX's own transfer service, never a protocol of our own:
-``jax.experimental.transfer`` (the runtime's DCN transfer server, one per process, started
-on the first exchange). A process offers each chunk of its payload as device arrays under
-an id (``await_pull``), one per segment the chunk spans (a file of a step, sent from where it
-lies: never joined into a copy first), and its keeper pulls them from there; the transfer is point to point
-and is not a device program, so it runs beside the training step's collectives in any
-order, from a background thread. At most ``_WINDOW`` chunks of a payload are offered at a
-time: the keeper acknowledges each chunk it has taken through the coordination service, so
-device and host memory beyond the payloads stay within a few chunks.
-
-The coordination service carries only a few bytes per process: each transfer server's
-address, the sizes, whether this process can take part, a checksum of the keeper map and
-the acknowledgements, agreed at barriers with a timeout that names the processes that did
-not arrive. Its key-value store is never used for the payload: it is built for small
-messages. Every wait has a timeout (the pulls, the offers, the acknowledgements), so a
-process that dies mid-copy ends the exchange with an error on every process, never a hang.
+:func:`exchange_with_peers` gives each process's bytes to a *keeper* in another failure domain
+(:func:`default_keeper`), with JAX's own transfer server (``jax.experimental.transfer``, one per
+process, started on the first exchange), never a protocol of our own. A process offers each
+chunk as device arrays under an id (``await_pull``), one per segment the chunk spans (a file of
+a step, sent from where it lies), at most ``_WINDOW`` chunks ahead of its keeper's
+acknowledgements, and pulls the chunks of the process it keeps; not a device program, it runs
+beside the training step's collectives from a background thread. The coordination service
+carries only a few bytes per process (addresses, sizes, the keeper map's checksum,
+acknowledgements), and every wait has a timeout, so a process that dies mid-copy ends the
+exchange with an error on every process, never a hang (docs/TIERS.md, "The peer copy").
 """
 
 from __future__ import annotations
