@@ -34,18 +34,16 @@ async def _location(store: Any, options: Options) -> dict[int, tuple[bool, str |
     """Step -> (committed, save_id) at one location."""
     entries = [e for e in group_checkpoints(await store.list()) if e.step is not None and e.format == "objckpt"]
 
-    async def save_id(name: str) -> str | None:
+    async def save_id(entry: Any) -> str | None:
+        if not entry.committed:
+            return None
         try:
-            return (await read_manifest(store.child(name), size_limit=options.manifest_size_limit)).save_id
+            return (await read_manifest(store.child(entry.name), size_limit=options.manifest_size_limit)).save_id
         except CheckpointNotFoundError:
             return None
 
-    ids = await asyncio.gather(*(save_id(e.name) if e.committed else _none() for e in entries))
+    ids = await asyncio.gather(*(save_id(e) for e in entries))
     return {e.step: (e.committed, sid) for e, sid in zip(entries, ids, strict=True) if e.step is not None}
-
-
-async def _none() -> None:
-    return None
 
 
 def cmd_ls_replicas(args: argparse.Namespace) -> int:

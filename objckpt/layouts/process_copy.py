@@ -1,21 +1,14 @@
 """A local-tier step or a peer copy, opened as a checkpoint of one process's part for the one restore.
 
-A local step is an objckpt checkpoint (format version 3) of one process's part of a step, its
-``manifest.json`` pinned by the step's sealed record (:mod:`objckpt.core.format.local`). It is
-read like any checkpoint, through a store (its files mapped from the local disk, or a copy a
-peer sent back, in memory: :class:`~objckpt.storage.in_memory.BufferStore`): the manifest is
-checked against the record, its one index object read whole (the part's own pieces), and the
-result handed to the one restore (:func:`objckpt.restoring.api.restore_copy`): the same
-planner, crc32c checks, casts, partial restores, target shardings and reshards as a bucket's.
-
-What differs is only what the copy holds, and :func:`open_part` says so in the manifest it
-returns: its pieces cover what one process saved (:attr:`NativeCheckpoint.holds_process`: a box
-the copy does not cover is a :class:`~objckpt.errors.PartialCopyError`, and the caller reads the
-next location); its process count is the job's, with only this process's ``PerProcess`` values
-(another's entry is None); and an array saved with a ``NamedSharding`` gets that sharding back
-as a grid on its saved mesh when this job has those devices, so a target sharded otherwise is
-read onto the saved grid, where this process's own boxes cover it, and resharded on the
-devices.
+A local step is an objckpt checkpoint (format version 3) of one process's part, its
+``manifest.json`` pinned by the step's sealed record (:mod:`objckpt.core.format.local`), read
+through a store like any checkpoint by :func:`objckpt.restoring.api.restore_copy` (docs/TIERS.md,
+"Restoring"). :func:`open_part` checks the manifest against the record, reads its one index object
+whole, and says in the manifest it returns what the copy holds: one process's pieces
+(:attr:`NativeCheckpoint.holds_process`: a box they miss is a :class:`~objckpt.errors.PartialCopyError`),
+this process's ``PerProcess`` values only (another's entry is None), and each array saved with a
+``NamedSharding`` as a grid on its saved mesh where this job has those devices (a target sharded
+otherwise is read onto that grid, then resharded on the devices).
 """
 
 from __future__ import annotations

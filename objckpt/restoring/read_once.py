@@ -19,6 +19,7 @@ across leaves.
 from __future__ import annotations
 
 import functools
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -90,10 +91,7 @@ class Designator:
 
 
 def _volume(box: Box) -> int:
-    n = 1
-    for a, b in zip(*box):
-        n *= b - a
-    return n
+    return math.prod(b - a for a, b in zip(*box))
 
 
 def share(array: jax.Array, sharding: NamedSharding) -> jax.Array:
