@@ -1,18 +1,13 @@
 """Restoring a manager's step from the nearest location that holds it on every process.
 
-A step may be in each process's local directory (:mod:`objckpt.locations.local_dirs`), in the
-copies peers keep of it (:mod:`objckpt.peers.copies`), and in the manager's object store.
-:class:`StepLocations` has every process publish what it holds, all decide alike which step
-and which locations, fastest first (:mod:`objckpt.locations.agreement`), then tries them in
-that order: a local step or peer copy is opened as a checkpoint of one process's part
-(:func:`objckpt.layouts.process_copy.open_part`) and read by the one restore
-(:func:`objckpt.restoring.api.restore_copy`: the same plan, crc32c checks, casts, target
-shardings and reshards as from a bucket); the object store is read by the manager's own
-restore. After each location every process says whether it succeeded, and if any did not,
-all move to the next together, which the log names with each process's reason. Each process
-says where and how long in one line (the ``objckpt`` logger at INFO, or stderr where no logging
-is configured); :attr:`StepLocations.last_restore` keeps it. The step restored is where the job
-goes on from: every process retires its local steps above it (a line the job left).
+:class:`StepLocations` has every process publish what it holds and all decide alike which step
+and which locations, fastest first (:mod:`objckpt.locations.agreement`), then tries them in that
+order: a local step or peer copy (:mod:`objckpt.locations.local_dirs`, :mod:`objckpt.peers.copies`)
+is opened as a checkpoint of one process's part (:func:`objckpt.layouts.process_copy.open_part`)
+and read by the one restore (:func:`objckpt.restoring.api.restore_copy`); the object store by the
+manager's own restore. After each location every process says whether it succeeded, and all
+move to the next together if any did not. The step restored is where the job goes on from: every
+process retires its local steps above it. docs/TIERS.md ("Restoring") says the rest.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Restoring from the nearest of several copies of one checkpoint, failing over mid-restore.
 
-A checkpoint replicated to other regions (``CheckpointManager(replicas=...)``, or
-``objckpt cp``) exists at several locations, each committed by its own
-``manifest.json`` with the same ``save_id``. :func:`choose_locations` reads the
-manifest at every location at once, keeps those that hold the same committed
-checkpoint as the first one listed that has it (a different ``save_id`` for
-that URL is another checkpoint, never mixed in), times a small request to each
-(``HEAD manifest.json``, connections already open) and orders them nearest
-first. :class:`FailoverStore` then serves the restore's reads from the nearest
-location; when a location keeps failing (as many failures in a row as a request
-may retry, or at once for a missing object or a refused permission), it is left
-and the reads that remain go to the next one. Every piece is still checked
-against its crc32c by the restore itself, whichever location its bytes came from;
-a read whose damage persists over its re-reads (corruption at rest at that
-location: a blob's bytes, or an index object that fails its root's checks) is
-read again at the next location (:meth:`FailoverStore.elsewhere_if_damaged`).
-``TransferStats.bytes_by_location`` says how many bytes came from where.
+What a restore with replicas does is docs/REGIONS.md's ("Replicas kept by the manager",
+**Restore**): :func:`choose_locations` reads every location's manifest at once, keeps those
+holding the same committed checkpoint (``save_id``) as the first one that has it and orders
+them by a timed ``HEAD``; :class:`FailoverStore` serves the reads from the nearest, leaves a
+location that keeps failing, and reads again at the next one what stays damaged over its
+re-reads (:meth:`FailoverStore.elsewhere_if_damaged`).
 """
 
 from __future__ import annotations
