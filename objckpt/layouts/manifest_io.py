@@ -134,7 +134,7 @@ async def read_indexes(
             kept = None if leaves is None else leaves.get(process, set())
             return await read_index3(store, manifest, process, table, size_limit=size_limit, leaves=kept, rows=rows)
 
-        docs = await _each(wanted, one3, parallel=INDEX_READS_AT_ONCE)
+        docs = await each(wanted, one3, parallel=INDEX_READS_AT_ONCE)
         if whole:
             check_covered(table, manifest)  # before the rows are put in order
         blobs = {k: v for doc in docs for k, v in doc.blobs.items()}
@@ -155,12 +155,12 @@ async def read_indexes(
                 f"index object {ref.key} (process {process}) listed in the manifest of {store.url} is missing"
             ) from None
 
-    docs = await _each(wanted, one, parallel=INDEX_READS_AT_ONCE)
+    docs = await each(wanted, one, parallel=INDEX_READS_AT_ONCE)
     merged = merge_indexes(manifest, sorted(docs, key=lambda d: d.process))
     return merged.in_columns() if columnar else merged
 
 
-async def _each(items: Iterable[T], fn: Callable[[T], Awaitable[R]], *, parallel: int) -> list[R]:
+async def each(items: Iterable[T], fn: Callable[[T], Awaitable[R]], *, parallel: int) -> list[R]:
     """``fn`` over ``items``, at most ``parallel`` at once, started as others end; results in
     the order they end.
 

@@ -16,25 +16,22 @@ checkpoint whose blobs matter, and the strict parser's check of every object cos
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import json
-from collections.abc import Awaitable, Callable, Collection, Iterable
-from typing import Any, TypeVar
+from collections.abc import Collection, Iterable
+from typing import Any
 
 from objckpt.core.checksum import crc32c
 from objckpt.core.format import MANIFEST_KEY
 from objckpt.core.format.bases import root_relative
 from objckpt.core.format.index3 import MAGIC
 from objckpt.errors import CheckpointNotFoundError, FormatError
-from objckpt.layouts.manifest_io import read_checkpoint, read_manifest_bytes
+from objckpt.layouts.manifest_io import each, read_checkpoint, read_manifest_bytes
 from objckpt.layouts.rereads import until_checked
 from objckpt.storage import Store
 
 #: Roots (and index heads of each) read at once.
 READS_AT_ONCE = 32
 _NAMES_SCANNED = 64  # above this many directories asked about, every root is read further
-T = TypeVar("T")
 
 
 class Unknown(Exception):
@@ -65,7 +62,7 @@ async def referenced(root: Store, heads: Iterable[str], keys: Collection[str], s
         ):
             left.difference_update(await step_references(root, head, data, size_limit))
 
-    await _each(heads, one)
+    await each(heads, one, parallel=READS_AT_ONCE)
     return set(keys) - left
 
 
@@ -81,9 +78,8 @@ async def step_references(root: Store, head: str, data: bytes, size_limit: int) 
         doc = json.loads(data)
         if doc["version"] in (3, 4):  # each index object's head lists its blobs
             indexes = [r["key"] for r in doc["indexes"]]
-            blobs = [
-                k for keys in await _each(doc["indexes"], lambda r: _head_blobs(store, r, size_limit)) for k in keys
-            ]
+            listed = await each(doc["indexes"], lambda r: _head_blobs(store, r, size_limit), parallel=READS_AT_ONCE)
+            blobs = [k for keys in listed for k in keys]
         else:  # one JSON index object a process, or none: read whole (an unknown version: refused)
             manifest = await read_checkpoint(store, size_limit=size_limit)
             indexes, blobs = [r.key for r in manifest.indexes], [b.key for b in manifest.blobs]
@@ -105,22 +101,6 @@ async def _head_blobs(store: Store, ref: dict[str, Any], size_limit: int) -> lis
         return [blob[0] for blob in json.loads(head[len(MAGIC) + 4 :])["blobs"]]
 
     return await until_checked(read, store)
-
-
-async def _each(items: Iterable[Any], fn: Callable[[Any], Awaitable[T]]) -> list[T]:
-    """``fn`` over ``items``, at most :data:`READS_AT_ONCE` at once, each drawn as another ends
-    (so that a reading that can stop early stops); the first error cancels the rest and is raised."""
-    source, running, out = iter(items), set[asyncio.Future[T]](), list[T]()
-    try:
-        while True:
-            running.update(asyncio.ensure_future(fn(i)) for i in itertools.islice(source, READS_AT_ONCE - len(running)))
-            if not running:
-                return out
-            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            out.extend(future.result() for future in done)
-    finally:
-        for future in running:
-            future.cancel()
 
 
 async def may_be_a_base(step: Store, size_limit: int) -> bool:
