@@ -52,10 +52,18 @@ def host_view(array: Any) -> np.ndarray:
     return host_copy(array)[0]
 
 
+class HeldBytes(np.ndarray):
+    """Host bytes objckpt owns and nothing else writes (a local snapshot's, which a store save of
+    the same step reads): :func:`host_copy` takes them as it takes an accelerator's host copy."""
+
+
 def host_copy(array: Any) -> tuple[np.ndarray, bool]:
     """:func:`host_view`, and whether those bytes are a copy of the device buffer that nothing
-    else writes (True on an accelerator; False for a CPU device's own memory, which training may
-    donate and overwrite, and for a numpy array, which its owner may change)."""
+    else writes (True on an accelerator and for :class:`HeldBytes`; False for a CPU device's own
+    memory, which training may donate and overwrite, and for a numpy array, which its owner may
+    change)."""
+    if isinstance(array, HeldBytes):
+        return array.view(np.ndarray), True
     if not isinstance(array, jax.Array):
         return np.asarray(array), False
     read = getattr(array, "_single_device_array_to_np_array_did_copy", None)

@@ -272,7 +272,7 @@ class CheckpointManager:
         if failed is not None:
             raise failed
         if tiers is not None and stage is not None:  # after the store's save: the disk never holds it up
-            tiers.write(stage)
+            tiers.write(stage, reading=handle)
         elif tiers is not None:
             tiers.save(step, tree, local_metadata)
         if wait or self.reached_preemption(step):

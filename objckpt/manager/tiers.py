@@ -37,6 +37,7 @@ from objckpt.locations.tiers import StepLocations, TierStatus
 from objckpt.manager.settings import LocalCopies
 from objckpt.multihost import Coordinator, operation_tag
 from objckpt.options import Options
+from objckpt.saving.api import SaveHandle
 from objckpt.saving.local_snapshot import Snapshot, snapshot
 from objckpt.storage.base import Store
 from objckpt.transfer import runtime
@@ -104,6 +105,7 @@ class Tiers:
         # The last local save's buffer once written (Options.keep_snapshot_buffer): the next one
         # copies into it, its pages already in, instead of faulting in a fresh one.
         self._spare: np.ndarray | None = None
+        self._reading: SaveHandle | None = None  # the store save that sends from the last snapshot
         self.run_id = self._agree_run_id()
 
     def _agree_run_id(self) -> str:
@@ -146,6 +148,8 @@ class Tiers:
         """
         self.wait()
         spare, self._spare = self._spare, None
+        if self._reading is not None and not self._reading.done():
+            spare = None  # a store save still sends from it (objckpt's own bytes are sent in place)
         return snapshot(
             tree,
             root=self.url,
@@ -161,9 +165,10 @@ class Tiers:
         """Whether no local save is in flight (a snapshot taken now waits for none)."""
         return self._pending is None or self._pending.done()
 
-    def write(self, snap: Snapshot) -> None:
-        """Write ``snap`` and send it to the keeper in the background (a store save that stages
-        from ``snap`` has read it before it returned: its buffer is free for the next snapshot)."""
+    def write(self, snap: Snapshot, reading: SaveHandle | None = None) -> None:
+        """Write ``snap`` and send it to the keeper in the background; ``reading``: the store save
+        that sends from ``snap`` too (its buffer is not reused before that save ends)."""
+        self._reading = reading
         self._pending = runtime.submit(asyncio.to_thread(self._write_and_send, snap))
 
     def _write_and_send(self, snap: Any) -> None:

@@ -1,10 +1,11 @@
-"""A local save's blocking phase: every box this process's devices hold, copied into one owned buffer.
+"""A local save's two phases: every box this process's devices hold, copied off the devices once; then written.
 
 :func:`snapshot` runs in the caller's thread, like :func:`objckpt.save_async`'s blocking
 phase: each box this process's devices hold is taken once (a replica on several local
 devices too), its device-to-host copy started at once through an alias
-(:mod:`objckpt.core.device_reads`: no host copy is left on the caller's arrays), and copied
-into one buffer objckpt owns, so the caller may donate its arrays as soon as it returns. The result is what the writing
+(:mod:`objckpt.core.device_reads`: no host copy is left on the caller's arrays), and kept
+where that copy is objckpt's own (an accelerator's), else copied into one buffer objckpt owns, so
+the caller may donate its arrays as soon as it returns. The result is what the writing
 corridor writes as a one-process checkpoint of this process's part of the step
 (:func:`objckpt.locations.local_dirs.write_step`): each leaf's entry, and each box as a piece
 whose bytes lie in the buffer; and, for a step due for the store too, the host stage its save
@@ -31,14 +32,13 @@ of the same devices reads the saved boxes and reshards on the devices
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from objckpt.core.boxes import MeshTable
-from objckpt.core.device_reads import host_alias, host_view, start_host_copy
+from objckpt.core.device_reads import HeldBytes, host_alias, host_copy, start_host_copy
 from objckpt.core.format import LeafEntry
 from objckpt.core.metadata import to_json_value
 from objckpt.core.plan import OwnedPiece, packing_order
@@ -89,23 +89,6 @@ class Snapshot:
         return out
 
 
-class _Placement:
-    """Places boxes in the buffer and remembers what to copy into each."""
-
-    def __init__(self) -> None:
-        self.size = 0
-        self.copies: list[tuple[int, int, Any]] = []  # (offset, length, source array)
-        self.pieces: list[tuple[int, tuple[int, ...], tuple[int, ...], np.dtype, int]] = []
-
-    def box(self, leaf: int, start: tuple[int, ...], source: Any, dtype: np.dtype) -> None:
-        shape = tuple(int(n) for n in source.shape)
-        length = math.prod(shape) * dtype.itemsize
-        offset = -(-self.size // ALIGN) * ALIGN
-        self.size = offset + length
-        self.copies.append((offset, length, source))
-        self.pieces.append((leaf, start, shape, dtype, offset))
-
-
 def snapshot(
     tree: Any,
     *,
@@ -125,25 +108,33 @@ def snapshot(
     its pages are in, so the copy faults none, 5-9x faster here); else a fresh one.
     """
     leaves, skeleton = flatten(tree)
-    placement, meshes, entries = _Placement(), MeshTable(), list[LeafEntry]()
+    meshes, entries, boxes = MeshTable(), list[LeafEntry](), []
     for i, leaf in enumerate(leaves):  # what a save writes, in the scope of this process's part
         entry, held = classify(i, leaf, is_primary=True, split_above=0, meshes=meshes, held=True)
         entries.append(entry)
         for piece in held:
             data = host_alias(piece.source[0])  # the host copy lives on the alias, never on the user's array
             start_host_copy(data)
-            placement.box(i, piece.start, data, np.dtype(data.dtype))
-    if buffer is None or buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < placement.size:
-        buffer = host_buffer(placement.size)
-    for offset, length, source in placement.copies:
-        if length:
-            host = host_view(source)
-            np.copyto(buffer[offset : offset + length].view(host.dtype).reshape(host.shape), host)
+            boxes.append((i, piece.start, data))
+    # An accelerator's host copies are objckpt's own already: kept as they are (no second copy, no
+    # second hold). The rest (a CPU device's memory, numpy arrays) are copied into one buffer.
+    hosts = [host_copy(data) for *_, data in boxes]
+    offsets: list[int | None] = []
+    size = 0
+    for host, owned in hosts:
+        offset = None if owned else -(-size // ALIGN) * ALIGN
+        offsets.append(offset)
+        size = size if offset is None else offset + host.nbytes
+    if buffer is None or buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size < size:
+        buffer = host_buffer(size)
     pieces = []
-    for index, start, shape, dtype, offset in placement.pieces:
-        data = buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
-        stop = tuple(a + n for a, n in zip(start, shape))
-        pieces.append(OwnedPiece(index, start, stop, dtype.itemsize, source=(data, start)))
+    for (i, start, _), (host, _), offset in zip(boxes, hosts, offsets):
+        if offset is not None:
+            placed = buffer[offset : offset + host.nbytes].view(host.dtype).reshape(host.shape)
+            np.copyto(placed, host)
+            host = placed
+        stop = tuple(a + int(n) for a, n in zip(start, host.shape))
+        pieces.append(OwnedPiece(i, start, stop, host.dtype.itemsize, source=(host.view(HeldBytes), start)))
     return Snapshot(
         root=root,
         step=step,
