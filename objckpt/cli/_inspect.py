@@ -39,7 +39,7 @@ def show(args: argparse.Namespace, url: str) -> int:
     """``inspect URL`` (``url`` the step the user's URL names); the exit status."""
     info = inspect(url, storage_options=options_from_args(args, url))
     if getattr(args, "item", None) is not None:
-        return _show_item(args, info, _find(info, args.item))
+        return _show_item(args, _find(info, args.item))
     if args.json:
         dump(_info_doc(info))
         return 0
@@ -156,7 +156,7 @@ def _find(info: CheckpointInfo, name: str) -> LeafInfo:
     )
 
 
-def _show_item(args: argparse.Namespace, info: CheckpointInfo, leaf: LeafInfo) -> int:
+def _show_item(args: argparse.Namespace, leaf: LeafInfo) -> int:
     if args.json:
         dump(_leaf_doc(leaf))
     elif leaf.kind == "json":

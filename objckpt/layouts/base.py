@@ -57,8 +57,7 @@ class LeafInfo:
     dtype: str | None
     nbytes: int
     sharding: dict[str, Any] | None = None
-    value: Any = None  # inline leaves (int, float, bool, None): the value; json: the document;
-    # per_process: each process's value size in bytes, in process order
+    value: Any = None
     codec: str | None = None
 
     def item_summary(self, limit: int = 200) -> str | None:

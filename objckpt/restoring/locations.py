@@ -33,7 +33,7 @@ from objckpt.storage.base import ObjectInfo, PutMode, Store
 from objckpt.storage.streaming import ReadSink
 from objckpt.storage.urls import scheme_of
 from objckpt.transfer.handle import Handle, bulk_of
-from objckpt.transfer.retries import RetryingStore, open_store
+from objckpt.transfer.retries import RetryingStore, close_store, open_store
 from objckpt.transfer.stats import TransferStats
 
 log = logging.getLogger("objckpt")
@@ -315,8 +315,6 @@ def open_locations(locations: Sequence[Location], options: Options, stats: Trans
         for location in locations:
             opened.append(open_store(location.url, location.storage_options, options, stats))
     except BaseException:
-        from objckpt.transfer.retries import close_store
-
         for store in opened:
             close_store(store)
         raise
@@ -325,32 +323,14 @@ def open_locations(locations: Sequence[Location], options: Options, stats: Trans
 
 def failover_handle(probes: Sequence[Probe], options: Options, stats: TransferStats) -> Handle:
     """The handle a restore reads through: the usable locations nearest first, behind the usual
-    retries, with ``options`` for a failover (:func:`failover_options`).
+    retries.
 
     Requests to one location keep ``options.request_timeout``; the retrying layer and the
-    engine above allow one timeout per location, so a failover within a call is not cut short.
+    engine above allow one timeout per location (and one more), so a failover within a call is
+    not cut short.
     """
     stores = [bulk_of(p.store) for p in probes]
     failover = FailoverStore(
         stores, request_timeout=options.request_timeout, failures_to_leave=options.retry.max_attempts, stats=stats
     )
-    return Handle.of(failover, failover_options(options, len(stores)), stats)
-
-
-def failover_options(options: Options, locations: int) -> Options:
-    """``options`` for the engine above a :class:`FailoverStore` over ``locations`` locations."""
-    return replace(options, request_timeout=options.request_timeout * (locations + 1))
-
-
-__all__ = [
-    "FailoverStore",
-    "Location",
-    "Probe",
-    "as_locations",
-    "choose_locations",
-    "failover_of",
-    "failover_handle",
-    "failover_options",
-    "open_locations",
-    "probing_store",
-]
+    return Handle.of(failover, replace(options, request_timeout=options.request_timeout * (len(stores) + 1)), stats)
