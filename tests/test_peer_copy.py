@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from objckpt.errors import PeerCopyUnavailableError
-from objckpt.peers.transfer import _chunks, _Segments, _spans, default_keeper, exchange_with_peers, keeper_map
+from objckpt.peers.transfer import _chunks, _Segments, default_keeper, exchange_with_peers, keeper_map
 from tests import multiprocess
 
 WORKER = Path(__file__).with_name("peer_copy_worker.py")
@@ -68,10 +68,10 @@ def test_keeper_maps_other_than_one_copy_per_process_are_refused(rule: Any, mess
 
 
 def test_chunks_are_full_then_the_rest() -> None:
-    assert _spans(0, MIB) == []
-    assert _spans(10, MIB) == [(0, 10)]
-    assert _spans(MIB, MIB) == [(0, MIB)]
-    assert _spans(3 * MIB + 5000, MIB) == [(0, MIB), (MIB, MIB), (2 * MIB, MIB), (3 * MIB, 5000)]
+    assert _chunks(0, MIB, []) == []
+    assert _chunks(10, MIB, []) == [[(0, 10)]]
+    assert _chunks(MIB, MIB, []) == [[(0, MIB)]]
+    assert _chunks(3 * MIB + 5000, MIB, []) == [[(0, MIB)], [(MIB, MIB)], [(2 * MIB, MIB)], [(3 * MIB, 5000)]]
 
 
 def test_chunks_are_cut_where_segments_meet_so_no_part_is_joined() -> None:

@@ -2,9 +2,9 @@
 
 After a local save every process sends that step (:func:`payload_of`) to its keeper, which
 writes the files under ``process_<keeper>/peer/process_<owner>/step_<N>/``, the record last
-(:func:`send_to_keepers`). A restore that finds a process's own step missing brings it back the
-other way (:func:`fetch_from_keepers`), restores from the files in memory and writes them into
-the owner's directory afterwards (:func:`keep_received`). Every process calls them together,
+(:meth:`Keepers.send`). A restore that finds a process's own step missing brings it back the
+other way (:meth:`Keepers.fetch`), restores from the files in memory and writes them into
+the owner's directory afterwards (:meth:`Keepers.keep`). Every process calls them together,
 sending an empty payload when it has nothing to send. What arrives is checked before it is kept
 or read: its record as a local step's (:func:`objckpt.locations.local_dirs.check_record`) and
 the manifest it pins; every index object and piece by its crc32c when it is restored.
@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,34 +150,6 @@ def unpack(payload: np.ndarray, where: str, tier: LocalDir, owner: int) -> Recei
     return Received(record, {key: payload[at : at + n] for key, at, n in files})
 
 
-def _write_files(directory: Path, files: Mapping[str, np.ndarray]) -> None:
-    """Write each file of a step into ``directory`` (the record last), synced."""
-    for key in sorted(files, key=lambda k: k == RECORD):
-        path = directory / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(np.ascontiguousarray(files[key]).view(np.uint8).data)
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def keep_received(tier: LocalDir, received: Received) -> None:
-    """Write a step brought back from the keeper into this process's own directory, record last."""
-    check_record(received.objects[RECORD].tobytes(), "peer copy kept", root=tier.url, process_index=tier.process_index)
-    directory = tier.inside(tier.step_dir(received.record.step))
-    tier.inside(directory.parent)
-    tmp = tmp_dir(directory)
-    try:
-        others = {k: v for k, v in received.objects.items() if k != RECORD}
-        _write_files(tmp, others)
-        commit_record(tmp, received.record, tier.key(received.record.save_id))
-        place(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    tier.retain()
-
-
 class _Incoming:
     """A sink writing a received step's files as they arrive into a new directory under ``base``,
     then, once checked, moved into place as a step."""
@@ -271,58 +243,9 @@ class _Incoming:
         raise FormatError(f"peer copy into {self.base}: no file at byte {at}")
 
 
-def send_to_keepers(tier: LocalDir, step: int | None, *, timeout: float, keeper_of: Keeper | None) -> int | None:
-    """Send this process's ``step`` (None or absent: nothing) to its keeper; keep what this process receives.
-
-    Returns the step received from the process this one keeps (None: it sent nothing).
-    """
-    directory = tier.step_dir(step) if step is not None else None
-    try:
-        payload = payload_of(tier, directory) if directory is not None else []
-    except (OSError, FormatError) as e:  # nothing to send: still take part
-        log.warning("objckpt peer copy: step %s of process %d is not sendable: %s", step, tier.process_index, e)
-        payload = []
-    count = tier.process_count
-    keepers = keeper_map(count, keeper_of)
-    owner = keepers.index(tier.process_index)
-    incoming = _Incoming(tier, owner)
-    copy = exchange_with_peers(payload, timeout=timeout, keeper_of=keeper_of, sink=incoming, name="local_tier")
-    record = incoming.finish(copy.nbytes)
-    tier.retain()
-    return record.step if record is not None else None
-
-
-def fetch_from_keepers(
-    tier: LocalDir, step: int, fetch: dict[int, int], *, timeout: float, keeper_of: Keeper | None
-) -> Received | None:
-    """Bring back, from their keepers, the copies of ``step`` that the processes in ``fetch`` lost.
-
-    ``fetch``: ``{owner: keeper}``. Every process calls this; a keeper sends its held copy to
-    its owner, everyone else an empty payload. Returns this process's step, in memory (None:
-    it was sent nothing).
-    """
-    count, here = tier.process_count, tier.process_index
-    keepers = keeper_map(count, keeper_of)
-    owner_of = {k: p for p, k in enumerate(keepers)}
-
-    def back(process: int, n: int) -> int:  # in reverse, a keeper "keeps" its owner
-        return owner_of[process]
-
-    mine = owner_of[here]
-    payload: list[np.ndarray] = []
-    if fetch.get(mine) == here:
-        payload = payload_of(tier, tier.held_dir(mine) / step_dir(step), mine)
-    copy = exchange_with_peers(payload, timeout=timeout, keeper_of=back, name="local_tier_back")
-    if copy.nbytes == 0 or copy.data is None:
-        return None
-    received = unpack(copy.data, f"process {keepers[here]}", tier, here)
-    if received.record.step != step:
-        raise FormatError(f"peer copy from process {keepers[here]}: step {received.record.step}, not {step}")
-    return received
-
-
 class Keepers:
-    """The peer copies of ``tier``'s steps, as :class:`objckpt.locations.tiers.StepLocations` uses them."""
+    """The peer copies of ``tier``'s steps, as :class:`objckpt.locations.tiers.StepLocations` uses
+    them; every process calls :meth:`send` and :meth:`fetch` together."""
 
     def __init__(self, tier: LocalDir, *, timeout: float, keeper_of: Keeper | None) -> None:
         self.tier = tier
@@ -333,11 +256,64 @@ class Keepers:
         return keeper_map(self.tier.process_count, self.keeper_of)
 
     def send(self, step: int | None) -> int | None:
-        """:func:`send_to_keepers` of this process's ``step`` (None: nothing to send)."""
-        return send_to_keepers(self.tier, step, timeout=self.timeout, keeper_of=self.keeper_of)
+        """Send this process's ``step`` (None or absent: nothing) to its keeper; keep what this process
+        receives. Returns the step received from the process this one keeps (None: it sent nothing)."""
+        tier = self.tier
+        try:
+            payload = payload_of(tier, tier.step_dir(step)) if step is not None else []
+        except (OSError, FormatError) as e:  # nothing to send: still take part
+            log.warning("objckpt peer copy: step %s of process %d is not sendable: %s", step, tier.process_index, e)
+            payload = []
+        incoming = _Incoming(tier, self.keepers().index(tier.process_index))
+        copy = exchange_with_peers(
+            payload, timeout=self.timeout, keeper_of=self.keeper_of, sink=incoming, name="local_tier"
+        )
+        record = incoming.finish(copy.nbytes)
+        tier.retain()
+        return record.step if record is not None else None
 
     def fetch(self, step: int, fetch: dict[int, int]) -> Received | None:
-        return fetch_from_keepers(self.tier, step, fetch, timeout=self.timeout, keeper_of=self.keeper_of)
+        """Bring back, from their keepers, the copies of ``step`` that the processes in ``fetch`` lost.
+
+        ``fetch``: ``{owner: keeper}``. A keeper sends its held copy to its owner, every other
+        process an empty payload. Returns this process's step, in memory (None: it was sent nothing).
+        """
+        tier, here, keepers = self.tier, self.tier.process_index, self.keepers()
+        owner_of = {k: p for p, k in enumerate(keepers)}
+
+        def back(process: int, n: int) -> int:  # in reverse, a keeper "keeps" its owner
+            return owner_of[process]
+
+        mine = owner_of[here]
+        payload: list[np.ndarray] = []
+        if fetch.get(mine) == here:
+            payload = payload_of(tier, tier.held_dir(mine) / step_dir(step), mine)
+        copy = exchange_with_peers(payload, timeout=self.timeout, keeper_of=back, name="local_tier_back")
+        if copy.nbytes == 0 or copy.data is None:
+            return None
+        received = unpack(copy.data, f"process {keepers[here]}", tier, here)
+        if received.record.step != step:
+            raise FormatError(f"peer copy from process {keepers[here]}: step {received.record.step}, not {step}")
+        return received
 
     def keep(self, received: Received) -> None:
-        keep_received(self.tier, received)
+        """Write a step brought back from the keeper into this process's own directory, record last."""
+        tier = self.tier
+        check_record(
+            received.objects[RECORD].tobytes(), "peer copy kept", root=tier.url, process_index=tier.process_index
+        )
+        directory = tier.inside(tier.step_dir(received.record.step))
+        tier.inside(directory.parent)
+        tmp = tmp_dir(directory)
+        try:
+            for key, data in received.objects.items():  # the record is written last, sealed anew
+                if key != RECORD:
+                    (tmp / key).parent.mkdir(parents=True, exist_ok=True)
+                    (tmp / key).write_bytes(np.ascontiguousarray(data).view(np.uint8).data)
+            sync_files(tmp)
+            commit_record(tmp, received.record, tier.key(received.record.save_id))
+            place(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        tier.retain()

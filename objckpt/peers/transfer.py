@@ -397,13 +397,9 @@ class _Link:
         self.keys.coordinator.await_value(f"{self.keys.tag}/ack{k}", self.keeper, timeout=self.timeout)
 
 
-def _spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """(offset, size) of every chunk of a payload of ``nbytes``: full ones, then the rest."""
-    return [(off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]
-
-
 def _chunks(nbytes: int, chunk_bytes: int, cuts: Sequence[int]) -> list[list[tuple[int, int]]]:
-    """Every chunk of :func:`_spans` as its parts, (offset, size) each, cut where a segment ends.
+    """Every chunk of a payload of ``nbytes`` (full ones, then the rest) as its parts, (offset,
+    size) each, cut where a segment ends.
 
     A chunk goes as one array per part (``await_pull`` and ``pull`` take lists), so a chunk
     over the end of one file and the start of the next is sent from both as they lie, never
@@ -411,8 +407,8 @@ def _chunks(nbytes: int, chunk_bytes: int, cuts: Sequence[int]) -> list[list[tup
     """
     inside = sorted({c for c in cuts if 0 < c < nbytes})
     out = []
-    for offset, size in _spans(nbytes, chunk_bytes):
-        end = offset + size
+    for offset in range(0, nbytes, chunk_bytes):
+        end = min(offset + chunk_bytes, nbytes)
         bounds = [offset, *(c for c in inside if offset < c < end), end]
         out.append([(a, b - a) for a, b in zip(bounds, bounds[1:])])
     return out
