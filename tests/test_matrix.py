@@ -219,10 +219,8 @@ def build(kind: str, root: str, so: dict[str, Any], tmp: Path) -> Built:
         errors: list[str] = []
         results = run_processes(2, job, timeout=120, stderr=errors)
         assert all(r is not None for r in results), errors
-        import mp_worker
 
-        mp_worker.LEAVES = {name: (tuple(shape), dtype, spec) for name, (shape, dtype, spec) in leaves.items()}
-        state = {"params": {"w": mp_worker.global_value("w"), "b": mp_worker.global_value("b")}}
+        state = _worker_values(leaves)
         return Built(kind, url, root, state, so, shape=lambda t: {"params": t["params"]})
     if kind == "local":
         local = tmp / "local-tier"
@@ -258,6 +256,19 @@ def build(kind: str, root: str, so: dict[str, Any], tmp: Path) -> Built:
     raise ValueError(kind)
 
 
+def _worker_values(leaves: dict[str, Any]) -> dict[str, Any]:
+    """The values tests/mp_worker.py's processes save for ``leaves``, computed here with its
+    ``LEAVES`` set to them only meanwhile (a module global other tests of this process read)."""
+    import mp_worker
+
+    kept = mp_worker.LEAVES
+    mp_worker.LEAVES = {name: (tuple(shape), dtype, spec) for name, (shape, dtype, spec) in leaves.items()}
+    try:
+        return {"params": {"w": mp_worker.global_value("w"), "b": mp_worker.global_value("b")}}
+    finally:
+        mp_worker.LEAVES = kept
+
+
 #: The leaves the peer-copy job saves (tests/mp_worker.py): ``w`` is split over the devices of a
 #: process and replicated over the processes, so each process's part (and so its peer copy) holds
 #: every value and restores whole in this one process.
@@ -268,7 +279,6 @@ def _peer_kind(root: str, so: dict[str, Any], tmp: Path) -> Built:
     """Steps 1 and 2 saved by a 2-process manager with ``local=`` and ``peers=1``; process 1's own
     local step 2 deleted; a new manager restores step 2 on every process, process 1's part from the
     copy process 0 keeps (onto the saved grid and another, bit-exact). That copy is the kind."""
-    import mp_worker
     from multiprocess import run_processes
 
     local = tmp / "peer-tier"
@@ -281,8 +291,7 @@ def _peer_kind(root: str, so: dict[str, Any], tmp: Path) -> Built:
     for r in results:
         assert r is not None and (r["step"], r["tier"]) == (2, "peer"), results
         assert not r["mismatches"] and not r["other_mismatches"], results
-    mp_worker.LEAVES = {name: (tuple(shape), dtype, spec) for name, (shape, dtype, spec) in PEER_LEAVES.items()}
-    state = {"params": {"w": mp_worker.global_value("w"), "b": mp_worker.global_value("b")}}
+    state = _worker_values(PEER_LEAVES)
     copy = local / "process_0" / "peer" / "process_1" / "step_0000000002"
     assert (copy / "manifest.json").is_file(), sorted(str(p) for p in local.rglob("manifest.json"))
     return Built("peer", str(copy), str(local), state, {}, shape=lambda t: {"params": t["params"]})
