@@ -230,8 +230,20 @@ def upload_batch(handle: Handle, pieces: list[OwnedPiece], *, save_id: str, firs
     from ``first`` as :func:`write` numbers a batch, those an earlier run left intact kept; their records,
     which the job's process commits (:attr:`Source.uploaded`)."""
     blobs = plan_blobs(pieces, blob_size=handle.options.blob_size, key=functools.partial(_numbered, save_id, 0, first))
-    present = {o.key: o.size for o in runtime.run_sync(handle.store.list(""))}
+    present = runtime.run_sync(_sizes(handle, [b.key for b in blobs]))  # its own blobs, not a listing per task
     return [r for f in _send(handle, blobs, present, [0], hold_uploads=False) for r in f.result()]
+
+
+async def _sizes(handle: Handle, keys: list[str]) -> dict[str, int]:
+    """The sizes of those of ``keys`` the store holds (a HEAD each, in parallel)."""
+
+    async def size(key: str) -> tuple[str, int | None]:
+        try:
+            return key, (await handle.store.head(key)).size
+        except FileNotFoundError:
+            return key, None
+
+    return {k: n for k, n in await asyncio.gather(*map(size, keys)) if n is not None}
 
 
 def _done(records: list[PieceRecord]) -> concurrent.futures.Future[list[PieceRecord]]:
