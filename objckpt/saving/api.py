@@ -172,10 +172,10 @@ def save_async(
 def _start(
     url: str,
     tree: Any,
-    storage_options: dict[str, Any] | None,
-    options: Options | None,
-    metadata: dict[str, Any] | None,
-    progress: ProgressArg,
+    storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
+    metadata: dict[str, Any] | None = None,
+    progress: ProgressArg = False,
     *,
     hold_uploads: bool,
     base: str | None = None,
@@ -224,7 +224,6 @@ def start_save(url: str, tree: Any, stage: Snapshot, **kwargs: Any) -> SaveHandl
     """:func:`save_async` whose pieces take their bytes from ``stage``, a local snapshot of the same
     ``tree`` (the host stage a manager step due for both the local tier and the store shares: each
     box copied off the devices once); a piece the snapshot lacks is read from its device."""
-    kwargs = {"storage_options": None, "options": None, "metadata": None, "progress": False, **kwargs}
     return _start(url, tree, hold_uploads=True, stage=stage, **kwargs)
 
 
